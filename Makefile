@@ -1,0 +1,42 @@
+# kvhandoff — two commands for a new user: `make demo` and `make test`.
+# Everything installs into .venv; torch comes first, pinned, so pip does not pull a CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-long lint typecheck bench plan clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/kvhandoff demo
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+
+typecheck: lint
+
+test: setup lint
+	$(BIN)/python -m pytest -q -m "not long"
+
+test-long: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/kvhandoff bench
+
+plan: setup
+	$(BIN)/kvhandoff plan
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

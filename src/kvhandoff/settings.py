@@ -1,0 +1,77 @@
+"""One `Settings` for the whole product (server, agents, fault injection).
+
+Rules: built in `main()` / `create_app()` / `TransferAgent(...)`, never at import time; every
+field is settable by a `KVHANDOFF_<FIELD>` environment variable and most by a CLI flag. The
+layout is not a setting: it is a value both sides exchange and hash.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ChecksumMode(str, Enum):
+    """How landed bytes are verified."""
+
+    FULL = "full"
+    SAMPLED = "sampled"
+    OFF = "off"
+
+
+class Settings(BaseSettings):
+    """Settings of a kvhandoff process. Environment variables use the prefix ``KVHANDOFF_``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVHANDOFF_", extra="ignore")
+
+    # --- bootstrap server -------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the bootstrap server binds. Use 0.0.0.0 "
+                      "(with an auth token) for a real deployment.")
+    port: int = Field(8998, ge=0, le=65535, description="Port of the bootstrap server (0 = any free).")
+    auth_token: SecretStr | None = Field(None, description="Bearer token required on every write "
+                                         "route (and sent by agents). Unset = no auth.")
+    rank_ttl_s: float = Field(30.0, gt=0, description="A rank that sends no heartbeat for this "
+                              "long is dropped and readiness falls back to not-ready.")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body the server accepts.")
+    room_retention_s: float = Field(600.0, gt=0, description="How long finished or aborted rooms "
+                                    "stay visible to lookups.")
+    log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+
+    # --- agents -----------------------------------------------------------------------------
+    bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
+                                      "registers with / looks routes up at.")
+    transport: str = Field("ucx", description="Data transport: ucx, tcp or inproc.")
+    require_rdma: bool = Field(False, description="Refuse the tcp transport and a UCX that found "
+                               "only TCP lanes, instead of degrading (readiness fails).")
+    agent_host: str = Field("127.0.0.1", description="Address the agent's control socket binds.")
+    agent_port: int = Field(0, ge=0, le=65535, description="Port of the agent's control socket "
+                            "(0 = any free).")
+    heartbeat_interval_s: float = Field(0.5, gt=0, description="Agent heartbeat to peers; a peer "
+                                        "silent for 2 intervals is dead and its rooms fail.")
+    lease_s: float = Field(10.0, gt=0, description="A room's lease; decode renews it by heartbeat.")
+    bootstrap_timeout_s: float = Field(30.0, gt=0, description="Bound on Bootstrapping.")
+    waiting_timeout_s: float = Field(300.0, gt=0, description="Bound on WaitingForInput (prefill "
+                                     "computing before the first layer).")
+    stall_timeout_s: float = Field(30.0, gt=0, description="A transfer with no progress for this "
+                                   "long fails.")
+    checksum: ChecksumMode = Field(ChecksumMode.FULL, description="full, sampled or off.")
+    chunk_bytes: int = Field(4 << 20, gt=0, description="Largest data message on the transport.")
+    hmac_secret: SecretStr | None = Field(None, description="Shared secret authenticating agent "
+                                          "Hello messages (HMAC-SHA256). Unset = no HMAC.")
+    max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")
+
+    # --- fault injection: TEST ONLY, off by default -----------------------------------------
+    fault_drop_message: str | None = Field(None, description="TEST ONLY: drop outgoing control "
+                                           "messages of this kind (e.g. LayerDone).")
+    fault_delay_message_ms: float = Field(0.0, ge=0, description="TEST ONLY: delay every outgoing "
+                                          "control message by this many ms.")
+    fault_corrupt_layer: int | None = Field(None, description="TEST ONLY: flip one byte of the "
+                                            "first landed span of this layer.")
+    fault_corrupt_times: int = Field(1, ge=0, description="TEST ONLY: how many times the "
+                                     "corruption fires (2 defeats the one retransmit).")
+    fault_stall_layer: int | None = Field(None, description="TEST ONLY: never send this layer.")
+    fault_crash_layer: int | None = Field(None, description="TEST ONLY: the process exits "
+                                          "(os._exit) when this layer is ready.")
+    fault_refuse_heartbeat: bool = Field(False, description="TEST ONLY: send no heartbeats.")
