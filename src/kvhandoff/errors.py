@@ -52,6 +52,42 @@ class BootstrapError(KVHandoffError):
     http_status = 502
 
 
+class BootstrapNotFound(BootstrapError):
+    """Unknown rank, engine or room. For a heartbeat it means: the rank was dropped (TTL, server
+    restart); register again."""
+
+    http_status = 404
+
+
+class BootstrapConflict(BootstrapError):
+    """The request disagrees with what is registered (topology, layout, generation, an aborted
+    room); `diff` lists each differing field with both values."""
+
+    http_status = 409
+
+    def __init__(self, message: str, diff: list[str] | None = None) -> None:
+        self.diff = list(diff or [])
+        super().__init__(message if not self.diff else f"{message}: {'; '.join(self.diff)}")
+
+
+class BootstrapUnavailable(BootstrapError):
+    """Not ready yet (ranks missing, room not bound yet) or unreachable; retry later."""
+
+    http_status = 503
+
+
+class BootstrapUnauthorized(BootstrapError):
+    """A write without the right bearer token."""
+
+    http_status = 401
+
+
+class BootstrapBadRequest(BootstrapError):
+    """The server rejected the request as malformed (400, 413, 422)."""
+
+    http_status = 400
+
+
 class TransportError(KVHandoffError):
     """The data transport failed (connect, send, receive, registration)."""
 
