@@ -1,0 +1,178 @@
+# Span lists and the chunk plan every transport shares.
+#
+# Rules:
+# - A span list is validated once (types, lengths, bounds) and normalised: zero-length spans
+#   dropped, adjacent contiguous spans coalesced. Errors name the field and the index.
+# - The logical byte stream of a span list is cut into chunks of `chunk_bytes` on a fixed grid
+#   (chunk k = stream bytes [k*C, (k+1)*C)). Both sides compute the same grid from their own span
+#   list and the shared chunk size, so chunk k of a send always pairs with chunk k of a receive
+#   even though the two span lists cut the stream differently.
+# - A chunk that lies inside one span is "direct": a zero-copy view of the buffer. Any other
+#   chunk is gathered into (sender) or scattered from (receiver) a staging buffer; all index
+#   math is vectorised, only the per-piece memcpy is a loop.
+from __future__ import annotations
+
+import numpy as np
+
+from kvhandoff.errors import TransportError
+
+from .base import TAG_LIMIT
+
+__all__ = ["ChunkPlan", "check_buffer", "check_tag", "normalise_spans", "paired_pieces"]
+
+
+def check_buffer(name: str, buf: object) -> np.ndarray:
+    """Returns `buf` as a 1-D C-contiguous uint8 numpy array, or raises naming the problem."""
+    if not isinstance(name, str) or not name:
+        raise TransportError(f"register: name must be a non-empty string, got {name!r}")
+    if not isinstance(buf, np.ndarray):
+        raise TransportError(f"register {name!r}: buf must be a numpy.ndarray (pass a CPU tensor "
+                             f"as tensor.numpy()), got {type(buf).__name__}")
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise TransportError(f"register {name!r}: buf must be 1-D uint8, got dtype={buf.dtype} "
+                             f"ndim={buf.ndim}; pass buf.view(np.uint8).reshape(-1)")
+    if not buf.flags.c_contiguous:
+        raise TransportError(f"register {name!r}: buf must be contiguous")
+    return buf
+
+
+def check_tag(tag: int) -> int:
+    """Checks 0 <= tag < 2**40."""
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TransportError(f"tag must be an int, got {type(tag).__name__}")
+    if not 0 <= int(tag) < TAG_LIMIT:
+        raise TransportError(f"tag must be in [0, 2**40), got {tag}")
+    return int(tag)
+
+
+def normalise_spans(offsets: object, nbytes: object, buf_nbytes: int,
+                    what: str = "spans") -> tuple[np.ndarray, np.ndarray]:
+    """Validates a span list against a buffer of `buf_nbytes` bytes; drops empty spans and
+    coalesces adjacent contiguous ones. Returns int64 (offsets, nbytes)."""
+    arrays = []
+    for field, value in (("offsets", offsets), ("nbytes", nbytes)):
+        arr = np.asarray(value)
+        if arr.ndim != 1:
+            raise TransportError(f"{what}: {field} must be a 1-D array, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TransportError(f"{what}: {field} must be an integer array, got {arr.dtype}")
+        arrays.append(arr.astype(np.int64, copy=False))
+    off, nb = arrays
+    if off.shape != nb.shape:
+        raise TransportError(f"{what}: offsets and nbytes must have equal length, got "
+                             f"{off.size} and {nb.size}")
+    if off.size == 0:
+        return off, nb
+    bad = np.flatnonzero(off < 0)
+    if bad.size:
+        raise TransportError(f"{what}: offsets[{bad[0]}]={off[bad[0]]} is negative")
+    bad = np.flatnonzero(nb < 0)
+    if bad.size:
+        raise TransportError(f"{what}: nbytes[{bad[0]}]={nb[bad[0]]} is negative")
+    bad = np.flatnonzero(off + nb > buf_nbytes)
+    if bad.size:
+        i = bad[0]
+        raise TransportError(f"{what}: offsets[{i}]={off[i]} + nbytes[{i}]={nb[i]} exceeds the "
+                             f"registered buffer of {buf_nbytes} bytes")
+    keep = nb > 0
+    if not keep.all():
+        off, nb = off[keep], nb[keep]
+        if off.size == 0:
+            return off, nb
+    new_group = np.empty(off.size, dtype=bool)
+    new_group[0] = True
+    np.not_equal(off[1:], off[:-1] + nb[:-1], out=new_group[1:])
+    if new_group.all():
+        return off, nb
+    heads = np.flatnonzero(new_group)
+    return off[heads], np.add.reduceat(nb, heads)
+
+
+def _split(off: np.ndarray, nb: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                      np.ndarray]:
+    """Splits spans at every stream position in `cuts` (and at their own starts).
+
+    Returns (buffer offsets, lengths, stream positions) of the pieces.
+    """
+    total = int(nb.sum())
+    starts = np.cumsum(nb) - nb
+    inner = cuts[(cuts > 0) & (cuts < total)]
+    bounds = np.union1d(starts, inner)
+    idx = np.searchsorted(starts, bounds, side="right") - 1
+    poff = off[idx] + (bounds - starts[idx])
+    plen = np.diff(np.append(bounds, total))
+    return poff, plen, bounds
+
+
+class ChunkPlan:
+    """The chunk grid of one span list (see module comment)."""
+
+    __slots__ = ("total", "chunk_bytes", "nchunks", "_off", "_len", "_lo")
+
+    def __init__(self, offsets: np.ndarray, nbytes: np.ndarray, chunk_bytes: int) -> None:
+        if chunk_bytes <= 0:
+            raise TransportError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        self.chunk_bytes = int(chunk_bytes)
+        self.total = int(nbytes.sum()) if nbytes.size else 0
+        self.nchunks = -(-self.total // self.chunk_bytes)
+        if self.total == 0:
+            self._off = self._len = self._lo = np.zeros(1, dtype=np.int64)
+            return
+        cuts = np.arange(self.chunk_bytes, self.total, self.chunk_bytes, dtype=np.int64)
+        self._off, self._len, pos = _split(offsets, nbytes, cuts)
+        self._lo = np.searchsorted(pos, np.arange(self.nchunks + 1, dtype=np.int64)
+                                   * self.chunk_bytes, side="left")
+
+    def chunk_len(self, k: int) -> int:
+        """Bytes in chunk k."""
+        return min(self.chunk_bytes, self.total - k * self.chunk_bytes)
+
+    def direct(self, k: int) -> int | None:
+        """Buffer offset of chunk k if it lies inside one span (zero-copy), else None."""
+        lo = self._lo[k]
+        if self._lo[k + 1] - lo == 1:
+            return int(self._off[lo])
+        return None
+
+    def pieces(self, k: int) -> tuple[list[int], list[int]]:
+        """(buffer offsets, lengths) of the pieces of chunk k, in stream order."""
+        lo, hi = self._lo[k], self._lo[k + 1]
+        return self._off[lo:hi].tolist(), self._len[lo:hi].tolist()
+
+    def gather(self, buf: np.ndarray, k: int, out: np.ndarray) -> None:
+        """Copies chunk k of `buf` into out[:chunk_len(k)]."""
+        pos = 0
+        for o, n in zip(*self.pieces(k), strict=True):
+            out[pos:pos + n] = buf[o:o + n]
+            pos += n
+
+    def scatter(self, buf: np.ndarray, k: int, src: np.ndarray | memoryview) -> None:
+        """Copies src[:chunk_len(k)] into the pieces of chunk k of `buf`."""
+        s = np.frombuffer(src, dtype=np.uint8) if isinstance(src, memoryview) else src
+        pos = 0
+        for o, n in zip(*self.pieces(k), strict=True):
+            buf[o:o + n] = s[pos:pos + n]
+            pos += n
+
+    def __repr__(self) -> str:
+        return (f"ChunkPlan(total={self.total}, chunk_bytes={self.chunk_bytes}, "
+                f"nchunks={self.nchunks}, pieces={int(self._lo[-1]) if self.total else 0})")
+
+
+def paired_pieces(src_off: np.ndarray, src_nb: np.ndarray, dst_off: np.ndarray,
+                  dst_nb: np.ndarray, chunk_bytes: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cuts two span lists of equal total at the union of their boundaries and the chunk grid.
+
+    Returns (src offsets, dst offsets, lengths, chunk index) of the pieces: piece i moves
+    src[src_off:src_off+len] to dst[dst_off:dst_off+len]. Used by a direct memcpy transport.
+    """
+    total = int(src_nb.sum()) if src_nb.size else 0
+    empty = np.zeros(0, dtype=np.int64)
+    if total == 0:
+        return empty, empty, empty, empty
+    cuts = np.concatenate([np.cumsum(src_nb), np.cumsum(dst_nb),
+                           np.arange(chunk_bytes, total, chunk_bytes, dtype=np.int64)])
+    so, lens, pos = _split(src_off, src_nb, cuts)
+    do, _, _ = _split(dst_off, dst_nb, cuts)
+    return so, do, lens, pos // chunk_bytes
