@@ -18,6 +18,13 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """kvhandoff: per-layer, checksummed KV-cache handoff from prefill to decode."""
+
+
 _COMMANDS = ("plan", "inspect", "serve", "demo", "bench")
 
 for _name in _COMMANDS:
