@@ -43,7 +43,8 @@ def kv_to_page_indices(kv_indices: npt.ArrayLike, page_size: int) -> IntArray:
     if slots.ndim != 1:
         raise ConfigError(f"kv_indices: expected a 1-D array, got shape {slots.shape}")
     if page_size == 1:
-        return slots.copy()
+        same: IntArray = slots.copy()
+        return same
     first = slots[::page_size]
     if np.any(first % page_size):
         raise ConfigError("kv_indices: a page's first slot is not on a page boundary")
