@@ -1,0 +1,480 @@
+# TCP transport over pyzmq: explicit and loudly degraded (no RDMA; status says so).
+#
+# How it works: each transport binds one ROUTER on settings.agent_host, port 0, and opens one
+# DEALER per connected peer (routing id = this transport's id). A send cuts its stream into the
+# shared chunk grid (_chunks.ChunkPlan) and sends one frame pair per chunk on the DEALER:
+# (b"D" + tag, chunk index, chunk count, total bytes) and the payload, zero-copy (copy=False):
+# a view of the registered buffer when the chunk lies in one span, else a pooled staging buffer
+# it was gathered into. The receiver's ROUTER copies each payload once into the destination
+# (direct or scattered) and answers b"C" (chunk arrived: the sender may reuse that staging
+# buffer and send one more chunk of that op, a per-op window) and, when every chunk of the op
+# landed, b"F" + status, which completes the send. Chunks that arrive before their receive is
+# posted are held (as zmq frames) until it is.
+#
+# Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
+# wake it through a pipe. `_lock` guards the op tables, each op's `finished` flag and every
+# write into destination memory, so an op finishes exactly once and, after cancel() returns,
+# nothing of that tag is written. Callbacks run on a separate CallbackThread, outside the lock.
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import struct
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import zmq
+
+from kvhandoff.errors import TransportError
+
+from ._chunks import ChunkPlan, check_buffer, check_tag, normalise_spans
+from ._worker import CallbackThread
+from .base import OnDone, Transport, TransportStatus
+
+if TYPE_CHECKING:
+    from kvhandoff.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_DATA = struct.Struct("<cQIIQ")  # b"D", tag, chunk index, chunk count, total bytes
+_CREDIT = struct.Struct("<cQI")  # b"C", tag, chunk index
+_FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 reason
+_WINDOW = 8  # chunks of one send op not yet confirmed by the receiver
+_TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
+_POOL_MAX = 16  # free staging buffers kept
+
+
+class _Op:
+    __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
+                 "next_chunk", "inflight", "landed", "staging")
+
+    def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> None:
+        self.peer = peer
+        self.ident = ident
+        self.tag = tag
+        self.is_send = is_send
+        self.buf = buf
+        self.plan = plan
+        self.on_done = on_done
+        self.finished = False
+        self.next_chunk = 0
+        self.inflight = 0
+        self.landed = 0
+        self.staging: dict[int, np.ndarray] = {}
+
+    def __repr__(self) -> str:
+        kind = "send" if self.is_send else "recv"
+        return f"<tcp {kind} peer={self.peer!r} tag={self.tag} {self.plan!r}>"
+
+
+def _split_address(address: bytes) -> tuple[str, bytes]:
+    try:
+        text = address.decode("ascii")
+        endpoint, ident = text.rsplit("/", 1)
+    except (UnicodeDecodeError, ValueError):
+        endpoint, ident = "", ""
+    if not endpoint.startswith("tcp://") or len(ident) != 32:
+        raise TransportError(f"tcp: address {address!r} is not a tcp transport address "
+                             "(tcp://host:port/<id>); both agents must use the same transport")
+    return endpoint, ident.encode("ascii")
+
+
+class TcpTransport(Transport):
+    """pyzmq data transport (see module comment). Always degraded: no RDMA."""
+
+    kind: ClassVar[str] = "tcp"
+
+    def __init__(self, settings: Settings) -> None:
+        if settings.require_rdma:
+            raise TransportError("tcp transport refused: require_rdma is set and TCP has no RDMA;"
+                                 " use transport=ucx on hosts with an RDMA device, or unset "
+                                 "KVHANDOFF_REQUIRE_RDMA to accept the degraded TCP path")
+        self._chunk_bytes = int(settings.chunk_bytes)
+        self._ident = uuid.uuid4().hex.encode("ascii")
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            self._router.bind(f"tcp://{settings.agent_host}:0")
+        except zmq.ZMQError as e:
+            self._router.close()
+            self._ctx.term()
+            raise TransportError(f"tcp: cannot bind agent_host={settings.agent_host!r}: {e}") from e
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")
+
+        self._lock = threading.Lock()
+        self._buffers: dict[str, np.ndarray] = {}
+        self._peers: dict[str, bytes] = {}  # peer id -> address
+        self._ops: dict[tuple[str, int, bool], _Op] = {}
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._closed = False
+        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._callbacks = CallbackThread(f"kvhandoff-tcp-cb-{self._ident[:8].decode()}")
+        # owned by the I/O thread
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._send_index: dict[tuple[str, int], _Op] = {}
+        self._recv_index: dict[tuple[bytes, int], _Op] = {}
+        self._unexpected: dict[tuple[bytes, int], list[tuple[int, int, int, zmq.Frame]]] = {}
+        self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
+            collections.OrderedDict())
+        self._active_sends: list[_Op] = []
+        self._pool: list[np.ndarray] = []
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        arr = check_buffer(name, buf)
+        with self._lock:
+            self._check_open()
+            if name in self._buffers:
+                raise TransportError(f"register: a buffer named {name!r} is already registered")
+            self._buffers[name] = arr
+
+    def connect(self, peer: str, address: bytes) -> None:
+        endpoint, _ = _split_address(address)
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known == address:
+                return
+            if known is not None:
+                raise TransportError(f"connect {peer!r}: already connected at another address; "
+                                     "disconnect first")
+            self._peers[peer] = address
+        self._command("connect", peer, endpoint)
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
+            known = self._peers.pop(peer, None)
+        self._deliver(done)
+        if known is not None:
+            self._command("disconnect", peer, _split_address(known)[1], ops)
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._post(True, peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._post(False, peer, tag, name, offsets, nbytes, on_done)
+
+    def cancel(self, peer: str, tag: int) -> None:
+        tag = check_tag(tag)
+        with self._lock:
+            ops = [op for k in ((peer, tag, True), (peer, tag, False))
+                   if (op := self._ops.get(k)) is not None]
+            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
+        self._deliver(done)
+        if ops:
+            self._command("forget", ops, "peer cancelled")
+
+    def status(self) -> TransportStatus:
+        return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
+                               reason="tcp transport: no RDMA (pyzmq over TCP sockets)",
+                               bytes_sent=self._bytes_sent, bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            done = self._finish_locked(list(self._ops.values()), "tcp transport closed")
+        self._deliver(done)
+        self._command("stop")
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._callbacks.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __repr__(self) -> str:
+        return f"<TcpTransport {self._address.decode()} peers={len(self._peers)}>"
+
+    # ---- helpers (any thread) -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("tcp transport is closed")
+
+    def _post(self, is_send: bool, peer: str, tag: int, name: str, offsets: np.ndarray,
+              nbytes: np.ndarray, on_done: OnDone) -> None:
+        what = "post_send" if is_send else "post_recv"
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError(f"{what}: on_done must be callable")
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"{what}: no buffer registered as {name!r}")
+        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"{what} {name!r}")
+        plan = ChunkPlan(off, nb, self._chunk_bytes)
+        with self._lock:
+            self._check_open()
+            address = self._peers.get(peer)
+            if address is None:
+                raise TransportError(f"{what}: peer {peer!r} is not connected; call connect "
+                                     "first")
+            key = (peer, tag, is_send)
+            if key in self._ops:
+                raise TransportError(f"{what}: tag {tag} with peer {peer!r} is already pending")
+            op = _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
+            if plan.nchunks == 0:  # nothing to move: complete without a message
+                op.finished = True
+                self._callbacks.submit(lambda: on_done(None))
+                return
+            self._ops[key] = op
+        self._command("send" if is_send else "recv", op)
+
+    def _finish_locked(self, ops: list[_Op], reason: str | None
+                       ) -> list[tuple[_Op, BaseException | None]]:
+        out: list[tuple[_Op, BaseException | None]] = []
+        for op in ops:
+            if op.finished:
+                continue
+            op.finished = True
+            self._ops.pop((op.peer, op.tag, op.is_send), None)
+            out.append((op, None if reason is None else TransportError(reason)))
+        return out
+
+    def _deliver(self, done: list[tuple[_Op, BaseException | None]]) -> None:
+        for op, exc in done:
+            on_done = op.on_done
+            self._callbacks.submit(lambda f=on_done, e=exc: f(e))  # type: ignore[misc]
+
+    def _finish(self, op: _Op, reason: str | None) -> bool:
+        with self._lock:
+            done = self._finish_locked([op], reason)
+        self._deliver(done)
+        return bool(done)
+
+    def _command(self, *cmd: Any) -> None:
+        self._commands.append(cmd)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the I/O thread is awake anyway
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        handlers: dict[str, Callable[..., bool]] = {
+            "connect": self._on_connect, "disconnect": self._on_disconnect,
+            "send": self._on_send, "recv": self._on_recv, "forget": self._on_forget,
+        }
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] == "stop":
+                        return
+                    handlers[cmd[0]](poller, *cmd[1:])
+                self._drain_router()
+                for peer, sock in list(self._dealers.items()):
+                    self._drain_dealer(peer, sock)
+                self._pump_sends()
+        except Exception:
+            log.exception("tcp transport I/O thread failed")
+            with self._lock:
+                self._closed = True
+                done = self._finish_locked(list(self._ops.values()),
+                                           "tcp transport I/O thread failed")
+            self._deliver(done)
+        finally:
+            for sock in self._dealers.values():
+                sock.close(linger=0)
+            self._router.close(linger=0)
+            self._ctx.term()
+
+    def _on_connect(self, poller: zmq.Poller, peer: str, endpoint: str) -> bool:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._ident)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._dealers[peer] = sock
+        poller.register(sock, zmq.POLLIN)
+        return True
+
+    def _on_disconnect(self, poller: zmq.Poller, peer: str, ident: bytes, ops: list[_Op]) -> bool:
+        self._on_forget(poller, ops, "peer disconnected")
+        sock = self._dealers.pop(peer, None)
+        if sock is not None:
+            poller.unregister(sock)
+            sock.close(linger=0)
+        for key in [k for k in self._unexpected if k[0] == ident]:
+            del self._unexpected[key]
+        return True
+
+    def _on_forget(self, poller: zmq.Poller, ops: list[_Op], why: str) -> bool:
+        for op in ops:
+            if op.is_send:
+                if self._send_index.get((op.peer, op.tag)) is op:
+                    del self._send_index[(op.peer, op.tag)]
+            elif self._recv_index.get((op.ident, op.tag)) is op:
+                del self._recv_index[(op.ident, op.tag)]
+                self._tombstone(op.ident, op.tag)
+                self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 0),
+                                             why.encode()])
+        return True
+
+    def _tombstone(self, ident: bytes, tag: int) -> None:
+        self._unexpected.pop((ident, tag), None)
+        self._tombstones[(ident, tag)] = None
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _on_send(self, poller: zmq.Poller, op: _Op) -> bool:
+        if op.finished:
+            return True
+        self._send_index[(op.peer, op.tag)] = op
+        self._active_sends.append(op)
+        return True
+
+    def _on_recv(self, poller: zmq.Poller, op: _Op) -> bool:
+        if op.finished:
+            return True
+        key = (op.ident, op.tag)
+        self._tombstones.pop(key, None)
+        self._recv_index[key] = op
+        for k, n, total, frame in self._unexpected.pop(key, []):
+            self._land(op, k, n, total, frame)
+        return True
+
+    def _pump_sends(self) -> None:
+        still: list[_Op] = []
+        for op in self._active_sends:
+            if op.finished:
+                continue
+            sock = self._dealers.get(op.peer)
+            if sock is None:
+                self._finish(op, f"peer {op.peer!r} is not connected")
+                continue
+            plan = op.plan
+            while op.inflight < _WINDOW and op.next_chunk < plan.nchunks:
+                k = op.next_chunk
+                op.next_chunk += 1
+                op.inflight += 1
+                n = plan.chunk_len(k)
+                start = plan.direct(k)
+                if start is not None:
+                    payload = op.buf[start:start + n]
+                else:
+                    stage = self._pool.pop() if self._pool else np.empty(self._chunk_bytes,
+                                                                         np.uint8)
+                    plan.gather(op.buf, k, stage)
+                    op.staging[k] = stage
+                    payload = stage[:n]
+                sock.send_multipart([_DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total),
+                                     memoryview(payload)], copy=False)
+                self._bytes_sent += n
+            if op.next_chunk < plan.nchunks:
+                still.append(op)
+        self._active_sends = still
+
+    def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            head = frames[0]
+            if head[:1] == b"C" and len(head) == _CREDIT.size:
+                _, tag, k = _CREDIT.unpack(head)
+                op = self._send_index.get((peer, tag))
+                if op is not None:
+                    op.inflight -= 1
+                    stage = op.staging.pop(k, None)
+                    if stage is not None and len(self._pool) < _POOL_MAX:
+                        self._pool.append(stage)
+            elif head[:1] == b"F" and len(head) == _FINAL.size:
+                _, tag, ok = _FINAL.unpack(head)
+                op = self._send_index.pop((peer, tag), None)
+                if op is not None:
+                    reason = None if ok else (frames[1].decode("utf-8", "replace")
+                                              if len(frames) > 1 else "receiver failed")
+                    self._finish(op, reason)
+            else:
+                log.warning("tcp: dropping a malformed frame from peer %r", peer)
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1].bytes) != _DATA.size:
+                log.warning("tcp: dropping a malformed message (%d frames)", len(frames))
+                continue
+            ident = frames[0].bytes
+            kind, tag, k, n, total = _DATA.unpack(frames[1].bytes)
+            if kind != b"D":
+                continue
+            self._router.send_multipart([ident, _CREDIT.pack(b"C", tag, k)])
+            key = (ident, tag)
+            op = self._recv_index.get(key)
+            if op is not None:
+                self._land(op, k, n, total, frames[2])
+            elif key not in self._tombstones:
+                self._unexpected.setdefault(key, []).append((k, n, total, frames[2]))
+
+    def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame) -> None:
+        plan = op.plan
+        data = frame.buffer
+        if total != plan.total or n != plan.nchunks or k >= n or len(data) != plan.chunk_len(k):
+            reason = (f"size mismatch on tag {op.tag}: sender has {total} bytes, receiver "
+                      f"expects {plan.total}")
+            self._recv_index.pop((op.ident, op.tag), None)
+            self._tombstone(op.ident, op.tag)
+            self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 0),
+                                         reason.encode()])
+            self._finish(op, reason)
+            return
+        start = plan.direct(k)
+        src = np.frombuffer(data, dtype=np.uint8)
+        with self._lock:
+            if op.finished:
+                return
+            if start is not None:
+                op.buf[start:start + src.size] = src
+            else:
+                plan.scatter(op.buf, k, src)
+            op.landed += 1
+            self._bytes_received += src.size
+            complete = op.landed == plan.nchunks
+        if complete:
+            self._recv_index.pop((op.ident, op.tag), None)
+            self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 1), b""])
+            self._finish(op, None)
+
