@@ -1,0 +1,71 @@
+"""The life cycle of a room (`KVPoll`), sans-IO: states, events, the transition table, deadlines.
+
+Pure: standard library only, no I/O, no clock (the caller passes `now`). Start with
+`transitions.py` (the table and the decided life of a room), then `room.py` (`RoomMachine`:
+guards and deadlines); docs/STATE_MACHINE.md has the diagram and the rules.
+"""
+
+from kvhandoff.state_machine.diagram import diagram_edges, render_dot, render_mermaid
+from kvhandoff.state_machine.events import (
+    Aborted,
+    AllLayersAcked,
+    AllLayersLanded,
+    ChecksumMismatch,
+    Deadline,
+    DeadlineExpired,
+    Event,
+    FailureEvent,
+    KVPoll,
+    LayerLanded,
+    LayerSent,
+    LayoutMismatch,
+    LeaseRenewed,
+    PeerLost,
+    PeerMatched,
+    RemoteFailed,
+    Role,
+    TransferAccepted,
+)
+from kvhandoff.state_machine.room import DeadlineConfig, RoomMachine
+from kvhandoff.state_machine.transitions import (
+    FAILURE_EVENTS,
+    INITIAL,
+    NON_TERMINAL,
+    ROLE_EVENTS,
+    TERMINAL,
+    TRANSITIONS,
+    next_state,
+)
+
+__all__ = [
+    "FAILURE_EVENTS",
+    "INITIAL",
+    "NON_TERMINAL",
+    "ROLE_EVENTS",
+    "TERMINAL",
+    "TRANSITIONS",
+    "Aborted",
+    "AllLayersAcked",
+    "AllLayersLanded",
+    "ChecksumMismatch",
+    "Deadline",
+    "DeadlineConfig",
+    "DeadlineExpired",
+    "Event",
+    "FailureEvent",
+    "KVPoll",
+    "LayerLanded",
+    "LayerSent",
+    "LayoutMismatch",
+    "LeaseRenewed",
+    "PeerLost",
+    "PeerMatched",
+    "RemoteFailed",
+    "Role",
+    "RoomMachine",
+    "TransferAccepted",
+    "diagram_edges",
+    "next_state",
+    "render_dot",
+    "render_mermaid",
+]

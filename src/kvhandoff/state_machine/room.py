@@ -1,0 +1,241 @@
+"""`RoomMachine`: one room on one side, driven by events, holding its deadlines.
+
+Rules:
+- The machine never reads a clock. The caller passes `now` (float seconds from any monotonic
+  source, the same source for the whole life of the machine) with every event; the machine
+  stores *absolute* deadlines computed from the durations in `DeadlineConfig`.
+- The caller asks `next_deadline()` to know when to wake up and `expired(now)` to know what
+  passed, then feeds `DeadlineExpired(which)`. A `DeadlineExpired` for a deadline that is no
+  longer armed, or not yet due at `now` (a timer that raced with progress), is stale: ignored,
+  `apply` returns False.
+- Where a room may go is `TRANSITIONS`' business (see `transitions.py`); this class adds the
+  guards that need memory: TransferAccepted needs PeerMatched first, a layer moves once, a
+  layer outside the expected set (when one was given) is refused, and AllLayers* needs every
+  expected layer. A refused event raises `InvalidTransition` and changes nothing.
+- Terminal states accept nothing: `apply` returns False and the room stays as it was; the first
+  failure's reason is the one kept.
+
+Deadlines, armed and cleared as the state changes:
+    BOOTSTRAP          armed at creation, cleared on leaving Bootstrapping
+    WAITING_FOR_INPUT  armed on entering WaitingForInput, cleared on leaving it
+    TRANSFER_STALL     armed on entering Transferring, re-armed by every LayerSent/LayerLanded
+    LEASE              armed at creation, re-armed by LeaseRenewed
+A terminal state clears them all. A duration of None leaves that deadline unarmed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from kvhandoff.errors import ConfigError, InvalidTransition
+from kvhandoff.state_machine.events import (
+    AllLayersAcked,
+    AllLayersLanded,
+    Deadline,
+    DeadlineExpired,
+    Event,
+    FailureEvent,
+    KVPoll,
+    LayerLanded,
+    LayerSent,
+    LeaseRenewed,
+    PeerMatched,
+    Role,
+    TransferAccepted,
+)
+from kvhandoff.state_machine.transitions import INITIAL, next_state
+
+# The deadline that belongs to each state: armed on entering it, cleared on leaving it.
+_STATE_DEADLINE: dict[KVPoll, Deadline] = {
+    KVPoll.Bootstrapping: Deadline.BOOTSTRAP,
+    KVPoll.WaitingForInput: Deadline.WAITING_FOR_INPUT,
+    KVPoll.Transferring: Deadline.TRANSFER_STALL,
+}
+_ORDER = {d: i for i, d in enumerate(Deadline)}  # ties between equal deadlines: enum order
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineConfig:
+    """How long a room may stay in each phase, in seconds; None means no deadline."""
+
+    bootstrap_s: float | None = None
+    waiting_for_input_s: float | None = None
+    transfer_stall_s: float | None = None
+    lease_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(
+                    f"DeadlineConfig.{f.name} must be a finite number of seconds > 0 or None, "
+                    f"got {value!r}"
+                )
+
+    def duration_s(self, which: Deadline) -> float | None:
+        """The configured duration of deadline `which`."""
+        return {
+            Deadline.BOOTSTRAP: self.bootstrap_s,
+            Deadline.WAITING_FOR_INPUT: self.waiting_for_input_s,
+            Deadline.TRANSFER_STALL: self.transfer_stall_s,
+            Deadline.LEASE: self.lease_s,
+        }[which]
+
+
+class RoomMachine:
+    """The state of one room on one side (prefill or decode), fed events by its owner.
+
+    Args:
+        role: which side this room is on; events of the other side are refused.
+        now: the current time (caller's monotonic clock), to arm the first deadlines.
+        deadlines: the durations of the deadlines; all None (no deadline) by default.
+        layers: the layer ids expected to move, when known; enables the layer guards.
+
+    Example:
+        >>> m = RoomMachine(Role.DECODE, now=0.0, deadlines=DeadlineConfig(bootstrap_s=5))
+        >>> m.next_deadline()
+        (<Deadline.BOOTSTRAP: 'bootstrap'>, 5.0)
+    """
+
+    __slots__ = (
+        "role",
+        "state",
+        "failure",
+        "failure_event",
+        "peer_matched",
+        "_config",
+        "_expected",
+        "_layers",
+        "_deadlines",
+    )
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        now: float,
+        deadlines: DeadlineConfig | None = None,
+        layers: Iterable[int] | None = None,
+    ) -> None:
+        self.role: Role = role
+        self.state: KVPoll = INITIAL
+        self.failure: str | None = None
+        """The reason of the first failure event; None unless the state is Failed."""
+        self.failure_event: FailureEvent | None = None
+        self.peer_matched: bool = False
+        self._config = deadlines if deadlines is not None else DeadlineConfig()
+        self._expected: frozenset[int] | None = None if layers is None else frozenset(layers)
+        self._layers: set[int] = set()
+        self._deadlines: dict[Deadline, float] = {}
+        self._arm(Deadline.BOOTSTRAP, now)
+        self._arm(Deadline.LEASE, now)
+
+    def __repr__(self) -> str:
+        failure = f", failure={self.failure!r}" if self.failure is not None else ""
+        return (
+            f"RoomMachine(role={self.role}, state={self.state.name}, "
+            f"layers={len(self._layers)}{failure})"
+        )
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state.is_terminal
+
+    @property
+    def layers(self) -> frozenset[int]:
+        """The layers sent (prefill) or landed (decode) so far."""
+        return frozenset(self._layers)
+
+    # --- deadlines -----------------------------------------------------------------------
+
+    def deadline(self, which: Deadline) -> float | None:
+        """When deadline `which` is due (absolute, caller's clock), or None if not armed."""
+        return self._deadlines.get(which)
+
+    def next_deadline(self) -> tuple[Deadline, float] | None:
+        """The earliest armed deadline and when it is due, or None if none is armed."""
+        if not self._deadlines:
+            return None
+        which = min(self._deadlines, key=lambda d: (self._deadlines[d], _ORDER[d]))
+        return which, self._deadlines[which]
+
+    def expired(self, now: float) -> list[Deadline]:
+        """The armed deadlines due at `now` (due time <= now), earliest first."""
+        due = [d for d, when in self._deadlines.items() if when <= now]
+        return sorted(due, key=lambda d: (self._deadlines[d], _ORDER[d]))
+
+    def _arm(self, which: Deadline, now: float) -> None:
+        duration = self._config.duration_s(which)
+        if duration is not None:
+            self._deadlines[which] = now + duration
+
+    # --- events --------------------------------------------------------------------------
+
+    def apply(self, event: Event, now: float) -> bool:
+        """Feed `event`, which happened at `now`.
+
+        Returns:
+            Whether anything changed (state, layers, deadlines, peer). False for any event in
+            a terminal state (ignored), a stale `DeadlineExpired`, a repeated `PeerMatched`,
+            or a `LeaseRenewed` when no lease is configured.
+
+        Raises:
+            InvalidTransition: the event is not allowed now; the machine is unchanged.
+        """
+        if self.state.is_terminal:
+            return False
+        if isinstance(event, DeadlineExpired):
+            when = self._deadlines.get(event.which)
+            if when is None or when > now:
+                return False
+        old = self.state
+        new = next_state(old, event, role=self.role)
+        self._check_guards(event)
+
+        changed = new != old
+        if isinstance(event, PeerMatched):
+            changed = not self.peer_matched
+            self.peer_matched = True
+        elif isinstance(event, LayerSent | LayerLanded):
+            self._layers.add(event.layer)
+            self._arm(Deadline.TRANSFER_STALL, now)
+            changed = True
+        elif isinstance(event, LeaseRenewed):
+            changed = self._config.lease_s is not None
+            self._arm(Deadline.LEASE, now)
+        elif isinstance(event, FailureEvent):
+            self.failure = event.reason
+            self.failure_event = event
+
+        if new != old:
+            self.state = new
+            if new.is_terminal:
+                self._deadlines.clear()
+            else:
+                self._deadlines.pop(_STATE_DEADLINE[old], None)
+                self._arm(_STATE_DEADLINE[new], now)
+        return changed
+
+    def _check_guards(self, event: Event) -> None:
+        if isinstance(event, TransferAccepted) and not self.peer_matched:
+            raise InvalidTransition(
+                "TransferAccepted before PeerMatched: a TransferRequest needs the peer's Hello "
+                "first; feed PeerMatched when the handshake completes"
+            )
+        if isinstance(event, LayerSent | LayerLanded):
+            verb = "sent" if isinstance(event, LayerSent) else "landed"
+            if event.layer in self._layers:
+                raise InvalidTransition(f"layer {event.layer} already {verb} in this room")
+            if self._expected is not None and event.layer not in self._expected:
+                raise InvalidTransition(
+                    f"layer {event.layer} is not one of this room's layers {sorted(self._expected)}"
+                )
+        if isinstance(event, AllLayersAcked | AllLayersLanded) and self._expected is not None:
+            missing = sorted(self._expected - self._layers)
+            if missing:
+                raise InvalidTransition(
+                    f"{type(event).__name__} with layers {missing} not yet "
+                    f"{'sent' if self.role is Role.PREFILL else 'landed'}"
+                )
