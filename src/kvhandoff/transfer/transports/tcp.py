@@ -397,7 +397,7 @@ class TcpTransport(Transport):
                     op.staging[k] = stage
                     payload = stage[:n]
                 sock.send_multipart([_DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total),
-                                     memoryview(payload)], copy=False)
+                                     payload.data], copy=False)
                 self._bytes_sent += n
             if op.next_chunk < plan.nchunks:
                 still.append(op)
