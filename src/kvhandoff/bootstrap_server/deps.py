@@ -1,0 +1,73 @@
+"""Dependencies shared by the routers: the app's state, settings, registry, metrics and the
+write-route bearer-token check.
+
+Rules: everything a route needs comes through `Depends` from `app.state.kvhandoff` (set by
+`create_app`), never from a module global, so several apps can live in one process. The token
+check fails closed and compares in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from kvhandoff.bootstrap_server.metrics import Metrics
+from kvhandoff.bootstrap_server.registry import Registry
+from kvhandoff.errors import BootstrapUnauthorized
+from kvhandoff.settings import Settings
+
+
+@dataclass(slots=True)
+class ServerState:
+    settings: Settings
+    registry: Registry
+    metrics: Metrics
+    clock: Callable[[], float]
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.kvhandoff
+    return state
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]
+
+
+def get_registry(state: StateDep) -> Registry:
+    return state.registry
+
+
+def get_settings(state: StateDep) -> Settings:
+    return state.settings
+
+
+def get_metrics(state: StateDep) -> Metrics:
+    return state.metrics
+
+
+RegistryDep = Annotated[Registry, Depends(get_registry)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+def require_write_token(request: Request, settings: SettingsDep) -> None:
+    """When `settings.auth_token` is set, a write needs ``Authorization: Bearer <token>``."""
+    if settings.auth_token is None:
+        return
+    expected = settings.auth_token.get_secret_value().encode()
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise BootstrapUnauthorized(
+            "Authorization: this write route needs 'Authorization: Bearer <token>' "
+            "(KVHANDOFF_AUTH_TOKEN)"
+        )
+    if not hmac.compare_digest(given.strip().encode(), expected):
+        raise BootstrapUnauthorized("Authorization: bearer token does not match")
+
+
+WriteAuth = Depends(require_write_token)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one app, in its own `CollectorRegistry` (several apps in one process —
+tests, the demo — must not collide in the global one).
+
+Counters of the registry (registrations, rooms, ...) are read from `Registry.stats` at scrape
+time by a custom collector, so they cannot drift from the state; request latency and route
+lookup outcomes are recorded by the HTTP layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvhandoff.bootstrap_server.registry import Registry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_PREFIX = "kvhandoff_bootstrap_"
+
+
+class _RegistryCollector(Collector):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._registry.stats
+        counters = {
+            "registrations": ("Unique rank identities registered.", st.registrations),
+            "re_registrations": ("Registrations that replaced an identity.", st.re_registrations),
+            "deregistrations": ("Ranks that deregistered.", st.deregistrations),
+            "ranks_expired": ("Ranks dropped after missing heartbeats.", st.ranks_expired),
+            "conflicts": ("Registrations refused for topology/layout.", st.conflicts),
+            "rooms_allocated": ("Room ids allocated.", st.rooms_allocated),
+            "rooms_bound": ("Rooms bound to a prefill dp rank.", st.rooms_bound),
+            "rooms_aborted": ("Rooms aborted.", st.rooms_aborted),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(_PREFIX + name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily(_PREFIX + "ranks_live", "Ranks registered and live.")
+        g.add_metric([], self._registry.live_rank_count())
+        yield g
+        g = GaugeMetricFamily(_PREFIX + "rooms_live", "Rooms known to the server.")
+        g.add_metric([], self._registry.live_room_count())
+        yield g
+        g = GaugeMetricFamily(_PREFIX + "ranks_missing", "Expected ranks not live.")
+        g.add_metric([], len(self._registry.missing()))
+        yield g
+
+
+class Metrics:
+    """The metrics of one app."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.collector_registry = CollectorRegistry(auto_describe=True)
+        self.collector_registry.register(_RegistryCollector(registry))
+        self.route_lookups = Counter(
+            _PREFIX + "route_lookups",
+            "Route lookups by API (native, sglang) and outcome.",
+            ["api", "outcome"],
+            registry=self.collector_registry,
+        )
+        self.requests = Counter(
+            _PREFIX + "requests",
+            "HTTP requests by method, route template and status.",
+            ["method", "route", "status"],
+            registry=self.collector_registry,
+        )
+        self.latency = Histogram(
+            _PREFIX + "request_seconds",
+            "HTTP request latency by method and route template.",
+            ["method", "route"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.collector_registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.collector_registry)

@@ -1,0 +1,627 @@
+"""The bootstrap server's state: engines, ranks and rooms — pure, no HTTP, clock injected.
+
+Rules:
+- A rank's identity is ``(engine_id, dp_rank, cp_rank, tp_rank, pp_rank)``. Registering the same
+  identity again replaces the record (new generation, address, ...) and is counted once.
+- An engine's topology (role, dp/tp/cp/pp sizes) and layout hash are fixed by its first
+  registrant; a later registrant that disagrees is refused with `BootstrapConflict` carrying
+  the differing fields. When an engine has no live rank left, the next registrant sets them
+  afresh (a redeploy with another topology must not need a server restart).
+- A rank is live while ``now - last_seen <= rank_ttl_s``; expired ranks are dropped lazily on
+  each call (``_expire``), so a heartbeat from a dropped rank gets `BootstrapNotFound` and the
+  agent registers again. Ranks registered with ``expires=False`` (SGLang's, which never
+  heartbeat) stay until deregistered.
+- Rooms are random 63-bit ids, never reused while the room is known. A room is forgotten
+  ``room_retention_s`` after its last change (allocation, bind or abort); an abort is kept with
+  its reason so a later lookup says why.
+- Time comes from the injected ``clock`` (seconds, monotonic); randomness from the injected
+  ``randbits``. All methods are synchronous and run to completion: the server calls them from
+  its one event loop, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
+from kvhandoff.errors import (
+    BootstrapConflict,
+    BootstrapNotFound,
+    BootstrapUnavailable,
+    ConfigError,
+)
+from kvhandoff.kv_layout import LayoutSpec, layout_diff
+from kvhandoff.state_machine.events import Role
+
+ROOM_BITS = 63
+MAX_ROOMS_PER_CALL = 4096
+MAX_LIVE_ROOMS = 1_000_000
+
+
+class RoomState(enum.Enum):
+    """Where a room stands as far as the bootstrap server knows."""
+
+    ALLOCATED = "allocated"
+    BOUND = "bound"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RankKey:
+    """The unique identity of a rank."""
+
+    engine_id: str
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+    pp_rank: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.engine_id}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Parallel sizes of an engine."""
+
+    dp_size: int
+    tp_size: int
+    cp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size * self.cp_size * self.pp_size
+
+    def keys(self, engine_id: str) -> Iterator[RankKey]:
+        for dp in range(self.dp_size):
+            for cp in range(self.cp_size):
+                for tp in range(self.tp_size):
+                    for pp in range(self.pp_size):
+                        yield RankKey(engine_id, dp, cp, tp, pp)
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """One registered rank (what the server keeps and the route lookup returns)."""
+
+    key: RankKey
+    role: Role
+    topology: Topology
+    agent_address: str
+    generation: str
+    layout_hash: str
+    transport: str
+    registered_at: float
+    last_seen: float
+    expires: bool = True
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    """An engine: fixed by its first registrant."""
+
+    engine_id: str
+    role: Role
+    topology: Topology
+    layout_hash: str
+    layout: Mapping[str, Any]
+    # compared like the topology, e.g. SGLang's page_size and kv_cache_dtype
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RoomRecord:
+    """A room: allocated, bound to a prefill dp rank, or aborted (with why)."""
+
+    room: int
+    state: RoomState
+    engine_id: str | None
+    dp_rank: int | None
+    abort_reason: str | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What a rank asks to register (built by the HTTP layer from a validated body)."""
+
+    key: RankKey
+    role: Role
+    topology: Topology
+    agent_address: str
+    generation: str
+    layout_hash: str
+    layout: Mapping[str, Any]
+    transport: str
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    expires: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTarget:
+    """The answer of a route lookup: the engine, its dp rank and the ranks to talk to."""
+
+    engine_id: str
+    dp_rank: int
+    topology: Topology
+    ranks: tuple[RankRecord, ...]
+
+
+@dataclass(slots=True)
+class Stats:
+    """Monotonic counters (read by the metrics collector)."""
+
+    registrations: int = 0  # unique identities added (a re-registration is not counted)
+    re_registrations: int = 0
+    deregistrations: int = 0
+    ranks_expired: int = 0
+    conflicts: int = 0
+    rooms_allocated: int = 0
+    rooms_bound: int = 0
+    rooms_aborted: int = 0
+    rooms_forgotten: int = 0
+
+
+def _default_randbits(bits: int) -> int:
+    return secrets.randbits(bits)
+
+
+class Registry:
+    """Engines, ranks and rooms of one bootstrap server (see the module rules)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        rank_ttl_s: float,
+        room_retention_s: float,
+        randbits: Callable[[int], int] = _default_randbits,
+    ) -> None:
+        if rank_ttl_s <= 0 or room_retention_s <= 0:
+            raise ConfigError("rank_ttl_s and room_retention_s must be > 0")
+        self._clock = clock
+        self._ttl_s = rank_ttl_s
+        self._retention_s = room_retention_s
+        self._randbits = randbits
+        self._engines: dict[str, EngineRecord] = {}
+        # ordered by last_seen (a heartbeat moves a rank to the end): expiry pops from the front
+        self._ranks: OrderedDict[RankKey, RankRecord] = OrderedDict()
+        self._immortal: dict[RankKey, RankRecord] = {}
+        # ordered by updated_at, same reason
+        self._rooms: OrderedDict[int, RoomRecord] = OrderedDict()
+        self.stats = Stats()
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        now = self._clock()
+        self._expire(now)
+        return now
+
+    def _expire(self, now: float) -> None:
+        while self._ranks:
+            key, rec = next(iter(self._ranks.items()))
+            if now - rec.last_seen <= self._ttl_s:
+                break
+            del self._ranks[key]
+            self.stats.ranks_expired += 1
+        while self._rooms:
+            room, rr = next(iter(self._rooms.items()))
+            if now - rr.updated_at <= self._retention_s:
+                break
+            del self._rooms[room]
+            self.stats.rooms_forgotten += 1
+
+    # -- ranks --------------------------------------------------------------------------------
+
+    def _rank(self, key: RankKey) -> RankRecord | None:
+        return self._ranks.get(key) or self._immortal.get(key)
+
+    def _live_ranks_of(self, engine_id: str) -> list[RankRecord]:
+        out = [r for r in self._ranks.values() if r.key.engine_id == engine_id]
+        out += [r for r in self._immortal.values() if r.key.engine_id == engine_id]
+        return out
+
+    def register(self, reg: Registration) -> tuple[RankRecord, bool]:
+        """Add or replace a rank. Returns ``(record, replaced)``.
+
+        Raises:
+            ConfigError: a rank is outside its size.
+            BootstrapConflict: topology, role, layout hash or attributes disagree with the
+                engine's first registrant (``diff`` names each field).
+        """
+        now = self._now()
+        _check_key_in_topology(reg.key, reg.topology)
+        engine = self._engines.get(reg.key.engine_id)
+        if engine is not None and not self._live_ranks_of(engine.engine_id):
+            engine = None  # nobody left: the next registrant defines the engine afresh
+        if engine is not None:
+            diff = _engine_diff(engine, reg)
+            if diff:
+                self.stats.conflicts += 1
+                raise BootstrapConflict(
+                    f"rank {reg.key} disagrees with the first registrant of engine "
+                    f"{engine.engine_id!r}",
+                    diff,
+                )
+        else:
+            engine = EngineRecord(
+                engine_id=reg.key.engine_id,
+                role=reg.role,
+                topology=reg.topology,
+                layout_hash=reg.layout_hash,
+                layout=dict(reg.layout),
+                attributes=dict(reg.attributes),
+            )
+            self._engines[engine.engine_id] = engine
+        old = self._ranks.pop(reg.key, None) or self._immortal.pop(reg.key, None)
+        rec = RankRecord(
+            key=reg.key,
+            role=reg.role,
+            topology=reg.topology,
+            agent_address=reg.agent_address,
+            generation=reg.generation,
+            layout_hash=reg.layout_hash,
+            transport=reg.transport,
+            registered_at=now,
+            last_seen=now,
+            expires=reg.expires,
+        )
+        if reg.expires:
+            self._ranks[reg.key] = rec
+        else:
+            self._immortal[reg.key] = rec
+        if old is None:
+            self.stats.registrations += 1
+        else:
+            self.stats.re_registrations += 1
+        return rec, old is not None
+
+    def heartbeat(self, key: RankKey, generation: str | None = None) -> RankRecord:
+        """Mark a rank alive.
+
+        Raises:
+            BootstrapNotFound: the rank is not registered (or was dropped): register again.
+            BootstrapConflict: ``generation`` is not the registered one (a newer process
+                replaced this rank).
+        """
+        now = self._now()
+        rec = self._rank(key)
+        if rec is None:
+            raise BootstrapNotFound(
+                f"rank {key} is not registered (never, deregistered, or dropped after "
+                f"{self._ttl_s:g} s without heartbeat): register it again"
+            )
+        _check_generation(rec, generation)
+        rec.last_seen = now
+        if rec.expires:
+            self._ranks.move_to_end(key)
+        return rec
+
+    def deregister(self, key: RankKey, generation: str | None = None) -> RankRecord:
+        """Remove a rank; the engine goes too when it was its last rank.
+
+        Raises:
+            BootstrapNotFound: unknown rank.
+            BootstrapConflict: ``generation`` is not the registered one.
+        """
+        self._now()
+        rec = self._rank(key)
+        if rec is None:
+            raise BootstrapNotFound(f"rank {key} is not registered")
+        _check_generation(rec, generation)
+        self._ranks.pop(key, None)
+        self._immortal.pop(key, None)
+        self.stats.deregistrations += 1
+        if not self._live_ranks_of(key.engine_id):
+            del self._engines[key.engine_id]
+        return rec
+
+    def engine(self, engine_id: str) -> EngineRecord:
+        """An engine record. Raises `BootstrapNotFound`."""
+        self._now()
+        try:
+            return self._engines[engine_id]
+        except KeyError:
+            raise BootstrapNotFound(
+                f"engine {engine_id!r} is not registered "
+                f"(known: {', '.join(sorted(self._engines)) or 'none'})"
+            ) from None
+
+    def engines(self) -> list[EngineRecord]:
+        self._now()
+        return [self._engines[k] for k in sorted(self._engines)]
+
+    def ranks_of(self, engine_id: str) -> list[RankRecord]:
+        """Live ranks of an engine, in identity order."""
+        self._now()
+        return sorted(self._live_ranks_of(engine_id), key=lambda r: r.key)
+
+    def rank(self, key: RankKey) -> RankRecord:
+        """A live rank. Raises `BootstrapNotFound`."""
+        self._now()
+        rec = self._rank(key)
+        if rec is None:
+            raise BootstrapNotFound(f"rank {key} is not registered")
+        return rec
+
+    def missing(self, engine_id: str | None = None) -> list[RankKey]:
+        """Expected ranks (dp x cp x tp x pp of each engine) with no live registration."""
+        self._now()
+        out = []
+        for eid in sorted(self._engines) if engine_id is None else [engine_id]:
+            eng = self._engines.get(eid)
+            if eng is None:
+                continue
+            out += [k for k in eng.topology.keys(eid) if self._rank(k) is None]
+        return out
+
+    def live_rank_count(self) -> int:
+        self._now()
+        return len(self._ranks) + len(self._immortal)
+
+    def all_ranks(self) -> list[RankRecord]:
+        self._now()
+        return sorted([*self._ranks.values(), *self._immortal.values()], key=lambda r: r.key)
+
+    # -- rooms --------------------------------------------------------------------------------
+
+    def allocate_rooms(self, count: int) -> list[int]:
+        """``count`` new random 63-bit room ids, none equal to a room still known.
+
+        Raises:
+            ConfigError: count outside 1..MAX_ROOMS_PER_CALL.
+            BootstrapUnavailable: the server already holds MAX_LIVE_ROOMS rooms.
+        """
+        if not 1 <= count <= MAX_ROOMS_PER_CALL:
+            raise ConfigError(f"count: expected 1..{MAX_ROOMS_PER_CALL}, got {count}")
+        now = self._now()
+        if len(self._rooms) + count > MAX_LIVE_ROOMS:
+            raise BootstrapUnavailable(
+                f"rooms: {len(self._rooms)} rooms are live (limit {MAX_LIVE_ROOMS}); retry later"
+            )
+        out: list[int] = []
+        while len(out) < count:
+            room = self._randbits(ROOM_BITS)
+            if room == 0 or room in self._rooms:
+                continue  # 0 is reserved (falsy ids are a classic bug); collisions are redrawn
+            self._rooms[room] = RoomRecord(room, RoomState.ALLOCATED, None, None, None, now, now)
+            out.append(room)
+        self.stats.rooms_allocated += count
+        return out
+
+    def bind_room(
+        self, room: int, engine_id: str, dp_rank: int, *, rebind: bool = False
+    ) -> RoomRecord:
+        """Bind a room to a prefill engine's dp rank. A room not allocated here (SGLang's rooms
+        are chosen by its router) is created. Binding again to the same place is a no-op.
+
+        Raises:
+            ConfigError: room id out of range, or dp_rank outside the engine's dp_size.
+            BootstrapNotFound: unknown engine (unless ``rebind``: SGLang binds before it may
+                have registered).
+            BootstrapConflict: the room is aborted, or bound elsewhere and not ``rebind``.
+        """
+        _check_room_id(room)
+        now = self._now()
+        eng = self._engines.get(engine_id)
+        if eng is None and not rebind:
+            raise BootstrapNotFound(f"engine {engine_id!r} is not registered")
+        if eng is not None:
+            if eng.role is not Role.PREFILL:
+                raise BootstrapConflict(
+                    f"engine {engine_id!r} is a {eng.role.value} engine; rooms bind to prefill"
+                )
+            if not 0 <= dp_rank < eng.topology.dp_size:
+                raise ConfigError(
+                    f"dp_rank: expected 0 <= dp_rank < dp_size={eng.topology.dp_size} of "
+                    f"engine {engine_id!r}, got {dp_rank}"
+                )
+        rr = self._rooms.get(room)
+        if rr is not None and rr.state is RoomState.ABORTED:
+            raise BootstrapConflict(f"room {room} was aborted: {rr.abort_reason}")
+        if rr is not None and rr.state is RoomState.BOUND and not rebind:
+            if (rr.engine_id, rr.dp_rank) == (engine_id, dp_rank):
+                return rr
+            raise BootstrapConflict(
+                f"room {room} is already bound",
+                [f"engine_id: bound={rr.engine_id!r} incoming={engine_id!r}",
+                 f"dp_rank: bound={rr.dp_rank} incoming={dp_rank}"],
+            )
+        if rr is None:
+            rr = RoomRecord(room, RoomState.BOUND, engine_id, dp_rank, None, now, now)
+            self._rooms[room] = rr
+        else:
+            rr.state, rr.engine_id, rr.dp_rank, rr.updated_at = (
+                RoomState.BOUND, engine_id, dp_rank, now)
+            self._rooms.move_to_end(room)
+        self.stats.rooms_bound += 1
+        return rr
+
+    def abort_room(self, room: int, reason: str) -> RoomRecord:
+        """Record that a room was aborted (an unknown room is recorded too, so a late lookup by
+        the other side still learns why). Aborting twice keeps the first reason."""
+        _check_room_id(room)
+        now = self._now()
+        rr = self._rooms.get(room)
+        if rr is not None and rr.state is RoomState.ABORTED:
+            return rr
+        if rr is None:
+            rr = RoomRecord(room, RoomState.ABORTED, None, None, reason, now, now)
+            self._rooms[room] = rr
+        else:
+            rr.state, rr.abort_reason, rr.updated_at = RoomState.ABORTED, reason, now
+            self._rooms.move_to_end(room)
+        self.stats.rooms_aborted += 1
+        return rr
+
+    def room(self, room: int) -> RoomRecord:
+        """A known room. Raises `BootstrapNotFound` (never allocated, or forgotten)."""
+        _check_room_id(room)
+        self._now()
+        rr = self._rooms.get(room)
+        if rr is None:
+            raise BootstrapNotFound(
+                f"room {room} is not known (never allocated or bound here, or forgotten "
+                f"{self._retention_s:g} s after its last change)"
+            )
+        return rr
+
+    def find_room(self, room: int) -> RoomRecord | None:
+        """A known room or None (no error: for batch lookups)."""
+        self._now()
+        return self._rooms.get(room)
+
+    def live_room_count(self) -> int:
+        self._now()
+        return len(self._rooms)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def prefill_engine_ids(self) -> list[str]:
+        self._now()
+        return sorted(e for e, r in self._engines.items() if r.role is Role.PREFILL)
+
+    def route(
+        self,
+        *,
+        engine_id: str | None,
+        room: int | None,
+        dp_rank: int | None,
+        tp_rank: int,
+        tp_size: int,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        replicated: bool = False,
+    ) -> RouteTarget:
+        """The prefill ranks a decode rank must talk to (TP/CP/PP mapping in `mapping`).
+
+        The prefill engine and dp rank come from the room's binding when ``room`` is given,
+        else from ``engine_id`` (optional when exactly one prefill engine is registered) and
+        ``dp_rank``.
+
+        Raises:
+            ConfigError: missing/contradicting inputs, sizes that cannot map.
+            BootstrapNotFound: unknown room or engine.
+            BootstrapConflict: the room was aborted (the message says why) or is bound to
+                another engine than ``engine_id``.
+            BootstrapUnavailable: the room is not bound yet, or a needed rank is not live.
+        """
+        if room is not None:
+            rr = self.room(room)
+            if rr.state is RoomState.ABORTED:
+                raise BootstrapConflict(f"room {room} was aborted: {rr.abort_reason}")
+            if rr.state is not RoomState.BOUND or rr.engine_id is None or rr.dp_rank is None:
+                raise BootstrapUnavailable(
+                    f"room {room} is not bound to a prefill dp rank yet; retry"
+                )
+            if engine_id is not None and engine_id != rr.engine_id:
+                raise BootstrapConflict(
+                    f"room {room} is bound to engine {rr.engine_id!r}, not {engine_id!r}"
+                )
+            if dp_rank is not None and dp_rank != rr.dp_rank:
+                raise BootstrapConflict(
+                    f"room {room} is bound to dp_rank {rr.dp_rank}, not {dp_rank}"
+                )
+            engine_id, dp_rank = rr.engine_id, rr.dp_rank
+        else:
+            self._now()
+        if engine_id is None:
+            prefill = self.prefill_engine_ids()
+            if len(prefill) != 1:
+                raise ConfigError(
+                    "engine_id: required when the server knows "
+                    f"{len(prefill)} prefill engines ({', '.join(prefill) or 'none'})"
+                )
+            engine_id = prefill[0]
+        if dp_rank is None:
+            raise ConfigError("dp_rank: give a room or a dp_rank")
+        eng = self.engine(engine_id)
+        if eng.role is not Role.PREFILL:
+            raise ConfigError(f"engine_id: {engine_id!r} is a {eng.role.value} engine")
+        topo = eng.topology
+        if not 0 <= dp_rank < topo.dp_size:
+            raise ConfigError(
+                f"dp_rank: expected 0 <= dp_rank < {topo.dp_size} (dp_size of {engine_id!r}), "
+                f"got {dp_rank}"
+            )
+        tps = prefill_tp_ranks(tp_rank, tp_size, topo.tp_size, replicated=replicated)
+        cps = prefill_axis_ranks("cp", cp_rank, cp_size, topo.cp_size)
+        pps = prefill_axis_ranks("pp", pp_rank, pp_size, topo.pp_size)
+        keys = [RankKey(engine_id, dp_rank, c, t, p) for c in cps for t in tps for p in pps]
+        found = [self._rank(k) for k in keys]
+        missing = [str(k) for k, r in zip(keys, found, strict=True) if r is None]
+        if missing:
+            raise BootstrapUnavailable(f"prefill ranks not registered yet: {', '.join(missing)}")
+        return RouteTarget(engine_id, dp_rank, topo, tuple(r for r in found if r is not None))
+
+
+def _check_key_in_topology(key: RankKey, topo: Topology) -> None:
+    for name, rank, size in (
+        ("dp", key.dp_rank, topo.dp_size),
+        ("cp", key.cp_rank, topo.cp_size),
+        ("tp", key.tp_rank, topo.tp_size),
+        ("pp", key.pp_rank, topo.pp_size),
+    ):
+        if size < 1:
+            raise ConfigError(f"{name}_size: expected >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise ConfigError(
+                f"{name}_rank: expected 0 <= {name}_rank < {name}_size={size}, got {rank}"
+            )
+
+
+def _check_room_id(room: int) -> None:
+    # 0 is never allocated here but SGLang's router may pick it, so it is a valid id
+    if not 0 <= room < (1 << ROOM_BITS):
+        raise ConfigError(f"room: expected 0 <= room < 2**{ROOM_BITS}, got {room}")
+
+
+def _check_generation(rec: RankRecord, generation: str | None) -> None:
+    if generation is not None and generation != rec.generation:
+        raise BootstrapConflict(
+            f"rank {rec.key} is registered by another process generation",
+            [f"generation: registered={rec.generation!r} incoming={generation!r}"],
+        )
+
+
+def _engine_diff(engine: EngineRecord, reg: Registration) -> list[str]:
+    out: list[str] = []
+
+    def cmp(name: str, have: object, got: object) -> None:
+        if have != got:
+            out.append(f"{name}: registered={have!r} incoming={got!r}")
+
+    cmp("role", engine.role.value, reg.role.value)
+    for size in ("dp_size", "tp_size", "cp_size", "pp_size"):
+        cmp(size, getattr(engine.topology, size), getattr(reg.topology, size))
+    for k in sorted(set(engine.attributes) | set(reg.attributes)):
+        cmp(k, engine.attributes.get(k), reg.attributes.get(k))
+    if engine.layout_hash != reg.layout_hash:
+        out.append(f"layout_hash: registered={engine.layout_hash} incoming={reg.layout_hash}")
+        out += _layout_diff_lines(engine.layout, reg.layout)
+    return out
+
+
+def _layout_diff_lines(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """`layout_diff` between two layout dicts; empty when either is not a full layout."""
+    if not a or not b:
+        return []
+    try:
+        return layout_diff(
+            LayoutSpec.from_dict(dict(a)), LayoutSpec.from_dict(dict(b)),
+            names=("registered", "incoming"),
+        )
+    except ConfigError:
+        return []

@@ -1,0 +1,1 @@
+"""One APIRouter per resource: ranks, engines, rooms, route, health, sglang."""
