@@ -1,0 +1,662 @@
+# UCX transport through ucxx's low-level API (ucxx._lib.libucxx), driven by one I/O thread.
+#
+# How it works:
+# - One UCP context + worker per transport, in blocking-progress mode; the worker address is
+#   this transport's address. Endpoints are created from peers' worker addresses with UCX error
+#   handling OFF (that enables the shared-memory lanes, sysv/posix + cma, between processes of
+#   one host; the agent's heartbeats detect dead peers).
+# - A send cuts its stream into the shared chunk grid (_chunks.ChunkPlan); chunk k goes as one
+#   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
+#   or directions. A chunk inside one span is sent straight from the registered buffer; other
+#   chunks are gathered into pooled staging buffers. At most _WINDOW chunks per op are in flight.
+# - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
+#   empty mask, remove=True), looks the tag up among posted receives and receives the message
+#   with its handle straight into destination memory (or a staging buffer + scatter). Messages
+#   for receives not yet posted keep their handle until they are; messages of cancelled receives
+#   are received into a scratch buffer and dropped, so the sender's op still completes.
+#   Probing is what makes cancel exact: ucxx exposes no per-request cancel, but a message that
+#   was not yet received is simply never received into user memory.
+# - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
+#   commands and wake it with a pipe polled together with the worker's epoll fd.
+#
+# Rules: `_lock` guards the op tables, each op's `finished` flag and every scatter into user
+# memory. cancel() of a receive waits (bounded by settings.stall_timeout_s) for direct receives
+# already in flight into its memory, so after it returns nothing of that tag writes there.
+# Callbacks run on a separate CallbackThread, outside the lock.
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import xxhash
+
+from kvhandoff.errors import TransportError
+
+from ._chunks import ChunkPlan, check_buffer, check_tag, normalise_spans
+from ._worker import CallbackThread
+from .base import OnDone, Transport, TransportStatus
+
+if TYPE_CHECKING:
+    from kvhandoff.settings import Settings
+
+# Tuning measured on this machine (DESIGN.md §5); the user's own values win.
+os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+
+import ucxx  # noqa: E402  (loads libucx and sets ucxx's env defaults)
+from ucxx._lib import libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+UCXX_VERSION = ucxx.__version__
+_WINDOW = 8  # chunks of one send op in flight
+_POOL_MAX = 16  # free staging buffers kept
+_DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
+_CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
+# resources that cannot cross hosts or are not networks; anything else but tcp counts as RDMA
+_LOCAL_TLS = {"self", "sysv", "posix", "cma", "xpmem", "knem"}
+
+
+def _tag_base(sender: bytes, tag: int) -> int:
+    return xxhash.xxh3_64_intdigest(sender + tag.to_bytes(8, "little")) & ~((1 << _CHUNK_BITS) - 1)
+
+
+class _Op:
+    __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "base",
+                 "next_chunk", "inflight", "direct_inflight", "landed")
+
+    def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
+                 on_done: OnDone, base: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.is_send = is_send
+        self.buf = buf
+        self.plan = plan
+        self.on_done = on_done
+        self.finished = False
+        self.base = base
+        self.next_chunk = 0
+        self.inflight = 0
+        self.direct_inflight = 0  # receives in flight straight into user memory
+        self.landed = 0
+
+    def __repr__(self) -> str:
+        kind = "send" if self.is_send else "recv"
+        return f"<ucx {kind} peer={self.peer!r} tag={self.tag} {self.plan!r}>"
+
+
+class _Inflight:
+    __slots__ = ("req", "op", "k", "stage", "direct")
+
+    def __init__(self, req: Any, op: _Op | None, k: int, stage: np.ndarray | None,
+                 direct: bool) -> None:
+        self.req = req
+        self.op = op
+        self.k = k
+        self.stage = stage
+        self.direct = direct
+
+
+def _resources(context_info: str) -> list[str]:
+    """Transport/device names ('tcp/eth0', 'cma/memory', …) from ucp_context_print_info."""
+    out = []
+    for line in context_info.splitlines():
+        if "resource" in line and "flags" in line:
+            name = line.rsplit(" ", 1)[-1].strip()
+            if "/" in name:
+                out.append(name)
+    return out
+
+
+def _ep_lanes(ep: Any) -> tuple[str, ...]:
+    """Lanes UCX chose for an endpoint ('sysv/memory:am', 'cma/memory:rma_bw#0'), read from
+    ucp_ep_print_info through ctypes (ucxx does not expose it). Empty if unavailable."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {p for p in f.read().split() if "/libucp.so" in p}
+        if not paths:
+            return ()
+        ucp = ctypes.CDLL(sorted(paths)[0])
+        libc = ctypes.CDLL(None)
+        libc.tmpfile.restype = ctypes.c_void_p
+        libc.fflush.argtypes = [ctypes.c_void_p]
+        libc.rewind.argtypes = [ctypes.c_void_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.fread.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                               ctypes.c_void_p]
+        libc.fread.restype = ctypes.c_size_t
+        ucp.ucp_ep_print_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fp = libc.tmpfile()
+        if not fp:
+            return ()
+        try:
+            ucp.ucp_ep_print_info(ctypes.c_void_p(ep.handle), fp)
+            libc.fflush(fp)
+            libc.rewind(fp)
+            raw = ctypes.create_string_buffer(1 << 16)
+            n = libc.fread(raw, 1, (1 << 16) - 1, fp)
+        finally:
+            libc.fclose(fp)
+        text = raw.raw[:n].decode("utf-8", "replace")
+    except (OSError, AttributeError, ValueError):
+        return ()
+    lanes = []
+    for line in text.splitlines():
+        if "lane[" in line and "->" in line:
+            left, right = line.split("->", 1)
+            tl = left.split()[2] if len(left.split()) > 2 else "?"
+            tl = tl.split(":", 1)[-1].rsplit(".", 1)[0]  # '3:sysv/memory.0' -> 'sysv/memory'
+            role = right.split()[-1] if right.split() else "?"
+            lanes.append(f"{tl}:{role}")
+    return tuple(lanes)
+
+
+def _tcp_only(lanes: tuple[str, ...]) -> bool:
+    return bool(lanes) and all(lane.startswith("tcp/") for lane in lanes)
+
+
+class UcxTransport(Transport):
+    """UCX data transport over ucxx's low-level API (see module comment)."""
+
+    kind: ClassVar[str] = "ucx"
+
+    def __init__(self, settings: Settings) -> None:
+        self._chunk_bytes = int(settings.chunk_bytes)
+        if self._chunk_bytes >= (1 << 31):
+            raise TransportError("ucx: chunk_bytes must be < 2 GiB")
+        self._require_rdma = bool(settings.require_rdma)
+        self._cancel_bound_s = float(settings.stall_timeout_s)
+        try:
+            self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,
+                                                          ucx_api.Feature.WAKEUP))
+            self._worker = ucx_api.UCXWorker(self._ctx)
+            self._worker.init_blocking_progress_mode()
+            self._address = bytes(self._worker.address.tobytes())
+            self._epoll_fd = int(self._worker.epoll_file_descriptor)
+        except ucx_api.UCXError as e:
+            raise TransportError(f"ucx: cannot create a UCP context/worker: {e}") from e
+        self._resources = _resources(self._ctx.info)
+        self._rdma = [r for r in self._resources
+                      if r.split("/")[0] not in _LOCAL_TLS and not r.startswith("tcp/")]
+        self._tls_config = os.environ.get("UCX_TLS", "all")
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._buffers: dict[str, np.ndarray] = {}
+        self._peers: dict[str, bytes] = {}
+        self._peer_lanes: dict[str, tuple[str, ...]] = {}
+        self._ops: dict[tuple[str, int, bool], _Op] = {}
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._closed = False
+        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._callbacks = CallbackThread("kvhandoff-ucx-cb")
+        # owned by the I/O thread
+        self._eps: dict[str, Any] = {}
+        self._expect: dict[int, tuple[_Op, int]] = {}  # UCX tag -> (recv op, chunk)
+        self._unexpected: dict[int, Any] = {}  # UCX tag -> probe result (message handle)
+        self._discard: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._inflight: list[_Inflight] = []
+        self._active_sends: list[_Op] = []
+        self._pool: list[np.ndarray] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvhandoff-ucx-io")
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        arr = check_buffer(name, buf)
+        with self._lock:
+            self._check_open()
+            if name in self._buffers:
+                raise TransportError(f"register: a buffer named {name!r} is already registered")
+            self._buffers[name] = arr
+
+    def connect(self, peer: str, address: bytes) -> None:
+        if not isinstance(address, bytes) or not address:
+            raise TransportError(f"connect {peer!r}: address must be non-empty bytes")
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known == address:
+                return
+            if known is not None:
+                raise TransportError(f"connect {peer!r}: already connected at another address; "
+                                     "disconnect first")
+        result: list[BaseException | tuple[str, ...]] = []
+        done = threading.Event()
+        self._command("connect", peer, address, result, done)
+        if not done.wait(self._cancel_bound_s):
+            raise TransportError(f"connect {peer!r}: the UCX I/O thread did not answer within "
+                                 f"{self._cancel_bound_s} s")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        lanes = result[0]
+        if self._require_rdma and (_tcp_only(lanes) or not self._rdma):
+            self._command("disconnect", peer, [])
+            raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
+                                 f"lane (lanes: {', '.join(lanes) or 'unknown'}; resources: "
+                                 f"{', '.join(self._resources)}); fix the fabric or unset "
+                                 "KVHANDOFF_REQUIRE_RDMA")
+        with self._lock:
+            self._peers[peer] = address
+            self._peer_lanes[peer] = lanes
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
+            self._peers.pop(peer, None)
+            self._peer_lanes.pop(peer, None)
+        self._deliver(done)
+        self._command("disconnect", peer, ops)
+        self._wait_direct(ops, "disconnect")
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._post(True, peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._post(False, peer, tag, name, offsets, nbytes, on_done)
+
+    def cancel(self, peer: str, tag: int) -> None:
+        tag = check_tag(tag)
+        with self._lock:
+            ops = [op for k in ((peer, tag, True), (peer, tag, False))
+                   if (op := self._ops.get(k)) is not None]
+            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
+        self._deliver(done)
+        if ops:
+            self._command("forget", ops)
+            self._wait_direct(ops, "cancel")
+
+    def status(self) -> TransportStatus:
+        with self._lock:
+            per_peer = dict(self._peer_lanes)
+        lanes = tuple(sorted({lane for ls in per_peer.values() for lane in ls}))
+        tcp_peers = sorted(p for p, ls in per_peer.items() if _tcp_only(ls))
+        if tcp_peers:
+            degraded = True
+            why = f"ucx: only TCP lanes to peer(s) {', '.join(tcp_peers)}"
+        elif not per_peer:
+            degraded = not any(not r.startswith(("tcp/", "self/")) for r in self._resources)
+            why = "ucx: no peer connected yet"
+        else:
+            degraded = False
+            why = "ucx: shared-memory/RDMA lanes to every peer"
+        rdma = (f"RDMA devices: {', '.join(self._rdma)}" if self._rdma else
+                "no RDMA device found: peers on other hosts would use TCP")
+        reason = (f"{why}; {rdma}; UCX_TLS={self._tls_config}; resources: "
+                  f"{', '.join(self._resources)}")
+        return TransportStatus(kind=self.kind, lanes=lanes or tuple(self._resources),
+                               degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
+                               bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = list(self._ops.values())
+            done = self._finish_locked(ops, "ucx transport closed")
+        self._deliver(done)
+        self._command("stop")
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._callbacks.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __repr__(self) -> str:
+        return f"<UcxTransport peers={len(self._peers)} lanes={self.status().lanes}>"
+
+    # ---- helpers (any thread) -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("ucx transport is closed")
+
+    def _post(self, is_send: bool, peer: str, tag: int, name: str, offsets: np.ndarray,
+              nbytes: np.ndarray, on_done: OnDone) -> None:
+        what = "post_send" if is_send else "post_recv"
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError(f"{what}: on_done must be callable")
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"{what}: no buffer registered as {name!r}")
+        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"{what} {name!r}")
+        plan = ChunkPlan(off, nb, self._chunk_bytes)
+        if plan.nchunks >= (1 << _CHUNK_BITS):
+            raise TransportError(f"{what}: {plan.total} bytes make {plan.nchunks} chunks, more "
+                                 f"than 2**{_CHUNK_BITS}; raise chunk_bytes")
+        with self._lock:
+            self._check_open()
+            address = self._peers.get(peer)
+            if address is None:
+                raise TransportError(f"{what}: peer {peer!r} is not connected; call connect "
+                                     "first")
+            key = (peer, tag, is_send)
+            if key in self._ops:
+                raise TransportError(f"{what}: tag {tag} with peer {peer!r} is already pending")
+            base = _tag_base(self._address if is_send else address, tag)
+            op = _Op(peer, tag, is_send, buf, plan, on_done, base)
+            if plan.nchunks == 0:  # nothing to move: complete without a message
+                op.finished = True
+                self._callbacks.submit(lambda: on_done(None))
+                return
+            self._ops[key] = op
+        self._command("send" if is_send else "recv", op)
+
+    def _finish_locked(self, ops: list[_Op], reason: str | None
+                       ) -> list[tuple[_Op, BaseException | None]]:
+        out: list[tuple[_Op, BaseException | None]] = []
+        for op in ops:
+            if op.finished:
+                continue
+            op.finished = True
+            self._ops.pop((op.peer, op.tag, op.is_send), None)
+            out.append((op, None if reason is None else TransportError(reason)))
+        return out
+
+    def _deliver(self, done: list[tuple[_Op, BaseException | None]]) -> None:
+        for op, exc in done:
+            on_done = op.on_done
+            self._callbacks.submit(lambda f=on_done, e=exc: f(e))  # type: ignore[misc]
+
+    def _finish(self, op: _Op, reason: str | None) -> None:
+        with self._lock:
+            done = self._finish_locked([op], reason)
+        self._deliver(done)
+
+    def _wait_direct(self, ops: list[_Op], what: str) -> None:
+        """Waits until no receive of `ops` is in flight straight into user memory."""
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + self._cancel_bound_s
+        with self._cond:
+            while any(op.direct_inflight for op in ops):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed and not self._thread.is_alive():
+                    busy = sum(op.direct_inflight for op in ops)
+                    raise TransportError(f"{what}: {busy} UCX receive(s) still in flight into "
+                                         f"user memory after {self._cancel_bound_s} s (peer "
+                                         "stalled?); that memory may still be written")
+                self._cond.wait(left)
+
+    def _command(self, *cmd: Any) -> None:
+        self._commands.append(cmd)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the I/O thread is awake anyway
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        handlers: dict[str, Callable[..., None]] = {
+            "connect": self._on_connect, "disconnect": self._on_disconnect,
+            "send": self._on_send, "recv": self._on_recv, "forget": self._on_forget,
+        }
+        worker = self._worker
+        try:
+            while True:
+                busy = False
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] == "stop":
+                        return
+                    handlers[cmd[0]](*cmd[1:])
+                    busy = True
+                worker.progress()
+                busy |= self._probe()
+                busy |= self._reap()
+                busy |= self._pump_sends()
+                if busy or self._commands:
+                    continue
+                if worker.arm():
+                    ready, _, _ = select.select([self._epoll_fd, self._wake_r], [], [])
+                    if self._wake_r in ready:
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except BlockingIOError:
+                            pass
+        except Exception:
+            log.exception("ucx transport I/O thread failed")
+            with self._lock:
+                self._closed = True
+                done = self._finish_locked(list(self._ops.values()),
+                                           "ucx transport I/O thread failed")
+            self._deliver(done)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            for item in self._inflight:
+                if item.op is not None and item.direct:
+                    item.op.direct_inflight = 0
+            self._cond.notify_all()
+        try:
+            self._worker.cancel_inflight_requests()
+        except ucx_api.UCXError:
+            pass
+        for ep in self._eps.values():
+            try:
+                ep.close()
+            except ucx_api.UCXError:
+                pass
+        self._eps.clear()
+        self._unexpected.clear()
+        self._inflight.clear()
+
+    def _on_connect(self, peer: str, address: bytes, result: list[object],
+                    done: threading.Event) -> None:
+        try:
+            ep = self._eps.get(peer)
+            if ep is None:
+                ep = ucx_api.UCXEndpoint.create_from_worker_address(
+                    self._worker, ucx_api.UCXAddress.create_from_buffer(address), False)
+                self._eps[peer] = ep
+            result.append(_ep_lanes(ep))
+        except Exception as e:
+            result.append(TransportError(f"connect {peer!r}: UCX cannot create an endpoint "
+                                         f"from that address: {e}"))
+        done.set()
+
+    def _on_disconnect(self, peer: str, ops: list[_Op]) -> None:
+        self._on_forget(ops)
+        ep = self._eps.pop(peer, None)
+        if ep is not None:
+            try:
+                ep.close()
+            except ucx_api.UCXError:
+                pass
+
+    def _on_forget(self, ops: list[_Op]) -> None:
+        for op in ops:
+            if op.is_send:
+                continue
+            for k in range(op.plan.nchunks):
+                t = op.base ^ k
+                if self._expect.get(t, (None,))[0] is op:
+                    del self._expect[t]
+                    probe = self._unexpected.pop(t, None)
+                    if probe is not None:
+                        self._drop(probe)
+                    else:
+                        self._discard[t] = None
+        while len(self._discard) > _DISCARD_MAX:
+            self._discard.popitem(last=False)
+
+    def _on_send(self, op: _Op) -> None:
+        if not op.finished:
+            self._active_sends.append(op)
+
+    def _on_recv(self, op: _Op) -> None:
+        if op.finished:
+            return
+        for k in range(op.plan.nchunks):
+            t = op.base ^ k
+            self._discard.pop(t, None)
+            probe = self._unexpected.pop(t, None)
+            if probe is None:
+                self._expect[t] = (op, k)
+            else:
+                self._start_recv(op, k, probe)
+
+    def _stage(self) -> np.ndarray:
+        return self._pool.pop() if self._pool else np.empty(self._chunk_bytes, np.uint8)
+
+    def _drop(self, probe: Any) -> None:
+        scratch = np.empty(max(int(probe.length), 1), np.uint8)
+        req = self._worker.tag_recv_with_handle(Array(scratch[:probe.length]), probe)
+        self._inflight.append(_Inflight(req, None, 0, scratch, False))
+
+    def _probe(self) -> bool:
+        found = False
+        worker = self._worker
+        while True:
+            probe = worker.tag_probe(ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), True)
+            if not probe.matched:
+                return found
+            found = True
+            t = int(probe.sender_tag.value)
+            entry = self._expect.pop(t, None)
+            if entry is not None:
+                self._start_recv(entry[0], entry[1], probe)
+            elif t in self._discard:
+                del self._discard[t]
+                self._drop(probe)
+            else:
+                self._unexpected[t] = probe
+
+    def _start_recv(self, op: _Op, k: int, probe: Any) -> None:
+        plan = op.plan
+        n = plan.chunk_len(k)
+        if int(probe.length) != n:
+            self._drop(probe)
+            self._on_forget([op])
+            self._finish(op, f"size mismatch on tag {op.tag} chunk {k}: sender's message has "
+                             f"{int(probe.length)} bytes, the receive expects {n} (send and "
+                             "receive totals must agree)")
+            return
+        start = plan.direct(k)
+        if start is not None:
+            with self._lock:
+                if op.finished:  # cancelled since the probe: receive into scratch instead
+                    self._drop(probe)
+                    return
+                op.direct_inflight += 1
+            view = op.buf[start:start + n]
+            req = self._worker.tag_recv_with_handle(Array(view), probe)
+            self._inflight.append(_Inflight(req, op, k, None, True))
+        else:
+            stage = self._stage()
+            req = self._worker.tag_recv_with_handle(Array(stage[:n]), probe)
+            self._inflight.append(_Inflight(req, op, k, stage, False))
+
+    def _reap(self) -> bool:
+        if not self._inflight:
+            return False
+        still: list[_Inflight] = []
+        done_any = False
+        for item in self._inflight:
+            if not item.req.completed:
+                still.append(item)
+                continue
+            done_any = True
+            self._complete(item)
+        self._inflight = still
+        return done_any
+
+    def _complete(self, item: _Inflight) -> None:
+        op = item.op
+        err: str | None = None
+        try:
+            item.req.check_error()
+        except Exception as e:
+            err = f"UCX {'send' if op is not None and op.is_send else 'receive'} failed: {e}"
+        if op is None:  # a dropped message
+            return
+        n = op.plan.chunk_len(item.k)
+        finished_now = False
+        if op.is_send:
+            op.inflight -= 1
+            if err is None and not op.finished:
+                self._bytes_sent += n
+                op.landed += 1
+                finished_now = op.landed == op.plan.nchunks
+        else:
+            with self._cond:
+                if item.direct:
+                    op.direct_inflight -= 1
+                    if op.finished:
+                        self._cond.notify_all()
+                if err is None and not op.finished:
+                    if item.stage is not None:
+                        op.plan.scatter(op.buf, item.k, item.stage)
+                    self._bytes_received += n
+                    op.landed += 1
+                    finished_now = op.landed == op.plan.nchunks
+        if item.stage is not None and item.op is not None and len(self._pool) < _POOL_MAX \
+                and item.stage.size == self._chunk_bytes:
+            self._pool.append(item.stage)
+        if err is not None:
+            if not op.is_send:
+                self._on_forget([op])
+            self._finish(op, err)
+        elif finished_now:
+            self._finish(op, None)
+
+    def _pump_sends(self) -> bool:
+        if not self._active_sends:
+            return False
+        sent = False
+        still: list[_Op] = []
+        for op in self._active_sends:
+            if op.finished:
+                continue
+            ep = self._eps.get(op.peer)
+            if ep is None:
+                self._finish(op, f"peer {op.peer!r} is not connected")
+                continue
+            plan = op.plan
+            while op.inflight < _WINDOW and op.next_chunk < plan.nchunks:
+                k = op.next_chunk
+                op.next_chunk += 1
+                op.inflight += 1
+                n = plan.chunk_len(k)
+                start = plan.direct(k)
+                stage = None
+                if start is not None:
+                    view = op.buf[start:start + n]
+                else:
+                    stage = self._stage()
+                    plan.gather(op.buf, k, stage)
+                    view = stage[:n]
+                req = ep.tag_send(Array(view), ucx_api.UCXXTag(op.base ^ k))
+                self._inflight.append(_Inflight(req, op, k, stage, False))
+                sent = True
+            if op.next_chunk < plan.nchunks:
+                still.append(op)
+        self._active_sends = still
+        return sent
