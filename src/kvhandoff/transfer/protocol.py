@@ -1,0 +1,185 @@
+"""The control protocol between transfer agents: versioned msgpack structs, never pickle.
+
+Rules:
+- A message on the wire is two ZMQ frames: a 4-byte header ``b"KVH" + version`` and a msgpack
+  body, a msgspec tagged union (field ``kind``). The header is checked before the body is
+  decoded, so a peer of another protocol version gets a `Reject` naming both versions instead of
+  a confusing decode error.
+- `decode` raises `ProtocolError` for anything unexpected (truncated, oversized, unknown kind,
+  wrong field types); the agent answers with `Reject` and keeps serving.
+- Every message names its sender (`src`, the sender's control address) and the sender's
+  `gen` (a nonce per process start), so a restarted peer's stale messages are recognised.
+- Rooms are 63-bit ids chosen by the bootstrap server / router; data tags use a small per-decode
+  `xfer` id instead (see `data_tag`), because transport tags are limited to 40 bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgspec
+
+from kvhandoff.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+HEADER = b"KVH" + bytes([PROTOCOL_VERSION])
+
+XFER_BITS = 24
+LAYER_BITS = 10
+REGION_BITS = 4
+ATTEMPT_BITS = 2
+
+
+def data_tag(xfer: int, layer: int, region: int, attempt: int) -> int:
+    """The transport tag of one (transfer, layer, region, attempt); < 2**40."""
+    if not (0 <= layer < 1 << LAYER_BITS and 0 <= region < 1 << REGION_BITS
+            and 0 <= attempt < 1 << ATTEMPT_BITS):
+        raise ProtocolError(f"data tag out of range: layer={layer} region={region} "
+                            f"attempt={attempt}")
+    x = xfer % (1 << XFER_BITS)
+    return (((x << LAYER_BITS | layer) << REGION_BITS | region) << ATTEMPT_BITS) | attempt
+
+
+class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=False, frozen=True):
+    src: str  # the sender's control address (host:port)
+    gen: int  # the sender's generation (a nonce per process start)
+
+
+class BufferDesc(msgspec.Struct, frozen=True):
+    region: str
+    layer: int
+    nbytes: int
+
+
+class Hello(_Msg, tag="hello", frozen=True):
+    agent_id: str
+    role: str
+    transport: str
+    transport_address: bytes
+    layout: dict[str, object]
+    layout_hash: str
+    buffers: list[BufferDesc]
+    mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"" when a shared secret is set
+
+
+class HelloAck(Hello, tag="hello_ack", frozen=True):
+    pass
+
+
+class HelloReject(_Msg, tag="hello_reject", frozen=True):
+    reason: str
+    diff: list[str] = []
+
+
+class TransferRequest(_Msg, tag="transfer_request", frozen=True):
+    room: int
+    xfer: int
+    peer_gen: int  # the prefill generation this request is for
+    seq_len: int
+    decode_prefix_len: int  # page-aligned down by the sender of the request
+    page_size: int
+    dst_pages: dict[str, list[int]]  # per region; suffix-only regions list suffix pages only
+    lease_s: float
+
+
+class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
+    room: int
+    page_size: int
+    src_pages: dict[str, list[int]]  # per region, same convention as dst_pages
+
+
+class Failed(_Msg, tag="failed", frozen=True):
+    room: int
+    reason: str
+
+
+class RegionDone(msgspec.Struct, frozen=True):
+    region: str
+    nbytes: int
+    checksum: int | None  # xxh3-64; None when checksums are off or the layer is not sampled
+
+
+class LayerInfo(msgspec.Struct, frozen=True):
+    layer: int
+    attempt: int
+    regions: list[RegionDone]
+
+
+class LayerDone(_Msg, tag="layer_done", frozen=True):
+    room: int
+    layers: list[LayerInfo]  # several layers in one message when they finish together
+
+
+class LayerNack(_Msg, tag="layer_nack", frozen=True):
+    room: int
+    layer: int
+    attempt: int  # the attempt that failed verification
+    reason: str
+
+
+class RoomAck(_Msg, tag="room_ack", frozen=True):
+    room: int
+
+
+class Abort(_Msg, tag="abort", frozen=True):
+    room: int
+    reason: str
+
+
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
+    room: int
+
+
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
+    rooms: list[int]  # rooms with the receiver of this heartbeat: renews their leases
+
+
+class Reject(_Msg, tag="reject", frozen=True):
+    reason: str
+
+
+Message = (
+    Hello | HelloAck | HelloReject | TransferRequest | TransferAccepted | Failed | LayerDone
+    | LayerNack | RoomAck | Abort | AbortAck | Heartbeat | Reject
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The two frames of `msg`."""
+    return [HEADER, _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes], *, max_bytes: int) -> Message:
+    """The message in `frames`; `ProtocolError` for anything else."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (header, body), got {len(frames)}")
+    header, body = bytes(frames[0]), frames[1]
+    if len(header) != 4 or header[:3] != b"KVH":
+        raise ProtocolError(f"not a kvhandoff message (header {header[:8]!r})")
+    if header[3] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {header[3]} not supported (this agent speaks {PROTOCOL_VERSION})"
+        )
+    if len(body) > max_bytes:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return _DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed message: {e}") from e
+
+
+def sign_hello(msg: Hello, secret: bytes) -> Hello:
+    """`msg` with its `mac` set (HMAC-SHA256 over the body with an empty mac)."""
+    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    return msgspec.structs.replace(msg, mac=hmac.new(secret, body, hashlib.sha256).digest())
+
+
+def verify_hello(msg: Hello, secret: bytes) -> bool:
+    """Whether `msg.mac` authenticates it with `secret` (constant-time compare)."""
+    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    want = hmac.new(secret, body, hashlib.sha256).digest()
+    return hmac.compare_digest(want, msg.mac)

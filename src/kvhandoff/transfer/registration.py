@@ -1,0 +1,106 @@
+"""The agent's side of the bootstrap server: register + heartbeat (prefill), route lookup
+(decode). Runs on its own thread so HTTP never blocks the control loop or the engine.
+
+A prefill agent re-registers by itself when the server forgets it (a heartbeat answered 404,
+e.g. after the server restarted), so readiness comes back without operator action.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvhandoff.errors import BootstrapError, BootstrapNotFound, KVHandoffError
+
+if TYPE_CHECKING:
+    from kvhandoff.transfer.agent import TransferAgent
+
+log = logging.getLogger("kvhandoff.agent")
+
+
+def _client(agent: TransferAgent, url: str):  # type: ignore[no-untyped-def]
+    from kvhandoff.bootstrap_server.client import BootstrapClient
+
+    if "://" not in url:
+        url = f"http://{url}"
+    token = agent.settings.auth_token
+    return BootstrapClient(url, token=token.get_secret_value() if token else None,
+                           total_wait_s=agent.settings.bootstrap_timeout_s)
+
+
+class Registration:
+    """Keeps a prefill agent registered with `settings.bootstrap_url`."""
+
+    def __init__(self, agent: TransferAgent) -> None:
+        self._agent = agent
+        assert agent.settings.bootstrap_url
+        self._client = _client(agent, agent.settings.bootstrap_url)
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvh-register-{agent.agent_id}")
+        self._thread.start()
+
+    def _ident(self) -> dict[str, object]:
+        a = self._agent
+        return {"engine_id": a.engine_id, "dp_rank": a.dp_rank, "tp_rank": a.tp_rank}
+
+    def _register(self) -> None:
+        a = self._agent
+        a_status = a.transport.status()
+        self._client.register_rank(
+            role="prefill", agent_address=a.address, generation=str(a.generation),
+            layout=a.layout, layout_hash=a.layout_hash, dp_size=a.dp_size, tp_size=a.tp_size,
+            transport=a_status.kind, **self._ident())  # type: ignore[arg-type]
+        self.registered.set()
+        self.error = None
+
+    def _run(self) -> None:
+        interval = max(0.05, self._agent.settings.rank_ttl_s / 3)
+        need_register = True
+        while not self._stop.is_set():
+            try:
+                if need_register:
+                    self._register()
+                    need_register = False
+                else:
+                    self._client.heartbeat(generation=str(self._agent.generation),
+                                           **self._ident())  # type: ignore[arg-type]
+            except BootstrapNotFound:
+                log.warning("bootstrap server forgot this rank; registering again")
+                need_register = True
+                continue
+            except KVHandoffError as e:
+                self.error = str(e)
+                self.registered.clear()
+                need_register = True
+                log.warning("bootstrap registration: %s", e)
+            self._stop.wait(interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._client.deregister(generation=str(self._agent.generation),
+                                    **self._ident())  # type: ignore[arg-type]
+        except KVHandoffError:
+            pass
+        self._client.close()
+
+
+def lookup_prefill(agent: TransferAgent, room: int, bootstrap_addr: str) -> tuple[str, int]:
+    """The control address and generation of the prefill rank serving `room` for this decode
+    rank (replicated regions: exactly one source)."""
+    with _client(agent, bootstrap_addr) as c:
+        ranks = c.lookup_route(room=room, tp_rank=agent.tp_rank, tp_size=agent.tp_size,
+                               replicated=True)
+    if not ranks:
+        raise BootstrapError(f"bootstrap server {bootstrap_addr}: no prefill rank for room {room}")
+    info = ranks[0]
+    try:
+        gen = int(info.generation)
+    except ValueError:
+        gen = 0
+    return info.agent_address, gen

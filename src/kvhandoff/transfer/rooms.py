@@ -1,0 +1,158 @@
+"""Rooms: the per-request state an agent keeps, and the handles engines hold.
+
+Rules:
+- A `_Room` is mutated only under its agent's lock; its life cycle is its `RoomMachine`
+  (`kvhandoff.state_machine`), never an ad-hoc flag.
+- Handles (`Sender`, `Receiver`) are small: they forward to the agent, which owns the room.
+  Names follow SGLang's KVSender/KVReceiver and vLLM's wait_for_layer_load / save_kv_layer.
+- A room's pages are released exactly once: when it is terminal AND no transport op of it is
+  still in flight (cancelled ops count until their callback ran). `released` is set then, and
+  the `on_release` callback runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvhandoff.errors import TransferTimeout
+from kvhandoff.kv_layout import SpanPlan
+from kvhandoff.state_machine import KVPoll, Role, RoomMachine
+
+if TYPE_CHECKING:
+    from kvhandoff.transfer.agent import TransferAgent
+
+
+@dataclass(eq=False)
+class _Room:
+    room: int
+    role: Role
+    machine: RoomMachine
+    layers: tuple[int, ...]  # layer ids that move, in order
+    peer: str | None = None  # control address of the other side
+    peer_gen: int = 0
+    xfer: int = 0
+    seq_len: int = 0
+    prefix_len: int = 0  # page-aligned decode prefix
+    page_size: int = 0  # this side's page size
+    pages: dict[str, np.ndarray] = field(default_factory=dict)  # this side, per region
+    plans: dict[str, SpanPlan] = field(default_factory=dict)  # per region (same every layer)
+    accepted: bool = False
+    request_sent: bool = False
+    inited: bool = False
+    ready: list[int] = field(default_factory=list)  # sender: layers the engine marked ready
+    posted: dict[int, int] = field(default_factory=dict)  # layer -> attempt posted
+    outstanding: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, attempt) -> ops
+    inflight_tags: dict[int, int] = field(default_factory=dict)  # tag -> ops not yet called back
+    sums: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
+    recv_done: dict[tuple[int, int], set[str]] = field(default_factory=dict)
+    layer_events: dict[int, threading.Event] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    on_release: Callable[[int], None] | None = None
+    bytes_moved: int = 0
+    retransmits: int = 0
+    checksums_verified: int = 0
+    t_created: float = 0.0
+    t_last_ready: float | None = None
+    t_done: float | None = None
+
+    @property
+    def state(self) -> KVPoll:
+        return self.machine.state
+
+
+class _Handle:
+    __slots__ = ("room", "_agent", "_r")
+
+    def __init__(self, agent: TransferAgent, r: _Room) -> None:
+        self.room = r.room
+        self._agent = agent
+        self._r = r
+
+    def poll(self) -> KVPoll:
+        """The room's state (KVPoll); Failed and Success are final."""
+        self._agent._tick_if_idle()
+        return self._r.machine.state
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed (None unless `poll()` is Failed)."""
+        return self._r.machine.failure
+
+    @property
+    def released(self) -> bool:
+        """Whether the room's pages may be reused (terminal, nothing in flight)."""
+        return self._r.released.is_set()
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Blocks until the room is terminal or `timeout` seconds passed; returns the state."""
+        self._r.done.wait(timeout)
+        return self._r.machine.state
+
+    def wait_released(self, timeout: float) -> bool:
+        """Blocks until the pages are released (bounded by `timeout`); whether they are."""
+        return self._r.released.wait(timeout)
+
+    def abort(self, reason: str = "aborted by the engine") -> None:
+        """Fails the room on both sides with `reason`; safe to call twice or after the end."""
+        self._agent._abort(self._r, reason)
+
+    def stats(self) -> dict[str, Any]:
+        """Byte and timing figures of the room (for demo/bench output)."""
+        return self._agent._room_stats(self._r)
+
+    def __repr__(self) -> str:
+        cls = type(self).__name__
+        failure = f", failure={self.failure!r}" if self.failure else ""
+        return f"{cls}(room={self.room}, state={self._r.machine.state.name}{failure})"
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._r.machine.is_terminal:
+            self.abort("handle closed before the room finished")
+
+
+class Sender(_Handle):
+    """Prefill side of a room (cf. SGLang KVSender, vLLM save_kv_layer)."""
+
+    __slots__ = ()
+
+    def layer_ready(self, layer_id: int, event: Any = None) -> None:
+        """Layer `layer_id`'s KV is written: send it now. For CUDA, pass the layer's event; the
+        agent waits on it before reading the pages."""
+        if event is not None:
+            event.synchronize()
+        self._agent._layer_ready(self._r, layer_id)
+
+
+class Receiver(_Handle):
+    """Decode side of a room (cf. SGLang KVReceiver, vLLM wait_for_layer_load)."""
+
+    __slots__ = ()
+
+    def init(
+        self,
+        dst_pages: np.ndarray | list[int] | dict[str, np.ndarray | list[int]],
+        seq_len: int,
+        decode_prefix_len: int = 0,
+    ) -> None:
+        """Offers destination pages: one page table covering the whole sequence from token 0
+        (suffix-only regions use its pages from the page-aligned prefix on), or a dict per
+        region. `decode_prefix_len` tokens are already held (their indexer rows stay)."""
+        self._agent._receiver_init(self._r, dst_pages, seq_len, decode_prefix_len)
+
+    def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
+        """Blocks until `layer_id` landed and verified (True), or the room failed or `timeout`
+        passed (False). The caller bounds the wait."""
+        ev = self._r.layer_events.get(layer_id)
+        if ev is None:
+            raise TransferTimeout(f"layer {layer_id}: not a layer of this room's layout")
+        deadline_hit = not ev.wait(timeout)
+        return not deadline_hit and self._r.machine.state is not KVPoll.Failed
