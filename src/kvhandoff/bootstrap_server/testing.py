@@ -105,3 +105,21 @@ def run_server(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+class FakeClock:
+    """A settable monotonic clock for `create_app(clock=...)` / `run_server(clock=...)`."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self.now})"

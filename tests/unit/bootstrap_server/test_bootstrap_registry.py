@@ -1,0 +1,195 @@
+"""Registry rules with a fake clock: identities, conflicts, TTL, rooms, routes (no HTTP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.bootstrap_server.registry import (
+    MAX_ROOMS_PER_CALL,
+    RankKey,
+    Registration,
+    Registry,
+    RoomState,
+    Topology,
+)
+from kvhandoff.bootstrap_server.testing import FakeClock
+from kvhandoff.errors import (
+    BootstrapConflict,
+    BootstrapNotFound,
+    BootstrapUnavailable,
+    ConfigError,
+)
+from kvhandoff.kv_layout import layout_hash, preset
+from kvhandoff.state_machine.events import Role
+
+GLM = preset("glm-5.3")
+LLAMA = preset("llama-3.1-8b")
+
+
+def reg(engine: str = "p", *, dp: int = 0, tp: int = 0, cp: int = 0, pp: int = 0,
+        topo: Topology = Topology(1, 2), role: Role = Role.PREFILL, gen: str = "g1",
+        layout=GLM, expires: bool = True, port: int = 5000) -> Registration:
+    return Registration(
+        key=RankKey(engine, dp, cp, tp, pp), role=role, topology=topo,
+        agent_address=f"127.0.0.1:{port + tp}", generation=gen,
+        layout_hash=layout_hash(layout), layout=layout.to_dict(), transport="inproc",
+        expires=expires,
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock: FakeClock) -> Registry:
+    bits = iter([5, 5, 0, 7, 9, 11, 13, 15, 17, 19])  # a duplicate and a zero to be redrawn
+    return Registry(clock=clock, rank_ttl_s=10.0, room_retention_s=100.0,
+                    randbits=lambda n: next(bits))
+
+
+def test_readiness_counts_unique_identities(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    _, replaced = registry.register(reg(tp=0, gen="g2"))  # same identity again
+    assert replaced
+    assert registry.stats.registrations == 1 and registry.stats.re_registrations == 1
+    assert registry.missing() == [RankKey("p", 0, 0, 1, 0)]
+    registry.register(reg(tp=1))
+    assert registry.missing() == []
+    assert registry.rank(RankKey("p", 0, 0, 0, 0)).generation == "g2"
+
+
+def test_topology_conflict_names_each_size(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    with pytest.raises(BootstrapConflict) as ei:
+        registry.register(reg(tp=1, topo=Topology(2, 4)))
+    assert ei.value.diff == ["dp_size: registered=1 incoming=2",
+                             "tp_size: registered=2 incoming=4"]
+    assert registry.stats.conflicts == 1
+
+
+def test_layout_conflict_carries_layout_diff(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    with pytest.raises(BootstrapConflict) as ei:
+        registry.register(reg(tp=1, layout=LLAMA))
+    assert ei.value.diff[0].startswith("layout_hash: registered=v1:")
+    assert any(line.startswith("kv_dtype: registered=") for line in ei.value.diff)
+
+
+def test_rank_outside_topology_is_a_config_error(registry: Registry) -> None:
+    with pytest.raises(ConfigError, match="tp_rank"):
+        registry.register(reg(tp=2))
+
+
+def test_ttl_drops_rank_and_heartbeat_then_says_not_found(
+        registry: Registry, clock: FakeClock) -> None:
+    registry.register(reg(tp=0))
+    registry.register(reg(tp=1))
+    clock.advance(6)
+    registry.heartbeat(RankKey("p", 0, 0, 0, 0), "g1")
+    clock.advance(6)  # tp1 silent for 12 s > 10 s, tp0 for 6 s
+    assert registry.missing() == [RankKey("p", 0, 0, 1, 0)]
+    assert registry.stats.ranks_expired == 1
+    with pytest.raises(BootstrapNotFound, match="register it again"):
+        registry.heartbeat(RankKey("p", 0, 0, 1, 0))
+
+
+def test_heartbeat_with_other_generation_conflicts(registry: Registry) -> None:
+    registry.register(reg(tp=0, gen="new"))
+    with pytest.raises(BootstrapConflict, match="generation"):
+        registry.heartbeat(RankKey("p", 0, 0, 0, 0), "old")
+
+
+def test_sglang_style_ranks_do_not_expire(registry: Registry, clock: FakeClock) -> None:
+    registry.register(reg(tp=0, expires=False))
+    clock.advance(10_000)
+    assert registry.rank(RankKey("p", 0, 0, 0, 0)).expires is False
+
+
+def test_engine_resets_when_no_rank_is_live(registry: Registry, clock: FakeClock) -> None:
+    registry.register(reg(tp=0))
+    clock.advance(11)
+    rec, _ = registry.register(reg(tp=0, topo=Topology(1, 1), layout=LLAMA))
+    assert registry.engine("p").topology == Topology(1, 1)
+    assert rec.layout_hash == layout_hash(LLAMA)
+
+
+def test_deregister_last_rank_forgets_engine(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    registry.deregister(RankKey("p", 0, 0, 0, 0))
+    with pytest.raises(BootstrapNotFound):
+        registry.engine("p")
+    with pytest.raises(BootstrapNotFound):
+        registry.deregister(RankKey("p", 0, 0, 0, 0))
+
+
+def test_rooms_are_unique_nonzero_and_bounded(registry: Registry) -> None:
+    assert registry.allocate_rooms(4) == [5, 7, 9, 11]  # 5 redrawn once, 0 skipped
+    with pytest.raises(ConfigError, match="count"):
+        registry.allocate_rooms(MAX_ROOMS_PER_CALL + 1)
+
+
+def test_room_bind_abort_and_retention(registry: Registry, clock: FakeClock) -> None:
+    registry.register(reg(tp=0))
+    registry.register(reg("q", tp=0))
+    (room,) = registry.allocate_rooms(1)
+    assert registry.room(room).state is RoomState.ALLOCATED
+    registry.bind_room(room, "p", 0)
+    registry.bind_room(room, "p", 0)  # idempotent
+    with pytest.raises(BootstrapConflict) as ei:
+        registry.bind_room(room, "q", 0)
+    assert "engine_id: bound='p' incoming='q'" in ei.value.diff
+    assert registry.bind_room(room, "q", 0, rebind=True).engine_id == "q"  # SGLang moves it
+    rr = registry.abort_room(room, "decode gave up")
+    assert rr.state is RoomState.ABORTED and rr.abort_reason == "decode gave up"
+    registry.abort_room(room, "second reason")
+    assert registry.room(room).abort_reason == "decode gave up"
+    with pytest.raises(BootstrapConflict, match="decode gave up"):
+        registry.bind_room(room, "p", 0)
+    clock.advance(101)
+    with pytest.raises(BootstrapNotFound):
+        registry.room(room)
+
+
+def test_bind_checks_engine_and_dp_rank(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    with pytest.raises(BootstrapNotFound):
+        registry.bind_room(3, "nope", 0)
+    with pytest.raises(ConfigError, match="dp_rank"):
+        registry.bind_room(3, "p", 1)
+
+
+def test_route_by_room_waits_for_binding_and_ranks(registry: Registry) -> None:
+    registry.register(reg(tp=0))
+    (room,) = registry.allocate_rooms(1)
+    with pytest.raises(BootstrapUnavailable, match="not bound"):
+        registry.route(engine_id=None, room=room, dp_rank=None, tp_rank=0, tp_size=2)
+    registry.bind_room(room, "p", 0)
+    with pytest.raises(BootstrapUnavailable, match="tp1"):
+        registry.route(engine_id=None, room=room, dp_rank=None, tp_rank=1, tp_size=2)
+    registry.register(reg(tp=1))
+    t = registry.route(engine_id=None, room=room, dp_rank=None, tp_rank=1, tp_size=2)
+    assert [r.key.tp_rank for r in t.ranks] == [1]
+    assert t.ranks[0].agent_address == "127.0.0.1:5001"
+
+
+def test_route_needs_engine_when_ambiguous(registry: Registry) -> None:
+    registry.register(reg("a", tp=0, topo=Topology(1, 1)))
+    registry.register(reg("b", tp=0, topo=Topology(1, 1)))
+    with pytest.raises(ConfigError, match="engine_id"):
+        registry.route(engine_id=None, room=None, dp_rank=0, tp_rank=0, tp_size=1)
+    assert registry.route(engine_id="b", room=None, dp_rank=0, tp_rank=0,
+                          tp_size=1).engine_id == "b"
+
+
+def test_route_fans_out_over_prefill_cp_and_pp(registry: Registry) -> None:
+    topo = Topology(1, 1, cp_size=2, pp_size=2)
+    for cp in range(2):
+        for pp in range(2):
+            registry.register(reg(cp=cp, pp=pp, topo=topo))
+    t = registry.route(engine_id="p", room=None, dp_rank=0, tp_rank=0, tp_size=1)
+    assert [(r.key.cp_rank, r.key.pp_rank) for r in t.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    t = registry.route(engine_id="p", room=None, dp_rank=0, tp_rank=0, tp_size=1,
+                       pp_rank=1, pp_size=2)
+    assert [(r.key.cp_rank, r.key.pp_rank) for r in t.ranks] == [(0, 1), (1, 1)]
