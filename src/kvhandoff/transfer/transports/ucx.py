@@ -450,6 +450,16 @@ class UcxTransport(Transport):
             self._shutdown()
 
     def _shutdown(self) -> None:
+        # consume held message handles (into scratch) so UCX is left with nothing dangling
+        try:
+            for probe in self._unexpected.values():
+                self._drop(probe)
+            for _ in range(1000):
+                if all(item.req.completed for item in self._inflight if item.op is None):
+                    break
+                self._worker.progress()
+        except ucx_api.UCXError:
+            pass
         with self._cond:
             for item in self._inflight:
                 if item.op is not None and item.direct:
