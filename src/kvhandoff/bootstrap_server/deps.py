@@ -1,7 +1,8 @@
 """Dependencies shared by the routers: the app's state, settings, registry, metrics and the
 write-route bearer-token check.
 
-Rules: everything a route needs comes through `Depends` from `app.state.kvhandoff` (set by
+Rules: dependencies are ``async def`` so they run on the event loop (a plain ``def`` would hop
+to the thread pool on every request). Everything a route needs comes through `Depends` from `app.state.kvhandoff` (set by
 `create_app`), never from a module global, so several apps can live in one process. The token
 check fails closed and compares in constant time.
 """
@@ -29,7 +30,7 @@ class ServerState:
     clock: Callable[[], float]
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.kvhandoff
     return state
 
@@ -37,15 +38,15 @@ def get_state(request: Request) -> ServerState:
 StateDep = Annotated[ServerState, Depends(get_state)]
 
 
-def get_registry(state: StateDep) -> Registry:
+async def get_registry(state: StateDep) -> Registry:
     return state.registry
 
 
-def get_settings(state: StateDep) -> Settings:
+async def get_settings(state: StateDep) -> Settings:
     return state.settings
 
 
-def get_metrics(state: StateDep) -> Metrics:
+async def get_metrics(state: StateDep) -> Metrics:
     return state.metrics
 
 
@@ -54,7 +55,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
-def require_write_token(request: Request, settings: SettingsDep) -> None:
+async def require_write_token(request: Request, settings: SettingsDep) -> None:
     """When `settings.auth_token` is set, a write needs ``Authorization: Bearer <token>``."""
     if settings.auth_token is None:
         return

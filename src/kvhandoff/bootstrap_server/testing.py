@@ -75,8 +75,8 @@ def run_server(
         startup_timeout_s: bound on waiting for uvicorn's startup.
     """
     base = settings or Settings(port=0)
-    fields = {"port": 0, **overrides}
-    settings = base.model_copy(update=fields)
+    # validated (a str token becomes a SecretStr), without reading the environment again
+    settings = Settings.model_validate({**base.model_dump(), "port": 0, **overrides})
     app = create_app(settings) if clock is None else create_app(settings, clock=clock)
     sock = bind_socket(settings.host, settings.port)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
