@@ -1,0 +1,338 @@
+"""A simulated engine on each side of a handoff, run as real processes (demo, bench, tests).
+
+`python -m kvhandoff.sim prefill|decode '<json config>'` runs one side and prints one JSON
+object per line on stdout (its events). `spawn(role, config)` starts such a process and reads
+its events; `SimProcess.expect(kind, timeout)` waits for one, bounded.
+
+Page contents are deterministic: byte b of token t of layer L of region R is
+``(t * 131 + b * 7 + L * 17 + R * 29 + seed) % 251``, so the decode process checks what landed
+without seeing the prefill's memory. Decode fills its cached-prefix indexer pages with a marker
+first and checks afterwards that the handoff left them alone (suffix-only indexer).
+
+Events: ``ready`` (agent address), ``layer`` (prefill: computed and handed over; decode: landed
+and verified), ``done`` (per room: state, failure, stats, verification), ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PREFIX_MARKER = 0xA5
+
+
+def pattern(t: np.ndarray, nbytes: int, layer: int, region: int, seed: int) -> np.ndarray:
+    """The deterministic bytes of tokens `t` (rows) of one plane of `nbytes` per token."""
+    b = np.arange(nbytes, dtype=np.int64)
+    v = (t.astype(np.int64)[:, None] * 131 + b[None, :] * 7 + layer * 17 + region * 29 + seed)
+    out: np.ndarray = (v % 251).astype(np.uint8)
+    return out
+
+
+def _plane_view(buf: np.ndarray, page_size: int, page_nbytes: int, plane_off: int,
+                plane_bytes: int) -> np.ndarray:
+    """(pages, page_size * plane_bytes) view of one plane of every page."""
+    pages = buf.reshape(-1, page_nbytes)
+    lo = plane_off * page_size
+    return pages[:, lo:lo + page_size * plane_bytes]
+
+
+def write_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
+                 first_tok: int, end_tok: int, seed: int) -> None:
+    """Writes the pattern of tokens [first_tok, end_tok) into `pages` (page k holds tokens
+    first_tok + k*page_size ...)."""
+    reg = spec.regions[reg_i]
+    ps = spec.page_size_tokens
+    n_pages = -(-(end_tok - first_tok) // ps)
+    t = np.arange(first_tok, first_tok + n_pages * ps)
+    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
+        data = pattern(t, pl.bytes_per_token, layer, reg_i, seed)
+        view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
+        view[pages[:n_pages]] = data.reshape(n_pages, ps * pl.bytes_per_token)
+
+
+def check_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
+                 first_tok: int, end_tok: int, seed: int) -> int:
+    """How many bytes of tokens [first_tok, end_tok) differ from the pattern."""
+    reg = spec.regions[reg_i]
+    ps = spec.page_size_tokens
+    n_pages = -(-(end_tok - first_tok) // ps)
+    t = np.arange(first_tok, first_tok + n_pages * ps)
+    valid = (t < end_tok).reshape(n_pages, ps)
+    bad = 0
+    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
+        want = pattern(t, pl.bytes_per_token, layer, reg_i, seed).reshape(
+            n_pages, ps, pl.bytes_per_token)
+        view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
+        got = view[pages[:n_pages]].reshape(n_pages, ps, pl.bytes_per_token)
+        bad += int(np.count_nonzero((got != want) & valid[:, :, None]))
+    return bad
+
+
+def _emit(kind: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": kind, "t": time.monotonic(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _layout(cfg: dict[str, Any]) -> Any:
+    from kvhandoff.kv_layout import preset
+
+    kw: dict[str, Any] = {}
+    if cfg.get("page_size"):
+        kw["page_size_tokens"] = cfg["page_size"]
+    return preset(cfg.get("model", "glm-5.3"), **kw)
+
+
+def _settings(cfg: dict[str, Any]) -> Any:
+    from kvhandoff.settings import Settings
+
+    return Settings(**cfg.get("settings", {}))
+
+
+def run_prefill(cfg: dict[str, Any]) -> int:
+    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+
+    spec = _layout(cfg)
+    settings = _settings(cfg)
+    rooms = cfg["rooms"]  # [{"room": id, "seq_len": n}]
+    ps = spec.page_size_tokens
+    need = sum(-(-r["seq_len"] // ps) for r in rooms)
+    pool = PagePool(need + cfg.get("spare_pages", 8), seed=cfg.get("seed", 0))
+    bufs = allocate(spec, pool.num_pages)
+    seed = int(cfg.get("seed", 0))
+    layer_s = float(cfg.get("layer_ms", 0)) / 1e3
+    with TransferAgent("prefill", spec, bufs, settings,
+                       engine_id=cfg.get("engine_id", "prefill")) as agent:
+        _emit("ready", address=agent.address, generation=agent.generation,
+              status=agent.status())
+        if agent._registration is not None:
+            agent._registration.registered.wait(settings.bootstrap_timeout_s)
+            _emit("registered", ok=agent._registration.registered.is_set())
+        senders = []
+        for r in rooms:
+            pages = pool.alloc(-(-r["seq_len"] // ps))
+            s = agent.sender(r["room"], pages=pages, seq_len=r["seq_len"],
+                             on_release=lambda room, p=pages: pool.free(p))
+            senders.append((r, s, pages))
+        layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
+        for lid in layers:
+            t0 = time.monotonic()
+            for r, s, pages in senders:
+                for ri, reg in enumerate(spec.regions):
+                    if lid in reg.layer_ids:
+                        write_tokens(agent.buffers.array(reg.name, lid), spec, ri, lid, pages,
+                                     0, r["seq_len"], seed)
+                if r.get("abort_at_layer") == lid:
+                    s.abort("engine aborted the request")
+            spent = time.monotonic() - t0
+            if layer_s > spent:
+                time.sleep(layer_s - spent)  # simulated compute of the layer, not a sync
+            for r, s, _ in senders:
+                if r.get("abort_at_layer") is None or lid < r["abort_at_layer"]:
+                    s.layer_ready(lid)
+            _emit("layer", layer=lid)
+        _emit("all_ready")
+        timeout = float(cfg.get("timeout_s", 60))
+        for r, s, _ in senders:
+            s.wait(timeout)
+            s.wait_released(5)
+            _emit("done", room=r["room"], state=s.poll().name, failure=s.failure,
+                  released=s.released, stats=s.stats())
+        _emit("pool", free=pool.free_count, total=pool.num_pages)
+        if cfg.get("linger"):
+            sys.stdin.read()  # stay alive (serving) until the parent closes stdin
+        _emit("status", status=agent.status())
+    return 0
+
+
+def run_decode(cfg: dict[str, Any]) -> int:
+    from kvhandoff.kv_layout import SendFrom, page_aligned
+    from kvhandoff.state_machine import KVPoll
+    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+
+    spec = _layout(cfg)
+    settings = _settings(cfg)
+    rooms = cfg["rooms"]  # [{"room", "seq_len", "prefix"}]
+    ps = spec.page_size_tokens
+    need = sum(-(-r["seq_len"] // ps) for r in rooms)
+    pool = PagePool(need + cfg.get("spare_pages", 8), seed=cfg.get("seed", 0) + 1)
+    bufs = allocate(spec, pool.num_pages)
+    seed = int(cfg.get("seed", 0))
+    timeout = float(cfg.get("timeout_s", 60))
+    with TransferAgent("decode", spec, bufs, settings) as agent:
+        _emit("ready", address=agent.address, generation=agent.generation,
+              status=agent.status())
+        recvs = []
+        for r in rooms:
+            pages = pool.alloc(-(-r["seq_len"] // ps))
+            prefix = page_aligned(int(r.get("prefix", 0)), ps)
+            for reg in spec.regions:  # the cached prefix decode already holds
+                if reg.send_from is SendFrom.DECODE_PREFIX and prefix:
+                    for lid in reg.layer_ids:
+                        view = agent.buffers.array(reg.name, lid).reshape(
+                            -1, reg.page_nbytes(ps))
+                        view[pages[:prefix // ps]] = PREFIX_MARKER
+            rv = agent.receiver(r["room"], cfg.get("bootstrap_url"), peer=cfg.get("peer"),
+                                on_release=lambda room, p=pages: pool.free(p))
+            rv.init(pages, r["seq_len"], r.get("prefix", 0))
+            if r.get("abort_at_layer") == -1:
+                rv.abort("decode aborted the request")
+            recvs.append((r, rv, pages, prefix))
+        layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
+        for lid in layers:
+            ok = all(rv.wait_for_layer(lid, timeout) for _, rv, _, _ in recvs)
+            for r, rv, _, _ in recvs:
+                if r.get("abort_at_layer") == lid:
+                    rv.abort("decode aborted the request")
+            _emit("layer", layer=lid, ok=ok)
+            if not ok and all(rv.poll() is KVPoll.Failed for _, rv, _, _ in recvs):
+                break
+        for r, rv, pages, prefix in recvs:
+            state = rv.wait(timeout)
+            rv.wait_released(5)
+            verify: dict[str, Any] = {}
+            if state is KVPoll.Success and cfg.get("verify", True):
+                bad = 0
+                prefix_bad = 0
+                for ri, reg in enumerate(spec.regions):
+                    first = prefix if reg.send_from is SendFrom.DECODE_PREFIX else 0
+                    for lid in reg.layer_ids:
+                        buf = agent.buffers.array(reg.name, lid)
+                        bad += check_tokens(buf, spec, ri, lid, pages[first // ps:], first,
+                                            r["seq_len"], seed)
+                        if first:
+                            view = buf.reshape(-1, reg.page_nbytes(ps))
+                            prefix_bad += int(np.count_nonzero(
+                                view[pages[:first // ps]] != PREFIX_MARKER))
+                verify = {"bad_bytes": bad, "prefix_touched_bytes": prefix_bad,
+                          "byte_exact": bad == 0 and prefix_bad == 0}
+            _emit("done", room=r["room"], state=state.name, failure=rv.failure,
+                  released=rv.released, stats=rv.stats(), verify=verify)
+        _emit("pool", free=pool.free_count, total=pool.num_pages)
+        _emit("status", status=agent.status())
+    return 0
+
+
+@dataclass
+class SimProcess:
+    """A running `python -m kvhandoff.sim` process and its events."""
+
+    role: str
+    proc: subprocess.Popen[str]
+    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    stderr_tail: list[str] = field(default_factory=list)
+
+    def expect(self, kind: str, timeout: float, **match: Any) -> dict[str, Any]:
+        """The next event of `kind` (matching `match`), waiting at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        for ev in self.seen:
+            if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
+                self.seen.remove(ev)
+                return ev
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.role}: no {kind!r} event within {timeout}s; stderr: "
+                                   + "".join(self.stderr_tail[-20:]))
+            try:
+                ev = self.events.get(timeout=left)
+            except queue.Empty:
+                continue
+            if ev["event"] == "eof":
+                raise RuntimeError(f"{self.role} exited (rc={self.proc.poll()}) before {kind!r}; "
+                                   "stderr: " + "".join(self.stderr_tail[-20:]))
+            if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+            self.seen.append(ev)
+
+    def all_events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.seen if e["event"] == kind]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def close(self, timeout: float = 10) -> int:
+        """Ends the process (closing stdin first, then SIGTERM, then SIGKILL)."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(3)
+
+    def __enter__(self) -> SimProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.close()
+
+
+def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None) -> SimProcess:
+    """Starts `python -m kvhandoff.sim role cfg` and a thread reading its events."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvhandoff.sim", role, json.dumps(cfg)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})}, start_new_session=True)
+    sp = SimProcess(role=role, proc=proc)
+
+    def read_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                sp.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                sp.stderr_tail.append("stdout: " + line)
+        sp.events.put({"event": "eof"})
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sp.stderr_tail.append(line)
+            del sp.stderr_tail[:-200]
+
+    threading.Thread(target=read_out, daemon=True).start()
+    threading.Thread(target=read_err, daemon=True).start()
+    return sp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("prefill", "decode"):
+        print("usage: python -m kvhandoff.sim prefill|decode '<json config>'", file=sys.stderr)
+        return 2
+    cfg = json.loads(args[1])
+    import logging
+
+    logging.basicConfig(level=os.environ.get("KVHANDOFF_LOG_LEVEL", "WARNING").upper(),
+                        stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    try:
+        return run_prefill(cfg) if args[0] == "prefill" else run_decode(cfg)
+    except Exception as e:  # report, then fail loudly
+        _emit("error", error=f"{type(e).__name__}: {e}")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
