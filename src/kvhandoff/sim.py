@@ -15,6 +15,7 @@ and verified), ``done`` (per room: state, failure, stats, verification), ``error
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -79,6 +80,10 @@ def check_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.n
     return bad
 
 
+def _free(pool: Any, pages: np.ndarray, room: int) -> None:
+    pool.free(pages)
+
+
 def _emit(kind: str, **fields: Any) -> None:
     sys.stdout.write(json.dumps({"event": kind, "t": time.monotonic(), **fields}) + "\n")
     sys.stdout.flush()
@@ -122,7 +127,7 @@ def run_prefill(cfg: dict[str, Any]) -> int:
         for r in rooms:
             pages = pool.alloc(-(-r["seq_len"] // ps))
             s = agent.sender(r["room"], pages=pages, seq_len=r["seq_len"],
-                             on_release=lambda room, p=pages: pool.free(p))
+                             on_release=functools.partial(_free, pool, pages))
             senders.append((r, s, pages))
         layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
         for lid in layers:
@@ -183,7 +188,7 @@ def run_decode(cfg: dict[str, Any]) -> int:
                             -1, reg.page_nbytes(ps))
                         view[pages[:prefix // ps]] = PREFIX_MARKER
             rv = agent.receiver(r["room"], cfg.get("bootstrap_url"), peer=cfg.get("peer"),
-                                on_release=lambda room, p=pages: pool.free(p))
+                                on_release=functools.partial(_free, pool, pages))
             rv.init(pages, r["seq_len"], r.get("prefix", 0))
             if r.get("abort_at_layer") == -1:
                 rv.abort("decode aborted the request")
