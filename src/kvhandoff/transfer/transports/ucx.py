@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 # Tuning measured on this machine (DESIGN.md §5); the user's own values win.
 os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
 os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+# ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads; do not warn about it on stdout
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx  # noqa: E402  (loads libucx and sets ucxx's env defaults)
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
