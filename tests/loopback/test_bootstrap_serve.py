@@ -1,0 +1,83 @@
+"""`kvhandoff serve` as a real process: port 0, env settings, --help, bad flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvhandoff.settings import Settings
+
+SERVER_FIELDS = ("host", "port", "auth_token", "rank_ttl_s", "max_body_bytes",
+                 "room_retention_s", "log_level", "require_rdma")
+KVHANDOFF = [sys.executable, "-m", "kvhandoff.cli"]
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout_s):
+        raise AssertionError(f"no output from kvhandoff serve within {timeout_s} s")
+    return proc.stdout.readline()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    env = {**os.environ, "KVHANDOFF_AUTH_TOKEN": "from-env", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*KVHANDOFF, "serve", "--port", "0", "--log-level", "warning",
+                             "--rank-ttl-s", "7"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = read_line(proc, 60)
+        m = re.search(r"listening on (http://\S+)", line)
+        assert m, line
+        yield m.group(1), proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def test_serve_listens_on_a_free_port_with_env_settings(
+        served: tuple[str, subprocess.Popen[str]]) -> None:
+    url, proc = served
+    # the socket listens before the line is printed: the first answer comes once uvicorn runs
+    r = httpx.get(url + "/health", timeout=30)
+    assert proc.poll() is None
+    assert r.status_code == 200 and r.text == "OK"
+    # the token came from KVHANDOFF_AUTH_TOKEN
+    assert httpx.post(url + "/v1/rooms", json={"count": 1}).status_code == 401
+    r = httpx.post(url + "/v1/rooms", json={"count": 1},
+                   headers={"Authorization": "Bearer from-env"})
+    assert r.status_code == 200
+    hb = httpx.post(url + "/v1/ranks/heartbeat", json={"engine_id": "x"},
+                    headers={"Authorization": "Bearer from-env"})
+    assert hb.status_code == 404
+
+
+def test_help_documents_every_server_setting() -> None:
+    out = subprocess.run([*KVHANDOFF, "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+    flat = " ".join(out.split())
+    for name in SERVER_FIELDS:
+        assert f"--{name.replace('_', '-')}" in flat, name
+        assert f"KVHANDOFF_{name.upper()}" in flat, name
+        first_words = " ".join(str(Settings.model_fields[name].description).split()[:4])
+        assert first_words in flat, name
+
+
+def test_bad_flag_value_names_the_setting() -> None:
+    r = subprocess.run([*KVHANDOFF, "serve", "--rank-ttl-s", "-1", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "rank_ttl_s" in r.stderr
