@@ -20,6 +20,7 @@ How it works:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -162,7 +163,7 @@ class TransferAgent:
         for name, arr in self.buffers.views():
             self.transport.register(name, arr)
 
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes + 64)
@@ -705,8 +706,7 @@ class TransferAgent:
             r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
             self.transport.post_send(
                 r.peer or "", tag, self.buffers.name(name, layer), plan.src_offsets, plan.nbytes,
-                self._cb(r, tag, lambda exc, n=name, L=layer, a=attempt:
-                         self._sent(r, L, a, n, exc)))
+                self._cb(r, tag, functools.partial(self._sent, r, layer, attempt, name)))
         r.sums[(layer, attempt)] = sums
 
     def _post_recv_layer(self, r: _Room, layer: int, attempt: int) -> None:
@@ -718,8 +718,7 @@ class TransferAgent:
             r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
             self.transport.post_recv(
                 r.peer or "", tag, self.buffers.name(name, layer), plan.dst_offsets, plan.nbytes,
-                self._cb(r, tag, lambda exc, n=name, L=layer, a=attempt:
-                         self._received(r, L, a, n, exc)))
+                self._cb(r, tag, functools.partial(self._received, r, layer, attempt, name)))
 
     def _cb(self, r: _Room, tag: int, fn: Callable[[BaseException | None], None]
             ) -> Callable[[BaseException | None], None]:

@@ -24,11 +24,9 @@ def as_bytes(buf: Any, where: str) -> Any:
         if not buf.flags.c_contiguous:
             raise ConfigError(f"{where}: buffer must be contiguous")
         return buf.reshape(-1).view(np.uint8)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(buf, torch.Tensor):
+    import torch
+
+    if isinstance(buf, torch.Tensor):
         if not buf.is_contiguous():
             raise ConfigError(f"{where}: tensor must be contiguous")
         flat = buf.reshape(-1).view(torch.uint8)

@@ -18,7 +18,7 @@ SAMPLE_EVERY = 8
 def span_checksum(buf: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray) -> int:
     """xxh3-64 of the concatenation of ``buf[o:o+n]`` for each span, in order."""
     h = xxhash.xxh3_64()
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf).cast("B")  # type: ignore[arg-type]
     for o, n in zip(offsets.tolist(), nbytes.tolist(), strict=True):
         h.update(mv[o:o + n])
     return int(h.intdigest())

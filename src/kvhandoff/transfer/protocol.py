@@ -167,7 +167,8 @@ def decode(frames: list[bytes], *, max_bytes: int) -> Message:
     if len(body) > max_bytes:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {max_bytes}")
     try:
-        return _DECODER.decode(body)
+        msg: Message = _DECODER.decode(body)
+        return msg
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from e
 

@@ -53,7 +53,7 @@ class Registration:
         self._client.register_rank(
             role="prefill", agent_address=a.address, generation=str(a.generation),
             layout=a.layout, layout_hash=a.layout_hash, dp_size=a.dp_size, tp_size=a.tp_size,
-            transport=a_status.kind, **self._ident())  # type: ignore[arg-type]
+            transport=a_status.kind, **self._ident())
         self.registered.set()
         self.error = None
 
@@ -67,7 +67,7 @@ class Registration:
                     need_register = False
                 else:
                     self._client.heartbeat(generation=str(self._agent.generation),
-                                           **self._ident())  # type: ignore[arg-type]
+                                           **self._ident())
             except BootstrapNotFound:
                 log.warning("bootstrap server forgot this rank; registering again")
                 need_register = True
@@ -84,7 +84,7 @@ class Registration:
         self._thread.join(timeout=5)
         try:
             self._client.deregister(generation=str(self._agent.generation),
-                                    **self._ident())  # type: ignore[arg-type]
+                                    **self._ident())
         except KVHandoffError:
             pass
         self._client.close()
