@@ -96,26 +96,39 @@ def deepseek_v32(*, page_size_tokens: int = 64, indexer_layers: int | None = Non
     )
 
 
-def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1) -> LayoutSpec:
+def heads_of_rank(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, ...]:
+    """The KV heads TP rank `tp_rank` of `tp_size` holds (replicated when heads < ranks)."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank/tp_size: expected 0 <= tp_rank < tp_size, got "
+                          f"{tp_rank}/{tp_size}")
+    if tp_size <= num_heads:
+        if num_heads % tp_size:
+            raise ConfigError(f"tp_size: {tp_size} does not divide the {num_heads} KV heads")
+        per = num_heads // tp_size
+        return tuple(range(tp_rank * per, (tp_rank + 1) * per))
+    if tp_size % num_heads:
+        raise ConfigError(f"tp_size: {tp_size} is not a multiple of the {num_heads} KV heads")
+    return (tp_rank * num_heads // tp_size,)
+
+
+def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1, tp_rank: int = 0) -> LayoutSpec:
     """Llama-3.1-8B (GQA): 32 layers, 8 KV heads x 128 dims bf16, K and V separate buffers.
 
-    With `tp_size` > 1 this is the layout of ONE rank: its share of the heads (heads are
-    replicated when there are fewer heads than ranks).
+    Each KV head is one plane named by its global head id (``h0`` .. ``h7``): a page holds all
+    tokens of head 0, then all tokens of head 1, ... (HND), so a head slice is a set of planes
+    and moves as whole-plane spans. With `tp_size` > 1 this is the layout of rank `tp_rank`:
+    its share of the heads (a head is replicated on several ranks when heads < ranks).
     """
     heads, head_bytes = 8, 128 * 2
-    if tp_size <= 0:
-        raise ConfigError(f"tp_size: expected > 0, got {tp_size}")
-    per_rank = max(1, heads // tp_size)
-    if tp_size < heads and heads % tp_size:
-        raise ConfigError(f"tp_size: {tp_size} does not divide the {heads} KV heads")
+    mine = heads_of_rank(heads, tp_size, tp_rank)
     regions = tuple(
         RegionSpec(
             name=name,
             layer_ids=tuple(range(32)),
-            planes=(Plane(name[-1].lower(), per_rank * head_bytes),),
+            planes=tuple(Plane(f"h{h}", head_bytes) for h in mine),
             send_from=SendFrom.START,
             tp_split=TPSplit.HEAD_SHARDED,
-            num_heads=per_rank,
+            num_heads=len(mine),
         )
         for name in ("main_k", "main_v")
     )

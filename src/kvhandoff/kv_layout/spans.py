@@ -17,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,14 +86,15 @@ def _as_pages(pages: npt.ArrayLike, what: str) -> IntArray:
     return arr
 
 
-def _plane_pairs(src: RegionSpec, dst: RegionSpec) -> list[tuple[int, int]]:
-    if src.planes == dst.planes:
+def _plane_pairs(src: RegionSpec, dst: RegionSpec,
+                 only: Collection[str] | None = None) -> list[tuple[int, int]]:
+    if src.planes == dst.planes and only is None:
         return [(i, i) for i in range(len(src.planes))]
     dst_idx = {p.name: i for i, p in enumerate(dst.planes)}
     pairs: list[tuple[int, int]] = []
     for i, p in enumerate(src.planes):
         j = dst_idx.get(p.name)
-        if j is None:
+        if j is None or (only is not None and p.name not in only):
             continue
         if dst.planes[j].bytes_per_token != p.bytes_per_token:
             raise ConfigError(
@@ -121,6 +122,7 @@ def build_spans(
     src_first_token: int = 0,
     dst_first_token: int = 0,
     dst_region: RegionSpec | None = None,
+    planes: Collection[str] | None = None,
 ) -> SpanPlan:
     """Spans moving tokens ``[token_start, token_end)`` of one layer buffer of `region`.
 
@@ -132,6 +134,8 @@ def build_spans(
         src_page_size: tokens per source page.
         dst_pages, dst_page_size, dst_first_token: the same for the destination.
         dst_region: the destination region when its planes differ (planes pair by name).
+        planes: move only the planes of these names (a head slice); offsets stay those of the
+            full regions.
 
     Returns:
         The coalesced `SpanPlan` (offsets in bytes into one layer buffer of each side).
@@ -166,7 +170,7 @@ def build_spans(
             )
 
     dst_reg = dst_region if dst_region is not None else region
-    pairs = _plane_pairs(region, dst_reg)
+    pairs = _plane_pairs(region, dst_reg, planes)
 
     # Segment boundaries: the range ends plus every page boundary of either side inside it.
     def bounds(first: int, size: int) -> IntArray:

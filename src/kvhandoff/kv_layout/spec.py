@@ -223,6 +223,21 @@ class LayoutSpec:
             num_layers=int(d.get("num_layers", 0)),
         )
 
+    def tp_invariant(self) -> LayoutSpec:
+        """What every TP rank of one engine shares: head-sharded regions keep one plane per
+        distinct head size (named ``head``) instead of this rank's heads. Ranks of one engine
+        register this form, so their hashes agree."""
+        regions = []
+        for r in self.regions:
+            if r.tp_split is TPSplit.HEAD_SHARDED:
+                sizes = sorted({p.bytes_per_token for p in r.planes})
+                planes = tuple(Plane(f"head{i}" if i else "head", b) for i, b in enumerate(sizes))
+                r = RegionSpec(name=r.name, layer_ids=r.layer_ids, planes=planes,
+                               send_from=r.send_from, tp_split=r.tp_split, num_heads=1)
+            regions.append(r)
+        return LayoutSpec(page_size_tokens=self.page_size_tokens, kv_dtype=self.kv_dtype,
+                          regions=tuple(regions), model=self.model, num_layers=self.num_layers)
+
     def with_page_size(self, page_size_tokens: int) -> LayoutSpec:
         """The same layout with another page size."""
         return LayoutSpec(
