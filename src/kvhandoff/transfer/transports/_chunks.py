@@ -18,6 +18,8 @@ from kvhandoff.errors import TransportError
 
 from .base import TAG_LIMIT
 
+_VECTOR_MIN = 8  # pieces in a chunk before the vectorised path is tried
+
 __all__ = ["ChunkPlan", "check_buffer", "check_tag", "normalise_spans", "paired_pieces"]
 
 
@@ -141,18 +143,49 @@ class ChunkPlan:
 
     def gather(self, buf: np.ndarray, k: int, out: np.ndarray) -> None:
         """Copies chunk k of `buf` into out[:chunk_len(k)]."""
-        pos = 0
-        for o, n in zip(*self.pieces(k), strict=True):
-            out[pos:pos + n] = buf[o:o + n]
-            pos += n
+        self._copy(buf, k, out, gather=True)
 
     def scatter(self, buf: np.ndarray, k: int, src: np.ndarray | memoryview) -> None:
         """Copies src[:chunk_len(k)] into the pieces of chunk k of `buf`."""
         s = np.frombuffer(src, dtype=np.uint8) if isinstance(src, memoryview) else src
+        self._copy(buf, k, s, gather=False)
+
+    def _copy(self, buf: np.ndarray, k: int, stage: np.ndarray, gather: bool) -> None:
+        lo, hi = int(self._lo[k]), int(self._lo[k + 1])
+        off, lens = self._off[lo:hi], self._len[lo:hi]
         pos = 0
-        for o, n in zip(*self.pieces(k), strict=True):
-            buf[o:o + n] = s[pos:pos + n]
+        # Pages of one size at page-aligned slots (the common case: a KV pool) move with one
+        # vectorised take/put over a (slots, page) view instead of a Python loop per page. The
+        # first and last pieces may be cut by the chunk grid, so only the middle run is tested.
+        if off.size > _VECTOR_MIN:
+            size = int(lens[1])
+            mid_off, mid_len = off[1:-1], lens[1:-1]
+            base = int(mid_off[0]) % size
+            if (mid_len == size).all() and ((mid_off - base) % size == 0).all():
+                pos = self._copy_loop(buf, off[:1], lens[:1], stage, 0, gather)
+                rows = (mid_off - base) // size
+                slots = (buf.size - base) // size
+                table = buf[base:base + slots * size].reshape(slots, size)
+                flat = stage[pos:pos + rows.size * size].reshape(rows.size, size)
+                if gather:
+                    np.take(table, rows, axis=0, out=flat)
+                else:
+                    table[rows] = flat
+                pos += rows.size * size
+                self._copy_loop(buf, off[-1:], lens[-1:], stage, pos, gather)
+                return
+        self._copy_loop(buf, off, lens, stage, pos, gather)
+
+    @staticmethod
+    def _copy_loop(buf: np.ndarray, off: np.ndarray, lens: np.ndarray, stage: np.ndarray,
+                   pos: int, gather: bool) -> int:
+        for o, n in zip(off.tolist(), lens.tolist(), strict=True):
+            if gather:
+                stage[pos:pos + n] = buf[o:o + n]
+            else:
+                buf[o:o + n] = stage[pos:pos + n]
             pos += n
+        return pos
 
     def __repr__(self) -> str:
         return (f"ChunkPlan(total={self.total}, chunk_bytes={self.chunk_bytes}, "

@@ -454,6 +454,10 @@ class UcxTransport(Transport):
     def _shutdown(self) -> None:
         # consume held message handles (into scratch) so UCX is left with nothing dangling
         try:
+            self._expect.clear()
+            for _ in range(3):
+                self._worker.progress()
+                self._probe()  # every arrived message is now held in _unexpected
             for probe in self._unexpected.values():
                 self._drop(probe)
             for _ in range(1000):
