@@ -81,3 +81,30 @@ def test_bad_flag_value_names_the_setting() -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "rank_ttl_s" in r.stderr
+
+
+def test_bound_socket_gives_accepted_connections_tcp_nodelay() -> None:
+    """Without TCP_NODELAY every answer waits ~40 ms (Nagle + delayed ACK): asyncio sets it on
+    accepted sockets only when the listening socket's proto is IPPROTO_TCP."""
+    import asyncio
+    import socket
+
+    from kvhandoff.bootstrap_server.testing import bind_socket
+
+    async def main() -> int:
+        sock = bind_socket("127.0.0.1", 0)
+        got: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            s = w.get_extra_info("socket")
+            got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            w.close()
+
+        server = await asyncio.start_server(on_conn, sock=sock)
+        _, w = await asyncio.open_connection(*sock.getsockname()[:2])
+        value = await asyncio.wait_for(got, 10)
+        w.close()
+        server.close()
+        return value
+
+    assert asyncio.run(main()) != 0

@@ -2,9 +2,9 @@
 write-route bearer-token check.
 
 Rules: dependencies are ``async def`` so they run on the event loop (a plain ``def`` would hop
-to the thread pool on every request). Everything a route needs comes through `Depends` from `app.state.kvhandoff` (set by
-`create_app`), never from a module global, so several apps can live in one process. The token
-check fails closed and compares in constant time.
+to the thread pool on every request). Everything a route needs comes through `Depends` from
+`app.state.kvhandoff` (set by `create_app`), never from a module global, so several apps can
+live in one process. The token check fails closed and compares in constant time.
 """
 
 from __future__ import annotations
