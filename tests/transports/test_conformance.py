@@ -485,3 +485,23 @@ def test_cross_process_both_directions(xkind: str) -> None:
     finally:
         tr.close()
         peer.close()
+
+
+@pytest.mark.parametrize("base", [0, 1000])
+def test_scatter_of_uniform_pages_matches_naive(base: int) -> None:
+    # page-aligned slots of one size take the vectorised scatter path; chunks cut pages
+    rng = np.random.default_rng(base)
+    page, slots, n = 4096, 400, 150
+    off = base + rng.choice(slots, n, replace=False).astype(np.int64) * page
+    nb = np.full(n, page, np.int64)
+    size = base + slots * page
+    src = rng.integers(0, 256, n * page, dtype=np.uint8)
+    for chunk in (5 * page + 123, 64 * page, 3 * page):
+        dst = np.zeros(size, np.uint8)
+        o, b = normalise_spans(off, nb, size)
+        plan = ChunkPlan(o, b, chunk)
+        for k in range(plan.nchunks):
+            start = k * chunk
+            plan.scatter(dst, k, src[start:start + plan.chunk_len(k)])
+        assert np.array_equal(stream(dst, off, nb), src)
+        assert int(np.count_nonzero(dst)) == int(np.count_nonzero(src))

@@ -154,10 +154,12 @@ class ChunkPlan:
         lo, hi = int(self._lo[k]), int(self._lo[k + 1])
         off, lens = self._off[lo:hi], self._len[lo:hi]
         pos = 0
-        # Pages of one size at page-aligned slots (the common case: a KV pool) move with one
-        # vectorised take/put over a (slots, page) view instead of a Python loop per page. The
+        # Scatter of pages of one size at page-aligned slots (the common case: a KV pool) is
+        # one vectorised put over a (slots, page) view instead of a Python loop per page; the
         # first and last pieces may be cut by the chunk grid, so only the middle run is tested.
-        if off.size > _VECTOR_MIN:
+        # (Measured: put 27 GB/s vs loop 22; for gathers np.take is slower than the loop, 12 vs
+        # 20 GB/s, so gathers keep the loop.)
+        if not gather and off.size > _VECTOR_MIN:
             size = int(lens[1])
             mid_off, mid_len = off[1:-1], lens[1:-1]
             base = int(mid_off[0]) % size
@@ -167,10 +169,7 @@ class ChunkPlan:
                 slots = (buf.size - base) // size
                 table = buf[base:base + slots * size].reshape(slots, size)
                 flat = stage[pos:pos + rows.size * size].reshape(rows.size, size)
-                if gather:
-                    np.take(table, rows, axis=0, out=flat)
-                else:
-                    table[rows] = flat
+                table[rows] = flat
                 pos += rows.size * size
                 self._copy_loop(buf, off[-1:], lens[-1:], stage, pos, gather)
                 return
