@@ -69,7 +69,7 @@ class BodyLimitMiddleware:
             msg = await receive()
             if msg["type"] != "http.request":
                 # client went away: let the app see the disconnect
-                await self.app(scope, _replay([], msg), send)
+                await self.app(scope, _replay([], msg, receive), send)
                 return
             body = msg.get("body", b"")
             total += len(body)
@@ -78,7 +78,7 @@ class BodyLimitMiddleware:
                 return
             chunks.append(body)
             more = msg.get("more_body", False)
-        await self.app(scope, _replay(chunks, None), send)
+        await self.app(scope, _replay(chunks, None, receive), send)
 
     async def _too_large(self, send: Send, declared: int | None) -> None:
         got = f"{declared} bytes declared" if declared is not None else "more was sent"
@@ -91,21 +91,21 @@ class BodyLimitMiddleware:
         )
 
 
-def _replay(chunks: list[bytes], final: Message | None) -> Receive:
+def _replay(chunks: list[bytes], final: Message | None, receive: Receive) -> Receive:
     body = b"".join(chunks)
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             if final is not None:
                 return final
             return {"type": "http.request", "body": body, "more_body": False}
-        # after the body, the only thing left to report is a disconnect
-        return {"type": "http.disconnect"}
+        # after the body, the server's own receive reports the disconnect when it comes
+        return await receive()
 
-    return receive
+    return replay
 
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
