@@ -1,7 +1,8 @@
 """`TransferAgent`: one per engine rank; moves the KV of its rooms per layer.
 
 How it works:
-- State: rooms (`rooms._Room`), peers (`_Peer`), guarded by one lock (`self._lock`). Engine
+- State: rooms (`rooms._Group`, one per room) made of legs (`rooms._Room`, one per peer),
+  peers (`_Peer`), guarded by one lock (`self._lock`). Engine
   threads, the control thread and transport callbacks all take it briefly; nothing blocking
   happens under it except posting non-blocking transport ops.
 - Control thread: owns every ZMQ socket (a ROUTER bound on the control address; one DEALER per
@@ -69,7 +70,7 @@ from kvhandoff.state_machine import (
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.buffers import BufferSet
 from kvhandoff.transfer.checksum import span_checksum, wants_checksum
-from kvhandoff.transfer.rooms import Receiver, Sender, _Room
+from kvhandoff.transfer.rooms import Receiver, Sender, _Group, _Room
 from kvhandoff.transfer.transports.base import Transport, load_transport
 
 log = logging.getLogger("kvhandoff.agent")
@@ -85,14 +86,17 @@ class _Peer:
     matched: bool = False
     hello_sent: bool = False
     rejected: str | None = None
+    layout: LayoutSpec | None = None
     last_seen: float = 0.0
     waiting: list[_Room] = field(default_factory=list)  # rooms waiting for the handshake
 
 
 def _layout_compat_diff(mine: LayoutSpec, theirs: LayoutSpec, names: tuple[str, str]) -> list[str]:
     """Differences that make a handoff impossible. Page sizes may differ (the span builder pairs
-    pages token by token), so they are compared with the page size set equal."""
-    return layout_diff(mine.with_page_size(1), theirs.with_page_size(1), names)
+    pages token by token) and TP ranks hold different heads of head-sharded regions (planes pair
+    by head name), so both are compared in their TP-invariant form with equal page sizes."""
+    return layout_diff(mine.with_page_size(1).tp_invariant(),
+                       theirs.with_page_size(1).tp_invariant(), names)
 
 
 class TransferAgent:
@@ -136,14 +140,15 @@ class TransferAgent:
         self._layer_order = {lid: i for i, lid in enumerate(sorted(
             {lid for r in layout.regions for lid in r.layer_ids}))}
         self._lock = threading.RLock()
-        self._rooms: dict[int, _Room] = {}
+        self._groups: dict[int, _Group] = {}
+        self._legs: dict[tuple[int, str], _Room] = {}
         self._peers: dict[str, _Peer] = {}
         self._early: dict[int, list[Any]] = {}
         self._xfer = itertools.count(1)
         self._outbox: deque[tuple[str, P.Message]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
-        self._pending_done: dict[int, list[P.LayerInfo]] = {}
+        self._pending_done: dict[tuple[int, str], list[P.LayerInfo]] = {}
         self._counters: dict[str, int] = {
             "messages_in": 0, "messages_out": 0, "rejected_messages": 0, "stale_messages": 0,
             "retransmits": 0, "checksum_failures": 0, "checksums_verified": 0, "bytes_sent": 0,
@@ -200,53 +205,59 @@ class TransferAgent:
         pages: np.ndarray | list[int] | Mapping[str, np.ndarray | list[int]],
         seq_len: int,
         on_release: Callable[[int], None] | None = None,
+        num_decode_ranks: int = 1,
     ) -> Sender:
         """Opens the prefill side of `room`: `pages` is the page table of the sequence (token 0
-        on; or a dict per region), `seq_len` its length in tokens."""
+        on; or a dict per region), `seq_len` its length in tokens. `num_decode_ranks` decode
+        ranks will read this room from this rank (decode TP > prefill TP: several; 0: none)."""
         self._need(Role.PREFILL, "sender")
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
-        r = self._new_room(room, on_release)
+        if num_decode_ranks < 0:
+            raise ConfigError(f"num_decode_ranks: expected >= 0, got {num_decode_ranks}")
+        table = self._page_table(pages, seq_len, 0, side="pages")
+        g = self._new_group(room, on_release, expected=num_decode_ranks)
         with self._lock:
-            r.seq_len = seq_len
-            r.page_size = self.layout.page_size_tokens
-            r.pages = self._page_table(pages, seq_len, 0, side="pages")
-            r.inited = True
+            g.seq_len = seq_len
+            g.pages = table
             for msg in self._early.pop(room, []):
-                self._dispatch_room_msg(r, msg)
+                self._room_msg(msg)
+            self._group_update(g)
         self._wake()
-        return Sender(self, r)
+        return Sender(self, g)
 
     def receiver(
         self,
         room: int,
         bootstrap_addr: str | None = None,
         *,
-        peer: str | None = None,
+        peer: str | list[str] | None = None,
         on_release: Callable[[int], None] | None = None,
     ) -> Receiver:
-        """Opens the decode side of `room`. The prefill is found through the bootstrap server
-        at `bootstrap_addr` (host:port or URL), or given directly as its agent `peer` address."""
+        """Opens the decode side of `room`. The prefill rank(s) are found through the bootstrap
+        server at `bootstrap_addr` (host:port or URL), or given directly as agent `peer`
+        address(es) (several when this rank gathers heads from several prefill ranks)."""
         self._need(Role.DECODE, "receiver")
         if peer is None and bootstrap_addr is None:
             raise ConfigError("receiver: give bootstrap_addr (the prefill's bootstrap server) "
                               "or peer (the prefill agent's control address)")
-        r = self._new_room(room, on_release)
+        g = self._new_group(room, on_release, expected=None)
         if peer is not None:
-            self._call(lambda: self._attach_peer(r, peer, 0))
+            peers = [peer] if isinstance(peer, str) else list(peer)
+            self._call(lambda: self._attach_peers(g, [(a, 0) for a in peers]))
         else:
             assert bootstrap_addr is not None
-            threading.Thread(target=self._resolve, args=(r, bootstrap_addr), daemon=True,
+            threading.Thread(target=self._resolve, args=(g, bootstrap_addr), daemon=True,
                              name=f"kvh-route-{room}").start()
-        return Receiver(self, r)
+        return Receiver(self, g)
 
     def status(self) -> dict[str, Any]:
         """What this agent is and how it fares (for /ready, metrics and the CLI)."""
         st = self.transport.status()
         with self._lock:
             states: dict[str, int] = {}
-            for r in self._rooms.values():
-                states[r.state.name] = states.get(r.state.name, 0) + 1
+            for g in self._groups.values():
+                states[g.state.name] = states.get(g.state.name, 0) + 1
             counters = dict(self._counters)
             peers = [{"addr": p.addr, "matched": p.matched, "rejected": p.rejected}
                      for p in self._peers.values()]
@@ -265,9 +276,9 @@ class TransferAgent:
             if self._closed:
                 return
             self._closed = True
-            rooms = [r for r in self._rooms.values() if not r.machine.is_terminal]
-        for r in rooms:
-            self._abort(r, "agent closed")
+            groups = [g for g in self._groups.values() if not g.done.is_set()]
+        for g in groups:
+            self._abort(g, "agent closed")
         if self._registration is not None:
             self._registration.close()
         self._wake()
@@ -298,24 +309,37 @@ class TransferAgent:
         if self._closed:
             raise KVHandoffError("agent is closed")
 
-    def _new_room(self, room: int, on_release: Callable[[int], None] | None) -> _Room:
+    def _new_group(self, room: int, on_release: Callable[[int], None] | None,
+                   expected: int | None) -> _Group:
         if not 0 <= room < 1 << 64:
             raise ConfigError(f"room: expected an unsigned 64-bit id, got {room}")
+        layers = tuple(sorted(self._layer_order))
+        g = _Group(room=room, role=self.role, layers=layers, expected=expected,
+                   on_release=on_release, t_created=time.monotonic())
+        g.layer_events = {lid: threading.Event() for lid in layers}
+        with self._lock:
+            old = self._groups.get(room)
+            if old is not None and not old.done.is_set():
+                raise ConfigError(f"room {room}: already open on this agent")
+            if old is not None:
+                for leg in old.legs:
+                    self._legs.pop((room, leg.peer or ""), None)
+            self._groups[room] = g
+        return g
+
+    def _new_leg(self, g: _Group, peer: str) -> _Room:
+        """(lock held) A leg of `g` with `peer`."""
         s = self.settings
         now = time.monotonic()
         deadlines = DeadlineConfig(
             bootstrap_s=s.bootstrap_timeout_s, waiting_for_input_s=s.waiting_timeout_s,
             transfer_stall_s=s.stall_timeout_s, lease_s=s.lease_s)
-        layers = tuple(sorted(self._layer_order))
-        r = _Room(room=room, role=self.role,
-                  machine=RoomMachine(self.role, now=now, deadlines=deadlines, layers=layers),
-                  layers=layers, on_release=on_release, t_created=now)
-        r.layer_events = {lid: threading.Event() for lid in layers}
-        with self._lock:
-            old = self._rooms.get(room)
-            if old is not None and not old.machine.is_terminal:
-                raise ConfigError(f"room {room}: already open on this agent")
-            self._rooms[room] = r
+        r = _Room(room=g.room, role=self.role,
+                  machine=RoomMachine(self.role, now=now, deadlines=deadlines, layers=g.layers),
+                  layers=g.layers, group=g, peer=peer, t_created=now)
+        r.layer_events = {lid: threading.Event() for lid in g.layers}
+        g.legs.append(r)
+        self._legs[(g.room, peer)] = r
         return r
 
     def _page_table(self, pages: Any, seq_len: int, prefix: int, *, side: str
@@ -347,64 +371,90 @@ class TransferAgent:
             out[reg.name] = arr
         return out
 
-    def _layer_ready(self, r: _Room, layer: int) -> None:
-        if layer not in r.layer_events:
+    def _layer_ready(self, g: _Group, layer: int) -> None:
+        if layer not in g.layer_events:
             raise ConfigError(f"layer_ready({layer}): not a layer of the layout")
         s = self.settings
         if s.fault_crash_layer is not None and layer == s.fault_crash_layer:
             log.error("fault injection: crashing at layer %d", layer)
             os._exit(137)
         with self._lock:
-            if layer in r.ready:
+            if layer in g.ready:
                 return
-            r.ready.append(layer)
-            r.t_last_ready = time.monotonic()
-            if r.accepted and not r.machine.is_terminal:
-                self._post_layer(r, layer, 0)
+            g.ready.append(layer)
+            g.t_last_ready = time.monotonic()
+            for r in g.legs:
+                if r.accepted and not r.machine.is_terminal:
+                    self._post_layer(r, layer, 0)
         self._wake()
 
-    def _receiver_init(self, r: _Room, dst_pages: Any, seq_len: int, prefix: int) -> None:
+    def _receiver_init(self, g: _Group, dst_pages: Any, seq_len: int, prefix: int) -> None:
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
         if not 0 <= prefix <= seq_len:
             raise ConfigError(f"decode_prefix_len: expected 0..{seq_len}, got {prefix}")
         table = self._page_table(dst_pages, seq_len, prefix, side="dst_pages")
         with self._lock:
-            if r.inited:
-                raise ConfigError(f"room {r.room}: init() called twice")
-            r.seq_len = seq_len
-            r.prefix_len = page_aligned(prefix, self.layout.page_size_tokens)
-            r.page_size = self.layout.page_size_tokens
-            r.pages = table
-            r.inited = True
-            self._maybe_request(r)
+            if g.pages is not None:
+                raise ConfigError(f"room {g.room}: init() called twice")
+            g.seq_len = seq_len
+            g.pages = (table, page_aligned(prefix, self.layout.page_size_tokens))
+            for r in g.legs:
+                self._init_leg(r)
         self._wake()
 
-    def _abort(self, r: _Room, reason: str) -> None:
+    def _init_leg(self, r: _Room) -> None:
+        """(lock held) Decode: give a leg the engine's pages once both exist; maybe request."""
+        g = r.group
+        assert g is not None
+        if g.pages is None or r.inited:
+            return
+        table, prefix = g.pages
+        r.seq_len, r.prefix_len, r.pages = g.seq_len, prefix, table
+        r.page_size = self.layout.page_size_tokens
+        r.inited = True
+        self._maybe_request(r)
+
+    def _abort(self, g: _Group, reason: str) -> None:
         with self._lock:
-            self._fail(r, Aborted(reason=reason, by=self.role), notify="abort")
+            if g.legs:
+                for r in g.legs:
+                    self._fail(r, Aborted(reason=reason, by=self.role), notify="abort")
+            self._fail_group(g, f"aborted by {self.role.value}: {reason}")
         self._wake()
 
     # ------------------------------------------------------------------ peers and handshake
 
-    def _resolve(self, r: _Room, bootstrap_addr: str) -> None:
+    def _resolve(self, g: _Group, bootstrap_addr: str) -> None:
         try:
             from kvhandoff.transfer.registration import lookup_prefill
 
-            addr, gen = lookup_prefill(self, r.room, bootstrap_addr)
+            sources = lookup_prefill(self, g.room, bootstrap_addr)
         except KVHandoffError as e:
             with self._lock:
-                self._fail(r, PeerLost(reason=f"bootstrap lookup failed: {e}"), notify=None)
+                self._fail_group(g, f"bootstrap lookup failed: {e}")
             self._wake()
             return
-        self._call(lambda: self._attach_peer(r, addr, gen))
+        self._call(lambda: self._attach_peers(g, sources))
+
+    def _attach_peers(self, g: _Group, sources: list[tuple[str, int]]) -> None:
+        """(lock held) Decode: one leg per prefill rank to read from; starts the handshakes."""
+        if g.failure is not None:
+            return
+        if not sources:
+            self._fail_group(g, "no prefill rank to read this room from")
+            return
+        g.expected = len(sources)
+        for addr, gen in sources:
+            r = self._new_leg(g, addr)
+            self._attach_peer(r, addr, gen)
+            self._init_leg(r)
 
     def _attach_peer(self, r: _Room, addr: str, gen: int) -> None:
-        """(lock held) Ties a decode room to its prefill peer; starts the handshake."""
+        """(lock held) Ties a decode leg to its prefill peer; starts the handshake."""
         if r.machine.is_terminal:
             return
         p = self._peer(addr)
-        r.peer = addr
         if p.rejected:
             self._fail(r, PeerLost(reason=p.rejected), notify="failed")
             return
@@ -442,12 +492,44 @@ class TransferAgent:
         if (r.role is not Role.DECODE or r.request_sent or not r.inited
                 or not r.machine.peer_matched or r.machine.is_terminal or r.peer is None):
             return
+        p = self._peers.get(r.peer)
+        if p is None or p.layout is None:
+            return
+        # Claim the planes this leg brings: those the source holds that no other leg of the
+        # room claimed yet (replicated regions: the first leg takes all; head slices: by name).
+        g = r.group
+        assert g is not None
+        claimed = {name: set() for name in self._region_index}  # type: dict[str, set[str]]
+        for other in g.legs:
+            if other is not r and other.planes:
+                for name, pl in other.planes.items():
+                    claimed[name].update(pl)
+        planes: dict[str, list[str]] = {}
+        for reg in self.layout.regions:
+            try:
+                theirs = {pl.name for pl in p.layout.region(reg.name).planes}
+            except KVHandoffError:
+                theirs = set()
+            planes[reg.name] = [pl.name for pl in reg.planes
+                                if pl.name in theirs and pl.name not in claimed[reg.name]]
+        r.planes = planes
         r.request_sent = True
         r.xfer = next(self._xfer)
         self._send(r.peer, P.TransferRequest(
             src=self.address, gen=self.generation, room=r.room, xfer=r.xfer, peer_gen=r.peer_gen,
             seq_len=r.seq_len, decode_prefix_len=r.prefix_len, page_size=r.page_size,
-            dst_pages={k: v.tolist() for k, v in r.pages.items()}, lease_s=self.settings.lease_s))
+            dst_pages={k: v.tolist() for k, v in r.pages.items()}, lease_s=self.settings.lease_s,
+            planes=planes))
+        if g.expected is not None and len(g.legs) == g.expected and all(
+                leg.request_sent for leg in g.legs):
+            for reg in self.layout.regions:
+                have = set().union(*(set((leg.planes or {}).get(reg.name, [])) for leg in g.legs))
+                missing = [pl.name for pl in reg.planes if pl.name not in have]
+                if missing:
+                    self._fail(r, RemoteFailed(
+                        reason=f"{reg.name}: no prefill rank of this room holds planes "
+                               f"{missing}"), notify="failed")
+                    return
 
     def _check_hello(self, msg: P.Hello) -> list[str]:
         """Reasons to refuse a Hello (empty: accept)."""
@@ -477,6 +559,11 @@ class TransferAgent:
             p = self._peer(msg.src)
         problems = self._check_hello(msg)
         p.gen, p.agent_id, p.last_seen = msg.gen, msg.agent_id, time.monotonic()
+        if not problems:
+            try:
+                p.layout = LayoutSpec.from_dict(msg.layout)
+            except KVHandoffError as e:
+                problems = [f"layout: peer sent an invalid layout: {e}"]
         if problems:
             reason = "layout mismatch: " + "; ".join(problems)
             p.rejected = reason
@@ -509,7 +596,7 @@ class TransferAgent:
     def _peer_lost(self, p: _Peer, reason: str) -> None:
         """(lock held) Fails every open room with this peer and forgets the handshake."""
         self._counters["peers_lost"] += 1
-        for r in list(self._rooms.values()):
+        for r in list(self._legs.values()):
             if r.peer == p.addr and not r.machine.is_terminal:
                 self._fail(r, PeerLost(reason=reason), notify="failed")
         for r in p.waiting:
@@ -553,8 +640,8 @@ class TransferAgent:
             if isinstance(msg, P.Heartbeat):
                 now = time.monotonic()
                 for room in msg.rooms:
-                    r = self._rooms.get(room)
-                    if r is not None and r.peer == p.addr and not r.machine.is_terminal:
+                    r = self._legs.get((room, p.addr))
+                    if r is not None and not r.machine.is_terminal:
                         r.machine.apply(LeaseRenewed(), now)
                 return
             if isinstance(msg, P.Reject):
@@ -563,17 +650,34 @@ class TransferAgent:
             self._room_msg(msg)
 
     def _room_msg(self, msg: Any) -> None:
-        r = self._rooms.get(msg.room)
-        if r is None or (r.role is Role.PREFILL and not r.inited):
-            if len(self._early) < _EARLY_LIMIT:
+        """(lock held) Routes a room message to its leg (creating a prefill leg on request)."""
+        r = self._legs.get((msg.room, msg.src))
+        g = self._groups.get(msg.room)
+        if r is None and g is not None and self.role is Role.PREFILL:
+            if isinstance(msg, P.TransferRequest):
+                if g.failure is not None:
+                    self._send(msg.src, P.Failed(src=self.address, gen=self.generation,
+                                                 room=g.room, reason=g.failure))
+                    return
+                if g.expected is not None and len(g.legs) >= g.expected:
+                    self._send(msg.src, P.Failed(
+                        src=self.address, gen=self.generation, room=g.room,
+                        reason=f"room {g.room} already has its {g.expected} decode rank(s) on "
+                               "this prefill rank"))
+                    return
+                r = self._new_leg(g, msg.src)
+                r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
+                r.inited = True
+            elif isinstance(msg, P.Failed | P.Abort):
+                self._fail_group(g, f"peer failed the room: {msg.reason}")
+                return
+        if r is None:
+            if g is None and len(self._early) < _EARLY_LIMIT:
                 self._early.setdefault(msg.room, []).append(msg)
             return
         self._dispatch_room_msg(r, msg)
 
     def _dispatch_room_msg(self, r: _Room, msg: Any) -> None:
-        if r.peer is not None and msg.src != r.peer:
-            self._counters["stale_messages"] += 1
-            return
         if isinstance(msg, P.Failed):
             self._fail(r, RemoteFailed(reason=f"peer failed the room: {msg.reason}"), notify=None)
         elif isinstance(msg, P.Abort):
@@ -629,10 +733,14 @@ class TransferAgent:
                 page_aligned(r.prefix_len, r.page_size) // r.page_size
                 if reg.send_from is SendFrom.DECODE_PREFIX else 0:]
                 for reg in self.layout.regions}
+            if p is None or p.layout is None:
+                raise ConfigError("transfer request before the decode's Hello")
+            r.planes = msg.planes
             r.plans = self._plans(r, src_pages=r.pages, src_ps=r.page_size,
                                   dst_pages={k: np.asarray(v, dtype=np.int64)
                                              for k, v in msg.dst_pages.items()},
-                                  dst_ps=msg.page_size)
+                                  dst_ps=msg.page_size, src_layout=self.layout,
+                                  dst_layout=p.layout)
         except KVHandoffError as e:
             r.peer = msg.src
             self._fail(r, RemoteFailed(reason=f"invalid transfer request: {e}"), notify="failed")
@@ -646,24 +754,32 @@ class TransferAgent:
         self._send(msg.src, P.TransferAccepted(
             src=self.address, gen=self.generation, room=r.room, page_size=r.page_size,
             src_pages={k: v.tolist() for k, v in r.pages.items()}))
-        for layer in r.ready:
+        g = r.group
+        assert g is not None
+        for layer in g.ready:
             self._post_layer(r, layer, 0)
 
     def _plans(self, r: _Room, *, src_pages: Mapping[str, np.ndarray], src_ps: int,
-               dst_pages: Mapping[str, np.ndarray], dst_ps: int) -> dict[str, Any]:
-        """The span plan of each region (the same for every layer of the region): both sides
-        call this with the same arguments."""
+               dst_pages: Mapping[str, np.ndarray], dst_ps: int, src_layout: LayoutSpec,
+               dst_layout: LayoutSpec) -> dict[str, Any]:
+        """The span plan of each region this leg moves (the same for every layer of the
+        region): both sides call this with the same arguments. Regions whose planes this leg
+        does not bring (another leg does) are left out."""
         plans = {}
         for reg in self.layout.regions:
+            wanted = (r.planes or {}).get(reg.name)
+            if r.planes is not None and not wanted:
+                continue
             if reg.name not in src_pages or reg.name not in dst_pages:
                 raise ConfigError(f"pages: region {reg.name!r} missing")
             first = r.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
             plans[reg.name] = build_spans(
-                reg, token_start=first, token_end=r.seq_len,
+                src_layout.region(reg.name), token_start=first, token_end=r.seq_len,
                 src_pages=src_pages[reg.name], src_page_size=src_ps,
                 src_first_token=page_aligned(first, src_ps),
                 dst_pages=dst_pages[reg.name], dst_page_size=dst_ps,
-                dst_first_token=page_aligned(first, dst_ps))
+                dst_first_token=page_aligned(first, dst_ps),
+                dst_region=dst_layout.region(reg.name), planes=wanted)
         return plans
 
     def _on_accepted(self, r: _Room, msg: P.TransferAccepted) -> None:
@@ -671,9 +787,13 @@ class TransferAgent:
         if r.accepted:
             return
         try:
+            p = self._peers.get(r.peer or "")
+            if p is None or p.layout is None:
+                raise ConfigError("TransferAccepted before the prefill's Hello")
             r.plans = self._plans(r, src_pages={k: np.asarray(v, dtype=np.int64)
                                                 for k, v in msg.src_pages.items()},
-                                  src_ps=msg.page_size, dst_pages=r.pages, dst_ps=r.page_size)
+                                  src_ps=msg.page_size, dst_pages=r.pages, dst_ps=r.page_size,
+                                  src_layout=p.layout, dst_layout=self.layout)
         except KVHandoffError as e:
             self._fail(r, RemoteFailed(reason=f"invalid TransferAccepted: {e}"), notify="failed")
             return
@@ -684,8 +804,9 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ data path
 
-    def _regions_of(self, layer: int) -> list[str]:
-        return [reg.name for reg in self.layout.regions_of_layer(layer)]
+    def _regions_of(self, r: _Room, layer: int) -> list[str]:
+        """The regions of `layer` this leg moves."""
+        return [reg.name for reg in self.layout.regions_of_layer(layer) if reg.name in r.plans]
 
     def _post_layer(self, r: _Room, layer: int, attempt: int) -> None:
         """(lock held) Prefill: checksum and send every region of `layer`."""
@@ -694,10 +815,15 @@ class TransferAgent:
             log.warning("fault injection: stalling layer %d", layer)
             return
         r.posted[layer] = attempt
-        regions = self._regions_of(layer)
+        regions = self._regions_of(r, layer)
         want = wants_checksum(s.checksum, self._layer_order[layer], len(self._layer_order))
         sums: dict[str, int | None] = {}
         r.outstanding[(layer, attempt)] = len(regions)
+        r.sums[(layer, attempt)] = sums
+        if not regions:  # another leg of the room brings this layer's planes
+            r.outstanding[(layer, attempt)] = 1
+            self._sent(r, layer, attempt, "", None)
+            return
         for name in regions:
             plan = r.plans[name]
             buf = self.buffers.array(name, layer)
@@ -712,7 +838,9 @@ class TransferAgent:
     def _post_recv_layer(self, r: _Room, layer: int, attempt: int) -> None:
         r.posted[layer] = attempt
         r.recv_done[(layer, attempt)] = set()
-        for name in self._regions_of(layer):
+        if not self._regions_of(r, layer):
+            self._try_verify(r, layer, attempt)
+        for name in self._regions_of(r, layer):
             plan = r.plans[name]
             tag = P.data_tag(r.xfer, layer, self._region_index[name], attempt)
             r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
@@ -742,7 +870,7 @@ class TransferAgent:
             self._fail(r, PeerLost(reason=f"send of layer {layer} {region} failed: {exc}"),
                        notify="failed")
             return
-        nbytes = r.plans[region].total_bytes
+        nbytes = r.plans[region].total_bytes if region else 0
         r.bytes_moved += nbytes
         self._counters["bytes_sent"] += nbytes
         key = (layer, attempt)
@@ -753,8 +881,8 @@ class TransferAgent:
         sums = r.sums.get(key, {})
         info = P.LayerInfo(layer=layer, attempt=attempt, regions=[
             P.RegionDone(region=n, nbytes=r.plans[n].total_bytes, checksum=sums.get(n))
-            for n in self._regions_of(layer)])
-        self._pending_done.setdefault(r.room, []).append(info)
+            for n in self._regions_of(r, layer)])
+        self._pending_done.setdefault((r.room, r.peer or ""), []).append(info)
         if attempt == 0:
             self._apply(r, LayerSent(layer=layer))
 
@@ -772,7 +900,7 @@ class TransferAgent:
         """(lock held) Decode: once a layer's bytes and its LayerDone are both here, verify."""
         if r.role is not Role.DECODE or r.machine.is_terminal or r.posted.get(layer) != attempt:
             return
-        regions = self._regions_of(layer)
+        regions = self._regions_of(r, layer)
         got = r.recv_done.get((layer, attempt), set())
         sums = r.sums.get((layer, attempt))
         if sums is None or len(got) < len(regions):
@@ -808,6 +936,11 @@ class TransferAgent:
             self._counters["bytes_received"] += n
         self._apply(r, LayerLanded(layer=layer))
         r.layer_events[layer].set()
+        g = r.group
+        assert g is not None
+        if g.expected is not None and len(g.legs) == g.expected and all(
+                leg.layer_events[layer].is_set() for leg in g.legs):
+            g.layer_events[layer].set()
         if all(ev.is_set() for ev in r.layer_events.values()):
             self._apply(r, AllLayersLanded())
             self._send(r.peer or "", P.RoomAck(src=self.address, gen=self.generation,
@@ -851,29 +984,68 @@ class TransferAgent:
                 except KVHandoffError:
                     pass
         r.done.set()
+        g = r.group
+        assert g is not None
+        if not ok and g.failure is None:
+            g.failure = r.machine.failure or "failed"
+            for other in g.legs:
+                if other is not r and not other.machine.is_terminal:
+                    self._fail(other, RemoteFailed(reason=f"another rank of the room failed: "
+                                                          f"{g.failure}"), notify="failed")
         self._maybe_release(r)
 
-    def _maybe_release(self, r: _Room) -> None:
-        if r.inflight_tags or r.released.is_set():
-            return
-        r.released.set()
-        if r.on_release is not None:
-            try:
-                r.on_release(r.room)
-            except Exception:  # an engine callback must not kill the agent
-                log.exception("on_release callback of room %d raised", r.room)
+    def _fail_group(self, g: _Group, reason: str) -> None:
+        """(lock held) Fails a room that may have no legs yet (abort, failed lookup)."""
+        if g.failure is None and not g.done.is_set():
+            g.failure = reason
+            log.info("room %d (%s) failed: %s", g.room, self.role.value, reason)
+            for r in g.legs:
+                self._fail(r, RemoteFailed(reason=reason), notify="failed")
+        self._group_update(g)
 
-    def _room_stats(self, r: _Room) -> dict[str, Any]:
+    def _group_update(self, g: _Group) -> None:
+        """(lock held) Marks the room done / released once its legs allow."""
+        if g.state.is_terminal and not g.done.is_set():
+            g.t_done = time.monotonic()
+            if g.failure is not None:
+                for ev in g.layer_events.values():
+                    ev.set()  # wake waiters; wait_for_layer reports False for a failed room
+            g.done.set()
+        if g.done.is_set() and not g.released.is_set() and all(
+                leg.released.is_set() for leg in g.legs):
+            g.released.set()
+            if g.on_release is not None:
+                try:
+                    g.on_release(g.room)
+                except Exception:  # an engine callback must not kill the agent
+                    log.exception("on_release callback of room %d raised", g.room)
+
+    def _maybe_release(self, r: _Room) -> None:
+        if not r.inflight_tags and not r.released.is_set():
+            r.released.set()
+        if r.group is not None:
+            self._group_update(r.group)
+
+    def _room_stats(self, g: _Group) -> dict[str, Any]:
         with self._lock:
+            desc: dict[str, int] = {}
+            before: dict[str, int] = {}
+            per_region: dict[str, int] = {}
+            for r in g.legs:
+                for k, p in r.plans.items():
+                    layers = len(self.layout.region(k).layer_ids)
+                    desc[k] = desc.get(k, 0) + p.count * layers
+                    before[k] = before.get(k, 0) + p.descriptors_before * layers
+                    per_region[k] = per_region.get(k, 0) + p.total_bytes * layers
             return {
-                "room": r.room, "state": r.machine.state.name, "failure": r.machine.failure,
-                "bytes": r.bytes_moved, "retransmits": r.retransmits,
-                "checksums_verified": r.checksums_verified,
-                "descriptors": {k: p.count for k, p in r.plans.items()},
-                "descriptors_before": {k: p.descriptors_before for k, p in r.plans.items()},
-                "bytes_per_region": {k: p.total_bytes * len(self.layout.region(k).layer_ids)
-                                     for k, p in r.plans.items()},
-                "t_created": r.t_created, "t_last_ready": r.t_last_ready, "t_done": r.t_done,
+                "room": g.room, "state": g.state.name, "failure": g.failure,
+                "legs": len(g.legs), "peers": [r.peer for r in g.legs],
+                "bytes": sum(r.bytes_moved for r in g.legs),
+                "retransmits": sum(r.retransmits for r in g.legs),
+                "checksums_verified": sum(r.checksums_verified for r in g.legs),
+                "descriptors": desc, "descriptors_before": before,
+                "bytes_per_region": per_region,
+                "t_created": g.t_created, "t_last_ready": g.t_last_ready, "t_done": g.t_done,
             }
 
     # ------------------------------------------------------------------ control thread
@@ -965,11 +1137,10 @@ class TransferAgent:
             _, _, fn = heapq.heappop(self._timers)
             fn()
         with self._lock:
-            for room, infos in self._pending_done.items():
-                r = self._rooms.get(room)
-                if r is not None and r.peer:
-                    self._send(r.peer, P.LayerDone(src=self.address, gen=self.generation,
-                                                   room=room, layers=infos))
+            for (room, peer), infos in self._pending_done.items():
+                if peer:
+                    self._send(peer, P.LayerDone(src=self.address, gen=self.generation,
+                                                 room=room, layers=infos))
             self._pending_done.clear()
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + hb
@@ -979,14 +1150,14 @@ class TransferAgent:
     def _heartbeats(self, now: float, hb: float) -> None:
         """(lock held) Heartbeats out, dead peers and expired deadlines in."""
         by_peer: dict[str, list[int]] = {}
-        for r in self._rooms.values():
-            if r.machine.is_terminal:
-                continue
-            if r.peer is not None:
+        for r in self._legs.values():
+            if not r.machine.is_terminal and r.peer is not None:
                 by_peer.setdefault(r.peer, []).append(r.room)
-            elif r.role is Role.PREFILL:
-                # no decode yet: the bootstrap deadline bounds this wait, not the lease
-                r.machine.apply(LeaseRenewed(), now)
+        for g in list(self._groups.values()):
+            waited = now - g.t_created
+            if (not g.done.is_set() and (g.expected is None or len(g.legs) < g.expected)
+                    and waited > self.settings.bootstrap_timeout_s):
+                self._fail_group(g, f"bootstrap deadline expired: no peer after {waited:.1f}s")
         for p in list(self._peers.values()):
             if p.matched or p.hello_sent:
                 self._send(p.addr, P.Heartbeat(src=self.address, gen=self.generation,
@@ -995,7 +1166,7 @@ class TransferAgent:
             if (p.matched or p.waiting) and silent > 2 * hb:
                 self._peer_lost(p, f"peer {p.addr} silent for {silent:.2f}s "
                                    f"(> 2 heartbeats of {hb:g}s)")
-        for r in list(self._rooms.values()):
+        for r in list(self._legs.values()):
             if not r.machine.is_terminal:
                 for which in r.machine.expired(now):
                     self._fail(r, DeadlineExpired(which=which), notify="failed")
@@ -1004,9 +1175,10 @@ class TransferAgent:
 
     def _gc(self, now: float) -> None:
         keep = 600.0
-        for room in [k for k, r in self._rooms.items()
-                     if r.released.is_set() and r.t_done is not None and now - r.t_done > keep]:
-            del self._rooms[room]
+        for room in [k for k, g in self._groups.items()
+                     if g.released.is_set() and g.t_done is not None and now - g.t_done > keep]:
+            for r in self._groups.pop(room).legs:
+                self._legs.pop((room, r.peer or ""), None)
 
     def _flush(self) -> None:
         while self._outbox:
@@ -1019,5 +1191,3 @@ class TransferAgent:
             except zmq.ZMQError as e:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)
 
-    def _tick_if_idle(self) -> None:
-        """Nothing to do: the control thread runs the timers."""

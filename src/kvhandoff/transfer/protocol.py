@@ -81,6 +81,7 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     page_size: int
     dst_pages: dict[str, list[int]]  # per region; suffix-only regions list suffix pages only
     lease_s: float
+    planes: dict[str, list[str]] | None = None  # per region, the planes wanted from this peer
 
 
 class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):

@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvhandoff.errors import BootstrapError, BootstrapNotFound, KVHandoffError
+from kvhandoff.kv_layout import TPSplit, layout_hash
 
 if TYPE_CHECKING:
     from kvhandoff.transfer.agent import TransferAgent
@@ -52,7 +53,8 @@ class Registration:
         a_status = a.transport.status()
         self._client.register_rank(
             role="prefill", agent_address=a.address, generation=str(a.generation),
-            layout=a.layout, layout_hash=a.layout_hash, dp_size=a.dp_size, tp_size=a.tp_size,
+            layout=a.layout.tp_invariant(), layout_hash=layout_hash(a.layout.tp_invariant()),
+            dp_size=a.dp_size, tp_size=a.tp_size,
             transport=a_status.kind, **self._ident())
         self.registered.set()
         self.error = None
@@ -90,17 +92,21 @@ class Registration:
         self._client.close()
 
 
-def lookup_prefill(agent: TransferAgent, room: int, bootstrap_addr: str) -> tuple[str, int]:
-    """The control address and generation of the prefill rank serving `room` for this decode
-    rank (replicated regions: exactly one source)."""
+def lookup_prefill(agent: TransferAgent, room: int, bootstrap_addr: str) -> list[tuple[str, int]]:
+    """The control addresses and generations of the prefill ranks this decode rank reads
+    `room` from: one rank when every region is replicated (MLA), the ranks holding its heads
+    when a region is head-sharded (GQA; several when decode TP < prefill TP)."""
+    replicated = all(r.tp_split is TPSplit.REPLICATED for r in agent.layout.regions)
     with _client(agent, bootstrap_addr) as c:
         ranks = c.lookup_route(room=room, tp_rank=agent.tp_rank, tp_size=agent.tp_size,
-                               replicated=True)
+                               replicated=replicated)
     if not ranks:
         raise BootstrapError(f"bootstrap server {bootstrap_addr}: no prefill rank for room {room}")
-    info = ranks[0]
-    try:
-        gen = int(info.generation)
-    except ValueError:
-        gen = 0
-    return info.agent_address, gen
+    out = []
+    for info in ranks:
+        try:
+            gen = int(info.generation)
+        except ValueError:
+            gen = 0
+        out.append((info.agent_address, gen))
+    return out

@@ -1,6 +1,11 @@
 """Rooms: the per-request state an agent keeps, and the handles engines hold.
 
 Rules:
+- A room on one agent is a `_Group` of legs; a leg (`_Room`) is the transfer with ONE peer.
+  A decode rank gathering heads from several prefill ranks has several legs; a prefill rank
+  serving several decode ranks (decode TP > prefill TP) has one leg per decode rank. The group
+  is Success when all its expected legs are, and Failed as soon as one leg fails (the others
+  are then failed too, with the reason).
 - A `_Room` is mutated only under its agent's lock; its life cycle is its `RoomMachine`
   (`kvhandoff.state_machine`), never an ad-hoc flag.
 - Handles (`Sender`, `Receiver`) are small: they forward to the agent, which owns the room.
@@ -28,11 +33,45 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
+class _Group:
+    """One room on one agent: its legs and what the engine gave."""
+
+    room: int
+    role: Role
+    layers: tuple[int, ...]
+    expected: int | None  # legs this room needs (None: not known yet, decode before routing)
+    legs: list[_Room] = field(default_factory=list)
+    seq_len: int = 0
+    pages: Any = None  # the engine's page table (prefill: copied into each leg on request)
+    ready: list[int] = field(default_factory=list)  # prefill: layers marked ready, in order
+    failure: str | None = None
+    layer_events: dict[int, threading.Event] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    on_release: Callable[[int], None] | None = None
+    t_created: float = 0.0
+    t_last_ready: float | None = None
+    t_done: float | None = None
+
+    @property
+    def state(self) -> KVPoll:
+        if self.failure is not None:
+            return KVPoll.Failed
+        if self.expected is not None and len(self.legs) >= self.expected:
+            if not self.legs:
+                return KVPoll.Success
+            return min(leg.machine.state for leg in self.legs)
+        return min([KVPoll.Bootstrapping] + [leg.machine.state for leg in self.legs])
+
+
+@dataclass(eq=False)
 class _Room:
     room: int
     role: Role
     machine: RoomMachine
     layers: tuple[int, ...]  # layer ids that move, in order
+    group: _Group | None = None
+    planes: dict[str, list[str]] | None = None  # decode: the planes this leg brings per region
     peer: str | None = None  # control address of the other side
     peer_gen: int = 0
     xfer: int = 0
@@ -67,55 +106,54 @@ class _Room:
 
 
 class _Handle:
-    __slots__ = ("room", "_agent", "_r")
+    __slots__ = ("room", "_agent", "_g")
 
-    def __init__(self, agent: TransferAgent, r: _Room) -> None:
-        self.room = r.room
+    def __init__(self, agent: TransferAgent, g: _Group) -> None:
+        self.room = g.room
         self._agent = agent
-        self._r = r
+        self._g = g
 
     def poll(self) -> KVPoll:
-        """The room's state (KVPoll); Failed and Success are final."""
-        self._agent._tick_if_idle()
-        return self._r.machine.state
+        """The room's state (KVPoll, the worst of its legs); Failed and Success are final."""
+        return self._g.state
 
     @property
     def failure(self) -> str | None:
         """Why the room failed (None unless `poll()` is Failed)."""
-        return self._r.machine.failure
+        return self._g.failure
 
     @property
     def released(self) -> bool:
         """Whether the room's pages may be reused (terminal, nothing in flight)."""
-        return self._r.released.is_set()
+        return self._g.released.is_set()
 
     def wait(self, timeout: float) -> KVPoll:
         """Blocks until the room is terminal or `timeout` seconds passed; returns the state."""
-        self._r.done.wait(timeout)
-        return self._r.machine.state
+        self._g.done.wait(timeout)
+        return self._g.state
 
     def wait_released(self, timeout: float) -> bool:
         """Blocks until the pages are released (bounded by `timeout`); whether they are."""
-        return self._r.released.wait(timeout)
+        return self._g.released.wait(timeout)
 
     def abort(self, reason: str = "aborted by the engine") -> None:
         """Fails the room on both sides with `reason`; safe to call twice or after the end."""
-        self._agent._abort(self._r, reason)
+        self._agent._abort(self._g, reason)
 
     def stats(self) -> dict[str, Any]:
         """Byte and timing figures of the room (for demo/bench output)."""
-        return self._agent._room_stats(self._r)
+        return self._agent._room_stats(self._g)
 
     def __repr__(self) -> str:
         cls = type(self).__name__
         failure = f", failure={self.failure!r}" if self.failure else ""
-        return f"{cls}(room={self.room}, state={self._r.machine.state.name}{failure})"
+        return f"{cls}(room={self.room}, state={self._g.state.name}{failure})"
 
     def __enter__(self) -> _Handle:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._r.machine.is_terminal:
+        if not self._g.done.is_set():
             self.abort("handle closed before the room finished")
 
 
@@ -129,7 +167,7 @@ class Sender(_Handle):
         agent waits on it before reading the pages."""
         if event is not None:
             event.synchronize()
-        self._agent._layer_ready(self._r, layer_id)
+        self._agent._layer_ready(self._g, layer_id)
 
 
 class Receiver(_Handle):
@@ -146,13 +184,13 @@ class Receiver(_Handle):
         """Offers destination pages: one page table covering the whole sequence from token 0
         (suffix-only regions use its pages from the page-aligned prefix on), or a dict per
         region. `decode_prefix_len` tokens are already held (their indexer rows stay)."""
-        self._agent._receiver_init(self._r, dst_pages, seq_len, decode_prefix_len)
+        self._agent._receiver_init(self._g, dst_pages, seq_len, decode_prefix_len)
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
-        """Blocks until `layer_id` landed and verified (True), or the room failed or `timeout`
-        passed (False). The caller bounds the wait."""
-        ev = self._r.layer_events.get(layer_id)
+        """Blocks until `layer_id` landed and verified on every leg (True), or the room failed
+        or `timeout` passed (False). The caller bounds the wait."""
+        ev = self._g.layer_events.get(layer_id)
         if ev is None:
             raise TransferTimeout(f"layer {layer_id}: not a layer of this room's layout")
-        deadline_hit = not ev.wait(timeout)
-        return not deadline_hit and self._r.machine.state is not KVPoll.Failed
+        landed = ev.wait(timeout)
+        return landed and self._g.failure is None
