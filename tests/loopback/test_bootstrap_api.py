@@ -257,3 +257,19 @@ def test_async_client_round_trip(bootstrap_server: Server) -> None:
             return [r.tp_rank for r in await c.lookup_route(room=room)]
 
     assert asyncio.run(main()) == [0]
+
+
+def test_gqa_tp_ranks_with_their_own_heads_form_one_engine(bootstrap_server: Server) -> None:
+    url = bootstrap_server()
+    c = BootstrapClient(url, total_wait_s=0)
+    per_rank = [preset("llama-3.1-8b", tp_size=2, tp_rank=tp) for tp in range(2)]
+    assert layout_hash(per_rank[0]) != layout_hash(per_rank[1])  # different heads per rank
+    for tp, lay in enumerate(per_rank):
+        c.register_rank(engine_id="g", role="prefill", agent_address=f"h:{7000 + tp}",
+                        generation="g", layout=lay, tp_rank=tp, tp_size=2)
+    got = c.lookup_route(engine_id="g", dp_rank=0, tp_rank=0, tp_size=1)
+    assert [r.layout_hash for r in got] == [layout_hash(x) for x in per_rank]
+    # a real difference (page size) is still refused
+    with pytest.raises(BootstrapConflict, match="page_size_tokens"):
+        c.register_rank(engine_id="g", role="prefill", agent_address="h:7001", generation="g",
+                        layout=per_rank[1].with_page_size(32), tp_rank=1, tp_size=2)

@@ -106,7 +106,8 @@ class RankRecord:
 
 @dataclass(slots=True)
 class EngineRecord:
-    """An engine: fixed by its first registrant."""
+    """An engine: fixed by its first registrant. `layout` / `layout_hash` are what every rank
+    of the engine shares (the TP-invariant form for head-sharded layouts)."""
 
     engine_id: str
     role: Role
@@ -144,6 +145,17 @@ class Registration:
     transport: str
     attributes: Mapping[str, Any] = field(default_factory=dict)
     expires: bool = True
+    # what all ranks of the engine must share (the TP-invariant layout); None = `layout`
+    engine_layout_hash: str | None = None
+    engine_layout: Mapping[str, Any] | None = None
+
+    @property
+    def shared_layout_hash(self) -> str:
+        return self.layout_hash if self.engine_layout_hash is None else self.engine_layout_hash
+
+    @property
+    def shared_layout(self) -> Mapping[str, Any]:
+        return self.layout if self.engine_layout is None else self.engine_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +270,8 @@ class Registry:
                 engine_id=reg.key.engine_id,
                 role=reg.role,
                 topology=reg.topology,
-                layout_hash=reg.layout_hash,
-                layout=dict(reg.layout),
+                layout_hash=reg.shared_layout_hash,
+                layout=dict(reg.shared_layout),
                 attributes=dict(reg.attributes),
             )
             self._engines[engine.engine_id] = engine
@@ -608,9 +620,10 @@ def _engine_diff(engine: EngineRecord, reg: Registration) -> list[str]:
         cmp(size, getattr(engine.topology, size), getattr(reg.topology, size))
     for k in sorted(set(engine.attributes) | set(reg.attributes)):
         cmp(k, engine.attributes.get(k), reg.attributes.get(k))
-    if engine.layout_hash != reg.layout_hash:
-        out.append(f"layout_hash: registered={engine.layout_hash} incoming={reg.layout_hash}")
-        out += _layout_diff_lines(engine.layout, reg.layout)
+    if engine.layout_hash != reg.shared_layout_hash:
+        out.append(f"layout_hash: registered={engine.layout_hash} "
+                   f"incoming={reg.shared_layout_hash}")
+        out += _layout_diff_lines(engine.layout, reg.shared_layout)
     return out
 
 

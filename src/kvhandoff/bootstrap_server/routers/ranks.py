@@ -41,6 +41,7 @@ async def register_rank(body: RankRegister, state: StateDep) -> RankRegistered:
     """Register a rank; the same identity again replaces it (counted once)."""
     spec = LayoutSpec.from_dict(body.layout)  # ConfigError (400) names the bad layout field
     computed = layout_hash(spec)
+    shared = spec.tp_invariant()
     if body.layout_hash is not None and body.layout_hash != computed:
         raise ConfigError(
             f"layout_hash: {body.layout_hash!r} is not the hash of the layout sent "
@@ -55,6 +56,9 @@ async def register_rank(body: RankRegister, state: StateDep) -> RankRegistered:
         layout_hash=computed,
         layout=spec.to_dict(),
         transport=body.transport,
+        # TP ranks of a head-sharded (GQA) engine hold different heads: compare what they share
+        engine_layout_hash=layout_hash(shared),
+        engine_layout=shared.to_dict(),
     )
     rec, replaced = state.registry.register(reg)
     pub = rank_public(rec, state.clock())
