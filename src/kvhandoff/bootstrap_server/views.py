@@ -19,7 +19,8 @@ from kvhandoff.bootstrap_server.schemas import (
     RoomPublic,
 )
 
-DEGRADED_TRANSPORTS = frozenset({"tcp"})
+# "ucx-tcp": a UCX agent that found only TCP lanes (no shared memory, no RDMA device)
+DEGRADED_TRANSPORTS = frozenset({"tcp", "ucx-tcp"})
 
 
 def rank_public(rec: RankRecord, now: float) -> RankPublic:

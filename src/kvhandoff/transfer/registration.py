@@ -55,7 +55,8 @@ class Registration:
             role="prefill", agent_address=a.address, generation=str(a.generation),
             layout=a.layout.tp_invariant(), layout_hash=layout_hash(a.layout.tp_invariant()),
             dp_size=a.dp_size, tp_size=a.tp_size,
-            transport=a_status.kind, **self._ident())
+            transport=(f"{a_status.kind}-tcp" if a_status.degraded and a_status.kind != "tcp"
+                       else a_status.kind), **self._ident())
         self.registered.set()
         self.error = None
 
