@@ -29,12 +29,14 @@ class Settings(BaseSettings):
     # --- bootstrap server -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the bootstrap server binds. Use 0.0.0.0 "
                       "(with an auth token) for a real deployment.")
-    port: int = Field(8998, ge=0, le=65535, description="Port of the bootstrap server (0 = any free).")
+    port: int = Field(8998, ge=0, le=65535,
+                      description="Port of the bootstrap server (0 = any free).")
     auth_token: SecretStr | None = Field(None, description="Bearer token required on every write "
                                          "route (and sent by agents). Unset = no auth.")
     rank_ttl_s: float = Field(30.0, gt=0, description="A rank that sends no heartbeat for this "
                               "long is dropped and readiness falls back to not-ready.")
-    max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body the server accepts.")
+    max_body_bytes: int = Field(1 << 20, gt=0,
+                                description="Largest request body the server accepts.")
     room_retention_s: float = Field(600.0, gt=0, description="How long finished or aborted rooms "
                                     "stay visible to lookups.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
@@ -61,6 +63,9 @@ class Settings(BaseSettings):
     hmac_secret: SecretStr | None = Field(None, description="Shared secret authenticating agent "
                                           "Hello messages (HMAC-SHA256). Unset = no HMAC.")
     max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")
+    agent_metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve the agent's "
+                                           "Prometheus metrics on this port (0 = any free; unset "
+                                           "= not served).")
 
     # --- fault injection: TEST ONLY, off by default -----------------------------------------
     fault_drop_message: str | None = Field(None, description="TEST ONLY: drop outgoing control "

@@ -193,8 +193,24 @@ class TransferAgent:
             from kvhandoff.transfer.registration import Registration
 
             self._registration = Registration(self)
+        st = self.transport.status()
         log.info("agent %s (%s) on %s, transport %s", self.agent_id, self.role.value,
-                 self.address, self.transport.status())
+                 self.address, st)
+        if st.degraded:
+            log.warning("agent %s: transport %s is DEGRADED: %s", self.agent_id, st.kind,
+                        st.reason)
+        self.metrics_address: str | None = None
+        self._metrics_server: Any = None
+        if self.settings.agent_metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            from kvhandoff.transfer.metrics import registry_for
+
+            server, _ = start_http_server(self.settings.agent_metrics_port,
+                                          addr=self.settings.agent_host,
+                                          registry=registry_for(self))
+            self._metrics_server = server
+            self.metrics_address = f"{self.settings.agent_host}:{server.server_port}"
 
     # ------------------------------------------------------------------ public API
 
@@ -281,6 +297,9 @@ class TransferAgent:
             self._abort(g, "agent closed")
         if self._registration is not None:
             self._registration.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self._wake()
         self._thread.join(timeout=5)
         self.transport.close()
