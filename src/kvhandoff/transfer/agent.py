@@ -143,7 +143,8 @@ class TransferAgent:
         self._groups: dict[int, _Group] = {}
         self._legs: dict[tuple[int, str], _Room] = {}
         self._peers: dict[str, _Peer] = {}
-        self._early: dict[int, list[Any]] = {}
+        self._early: dict[int, list[Any]] = {}  # room -> messages before the engine opened it
+        self._early_t: dict[int, float] = {}
         self._xfer = itertools.count(1)
         self._outbox: deque[tuple[str, P.Message]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -236,6 +237,7 @@ class TransferAgent:
         with self._lock:
             g.seq_len = seq_len
             g.pages = table
+            self._early_t.pop(room, None)
             for msg in self._early.pop(room, []):
                 self._room_msg(msg)
             self._group_update(g)
@@ -693,6 +695,7 @@ class TransferAgent:
         if r is None:
             if g is None and len(self._early) < _EARLY_LIMIT:
                 self._early.setdefault(msg.room, []).append(msg)
+                self._early_t.setdefault(msg.room, time.monotonic())
             return
         self._dispatch_room_msg(r, msg)
 
@@ -1152,10 +1155,10 @@ class TransferAgent:
 
     def _tick(self, hb: float) -> None:
         now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, fn = heapq.heappop(self._timers)
-            fn()
-        with self._lock:
+        with self._lock:  # other threads push timers (delayed messages) under the lock
+            while self._timers and self._timers[0][0] <= now:
+                _, _, fn = heapq.heappop(self._timers)
+                fn()
             for (room, peer), infos in self._pending_done.items():
                 if peer:
                     self._send(peer, P.LayerDone(src=self.address, gen=self.generation,
@@ -1193,6 +1196,11 @@ class TransferAgent:
         self._gc(now)
 
     def _gc(self, now: float) -> None:
+        # messages for rooms the engine never opened: kept as long as a room may bootstrap
+        for room in [k for k, t in self._early_t.items()
+                     if now - t > self.settings.bootstrap_timeout_s]:
+            self._early.pop(room, None)
+            self._early_t.pop(room, None)
         keep = 600.0
         for room in [k for k, g in self._groups.items()
                      if g.released.is_set() and g.t_done is not None and now - g.t_done > keep]:
