@@ -1,0 +1,219 @@
+"""A bench child process: `python -m kvhandoff.bench.worker raw|prefill|decode`.
+
+It reads one JSON command per line on stdin and answers with JSON lines on stdout (never pickle).
+Times are `time.monotonic()` stamps: the parent subtracts stamps of two processes of the same
+host (CLOCK_MONOTONIC is system-wide on Linux), so a figure spans from the moment the sender
+starts to the moment the receiver has every byte, without the parent's pipe latency.
+
+- raw: a receiver on the bare transport (`load_transport`), one registered contiguous buffer.
+  Commands: setup{kind, nbytes, chunk_bytes} -> {address}; connect{address}; recv{tag,
+  nbytes, verify} -> {posted} then {t_done, error, digest}.
+- prefill / decode: one `TransferAgent` per checksum mode on the same KV buffers (built once).
+  Commands: setup{model, page_size, pageset, modes, transport, chunk_bytes} -> {addresses};
+  open{room, mode, peer} (decode answers once its receives are posted, then {done} at the end);
+  go{room, layer_ms, verify} (prefill: marks every layer ready, paced by layer_ms) -> {t0, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import xxhash
+
+_out_lock = threading.Lock()
+
+
+def say(**obj: Any) -> None:
+    with _out_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.t_done = 0.0
+
+    def __call__(self, exc: BaseException | None) -> None:
+        self.t_done = time.monotonic()
+        self.error = exc
+        self.event.set()
+
+
+def run_raw() -> None:
+    from kvhandoff.settings import Settings
+    from kvhandoff.transfer.transports.base import load_transport
+
+    tr: Any = None
+    buf = np.zeros(0, np.uint8)
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "setup":
+                tr = load_transport(msg["kind"], Settings(transport=msg["kind"],
+                                                          chunk_bytes=msg["chunk_bytes"]))
+                buf = np.zeros(int(msg["nbytes"]), np.uint8)  # zeros: pages faulted in now
+                tr.register("raw", buf)
+                say(address=tr.address.hex())
+            elif cmd == "connect":
+                tr.connect("parent", bytes.fromhex(msg["address"]))
+                say(ok=True)
+            elif cmd == "recv":
+                n = int(msg["nbytes"])
+                w = _Waiter()
+                tr.post_recv("parent", int(msg["tag"]), "raw", np.array([0], np.int64),
+                             np.array([n], np.int64), w)
+                say(posted=True)
+                if not w.event.wait(float(msg.get("timeout_s", 120))):
+                    say(error="raw receive timed out", t_done=None, digest=None)
+                    continue
+                dig = xxhash.xxh3_64_hexdigest(buf[:n].data) if msg.get("verify") else None
+                say(t_done=w.t_done, error=None if w.error is None else str(w.error), digest=dig)
+            elif cmd == "status":
+                st = tr.status()
+                say(kind=st.kind, lanes=list(st.lanes), degraded=st.degraded)
+            elif cmd == "exit":
+                break
+    finally:
+        if tr is not None:
+            tr.close()
+
+
+class _AgentSide:
+    """The prefill or decode side of the bench handoffs."""
+
+    def __init__(self, role: str, msg: dict[str, Any]) -> None:
+        from kvhandoff.bench.pageset import PageSet
+        from kvhandoff.kv_layout import preset
+        from kvhandoff.settings import Settings
+        from kvhandoff.transfer import TransferAgent, allocate
+
+        self.role = role
+        self.spec = preset(msg["model"], page_size_tokens=int(msg["page_size"]))
+        self.pageset = PageSet.from_msg(self.spec, msg["pageset"])
+        self.plans = self.pageset.plans()
+        self.timeout_s = float(msg.get("timeout_s", 120))
+        bufs = allocate(self.spec, self.pageset.num_pages)
+        if role == "prefill":  # random bytes: the handoff must not depend on content
+            rng = np.random.default_rng(int(msg.get("seed", 0)))
+            for per_layer in bufs.values():
+                for t in per_layer.values():
+                    t.numpy()[:] = rng.integers(0, 256, t.numel(), dtype=np.uint8)
+        self.agents: dict[str, Any] = {}
+        for mode in msg["modes"]:
+            st = Settings(transport=msg["transport"], checksum=mode,
+                          chunk_bytes=int(msg["chunk_bytes"]), stall_timeout_s=self.timeout_s)
+            self.agents[mode] = TransferAgent(role, self.spec, bufs, st,
+                                              engine_id=f"bench-{role}-{mode}")
+        self.handles: dict[int, Any] = {}
+        first = next(iter(self.agents.values()))
+        self.buffers = first.buffers
+
+    def digest(self) -> str:
+        from kvhandoff.bench.pageset import digest
+
+        return digest(self.buffers.array, self.spec, self.plans,
+                      side="src" if self.role == "prefill" else "dst")
+
+    def open(self, msg: dict[str, Any]) -> None:
+        room, mode = int(msg["room"]), msg["mode"]
+        ps = self.pageset
+        agent = self.agents[mode]
+        if self.role == "prefill":
+            self.handles[room] = agent.sender(room, pages=ps.src_pages, seq_len=ps.seq_len)
+            say(opened=room)
+            return
+        from kvhandoff.state_machine import KVPoll
+
+        rv = agent.receiver(room, peer=msg["peer"])
+        rv.init(ps.dst_pages, ps.seq_len, ps.prefix)
+        # the decode agent posts every receive when the transfer is accepted; the timed part
+        # must not include the handshake, so answer only then (bounded poll of the room state)
+        deadline = time.monotonic() + self.timeout_s
+        while rv.poll() in (KVPoll.Bootstrapping,) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        say(accepted=room, state=rv.poll().name)
+        self.handles[room] = rv
+        threading.Thread(target=self._finish, args=(room, rv, msg.get("verify", False)),
+                         daemon=True).start()
+
+    def _finish(self, room: int, rv: Any, verify: bool) -> None:
+        state = rv.wait(self.timeout_s)
+        rv.wait_released(5)
+        say(done=room, state=state.name, failure=rv.failure, stats=rv.stats(),
+            digest=self.digest() if verify and state.name == "Success" else None)
+
+    def go(self, msg: dict[str, Any]) -> None:
+        room = int(msg["room"])
+        s = self.handles.pop(room)
+        layer_s = float(msg.get("layer_ms", 0)) / 1e3
+        t0 = time.monotonic()
+        for i, lid in enumerate(self.pageset.layers()):
+            if layer_s and i:
+                time.sleep(max(0.0, t0 + i * layer_s - time.monotonic()))  # simulated compute
+            s.layer_ready(lid)
+        t_ready = time.monotonic()
+        state = s.wait(self.timeout_s)
+        s.wait_released(5)
+        say(t0=t0, t_ready=t_ready, state=state.name, failure=s.failure, stats=s.stats(),
+            digest=self.digest() if msg.get("verify") and state.name == "Success" else None)
+
+    def status(self) -> dict[str, Any]:
+        return {mode: a.status()["transport"] for mode, a in self.agents.items()}
+
+    def close(self) -> None:
+        for a in self.agents.values():
+            a.close()
+
+
+def run_agent(role: str) -> None:
+    side: _AgentSide | None = None
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "setup":
+                side = _AgentSide(role, msg)
+                say(addresses={m: a.address for m, a in side.agents.items()})
+            elif cmd == "open":
+                assert side is not None
+                side.open(msg)
+            elif cmd == "go":
+                assert side is not None
+                side.go(msg)
+            elif cmd == "status":
+                assert side is not None
+                say(status=side.status())
+            elif cmd == "exit":
+                break
+    finally:
+        if side is not None:
+            side.close()
+
+
+def main() -> int:
+    if len(sys.argv) != 2 or sys.argv[1] not in ("raw", "prefill", "decode"):
+        print("usage: python -m kvhandoff.bench.worker raw|prefill|decode", file=sys.stderr)
+        return 2
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        if sys.argv[1] == "raw":
+            run_raw()
+        else:
+            run_agent(sys.argv[1])
+    except Exception as e:  # report on the channel, then fail loudly
+        say(error=f"{type(e).__name__}: {e}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""`kvhandoff bench`: the handoff against memcpy and the raw transport, measured in one run.
+
+See `kvhandoff.bench.runner` for what each case measures and docs/PERFORMANCE.md for figures.
+Every child process is killed in a `finally` (also on Ctrl-C / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any
+
+import typer
+
+
+def _print_summary(r: dict[str, Any], con: Any) -> None:
+    from rich.table import Table
+
+    w = r["workload"]
+    t = Table(title=f"kvhandoff bench: {w['model']}, {w['context_tokens']:,} tokens "
+              f"({w['prefix_tokens']:,} cached), {w['bytes'] / 1e6:,.1f} MB in "
+              f"{w['pieces']:,} pieces, {r['config']['reps']} reps")
+    for col in ("case", "median", "GB/s (median)", "GB/s (best)", "spread (max-min)/med"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    labels = {"memcpy": "memcpy of the page set (1 process)",
+              "raw": f"raw {r['config']['transport']}, 1 contiguous buffer",
+              "handoff_full": "handoff, checksums full",
+              "handoff_off": "handoff, checksums off",
+              "paced": f"tail, 1 layer per {r['config']['layer_ms']:g} ms"}
+    for case, s in r["cases"].items():
+        if not s.get("n"):
+            continue
+        gb = f"{s['GBps_median']:.2f}" if "GBps_median" in s else "-"
+        best = f"{s['GBps_best']:.2f}" if "GBps_best" in s else "-"
+        t.add_row(labels.get(case, case), f"{s['median_s'] * 1e3:,.2f} ms", gb, best,
+                  f"{s['spread_pct']:.1f} %")
+    con.print(t)
+    rt = Table(title="ratios (throughput; medians)")
+    rt.add_column("ratio")
+    rt.add_column("value", justify="right")
+    rt.add_column("target", justify="right")
+    tg = r["targets"]
+    rows = [("handoff / raw transport", "handoff_full_over_raw", "handoff_over_raw>=0.9",
+             ">= 0.90"),
+            ("handoff / memcpy", "handoff_full_over_memcpy", "handoff_over_memcpy>=0.75",
+             ">= 0.75"),
+            ("handoff (no checksum) / raw", "handoff_off_over_raw", None, ""),
+            ("handoff (no checksum) / memcpy", "handoff_off_over_memcpy", None, ""),
+            ("checksum overhead", "checksum_overhead", "checksum_overhead<=0.10", "<= 0.10"),
+            ("tail / one layer on raw", "tail_over_one_layer", "tail<=2x_one_layer", "<= 2")]
+    for label, key, tkey, target in rows:
+        v = r["ratios"].get(key)
+        if v is None:
+            continue
+        mark = "" if tkey is None or tg.get(tkey) is None else (
+            " [green]met[/green]" if tg[tkey] else " [red]missed[/red]")
+        rt.add_row(label, f"{v:.3f}", target + mark)
+    con.print(rt)
+    lanes = r.get("lanes", {})
+    for name, st in lanes.items():
+        if name == "raw":
+            con.print(f"raw lanes: {', '.join(st['lanes'])}")
+        else:
+            for mode, s in st.items():
+                con.print(f"handoff ({mode}) lanes: {', '.join(s['lanes'])}")
+    con.print("verified byte-exact: " + ", ".join(f"{k}={v}" for k, v in r["verified"].items()))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench_cmd(
+        model: str = typer.Option("glm-5.3", help="Layout preset."),
+        context: int = typer.Option(16_384, min=1, help="Sequence length in tokens."),
+        prefix: int = typer.Option(4_096, min=0, help="Tokens decode already holds."),
+        page_size: int | None = typer.Option(None, help="Page size in tokens (default: the "
+                                             "preset's)."),
+        transport: str = typer.Option("ucx", help="Data transport: ucx, tcp or inproc."),
+        reps: int = typer.Option(5, min=1, help="Timed repetitions of every case."),
+        warmup: int = typer.Option(1, min=0, help="Untimed repetitions first."),
+        layer_ms: float = typer.Option(5.0, min=0.0, help="Pacing of the tail case: one layer "
+                                       "ready every this many ms."),
+        chunk_mib: float = typer.Option(4.0, min=0.0625, help="Largest data message, MiB."),
+        slack: float = typer.Option(1.25, min=1.0, help="Pool pages per needed page (random "
+                                    "page slots are drawn from the pool)."),
+        seed: int = typer.Option(0, help="Seed of page slots and contents."),
+        cases: str = typer.Option(",".join(("memcpy", "raw", "handoff_full", "handoff_off",
+                                            "paced")), help="Cases to run, comma-separated."),
+        timeout: float = typer.Option(120.0, help="Bound on each step, in seconds."),
+        out: str | None = typer.Option(None, "--out", help="Write the JSON result here."),
+        as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
+    ) -> None:
+        """Measures memcpy of the page set, the raw transport and the kvhandoff handoff
+        (checksums on and off) in one run, alternating; prints medians, spread and ratios."""
+        from rich.console import Console
+
+        from kvhandoff.bench.runner import CASES, Bench, BenchConfig
+        from kvhandoff.errors import KVHandoffError
+
+        chosen = tuple(c.strip() for c in cases.split(",") if c.strip())
+        unknown = [c for c in chosen if c not in CASES]
+        if unknown or not chosen:
+            raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(CASES)}")
+        con = Console(stderr=True)
+        cfg = BenchConfig(model=model, context=context, prefix=prefix, page_size=page_size,
+                          transport=transport, reps=reps, warmup=warmup, layer_ms=layer_ms,
+                          chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
+                          timeout_s=timeout, cases=chosen)
+
+        def term(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGTERM, term)
+        bench = None
+        try:
+            with con.status("bench") as status:
+                bench = Bench(cfg, progress=lambda s: status.update(f"bench: {s}"))
+                result = bench.run()
+        except KeyboardInterrupt:
+            typer.echo("interrupted: every child process was stopped", err=True)
+            raise typer.Exit(130) from None
+        except (KVHandoffError, TimeoutError, RuntimeError) as e:
+            con.print(f"[red]bench failed:[/red] {e}")
+            raise typer.Exit(1) from None
+        finally:
+            if bench is not None:
+                bench.close()
+            signal.signal(signal.SIGTERM, old)
+        text = json.dumps(result, indent=2)
+        if out:
+            with open(out, "w") as f:
+                f.write(text + "\n")
+        if as_json:
+            typer.echo(text)
+        else:
+            _print_summary(result, Console())
+        if not all(result["verified"].values()):
+            con.print("[red]a case did not move the bytes exactly[/red]")
+            raise typer.Exit(1)

@@ -1,0 +1,105 @@
+"""`kvhandoff demo` as a user runs it: a real subprocess, real bootstrap server, real prefill
+and decode processes over UCX on loopback. Small contexts keep it lean."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.kv_layout import handoff_bytes, preset
+
+KVHANDOFF = str(Path(sys.executable).with_name("kvhandoff"))
+
+
+def _run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVHANDOFF, "demo", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_demo_end_to_end_json_byte_exact() -> None:
+    p = _run("--context", "1024", "--prefix", "256", "--layer-ms", "0", "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    spec = preset("glm-5.3")
+    moved = handoff_bytes(spec, seq_len=1024, decode_prefix_len=256)
+    full = handoff_bytes(spec, seq_len=1024, decode_prefix_len=0)
+    assert r["ok"] is True
+    assert r["byte_exact"] is True and r["verify"]["bad_bytes"] == 0
+    assert r["verify"]["prefix_touched_bytes"] == 0
+    assert r["state"] == {"prefill": "Success", "decode": "Success"}
+    assert r["bytes_per_region"] == moved
+    assert r["bytes"] == sum(moved.values())
+    assert r["bytes_saved_by_prefix"] == {"indexer_k": full["indexer_k"] - moved["indexer_k"]}
+    assert r["bytes_saved_by_prefix"]["indexer_k"] > 0
+    # one checksum per (layer, region): 78 main-KV layers + 21 indexer layers
+    assert r["checksums_verified"] == 78 + 21
+    assert r["descriptors_before"]["main_kv"] == 78 * (1024 // 64)
+    assert 0 < r["descriptors_after"]["main_kv"] <= r["descriptors_before"]["main_kv"]
+    assert r["transport"] == "ucx" and r["lanes"]
+    assert r["tail_s"] is not None and r["tail_s"] >= 0
+    assert r["released"] == {"prefill": True, "decode": True}
+    assert r["pages_returned"] == {"prefill": True, "decode": True}
+
+
+def test_demo_fails_loudly_when_the_handoff_cannot_run() -> None:
+    p = _run("--context", "256", "--transport", "no-such-transport", "--json", timeout=60)
+    assert p.returncode == 1
+    r = json.loads(p.stdout)
+    assert r["ok"] is False and "no-such-transport" in r["error"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_leaves_no_child(sig: int) -> None:
+    # 78 layers x 50 ms of simulated compute: the handoff is still running when we signal
+    proc = subprocess.Popen(
+        [KVHANDOFF, "demo", "--context", "2048", "--prefix", "0", "--layer-ms", "50",
+         "--report-pids"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "100"})
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    children: list[int] = []
+    tail: list[str] = []
+    try:
+        while len(children) < 2:  # prefill and decode both started
+            line = lines.get(timeout=60)
+            assert line is not None, f"demo exited (rc={proc.poll()}): {''.join(tail)}"
+            tail.append(line)
+            if line.startswith('{"children"'):
+                children = json.loads(line)["children"]
+        assert all(_alive(pid) for pid in children)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert rc == 130
+    rest = []
+    while (line := lines.get(timeout=10)) is not None:
+        rest.append(line)
+    assert any("interrupted" in x for x in rest)
+    assert [pid for pid in children if _alive(pid)] == []
