@@ -889,8 +889,7 @@ class TransferAgent:
     def _sent(self, r: _Room, layer: int, attempt: int, region: str,
               exc: BaseException | None) -> None:
         if exc is not None:
-            self._fail(r, PeerLost(reason=f"send of layer {layer} {region} failed: {exc}"),
-                       notify="failed")
+            self._fail_after_grace(r, f"send of layer {layer} {region} failed: {exc}")
             return
         nbytes = r.plans[region].total_bytes if region else 0
         r.bytes_moved += nbytes
@@ -908,11 +907,19 @@ class TransferAgent:
         if attempt == 0:
             self._apply(r, LayerSent(layer=layer))
 
+    def _fail_after_grace(self, r: _Room, reason: str) -> None:
+        """(lock held) A data op failed. When the peer failed or aborted the room, its
+        cancelled ops usually reach us on the data lane before its Failed/Abort (with the real
+        reason) on the control lane: give that message one heartbeat, then fail with ours. A
+        dead peer is still caught within 2 heartbeats."""
+        when = time.monotonic() + self.settings.heartbeat_interval_s
+        heapq.heappush(self._timers, (when, next(self._timer_seq), lambda: self._fail(
+            r, PeerLost(reason=reason), notify="failed")))
+
     def _received(self, r: _Room, layer: int, attempt: int, region: str,
                   exc: BaseException | None) -> None:
         if exc is not None:
-            self._fail(r, PeerLost(reason=f"receive of layer {layer} {region} failed: {exc}"),
-                       notify="failed")
+            self._fail_after_grace(r, f"receive of layer {layer} {region} failed: {exc}")
             return
         got = r.recv_done.setdefault((layer, attempt), set())
         got.add(region)
