@@ -1,0 +1,230 @@
+"""Two-process loopback handoff (issue 4): a real bootstrap server in the test process, a
+simulated prefill engine and a simulated decode engine as real processes (`kvhandoff.sim`), on
+127.0.0.1 with ports 0, over the real `ucx` and `tcp` transports.
+
+GLM-5.3 layout, a few thousand tokens with a cached prefix, source and destination pages in
+random order (each side's PagePool is shuffled with its own seed). The decode process checks
+every landed byte against the deterministic pattern and that its cached-prefix indexer pages
+kept their marker. Every wait is bounded (`expect(..., timeout)`); nothing sleeps to
+synchronise.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvhandoff.bootstrap_server.client import BootstrapClient
+from kvhandoff.sim import SimProcess, spawn
+
+TRANSPORTS = ["ucx", "tcp"]
+START_S = 60.0  # process start (imports torch, ucxx) on a loaded 2-core machine
+DONE_S = 60.0
+PAGE = 64
+SEQ = 3000  # 47 pages, the last one partial
+PREFIX = 1000  # page-aligned down to 960: 15 cached indexer pages
+HB_S = 0.2
+
+
+@dataclass
+class Handoff:
+    url: str
+    client: BootstrapClient
+    stack: ExitStack
+
+    def rooms(self, n: int) -> list[int]:
+        return self.client.allocate_rooms(n)
+
+    def start(self, rooms: list[dict[str, Any]], settings: dict[str, Any], *,
+              decode_settings: dict[str, Any] | None = None, prefill_cfg: dict[str, Any] | None
+              = None, decode_cfg: dict[str, Any] | None = None) -> tuple[SimProcess, SimProcess]:
+        """Starts both engines at once (the decode's route lookup retries until the room is
+        bound), waits until the prefill registered, then binds the rooms to it."""
+        p = self.stack.enter_context(spawn("prefill", {
+            "rooms": [{"room": r["room"], "seq_len": r["seq_len"]} for r in rooms],
+            "settings": {"bootstrap_url": self.url, **settings}, "engine_id": "p",
+            "timeout_s": DONE_S, **(prefill_cfg or {})}))
+        d = self.stack.enter_context(spawn("decode", {
+            "rooms": rooms, "settings": {**settings, **(decode_settings or {})},
+            "bootstrap_url": self.url, "timeout_s": DONE_S, **(decode_cfg or {})}))
+        p.expect("ready", START_S)
+        assert p.expect("registered", START_S)["ok"]
+        for r in rooms:
+            self.client.bind_room(r["room"], "p", 0)
+        return p, d
+
+
+@pytest.fixture
+def handoff(bootstrap_server: Callable[..., str]) -> Iterator[Handoff]:
+    url = bootstrap_server()
+    with ExitStack() as stack:
+        client = BootstrapClient(url)
+        stack.callback(client.close)
+        yield Handoff(url=url, client=client, stack=stack)
+
+
+def settings(transport: str, **extra: Any) -> dict[str, Any]:
+    return {"transport": transport, "heartbeat_interval_s": HB_S, **extra}
+
+
+def pages(n_tokens: int) -> int:
+    return -(-n_tokens // PAGE)
+
+
+def assert_pool_full(proc: SimProcess) -> None:
+    pool = proc.expect("pool", DONE_S)
+    assert pool["free"] == pool["total"], f"{proc.role} leaked pages: {pool}"
+
+
+# ---------------------------------------------------------------------------- happy path
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_glm_handoff_byte_exact(handoff: Handoff, transport: str) -> None:
+    (room,) = handoff.rooms(1)
+    st = settings(transport)
+    p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX}], st)
+    dd = d.expect("done", DONE_S, room=room)
+    pd = p.expect("done", DONE_S, room=room)
+    assert (pd["state"], dd["state"]) == ("Success", "Success"), (pd["failure"], dd["failure"])
+    v = dd["verify"]
+    assert v["bad_bytes"] == 0, "main KV / indexer suffix not byte-exact"
+    assert v["prefix_touched_bytes"] == 0, "decode's cached-prefix indexer pages were written"
+    assert v["byte_exact"] is True
+    cached = PREFIX // PAGE * PAGE
+    want = {"main_kv": SEQ * 656 * 78, "indexer_k": (SEQ - cached) * 132 * 21}
+    assert dd["stats"]["bytes_per_region"] == want
+    assert dd["stats"]["bytes"] == sum(want.values()) == pd["stats"]["bytes"]
+    # random page order on both sides: almost no two neighbouring pages coalesce
+    assert dd["stats"]["descriptors"]["main_kv"] > pages(SEQ) // 2
+    assert pd["released"] and dd["released"]
+    assert_pool_full(p)
+    assert_pool_full(d)
+    status = d.expect("status", DONE_S)["status"]
+    assert status["transport"]["kind"] == transport
+    assert status["transport"]["degraded"] is (transport == "tcp")
+
+
+# ---------------------------------------------------------------------------- layout mismatch
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layout_mismatch_fails_both_with_the_diff(handoff: Handoff, transport: str) -> None:
+    # page sizes may differ between the sides; a different model may not
+    (room,) = handoff.rooms(1)
+    st = settings(transport)
+    p, d = handoff.start([{"room": room, "seq_len": 512}], st,
+                         decode_cfg={"model": "deepseek-v3.2"})
+    dd = d.expect("done", DONE_S, room=room)
+    pd = p.expect("done", DONE_S, room=room)
+    assert (pd["state"], dd["state"]) == ("Failed", "Failed")
+    for failure in (pd["failure"], dd["failure"]):
+        assert "layout mismatch" in failure
+        assert "num_layers: prefill=78 decode=61" in failure
+        assert "model: prefill='glm-5.3' decode='deepseek-v3.2'" in failure
+    assert pd["released"] and dd["released"]
+    assert_pool_full(p)
+
+
+# ---------------------------------------------------------------------------- dead prefill
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_killed_mid_transfer_fails_decode_quickly(handoff: Handoff, transport: str
+                                                          ) -> None:
+    (room,) = handoff.rooms(1)
+    st = settings(transport)
+    # 40 ms of simulated compute per layer: the transfer spans ~3 s, so the kill lands mid-way
+    p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX}], st,
+                         prefill_cfg={"layer_ms": 40})
+    d.expect("layer", DONE_S, layer=5, ok=True)  # layers 0..5 landed and verified
+    t_kill = time.monotonic()
+    p.signal(signal.SIGKILL)
+    dd = d.expect("done", DONE_S, room=room)
+    assert dd["state"] == "Failed"
+    assert dd["failure"], "a failed room must say why"
+    # CLOCK_MONOTONIC is system-wide: the decode's own failure time compares with ours
+    detected_s = dd["stats"]["t_done"] - t_kill
+    assert detected_s < 2 * HB_S + 1.5, f"decode noticed the dead prefill after {detected_s:.2f}s"
+    assert dd["released"]
+    assert_pool_full(d)
+    landed = [e["layer"] for e in d.all_events("layer") if e.get("ok")]
+    assert 77 not in landed  # it really was mid-transfer (layer 5 was consumed above)
+
+
+# ---------------------------------------------------------------------------- decode abort
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_abort_mid_transfer_fails_prefill_and_frees(handoff: Handoff, transport: str
+                                                           ) -> None:
+    (room,) = handoff.rooms(1)
+    st = settings(transport)
+    p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX, "abort_at_layer": 8}],
+                         st, prefill_cfg={"layer_ms": 20})
+    pd = p.expect("done", DONE_S, room=room)
+    dd = d.expect("done", DONE_S, room=room)
+    assert (pd["state"], dd["state"]) == ("Failed", "Failed")
+    assert "decode aborted the request" in pd["failure"]
+    assert "decode aborted the request" in dd["failure"]
+    assert pd["released"] and dd["released"]
+    assert_pool_full(p)
+    assert_pool_full(d)
+    landed = [e["layer"] for e in d.all_events("layer") if e.get("ok")]
+    assert 8 in landed and 77 not in landed
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("times", [1, 2])
+def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: int) -> None:
+    (room,) = handoff.rooms(1)
+    st = settings(transport)
+    p, d = handoff.start([{"room": room, "seq_len": 1024, "prefix": 256}], st,
+                         decode_settings={"fault_corrupt_layer": 12, "fault_corrupt_times": times})
+    dd = d.expect("done", DONE_S, room=room)
+    pd = p.expect("done", DONE_S, room=room)
+    if times == 1:  # caught, retransmitted once, then byte-exact
+        assert (pd["state"], dd["state"]) == ("Success", "Success")
+        assert dd["stats"]["retransmits"] == 1 == pd["stats"]["retransmits"]
+        assert dd["verify"]["byte_exact"] is True
+    else:  # the retransmit is corrupted too: the room fails naming layer and region
+        assert (pd["state"], dd["state"]) == ("Failed", "Failed")
+        want = "checksum mismatch on layer 12, region 'main_kv'"
+        assert want in dd["failure"] and want in pd["failure"]
+    assert pd["released"] and dd["released"]
+    assert_pool_full(p)
+    assert_pool_full(d)
+
+
+# ---------------------------------------------------------------------------- many rooms
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_rooms_between_the_same_two_agents(handoff: Handoff, transport: str) -> None:
+    n = 20
+    ids = handoff.rooms(n)
+    rooms = [{"room": r, "seq_len": 64 + 23 * i, "prefix": (16 * i) % (64 + 23 * i)}
+             for i, r in enumerate(ids)]
+    st = settings(transport)
+    p, d = handoff.start(rooms, st)
+    for r in rooms:
+        dd = d.expect("done", DONE_S, room=r["room"])
+        assert dd["state"] == "Success", (r, dd["failure"])
+        assert dd["verify"]["byte_exact"] is True, (r, dd["verify"])
+    for r in rooms:
+        pd = p.expect("done", DONE_S, room=r["room"])
+        assert pd["state"] == "Success" and pd["released"], (r, pd["failure"])
+    assert_pool_full(p)
+    assert_pool_full(d)
+    status = p.expect("status", DONE_S)["status"]
+    assert len(status["peers"]) == 1  # one decode agent, one handshake, 20 rooms
+    assert status["rooms"].get("Success") == n
