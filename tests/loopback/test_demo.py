@@ -65,7 +65,7 @@ def test_demo_fails_loudly_when_the_handoff_cannot_run() -> None:
     assert r["ok"] is False and "no-such-transport" in r["error"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_demo_interrupted_leaves_no_child(sig: int) -> None:
     # 78 layers x 50 ms of simulated compute: the handoff is still running when we signal
     proc = subprocess.Popen(

@@ -180,7 +180,9 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
     window = (t_success - t_first) if t_success is not None and t_first else None
     tail = (t_success - t_last_ready) if t_success is not None and t_last_ready else None
     verify = dd.get("verify") or {}
-    lanes = got["decode"]["status"]["status"]["transport"]
+    # endpoint lanes ("cma/memory:rma_bw#0") while a peer is connected; resources otherwise
+    statuses = [got[s]["status"]["status"]["transport"] for s in ("prefill", "decode")]
+    lanes = next((st for st in statuses if any(":" in x for x in st["lanes"])), statuses[1])
     ok = (pd["state"] == "Success" and dd["state"] == "Success"
           and bool(verify.get("byte_exact")) and total_bytes == sum(moved.values())
           and pd.get("released") is True and dd.get("released") is True)
