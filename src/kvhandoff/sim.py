@@ -9,6 +9,15 @@ Page contents are deterministic: byte b of token t of layer L of region R is
 without seeing the prefill's memory. Decode fills its cached-prefix indexer pages with a marker
 first and checks afterwards that the handoff left them alone (suffix-only indexer).
 
+With ``"plane_salt": true`` each plane's bytes also depend on its name (`plane_salt`), so a
+head or key/scale mix-up is caught; GQA head planes (``h<global id>``) get the same bytes on
+every rank that holds the head.
+
+Several ranks per engine (heterogeneous TP): config keys ``tp_rank``/``tp_size`` (a head-sharded
+preset then gives that rank's heads), ``dp_rank``/``dp_size`` (registration identity), per-room
+``num_decode_ranks`` on the prefill side (how many decode ranks read the room from this rank),
+and ``peer`` as a list on the decode side (gathering from several prefill ranks).
+
 Events: ``ready`` (agent address), ``layer`` (prefill: computed and handed over; decode: landed
 and verified), ``done`` (per room: state, failure, stats, verification), ``error``.
 """
@@ -16,14 +25,17 @@ and verified), ``done`` (per room: state, failure, stats, verification), ``error
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +52,15 @@ def pattern(t: np.ndarray, nbytes: int, layer: int, region: int, seed: int) -> n
     return out
 
 
+def plane_salt(name: str) -> int:
+    """A per-plane offset of the pattern (``plane_salt`` mode): head planes ``h<id>`` get
+    ``3 * id + 1`` (distinct below 100 heads), other planes ``100 + crc32(name) % 150``."""
+    m = re.fullmatch(r"h(\d+)", name)
+    if m:
+        return 3 * int(m[1]) + 1
+    return 100 + zlib.crc32(name.encode()) % 150
+
+
 def _plane_view(buf: np.ndarray, page_size: int, page_nbytes: int, plane_off: int,
                 plane_bytes: int) -> np.ndarray:
     """(pages, page_size * plane_bytes) view of one plane of every page."""
@@ -49,21 +70,22 @@ def _plane_view(buf: np.ndarray, page_size: int, page_nbytes: int, plane_off: in
 
 
 def write_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
-                 first_tok: int, end_tok: int, seed: int) -> None:
+                 first_tok: int, end_tok: int, seed: int, *, salt: bool = False) -> None:
     """Writes the pattern of tokens [first_tok, end_tok) into `pages` (page k holds tokens
-    first_tok + k*page_size ...)."""
+    first_tok + k*page_size ...). `salt`: offset each plane's pattern by `plane_salt`."""
     reg = spec.regions[reg_i]
     ps = spec.page_size_tokens
     n_pages = -(-(end_tok - first_tok) // ps)
     t = np.arange(first_tok, first_tok + n_pages * ps)
     for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
-        data = pattern(t, pl.bytes_per_token, layer, reg_i, seed)
+        data = pattern(t, pl.bytes_per_token, layer, reg_i,
+                       seed + (plane_salt(pl.name) if salt else 0))
         view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
         view[pages[:n_pages]] = data.reshape(n_pages, ps * pl.bytes_per_token)
 
 
 def check_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
-                 first_tok: int, end_tok: int, seed: int) -> int:
+                 first_tok: int, end_tok: int, seed: int, *, salt: bool = False) -> int:
     """How many bytes of tokens [first_tok, end_tok) differ from the pattern."""
     reg = spec.regions[reg_i]
     ps = spec.page_size_tokens
@@ -72,7 +94,8 @@ def check_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.n
     valid = (t < end_tok).reshape(n_pages, ps)
     bad = 0
     for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
-        want = pattern(t, pl.bytes_per_token, layer, reg_i, seed).reshape(
+        want = pattern(t, pl.bytes_per_token, layer, reg_i,
+                       seed + (plane_salt(pl.name) if salt else 0)).reshape(
             n_pages, ps, pl.bytes_per_token)
         view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
         got = view[pages[:n_pages]].reshape(n_pages, ps, pl.bytes_per_token)
@@ -91,11 +114,38 @@ def _emit(kind: str, **fields: Any) -> None:
 
 def _layout(cfg: dict[str, Any]) -> Any:
     from kvhandoff.kv_layout import preset
+    from kvhandoff.kv_layout.presets import PRESETS
 
+    model = cfg.get("model", "glm-5.3")
     kw: dict[str, Any] = {}
     if cfg.get("page_size"):
         kw["page_size_tokens"] = cfg["page_size"]
-    return preset(cfg.get("model", "glm-5.3"), **kw)
+    factory = PRESETS.get(model)
+    if factory is not None and "tp_size" in inspect.signature(factory).parameters:
+        kw["tp_size"] = int(cfg.get("tp_size", 1))  # head-sharded: this rank's heads
+        kw["tp_rank"] = int(cfg.get("tp_rank", 0))
+    return preset(model, **kw)
+
+
+def _agent(role: str, spec: Any, bufs: Any, settings: Any, cfg: dict[str, Any]) -> Any:
+    """The agent of this rank, with its engine identity (engine_id, dp/tp rank and size)."""
+    from kvhandoff.transfer import TransferAgent
+
+    return TransferAgent(role, spec, bufs, settings, engine_id=cfg.get("engine_id", role),
+                         dp_rank=int(cfg.get("dp_rank", 0)), dp_size=int(cfg.get("dp_size", 1)),
+                         tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)))
+
+
+def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
+    """The KV buffers: CPU torch tensors, or numpy arrays with ``"numpy_buffers": true`` (the
+    agent takes both; numpy spares the process the torch import, for many-rank tests)."""
+    from kvhandoff.transfer import allocate
+
+    if not cfg.get("numpy_buffers"):
+        return allocate(spec, num_pages)
+    ps = spec.page_size_tokens
+    return {reg.name: {lid: np.zeros(reg.page_nbytes(ps) * num_pages, dtype=np.uint8)
+                       for lid in reg.layer_ids} for reg in spec.regions}
 
 
 def _settings(cfg: dict[str, Any]) -> Any:
@@ -105,7 +155,7 @@ def _settings(cfg: dict[str, Any]) -> Any:
 
 
 def run_prefill(cfg: dict[str, Any]) -> int:
-    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+    from kvhandoff.transfer import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)
@@ -113,11 +163,11 @@ def run_prefill(cfg: dict[str, Any]) -> int:
     ps = spec.page_size_tokens
     need = sum(-(-r["seq_len"] // ps) for r in rooms)
     pool = PagePool(need + cfg.get("spare_pages", 8), seed=cfg.get("seed", 0))
-    bufs = allocate(spec, pool.num_pages)
+    bufs = _buffers(spec, pool.num_pages, cfg)
     seed = int(cfg.get("seed", 0))
     layer_s = float(cfg.get("layer_ms", 0)) / 1e3
-    with TransferAgent("prefill", spec, bufs, settings,
-                       engine_id=cfg.get("engine_id", "prefill")) as agent:
+    salt = bool(cfg.get("plane_salt", False))
+    with _agent("prefill", spec, bufs, settings, cfg) as agent:
         _emit("ready", address=agent.address, generation=agent.generation,
               status=agent.status())
         if agent._registration is not None:
@@ -127,7 +177,8 @@ def run_prefill(cfg: dict[str, Any]) -> int:
         for r in rooms:
             pages = pool.alloc(-(-r["seq_len"] // ps))
             s = agent.sender(r["room"], pages=pages, seq_len=r["seq_len"],
-                             on_release=functools.partial(_free, pool, pages))
+                             on_release=functools.partial(_free, pool, pages),
+                             num_decode_ranks=int(r.get("num_decode_ranks", 1)))
             senders.append((r, s, pages))
         layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
         for lid in layers:
@@ -136,7 +187,7 @@ def run_prefill(cfg: dict[str, Any]) -> int:
                 for ri, reg in enumerate(spec.regions):
                     if lid in reg.layer_ids:
                         write_tokens(agent.buffers.array(reg.name, lid), spec, ri, lid, pages,
-                                     0, r["seq_len"], seed)
+                                     0, r["seq_len"], seed, salt=salt)
                 if r.get("abort_at_layer") == lid:
                     s.abort("engine aborted the request")
             spent = time.monotonic() - t0
@@ -163,7 +214,7 @@ def run_prefill(cfg: dict[str, Any]) -> int:
 def run_decode(cfg: dict[str, Any]) -> int:
     from kvhandoff.kv_layout import SendFrom, page_aligned
     from kvhandoff.state_machine import KVPoll
-    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+    from kvhandoff.transfer import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)
@@ -171,10 +222,11 @@ def run_decode(cfg: dict[str, Any]) -> int:
     ps = spec.page_size_tokens
     need = sum(-(-r["seq_len"] // ps) for r in rooms)
     pool = PagePool(need + cfg.get("spare_pages", 8), seed=cfg.get("seed", 0) + 1)
-    bufs = allocate(spec, pool.num_pages)
+    bufs = _buffers(spec, pool.num_pages, cfg)
     seed = int(cfg.get("seed", 0))
     timeout = float(cfg.get("timeout_s", 60))
-    with TransferAgent("decode", spec, bufs, settings) as agent:
+    salt = bool(cfg.get("plane_salt", False))
+    with _agent("decode", spec, bufs, settings, cfg) as agent:
         _emit("ready", address=agent.address, generation=agent.generation,
               status=agent.status())
         recvs = []
@@ -214,7 +266,7 @@ def run_decode(cfg: dict[str, Any]) -> int:
                     for lid in reg.layer_ids:
                         buf = agent.buffers.array(reg.name, lid)
                         bad += check_tokens(buf, spec, ri, lid, pages[first // ps:], first,
-                                            r["seq_len"], seed)
+                                            r["seq_len"], seed, salt=salt)
                         if first:
                             view = buf.reshape(-1, reg.page_nbytes(ps))
                             prefix_bad += int(np.count_nonzero(
