@@ -44,11 +44,30 @@ import numpy as np
 PREFIX_MARKER = 0xA5
 
 
-def pattern(t: np.ndarray, nbytes: int, layer: int, region: int, seed: int) -> np.ndarray:
-    """The deterministic bytes of tokens `t` (rows) of one plane of `nbytes` per token."""
+@functools.lru_cache(maxsize=8)
+def _base(first: int, count: int, nbytes: int) -> np.ndarray:
+    """``(t * 131 + b * 7) % 251`` for tokens first..first+count, as uint8 (cached: every layer
+    of a request shares it, only the offset differs)."""
+    t = np.arange(first, first + count, dtype=np.int64)
     b = np.arange(nbytes, dtype=np.int64)
-    v = (t.astype(np.int64)[:, None] * 131 + b[None, :] * 7 + layer * 17 + region * 29 + seed)
-    out: np.ndarray = (v % 251).astype(np.uint8)
+    out: np.ndarray = ((t[:, None] * 131 + b[None, :] * 7) % 251).astype(np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def pattern(t: np.ndarray, nbytes: int, layer: int, region: int, seed: int) -> np.ndarray:
+    """The deterministic bytes of tokens `t` (rows) of one plane of `nbytes` per token:
+    ``(t * 131 + b * 7 + layer * 17 + region * 29 + seed) % 251``."""
+    c = (layer * 17 + region * 29 + seed) % 251
+    contiguous = t.size and t[-1] - t[0] + 1 == t.size and np.all(np.diff(t) == 1)
+    if contiguous:
+        base = _base(int(t[0]), int(t.size), nbytes)
+    else:
+        tt = t.astype(np.int64)[:, None]
+        base = ((tt * 131 + np.arange(nbytes, dtype=np.int64)[None, :] * 7) % 251).astype(
+            np.uint8)
+    lut = ((np.arange(256, dtype=np.int64) + c) % 251).astype(np.uint8)
+    out: np.ndarray = lut[base]  # (base + c) % 251 in one uint8 table lookup
     return out
 
 
