@@ -18,6 +18,9 @@ preset then gives that rank's heads), ``dp_rank``/``dp_size`` (registration iden
 ``num_decode_ranks`` on the prefill side (how many decode ranks read the room from this rank),
 and ``peer`` as a list on the decode side (gathering from several prefill ranks).
 
+Prefill config ``wait_for_decode``: start computing once every room left Bootstrapping (the
+decode side bootstrapped), as an engine's bootstrap queue does.
+
 Events: ``ready`` (agent address), ``layer`` (prefill: computed and handed over; decode: landed
 and verified), ``done`` (per room: state, failure, stats, verification), ``error``.
 """
@@ -199,6 +202,16 @@ def run_prefill(cfg: dict[str, Any]) -> int:
                              on_release=functools.partial(_free, pool, pages),
                              num_decode_ranks=int(r.get("num_decode_ranks", 1)))
             senders.append((r, s, pages))
+        if cfg.get("wait_for_decode"):
+            # as SGLang's prefill bootstrap queue: schedule the request once its decode side
+            # has bootstrapped (the room left Bootstrapping), bounded by the bootstrap timeout
+            from kvhandoff.state_machine import KVPoll
+
+            until = time.monotonic() + settings.bootstrap_timeout_s
+            while time.monotonic() < until and any(
+                    s.poll() is KVPoll.Bootstrapping for _, s, _ in senders):
+                time.sleep(0.001)  # a scheduler tick of the simulated engine
+            _emit("scheduled", states=[s.poll().name for _, s, _ in senders])
         layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
         for lid in layers:
             t0 = time.monotonic()

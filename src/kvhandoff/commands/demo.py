@@ -119,7 +119,7 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
             if page_size:
                 common["page_size"] = page_size
             prefill = started(spawn("prefill", {
-                **common, "engine_id": "demo-prefill",
+                **common, "engine_id": "demo-prefill", "wait_for_decode": True,
                 "rooms": [{"room": room, "seq_len": context}]}))
             ready_p = prefill.expect("ready", timeout_s)
             if not prefill.expect("registered", timeout_s)["ok"]:
