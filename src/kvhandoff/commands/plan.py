@@ -1,10 +1,159 @@
-"""`kvhandoff plan`: the capacity and transfer-time tables of a layout."""
+"""`kvhandoff plan`: the capacity and transfer-time tables of a layout, and (with
+``--prefill-tp/--decode-tp/--prefill-page/--decode-page``) the plan of a heterogeneous pair:
+which ranks talk to which, descriptors per request before/after coalescing for a random page
+order, bytes per rank."""
 
 from __future__ import annotations
 
+import inspect
 import json
+from typing import Any
 
 import typer
+
+PAIR_SEED = 0  # the random page order of the pair plan (each rank its own permutation)
+
+
+def _rank_layout(model: str, tp_size: int, tp_rank: int, page: int | None,
+                 indexer_layers: int | None) -> Any:
+    """The layout of one TP rank: head-sharded presets take the rank, replicated ones do not."""
+    from kvhandoff.kv_layout import preset
+    from kvhandoff.kv_layout.presets import PRESETS
+
+    kw: dict[str, int | None] = {"page_size_tokens": page}
+    factory = PRESETS.get(model)
+    params = inspect.signature(factory).parameters if factory is not None else {}
+    if "tp_size" in params:
+        kw["tp_size"], kw["tp_rank"] = tp_size, tp_rank
+    if "indexer_layers" in params:
+        kw["indexer_layers"] = indexer_layers
+    return preset(model, **kw)
+
+
+def pair_plan(model: str, *, context: int, prefix: int, prefill_tp: int, decode_tp: int,
+              prefill_page: int | None, decode_page: int | None,
+              indexer_layers: int | None = None, seed: int = PAIR_SEED) -> dict[str, Any]:
+    """The plan of one request between a prefill engine of `prefill_tp` ranks and a decode
+    engine of `decode_tp` ranks, as the agents would run it: the bootstrap server's TP mapping
+    picks each decode rank's prefill ranks, each leg claims the planes it brings (first source
+    first, as the agent does), `build_spans` plans every region over random page tables.
+
+    Raises:
+        ConfigError: TP sizes that do not split the heads or one another, a bad page size.
+    """
+    import numpy as np
+
+    from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+    from kvhandoff.errors import ConfigError
+    from kvhandoff.kv_layout import SendFrom, TPSplit, build_spans, page_aligned
+
+    if context <= 0:
+        raise ConfigError(f"context: expected > 0, got {context}")
+    pre = [_rank_layout(model, prefill_tp, p, prefill_page, indexer_layers)
+           for p in range(prefill_tp)] if prefill_tp > 0 else []
+    dec = [_rank_layout(model, decode_tp, d, decode_page, indexer_layers)
+           for d in range(decode_tp)] if decode_tp > 0 else []
+    if not pre or not dec:
+        raise ConfigError(f"tp: expected >= 1, got prefill={prefill_tp} decode={decode_tp}")
+    replicated = all(r.tp_split is TPSplit.REPLICATED for r in dec[0].regions)
+    rng = np.random.default_rng(seed)
+
+    def table(spec: Any) -> Any:
+        return rng.permutation(-(-context // spec.page_size_tokens)).astype(np.int64)
+
+    pre_pages = [table(s) for s in pre]
+    prefix = min(max(prefix, 0), context)
+    sent = [0] * prefill_tp
+    served: list[list[int]] = [[] for _ in range(prefill_tp)]
+    ranks = []
+    for d, dspec in enumerate(dec):
+        sources = prefill_tp_ranks(d, decode_tp, prefill_tp, replicated=replicated)
+        dpages, dps = table(dspec), dspec.page_size_tokens
+        held = page_aligned(prefix, dps)
+        claimed: dict[str, set[str]] = {r.name: set() for r in dspec.regions}
+        legs: list[dict[str, Any]] = []
+        for p in sources:
+            pspec, pps = pre[p], pre[p].page_size_tokens
+            planes: dict[str, list[str]] = {}
+            nbytes = before = after = 0
+            for reg in dspec.regions:
+                src_reg = pspec.region(reg.name)
+                theirs = {pl.name for pl in src_reg.planes}
+                mine = [pl.name for pl in reg.planes
+                        if pl.name in theirs and pl.name not in claimed[reg.name]]
+                claimed[reg.name].update(mine)
+                planes[reg.name] = mine
+                if not mine:
+                    continue
+                first = held if reg.send_from is SendFrom.DECODE_PREFIX else 0
+                sp = build_spans(
+                    src_reg, token_start=first, token_end=context,
+                    src_pages=pre_pages[p][page_aligned(first, pps) // pps:],
+                    src_page_size=pps, src_first_token=page_aligned(first, pps),
+                    dst_pages=dpages[page_aligned(first, dps) // dps:], dst_page_size=dps,
+                    dst_first_token=page_aligned(first, dps), dst_region=reg, planes=mine)
+                layers = reg.num_layers
+                nbytes += sp.total_bytes * layers
+                before += sp.descriptors_before * layers
+                after += sp.count * layers
+            sent[p] += nbytes
+            served[p].append(d)
+            legs.append({"prefill_rank": p, "planes": planes, "bytes": nbytes,
+                         "descriptors_before": before, "descriptors": after})
+        missing = {k: [pl.name for pl in dspec.region(k).planes if pl.name not in v]
+                   for k, v in claimed.items()}
+        if any(missing.values()):
+            raise ConfigError(f"decode rank {d}: no prefill rank holds planes {missing}")
+        ranks.append({
+            "rank": d, "sources": sources, "legs": legs,
+            "bytes": sum(leg["bytes"] for leg in legs),
+            "descriptors_before": sum(leg["descriptors_before"] for leg in legs),
+            "descriptors": sum(leg["descriptors"] for leg in legs)})
+    return {
+        "model": model, "context": context, "prefix": prefix,
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+        "prefill_page": pre[0].page_size_tokens, "decode_page": dec[0].page_size_tokens,
+        "split": "replicated" if replicated else "head_sharded",
+        "page_order": f"random (seed {seed})",
+        "decode_ranks": ranks,
+        "prefill_ranks": [{"rank": p, "decode_ranks": served[p], "bytes": sent[p]}
+                          for p in range(prefill_tp)],
+        "total_bytes": sum(sent),
+        "descriptors_before": sum(r["descriptors_before"] for r in ranks),
+        "descriptors": sum(r["descriptors"] for r in ranks),
+    }
+
+
+def _planes_text(planes: dict[str, list[str]], split: str) -> str:
+    """What a leg brings: "all" (replicated), head planes "h0,h1", or "-" (an idle leg: another
+    source of the same decode rank claimed those heads first)."""
+    if split == "replicated":
+        return "all" if any(planes.values()) else "-"
+    names = list(dict.fromkeys(n for v in planes.values() for n in v))
+    return ",".join(names) if names else "-"
+
+
+def _print_pair(con: Any, pp: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{pp['model']} pair: prefill TP{pp['prefill_tp']} page "
+              f"{pp['prefill_page']} -> decode TP{pp['decode_tp']} page {pp['decode_page']} "
+              f"({pp['split']}), {pp['context']:,} tokens, prefix {pp['prefix']:,}; "
+              f"descriptors per request, page order {pp['page_order']}")
+    for col in ("decode rank", "prefill rank", "planes", "bytes", "descriptors before",
+                "descriptors after"):
+        t.add_column(col, justify="left" if col == "planes" else "right")
+    for r in pp["decode_ranks"]:
+        for leg in r["legs"]:
+            t.add_row(str(r["rank"]), str(leg["prefill_rank"]),
+                      _planes_text(leg["planes"], pp["split"]), f"{leg['bytes']:,}",
+                      f"{leg['descriptors_before']:,}", f"{leg['descriptors']:,}")
+    t.add_row("total", "", "", f"{pp['total_bytes']:,}", f"{pp['descriptors_before']:,}",
+              f"{pp['descriptors']:,}")
+    con.print(t)
+    for p in pp["prefill_ranks"]:
+        to = ", ".join(map(str, p["decode_ranks"])) or "none"
+        con.print(f"prefill rank {p['rank']} -> decode ranks {to}: sends {_fmt_bytes(p['bytes'])}")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -26,6 +175,13 @@ def register(app: typer.Typer) -> None:
                                                   "(MLA presets; default: the model's)."),
         prefix: int = typer.Option(0, help="Tokens decode already holds (suffix-only regions "
                                    "are sent from this point, page-aligned down)."),
+        prefill_tp: int | None = typer.Option(None, help="Prefill TP size: plan the pair (rank "
+                                              "map, descriptors, bytes per rank)."),
+        decode_tp: int | None = typer.Option(None, help="Decode TP size (pair plan)."),
+        prefill_page: int | None = typer.Option(None, help="Prefill page size in tokens (pair "
+                                                "plan; default: --page-size or the preset's)."),
+        decode_page: int | None = typer.Option(None, help="Decode page size in tokens (pair "
+                                               "plan; default: --page-size or the preset's)."),
         as_json: bool = typer.Option(False, "--json", help="Print a machine-readable object."),
     ) -> None:
         """Byte account per region (per token, page, context, layer) and ideal transfer times."""
@@ -42,12 +198,21 @@ def register(app: typer.Typer) -> None:
             spec = preset(model, **kwargs)
             p = plan(spec, context_tokens=context, link_gbps=link_gbps)
             moved = handoff_bytes(spec, seq_len=context, decode_prefix_len=min(prefix, context))
+            pair = None
+            if any(v is not None for v in (prefill_tp, decode_tp, prefill_page, decode_page)):
+                pair = pair_plan(
+                    model, context=context, prefix=prefix, prefill_tp=prefill_tp or 1,
+                    decode_tp=decode_tp or 1, prefill_page=prefill_page or page_size,
+                    decode_page=decode_page or page_size,
+                    indexer_layers=indexer_layers if model != "llama-3.1-8b" else None)
         except KVHandoffError as e:
             raise typer.BadParameter(str(e)) from e
         if as_json:
             d = p.to_dict()
             d["handoff_bytes"] = moved
             d["handoff_prefix_tokens"] = prefix
+            if pair is not None:
+                d["pair"] = pair
             typer.echo(json.dumps(d, indent=2))
             return
         con = Console()
@@ -73,3 +238,5 @@ def register(app: typer.Typer) -> None:
             con.print(f"handoff with a {prefix:,}-token decode prefix: "
                       + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in moved.items())
                       + f"; total {_fmt_bytes(total)}")
+        if pair is not None:
+            _print_pair(con, pair)
