@@ -831,7 +831,10 @@ class TransferAgent:
         return [reg.name for reg in self.layout.regions_of_layer(layer) if reg.name in r.plans]
 
     def _post_layer(self, r: _Room, layer: int, attempt: int) -> None:
-        """(lock held) Prefill: checksum and send every region of `layer`."""
+        """(lock held) Prefill: send every region of `layer`, then checksum the source spans
+        while the bytes are on the wire, and announce the layer (`LayerDone`) at once: the
+        receiver verifies when both its bytes and the announcement are in, so the tail after
+        the last layer is one transfer plus one check, not a round trip more."""
         s = self.settings
         if s.fault_stall_layer is not None and layer == s.fault_stall_layer:
             log.warning("fault injection: stalling layer %d", layer)
@@ -844,18 +847,25 @@ class TransferAgent:
         r.sums[(layer, attempt)] = sums
         if not regions:  # another leg of the room brings this layer's planes
             r.outstanding[(layer, attempt)] = 1
+            self._pending_done.setdefault((r.room, r.peer or ""), []).append(
+                P.LayerInfo(layer=layer, attempt=attempt, regions=[]))
             self._sent(r, layer, attempt, "", None)
             return
         for name in regions:
             plan = r.plans[name]
-            buf = self.buffers.array(name, layer)
-            sums[name] = span_checksum(buf, plan.src_offsets, plan.nbytes) if want else None
             tag = P.data_tag(r.xfer, layer, self._region_index[name], attempt)
             r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
             self.transport.post_send(
                 r.peer or "", tag, self.buffers.name(name, layer), plan.src_offsets, plan.nbytes,
                 self._cb(r, tag, functools.partial(self._sent, r, layer, attempt, name)))
-        r.sums[(layer, attempt)] = sums
+        for name in regions:  # read-only, overlaps the send
+            plan = r.plans[name]
+            buf = self.buffers.array(name, layer)
+            sums[name] = span_checksum(buf, plan.src_offsets, plan.nbytes) if want else None
+        self._pending_done.setdefault((r.room, r.peer or ""), []).append(P.LayerInfo(
+            layer=layer, attempt=attempt, regions=[
+                P.RegionDone(region=n, nbytes=r.plans[n].total_bytes, checksum=sums[n])
+                for n in regions]))
 
     def _post_recv_layer(self, r: _Room, layer: int, attempt: int) -> None:
         r.posted[layer] = attempt
@@ -899,11 +909,6 @@ class TransferAgent:
         if r.outstanding[key]:
             return
         del r.outstanding[key]
-        sums = r.sums.get(key, {})
-        info = P.LayerInfo(layer=layer, attempt=attempt, regions=[
-            P.RegionDone(region=n, nbytes=r.plans[n].total_bytes, checksum=sums.get(n))
-            for n in self._regions_of(r, layer)])
-        self._pending_done.setdefault((r.room, r.peer or ""), []).append(info)
         if attempt == 0:
             self._apply(r, LayerSent(layer=layer))
 
