@@ -86,6 +86,7 @@ class _Peer:
     matched: bool = False
     hello_sent: bool = False
     rejected: str | None = None
+    authenticated: bool = False  # its Hello verified (or no shared secret is configured)
     layout: LayoutSpec | None = None
     last_seen: float = 0.0
     waiting: list[_Room] = field(default_factory=list)  # rooms waiting for the handshake
@@ -580,6 +581,8 @@ class TransferAgent:
             p = self._peer(msg.src)
         problems = self._check_hello(msg)
         p.gen, p.agent_id, p.last_seen = msg.gen, msg.agent_id, time.monotonic()
+        secret = self.settings.hmac_secret
+        p.authenticated = not secret or P.verify_hello(msg, secret.get_secret_value().encode())
         if not problems:
             try:
                 p.layout = LayoutSpec.from_dict(msg.layout)
@@ -647,6 +650,12 @@ class TransferAgent:
                 self._on_hello(msg)
                 return
             p = self._peers.get(msg.src)
+            if (self.settings.hmac_secret and (p is None or not p.authenticated)
+                    and not isinstance(msg, P.HelloReject)):
+                # with a shared secret, only a peer whose Hello verified may touch rooms (an
+                # unknown process must not fail or abort a room it could not join)
+                self._counters["stale_messages"] += 1
+                return
             if p is None or (p.gen and msg.gen != p.gen):
                 # no handshake with this sender (or an older generation of it)
                 self._counters["stale_messages"] += 1
