@@ -735,8 +735,9 @@ class TransferAgent:
                 r.retransmits += 1
                 self._post_layer(r, msg.layer, msg.attempt + 1)
         elif isinstance(msg, P.RoomAck):
-            if r.role is Role.PREFILL and r.machine.state is KVPoll.Transferring:
-                self._apply(r, AllLayersAcked())
+            if r.role is Role.PREFILL:
+                r.acked = True
+                self._maybe_acked(r)
 
     def _on_request(self, r: _Room, msg: P.TransferRequest) -> None:
         """Prefill: validate the request, plan, accept, and send the layers already ready."""
@@ -920,6 +921,15 @@ class TransferAgent:
         del r.outstanding[key]
         if attempt == 0:
             self._apply(r, LayerSent(layer=layer))
+            self._maybe_acked(r)
+
+    def _maybe_acked(self, r: _Room) -> None:
+        """(lock held) Prefill: Success once the RoomAck came AND every layer's send completed.
+        LayerDone goes out when a layer is posted, so the decode can verify and ack before our
+        own send completions are reported."""
+        if (r.acked and r.machine.state is KVPoll.Transferring
+                and r.machine.layers >= set(r.layers)):
+            self._apply(r, AllLayersAcked())
 
     def _fail_after_grace(self, r: _Room, reason: str) -> None:
         """(lock held) A data op failed. When the peer failed or aborted the room, its
@@ -1158,7 +1168,10 @@ class TransferAgent:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(frames[1:])  # drop the ROUTER identity frame
+                    try:
+                        self._handle(frames[1:])  # drop the ROUTER identity frame
+                    except Exception:  # one message must never stop the control loop
+                        log.exception("agent: error handling a control message")
             try:
                 self._tick(hb)
             except Exception:  # the control loop must survive anything a room does
