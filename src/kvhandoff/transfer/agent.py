@@ -187,6 +187,7 @@ class TransferAgent:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._next_heartbeat = 0.0
+        self._drained_at = time.monotonic()  # when the control socket was last read empty
         self._thread = threading.Thread(target=self._run, name=f"kvh-{self.agent_id}",
                                         daemon=True)
         self._thread.start()
@@ -1162,11 +1163,14 @@ class TransferAgent:
                         pass
                 except (BlockingIOError, OSError):
                     pass
-            if self._router in events:
+            if self._router not in events:
+                self._drained_at = time.monotonic()  # polled: nothing waiting to be read
+            else:
                 for _ in range(1000):
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
+                        self._drained_at = time.monotonic()
                         break
                     try:
                         self._handle(frames[1:])  # drop the ROUTER identity frame
@@ -1218,7 +1222,9 @@ class TransferAgent:
             if p.matched or p.hello_sent:
                 self._send(p.addr, P.Heartbeat(src=self.address, gen=self.generation,
                                                rooms=by_peer.get(p.addr, [])))
-            silent = now - p.last_seen
+            # silence is measured up to the last moment this agent had read every message it
+            # was sent: a busy control loop must not take its own backlog for a dead peer
+            silent = min(now, self._drained_at) - p.last_seen
             if (p.matched or p.waiting) and silent > 2 * hb:
                 self._peer_lost(p, f"peer {p.addr} silent for {silent:.2f}s "
                                    f"(> 2 heartbeats of {hb:g}s)")
