@@ -176,12 +176,18 @@ def test_layout_mismatch_fails_both_sides_with_the_diff(pair: MakePair) -> None:
 
 
 def test_hmac_secret_mismatch_fails_the_handshake(pair: MakePair) -> None:
+    """The decode learns at once why it cannot join; the prefill's room is NOT failed by a
+    process that could not authenticate (that would let anyone fail rooms by id): it keeps
+    waiting for a genuine decode, bounded by its bootstrap deadline, here ended by an abort."""
     pr = pair(prefill_settings={"hmac_secret": "alpha"}, decode_settings={"hmac_secret": "beta"})
     sender, receiver, _, _ = pr.open(16, SEQ)
+    assert receiver.wait(WAIT_S) is KVPoll.Failed
+    assert receiver.failure is not None and "HMAC" in receiver.failure
+    assert sender.poll() is KVPoll.Bootstrapping
+    sender.abort("test over")
     ss, rs = finish(sender, receiver)
     assert (ss, rs) == (KVPoll.Failed, KVPoll.Failed)
-    assert receiver.failure is not None and "HMAC" in receiver.failure
-    assert sender.failure is not None and "HMAC" in sender.failure
+    assert sender.failure is not None and "test over" in sender.failure
 
 
 def test_hmac_shared_secret_handoff_succeeds(pair: MakePair) -> None:
