@@ -103,3 +103,20 @@ def test_demo_interrupted_leaves_no_child(sig: int) -> None:
         rest.append(line)
     assert any("interrupted" in x for x in rest)
     assert [pid for pid in children if _alive(pid)] == []
+
+
+def test_demo_heterogeneous_ranks_and_pages_json() -> None:
+    """Issue 8 flags: GQA prefill TP 2 -> decode TP 1 with different page sizes, as processes;
+    the decode rank gathers heads from both prefill ranks, byte-exact."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.cli", "demo", "--json", "--model", "llama-3.1-8b",
+         "--context", "300", "--prefix", "0", "--prefill-tp", "2", "--decode-tp", "1",
+         "--prefill-page", "16", "--decode-page", "32", "--transport", "tcp",
+         "--layer-ms", "0", "--timeout", "90"],
+        capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    assert d["ok"] and d["byte_exact"]
+    assert d["sources"] == {"0": [0, 1]}
+    assert (d["prefill_page_tokens"], d["decode_page_tokens"]) == (16, 32)
+    assert d["bytes"] == 300 * 2 * 8 * 256 * 32  # K and V, 8 heads x 256 B, 32 layers, once

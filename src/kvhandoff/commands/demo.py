@@ -65,37 +65,64 @@ def _kill_all(procs: list[Any]) -> None:
             pass
 
 
-def _forward(sp: Any, out: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+def _forward(sp: Any, name: str, out: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
     """Moves one process's events into the merged queue (daemon thread)."""
     while True:
         ev = sp.events.get()
-        out.put((sp.role, ev))
+        out.put((name, ev))
         if ev["event"] == "eof":
             return
 
 
+def _rank_spec(model: str, tp_size: int, tp_rank: int, page: int | None) -> Any:
+    """The layout of one rank: a head-sharded preset gives that rank's heads."""
+    from kvhandoff.kv_layout import TPSplit, preset
+
+    kw: dict[str, int] = {"page_size_tokens": page} if page else {}
+    spec = preset(model, **kw)
+    if any(r.tp_split is TPSplit.HEAD_SHARDED for r in spec.regions):
+        spec = preset(model, tp_size=tp_size, tp_rank=tp_rank, **kw)
+    return spec
+
+
 def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_096,
              transport: str = "ucx", layer_ms: float = _DEFAULT_LAYER_MS,
-             page_size: int | None = None, timeout_s: float = 120.0,
+             page_size: int | None = None, prefill_page: int | None = None,
+             decode_page: int | None = None, prefill_tp: int = 1, decode_tp: int = 1,
+             timeout_s: float = 120.0,
              on_progress: Callable[[str, int, int], None] | None = None,
              on_pids: Callable[[list[int]], None] | None = None) -> dict[str, Any]:
     """Runs one handoff end to end and returns the summary (see `kvhandoff demo --json`).
 
+    A prefill engine of `prefill_tp` ranks and a decode engine of `decode_tp` ranks, one
+    process each; each decode rank finds its prefill rank(s) through the bootstrap server.
+
     Args:
-        on_progress: called with (side, layers done, layers total) as events arrive.
+        page_size: page size of both sides (`prefill_page` / `decode_page` override a side).
+        on_progress: called with (side, layers done, layers total) as events arrive; with
+            several ranks a side's count is its slowest rank's.
         on_pids: called with the PIDs of the child processes each time one starts.
 
     Raises:
         DemoError: a process failed or an event did not come within `timeout_s`.
     """
     from kvhandoff.bootstrap_server.client import BootstrapClient
+    from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
     from kvhandoff.bootstrap_server.testing import run_server
-    from kvhandoff.kv_layout import SendFrom, handoff_bytes, page_aligned, preset
+    from kvhandoff.kv_layout import SendFrom, TPSplit, handoff_bytes, page_aligned
     from kvhandoff.settings import Settings
     from kvhandoff.sim import spawn
 
-    kw = {"page_size_tokens": page_size} if page_size else {}
-    spec = preset(model, **kw)
+    if prefill_tp < 1 or decode_tp < 1:
+        raise DemoError(f"tp: expected >= 1, got prefill={prefill_tp} decode={decode_tp}")
+    p_page, d_page = prefill_page or page_size, decode_page or page_size
+    p_specs = [_rank_spec(model, prefill_tp, p, p_page) for p in range(prefill_tp)]
+    d_specs = [_rank_spec(model, decode_tp, d, d_page) for d in range(decode_tp)]
+    spec = d_specs[0]
+    replicated = all(r.tp_split is TPSplit.REPLICATED for r in spec.regions)
+    sources = {d: prefill_tp_ranks(d, decode_tp, prefill_tp, replicated=replicated)
+               for d in range(decode_tp)}
+    readers = {p: sum(p in srcs for srcs in sources.values()) for p in range(prefill_tp)}
     prefix = min(prefix, context)
     layers = sorted({lid for r in spec.regions for lid in r.layer_ids})
     n_layers = len(layers)
@@ -109,110 +136,149 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
         return sp
 
     t_start = time.monotonic()
+    got: dict[str, dict[str, dict[str, Any]]] = {}
+    first_layer_t: dict[str, float] = {}
     try:
         with run_server(Settings(port=0, auth_token=None)) as url:
             client = BootstrapClient(url)
             room = client.allocate_rooms(1)[0]
             settings = {"transport": transport, "bootstrap_url": url}
             common = {"model": model, "settings": settings, "layer_ms": layer_ms,
-                      "timeout_s": timeout_s}
-            if page_size:
-                common["page_size"] = page_size
-            prefill = started(spawn("prefill", {
-                **common, "engine_id": "demo-prefill", "wait_for_decode": True,
-                "rooms": [{"room": room, "seq_len": context}]}))
-            ready_p = prefill.expect("ready", timeout_s)
-            if not prefill.expect("registered", timeout_s)["ok"]:
-                raise DemoError("prefill did not register with the bootstrap server")
+                      "timeout_s": timeout_s, "plane_salt": True}
+            prefills = []
+            for p in range(prefill_tp):
+                prefills.append(started(spawn("prefill", {
+                    **common, "engine_id": "demo-prefill", "wait_for_decode": True,
+                    "tp_rank": p, "tp_size": prefill_tp, "page_size": p_page,
+                    "rooms": [{"room": room, "seq_len": context,
+                               "num_decode_ranks": readers[p]}]})))
+            ready_p = prefills[0].expect("ready", timeout_s)
+            for sp in prefills:
+                if not sp.expect("registered", timeout_s)["ok"]:
+                    raise DemoError("prefill did not register with the bootstrap server")
             client.bind_room(room, "demo-prefill", 0)
-            decode = started(spawn("decode", {
-                **common, "bootstrap_url": url,
+            decodes = [started(spawn("decode", {
+                **common, "bootstrap_url": url, "tp_rank": d, "tp_size": decode_tp,
+                "page_size": d_page,
                 "rooms": [{"room": room, "seq_len": context, "prefix": prefix}]}))
+                for d in range(decode_tp)]
+            names = {id(sp): f"prefill{i}" for i, sp in enumerate(prefills)}
+            names.update({id(sp): f"decode{i}" for i, sp in enumerate(decodes)})
             merged: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-            for sp in (prefill, decode):
+            for sp in prefills + decodes:
                 for ev in sp.seen:  # events that arrived before "registered"
-                    merged.put((sp.role, ev))
+                    merged.put((names[id(sp)], ev))
                 sp.seen.clear()
-                threading.Thread(target=_forward, args=(sp, merged), daemon=True).start()
-            got: dict[str, dict[str, dict[str, Any]]] = {"prefill": {}, "decode": {}}
-            counts = {"prefill": 0, "decode": 0}
-            first_layer_t: dict[str, float] = {}
+                threading.Thread(target=_forward, args=(sp, names[id(sp)], merged),
+                                 daemon=True).start()
+            got = {names[id(sp)]: {} for sp in prefills + decodes}
+            counts = dict.fromkeys(got, 0)
             want = {"done", "pool", "status"}
             deadline = time.monotonic() + timeout_s
-            while not all(want <= set(got[s]) for s in got):
+            while not all(want <= set(g) for g in got.values()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DemoError(f"no end of the handoff within {timeout_s:g}s (have "
                                     f"{ {s: sorted(g) for s, g in got.items()} })")
                 try:
-                    side, ev = merged.get(timeout=min(left, 1.0))
+                    name, ev = merged.get(timeout=min(left, 1.0))
                 except queue.Empty:
                     continue
                 kind = ev["event"]
+                side = name.rstrip("0123456789")
                 if kind == "layer":
-                    counts[side] += 1
+                    counts[name] += 1
                     first_layer_t.setdefault(side, ev["t"])
-                    progress(side, counts[side], n_layers)
+                    progress(side, min(c for n, c in counts.items() if n.startswith(side)),
+                             n_layers)
                 elif kind == "error":
-                    raise DemoError(f"{side}: {ev['error']}")
+                    raise DemoError(f"{name}: {ev['error']}")
                 elif kind == "eof":
-                    if not want <= set(got[side]):
-                        sp = prefill if side == "prefill" else decode
-                        raise DemoError(f"{side} exited (rc={sp.proc.poll()}) early; stderr: "
+                    if not want <= set(got[name]):
+                        sp = next(x for x in prefills + decodes if names[id(x)] == name)
+                        raise DemoError(f"{name} exited (rc={sp.proc.poll()}) early; stderr: "
                                         + "".join(sp.stderr_tail[-15:]))
                 else:
-                    got[side][kind] = ev
-            prefill.close()
-            decode.close()
+                    got[name][kind] = ev
+            for sp in prefills + decodes:
+                sp.close()
     finally:
         _kill_all(procs)
 
-    pd, dd = got["prefill"]["done"], got["decode"]["done"]
-    ps_, ds_ = pd["stats"], dd["stats"]
-    ps = spec.page_size_tokens
+    pds = [got[f"prefill{p}"]["done"] for p in range(prefill_tp)]
+    dds = [got[f"decode{d}"]["done"] for d in range(decode_tp)]
     moved = handoff_bytes(spec, seq_len=context, decode_prefix_len=prefix)
     full = handoff_bytes(spec, seq_len=context, decode_prefix_len=0)
+    moved = {k: v * decode_tp for k, v in moved.items()}  # every decode rank gets its share
+    full = {k: v * decode_tp for k, v in full.items()}
     suffix_regions = [r.name for r in spec.regions if r.send_from is SendFrom.DECODE_PREFIX]
+
+    def merged_counts(key: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for dd in dds:
+            for k, v in (dd["stats"].get(key) or {}).items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
+
     t_first = first_layer_t.get("prefill")
-    t_last_ready = ps_.get("t_last_ready")
-    t_success = ds_.get("t_done")
-    total_bytes = int(ds_.get("bytes", 0))
+    lasts = [pd["stats"].get("t_last_ready") for pd in pds if pd["stats"].get("t_last_ready")]
+    dones = [dd["stats"].get("t_done") for dd in dds]
+    t_last_ready = max(lasts) if lasts else None
+    t_success = max(dones) if all(t is not None for t in dones) else None
+    total_bytes = sum(int(dd["stats"].get("bytes", 0)) for dd in dds)
     window = (t_success - t_first) if t_success is not None and t_first else None
     tail = (t_success - t_last_ready) if t_success is not None and t_last_ready else None
-    verify = dd.get("verify") or {}
+    verifies = [dd.get("verify") or {} for dd in dds]
+    verify = {"bad_bytes": sum(v.get("bad_bytes", 0) for v in verifies),
+              "prefix_touched_bytes": sum(v.get("prefix_touched_bytes", 0) for v in verifies),
+              "byte_exact": bool(verifies) and all(v.get("byte_exact") for v in verifies)}
     # endpoint lanes ("cma/memory:rma_bw#0") while a peer is connected; resources otherwise
-    statuses = [got[s]["status"]["status"]["transport"] for s in ("prefill", "decode")]
-    lanes = next((st for st in statuses if any(":" in x for x in st["lanes"])), statuses[1])
-    ok = (pd["state"] == "Success" and dd["state"] == "Success"
-          and bool(verify.get("byte_exact")) and total_bytes == sum(moved.values())
-          and pd.get("released") is True and dd.get("released") is True)
+    statuses = [g["status"]["status"]["transport"] for g in got.values()]
+    lanes = next((st for st in statuses if any(":" in x for x in st["lanes"])), statuses[-1])
+    released = {"prefill": all(pd.get("released") is True for pd in pds),
+                "decode": all(dd.get("released") is True for dd in dds)}
+    returned = {side: all(g["pool"]["free"] == g["pool"]["total"]
+                          for n, g in got.items() if n.startswith(side))
+                for side in ("prefill", "decode")}
+    states = {"prefill": min((pd["state"] for pd in pds), key=_STATE_ORDER.index),
+              "decode": min((dd["state"] for dd in dds), key=_STATE_ORDER.index)}
+    ok = (states == {"prefill": "Success", "decode": "Success"} and verify["byte_exact"]
+          and total_bytes == sum(moved.values()) and all(released.values()))
     return {
         "ok": ok,
         "model": model, "context_tokens": context, "prefix_tokens": prefix,
-        "prefix_aligned_tokens": page_aligned(prefix, ps), "page_size_tokens": ps,
+        "prefix_aligned_tokens": page_aligned(prefix, spec.page_size_tokens),
+        "page_size_tokens": spec.page_size_tokens,
+        "prefill_page_tokens": p_specs[0].page_size_tokens,
+        "decode_page_tokens": spec.page_size_tokens,
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+        "sources": {str(d): srcs for d, srcs in sources.items()},
         "layers": n_layers, "layer_ms": layer_ms, "transport": lanes["kind"],
         "lanes": lanes["lanes"], "degraded": lanes["degraded"], "transport_reason":
             lanes.get("reason"),
         "prefill_address": ready_p["address"],
-        "state": {"prefill": pd["state"], "decode": dd["state"]},
-        "failure": {"prefill": pd["failure"], "decode": dd["failure"]},
-        "released": {"prefill": pd.get("released"), "decode": dd.get("released")},
+        "state": states,
+        "failure": {"prefill": next((pd["failure"] for pd in pds if pd["failure"]), None),
+                    "decode": next((dd["failure"] for dd in dds if dd["failure"]), None)},
+        "released": released,
         "bytes": total_bytes,
         "bytes_per_region": moved,
         "bytes_saved_by_prefix": {r: full[r] - moved[r] for r in suffix_regions},
-        "descriptors_before": ds_.get("descriptors_before"),
-        "descriptors_after": ds_.get("descriptors"),
-        "checksums_verified": ds_.get("checksums_verified"),
-        "retransmits": ds_.get("retransmits"),
+        "descriptors_before": merged_counts("descriptors_before"),
+        "descriptors_after": merged_counts("descriptors"),
+        "checksums_verified": sum(int(dd["stats"].get("checksums_verified", 0)) for dd in dds),
+        "retransmits": sum(int(dd["stats"].get("retransmits", 0)) for dd in dds),
         "verify": verify,
-        "byte_exact": bool(verify.get("byte_exact")),
+        "byte_exact": verify["byte_exact"],
         "handoff_window_s": window,
         "gbps_window": total_bytes / window / 1e9 if window else None,
         "tail_s": tail,
         "wall_s": time.monotonic() - t_start,
-        "pages_returned": {s: got[s]["pool"]["free"] == got[s]["pool"]["total"] for s in got},
+        "pages_returned": returned,
     }
 
+
+_STATE_ORDER = ["Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -227,6 +293,13 @@ def _table(r: dict[str, Any]) -> Any:
               f"{r['layers']} layers")
     t.add_column("what")
     t.add_column("value", justify="right")
+    if r["prefill_tp"] > 1 or r["decode_tp"] > 1:
+        t.add_row(f"ranks (prefill TP {r['prefill_tp']} -> decode TP {r['decode_tp']})",
+                  "; ".join(f"decode {d} <- prefill {', '.join(map(str, srcs))}"
+                            for d, srcs in r["sources"].items()))
+    if r["prefill_page_tokens"] != r["decode_page_tokens"]:
+        t.add_row("page sizes (tokens)", f"prefill {r['prefill_page_tokens']}, decode "
+                  f"{r['decode_page_tokens']} (paired token by token)")
     for name, n in r["bytes_per_region"].items():
         suffix = " (suffix only)" if name in r["bytes_saved_by_prefix"] else ""
         t.add_row(f"bytes {name}{suffix}", _fmt_bytes(n))
@@ -274,8 +347,14 @@ def register(app: typer.Typer) -> None:
         transport: str = typer.Option("ucx", help="Data transport: ucx, tcp or inproc."),
         layer_ms: float = typer.Option(_DEFAULT_LAYER_MS, min=0.0, help="Simulated compute "
                                        "per layer on prefill, in ms (on top of filling pages)."),
-        page_size: int | None = typer.Option(None, help="Page size in tokens (default: the "
-                                             "preset's)."),
+        page_size: int | None = typer.Option(None, help="Page size in tokens of both sides "
+                                             "(default: the preset's)."),
+        prefill_page: int | None = typer.Option(None, help="Prefill page size in tokens (may "
+                                                "differ from decode's)."),
+        decode_page: int | None = typer.Option(None, help="Decode page size in tokens."),
+        prefill_tp: int = typer.Option(1, min=1, help="Prefill TP ranks (one process each)."),
+        decode_tp: int = typer.Option(1, min=1, help="Decode TP ranks (one process each); "
+                                      "each finds its prefill rank(s) by route lookup."),
         timeout: float = typer.Option(120.0, help="Bound on the whole handoff, in seconds."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object, no bars."),
         report_pids: bool = typer.Option(False, "--report-pids", hidden=True, help="Print "
@@ -303,10 +382,12 @@ def register(app: typer.Typer) -> None:
         try:
             with _sigterm_as_interrupt(), bars:
                 if not as_json:
-                    con.print(f"starting a bootstrap server, a prefill and a decode process "
-                              f"({transport}) ...")
+                    con.print(f"starting a bootstrap server, {prefill_tp} prefill and "
+                              f"{decode_tp} decode process(es) ({transport}) ...")
                 result = run_demo(model=model, context=context, prefix=prefix,
                                   transport=transport, layer_ms=layer_ms, page_size=page_size,
+                                  prefill_page=prefill_page, decode_page=decode_page,
+                                  prefill_tp=prefill_tp, decode_tp=decode_tp,
                                   timeout_s=timeout, on_progress=on_progress,
                                   on_pids=_print_pids if report_pids else None)
         except KeyboardInterrupt:
