@@ -29,7 +29,10 @@ DONE_S = 60.0
 PAGE = 64
 SEQ = 3000  # 47 pages, the last one partial
 PREFIX = 1000  # page-aligned down to 960: 15 cached indexer pages
-HB_S = 0.2
+HB_S = 0.2  # the dead-prefill test: detection within ~2 heartbeats
+# Elsewhere a calmer heartbeat: on 2 loaded cores a 0.2 s one can miss 2 beats while both
+# processes compute, and these tests are not about peer death.
+CALM_HB_S = 1.0
 
 
 @dataclass
@@ -70,7 +73,7 @@ def handoff(bootstrap_server: Callable[..., str]) -> Iterator[Handoff]:
 
 
 def settings(transport: str, **extra: Any) -> dict[str, Any]:
-    return {"transport": transport, "heartbeat_interval_s": HB_S, **extra}
+    return {"transport": transport, "heartbeat_interval_s": CALM_HB_S, **extra}
 
 
 def pages(n_tokens: int) -> int:
@@ -139,7 +142,7 @@ def test_layout_mismatch_fails_both_with_the_diff(handoff: Handoff, transport: s
 def test_prefill_killed_mid_transfer_fails_decode_quickly(handoff: Handoff, transport: str
                                                           ) -> None:
     (room,) = handoff.rooms(1)
-    st = settings(transport)
+    st = settings(transport, heartbeat_interval_s=HB_S)
     # 40 ms of simulated compute per layer: the transfer spans ~3 s, so the kill lands mid-way
     p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX}], st,
                          prefill_cfg={"layer_ms": 40})
@@ -184,12 +187,17 @@ def test_decode_abort_mid_transfer_fails_prefill_and_frees(handoff: Handoff, tra
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("times", [1, 2])
-def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: int) -> None:
+@pytest.mark.parametrize(("times", "layer"), [(1, 12), (2, 77)])
+def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: int, layer: int
+                                       ) -> None:
+    # times=2 corrupts the last layer, so nothing else is in flight when the room fails: a ucx
+    # peer process that exits while the other side's cma writes are still in flight aborts
+    # that side (a transport bug, reported with issue 4's tests, not what this test checks)
     (room,) = handoff.rooms(1)
     st = settings(transport)
     p, d = handoff.start([{"room": room, "seq_len": 1024, "prefix": 256}], st,
-                         decode_settings={"fault_corrupt_layer": 12, "fault_corrupt_times": times})
+                         decode_settings={"fault_corrupt_layer": layer,
+                                          "fault_corrupt_times": times})
     dd = d.expect("done", DONE_S, room=room)
     pd = p.expect("done", DONE_S, room=room)
     if times == 1:  # caught, retransmitted once, then byte-exact
@@ -198,7 +206,7 @@ def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: 
         assert dd["verify"]["byte_exact"] is True
     else:  # the retransmit is corrupted too: the room fails naming layer and region
         assert (pd["state"], dd["state"]) == ("Failed", "Failed")
-        want = "checksum mismatch on layer 12, region 'main_kv'"
+        want = f"checksum mismatch on layer {layer}, region 'main_kv'"
         assert want in dd["failure"] and want in pd["failure"]
     assert pd["released"] and dd["released"]
     assert_pool_full(p)
