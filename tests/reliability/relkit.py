@@ -1,0 +1,343 @@
+"""Shared parts of the reliability matrix: engines around real agents, and measurements.
+
+`Engine` is a minimal engine around a real `TransferAgent` in the test process: a `PagePool`
+(leaks and double frees visible), deterministic page contents (the `kvhandoff.sim` pattern)
+and release callbacks that count how often each room's pages were handed back. Two engines
+talk over a real transport (tcp sockets or UCX) and real ZMQ control sockets on 127.0.0.1.
+
+Page contents: by default each plane of each region gets its own deterministic pattern (a head
+or key/scale mix-up would show); `pattern="sim"` uses `kvhandoff.sim`'s pattern instead, so an
+`Engine` can pair with a `kvhandoff.sim` process.
+
+Every wait is bounded; a test asserts states, reasons, counts and bytes, never timings, except
+the generous upper bounds the reliability issue asks for (time to Failed, fail-fast).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from kvhandoff.errors import KVHandoffError
+from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
+from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.settings import Settings
+from kvhandoff.sim import check_tokens, write_tokens
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
+
+WAIT_S = 20.0  # bound on any wait for a room that is expected to end
+
+
+def mini_glm(page_size_tokens: int = 16, num_layers: int = 6,
+             indexer_layer_ids: tuple[int, ...] = (1, 5)) -> LayoutSpec:
+    """GLM-5.3's byte structure (fp8_ds_mla main KV + two-plane suffix-only indexer on
+    non-contiguous layers) with few layers, so hundreds of rooms fit in CI memory."""
+    return mla_dsa_layout(model="glm-5.3-mini", num_layers=num_layers,
+                          indexer_layer_ids=indexer_layer_ids, page_size_tokens=page_size_tokens)
+
+
+def plane_pattern(t: np.ndarray, nbytes: int, layer: int, region: str, plane: str,
+                  seed: int) -> np.ndarray:
+    """The bytes of tokens `t` (rows) of one plane: distinct per token, byte, layer, region and
+    plane name (names, not positions: a GQA head keeps its bytes on every TP rank)."""
+    salt = zlib.crc32(f"{region}/{plane}".encode()) % 241
+    b = np.arange(nbytes, dtype=np.int64)
+    v = t.astype(np.int64)[:, None] * 131 + b[None, :] * 7 + layer * 17 + salt + seed
+    out: np.ndarray = (v % 251).astype(np.uint8)
+    return out
+
+
+def _planes(buf: np.ndarray, layout: LayoutSpec, reg_i: int
+            ) -> Iterator[tuple[str, int, np.ndarray]]:
+    """Per plane of the region: its name, bytes per token, and a (pages, page_size * bytes)
+    view of that plane in every page of `buf`."""
+    reg = layout.regions[reg_i]
+    ps = layout.page_size_tokens
+    rows = buf.reshape(-1, reg.page_nbytes(ps))
+    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
+        lo = off * ps
+        yield pl.name, pl.bytes_per_token, rows[:, lo:lo + ps * pl.bytes_per_token]
+
+
+def write_pattern(buf: np.ndarray, layout: LayoutSpec, reg_i: int, layer: int,
+                  pages: np.ndarray, end_tok: int, seed: int) -> None:
+    ps = layout.page_size_tokens
+    n = -(-end_tok // ps)
+    t = np.arange(n * ps)
+    reg = layout.regions[reg_i]
+    for name, nb, view in _planes(buf, layout, reg_i):
+        view[pages[:n]] = plane_pattern(t, nb, layer, reg.name, name, seed).reshape(n, ps * nb)
+
+
+def check_pattern(buf: np.ndarray, layout: LayoutSpec, reg_i: int, layer: int,
+                  pages: np.ndarray, first_tok: int, end_tok: int, seed: int) -> int:
+    """Bytes of tokens [first_tok, end_tok) (held by `pages`, page k from first_tok on) that
+    differ from the pattern."""
+    ps = layout.page_size_tokens
+    n = -(-(end_tok - first_tok) // ps)
+    t = np.arange(first_tok, first_tok + n * ps)
+    valid = (t < end_tok).reshape(n, ps)
+    reg = layout.regions[reg_i]
+    bad = 0
+    for name, nb, view in _planes(buf, layout, reg_i):
+        want = plane_pattern(t, nb, layer, reg.name, name, seed).reshape(n, ps, nb)
+        got = view[pages[:n]].reshape(n, ps, nb)
+        bad += int(np.count_nonzero((got != want) & valid[:, :, None]))
+    return bad
+
+
+def fast_settings(**kw: Any) -> Settings:
+    """Agent settings with short heartbeats so failures show within a second."""
+    base: dict[str, Any] = {"transport": "tcp", "heartbeat_interval_s": 0.2, "lease_s": 5.0}
+    base.update(kw)
+    return Settings(**base)
+
+
+def layers_of(layout: LayoutSpec) -> list[int]:
+    return sorted({lid for reg in layout.regions for lid in reg.layer_ids})
+
+
+class Engine:
+    """A real agent plus a page pool and release accounting (one side of a handoff)."""
+
+    def __init__(self, role: str, layout: LayoutSpec, num_pages: int, settings: Settings, *,
+                 seed: int = 0, pattern: str = "planes", **agent_kw: Any) -> None:
+        self.role = role
+        self.sim_pattern = pattern == "sim"
+        self.layout = layout
+        self.seed = seed
+        self.pool = PagePool(num_pages, seed=seed + (role == "decode"))
+        self.start_free = self.pool.free_count
+        self.agent = TransferAgent(role, layout, allocate(layout, num_pages), settings,
+                                   **agent_kw)
+        self.releases: Counter[int] = Counter()
+        self.release_errors: list[str] = []
+        self.pages: dict[int, np.ndarray] = {}
+        self.prefix: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.released_event = threading.Condition(self._lock)
+
+    @property
+    def address(self) -> str:
+        return self.agent.address
+
+    def _on_release(self, pages: np.ndarray) -> Callable[[int], None]:
+        def cb(room: int) -> None:
+            with self._lock:
+                self.releases[room] += 1
+                try:
+                    self.pool.free(pages)
+                except KVHandoffError as e:
+                    self.release_errors.append(f"room {room}: {e}")
+                self.released_event.notify_all()
+        return cb
+
+    def _pages_for(self, room: int, seq_len: int) -> np.ndarray:
+        pages = self.pool.alloc(-(-seq_len // self.layout.page_size_tokens))
+        self.pages[room] = pages
+        return pages
+
+    def send(self, room: int, seq_len: int, *, ready: bool | int = True) -> Sender:
+        """Opens a sender with deterministic contents; marks all layers ready (True), none
+        (False) or the first `ready` layers (int)."""
+        pages = self._pages_for(room, seq_len)
+        for ri, reg in enumerate(self.layout.regions):
+            for lid in reg.layer_ids:
+                buf = self.agent.buffers.array(reg.name, lid)
+                if self.sim_pattern:
+                    write_tokens(buf, self.layout, ri, lid, pages, 0, seq_len, self.seed)
+                else:
+                    write_pattern(buf, self.layout, ri, lid, pages, seq_len, self.seed)
+        s = self.agent.sender(room, pages=pages, seq_len=seq_len,
+                              on_release=self._on_release(pages))
+        layers = layers_of(self.layout)
+        n = len(layers) if ready is True else int(ready)
+        for lid in layers[:n]:
+            s.layer_ready(lid)
+        return s
+
+    def recv(self, room: int, seq_len: int, peer: str | None, *, prefix: int = 0,
+             init: bool = True, bootstrap: str | None = None) -> Receiver:
+        """Opens a receiver towards agent `peer` (or, peer=None, through the bootstrap server
+        at `bootstrap`) and offers pages for the whole sequence."""
+        pages = self._pages_for(room, seq_len)
+        self.prefix[room] = page_aligned(prefix, self.layout.page_size_tokens)
+        rv = self.agent.receiver(room, bootstrap, peer=peer, on_release=self._on_release(pages))
+        if init:
+            rv.init(pages, seq_len, prefix)
+        return rv
+
+    def bad_bytes(self, room: int, seq_len: int) -> int:
+        """Bytes of `room`'s landed tokens that differ from the prefill pattern."""
+        pages = self.pages[room]
+        ps = self.layout.page_size_tokens
+        bad = 0
+        for ri, reg in enumerate(self.layout.regions):
+            first = self.prefix[room] if reg.send_from is SendFrom.DECODE_PREFIX else 0
+            for lid in reg.layer_ids:
+                check = check_tokens if self.sim_pattern else check_pattern
+                bad += check(self.agent.buffers.array(reg.name, lid), self.layout, ri, lid,
+                             pages[first // ps:], first, seq_len, self.seed)
+        return bad
+
+    def wait_all_released(self, rooms: list[int], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not all(self.releases[r] for r in rooms):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.released_event.wait(left)
+        return True
+
+    def assert_no_leak(self) -> None:
+        """Every page back in the pool, every room released exactly once, no double free."""
+        assert not self.release_errors, self.release_errors
+        twice = {r: n for r, n in self.releases.items() if n != 1}
+        assert not twice, f"{self.role}: rooms released more than once: {twice}"
+        assert set(self.releases) == set(self.pages), (
+            f"{self.role}: rooms never released: {sorted(set(self.pages) - set(self.releases))}")
+        assert self.pool.free_count == self.start_free, (
+            f"{self.role}: {self.start_free - self.pool.free_count} pages leaked")
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+@contextmanager
+def engine_pair(layout: LayoutSpec | None = None, *, num_pages: int = 64,
+                settings: Settings | None = None, prefill_settings: Settings | None = None,
+                decode_settings: Settings | None = None, decode_layout: LayoutSpec | None = None,
+                decode_pages: int | None = None) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode `Engine` (closed at the end)."""
+    layout = layout or mini_glm()
+    base = settings or fast_settings()
+    p = Engine("prefill", layout, num_pages, prefill_settings or base)
+    try:
+        d = Engine("decode", decode_layout or layout, decode_pages or num_pages,
+                   decode_settings or base)
+        try:
+            yield p, d
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def handoff(p: Engine, d: Engine, room: int, seq_len: int, *, prefix: int = 0
+            ) -> tuple[Sender, Receiver]:
+    """One complete handoff; returns the handles after both sides ended."""
+    s = p.send(room, seq_len)
+    rv = d.recv(room, seq_len, p.address, prefix=prefix)
+    assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+    assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+    return s, rv
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, poll_s: float = 0.01) -> bool:
+    """Polls `pred` until true or `timeout` (for state held by another process or agent that
+    exposes no event); returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of a process (Linux /proc)."""
+    with open(f"/proc/{pid or 'self'}/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class Prober:
+    """A raw ZMQ peer of an agent's control socket: a DEALER that sends any frames, and a
+    ROUTER of its own (its `address`) where the agent's answers arrive. No agent code on this
+    side: frames are built by hand or with `protocol.encode`."""
+
+    def __init__(self, target: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"127.0.0.1:{port}"
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(f"tcp://{target}")
+        self.gen = int.from_bytes(os.urandom(7), "big") | 1
+
+    def send(self, frames: list[bytes]) -> None:
+        self.dealer.send_multipart(frames)
+
+    def recv(self, timeout: float) -> Any:
+        """The next message the agent sent to this prober (decoded), or None on timeout."""
+        from kvhandoff.transfer import protocol as P
+
+        if not self.router.poll(int(timeout * 1000)):
+            return None
+        frames = self.router.recv_multipart()
+        return P.decode(frames[1:], max_bytes=1 << 24)
+
+    def barrier(self, role: str, timeout: float = WAIT_S) -> list[Any]:
+        """Sends a Hello the agent must refuse (an unknown transport) and waits for its
+        HelloReject: the agent's control loop is alive and has handled every frame this prober
+        sent before (one connection delivers in order). Returns every message the agent sent
+        to the prober meanwhile, the HelloReject last."""
+        from kvhandoff.transfer import protocol as P
+
+        hello = P.Hello(src=self.address, gen=self.gen, agent_id="prober", role=role,
+                        transport="probe", transport_address=b"", layout={}, layout_hash="",
+                        buffers=[])
+        self.send(P.encode(hello))
+        deadline = time.monotonic() + timeout
+        got: list[Any] = []
+        while True:
+            msg = self.recv(max(0.0, deadline - time.monotonic()))
+            assert msg is not None, f"no answer from the agent within {timeout}s"
+            got.append(msg)
+            if isinstance(msg, P.HelloReject):
+                return got
+
+    def close(self) -> None:
+        self.dealer.close(0)
+        self.router.close(0)
+
+    def __enter__(self) -> Prober:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def age_out_finished_rooms(e: Engine, after_s: float = 3600.0) -> None:
+    """Runs the agent's own collection of finished rooms as if `after_s` seconds had passed.
+    An agent keeps the record of a finished room for 10 minutes (late messages still find it);
+    a soak test cannot wait that long, so it ages them out here, between rounds."""
+    agent = e.agent
+    with agent._lock:
+        agent._gc(time.monotonic() + after_s)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for servers that must come back on the same
+    port after a restart)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

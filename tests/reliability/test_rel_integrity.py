@@ -1,0 +1,101 @@
+"""Integrity: corruption of landed bytes is caught every time, retransmitted once, and then
+fails the room naming the layer and region; a prefill its engine aborted never lets the decode
+reach Success.
+
+Corruption is injected by the decode agent's own fault setting (`fault_corrupt_layer`,
+`fault_corrupt_times`: one byte of the first landed span of that layer flipped before it is
+verified), not by patching internals.
+"""
+
+from __future__ import annotations
+
+import random
+
+from relkit import WAIT_S, Engine, engine_pair, fast_settings, layers_of
+
+from kvhandoff.state_machine import KVPoll
+
+SEQ = 40  # 2.5 pages of 16 tokens: a partial last page too
+TRIALS = 25
+
+
+def test_corruption_once_is_caught_retransmitted_and_lands_byte_exact() -> None:
+    """N trials, each a fresh decode agent whose fault corrupts one landed byte of a random
+    layer once: every corruption is caught (the checksum fails), retransmitted once, and the
+    room ends byte-exact."""
+    rng = random.Random()
+    with engine_pair(num_pages=TRIALS * 3 + 4) as (p, _):
+        layers = layers_of(p.layout)
+        for room in range(1, TRIALS + 1):
+            layer = rng.choice(layers)
+            d = Engine("decode", p.layout, 4, fast_settings(fault_corrupt_layer=layer))
+            try:
+                s = p.send(room, SEQ)
+                rv = d.recv(room, SEQ, p.address)
+                assert rv.wait(WAIT_S) is KVPoll.Success, (layer, rv.failure)
+                assert s.wait(WAIT_S) is KVPoll.Success, (layer, s.failure)
+                c = d.agent.status()["counters"]
+                assert c["checksum_failures"] == 1 and c["retransmits"] == 1, (layer, c)
+                assert rv.stats()["retransmits"] == 1
+                assert d.bad_bytes(room, SEQ) == 0
+                assert d.wait_all_released([room], WAIT_S)
+                d.assert_no_leak()
+            finally:
+                d.close()
+        assert p.agent.status()["counters"]["retransmits"] == TRIALS
+        assert p.wait_all_released(list(p.pages), WAIT_S)
+        p.assert_no_leak()
+
+
+def test_corruption_twice_fails_naming_layer_and_region() -> None:
+    """Corrupted again after the retransmit: Failed on both sides, the reason names the layer
+    and the region; nothing reaches Success; all pages come back."""
+    layer = 5  # an indexer layer of the mini layout, not the first one
+    dset = fast_settings(fault_corrupt_layer=layer, fault_corrupt_times=2 * TRIALS)
+    with engine_pair(num_pages=TRIALS * 3 + 4, decode_settings=dset) as (p, d):
+        rooms = list(range(1, TRIALS + 1))
+        handles = [(p.send(room, SEQ), d.recv(room, SEQ, p.address)) for room in rooms]
+        for s, rv in handles:
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert s.wait(WAIT_S) is KVPoll.Failed
+            want = f"checksum mismatch on layer {layer}, region 'main_kv'"
+            assert want in (rv.failure or ""), rv.failure
+            assert want in (s.failure or ""), s.failure  # the prefill is told why
+            assert not rv.wait_for_layer(layer, 0)
+        c = d.agent.status()["counters"]
+        assert c["checksum_failures"] == 2 * TRIALS
+        assert c["rooms_success"] == 0 and c["rooms_failed"] == TRIALS
+        assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
+        p.assert_no_leak()
+        d.assert_no_leak()
+
+
+def test_engine_aborted_prefill_never_lets_decode_succeed() -> None:
+    """The prefill engine aborts its request at a random layer (including the last one) after
+    marking the layers before it ready: in every trial the decode ends Failed with the abort's
+    reason, never Success, and every page comes back."""
+    rng = random.Random()
+    with engine_pair(num_pages=TRIALS * 3 + 4) as (p, d):
+        layers = layers_of(p.layout)
+        rooms = list(range(1, TRIALS + 1))
+        cut = {room: rng.randrange(len(layers)) for room in rooms}
+        cut[rooms[0]], cut[rooms[1]] = 0, len(layers) - 1
+        handles = []
+        for room in rooms:
+            s = p.send(room, SEQ, ready=cut[room])
+            rv = d.recv(room, SEQ, p.address)
+            handles.append((room, s, rv))
+        for room, s, rv in handles:
+            if cut[room]:  # let the layers before the abort land first (the worst case)
+                assert rv.wait_for_layer(layers[cut[room] - 1], WAIT_S), rv.failure
+            s.abort(f"engine aborted request {room}")
+            for lid in layers[cut[room]:]:  # a careless engine keeps marking layers ready
+                s.layer_ready(lid)
+        for room, s, rv in handles:
+            assert rv.wait(WAIT_S) is KVPoll.Failed, (room, cut[room], rv)
+            assert f"engine aborted request {room}" in (rv.failure or "")
+            assert s.poll() is KVPoll.Failed
+        assert d.agent.status()["counters"]["rooms_success"] == 0
+        assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
+        p.assert_no_leak()
+        d.assert_no_leak()

@@ -1,0 +1,170 @@
+"""Load and soak: hundreds of concurrent rooms between one prefill and one decode agent, 10 %
+of them aborted at random moments by a random side.
+
+Both agents live in the test process (real agents, real ZMQ control sockets, real tcp/UCX data
+lanes on 127.0.0.1): 500 rooms of two processes' worth of page pools fit CI memory this way.
+Each round opens every room on both sides first (all concurrent), then the prefill engine marks
+layer after layer ready across all rooms, as an engine computing a batch does. Asserted per
+round: every room terminal on both sides (0 lost), every room not aborted Success and
+byte-exact, every aborted room Failed (or Success where the ack had won), every page back in
+its pool exactly once. Asserted across rounds: RSS after the last round within a small bound of
+RSS after the first (warm-up) round. An agent keeps the record of a finished room for 10
+minutes (~20 KB per room over both agents for the 6-layer layout); between rounds the test ages
+those records out through the agent's own collection, as 10 minutes would.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from relkit import (
+    Engine,
+    age_out_finished_rooms,
+    engine_pair,
+    fast_settings,
+    layers_of,
+    mini_glm,
+    rss_bytes,
+)
+
+from kvhandoff.state_machine import KVPoll
+
+PHASES = ("before_init", "waiting", "mid", "after_last")
+
+
+@dataclass
+class RoundResult:
+    rooms: int
+    aborted: int
+    success: int
+    failed: int
+    lost: int
+    bad_bytes: int
+    seconds: float
+    ack_won: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def run_round(p: Engine, d: Engine, *, rooms: int, max_seq: int, abort_frac: float,
+              rng: random.Random, wait_s: float) -> RoundResult:
+    layers = layers_of(p.layout)
+    ids = [secrets.randbits(63) for _ in range(rooms)]
+    seq = {r: rng.randint(1, max_seq) for r in ids}
+    plan: dict[int, tuple[str, str, int]] = {}  # room -> (side, phase, layer index)
+    for r in rng.sample(ids, int(rooms * abort_frac)):
+        plan[r] = (rng.choice(["prefill", "decode"]), rng.choice(PHASES),
+                   rng.randrange(1, len(layers)))
+    t0 = time.monotonic()
+    senders: dict[int, Any] = {}
+    recvs: dict[int, Any] = {}
+    for r in ids:
+        senders[r] = p.send(r, seq[r], ready=False)
+        side, phase, _ = plan.get(r, ("", "", 0))
+        rv = d.recv(r, seq[r], p.address, init=phase != "before_init")
+        recvs[r] = rv
+        if phase == "before_init":
+            (senders[r] if side == "prefill" else rv).abort(f"load abort {side} {phase}")
+            if side == "prefill":  # the decode engine offers its pages as usual, afterwards
+                rv.init(d.pages[r], seq[r])
+    for r, (side, phase, _) in plan.items():
+        if phase == "waiting":
+            (senders[r] if side == "prefill" else recvs[r]).abort(f"load abort {side} {phase}")
+    for i, lid in enumerate(layers):
+        for r in ids:
+            side, phase, at = plan.get(r, ("", "", 0))
+            if phase == "mid" and at == i:
+                (senders[r] if side == "prefill" else recvs[r]).abort(f"load abort {side} mid")
+            senders[r].layer_ready(lid)
+    for r, (side, phase, _) in plan.items():
+        if phase == "after_last":
+            (senders[r] if side == "prefill" else recvs[r]).abort(f"load abort {side} last")
+    res = RoundResult(rooms=rooms, aborted=len(plan), success=0, failed=0, lost=0,
+                      bad_bytes=0, seconds=0.0)
+    deadline = time.monotonic() + wait_s
+    for r in ids:
+        left = max(0.0, deadline - time.monotonic())
+        ss, rs = senders[r].wait(left), recvs[r].wait(left)
+        if not (ss.is_terminal and rs.is_terminal):
+            res.lost += 1
+            res.problems.append(f"room {r} not terminal: prefill {ss.name}, decode {rs.name}")
+            continue
+        if r in plan:
+            if KVPoll.Success in (ss, rs):
+                res.ack_won += 1
+                # only an abort after the last layer may lose to the ack
+                if plan[r][1] != "after_last":
+                    res.problems.append(f"room {r} aborted at {plan[r]} but {ss.name}/{rs.name}")
+            res.failed += 1
+        else:
+            if (ss, rs) != (KVPoll.Success, KVPoll.Success):
+                res.problems.append(f"room {r}: {ss.name}/{rs.name} {senders[r].failure} "
+                                    f"{recvs[r].failure}")
+                res.failed += 1
+                continue
+            res.success += 1
+            res.bad_bytes += d.bad_bytes(r, seq[r])
+    released = p.wait_all_released(ids, max(1.0, deadline - time.monotonic())) and \
+        d.wait_all_released(ids, max(1.0, deadline - time.monotonic()))
+    if not released:
+        res.problems.append("pages of some rooms were never released")
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: int,
+         rss_bound_mib: float, wait_s: float) -> list[RoundResult]:
+    layout = mini_glm(num_layers=num_layers, indexer_layer_ids=(1, num_layers - 1))
+    pages = rooms * -(-max_seq // layout.page_size_tokens)
+    rng = random.Random()
+    results: list[RoundResult] = []
+    rss: list[int] = []
+    # the product's default heartbeat (0.5 s: a peer silent for 1 s is dead), not the 0.2 s of
+    # the fault tests: a burst of hundreds of rooms keeps a control loop busy for a while
+    st = fast_settings(transport=transport, heartbeat_interval_s=0.5, lease_s=30.0)
+    with engine_pair(layout, num_pages=pages, settings=st) as (p, d):
+        for _ in range(rounds):
+            res = run_round(p, d, rooms=rooms, max_seq=max_seq, abort_frac=0.10, rng=rng,
+                            wait_s=wait_s)
+            results.append(res)
+            assert res.lost == 0 and not res.problems, (res.problems[:10], res)
+            assert res.bad_bytes == 0
+            assert res.success + res.failed == rooms
+            p.assert_no_leak()
+            d.assert_no_leak()
+            for e in (p, d):
+                age_out_finished_rooms(e)
+                e.pages.clear()
+                e.releases.clear()
+                e.prefix.clear()
+            gc.collect()
+            rss.append(rss_bytes())
+        for e in (p, d):  # nothing left open on either agent
+            states = e.agent.status()["rooms"]
+            assert set(states) <= {"Success", "Failed"}, states
+    growth_mib = (rss[-1] - rss[0]) / (1 << 20)
+    print(f"soak {transport}: {rounds} rounds x {rooms} rooms; per round "
+          + ", ".join(f"{r.success} ok/{r.failed} failed ({r.ack_won} ack won) "
+                      f"in {r.seconds:.1f}s" for r in results)
+          + f"; RSS after each round MiB: {[round(x / (1 << 20)) for x in rss]}; "
+          f"growth after warm-up {growth_mib:+.1f} MiB")
+    assert growth_mib < rss_bound_mib, f"RSS grew {growth_mib:.1f} MiB after the warm-up round"
+    return results
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_500_concurrent_rooms_with_random_aborts(transport: str) -> None:
+    soak(transport=transport, rooms=500, rounds=3, max_seq=48, num_layers=6,
+         rss_bound_mib=32, wait_s=60)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_soak_2000_rooms_longer_contexts(transport: str) -> None:
+    soak(transport=transport, rooms=2000, rounds=4, max_seq=160, num_layers=12,
+         rss_bound_mib=64, wait_s=300)

@@ -1,0 +1,133 @@
+"""Restarts: a prefill that comes back on the same address with a new generation, and a
+bootstrap server that comes back on the same port.
+
+- Prefill (a real `kvhandoff.sim` process on a fixed `agent_port`, SIGKILLed and started
+  again): the decode's rooms of the old generation fail (in flight, and one opened towards the
+  old handshake after the kill), a message stamped with the old generation is counted stale and
+  changes nothing, and a new room with the new generation hands off byte-exact.
+- Bootstrap server (stopped, started again on the same port, empty): the prefill agent's
+  registration gets 404 on its heartbeat, registers again by itself, `/ready` comes back, and a
+  decode that looks its prefill up through the new server hands off.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from relkit import WAIT_S, Engine, Prober, fast_settings, free_port
+
+from kvhandoff.bootstrap_server import BootstrapClient
+from kvhandoff.bootstrap_server.testing import run_server
+from kvhandoff.kv_layout import preset
+from kvhandoff.settings import Settings
+from kvhandoff.sim import spawn
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.transfer import protocol as P
+
+HB_S = 0.2
+SEQ = 128
+LAYOUT = preset("glm-5.3", page_size_tokens=64)
+
+
+def prefill_cfg(port: int, room: int, layer_ms: float) -> dict[str, Any]:
+    return {"rooms": [{"room": room, "seq_len": SEQ}], "layer_ms": layer_ms, "linger": True,
+            "timeout_s": WAIT_S, "engine_id": "p",
+            "settings": {"transport": "tcp", "heartbeat_interval_s": HB_S, "agent_port": port}}
+
+
+def stale(e: Engine) -> int:
+    return int(e.agent.status()["counters"]["stale_messages"])
+
+
+def test_prefill_restarted_on_the_same_address_new_generation() -> None:
+    port = free_port()
+    d = Engine("decode", LAYOUT, 8, fast_settings(heartbeat_interval_s=HB_S), pattern="sim")
+    try:
+        with spawn("prefill", prefill_cfg(port, 1, layer_ms=30)) as p1:
+            ev = p1.expect("ready", 60)
+            addr, gen1 = ev["address"], ev["generation"]
+            assert addr == f"127.0.0.1:{port}"
+            rv1 = d.recv(1, SEQ, addr)
+            assert rv1.wait_for_layer(0, WAIT_S)
+            p1.signal(signal.SIGKILL)
+            assert p1.proc.wait(WAIT_S) == -signal.SIGKILL
+            # a room the decode opens now still goes to the old generation's handshake
+            rv_stale = d.recv(2, SEQ, addr)
+            for rv in (rv1, rv_stale):
+                assert rv.wait(WAIT_S) is KVPoll.Failed, rv
+                assert "silent" in (rv.failure or ""), rv.failure
+        with spawn("prefill", prefill_cfg(port, 3, layer_ms=0)) as p2:
+            ev = p2.expect("ready", 60)
+            assert ev["address"] == addr and ev["generation"] != gen1
+            rv3 = d.recv(3, SEQ, addr)
+            assert rv3.wait(WAIT_S) is KVPoll.Success, rv3.failure
+            assert d.bad_bytes(3, SEQ) == 0
+            done = p2.expect("done", WAIT_S, room=3)
+            assert done["state"] == "Success"
+            # a message of the old generation (as a late packet of the killed process would
+            # carry): counted stale, the room keeps its Success
+            before = stale(d)
+            with Prober(d.address) as pr:
+                pr.send(P.encode(P.LayerDone(src=addr, gen=gen1, room=3, layers=[])))
+                pr.send(P.encode(P.Abort(src=addr, gen=gen1, room=3, reason="old generation")))
+                pr.barrier("decode")
+            assert stale(d) - before == 2
+            assert rv3.poll() is KVPoll.Success
+        assert d.wait_all_released([1, 2, 3], WAIT_S)
+        d.assert_no_leak()
+    finally:
+        d.close()
+
+
+def test_bootstrap_server_restart_ranks_reregister_and_ready_returns() -> None:
+    port = free_port()
+    layout = preset("glm-5.3", page_size_tokens=16)
+    server = Settings(port=0, rank_ttl_s=0.6, auth_token=None)
+    with run_server(server, port=port) as url:
+        p = Engine("prefill", layout, 8, fast_settings(bootstrap_url=url, rank_ttl_s=0.6),
+                   engine_id="p")
+        d = Engine("decode", layout, 8, fast_settings(), engine_id="d")
+        try:
+            assert p.agent._registration.registered.wait(WAIT_S)
+            c = BootstrapClient(url, total_wait_s=5)
+            assert c.ready().ready
+            first = c.allocate_rooms(1)[0]
+            c.bind_room(first, "p", 0)
+            s = p.send(first, 40)
+            rv = d.recv(first, 40, None, bootstrap=url)
+            assert rv.wait(WAIT_S) is KVPoll.Success and s.wait(WAIT_S) is KVPoll.Success
+        except BaseException:
+            p.close()
+            d.close()
+            raise
+    try:
+        t_down = time.monotonic()
+        with run_server(server, port=port) as url2:
+            assert url2 == url
+            c = BootstrapClient(url, total_wait_s=5)
+            # the new server knows nobody; the agent's next heartbeat gets 404 and it registers
+            # again by itself (bounded wait on the server's answer, no fixed sleep)
+            deadline = time.monotonic() + WAIT_S
+            while not c.ready().ready:
+                assert time.monotonic() < deadline, c.ready()
+                time.sleep(0.05)
+            took = time.monotonic() - t_down
+            print(f"bootstrap restart: /ready back {took:.2f}s after the old server stopped")
+            assert took < 3 * 0.6 + 2.0
+            room = c.allocate_rooms(1)[0]
+            c.bind_room(room, "p", 0)
+            s = p.send(room, 40)
+            rv = d.recv(room, 40, None, bootstrap=url)
+            assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Success
+            assert d.bad_bytes(room, 40) == 0
+            # closed while the server is up: the agent deregisters at once (with the server
+            # gone, close() would wait out the registration's retries)
+            p.close()
+            d.close()
+    finally:
+        p.close()
+        d.close()
+
