@@ -1,10 +1,15 @@
 # UCX transport through ucxx's low-level API (ucxx._lib.libucxx), driven by one I/O thread.
 #
 # How it works:
-# - One UCP context + worker per transport, in blocking-progress mode; the worker address is
-#   this transport's address. Endpoints are created from peers' worker addresses with UCX error
-#   handling OFF (that enables the shared-memory lanes, sysv/posix + cma, between processes of
-#   one host; the agent's heartbeats detect dead peers).
+# - One UCP context + worker per transport, in blocking-progress mode. This transport's address
+#   is the worker address behind a small envelope naming the host (a hash of boot id and host
+#   name). Endpoints to peers on ANOTHER host use UCX peer error handling (RDMA and TCP lanes
+#   support it: a dead peer fails the requests). Endpoints to peers on THIS host are created
+#   with error handling OFF, because that is what enables the shared-memory lanes (sysv/posix +
+#   cma; with it on, UCX picks TCP only: 3 GB/s instead of 10 here); the agent's heartbeats
+#   detect dead peers. The price, a UCX limitation: if a same-host peer dies while this side is
+#   writing into its memory (cma), UCX aborts this process. `ucx_same_host_error_handling`
+#   trades the speed for safety; status() says which peers run unprotected.
 # - A send cuts its stream into the shared chunk grid (_chunks.ChunkPlan); chunk k goes as one
 #   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
 #   or directions. A chunk inside one span is sent straight from the registered buffer; other
@@ -108,6 +113,32 @@ class _Inflight:
         self.direct = direct
 
 
+_ADDR_MAGIC = b"KVHUCX1"
+_HOST_ID_BYTES = 16
+
+
+def _host_id() -> bytes:
+    """Identifies this host (boot id + host name): peers with the same id share memory."""
+    import hashlib
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return hashlib.sha256(boot + b"/" + socket.gethostname().encode()).digest()[
+        :_HOST_ID_BYTES]
+
+
+def _split_address(address: bytes) -> tuple[bytes, bytes]:
+    """(host id, UCX worker address) of a kvhandoff ucx address."""
+    head = len(_ADDR_MAGIC) + _HOST_ID_BYTES
+    if not address.startswith(_ADDR_MAGIC) or len(address) <= head:
+        raise TransportError("not a kvhandoff ucx address (peer of another version?)")
+    return address[len(_ADDR_MAGIC):head], address[head:]
+
+
 def _resources(context_info: str) -> list[str]:
     """Transport/device names ('tcp/eth0', 'cma/memory', …) from ucp_context_print_info."""
     out = []
@@ -176,13 +207,15 @@ class UcxTransport(Transport):
         if self._chunk_bytes >= (1 << 31):
             raise TransportError("ucx: chunk_bytes must be < 2 GiB")
         self._require_rdma = bool(settings.require_rdma)
+        self._same_host_err = bool(settings.ucx_same_host_error_handling)
         self._cancel_bound_s = float(settings.stall_timeout_s)
         try:
             self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,
                                                           ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._ctx)
             self._worker.init_blocking_progress_mode()
-            self._address = bytes(self._worker.address.tobytes())
+            self._host = _host_id()
+            self._address = _ADDR_MAGIC + self._host + bytes(self._worker.address.tobytes())
             self._epoll_fd = int(self._worker.epoll_file_descriptor)
         except ucx_api.UCXError as e:
             raise TransportError(f"ucx: cannot create a UCP context/worker: {e}") from e
@@ -196,6 +229,7 @@ class UcxTransport(Transport):
         self._buffers: dict[str, np.ndarray] = {}
         self._peers: dict[str, bytes] = {}
         self._peer_lanes: dict[str, tuple[str, ...]] = {}
+        self._unprotected: set[str] = set()  # same-host peers without UCX error handling
         self._ops: dict[tuple[str, int, bool], _Op] = {}
         self._bytes_sent = 0
         self._bytes_received = 0
@@ -241,7 +275,7 @@ class UcxTransport(Transport):
             if known is not None:
                 raise TransportError(f"connect {peer!r}: already connected at another address; "
                                      "disconnect first")
-        result: list[BaseException | tuple[str, ...]] = []
+        result: list[BaseException | tuple[tuple[str, ...], bool]] = []
         done = threading.Event()
         self._command("connect", peer, address, result, done)
         if not done.wait(self._cancel_bound_s):
@@ -249,7 +283,7 @@ class UcxTransport(Transport):
                                  f"{self._cancel_bound_s} s")
         if isinstance(result[0], BaseException):
             raise result[0]
-        lanes = result[0]
+        lanes, unprotected = result[0]
         if self._require_rdma and (_tcp_only(lanes) or not self._rdma):
             self._command("disconnect", peer, [])
             raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
@@ -259,6 +293,13 @@ class UcxTransport(Transport):
         with self._lock:
             self._peers[peer] = address
             self._peer_lanes[peer] = lanes
+            if unprotected:
+                self._unprotected.add(peer)
+        if unprotected:
+            log.warning("ucx: peer %r is on this host: shared-memory lanes without UCX error "
+                        "handling (if it dies mid-write UCX aborts this process; set "
+                        "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING=true for safety over speed)",
+                        peer)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -266,6 +307,7 @@ class UcxTransport(Transport):
             done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
             self._peers.pop(peer, None)
             self._peer_lanes.pop(peer, None)
+            self._unprotected.discard(peer)
         self._deliver(done)
         self._command("disconnect", peer, ops)
         self._wait_direct(ops, "disconnect")
@@ -305,6 +347,11 @@ class UcxTransport(Transport):
             why = "ucx: shared-memory/RDMA lanes to every peer"
         rdma = (f"RDMA devices: {', '.join(self._rdma)}" if self._rdma else
                 "no RDMA device found: peers on other hosts would use TCP")
+        with self._lock:
+            unprotected = sorted(self._unprotected)
+        if unprotected:
+            why += (f"; same-host peer(s) {', '.join(unprotected)} without UCX error handling "
+                    "(shared-memory speed; a peer dying mid-write aborts this process)")
         reason = (f"{why}; {rdma}; UCX_TLS={self._tls_config}; resources: "
                   f"{', '.join(self._resources)}")
         return TransportStatus(kind=self.kind, lanes=lanes or tuple(self._resources),
@@ -487,12 +534,15 @@ class UcxTransport(Transport):
     def _on_connect(self, peer: str, address: bytes, result: list[object],
                     done: threading.Event) -> None:
         try:
+            host, worker_address = _split_address(address)
+            unprotected = host == self._host and not self._same_host_err
             ep = self._eps.get(peer)
             if ep is None:
                 ep = ucx_api.UCXEndpoint.create_from_worker_address(
-                    self._worker, ucx_api.UCXAddress.create_from_buffer(address), False)
+                    self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
+                    not unprotected)
                 self._eps[peer] = ep
-            result.append(_ep_lanes(ep))
+            result.append((_ep_lanes(ep), unprotected))
         except Exception as e:
             result.append(TransportError(f"connect {peer!r}: UCX cannot create an endpoint "
                                          f"from that address: {e}"))
