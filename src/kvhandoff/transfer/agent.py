@@ -1166,6 +1166,9 @@ class TransferAgent:
             if self._router not in events:
                 self._drained_at = time.monotonic()  # polled: nothing waiting to be read
             else:
+                # a burst (hundreds of rooms' requests) must not hold back our heartbeats and
+                # answers: after a quarter heartbeat, tick (send them), then read on
+                batch_end = time.monotonic() + hb / 4
                 for _ in range(1000):
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
@@ -1176,6 +1179,8 @@ class TransferAgent:
                         self._handle(frames[1:])  # drop the ROUTER identity frame
                     except Exception:  # one message must never stop the control loop
                         log.exception("agent: error handling a control message")
+                    if time.monotonic() > batch_end:
+                        break
             try:
                 self._tick(hb)
             except Exception:  # the control loop must survive anything a room does
