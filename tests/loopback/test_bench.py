@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvhandoff.kv_layout import handoff_bytes, preset
 
@@ -49,3 +50,83 @@ def test_bench_rejects_an_unknown_case() -> None:
     p = subprocess.run([KVHANDOFF, "bench", "--cases", "memcpy,warp"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and "warp" in p.stderr
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "bench.json"
+    p = subprocess.run([KVHANDOFF, "bench", "--context", "256", "--prefix", "128", "--reps",
+                        "1", "--warmup", "0", "--layer-ms", "1", "--timeout", "60", "--out",
+                        str(out), *args], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, json.loads(out.read_text())
+
+
+def test_bench_prefill_and_decode_pages_differ(tmp_path: Path) -> None:
+    p, r = _run(tmp_path, "--prefill-page", "64", "--decode-page", "32")
+    w = r["workload"]
+    assert (w["prefill_page_tokens"], w["decode_page_tokens"]) == (64, 32)
+    # 4 prefill pages of 64 and 8 decode pages of 32, drawn from pools of 1.25x
+    assert w["pool_pages"] == {"prefill": 5, "decode": 10}
+    moved = handoff_bytes(preset("glm-5.3", page_size_tokens=32), seq_len=256,
+                          decode_prefix_len=128)
+    assert w["bytes"] == r["handoff"]["bytes"] == sum(moved.values())
+    assert w["bytes_per_region"] == moved
+    # a 64-token prefill page holds two 32-token decode pages: more pieces than pages of 64
+    assert w["pieces_before_coalescing"] == 78 * 8 + 21 * 4 * 2
+    assert r["verified"] == dict.fromkeys(CASES, True)
+    assert all(r["cases"][c]["n"] == 1 for c in CASES)
+    assert r["targets_note"] is None and "pages 64 -> 32 tokens" in " ".join(p.stdout.split())
+
+
+def test_bench_gqa_two_prefill_ranks_into_one_decode_rank(tmp_path: Path) -> None:
+    p, r = _run(tmp_path, "--model", "llama-3.1-8b", "--prefill-tp", "2", "--decode-tp", "1",
+                "--cases", "memcpy,handoff_full,handoff_off")
+    h = r["handoff"]
+    assert (h["prefill_tp"], h["decode_tp"]) == (2, 1)
+    assert h["sources"] == {"0": [0, 1]} and h["prefill_ranks_started"] == [0, 1]
+    full = sum(handoff_bytes(preset("llama-3.1-8b"), seq_len=256, decode_prefix_len=128)
+               .values())
+    assert h["bytes"] == h["bytes_per_decode_rank"][0] == r["workload"]["bytes"] == full
+    assert r["cases"]["handoff_full"]["bytes"] == full
+    # each prefill rank brings 4 adjacent heads of every page of 16 tokens: one piece per
+    # prefill rank, page and layer (2 x 16 x 32)
+    assert h["descriptors"]["after"] == {"main_k": 2 * 16 * 32, "main_v": 2 * 16 * 32}
+    assert r["verified"] == {"memcpy": True, "handoff_full": True, "handoff_off": True}
+    assert set(r["targets"].values()) == {None} and "TP 2 -> decode TP 1" in r["targets_note"]
+    text = " ".join(p.stdout.split())  # the table wraps lines
+    assert "decode 0 <- prefill 0, 1" in text and "single pair" in text
+
+
+def test_plane_digests_pair_pages_of_different_sizes_token_by_token() -> None:
+    """The bench's byte check: copying the plans' spans from 64-token to 32-token pages gives
+    equal per-plane digests; one wrong moved byte changes exactly that plane's digest, and a
+    byte of the cached prefix (not moved) changes none."""
+    import numpy as np
+
+    from kvhandoff.bench.pageset import PageSet, plane_digests, rank_spec
+
+    src_spec, dst_spec = rank_spec("glm-5.3", 64), rank_spec("glm-5.3", 32)
+    ps = PageSet.random(seq_len=200, prefix=100, src_page_size=64, dst_page_size=32, seed=3)
+    plans = ps.plans(src_spec, dst_spec)
+    rng = np.random.default_rng(0)
+    src = {(r.name, lid): rng.integers(0, 256, r.page_nbytes(64) * ps.src_num_pages,
+                                       dtype=np.uint8)
+           for r in src_spec.regions for lid in r.layer_ids}
+    dst = {(r.name, lid): np.zeros(r.page_nbytes(32) * ps.dst_num_pages, np.uint8)
+           for r in dst_spec.regions for lid in r.layer_ids}
+    for (name, lid), buf in dst.items():
+        for so, do, n in plans[name]:
+            buf[do:do + n] = src[(name, lid)][so:so + n]
+    want = plane_digests(lambda r, lid: src[(r, lid)], src_spec, ps, side="src")
+    assert plane_digests(lambda r, lid: dst[(r, lid)], dst_spec, ps, side="dst") == want
+    idx = dst_spec.region("indexer_k")
+    lid = idx.layer_ids[0]
+    # token 96 (the decode prefix page-aligned to 32) is the first moved token of the indexer
+    page = ps.dst_pages[96 // 32]
+    dst[("indexer_k", lid)][page * idx.page_nbytes(32)] ^= 0xFF
+    got = plane_digests(lambda r, lid: dst[(r, lid)], dst_spec, ps, side="dst")
+    assert {k for k in want if got[k] != want[k]} == {f"indexer_k/{lid}/{idx.planes[0].name}"}
+    dst[("indexer_k", lid)][page * idx.page_nbytes(32)] ^= 0xFF
+    page = ps.dst_pages[95 // 32]  # token 95: cached on decode, not moved
+    dst[("indexer_k", lid)][page * idx.page_nbytes(32) + 31 * idx.planes[0].bytes_per_token] ^= 1
+    assert plane_digests(lambda r, lid: dst[(r, lid)], dst_spec, ps, side="dst") == want

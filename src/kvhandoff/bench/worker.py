@@ -8,10 +8,14 @@ starts to the moment the receiver has every byte, without the parent's pipe late
 - raw: a receiver on the bare transport (`load_transport`), one registered contiguous buffer.
   Commands: setup{kind, nbytes, chunk_bytes} -> {address}; connect{address}; recv{tag,
   nbytes, verify} -> {posted} then {t_done, error, digest}.
-- prefill / decode: one `TransferAgent` per checksum mode on the same KV buffers (built once).
-  Commands: setup{model, page_size, pageset, modes, transport, chunk_bytes} -> {addresses};
-  open{room, mode, peer} (decode answers once its receives are posted, then {done} at the end);
-  go{room, layer_ms, verify} (prefill: marks every layer ready, paced by layer_ms) -> {t0, ...}.
+- prefill / decode: one TP rank (`tp_rank` of `tp_size`, its own layout: a head-sharded preset
+  holds that rank's heads), one `TransferAgent` per checksum mode on the same KV buffers (built
+  once). Commands: setup{model, page_size, tp_size, tp_rank, pageset, modes, transport,
+  chunk_bytes} -> {addresses}; open{room, mode, readers} (prefill: `readers` decode ranks read
+  from this rank) / open{room, mode, peer} (decode: `peer` is the list of its source ranks'
+  addresses; answers once its receives are posted, then {done} at the end); go{room, layer_ms,
+  verify} (prefill: marks every layer ready, paced by layer_ms) -> {t0, ...}. With `verify`, the
+  answers carry the per-plane digests of `pageset.plane_digests`.
 """
 
 from __future__ import annotations
@@ -88,20 +92,23 @@ def run_raw() -> None:
 
 
 class _AgentSide:
-    """The prefill or decode side of the bench handoffs."""
+    """One prefill or decode rank of the bench handoffs."""
 
     def __init__(self, role: str, msg: dict[str, Any]) -> None:
-        from kvhandoff.bench.pageset import PageSet
-        from kvhandoff.kv_layout import preset
+        from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
         from kvhandoff.settings import Settings
         from kvhandoff.transfer import TransferAgent, allocate
 
         self.role = role
-        self.spec = preset(msg["model"], page_size_tokens=int(msg["page_size"]))
-        self.pageset = PageSet.from_msg(self.spec, msg["pageset"])
-        self.plans = self.pageset.plans()
+        self.rank = int(msg.get("tp_rank", 0))
+        self.spec = rank_spec(msg["model"], int(msg["page_size"]), int(msg.get("tp_size", 1)),
+                              self.rank)
+        self.pageset = PageSet.from_msg(msg["pageset"])
+        self.layers = layers_of(self.spec)
         self.timeout_s = float(msg.get("timeout_s", 120))
-        bufs = allocate(self.spec, self.pageset.num_pages)
+        pool = (self.pageset.src_num_pages if role == "prefill"
+                else self.pageset.dst_num_pages)
+        bufs = allocate(self.spec, pool)
         if role == "prefill":  # random bytes: the handoff must not depend on content
             rng = np.random.default_rng(int(msg.get("seed", 0)))
             for per_layer in bufs.values():
@@ -112,31 +119,33 @@ class _AgentSide:
             st = Settings(transport=msg["transport"], checksum=mode,
                           chunk_bytes=int(msg["chunk_bytes"]), stall_timeout_s=self.timeout_s)
             self.agents[mode] = TransferAgent(role, self.spec, bufs, st,
-                                              engine_id=f"bench-{role}-{mode}")
+                                              engine_id=f"bench-{role}{self.rank}-{mode}")
         self.handles: dict[int, Any] = {}
         first = next(iter(self.agents.values()))
         self.buffers = first.buffers
 
-    def digest(self) -> str:
-        from kvhandoff.bench.pageset import digest
+    def digest(self) -> dict[str, str]:
+        from kvhandoff.bench.pageset import plane_digests
 
-        return digest(self.buffers.array, self.spec, self.plans,
-                      side="src" if self.role == "prefill" else "dst")
+        return plane_digests(self.buffers.array, self.spec, self.pageset,
+                             side="src" if self.role == "prefill" else "dst")
 
     def open(self, msg: dict[str, Any]) -> None:
         room, mode = int(msg["room"]), msg["mode"]
         ps = self.pageset
         agent = self.agents[mode]
         if self.role == "prefill":
-            self.handles[room] = agent.sender(room, pages=ps.src_pages, seq_len=ps.seq_len)
+            self.handles[room] = agent.sender(room, pages=ps.src_pages, seq_len=ps.seq_len,
+                                              num_decode_ranks=int(msg.get("readers", 1)))
             say(opened=room)
             return
         from kvhandoff.state_machine import KVPoll
 
-        rv = agent.receiver(room, peer=msg["peer"])
+        rv = agent.receiver(room, peer=msg["peer"])  # one address, or one per source rank
         rv.init(ps.dst_pages, ps.seq_len, ps.prefix)
-        # the decode agent posts every receive when the transfer is accepted; the timed part
-        # must not include the handshake, so answer only then (bounded poll of the room state)
+        # the decode agent posts every receive when the transfer is accepted (by every source
+        # rank); the timed part must not include the handshake, so answer only then (bounded
+        # poll of the room state)
         deadline = time.monotonic() + self.timeout_s
         while rv.poll() in (KVPoll.Bootstrapping,) and time.monotonic() < deadline:
             time.sleep(0.0005)
@@ -156,7 +165,7 @@ class _AgentSide:
         s = self.handles.pop(room)
         layer_s = float(msg.get("layer_ms", 0)) / 1e3
         t0 = time.monotonic()
-        for i, lid in enumerate(self.pageset.layers()):
+        for i, lid in enumerate(self.layers):
             if layer_s and i:
                 time.sleep(max(0.0, t0 + i * layer_s - time.monotonic()))  # simulated compute
             s.layer_ready(lid)

@@ -17,16 +17,22 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
     from rich.table import Table
 
     w = r["workload"]
+    ho = r["handoff"]
+    pages = (f", pages {w['prefill_page_tokens']} -> {w['decode_page_tokens']} tokens"
+             if w["prefill_page_tokens"] != w["decode_page_tokens"] else "")
     t = Table(title=f"kvhandoff bench: {w['model']}, {w['context_tokens']:,} tokens "
               f"({w['prefix_tokens']:,} cached), {w['bytes'] / 1e6:,.1f} MB in "
-              f"{w['pieces']:,} pieces, {r['config']['reps']} reps")
+              f"{w['pieces']:,} pieces{pages}, {r['config']['reps']} reps")
+    single = ho["prefill_tp"] == 1 and ho["decode_tp"] == 1
+    ranks = "" if single else f" (TP {ho['prefill_tp']} -> {ho['decode_tp']})"
     for col in ("case", "median", "GB/s (median)", "GB/s (best)", "spread (max-min)/med"):
         t.add_column(col, justify="left" if col == "case" else "right")
-    labels = {"memcpy": "memcpy of the page set (1 process)",
-              "raw": f"raw {r['config']['transport']}, 1 contiguous buffer",
-              "handoff_full": "handoff, checksums full",
-              "handoff_off": "handoff, checksums off",
-              "paced": f"tail, 1 layer per {r['config']['layer_ms']:g} ms"}
+    pair = "" if single else ", single pair"
+    labels = {"memcpy": f"memcpy of the page set (1 process{pair})",
+              "raw": f"raw {r['config']['transport']}, 1 contiguous buffer{pair}",
+              "handoff_full": f"handoff{ranks}, checksums full",
+              "handoff_off": f"handoff{ranks}, checksums off",
+              "paced": f"tail{ranks}, 1 layer per {r['config']['layer_ms']:g} ms"}
     for case, s in r["cases"].items():
         if not s.get("n"):
             continue
@@ -35,6 +41,12 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
         t.add_row(labels.get(case, case), f"{s['median_s'] * 1e3:,.2f} ms", gb, best,
                   f"{s['spread_pct']:.1f} %")
     con.print(t)
+    if not single:
+        con.print("ranks: " + "; ".join(f"decode {d} <- prefill {', '.join(map(str, s))}"
+                                        for d, s in ho["sources"].items())
+                  + f"; handoff bytes = {ho['decode_tp']} decode ranks x "
+                  f"{ho['bytes_per_decode_rank'][0]:,} B = {ho['bytes']:,} B; baselines "
+                  f"(memcpy, raw) are a single pair moving {w['bytes']:,} B")
     rt = Table(title="ratios (throughput; medians)")
     rt.add_column("ratio")
     rt.add_column("value", justify="right")
@@ -56,6 +68,8 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
             " [green]met[/green]" if tg[tkey] else " [red]missed[/red]")
         rt.add_row(label, f"{v:.3f}", target + mark)
     con.print(rt)
+    if r.get("targets_note"):
+        con.print(r["targets_note"])
     lanes = r.get("lanes", {})
     for name, st in lanes.items():
         if name == "raw":
@@ -74,6 +88,16 @@ def register(app: typer.Typer) -> None:
         prefix: int = typer.Option(4_096, min=0, help="Tokens decode already holds."),
         page_size: int | None = typer.Option(None, help="Page size in tokens (default: the "
                                              "preset's)."),
+        prefill_page: int | None = typer.Option(None, min=1, help="Prefill page size in "
+                                                "tokens (default: --page-size)."),
+        decode_page: int | None = typer.Option(None, min=1, help="Decode page size in tokens "
+                                               "(default: --page-size); paired with prefill's "
+                                               "token by token."),
+        prefill_tp: int = typer.Option(1, min=1, help="Prefill TP ranks of the handoff cases "
+                                       "(one worker process each)."),
+        decode_tp: int = typer.Option(1, min=1, help="Decode TP ranks of the handoff cases "
+                                      "(one worker process each, routed to its prefill "
+                                      "rank(s)); memcpy and raw stay single-pair."),
         transport: str = typer.Option("ucx", help="Data transport: ucx, tcp or inproc."),
         reps: int = typer.Option(5, min=1, help="Timed repetitions of every case."),
         warmup: int = typer.Option(1, min=0, help="Untimed repetitions first."),
@@ -102,6 +126,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(CASES)}")
         con = Console(stderr=True)
         cfg = BenchConfig(model=model, context=context, prefix=prefix, page_size=page_size,
+                          prefill_page=prefill_page, decode_page=decode_page,
+                          prefill_tp=prefill_tp, decode_tp=decode_tp,
                           transport=transport, reps=reps, warmup=warmup, layer_ms=layer_ms,
                           chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
                           timeout_s=timeout, cases=chosen)
