@@ -117,7 +117,9 @@ class Engine:
         self.seed = seed
         self.pool = PagePool(num_pages, seed=seed + (role == "decode"))
         self.start_free = self.pool.free_count
-        self.agent = TransferAgent(role, layout, allocate(layout, num_pages), settings,
+        # filled (not calloc-zero): every page is resident from the start, so RSS measures
+        # growth, not the first touch of pool pages
+        self.agent = TransferAgent(role, layout, allocate(layout, num_pages, fill=0xFF), settings,
                                    **agent_kw)
         self.releases: Counter[int] = Counter()
         self.release_errors: list[str] = []

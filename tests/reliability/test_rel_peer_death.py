@@ -92,7 +92,9 @@ def test_prefill_fault_crash_layer_fails_decode_rooms() -> None:
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
             last = p.expect("layer", WAIT_S, layer=crash - 1)["t"]  # it exits at the next one
             assert p.proc.wait(WAIT_S) == 137
-            assert_failed_in_time(d, rvs, last, words="silent")
+            worst = assert_failed_in_time(d, rvs, last, words="silent")
+            print(f"prefill fault_crash_layer={crash}: decode rooms Failed {worst:.3f}s after "
+                  "its last layer event")
             # layers up to the crash may have landed, the crashed one never did
             assert not rvs[0].wait_for_layer(crash, 0.1)
     finally:
