@@ -38,7 +38,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, gt=0,
                                 description="Largest request body the server accepts.")
     room_retention_s: float = Field(600.0, gt=0, description="How long finished or aborted rooms "
-                                    "stay visible to lookups.")
+                                    "stay visible to lookups (server) and in an agent's status "
+                                    "before they are forgotten.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
 
     # --- agents -----------------------------------------------------------------------------

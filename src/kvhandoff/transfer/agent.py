@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +142,8 @@ class TransferAgent:
         self._layer_order = {lid: i for i, lid in enumerate(sorted(
             {lid for r in layout.regions for lid in r.layer_ids}))}
         self._lock = threading.RLock()
+        # checksums run here, off the lock: the engine and control threads never wait on xxh3
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvh-hash")
         self._groups: dict[int, _Group] = {}
         self._legs: dict[tuple[int, str], _Room] = {}
         self._peers: dict[str, _Peer] = {}
@@ -306,6 +309,7 @@ class TransferAgent:
             self._metrics_server.server_close()
         self._wake()
         self._thread.join(timeout=5)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
         for s in self._dealers.values():
             s.close(0)
@@ -869,10 +873,30 @@ class TransferAgent:
             self.transport.post_send(
                 r.peer or "", tag, self.buffers.name(name, layer), plan.src_offsets, plan.nbytes,
                 self._cb(r, tag, functools.partial(self._sent, r, layer, attempt, name)))
-        for name in regions:  # read-only, overlaps the send
-            plan = r.plans[name]
-            buf = self.buffers.array(name, layer)
-            sums[name] = span_checksum(buf, plan.src_offsets, plan.nbytes) if want else None
+        if want:  # read-only, overlaps the send; off the lock, on the hasher thread
+            self._hasher.submit(self._announce, r, layer, attempt, regions)
+        else:
+            self._queue_done(r, layer, attempt, regions, dict.fromkeys(regions))
+
+    def _announce(self, r: _Room, layer: int, attempt: int, regions: list[str]) -> None:
+        """(hasher thread) Checksums the source spans of a posted layer, then announces it."""
+        try:
+            sums: dict[str, int | None] = {
+                name: span_checksum(self.buffers.array(name, layer), r.plans[name].src_offsets,
+                                    r.plans[name].nbytes)
+                for name in regions}
+            with self._lock:
+                if not r.machine.is_terminal and r.posted.get(layer) == attempt:
+                    self._queue_done(r, layer, attempt, regions, sums)
+            self._wake()
+        except Exception:  # a hashing job must never die silently
+            log.exception("agent: checksum of layer %d failed", layer)
+
+    def _queue_done(self, r: _Room, layer: int, attempt: int, regions: list[str],
+                    sums: dict[str, int | None]) -> None:
+        """(lock held) Queues the LayerDone of a posted layer (sent by the control thread,
+        several layers of a room in one message)."""
+        r.sums[(layer, attempt)] = sums
         self._pending_done.setdefault((r.room, r.peer or ""), []).append(P.LayerInfo(
             layer=layer, attempt=attempt, regions=[
                 P.RegionDone(region=n, nbytes=r.plans[n].total_bytes, checksum=sums[n])
@@ -959,31 +983,67 @@ class TransferAgent:
         sums = r.sums.get((layer, attempt))
         if sums is None or len(got) < len(regions):
             return
+        key = (layer, attempt)
+        if key in r.verifying:
+            return
+        items = []
+        corrupt = bool(self._corrupt_left) and layer == self.settings.fault_corrupt_layer
         for name in regions:
             plan = r.plans[name]
             buf = self.buffers.array(name, layer)
-            if self._corrupt_left and layer == self.settings.fault_corrupt_layer and plan.count:
+            if corrupt and plan.count:  # one byte of the first region, once per verification
+                corrupt = False
                 self._corrupt_left -= 1
                 off = int(plan.dst_offsets[0])
                 buf[off] ^= 0xFF
                 log.warning("fault injection: corrupted layer %d %s at byte %d", layer, name, off)
-            want = sums.get(name)
-            if want is None:
-                continue
-            if span_checksum(buf, plan.dst_offsets, plan.nbytes) != want:
-                self._counters["checksum_failures"] += 1
-                if attempt + 1 < 2:  # one retransmit, then fail
-                    r.retransmits += 1
-                    self._counters["retransmits"] += 1
-                    self._send(r.peer or "", P.LayerNack(
-                        src=self.address, gen=self.generation, room=r.room, layer=layer,
-                        attempt=attempt, reason=f"checksum mismatch in {name}"))
-                    self._post_recv_layer(r, layer, attempt + 1)
-                else:
-                    self._fail(r, ChecksumMismatch(layer=layer, region=name), notify="failed")
-                return
-            r.checksums_verified += 1
-            self._counters["checksums_verified"] += 1
+            items.append((name, sums.get(name)))
+        if all(want is None for _, want in items):
+            self._verified(r, layer, attempt, regions, bad=None, checked=0)
+            return
+        r.verifying.add(key)
+        self._hasher.submit(self._verify, r, layer, attempt, regions, items)
+
+    def _verify(self, r: _Room, layer: int, attempt: int, regions: list[str],
+                items: list[tuple[str, int | None]]) -> None:
+        """(hasher thread) Checksums the landed spans of a layer off the lock."""
+        try:
+            bad, checked = None, 0
+            for name, want in items:
+                if want is None:
+                    continue
+                plan = r.plans[name]
+                got = span_checksum(self.buffers.array(name, layer), plan.dst_offsets,
+                                    plan.nbytes)
+                if got != want:
+                    bad = name
+                    break
+                checked += 1
+            with self._lock:
+                r.verifying.discard((layer, attempt))
+                if not r.machine.is_terminal and r.posted.get(layer) == attempt:
+                    self._verified(r, layer, attempt, regions, bad=bad, checked=checked)
+            self._wake()
+        except Exception:
+            log.exception("agent: verification of layer %d failed", layer)
+
+    def _verified(self, r: _Room, layer: int, attempt: int, regions: list[str], *,
+                  bad: str | None, checked: int) -> None:
+        """(lock held) Acts on a layer's verification: landed, retransmit once, or Failed."""
+        if bad is not None:
+            self._counters["checksum_failures"] += 1
+            if attempt + 1 < 2:  # one retransmit, then fail
+                r.retransmits += 1
+                self._counters["retransmits"] += 1
+                self._send(r.peer or "", P.LayerNack(
+                    src=self.address, gen=self.generation, room=r.room, layer=layer,
+                    attempt=attempt, reason=f"checksum mismatch in {bad}"))
+                self._post_recv_layer(r, layer, attempt + 1)
+            else:
+                self._fail(r, ChecksumMismatch(layer=layer, region=bad), notify="failed")
+            return
+        r.checksums_verified += checked
+        self._counters["checksums_verified"] += checked
         for name in regions:
             n = r.plans[name].total_bytes
             r.bytes_moved += n
@@ -1246,7 +1306,7 @@ class TransferAgent:
                      if now - t > self.settings.bootstrap_timeout_s]:
             self._early.pop(room, None)
             self._early_t.pop(room, None)
-        keep = 600.0
+        keep = self.settings.room_retention_s
         for room in [k for k, g in self._groups.items()
                      if g.released.is_set() and g.t_done is not None and now - g.t_done > keep]:
             for r in self._groups.pop(room).legs:

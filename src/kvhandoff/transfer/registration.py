@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.errors import BootstrapError, BootstrapNotFound, KVHandoffError
 from kvhandoff.kv_layout import TPSplit, layout_hash
 
 if TYPE_CHECKING:
+    from kvhandoff.bootstrap_server.client import BootstrapClient
     from kvhandoff.transfer.agent import TransferAgent
 
 log = logging.getLogger("kvhandoff.agent")
 
 
-def _client(agent: TransferAgent, url: str):  # type: ignore[no-untyped-def]
+def _client(agent: TransferAgent, url: str, total_wait_s: float | None = None
+            ) -> BootstrapClient:
     from kvhandoff.bootstrap_server.client import BootstrapClient
 
     if "://" not in url:
         url = f"http://{url}"
     token = agent.settings.auth_token
+    wait = agent.settings.bootstrap_timeout_s if total_wait_s is None else total_wait_s
     return BootstrapClient(url, token=token.get_secret_value() if token else None,
-                           total_wait_s=agent.settings.bootstrap_timeout_s)
+                           total_wait_s=wait)
 
 
 class Registration:
@@ -36,7 +39,12 @@ class Registration:
     def __init__(self, agent: TransferAgent) -> None:
         self._agent = agent
         assert agent.settings.bootstrap_url
-        self._client = _client(agent, agent.settings.bootstrap_url)
+        # one try per heartbeat period: a server that is down must not hold the loop (or
+        # close()) for the whole bootstrap timeout; the next period tries again
+        period = max(0.05, agent.settings.rank_ttl_s / 3)
+        self._client = _client(agent, agent.settings.bootstrap_url,
+                               total_wait_s=min(agent.settings.bootstrap_timeout_s,
+                                                max(1.0, period)))
         self._stop = threading.Event()
         self.registered = threading.Event()
         self.error: str | None = None
@@ -44,7 +52,7 @@ class Registration:
                                         name=f"kvh-register-{agent.agent_id}")
         self._thread.start()
 
-    def _ident(self) -> dict[str, object]:
+    def _ident(self) -> dict[str, Any]:
         a = self._agent
         return {"engine_id": a.engine_id, "dp_rank": a.dp_rank, "tp_rank": a.tp_rank}
 
@@ -85,11 +93,13 @@ class Registration:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        assert self._agent.settings.bootstrap_url
         try:
-            self._client.deregister(generation=str(self._agent.generation),
-                                    **self._ident())
+            with _client(self._agent, self._agent.settings.bootstrap_url,
+                         total_wait_s=2.0) as quick:
+                quick.deregister(generation=str(self._agent.generation), **self._ident())
         except KVHandoffError:
-            pass
+            pass  # the server forgets the rank by its TTL anyway
         self._client.close()
 
 

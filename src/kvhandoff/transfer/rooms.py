@@ -84,6 +84,7 @@ class _Room:
     request_sent: bool = False
     inited: bool = False
     ready: list[int] = field(default_factory=list)  # sender: layers the engine marked ready
+    verifying: set[tuple[int, int]] = field(default_factory=set)  # (layer, attempt) in hasher
     acked: bool = False  # prefill: the RoomAck came (it may overtake our own send completions)
     posted: dict[int, int] = field(default_factory=dict)  # layer -> attempt posted
     outstanding: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, attempt) -> ops
