@@ -1258,7 +1258,21 @@ class TransferAgent:
 
     def _tick(self, hb: float) -> None:
         now = time.monotonic()
-        with self._lock:  # other threads push timers (delayed messages) under the lock
+        # Engine threads posting hundreds of rooms can hold the lock back to back (Python locks
+        # are not fair). Heartbeats must still leave on time, or the peer takes this busy agent
+        # for a dead one: when the lock does not come within a quarter heartbeat, send bare
+        # heartbeats (liveness only, no lease renewals) and try the rest on the next pass.
+        if not self._lock.acquire(timeout=hb / 4):
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + hb
+                for p in list(self._peers.values()):
+                    if (p.matched or p.hello_sent) and not self.settings.fault_refuse_heartbeat:
+                        # straight to the outbox: _send's fault-delay timers need the lock
+                        self._outbox.append((p.addr, P.Heartbeat(
+                            src=self.address, gen=self.generation, rooms=[])))
+            self._flush()
+            return
+        try:  # other threads push timers (delayed messages) under the lock
             while self._timers and self._timers[0][0] <= now:
                 _, _, fn = heapq.heappop(self._timers)
                 fn()
@@ -1270,6 +1284,8 @@ class TransferAgent:
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + hb
                 self._heartbeats(now, hb)
+        finally:
+            self._lock.release()
         self._flush()
 
     def _heartbeats(self, now: float, hb: float) -> None:
