@@ -363,8 +363,7 @@ class TransferAgent:
             transfer_stall_s=s.stall_timeout_s, lease_s=s.lease_s)
         r = _Room(room=g.room, role=self.role,
                   machine=RoomMachine(self.role, now=now, deadlines=deadlines, layers=g.layers),
-                  layers=g.layers, group=g, peer=peer, t_created=now)
-        r.layer_events = {lid: threading.Event() for lid in g.layers}
+                  layers=g.layers, group=g, peer=peer)
         g.legs.append(r)
         self._legs[(g.room, peer)] = r
         return r
@@ -1049,13 +1048,12 @@ class TransferAgent:
             r.bytes_moved += n
             self._counters["bytes_received"] += n
         self._apply(r, LayerLanded(layer=layer))
-        r.layer_events[layer].set()
         g = r.group
         assert g is not None
         if g.expected is not None and len(g.legs) == g.expected and all(
-                leg.layer_events[layer].is_set() for leg in g.legs):
+                layer in leg.machine.layers for leg in g.legs):
             g.layer_events[layer].set()
-        if all(ev.is_set() for ev in r.layer_events.values()):
+        if r.machine.layers >= set(r.layers):
             self._apply(r, AllLayersLanded())
             self._send(r.peer or "", P.RoomAck(src=self.address, gen=self.generation,
                                                room=r.room))
@@ -1085,19 +1083,14 @@ class TransferAgent:
         self._terminal(r)
 
     def _terminal(self, r: _Room) -> None:
-        now = time.monotonic()
-        r.t_done = now
         ok = r.machine.state is KVPoll.Success
         self._counters["rooms_success" if ok else "rooms_failed"] += 1
         if not ok:
-            for ev in r.layer_events.values():
-                ev.set()  # wake waiters; wait_for_layer reports False for a failed room
             for tag in list(r.inflight_tags):
                 try:
                     self.transport.cancel(r.peer or "", tag)
                 except KVHandoffError:
                     pass
-        r.done.set()
         g = r.group
         assert g is not None
         if not ok and g.failure is None:

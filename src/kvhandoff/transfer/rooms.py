@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvhandoff.errors import TransferTimeout
+from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import SpanPlan
 from kvhandoff.state_machine import KVPoll, Role, RoomMachine
 
@@ -83,7 +83,6 @@ class _Room:
     accepted: bool = False
     request_sent: bool = False
     inited: bool = False
-    ready: list[int] = field(default_factory=list)  # sender: layers the engine marked ready
     verifying: set[tuple[int, int]] = field(default_factory=set)  # (layer, attempt) in hasher
     acked: bool = False  # prefill: the RoomAck came (it may overtake our own send completions)
     posted: dict[int, int] = field(default_factory=dict)  # layer -> attempt posted
@@ -91,20 +90,10 @@ class _Room:
     inflight_tags: dict[int, int] = field(default_factory=dict)  # tag -> ops not yet called back
     sums: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
     recv_done: dict[tuple[int, int], set[str]] = field(default_factory=dict)
-    layer_events: dict[int, threading.Event] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
-    released: threading.Event = field(default_factory=threading.Event)
-    on_release: Callable[[int], None] | None = None
+    released: threading.Event = field(default_factory=threading.Event)  # nothing in flight
     bytes_moved: int = 0
     retransmits: int = 0
     checksums_verified: int = 0
-    t_created: float = 0.0
-    t_last_ready: float | None = None
-    t_done: float | None = None
-
-    @property
-    def state(self) -> KVPoll:
-        return self.machine.state
 
 
 class _Handle:
@@ -193,6 +182,7 @@ class Receiver(_Handle):
         or `timeout` passed (False). The caller bounds the wait."""
         ev = self._g.layer_events.get(layer_id)
         if ev is None:
-            raise TransferTimeout(f"layer {layer_id}: not a layer of this room's layout")
+            raise ConfigError(f"wait_for_layer({layer_id}): not a layer of this room's layout "
+                              f"(layers {self._g.layers[0]}..{self._g.layers[-1]})")
         landed = ev.wait(timeout)
         return landed and self._g.failure is None
