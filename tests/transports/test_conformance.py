@@ -284,6 +284,63 @@ def test_disconnect_fails_pending_ops(pair: Pair) -> None:
     assert not pair.dst.any()
 
 
+@pytest.mark.parametrize("side", ["receiver", "sender"])
+def test_one_sided_reconnect_keeps_both_directions(kind: str, side: str) -> None:
+    """One side alone disconnects and connects again to the same address (an agent that took
+    a busy peer for dead re-handshakes; the peer never disconnected): transfers in both
+    directions work afterwards. With UCX, closing an endpoint the peer's endpoint is paired
+    with made every large message the peer sent afterwards fail with "Request canceled"."""
+    p = Pair(kind)
+    try:
+        p.b.register("out", p.src.copy())
+        inbox = np.zeros(BUF, np.uint8)
+        p.a.register("in", inbox)
+        n = 400_000  # several chunks, each past UCX's eager limit (rendezvous)
+
+        def both_ways(tag: int, at: int) -> None:
+            dones = [Done() for _ in range(4)]
+            p.b.post_recv("a", tag, "kv", np.array([at]), np.array([n]), dones[0])
+            p.a.post_send("b", tag, "kv", np.array([at]), np.array([n]), dones[1])
+            p.a.post_recv("b", tag, "in", np.array([at]), np.array([n]), dones[2])
+            p.b.post_send("a", tag, "out", np.array([at]), np.array([n]), dones[3])
+            assert [dones[0].wait(), dones[2].wait()] == [None, None]  # receives first
+            assert [dones[1].wait(), dones[3].wait()] == [None, None]
+            assert np.array_equal(p.dst[at:at + n], p.src[at:at + n])
+            assert np.array_equal(inbox[at:at + n], p.src[at:at + n])
+
+        both_ways(71, 0)
+        t, name, other = (p.b, "a", p.a) if side == "receiver" else (p.a, "b", p.b)
+        t.disconnect(name)
+        t.connect(name, other.address)
+        both_ways(72, n)
+        t.disconnect(name)  # twice: the second reconnect reuses what the first kept
+        t.connect(name, other.address)
+        both_ways(73, 2 * n)
+    finally:
+        p.close()
+
+
+def test_reconnect_after_dropping_a_peer_mid_send(kind: str) -> None:
+    """The sender drops its peer while a send is still in flight (the receive was never
+    posted), then connects again: its later sends arrive. (UCX closes the endpoint in this
+    case, so that nothing writes into a peer that may be dead.)"""
+    p = Pair(kind)
+    try:
+        n = 400_000
+        stuck = Done()
+        p.a.post_send("b", 81, "kv", np.array([0]), np.array([n]), stuck)
+        p.a.disconnect("b")
+        assert isinstance(stuck.wait(), TransportError)
+        p.a.connect("b", p.b.address)
+        for i, tag in enumerate((82, 83)):
+            ds, dr = transfer(p, tag, (np.array([i * n]), np.array([n])),
+                              (np.array([i * n]), np.array([n])), bool(i))
+            assert dr.wait() is None and ds.wait() is None
+        assert np.array_equal(p.dst[:2 * n], p.src[:2 * n])
+    finally:
+        p.close()
+
+
 def test_close_is_idempotent_and_fails_pending(kind: str) -> None:
     p = Pair(kind)
     dr = Done()

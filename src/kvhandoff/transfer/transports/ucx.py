@@ -21,6 +21,21 @@
 #   are received into a scratch buffer and dropped, so the sender's op still completes.
 #   Probing is what makes cancel exact: ucxx exposes no per-request cancel, but a message that
 #   was not yet received is simply never received into user memory.
+# - Endpoints outlive disconnect(). UCX pairs our endpoint with the peer's at wireup, and the
+#   peer's rendezvous messages name our endpoint; closing it alone, without the peer knowing,
+#   leaves the peer's endpoint naming a closed one, and every large message it sends us after
+#   fails here with "Request canceled" (UCX drops an RTS for an unknown endpoint), even after we
+#   connect again. So disconnect() fails the peer's ops and forgets the peer, but keeps its
+#   endpoint, keyed by address, for a later connect to the same address (an agent that took a
+#   busy peer for dead reconnects without the peer noticing). A restarted peer has a new
+#   address; the endpoints of peers that never come back are closed beyond _IDLE_EPS_MAX, a
+#   failed one (peer error handling) on reuse, and all of them at close().
+#   Except: while UCX may still touch the peer's memory for us (a rendezvous send in flight,
+#   or a receive in flight unless UCX_RNDV_SCHEME=put_zcopy), disconnect() closes the endpoint
+#   as before, since closing is what stops that (the peer may be dead: a cma write to a dead
+#   same-host peer aborts this process). Our endpoint made after that is paired with one UCX
+#   made on the peer's side, so what the peer sends us still works; what it sends on its
+#   old endpoint does not (the limitation left: a peer both receiving and sending).
 # - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
 #   commands and wake it with a pipe polled together with the worker's epoll fd.
 #
@@ -68,6 +83,7 @@ UCXX_VERSION = ucxx.__version__
 _WINDOW = 8  # chunks of one send op in flight
 _POOL_MAX = 16  # free staging buffers kept
 _DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
+_IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to the same address
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
 # resources that cannot cross hosts or are not networks; anything else but tcp counts as RDMA
 _LOCAL_TLS = {"self", "sysv", "posix", "cma", "xpmem", "knem"}
@@ -223,6 +239,8 @@ class UcxTransport(Transport):
         self._rdma = [r for r in self._resources
                       if r.split("/")[0] not in _LOCAL_TLS and not r.startswith("tcp/")]
         self._tls_config = os.environ.get("UCX_TLS", "all")
+        # rendezvous: the sender writes into the receiver's memory; a receiver never reads
+        self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -241,6 +259,9 @@ class UcxTransport(Transport):
         self._callbacks = CallbackThread("kvhandoff-ucx-cb")
         # owned by the I/O thread
         self._eps: dict[str, Any] = {}
+        self._ep_address: dict[str, bytes] = {}  # peer -> the address its endpoint reaches
+        # address -> endpoint of a disconnected peer, oldest first (see module comment)
+        self._idle_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         self._expect: dict[int, tuple[_Op, int]] = {}  # UCX tag -> (recv op, chunk)
         self._unexpected: dict[int, Any] = {}  # UCX tag -> probe result (message handle)
         self._discard: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -522,12 +543,11 @@ class UcxTransport(Transport):
             self._worker.cancel_inflight_requests()
         except ucx_api.UCXError:
             pass
-        for ep in self._eps.values():
-            try:
-                ep.close()
-            except ucx_api.UCXError:
-                pass
+        for ep in [*self._eps.values(), *self._idle_eps.values()]:
+            self._close_ep(ep)
         self._eps.clear()
+        self._ep_address.clear()
+        self._idle_eps.clear()
         self._unexpected.clear()
         self._inflight.clear()
 
@@ -536,12 +556,22 @@ class UcxTransport(Transport):
         try:
             host, worker_address = _split_address(address)
             unprotected = host == self._host and not self._same_host_err
+            if peer in self._eps and self._ep_address[peer] != address:
+                self._park_ep(peer)
             ep = self._eps.get(peer)
             if ep is None:
-                ep = ucx_api.UCXEndpoint.create_from_worker_address(
-                    self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
-                    not unprotected)
+                # the endpoint the peer's own endpoint is paired with, if we had one: a new one
+                # would leave the peer's naming a closed one (see module comment)
+                ep = self._idle_eps.pop(address, None)
+                if ep is not None and not ep.alive:  # failed (peer error handling): replace
+                    self._close_ep(ep)
+                    ep = None
+                if ep is None:
+                    ep = ucx_api.UCXEndpoint.create_from_worker_address(
+                        self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
+                        not unprotected)
                 self._eps[peer] = ep
+                self._ep_address[peer] = address
             result.append((_ep_lanes(ep), unprotected))
         except Exception as e:
             result.append(TransportError(f"connect {peer!r}: UCX cannot create an endpoint "
@@ -550,12 +580,36 @@ class UcxTransport(Transport):
 
     def _on_disconnect(self, peer: str, ops: list[_Op]) -> None:
         self._on_forget(ops)
+        self._park_ep(peer)
+
+    def _park_ep(self, peer: str) -> None:
+        """Keeps the peer's endpoint for a later connect to its address, not closed (see
+        module comment); closes the oldest kept ones beyond _IDLE_EPS_MAX."""
         ep = self._eps.pop(peer, None)
-        if ep is not None:
-            try:
-                ep.close()
-            except ucx_api.UCXError:
-                pass
+        address = self._ep_address.pop(peer, None)
+        if ep is None or address is None:
+            return
+        if (not ep.alive or self._touching(peer) or address in self._idle_eps
+                or address in self._ep_address.values()):
+            # failed; or UCX may still touch the peer's memory for us (closing stops it); or
+            # another endpoint to that address is kept or in use
+            self._close_ep(ep)
+            return
+        self._idle_eps[address] = ep
+        while len(self._idle_eps) > _IDLE_EPS_MAX:
+            self._close_ep(self._idle_eps.popitem(last=False)[1])
+
+    def _touching(self, peer: str) -> bool:
+        """Whether a UCX request in flight for an op with `peer` may access its memory: a
+        send (rendezvous put or its RTS), or a receive unless the peer puts (put_zcopy)."""
+        return any(item.op is not None and item.op.peer == peer
+                   and (item.op.is_send or not self._peer_puts) for item in self._inflight)
+
+    def _close_ep(self, ep: Any) -> None:
+        try:
+            ep.close()
+        except ucx_api.UCXError:
+            pass
 
     def _on_forget(self, ops: list[_Op]) -> None:
         for op in ops:
@@ -645,12 +699,14 @@ class UcxTransport(Transport):
             return False
         still: list[_Inflight] = []
         done_any = False
-        for item in self._inflight:
+        items, self._inflight = self._inflight, []
+        for item in items:
             if not item.req.completed:
                 still.append(item)
                 continue
             done_any = True
-            self._complete(item)
+            self._complete(item)  # may start receives (drops): they land in self._inflight
+        still.extend(self._inflight)
         self._inflight = still
         return done_any
 
