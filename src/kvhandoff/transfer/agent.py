@@ -77,6 +77,8 @@ from kvhandoff.transfer.transports.base import Transport, load_transport
 log = logging.getLogger("kvhandoff.agent")
 
 _EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
+_FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
+_NO_HANDSHAKE = "no handshake"
 
 
 @dataclass(eq=False)
@@ -149,6 +151,8 @@ class TransferAgent:
         self._peers: dict[str, _Peer] = {}
         self._early: dict[int, list[Any]] = {}  # room -> messages before the engine opened it
         self._early_t: dict[int, float] = {}
+        self._forgotten: dict[str, float] = {}  # peers declared lost -> when
+        self._forgotten_told: dict[str, float] = {}
         self._xfer = itertools.count(1)
         self._outbox: deque[tuple[str, P.Message]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -579,6 +583,7 @@ class TransferAgent:
         return diff
 
     def _on_hello(self, msg: P.Hello) -> None:
+        self._forgotten.pop(msg.src, None)
         p = self._peer(msg.src)
         if p.gen and p.gen != msg.gen:
             self._peer_lost(p, f"peer {msg.src} restarted (generation changed)")
@@ -616,21 +621,39 @@ class TransferAgent:
         for r in waiting:
             self._matched(r, p)
 
+    def _tell_forgotten(self, addr: str) -> None:
+        """(lock held) A peer this agent declared lost still talks to it (it did not see us
+        die): tell it once per heartbeat, so it drops the handshake too and says Hello again,
+        instead of waiting two heartbeats of silence. Only for peers we knew: never reply to
+        an arbitrary sender address."""
+        now = time.monotonic()
+        since = self._forgotten.get(addr)
+        if since is None or now - self._forgotten_told.get(addr, 0.0) < \
+                self.settings.heartbeat_interval_s:
+            return
+        self._forgotten_told[addr] = now
+        self._send(addr, P.Reject(src=self.address, gen=self.generation,
+                                  reason=f"{_NO_HANDSHAKE}: {self.address} declared this peer "
+                                         "lost; say Hello again"))
+
     def _fail_waiting(self, p: _Peer, ev: FailureEvent) -> None:
         waiting, p.waiting = p.waiting, []
         for r in waiting:
             self._fail(r, ev, notify="failed")
 
-    def _peer_lost(self, p: _Peer, reason: str) -> None:
-        """(lock held) Fails every open room with this peer and forgets the handshake."""
+    def _peer_lost(self, p: _Peer, reason: str, *, keep: frozenset[_Room] = frozenset()
+                   ) -> None:
+        """(lock held) Fails every open room with this peer (but `keep`) and forgets the
+        handshake."""
         self._counters["peers_lost"] += 1
         for r in list(self._legs.values()):
-            if r.peer == p.addr and not r.machine.is_terminal:
+            if r.peer == p.addr and not r.machine.is_terminal and r not in keep:
                 self._fail(r, PeerLost(reason=reason), notify="failed")
         for r in p.waiting:
             self._fail(r, PeerLost(reason=reason), notify=None)
         p.waiting = []
         self._peers.pop(p.addr, None)
+        self._forgotten[p.addr] = time.monotonic()
         try:
             self.transport.disconnect(p.addr)
         except KVHandoffError:
@@ -665,6 +688,8 @@ class TransferAgent:
                 self._counters["stale_messages"] += 1
                 if isinstance(msg, P.Failed | P.Abort) and p is None:
                     self._room_msg(msg)  # a failure for a room may precede any handshake
+                elif p is None and not isinstance(msg, P.Reject | P.AbortAck):
+                    self._tell_forgotten(msg.src)
                 return
             p.last_seen = time.monotonic()
             if isinstance(msg, P.HelloReject):
@@ -680,6 +705,17 @@ class TransferAgent:
                 return
             if isinstance(msg, P.Reject):
                 log.warning("peer %s rejected a message: %s", msg.src, msg.reason)
+                if msg.reason.startswith(_NO_HANDSHAKE):
+                    # It dropped us (took us for dead): rooms it had accepted are gone on its
+                    # side; requests it never accepted are handshaken and sent again.
+                    retry = frozenset(r for r in self._legs.values()
+                                      if r.peer == p.addr and not r.machine.is_terminal
+                                      and not r.accepted and r.role is Role.DECODE)
+                    self._peer_lost(p, f"peer {p.addr} dropped its handshake with this agent "
+                                       "(it took this agent for dead)", keep=retry)
+                    for r in retry:
+                        r.request_sent, r.planes = False, None
+                        self._attach_peer(r, p.addr, 0)
                 return
             self._room_msg(msg)
 
@@ -1315,6 +1351,9 @@ class TransferAgent:
                      if now - t > self.settings.bootstrap_timeout_s]:
             self._early.pop(room, None)
             self._early_t.pop(room, None)
+        for addr in [a for a, t in self._forgotten.items() if now - t > _FORGOTTEN_KEEP_S]:
+            self._forgotten.pop(addr, None)
+            self._forgotten_told.pop(addr, None)
         keep = self.settings.room_retention_s
         for room in [k for k, g in self._groups.items()
                      if g.released.is_set() and g.t_done is not None and now - g.t_done > keep]:
