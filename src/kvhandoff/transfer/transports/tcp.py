@@ -24,16 +24,16 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import zmq
 
 from kvhandoff.errors import TransportError
 
-from ._chunks import ChunkPlan, check_buffer, check_tag, normalise_spans
-from ._worker import CallbackThread
-from .base import OnDone, Transport, TransportStatus
+from ._chunks import ChunkPlan, check_tag
+from ._threaded import ThreadedTransport
+from .base import OnDone, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -84,7 +84,7 @@ def _split_address(address: bytes) -> tuple[str, bytes]:
     return endpoint, ident.encode("ascii")
 
 
-class TcpTransport(Transport):
+class TcpTransport(ThreadedTransport):
     """pyzmq data transport (see module comment). Always degraded: no RDMA."""
 
     kind: ClassVar[str] = "tcp"
@@ -94,8 +94,8 @@ class TcpTransport(Transport):
             raise TransportError("tcp transport refused: require_rdma is set and TCP has no RDMA;"
                                  " use transport=ucx on hosts with an RDMA device, or unset "
                                  "KVHANDOFF_REQUIRE_RDMA to accept the degraded TCP path")
-        self._chunk_bytes = int(settings.chunk_bytes)
         self._ident = uuid.uuid4().hex.encode("ascii")
+        self._init_threaded(settings.chunk_bytes, f"kvhandoff-tcp-cb-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -111,18 +111,8 @@ class TcpTransport(Transport):
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")
 
-        self._lock = threading.Lock()
-        self._buffers: dict[str, np.ndarray] = {}
-        self._peers: dict[str, bytes] = {}  # peer id -> address
-        self._ops: dict[tuple[str, int, bool], _Op] = {}
         self._bytes_sent = 0
         self._bytes_received = 0
-        self._closed = False
-        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._callbacks = CallbackThread(f"kvhandoff-tcp-cb-{self._ident[:8].decode()}")
         # owned by the I/O thread
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._send_index: dict[tuple[str, int], _Op] = {}
@@ -141,14 +131,6 @@ class TcpTransport(Transport):
     @property
     def address(self) -> bytes:
         return self._address
-
-    def register(self, name: str, buf: np.ndarray) -> None:
-        arr = check_buffer(name, buf)
-        with self._lock:
-            self._check_open()
-            if name in self._buffers:
-                raise TransportError(f"register: a buffer named {name!r} is already registered")
-            self._buffers[name] = arr
 
     def connect(self, peer: str, address: bytes) -> None:
         endpoint, _ = _split_address(address)
@@ -171,14 +153,6 @@ class TcpTransport(Transport):
         self._deliver(done)
         if known is not None:
             self._command("disconnect", peer, _split_address(known)[1], ops)
-
-    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._post(True, peer, tag, name, offsets, nbytes, on_done)
-
-    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._post(False, peer, tag, name, offsets, nbytes, on_done)
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -214,66 +188,9 @@ class TcpTransport(Transport):
 
     # ---- helpers (any thread) -------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("tcp transport is closed")
-
-    def _post(self, is_send: bool, peer: str, tag: int, name: str, offsets: np.ndarray,
-              nbytes: np.ndarray, on_done: OnDone) -> None:
-        what = "post_send" if is_send else "post_recv"
-        tag = check_tag(tag)
-        if not callable(on_done):
-            raise TransportError(f"{what}: on_done must be callable")
-        buf = self._buffers.get(name)
-        if buf is None:
-            raise TransportError(f"{what}: no buffer registered as {name!r}")
-        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"{what} {name!r}")
-        plan = ChunkPlan(off, nb, self._chunk_bytes)
-        with self._lock:
-            self._check_open()
-            address = self._peers.get(peer)
-            if address is None:
-                raise TransportError(f"{what}: peer {peer!r} is not connected; call connect "
-                                     "first")
-            key = (peer, tag, is_send)
-            if key in self._ops:
-                raise TransportError(f"{what}: tag {tag} with peer {peer!r} is already pending")
-            op = _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
-            if plan.nchunks == 0:  # nothing to move: complete without a message
-                op.finished = True
-                self._callbacks.submit(lambda: on_done(None))
-                return
-            self._ops[key] = op
-        self._command("send" if is_send else "recv", op)
-
-    def _finish_locked(self, ops: list[_Op], reason: str | None
-                       ) -> list[tuple[_Op, BaseException | None]]:
-        out: list[tuple[_Op, BaseException | None]] = []
-        for op in ops:
-            if op.finished:
-                continue
-            op.finished = True
-            self._ops.pop((op.peer, op.tag, op.is_send), None)
-            out.append((op, None if reason is None else TransportError(reason)))
-        return out
-
-    def _deliver(self, done: list[tuple[_Op, BaseException | None]]) -> None:
-        for op, exc in done:
-            on_done = op.on_done
-            self._callbacks.submit(lambda f=on_done, e=exc: f(e))  # type: ignore[misc]
-
-    def _finish(self, op: _Op, reason: str | None) -> bool:
-        with self._lock:
-            done = self._finish_locked([op], reason)
-        self._deliver(done)
-        return bool(done)
-
-    def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the I/O thread is awake anyway
+    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> _Op:
+        return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
 
     # ---- I/O thread -----------------------------------------------------------------------
 

@@ -60,9 +60,9 @@ import xxhash
 
 from kvhandoff.errors import TransportError
 
-from ._chunks import ChunkPlan, check_buffer, check_tag, normalise_spans
-from ._worker import CallbackThread
-from .base import OnDone, Transport, TransportStatus
+from ._chunks import ChunkPlan, check_tag
+from ._threaded import ThreadedTransport
+from .base import OnDone, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -213,14 +213,13 @@ def _tcp_only(lanes: tuple[str, ...]) -> bool:
     return bool(lanes) and all(lane.startswith("tcp/") for lane in lanes)
 
 
-class UcxTransport(Transport):
+class UcxTransport(ThreadedTransport):
     """UCX data transport over ucxx's low-level API (see module comment)."""
 
     kind: ClassVar[str] = "ucx"
 
     def __init__(self, settings: Settings) -> None:
-        self._chunk_bytes = int(settings.chunk_bytes)
-        if self._chunk_bytes >= (1 << 31):
+        if int(settings.chunk_bytes) >= (1 << 31):
             raise TransportError("ucx: chunk_bytes must be < 2 GiB")
         self._require_rdma = bool(settings.require_rdma)
         self._same_host_err = bool(settings.ucx_same_host_error_handling)
@@ -242,21 +241,12 @@ class UcxTransport(Transport):
         # rendezvous: the sender writes into the receiver's memory; a receiver never reads
         self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
 
-        self._lock = threading.Lock()
+        self._init_threaded(settings.chunk_bytes, "kvhandoff-ucx-cb")
         self._cond = threading.Condition(self._lock)
-        self._buffers: dict[str, np.ndarray] = {}
-        self._peers: dict[str, bytes] = {}
         self._peer_lanes: dict[str, tuple[str, ...]] = {}
         self._unprotected: set[str] = set()  # same-host peers without UCX error handling
-        self._ops: dict[tuple[str, int, bool], _Op] = {}
         self._bytes_sent = 0
         self._bytes_received = 0
-        self._closed = False
-        self._commands: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._callbacks = CallbackThread("kvhandoff-ucx-cb")
         # owned by the I/O thread
         self._eps: dict[str, Any] = {}
         self._ep_address: dict[str, bytes] = {}  # peer -> the address its endpoint reaches
@@ -276,14 +266,6 @@ class UcxTransport(Transport):
     @property
     def address(self) -> bytes:
         return self._address
-
-    def register(self, name: str, buf: np.ndarray) -> None:
-        arr = check_buffer(name, buf)
-        with self._lock:
-            self._check_open()
-            if name in self._buffers:
-                raise TransportError(f"register: a buffer named {name!r} is already registered")
-            self._buffers[name] = arr
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -332,14 +314,6 @@ class UcxTransport(Transport):
         self._deliver(done)
         self._command("disconnect", peer, ops)
         self._wait_direct(ops, "disconnect")
-
-    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._post(True, peer, tag, name, offsets, nbytes, on_done)
-
-    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._post(False, peer, tag, name, offsets, nbytes, on_done)
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -399,62 +373,15 @@ class UcxTransport(Transport):
 
     # ---- helpers (any thread) -------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("ucx transport is closed")
-
-    def _post(self, is_send: bool, peer: str, tag: int, name: str, offsets: np.ndarray,
-              nbytes: np.ndarray, on_done: OnDone) -> None:
-        what = "post_send" if is_send else "post_recv"
-        tag = check_tag(tag)
-        if not callable(on_done):
-            raise TransportError(f"{what}: on_done must be callable")
-        buf = self._buffers.get(name)
-        if buf is None:
-            raise TransportError(f"{what}: no buffer registered as {name!r}")
-        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"{what} {name!r}")
-        plan = ChunkPlan(off, nb, self._chunk_bytes)
+    def _check_plan(self, what: str, plan: ChunkPlan) -> None:
         if plan.nchunks >= (1 << _CHUNK_BITS):
             raise TransportError(f"{what}: {plan.total} bytes make {plan.nchunks} chunks, more "
                                  f"than 2**{_CHUNK_BITS}; raise chunk_bytes")
-        with self._lock:
-            self._check_open()
-            address = self._peers.get(peer)
-            if address is None:
-                raise TransportError(f"{what}: peer {peer!r} is not connected; call connect "
-                                     "first")
-            key = (peer, tag, is_send)
-            if key in self._ops:
-                raise TransportError(f"{what}: tag {tag} with peer {peer!r} is already pending")
-            base = _tag_base(self._address if is_send else address, tag)
-            op = _Op(peer, tag, is_send, buf, plan, on_done, base)
-            if plan.nchunks == 0:  # nothing to move: complete without a message
-                op.finished = True
-                self._callbacks.submit(lambda: on_done(None))
-                return
-            self._ops[key] = op
-        self._command("send" if is_send else "recv", op)
 
-    def _finish_locked(self, ops: list[_Op], reason: str | None
-                       ) -> list[tuple[_Op, BaseException | None]]:
-        out: list[tuple[_Op, BaseException | None]] = []
-        for op in ops:
-            if op.finished:
-                continue
-            op.finished = True
-            self._ops.pop((op.peer, op.tag, op.is_send), None)
-            out.append((op, None if reason is None else TransportError(reason)))
-        return out
-
-    def _deliver(self, done: list[tuple[_Op, BaseException | None]]) -> None:
-        for op, exc in done:
-            on_done = op.on_done
-            self._callbacks.submit(lambda f=on_done, e=exc: f(e))  # type: ignore[misc]
-
-    def _finish(self, op: _Op, reason: str | None) -> None:
-        with self._lock:
-            done = self._finish_locked([op], reason)
-        self._deliver(done)
+    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> _Op:
+        base = _tag_base(self._address if is_send else address, tag)
+        return _Op(peer, tag, is_send, buf, plan, on_done, base)
 
     def _wait_direct(self, ops: list[_Op], what: str) -> None:
         """Waits until no receive of `ops` is in flight straight into user memory."""
@@ -470,13 +397,6 @@ class UcxTransport(Transport):
                                          f"user memory after {self._cancel_bound_s} s (peer "
                                          "stalled?); that memory may still be written")
                 self._cond.wait(left)
-
-    def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the I/O thread is awake anyway
 
     # ---- I/O thread -----------------------------------------------------------------------
 
