@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import struct
@@ -118,6 +119,11 @@ class TcpTransport(ThreadedTransport):
         self._send_index: dict[tuple[str, int], _Op] = {}
         self._recv_index: dict[tuple[bytes, int], _Op] = {}
         self._unexpected: dict[tuple[bytes, int], list[tuple[int, int, int, zmq.Frame]]] = {}
+        # when each held tag's first chunk arrived (a count shared with disconnect()): a
+        # disconnect drops only what arrived before it was called, not the chunks of a
+        # reconnected peer that the I/O thread read before it got to the disconnect command
+        self._seq = itertools.count()
+        self._unexpected_seq: dict[tuple[bytes, int], int] = {}
         self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
             collections.OrderedDict())
         self._active_sends: list[_Op] = []
@@ -152,7 +158,7 @@ class TcpTransport(ThreadedTransport):
             known = self._peers.pop(peer, None)
         self._deliver(done)
         if known is not None:
-            self._command("disconnect", peer, _split_address(known)[1], ops)
+            self._command("disconnect", peer, known, ops, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -244,14 +250,18 @@ class TcpTransport(ThreadedTransport):
         poller.register(sock, zmq.POLLIN)
         return True
 
-    def _on_disconnect(self, poller: zmq.Poller, peer: str, ident: bytes, ops: list[_Op]) -> bool:
+    def _on_disconnect(self, poller: zmq.Poller, peer: str, address: bytes,
+                       ops: list[_Op], cut: int) -> bool:
+        ident = _split_address(address)[1]
         self._on_forget(poller, ops, "peer disconnected")
         sock = self._dealers.pop(peer, None)
         if sock is not None:
             poller.unregister(sock)
             sock.close(linger=0)
-        for key in [k for k in self._unexpected if k[0] == ident]:
+        for key in [k for k in self._unexpected
+                    if k[0] == ident and self._unexpected_seq.get(k, -1) < cut]:
             del self._unexpected[key]
+            self._unexpected_seq.pop(key, None)
         return True
 
     def _on_forget(self, poller: zmq.Poller, ops: list[_Op], why: str) -> bool:
@@ -268,6 +278,7 @@ class TcpTransport(ThreadedTransport):
 
     def _tombstone(self, ident: bytes, tag: int) -> None:
         self._unexpected.pop((ident, tag), None)
+        self._unexpected_seq.pop((ident, tag), None)
         self._tombstones[(ident, tag)] = None
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
@@ -285,6 +296,7 @@ class TcpTransport(ThreadedTransport):
         key = (op.ident, op.tag)
         self._tombstones.pop(key, None)
         self._recv_index[key] = op
+        self._unexpected_seq.pop(key, None)
         for k, n, total, frame in self._unexpected.pop(key, []):
             self._land(op, k, n, total, frame)
         return True
@@ -364,6 +376,8 @@ class TcpTransport(ThreadedTransport):
             if op is not None:
                 self._land(op, k, n, total, frames[2])
             elif key not in self._tombstones:
+                if key not in self._unexpected:
+                    self._unexpected_seq[key] = next(self._seq)
                 self._unexpected.setdefault(key, []).append((k, n, total, frames[2]))
 
     def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame) -> None:
