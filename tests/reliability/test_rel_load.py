@@ -166,6 +166,7 @@ def test_500_concurrent_rooms_with_random_aborts(transport: str) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # 5 rounds of 2,000 rooms: about 2 minutes here, above the default
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_soak_2000_rooms_longer_contexts(transport: str) -> None:
     # allocator arenas and socket buffers settle at this scale over two rounds; then flat
