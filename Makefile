@@ -10,11 +10,14 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-deps.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	@# the engines (SGLang, vLLM) for tests/integrations: no deps, then their light import deps
+	$(BIN)/pip install -q -r requirements/engines-deps.txt
+	$(BIN)/pip install -q --no-deps -r requirements/engines-nodeps.txt
 	@# systemd-analyze (Debian package systemd) lets tests/deploy verify the systemd unit;
 	@# installed only as root with apt, else those checks skip with a stated reason
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
