@@ -18,10 +18,10 @@ import pytest
 from deploy_helpers import load_deploy_module
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.bootstrap_server.testing import run_server
 from kvhandoff.errors import BootstrapNotFound
 from kvhandoff.kv_layout import preset
 from kvhandoff.settings import Settings
+from kvhandoff.testing.server import run_server
 
 probe = load_deploy_module("bin/probe.py")
 engine = load_deploy_module("bin/placeholder_engine.py")

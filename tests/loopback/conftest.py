@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.bootstrap_server.testing import run_server
 from kvhandoff.settings import Settings
+from kvhandoff.testing.server import run_server
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import signal
 import pytest
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.bootstrap_server.testing import run_server
 from kvhandoff.sim import spawn
+from kvhandoff.testing.server import run_server
 
 SAFE = {"ucx": {"ucx_same_host_error_handling": True}, "tcp": {}}
 

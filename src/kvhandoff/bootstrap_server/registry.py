@@ -17,170 +17,52 @@ Rules:
 - Time comes from the injected ``clock`` (seconds, monotonic); randomness from the injected
   ``randbits``. All methods are synchronous and run to completion: the server calls them from
   its one event loop, so no lock is needed.
+- ``rank_version`` grows on every change of a rank or engine, so the HTTP layer can prepare
+  the answers of lookups once per change (see `fastpath`).
+
+The records live in `records`, the conflict rules in `compat`.
 """
 
 from __future__ import annotations
 
-import enum
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
 
+from kvhandoff.bootstrap_server.compat import (
+    check_generation,
+    check_key_in_topology,
+    check_room_id,
+    engine_diff,
+    merge_attributes,
+)
 from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
+from kvhandoff.bootstrap_server.records import (
+    MAX_LIVE_ROOMS,
+    MAX_ROOMS_PER_CALL,
+    ROOM_BITS,
+    EngineRecord,
+    RankKey,
+    RankRecord,
+    Registration,
+    RoomRecord,
+    RoomState,
+    RouteTarget,
+    Stats,
+    Topology,
+)
 from kvhandoff.errors import (
     BootstrapConflict,
     BootstrapNotFound,
     BootstrapUnavailable,
     ConfigError,
 )
-from kvhandoff.kv_layout import LayoutSpec, layout_diff
 from kvhandoff.state_machine.events import Role
 
-ROOM_BITS = 63
-MAX_ROOMS_PER_CALL = 4096
-MAX_LIVE_ROOMS = 1_000_000
-
-
-class RoomState(enum.Enum):
-    """Where a room stands as far as the bootstrap server knows."""
-
-    ALLOCATED = "allocated"
-    BOUND = "bound"
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class RankKey:
-    """The unique identity of a rank."""
-
-    engine_id: str
-    dp_rank: int
-    cp_rank: int
-    tp_rank: int
-    pp_rank: int
-
-    def __str__(self) -> str:
-        return (
-            f"{self.engine_id}/dp{self.dp_rank}/cp{self.cp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Topology:
-    """Parallel sizes of an engine."""
-
-    dp_size: int
-    tp_size: int
-    cp_size: int = 1
-    pp_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.tp_size * self.cp_size * self.pp_size
-
-    def keys(self, engine_id: str) -> Iterator[RankKey]:
-        for dp in range(self.dp_size):
-            for cp in range(self.cp_size):
-                for tp in range(self.tp_size):
-                    for pp in range(self.pp_size):
-                        yield RankKey(engine_id, dp, cp, tp, pp)
-
-
-@dataclass(slots=True)
-class RankRecord:
-    """One registered rank (what the server keeps and the route lookup returns)."""
-
-    key: RankKey
-    role: Role
-    topology: Topology
-    agent_address: str
-    generation: str
-    layout_hash: str
-    transport: str
-    registered_at: float
-    last_seen: float
-    expires: bool = True
-
-
-@dataclass(slots=True)
-class EngineRecord:
-    """An engine: fixed by its first registrant. `layout` / `layout_hash` are what every rank
-    of the engine shares (the TP-invariant form for head-sharded layouts)."""
-
-    engine_id: str
-    role: Role
-    topology: Topology
-    layout_hash: str
-    layout: Mapping[str, Any]
-    # compared like the topology, e.g. SGLang's page_size and kv_cache_dtype
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RoomRecord:
-    """A room: allocated, bound to a prefill dp rank, or aborted (with why)."""
-
-    room: int
-    state: RoomState
-    engine_id: str | None
-    dp_rank: int | None
-    abort_reason: str | None
-    created_at: float
-    updated_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    """What a rank asks to register (built by the HTTP layer from a validated body)."""
-
-    key: RankKey
-    role: Role
-    topology: Topology
-    agent_address: str
-    generation: str
-    layout_hash: str
-    layout: Mapping[str, Any]
-    transport: str
-    attributes: Mapping[str, Any] = field(default_factory=dict)
-    expires: bool = True
-    # what all ranks of the engine must share (the TP-invariant layout); None = `layout`
-    engine_layout_hash: str | None = None
-    engine_layout: Mapping[str, Any] | None = None
-
-    @property
-    def shared_layout_hash(self) -> str:
-        return self.layout_hash if self.engine_layout_hash is None else self.engine_layout_hash
-
-    @property
-    def shared_layout(self) -> Mapping[str, Any]:
-        return self.layout if self.engine_layout is None else self.engine_layout
-
-
-@dataclass(frozen=True, slots=True)
-class RouteTarget:
-    """The answer of a route lookup: the engine, its dp rank and the ranks to talk to."""
-
-    engine_id: str
-    dp_rank: int
-    topology: Topology
-    ranks: tuple[RankRecord, ...]
-
-
-@dataclass(slots=True)
-class Stats:
-    """Monotonic counters (read by the metrics collector)."""
-
-    registrations: int = 0  # unique identities added (a re-registration is not counted)
-    re_registrations: int = 0
-    deregistrations: int = 0
-    ranks_expired: int = 0
-    conflicts: int = 0
-    rooms_allocated: int = 0
-    rooms_bound: int = 0
-    rooms_aborted: int = 0
-    rooms_forgotten: int = 0
+__all__ = [
+    "MAX_LIVE_ROOMS", "MAX_ROOMS_PER_CALL", "ROOM_BITS", "EngineRecord", "RankKey", "RankRecord",
+    "Registration", "Registry", "RoomRecord", "RoomState", "RouteTarget", "Stats", "Topology",
+]
 
 
 def _default_randbits(bits: int) -> int:
@@ -211,6 +93,9 @@ class Registry:
         # ordered by updated_at, same reason
         self._rooms: OrderedDict[int, RoomRecord] = OrderedDict()
         self.stats = Stats()
+        # bumped whenever a rank or an engine changes (register, deregister, expiry): answers
+        # derived from ranks and engines only can be cached against it
+        self.rank_version = 0
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -226,6 +111,7 @@ class Registry:
                 break
             del self._ranks[key]
             self.stats.ranks_expired += 1
+            self.rank_version += 1
         while self._rooms:
             room, rr = next(iter(self._rooms.items()))
             if now - rr.updated_at <= self._retention_s:
@@ -252,12 +138,12 @@ class Registry:
                 engine's first registrant (``diff`` names each field).
         """
         now = self._now()
-        _check_key_in_topology(reg.key, reg.topology)
+        check_key_in_topology(reg.key, reg.topology)
         engine = self._engines.get(reg.key.engine_id)
         if engine is not None and not self._live_ranks_of(engine.engine_id):
             engine = None  # nobody left: the next registrant defines the engine afresh
         if engine is not None:
-            diff = _engine_diff(engine, reg)
+            diff = engine_diff(engine, reg)
             if diff:
                 self.stats.conflicts += 1
                 raise BootstrapConflict(
@@ -265,6 +151,7 @@ class Registry:
                     f"{engine.engine_id!r}",
                     diff,
                 )
+            merge_attributes(engine, reg)
         else:
             engine = EngineRecord(
                 engine_id=reg.key.engine_id,
@@ -273,6 +160,7 @@ class Registry:
                 layout_hash=reg.shared_layout_hash,
                 layout=dict(reg.shared_layout),
                 attributes=dict(reg.attributes),
+                strict_attributes=dict(reg.strict_attributes),
             )
             self._engines[engine.engine_id] = engine
         old = self._ranks.pop(reg.key, None) or self._immortal.pop(reg.key, None)
@@ -292,6 +180,7 @@ class Registry:
             self._ranks[reg.key] = rec
         else:
             self._immortal[reg.key] = rec
+        self.rank_version += 1
         if old is None:
             self.stats.registrations += 1
         else:
@@ -313,7 +202,7 @@ class Registry:
                 f"rank {key} is not registered (never, deregistered, or dropped after "
                 f"{self._ttl_s:g} s without heartbeat): register it again"
             )
-        _check_generation(rec, generation)
+        check_generation(rec, generation)
         rec.last_seen = now
         if rec.expires:
             self._ranks.move_to_end(key)
@@ -330,10 +219,11 @@ class Registry:
         rec = self._rank(key)
         if rec is None:
             raise BootstrapNotFound(f"rank {key} is not registered")
-        _check_generation(rec, generation)
+        check_generation(rec, generation)
         self._ranks.pop(key, None)
         self._immortal.pop(key, None)
         self.stats.deregistrations += 1
+        self.rank_version += 1
         if not self._live_ranks_of(key.engine_id):
             del self._engines[key.engine_id]
         return rec
@@ -423,7 +313,7 @@ class Registry:
                 have registered).
             BootstrapConflict: the room is aborted, or bound elsewhere and not ``rebind``.
         """
-        _check_room_id(room)
+        check_room_id(room)
         now = self._now()
         eng = self._engines.get(engine_id)
         if eng is None and not rebind:
@@ -462,7 +352,7 @@ class Registry:
     def abort_room(self, room: int, reason: str) -> RoomRecord:
         """Record that a room was aborted (an unknown room is recorded too, so a late lookup by
         the other side still learns why). Aborting twice keeps the first reason."""
-        _check_room_id(room)
+        check_room_id(room)
         now = self._now()
         rr = self._rooms.get(room)
         if rr is not None and rr.state is RoomState.ABORTED:
@@ -478,7 +368,7 @@ class Registry:
 
     def room(self, room: int) -> RoomRecord:
         """A known room. Raises `BootstrapNotFound` (never allocated, or forgotten)."""
-        _check_room_id(room)
+        check_room_id(room)
         self._now()
         rr = self._rooms.get(room)
         if rr is None:
@@ -577,64 +467,3 @@ class Registry:
         if missing:
             raise BootstrapUnavailable(f"prefill ranks not registered yet: {', '.join(missing)}")
         return RouteTarget(engine_id, dp_rank, topo, tuple(r for r in found if r is not None))
-
-
-def _check_key_in_topology(key: RankKey, topo: Topology) -> None:
-    for name, rank, size in (
-        ("dp", key.dp_rank, topo.dp_size),
-        ("cp", key.cp_rank, topo.cp_size),
-        ("tp", key.tp_rank, topo.tp_size),
-        ("pp", key.pp_rank, topo.pp_size),
-    ):
-        if size < 1:
-            raise ConfigError(f"{name}_size: expected >= 1, got {size}")
-        if not 0 <= rank < size:
-            raise ConfigError(
-                f"{name}_rank: expected 0 <= {name}_rank < {name}_size={size}, got {rank}"
-            )
-
-
-def _check_room_id(room: int) -> None:
-    # 0 is never allocated here but SGLang's router may pick it, so it is a valid id
-    if not 0 <= room < (1 << ROOM_BITS):
-        raise ConfigError(f"room: expected 0 <= room < 2**{ROOM_BITS}, got {room}")
-
-
-def _check_generation(rec: RankRecord, generation: str | None) -> None:
-    if generation is not None and generation != rec.generation:
-        raise BootstrapConflict(
-            f"rank {rec.key} is registered by another process generation",
-            [f"generation: registered={rec.generation!r} incoming={generation!r}"],
-        )
-
-
-def _engine_diff(engine: EngineRecord, reg: Registration) -> list[str]:
-    out: list[str] = []
-
-    def cmp(name: str, have: object, got: object) -> None:
-        if have != got:
-            out.append(f"{name}: registered={have!r} incoming={got!r}")
-
-    cmp("role", engine.role.value, reg.role.value)
-    for size in ("dp_size", "tp_size", "cp_size", "pp_size"):
-        cmp(size, getattr(engine.topology, size), getattr(reg.topology, size))
-    for k in sorted(set(engine.attributes) | set(reg.attributes)):
-        cmp(k, engine.attributes.get(k), reg.attributes.get(k))
-    if engine.layout_hash != reg.shared_layout_hash:
-        out.append(f"layout_hash: registered={engine.layout_hash} "
-                   f"incoming={reg.shared_layout_hash}")
-        out += _layout_diff_lines(engine.layout, reg.shared_layout)
-    return out
-
-
-def _layout_diff_lines(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """`layout_diff` between two layout dicts; empty when either is not a full layout."""
-    if not a or not b:
-        return []
-    try:
-        return layout_diff(
-            LayoutSpec.from_dict(dict(a)), LayoutSpec.from_dict(dict(b)),
-            names=("registered", "incoming"),
-        )
-    except ConfigError:
-        return []

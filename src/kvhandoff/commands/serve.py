@@ -44,8 +44,8 @@ def register(app: typer.Typer) -> None:
         import uvicorn
         from pydantic import ValidationError
 
-        from kvhandoff.bootstrap_server import create_app
-        from kvhandoff.bootstrap_server.testing import bind_socket, socket_url
+        from kvhandoff.bootstrap_server.app import create_app
+        from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
 
         given: dict[str, Any] = {
             "host": host, "port": port, "auth_token": auth_token, "rank_ttl_s": rank_ttl_s,

@@ -12,7 +12,6 @@ from kvhandoff.bootstrap_server.registry import (
     RoomState,
     Topology,
 )
-from kvhandoff.bootstrap_server.testing import FakeClock
 from kvhandoff.errors import (
     BootstrapConflict,
     BootstrapNotFound,
@@ -21,6 +20,7 @@ from kvhandoff.errors import (
 )
 from kvhandoff.kv_layout import layout_hash, preset
 from kvhandoff.state_machine.events import Role
+from kvhandoff.testing.server import FakeClock
 
 GLM = preset("glm-5.3")
 LLAMA = preset("llama-3.1-8b")
@@ -193,3 +193,36 @@ def test_route_fans_out_over_prefill_cp_and_pp(registry: Registry) -> None:
     t = registry.route(engine_id="p", room=None, dp_rank=0, tp_rank=0, tp_size=1,
                        pp_rank=1, pp_size=2)
     assert [(r.key.cp_rank, r.key.pp_rank) for r in t.ranks] == [(0, 1), (1, 1)]
+
+
+def _sglang_like(tp: int, **attrs: object) -> Registration:
+    return Registration(
+        key=RankKey("s", 0, 0, tp, 0), role=Role.PREFILL, topology=Topology(1, 2),
+        agent_address=f"127.0.0.1:{7000 + tp}", generation=f"g{tp}", layout_hash="",
+        layout={}, transport="sglang",
+        attributes={k: v for k, v in attrs.items() if k != "policy"},
+        strict_attributes={"decode_allocation_policy": attrs.get("policy", "early")},
+        expires=False,
+    )
+
+
+def test_attribute_left_out_is_no_disagreement_and_is_filled_later(registry: Registry) -> None:
+    registry.register(_sglang_like(0, page_size=64, prefill_http_port=None))
+    # rank 1 leaves page_size out and sends the port the engine lacks: accepted, port filled
+    registry.register(_sglang_like(1, page_size=None, prefill_http_port=30000))
+    eng = registry.engine("s")
+    assert eng.attributes == {"page_size": 64, "prefill_http_port": 30000}
+    # a value that differs is still a disagreement
+    with pytest.raises(BootstrapConflict) as e:
+        registry.register(_sglang_like(1, page_size=32))
+    assert e.value.diff == ["page_size: registered=64 incoming=32"]
+
+
+def test_strict_attribute_compared_exactly(registry: Registry) -> None:
+    registry.register(_sglang_like(0))
+    with pytest.raises(BootstrapConflict) as e:
+        registry.register(_sglang_like(1, policy="late"))
+    assert e.value.diff == ["decode_allocation_policy: registered='early' incoming='late'"]
+    before = registry.rank_version
+    registry.register(_sglang_like(1))
+    assert registry.rank_version == before + 1
