@@ -1,12 +1,15 @@
-# What the threaded transports (tcp, ucx) share: the table of pending ops, argument checks of
-# post_*, completion delivery, and the command queue that wakes their I/O thread.
+# What the threaded transports (tcp, ucx, shm) share: the table of pending ops, argument checks
+# of post_*, completion delivery, the command queue that wakes their I/O thread, and the send
+# side of the chunk grid (a per-op window of chunks in flight, staged through a small pool of
+# reusable buffers).
 #
 # Rules: `_lock` guards `_ops` and every op's `finished` flag; an op is finished exactly once
 # (`_finish_locked`), and its callback runs on the CallbackThread, outside the lock. Only the
 # I/O thread touches the network; other threads append to `_commands` and write a byte to the
-# wake pipe.
+# wake pipe. The send window and the staging pool belong to the I/O thread.
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from collections import deque
@@ -21,6 +24,20 @@ from ._chunks import ChunkPlan, check_buffer, check_tag, normalise_spans
 from ._worker import CallbackThread
 from .base import OnDone, Transport
 
+WINDOW = 8  # chunks of one send op in flight (not yet confirmed / completed)
+POOL_MAX = 16  # free staging buffers kept
+
+
+class IoCommand(enum.Enum):
+    """What other threads ask an I/O thread to do (the first item of a queued command)."""
+
+    CONNECT = "connect"
+    DISCONNECT = "disconnect"
+    SEND = "send"
+    RECV = "recv"
+    FORGET = "forget"
+    STOP = "stop"
+
 
 class _OpLike(Protocol):
     peer: str
@@ -34,8 +51,6 @@ class ThreadedTransport(Transport):
     """Base of transports driven by one I/O thread (see module comment). Subclasses call
     `_init_threaded` in their constructor and implement `_make_op` and the I/O thread."""
 
-    kind = "threaded"
-
     def _init_threaded(self, chunk_bytes: int, callback_thread_name: str) -> None:
         self._chunk_bytes = int(chunk_bytes)
         self._lock = threading.Lock()
@@ -48,6 +63,9 @@ class ThreadedTransport(Transport):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._callbacks = CallbackThread(callback_thread_name)
+        # owned by the I/O thread: send ops with chunks left to post, free staging buffers
+        self._active_sends: list[Any] = []
+        self._pool: list[np.ndarray] = []
 
     # ---- shared public API ----------------------------------------------------------------
 
@@ -107,7 +125,7 @@ class ThreadedTransport(Transport):
                 self._callbacks.submit(lambda: on_done(None))
                 return
             self._ops[key] = op
-        self._command("send" if is_send else "recv", op)
+        self._command(IoCommand.SEND if is_send else IoCommand.RECV, op)
 
     def _finish_locked(self, ops: list[Any], reason: str | None
                        ) -> list[tuple[Any, BaseException | None]]:
@@ -131,12 +149,76 @@ class ThreadedTransport(Transport):
         self._deliver(done)
         return bool(done)
 
-    def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
+    def _command(self, cmd: IoCommand, *args: Any) -> None:
+        self._commands.append((cmd, *args))
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass  # the pipe is full: the I/O thread is awake anyway
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ---- send window and staging pool (I/O thread) ----------------------------------------
+
+    def _stage(self) -> np.ndarray:
+        """A staging buffer of chunk_bytes from the pool (or a new one)."""
+        return self._pool.pop() if self._pool else np.empty(self._chunk_bytes, np.uint8)
+
+    def _unstage(self, stage: np.ndarray | None) -> None:
+        """Returns a staging buffer to the pool (kept up to POOL_MAX)."""
+        if stage is not None and stage.size == self._chunk_bytes and len(self._pool) < POOL_MAX:
+            self._pool.append(stage)
+
+    def _channel(self, op: Any) -> Any:
+        """Subclass hook: the socket/endpoint that carries `op`'s chunks; None if gone."""
+        raise NotImplementedError
+
+    def _emit(self, channel: Any, op: Any, k: int, view: np.ndarray,
+              stage: np.ndarray | None) -> None:
+        """Subclass hook: puts chunk k of `op` (its bytes in `view`, staged in `stage` or
+        straight from the registered buffer) on the wire."""
+        raise NotImplementedError
+
+    def _pump_sends(self) -> bool:
+        """Posts chunks of the active sends while each op's window has room; whether any
+        chunk was posted. A chunk inside one span goes straight from the registered buffer,
+        any other is gathered into a staging buffer."""
+        if not self._active_sends:
+            return False
+        sent = False
+        still: list[Any] = []
+        for op in self._active_sends:
+            if op.finished:
+                continue
+            channel = self._channel(op)
+            if channel is None:
+                self._finish(op, f"peer {op.peer!r} is not connected")
+                continue
+            plan = op.plan
+            while op.inflight < WINDOW and op.next_chunk < plan.nchunks:
+                k = op.next_chunk
+                op.next_chunk += 1
+                op.inflight += 1
+                n = plan.chunk_len(k)
+                start = plan.direct(k)
+                stage = None
+                if start is not None:
+                    view = op.buf[start:start + n]
+                else:
+                    stage = self._stage()
+                    plan.gather(op.buf, k, stage)
+                    view = stage[:n]
+                self._emit(channel, op, k, view, stage)
+                sent = True
+            if op.next_chunk < plan.nchunks:
+                still.append(op)
+        self._active_sends = still
+        return sent
 
 
 def _call(fn: OnDone, exc: BaseException | None) -> Callable[[], None]:

@@ -12,8 +12,16 @@
 # - After cancel() / disconnect() / close() return, no op they ended writes into memory.
 # - Backends are imported by name on first use (load_transport), so a missing optional
 #   dependency only matters when that backend is chosen.
+# - One-sided writes are an optional capability (`supports_write`): the receiver publishes a
+#   descriptor of a registered buffer (`describe`), the writer installs it (`register_remote`)
+#   and writes span lists straight into it (`post_write`) without the receiver posting
+#   anything; `fence` completes once every write posted to that peer before it has landed.
+#   The same span-list rule holds: source and destination lists may cut the stream
+#   differently, only their totals must agree. A transport without the capability raises
+#   TransportError from these methods; the agent then uses post_send / post_recv.
 from __future__ import annotations
 
+import enum
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,9 +36,27 @@ if TYPE_CHECKING:
     from kvhandoff.settings import Settings
 
 OnDone = Callable[[BaseException | None], None]
+#: Completion of a one-sided write: (error or None, xxh3-64 of the source stream or None).
+OnWritten = Callable[[BaseException | None, int | None], None]
 
 #: Tags the agent passes must be below this; the bits above belong to the transport.
 TAG_LIMIT = 1 << 40
+
+
+class TransportKind(str, enum.Enum):
+    """The data transports (the value is the name settings and Hello carry; a member compares
+    equal to it and formats as it)."""
+
+    UCX = "ucx"
+    TCP = "tcp"
+    SHM = "shm"
+    INPROC = "inproc"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:  # f"{kind}" is the value on every Python
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -48,7 +74,9 @@ class TransportStatus:
 class Transport(ABC):
     """A two-sided, tagged data transport between agents (see module comment)."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[TransportKind]
+    #: Whether describe / register_remote / post_write / fence are implemented.
+    supports_write: ClassVar[bool] = False
 
     @abstractmethod
     def __init__(self, settings: Settings) -> None: ...
@@ -92,6 +120,33 @@ class Transport(ABC):
     def close(self) -> None:
         """Fails pending ops, joins threads, releases resources. Safe to call twice."""
 
+    # ---- one-sided writes (optional capability, see module comment) ------------------------
+
+    def describe(self, name: str) -> bytes:
+        """Descriptor of registered buffer `name` for a peer's `register_remote`."""
+        raise self._no_write("describe")
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        """Installs a connected peer's buffer descriptor under `name` (for post_write)."""
+        raise self._no_write("register_remote")
+
+    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
+                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
+                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
+                   checksum: bool = False) -> None:
+        """Writes the bytes of a span list of local buffer `name` into a span list of the
+        peer's buffer `remote` (see register_remote); `on_done(err, digest)` once they landed,
+        `digest` the xxh3-64 of the source stream when `checksum`. cancel(peer, tag) ends it."""
+        raise self._no_write("post_write")
+
+    def fence(self, peer: str, on_done: OnDone) -> None:
+        """on_done once every write posted to `peer` before this call has ended."""
+        raise self._no_write("fence")
+
+    def _no_write(self, what: str) -> TransportError:
+        return TransportError(f"{what}: the {self.kind} transport has no one-sided writes "
+                              "(supports_write is False); use post_send / post_recv")
+
     def __enter__(self) -> Transport:
         return self
 
@@ -100,19 +155,20 @@ class Transport(ABC):
 
 
 _BACKENDS = {
-    "ucx": "kvhandoff.transfer.transports.ucx:UcxTransport",
-    "tcp": "kvhandoff.transfer.transports.tcp:TcpTransport",
-    "inproc": "kvhandoff.transfer.transports.inproc:InprocTransport",
+    TransportKind.UCX: "kvhandoff.transfer.transports.ucx:UcxTransport",
+    TransportKind.TCP: "kvhandoff.transfer.transports.tcp:TcpTransport",
+    TransportKind.INPROC: "kvhandoff.transfer.transports.inproc:InprocTransport",
 }
 
 
 def load_transport(kind: str, settings: Settings) -> Transport:
-    """Builds the transport `kind` ("ucx", "tcp" or "inproc"), importing its module on first use.
+    """Builds the transport `kind` ("ucx", "tcp", "shm" or "inproc"; a TransportKind is a str
+    too), importing its module on first use.
 
     Raises:
         TransportError: unknown kind, or the backend's dependency cannot be imported.
     """
-    target = _BACKENDS.get(kind)
+    target = _BACKENDS.get(kind)  # type: ignore[call-overload,unused-ignore]
     if target is None:
         raise TransportError(f"transport: unknown kind {kind!r}; expected one of "
                              f"{', '.join(sorted(_BACKENDS))}")

@@ -21,7 +21,7 @@ from kvhandoff.errors import TransportError
 
 from ._chunks import check_buffer, check_tag, normalise_spans, paired_pieces
 from ._worker import CallbackThread
-from .base import OnDone, Transport, TransportStatus
+from .base import OnDone, Transport, TransportKind, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -92,7 +92,7 @@ class _Job:
 class InprocTransport(Transport):
     """Moves bytes between transports of one process with numpy copies."""
 
-    kind: ClassVar[str] = "inproc"
+    kind: ClassVar[TransportKind] = TransportKind.INPROC
 
     def __init__(self, settings: Settings) -> None:
         self._chunk_bytes = int(settings.chunk_bytes)

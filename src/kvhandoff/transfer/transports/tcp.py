@@ -7,9 +7,9 @@
 # a view of the registered buffer when the chunk lies in one span, else a pooled staging buffer
 # it was gathered into. The receiver's ROUTER copies each payload once into the destination
 # (direct or scattered) and answers b"C" (chunk arrived: the sender may reuse that staging
-# buffer and send one more chunk of that op, a per-op window) and, when every chunk of the op
-# landed, b"F" + status, which completes the send. Chunks that arrive before their receive is
-# posted are held (as zmq frames) until it is.
+# buffer and send one more chunk of that op: the shared per-op window, _threaded.WINDOW) and,
+# when every chunk of the op landed, b"F" + status, which completes the send. Chunks that
+# arrive before their receive is posted are held (as zmq frames) until it is.
 #
 # Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
 # wake it through a pipe. `_lock` guards the op tables, each op's `finished` flag and every
@@ -33,8 +33,8 @@ import zmq
 from kvhandoff.errors import TransportError
 
 from ._chunks import ChunkPlan, check_tag
-from ._threaded import ThreadedTransport
-from .base import OnDone, TransportStatus
+from ._threaded import IoCommand, ThreadedTransport
+from .base import OnDone, TransportKind, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -44,9 +44,7 @@ log = logging.getLogger(__name__)
 _DATA = struct.Struct("<cQIIQ")  # b"D", tag, chunk index, chunk count, total bytes
 _CREDIT = struct.Struct("<cQI")  # b"C", tag, chunk index
 _FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 reason
-_WINDOW = 8  # chunks of one send op not yet confirmed by the receiver
 _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
-_POOL_MAX = 16  # free staging buffers kept
 
 
 class _Op:
@@ -88,7 +86,7 @@ def _split_address(address: bytes) -> tuple[str, bytes]:
 class TcpTransport(ThreadedTransport):
     """pyzmq data transport (see module comment). Always degraded: no RDMA."""
 
-    kind: ClassVar[str] = "tcp"
+    kind: ClassVar[TransportKind] = TransportKind.TCP
 
     def __init__(self, settings: Settings) -> None:
         if settings.require_rdma:
@@ -126,8 +124,6 @@ class TcpTransport(ThreadedTransport):
         self._unexpected_seq: dict[tuple[bytes, int], int] = {}
         self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
             collections.OrderedDict())
-        self._active_sends: list[_Op] = []
-        self._pool: list[np.ndarray] = []
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
         self._thread.start()
@@ -149,7 +145,7 @@ class TcpTransport(ThreadedTransport):
                 raise TransportError(f"connect {peer!r}: already connected at another address; "
                                      "disconnect first")
             self._peers[peer] = address
-        self._command("connect", peer, endpoint)
+        self._command(IoCommand.CONNECT, peer, endpoint)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -158,7 +154,7 @@ class TcpTransport(ThreadedTransport):
             known = self._peers.pop(peer, None)
         self._deliver(done)
         if known is not None:
-            self._command("disconnect", peer, known, ops, next(self._seq))
+            self._command(IoCommand.DISCONNECT, peer, known, ops, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -168,7 +164,7 @@ class TcpTransport(ThreadedTransport):
             done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
         self._deliver(done)
         if ops:
-            self._command("forget", ops, "peer cancelled")
+            self._command(IoCommand.FORGET, ops, "peer cancelled")
 
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
@@ -182,7 +178,7 @@ class TcpTransport(ThreadedTransport):
             self._closed = True
             done = self._finish_locked(list(self._ops.values()), "tcp transport closed")
         self._deliver(done)
-        self._command("stop")
+        self._command(IoCommand.STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()
         self._callbacks.stop()
@@ -204,22 +200,19 @@ class TcpTransport(ThreadedTransport):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        handlers: dict[str, Callable[..., bool]] = {
-            "connect": self._on_connect, "disconnect": self._on_disconnect,
-            "send": self._on_send, "recv": self._on_recv, "forget": self._on_forget,
+        handlers: dict[IoCommand, Callable[..., bool]] = {
+            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
+            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
+            IoCommand.FORGET: self._on_forget,
         }
         try:
             while True:
                 events = dict(poller.poll())
                 if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    self._drain_wake()
                 while self._commands:
                     cmd = self._commands.popleft()
-                    if cmd[0] == "stop":
+                    if cmd[0] is IoCommand.STOP:
                         return
                     handlers[cmd[0]](poller, *cmd[1:])
                 self._drain_router()
@@ -301,36 +294,19 @@ class TcpTransport(ThreadedTransport):
             self._land(op, k, n, total, frame)
         return True
 
-    def _pump_sends(self) -> None:
-        still: list[_Op] = []
-        for op in self._active_sends:
-            if op.finished:
-                continue
-            sock = self._dealers.get(op.peer)
-            if sock is None:
-                self._finish(op, f"peer {op.peer!r} is not connected")
-                continue
-            plan = op.plan
-            while op.inflight < _WINDOW and op.next_chunk < plan.nchunks:
-                k = op.next_chunk
-                op.next_chunk += 1
-                op.inflight += 1
-                n = plan.chunk_len(k)
-                start = plan.direct(k)
-                if start is not None:
-                    payload = op.buf[start:start + n]
-                else:
-                    stage = self._pool.pop() if self._pool else np.empty(self._chunk_bytes,
-                                                                         np.uint8)
-                    plan.gather(op.buf, k, stage)
-                    op.staging[k] = stage
-                    payload = stage[:n]
-                sock.send_multipart([_DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total),
-                                     payload.data], copy=False)
-                self._bytes_sent += n
-            if op.next_chunk < plan.nchunks:
-                still.append(op)
-        self._active_sends = still
+    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+
+    def _channel(self, op: _Op) -> zmq.Socket[bytes] | None:
+        return self._dealers.get(op.peer)
+
+    def _emit(self, channel: zmq.Socket[bytes], op: _Op, k: int, view: np.ndarray,
+              stage: np.ndarray | None) -> None:
+        if stage is not None:
+            op.staging[k] = stage  # back to the pool when the receiver's credit comes
+        plan = op.plan
+        channel.send_multipart([_DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total),
+                                view.data], copy=False)
+        self._bytes_sent += view.size
 
     def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
         while True:
@@ -344,9 +320,7 @@ class TcpTransport(ThreadedTransport):
                 op = self._send_index.get((peer, tag))
                 if op is not None:
                     op.inflight -= 1
-                    stage = op.staging.pop(k, None)
-                    if stage is not None and len(self._pool) < _POOL_MAX:
-                        self._pool.append(stage)
+                    self._unstage(op.staging.pop(k, None))
             elif head[:1] == b"F" and len(head) == _FINAL.size:
                 _, tag, ok = _FINAL.unpack(head)
                 op = self._send_index.pop((peer, tag), None)

@@ -13,29 +13,19 @@
 # - A send cuts its stream into the shared chunk grid (_chunks.ChunkPlan); chunk k goes as one
 #   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
 #   or directions. A chunk inside one span is sent straight from the registered buffer; other
-#   chunks are gathered into pooled staging buffers. At most _WINDOW chunks per op are in flight.
+#   chunks are gathered into pooled staging buffers; the send window is the shared one
+#   (_threaded.WINDOW chunks per op in flight).
 # - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
-#   empty mask, remove=True), looks the tag up among posted receives and receives the message
-#   with its handle straight into destination memory (or a staging buffer + scatter). Messages
-#   for receives not yet posted keep their handle until they are; messages of cancelled receives
-#   are received into a scratch buffer and dropped, so the sender's op still completes.
-#   Probing is what makes cancel exact: ucxx exposes no per-request cancel, but a message that
-#   was not yet received is simply never received into user memory.
-# - Endpoints outlive disconnect(). UCX pairs our endpoint with the peer's at wireup, and the
-#   peer's rendezvous messages name our endpoint; closing it alone, without the peer knowing,
-#   leaves the peer's endpoint naming a closed one, and every large message it sends us after
-#   fails here with "Request canceled" (UCX drops an RTS for an unknown endpoint), even after we
-#   connect again. So disconnect() fails the peer's ops and forgets the peer, but keeps its
-#   endpoint, keyed by address, for a later connect to the same address (an agent that took a
-#   busy peer for dead reconnects without the peer noticing). A restarted peer has a new
-#   address; the endpoints of peers that never come back are closed beyond _IDLE_EPS_MAX, a
-#   failed one (peer error handling) on reuse, and all of them at close().
-#   Except: while UCX may still touch the peer's memory for us (a rendezvous send in flight,
-#   or a receive in flight unless UCX_RNDV_SCHEME=put_zcopy), disconnect() closes the endpoint
-#   as before, since closing is what stops that (the peer may be dead: a cma write to a dead
-#   same-host peer aborts this process). Our endpoint made after that is paired with one UCX
-#   made on the peer's side, so what the peer sends us still works; what it sends on its
-#   old endpoint does not (the limitation left: a peer both receiving and sending).
+#   empty mask, remove=True) and matches it against posted receives (_ucx_matcher), receiving
+#   it with its handle straight into destination memory (or a staging buffer + scatter).
+# - Endpoints outlive disconnect() (_ucx_endpoints: why, and when they are closed instead).
+#   While UCX may still touch the peer's memory for us (a rendezvous send in flight, or a
+#   receive in flight unless UCX_RNDV_SCHEME=put_zcopy), disconnect() closes the endpoint,
+#   since closing is what stops that (the peer may be dead: a cma write to a dead same-host
+#   peer aborts this process). Our endpoint made after that is paired with one UCX made on the
+#   peer's side, so what the peer sends us still works; what it sends on its old endpoint does
+#   not (the limitation left: a peer both receiving and sending).
+# - status() names the UCX build (version, library, verbs / rdmacm: _ucx_lanes.ucx_build).
 # - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
 #   commands and wake it with a pipe polled together with the worker's epoll fd.
 #
@@ -45,8 +35,6 @@
 # Callbacks run on a separate CallbackThread, outside the lock.
 from __future__ import annotations
 
-import collections
-import ctypes
 import logging
 import os
 import select
@@ -61,13 +49,14 @@ import xxhash
 from kvhandoff.errors import TransportError
 
 from ._chunks import ChunkPlan, check_tag
-from ._threaded import ThreadedTransport
-from .base import OnDone, TransportStatus
+from ._hostid import host_id
+from ._threaded import IoCommand, ThreadedTransport
+from .base import OnDone, TransportKind, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
 
-# Tuning measured on this machine (DESIGN.md §5); the user's own values win.
+# Tuning measured on this machine (docs/PERFORMANCE.md); the user's own values win.
 os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
 os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
 # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads; do not warn about it on stdout
@@ -77,16 +66,25 @@ import ucxx  # noqa: E402  (loads libucx and sets ucxx's env defaults)
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
+from ._ucx_endpoints import EndpointCache  # noqa: E402
+from ._ucx_lanes import (  # noqa: E402
+    ADDR_MAGIC,
+    LOCAL_TLS,
+    UcxBuild,
+    ep_lanes,
+    resources,
+    split_address,
+    tcp_only,
+    ucx_build,
+)
+from ._ucx_matcher import ReceiveMatcher  # noqa: E402
+
 log = logging.getLogger(__name__)
 
 UCXX_VERSION = ucxx.__version__
-_WINDOW = 8  # chunks of one send op in flight
-_POOL_MAX = 16  # free staging buffers kept
 _DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
 _IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to the same address
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
-# resources that cannot cross hosts or are not networks; anything else but tcp counts as RDMA
-_LOCAL_TLS = {"self", "sysv", "posix", "cma", "xpmem", "knem"}
 
 
 def _tag_base(sender: bytes, tag: int) -> int:
@@ -129,94 +127,10 @@ class _Inflight:
         self.direct = direct
 
 
-_ADDR_MAGIC = b"KVHUCX1"
-_HOST_ID_BYTES = 16
-
-
-def _host_id() -> bytes:
-    """Identifies this host (boot id + host name): peers with the same id share memory."""
-    import hashlib
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = b""
-    return hashlib.sha256(boot + b"/" + socket.gethostname().encode()).digest()[
-        :_HOST_ID_BYTES]
-
-
-def _split_address(address: bytes) -> tuple[bytes, bytes]:
-    """(host id, UCX worker address) of a kvhandoff ucx address."""
-    head = len(_ADDR_MAGIC) + _HOST_ID_BYTES
-    if not address.startswith(_ADDR_MAGIC) or len(address) <= head:
-        raise TransportError("not a kvhandoff ucx address (peer of another version?)")
-    return address[len(_ADDR_MAGIC):head], address[head:]
-
-
-def _resources(context_info: str) -> list[str]:
-    """Transport/device names ('tcp/eth0', 'cma/memory', …) from ucp_context_print_info."""
-    out = []
-    for line in context_info.splitlines():
-        if "resource" in line and "flags" in line:
-            name = line.rsplit(" ", 1)[-1].strip()
-            if "/" in name:
-                out.append(name)
-    return out
-
-
-def _ep_lanes(ep: Any) -> tuple[str, ...]:
-    """Lanes UCX chose for an endpoint ('sysv/memory:am', 'cma/memory:rma_bw#0'), read from
-    ucp_ep_print_info through ctypes (ucxx does not expose it). Empty if unavailable."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {p for p in f.read().split() if "/libucp.so" in p}
-        if not paths:
-            return ()
-        ucp = ctypes.CDLL(sorted(paths)[0])
-        libc = ctypes.CDLL(None)
-        libc.tmpfile.restype = ctypes.c_void_p
-        libc.fflush.argtypes = [ctypes.c_void_p]
-        libc.rewind.argtypes = [ctypes.c_void_p]
-        libc.fclose.argtypes = [ctypes.c_void_p]
-        libc.fread.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                               ctypes.c_void_p]
-        libc.fread.restype = ctypes.c_size_t
-        ucp.ucp_ep_print_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        fp = libc.tmpfile()
-        if not fp:
-            return ()
-        try:
-            ucp.ucp_ep_print_info(ctypes.c_void_p(ep.handle), fp)
-            libc.fflush(fp)
-            libc.rewind(fp)
-            raw = ctypes.create_string_buffer(1 << 16)
-            n = libc.fread(raw, 1, (1 << 16) - 1, fp)
-        finally:
-            libc.fclose(fp)
-        text = raw.raw[:n].decode("utf-8", "replace")
-    except (OSError, AttributeError, ValueError):
-        return ()
-    lanes = []
-    for line in text.splitlines():
-        if "lane[" in line and "->" in line:
-            left, right = line.split("->", 1)
-            tl = left.split()[2] if len(left.split()) > 2 else "?"
-            tl = tl.split(":", 1)[-1].rsplit(".", 1)[0]  # '3:sysv/memory.0' -> 'sysv/memory'
-            role = right.split()[-1] if right.split() else "?"
-            lanes.append(f"{tl}:{role}")
-    return tuple(lanes)
-
-
-def _tcp_only(lanes: tuple[str, ...]) -> bool:
-    return bool(lanes) and all(lane.startswith("tcp/") for lane in lanes)
-
-
 class UcxTransport(ThreadedTransport):
     """UCX data transport over ucxx's low-level API (see module comment)."""
 
-    kind: ClassVar[str] = "ucx"
+    kind: ClassVar[TransportKind] = TransportKind.UCX
 
     def __init__(self, settings: Settings) -> None:
         if int(settings.chunk_bytes) >= (1 << 31):
@@ -229,15 +143,16 @@ class UcxTransport(ThreadedTransport):
                                                           ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._ctx)
             self._worker.init_blocking_progress_mode()
-            self._host = _host_id()
-            self._address = _ADDR_MAGIC + self._host + bytes(self._worker.address.tobytes())
+            self._host = host_id()
+            self._address = ADDR_MAGIC + self._host + bytes(self._worker.address.tobytes())
             self._epoll_fd = int(self._worker.epoll_file_descriptor)
         except ucx_api.UCXError as e:
             raise TransportError(f"ucx: cannot create a UCP context/worker: {e}") from e
-        self._resources = _resources(self._ctx.info)
+        self._resources = resources(self._ctx.info)
         self._rdma = [r for r in self._resources
-                      if r.split("/")[0] not in _LOCAL_TLS and not r.startswith("tcp/")]
+                      if r.split("/")[0] not in LOCAL_TLS and not r.startswith("tcp/")]
         self._tls_config = os.environ.get("UCX_TLS", "all")
+        self.build: UcxBuild = ucx_build()
         # rendezvous: the sender writes into the receiver's memory; a receiver never reads
         self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
 
@@ -248,16 +163,9 @@ class UcxTransport(ThreadedTransport):
         self._bytes_sent = 0
         self._bytes_received = 0
         # owned by the I/O thread
-        self._eps: dict[str, Any] = {}
-        self._ep_address: dict[str, bytes] = {}  # peer -> the address its endpoint reaches
-        # address -> endpoint of a disconnected peer, oldest first (see module comment)
-        self._idle_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._expect: dict[int, tuple[_Op, int]] = {}  # UCX tag -> (recv op, chunk)
-        self._unexpected: dict[int, Any] = {}  # UCX tag -> probe result (message handle)
-        self._discard: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._eps = EndpointCache(_IDLE_EPS_MAX)
+        self._matcher: ReceiveMatcher[_Op] = ReceiveMatcher(_DISCARD_MAX)
         self._inflight: list[_Inflight] = []
-        self._active_sends: list[_Op] = []
-        self._pool: list[np.ndarray] = []
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvhandoff-ucx-io")
         self._thread.start()
 
@@ -280,19 +188,20 @@ class UcxTransport(ThreadedTransport):
                                      "disconnect first")
         result: list[BaseException | tuple[tuple[str, ...], bool]] = []
         done = threading.Event()
-        self._command("connect", peer, address, result, done)
+        self._command(IoCommand.CONNECT, peer, address, result, done)
         if not done.wait(self._cancel_bound_s):
             raise TransportError(f"connect {peer!r}: the UCX I/O thread did not answer within "
                                  f"{self._cancel_bound_s} s")
         if isinstance(result[0], BaseException):
             raise result[0]
         lanes, unprotected = result[0]
-        if self._require_rdma and (_tcp_only(lanes) or not self._rdma):
-            self._command("disconnect", peer, [])
+        if self._require_rdma and (tcp_only(lanes) or not self._rdma):
+            self._command(IoCommand.DISCONNECT, peer, [])
             raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
                                  f"lane (lanes: {', '.join(lanes) or 'unknown'}; resources: "
-                                 f"{', '.join(self._resources)}); fix the fabric or unset "
-                                 "KVHANDOFF_REQUIRE_RDMA")
+                                 f"{', '.join(self._resources)}; {self.build.describe()}); fix "
+                                 "the fabric or the UCX build (docs/TRANSFER.md, RDMA), or "
+                                 "unset KVHANDOFF_REQUIRE_RDMA")
         with self._lock:
             self._peers[peer] = address
             self._peer_lanes[peer] = lanes
@@ -301,9 +210,8 @@ class UcxTransport(ThreadedTransport):
         if unprotected:
             log.warning("ucx: peer %r is on this host: shared-memory lanes without UCX error "
                         "handling (if it dies mid-write UCX aborts this process; set "
-                        "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING=true for safety over speed)",
-                        peer)
-
+                        "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING=true for safety over speed, or "
+                        "use transport=shm for same-host pairs)", peer)
     def disconnect(self, peer: str) -> None:
         with self._lock:
             ops = [op for op in self._ops.values() if op.peer == peer]
@@ -312,7 +220,7 @@ class UcxTransport(ThreadedTransport):
             self._peer_lanes.pop(peer, None)
             self._unprotected.discard(peer)
         self._deliver(done)
-        self._command("disconnect", peer, ops)
+        self._command(IoCommand.DISCONNECT, peer, ops)
         self._wait_direct(ops, "disconnect")
 
     def cancel(self, peer: str, tag: int) -> None:
@@ -323,14 +231,14 @@ class UcxTransport(ThreadedTransport):
             done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
         self._deliver(done)
         if ops:
-            self._command("forget", ops)
+            self._command(IoCommand.FORGET, ops)
             self._wait_direct(ops, "cancel")
 
     def status(self) -> TransportStatus:
         with self._lock:
             per_peer = dict(self._peer_lanes)
         lanes = tuple(sorted({lane for ls in per_peer.values() for lane in ls}))
-        tcp_peers = sorted(p for p, ls in per_peer.items() if _tcp_only(ls))
+        tcp_peers = sorted(p for p, ls in per_peer.items() if tcp_only(ls))
         if tcp_peers:
             degraded = True
             why = f"ucx: only TCP lanes to peer(s) {', '.join(tcp_peers)}"
@@ -342,12 +250,15 @@ class UcxTransport(ThreadedTransport):
             why = "ucx: shared-memory/RDMA lanes to every peer"
         rdma = (f"RDMA devices: {', '.join(self._rdma)}" if self._rdma else
                 "no RDMA device found: peers on other hosts would use TCP")
+        if not self.build.verbs:
+            rdma += " (this UCX build has no verbs: no RDMA lane can appear, docs/TRANSFER.md)"
         with self._lock:
             unprotected = sorted(self._unprotected)
         if unprotected:
             why += (f"; same-host peer(s) {', '.join(unprotected)} without UCX error handling "
                     "(shared-memory speed; a peer dying mid-write aborts this process)")
-        reason = (f"{why}; {rdma}; UCX_TLS={self._tls_config}; resources: "
+        reason = (f"{why}; {rdma}; {self.build.describe()}; UCX_TLS={self._tls_config}; "
+                  "resources: "
                   f"{', '.join(self._resources)}")
         return TransportStatus(kind=self.kind, lanes=lanes or tuple(self._resources),
                                degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
@@ -361,7 +272,7 @@ class UcxTransport(ThreadedTransport):
             ops = list(self._ops.values())
             done = self._finish_locked(ops, "ucx transport closed")
         self._deliver(done)
-        self._command("stop")
+        self._command(IoCommand.STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()
         self._callbacks.stop()
@@ -401,9 +312,10 @@ class UcxTransport(ThreadedTransport):
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        handlers: dict[str, Callable[..., None]] = {
-            "connect": self._on_connect, "disconnect": self._on_disconnect,
-            "send": self._on_send, "recv": self._on_recv, "forget": self._on_forget,
+        handlers: dict[IoCommand, Callable[..., None]] = {
+            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
+            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
+            IoCommand.FORGET: self._on_forget,
         }
         worker = self._worker
         try:
@@ -411,7 +323,7 @@ class UcxTransport(ThreadedTransport):
                 busy = False
                 while self._commands:
                     cmd = self._commands.popleft()
-                    if cmd[0] == "stop":
+                    if cmd[0] is IoCommand.STOP:
                         return
                     handlers[cmd[0]](*cmd[1:])
                     busy = True
@@ -424,11 +336,7 @@ class UcxTransport(ThreadedTransport):
                 if worker.arm():
                     ready, _, _ = select.select([self._epoll_fd, self._wake_r], [], [])
                     if self._wake_r in ready:
-                        try:
-                            while os.read(self._wake_r, 4096):
-                                pass
-                        except BlockingIOError:
-                            pass
+                        self._drain_wake()
         except Exception:
             log.exception("ucx transport I/O thread failed")
             with self._lock:
@@ -442,11 +350,12 @@ class UcxTransport(ThreadedTransport):
     def _shutdown(self) -> None:
         # consume held message handles (into scratch) so UCX is left with nothing dangling
         try:
-            self._expect.clear()
+            for probe in self._matcher.take_held():
+                self._drop(probe)
             for _ in range(3):
                 self._worker.progress()
-                self._probe()  # every arrived message is now held in _unexpected
-            for probe in self._unexpected.values():
+                self._probe()  # every arrived message is now held
+            for probe in self._matcher.take_held():
                 self._drop(probe)
             for _ in range(1000):
                 if all(item.req.completed for item in self._inflight if item.op is None):
@@ -463,36 +372,22 @@ class UcxTransport(ThreadedTransport):
             self._worker.cancel_inflight_requests()
         except ucx_api.UCXError:
             pass
-        for ep in [*self._eps.values(), *self._idle_eps.values()]:
-            self._close_ep(ep)
-        self._eps.clear()
-        self._ep_address.clear()
-        self._idle_eps.clear()
-        self._unexpected.clear()
+        self._eps.close_all()
         self._inflight.clear()
 
     def _on_connect(self, peer: str, address: bytes, result: list[object],
                     done: threading.Event) -> None:
         try:
-            host, worker_address = _split_address(address)
+            host, worker_address = split_address(address)
             unprotected = host == self._host and not self._same_host_err
-            if peer in self._eps and self._ep_address[peer] != address:
-                self._park_ep(peer)
-            ep = self._eps.get(peer)
-            if ep is None:
-                # the endpoint the peer's own endpoint is paired with, if we had one: a new one
-                # would leave the peer's naming a closed one (see module comment)
-                ep = self._idle_eps.pop(address, None)
-                if ep is not None and not ep.alive:  # failed (peer error handling): replace
-                    self._close_ep(ep)
-                    ep = None
-                if ep is None:
-                    ep = ucx_api.UCXEndpoint.create_from_worker_address(
-                        self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
-                        not unprotected)
-                self._eps[peer] = ep
-                self._ep_address[peer] = address
-            result.append((_ep_lanes(ep), unprotected))
+
+            def create() -> Any:
+                return ucx_api.UCXEndpoint.create_from_worker_address(
+                    self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
+                    not unprotected)
+
+            ep = self._eps.attach(peer, address, create, self._touching)
+            result.append((ep_lanes(ep), unprotected))
         except Exception as e:
             result.append(TransportError(f"connect {peer!r}: UCX cannot create an endpoint "
                                          f"from that address: {e}"))
@@ -500,24 +395,7 @@ class UcxTransport(ThreadedTransport):
 
     def _on_disconnect(self, peer: str, ops: list[_Op]) -> None:
         self._on_forget(ops)
-        self._park_ep(peer)
-
-    def _park_ep(self, peer: str) -> None:
-        """Keeps the peer's endpoint for a later connect to its address, not closed (see
-        module comment); closes the oldest kept ones beyond _IDLE_EPS_MAX."""
-        ep = self._eps.pop(peer, None)
-        address = self._ep_address.pop(peer, None)
-        if ep is None or address is None:
-            return
-        if (not ep.alive or self._touching(peer) or address in self._idle_eps
-                or address in self._ep_address.values()):
-            # failed; or UCX may still touch the peer's memory for us (closing stops it); or
-            # another endpoint to that address is kept or in use
-            self._close_ep(ep)
-            return
-        self._idle_eps[address] = ep
-        while len(self._idle_eps) > _IDLE_EPS_MAX:
-            self._close_ep(self._idle_eps.popitem(last=False)[1])
+        self._eps.park(peer, self._touching(peer))
 
     def _touching(self, peer: str) -> bool:
         """Whether a UCX request in flight for an op with `peer` may access its memory: a
@@ -525,27 +403,11 @@ class UcxTransport(ThreadedTransport):
         return any(item.op is not None and item.op.peer == peer
                    and (item.op.is_send or not self._peer_puts) for item in self._inflight)
 
-    def _close_ep(self, ep: Any) -> None:
-        try:
-            ep.close()
-        except ucx_api.UCXError:
-            pass
-
     def _on_forget(self, ops: list[_Op]) -> None:
         for op in ops:
-            if op.is_send:
-                continue
-            for k in range(op.plan.nchunks):
-                t = op.base ^ k
-                if self._expect.get(t, (None,))[0] is op:
-                    del self._expect[t]
-                    probe = self._unexpected.pop(t, None)
-                    if probe is not None:
-                        self._drop(probe)
-                    else:
-                        self._discard[t] = None
-        while len(self._discard) > _DISCARD_MAX:
-            self._discard.popitem(last=False)
+            if not op.is_send:
+                for probe in self._matcher.forget(op):
+                    self._drop(probe)
 
     def _on_send(self, op: _Op) -> None:
         if not op.finished:
@@ -554,17 +416,8 @@ class UcxTransport(ThreadedTransport):
     def _on_recv(self, op: _Op) -> None:
         if op.finished:
             return
-        for k in range(op.plan.nchunks):
-            t = op.base ^ k
-            self._discard.pop(t, None)
-            probe = self._unexpected.pop(t, None)
-            if probe is None:
-                self._expect[t] = (op, k)
-            else:
-                self._start_recv(op, k, probe)
-
-    def _stage(self) -> np.ndarray:
-        return self._pool.pop() if self._pool else np.empty(self._chunk_bytes, np.uint8)
+        for k, probe in self._matcher.post(op):
+            self._start_recv(op, k, probe)
 
     def _drop(self, probe: Any) -> None:
         scratch = np.empty(max(int(probe.length), 1), np.uint8)
@@ -579,15 +432,11 @@ class UcxTransport(ThreadedTransport):
             if not probe.matched:
                 return found
             found = True
-            t = int(probe.sender_tag.value)
-            entry = self._expect.pop(t, None)
-            if entry is not None:
-                self._start_recv(entry[0], entry[1], probe)
-            elif t in self._discard:
-                del self._discard[t]
+            match = self._matcher.arrived(int(probe.sender_tag.value), probe)
+            if match is True:
                 self._drop(probe)
-            else:
-                self._unexpected[t] = probe
+            elif match is not False:
+                self._start_recv(match[0], match[1], probe)
 
     def _start_recv(self, op: _Op, k: int, probe: Any) -> None:
         plan = op.plan
@@ -659,9 +508,7 @@ class UcxTransport(ThreadedTransport):
                     self._bytes_received += n
                     op.landed += 1
                     finished_now = op.landed == op.plan.nchunks
-        if item.stage is not None and item.op is not None and len(self._pool) < _POOL_MAX \
-                and item.stage.size == self._chunk_bytes:
-            self._pool.append(item.stage)
+        self._unstage(item.stage)
         if err is not None:
             if not op.is_send:
                 self._on_forget([op])
@@ -669,36 +516,15 @@ class UcxTransport(ThreadedTransport):
         elif finished_now:
             self._finish(op, None)
 
-    def _pump_sends(self) -> bool:
-        if not self._active_sends:
-            return False
-        sent = False
-        still: list[_Op] = []
-        for op in self._active_sends:
-            if op.finished:
-                continue
-            ep = self._eps.get(op.peer)
-            if ep is None:
-                self._finish(op, f"peer {op.peer!r} is not connected")
-                continue
-            plan = op.plan
-            while op.inflight < _WINDOW and op.next_chunk < plan.nchunks:
-                k = op.next_chunk
-                op.next_chunk += 1
-                op.inflight += 1
-                n = plan.chunk_len(k)
-                start = plan.direct(k)
-                stage = None
-                if start is not None:
-                    view = op.buf[start:start + n]
-                else:
-                    stage = self._stage()
-                    plan.gather(op.buf, k, stage)
-                    view = stage[:n]
-                req = ep.tag_send(Array(view), ucx_api.UCXXTag(op.base ^ k))
-                self._inflight.append(_Inflight(req, op, k, stage, False))
-                sent = True
-            if op.next_chunk < plan.nchunks:
-                still.append(op)
-        self._active_sends = still
-        return sent
+    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+
+    def _channel(self, op: _Op) -> Any:
+        return self._eps.get(op.peer)
+
+    def _emit(self, channel: Any, op: _Op, k: int, view: np.ndarray,
+              stage: np.ndarray | None) -> None:
+        req = channel.tag_send(Array(view), ucx_api.UCXXTag(op.base ^ k))
+        self._inflight.append(_Inflight(req, op, k, stage, False))
+
+
+__all__ = ["UCXX_VERSION", "UcxTransport"]
