@@ -1,7 +1,8 @@
 """kv_layout — what the bytes are (pure: no I/O, no clock).
 
-Layouts (`LayoutSpec` of `RegionSpec` of `Plane`), presets of known models, page math, the span
-builder both sides of a transfer share, the layout hash and diff, and capacity planning.
+Layouts (`LayoutSpec` of `RegionSpec` of `Plane`, packed rows), presets of known models, page
+math, the span builder both sides of a transfer share, the layout hash and diff, kernel page
+rules, admission and prompt-prefix agreement, and capacity planning.
 """
 
 from kvhandoff.kv_layout.pages import (
@@ -19,14 +20,20 @@ from kvhandoff.kv_layout.presets import (
     llama31_8b,
     preset,
 )
+from kvhandoff.kv_layout.rules import check_page_rules, peer_page_problems, require_page_rules
 from kvhandoff.kv_layout.spans import SpanPlan, build_spans
 from kvhandoff.kv_layout.spec import (
     LAYOUT_VERSION,
     LayoutSpec,
+    PackedRow,
+    PageRule,
     Plane,
     RegionSpec,
+    RowPlacement,
+    RuleKind,
     SendFrom,
     TPSplit,
+    layout_compat_diff,
     layout_diff,
     layout_hash,
 )
@@ -38,24 +45,32 @@ __all__ = [
     "LAYOUT_VERSION",
     "PRESETS",
     "LayoutSpec",
+    "PackedRow",
+    "PageRule",
     "Plan",
     "Plane",
     "RegionPlan",
     "RegionSpec",
+    "RowPlacement",
+    "RuleKind",
     "SendFrom",
     "SpanPlan",
     "TPSplit",
     "build_spans",
+    "check_page_rules",
     "deepseek_v32",
     "glm53",
     "handoff_bytes",
     "kv_to_page_indices",
+    "layout_compat_diff",
     "layout_diff",
     "layout_hash",
     "llama31_8b",
     "num_pages",
     "page_aligned",
+    "peer_page_problems",
     "plan",
     "preset",
+    "require_page_rules",
     "suffix_page_indices",
 ]

@@ -23,7 +23,7 @@ class RegionPlan:
 
     name: str
     layers: int
-    bytes_per_token_layer: int
+    bytes_per_token_layer: int  # one row of one layer (a token unless index_kpool > 1)
     bytes_per_token: int
     bytes_per_page: int
     bytes_per_context: int
@@ -129,15 +129,16 @@ def plan(
     rate = link_gbps * 1e9 / 8
     regions = []
     for r in spec.regions:
-        per_layer = r.bytes_per_token * context_tokens
-        per_ctx = per_layer * r.num_layers
+        # live layers only (0-row layers hold nothing); compressed regions count rows
+        per_layer = r.nbytes_for(context_tokens)
+        per_ctx = per_layer * r.num_live_layers
         regions.append(
             RegionPlan(
                 name=r.name,
-                layers=r.num_layers,
+                layers=r.num_live_layers,
                 bytes_per_token_layer=r.bytes_per_token,
-                bytes_per_token=r.bytes_per_token * r.num_layers,
-                bytes_per_page=r.page_nbytes(spec.page_size_tokens) * r.num_layers,
+                bytes_per_token=r.bytes_per_token * r.num_live_layers // r.tokens_per_row,
+                bytes_per_page=r.page_nbytes(spec.page_size_tokens) * r.num_live_layers,
                 bytes_per_context=per_ctx,
                 bytes_per_layer=per_layer,
                 suffix_only=r.send_from is SendFrom.DECODE_PREFIX,
@@ -158,12 +159,12 @@ def plan(
 
 def handoff_bytes(spec: LayoutSpec, *, seq_len: int, decode_prefix_len: int) -> dict[str, int]:
     """Bytes a handoff moves per region: start regions whole, suffix-only regions from the
-    page-aligned-down prefix on."""
+    page-aligned-down prefix on (live layers, rows of compressed regions)."""
     from kvhandoff.kv_layout.pages import page_aligned
 
     start = page_aligned(decode_prefix_len, spec.page_size_tokens)
     out: dict[str, int] = {}
     for r in spec.regions:
         tokens = seq_len - start if r.send_from is SendFrom.DECODE_PREFIX else seq_len
-        out[r.name] = tokens * r.bytes_per_token * r.num_layers
+        out[r.name] = r.nbytes_for(tokens) * r.num_live_layers
     return out

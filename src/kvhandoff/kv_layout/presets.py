@@ -11,6 +11,22 @@ uses a documented stand-in with the same shape (one full layer in four, ~1/4, pl
 layer): layers 0, 4, 8, ..., 76 and 77. It is deliberately NOT "the first 21": nothing in
 kvhandoff may assume indexer layers are contiguous. Pass `indexer_layer_ids` to use the real
 list of a checkpoint.
+
+Variants (issue 17), all the same bytes per token:
+- ``mtp_layers=N`` (preset ``glm-5.3-mtp``: one MTP layer): draft regions ``draft_main_kv``
+  and ``draft_indexer_k`` on layer ids 78.., kept apart from the target model's regions.
+- ``index_kpool=2`` (preset ``glm-5.3-kpool2``, page 128): one indexer row holds the state of
+  2 tokens; the indexer's physical page is ``page_size // index_kpool`` = 64 rows and shares
+  the main page's id.
+- ``packing="block"`` (preset ``glm-5.3-vllm``): vLLM's single-group block, ONE buffer whose
+  block p is the 78 MLA pages then the 21 indexer pages of page p: 3,452,160 B per 64 tokens.
+  ``packing="mla"`` (``glm-5.3-vllm-mla``): only the MLA pages packed (3,274,752 B rows); the
+  indexer keeps one buffer per layer (its own 8,448 B stride).
+
+Kernel page rules: FlashMLA reads 64-token main-KV pages and the DSA indexer's paged-MQA
+kernel 64-row indexer pages; the MLA presets declare both (`kv_layout.rules`). With
+``index_kpool`` > 1 the main page is a multiple of 64 (SGLang's pool: 128 for kpool 2), which
+FlashMLA does not read, so only the indexer rule is declared.
 """
 
 from __future__ import annotations
@@ -18,13 +34,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.kv_layout.spec import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
+from kvhandoff.kv_layout.spec import (
+    LayoutSpec,
+    PackedRow,
+    PageRule,
+    Plane,
+    RegionSpec,
+    RuleKind,
+    SendFrom,
+    TPSplit,
+)
 
 GLM53_NUM_LAYERS = 78
 GLM53_INDEXER_LAYER_IDS: tuple[int, ...] = (*range(0, 77, 4), 77)
 MLA_FP8_BYTES_PER_TOKEN = 656
 INDEXER_KEY_BYTES = 128
 INDEXER_SCALE_BYTES = 4
+KERNEL_PAGE_ROWS = 64  # FlashMLA and the DSA indexer's paged-MQA kernel
+FLASHMLA = "FlashMLA"
+DSA_INDEXER = "DSA indexer paged-MQA"
+PACKINGS = ("none", "block", "mla")
 
 
 def _spread(count: int, total: int) -> tuple[int, ...]:
@@ -43,13 +72,26 @@ def mla_dsa_layout(
     num_layers: int,
     indexer_layer_ids: Sequence[int],
     page_size_tokens: int = 64,
+    mtp_layers: int = 0,
+    index_kpool: int = 1,
+    packing: str = "none",
 ) -> LayoutSpec:
-    """An fp8_ds_mla main KV on every layer plus a suffix-only indexer K on the given layers."""
+    """An fp8_ds_mla main KV on every layer plus a suffix-only indexer K on the given layers;
+    `mtp_layers` draft layers (main KV and indexer each) after the model's layers;
+    `index_kpool` tokens per indexer row; `packing` none / block / mla (see the module doc)."""
+    if mtp_layers < 0:
+        raise ConfigError(f"mtp_layers: expected >= 0, got {mtp_layers}")
+    if index_kpool <= 0:
+        raise ConfigError(f"index_kpool: expected > 0, got {index_kpool}")
+    if packing not in PACKINGS:
+        raise ConfigError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
+    main_planes = (Plane("latent", MLA_FP8_BYTES_PER_TOKEN),)
+    idx_planes = (Plane("key", INDEXER_KEY_BYTES), Plane("scale", INDEXER_SCALE_BYTES))
     regions = [
         RegionSpec(
             name="main_kv",
             layer_ids=tuple(range(num_layers)),
-            planes=(Plane("latent", MLA_FP8_BYTES_PER_TOKEN),),
+            planes=main_planes,
             send_from=SendFrom.START,
             tp_split=TPSplit.REPLICATED,
         )
@@ -59,22 +101,46 @@ def mla_dsa_layout(
             RegionSpec(
                 name="indexer_k",
                 layer_ids=tuple(sorted(indexer_layer_ids)),
-                planes=(Plane("key", INDEXER_KEY_BYTES), Plane("scale", INDEXER_SCALE_BYTES)),
+                planes=idx_planes,
                 send_from=SendFrom.DECODE_PREFIX,
                 tp_split=TPSplit.REPLICATED,
+                tokens_per_row=index_kpool,
             )
         )
+    if mtp_layers:
+        draft_ids = tuple(range(num_layers, num_layers + mtp_layers))
+        regions.append(RegionSpec(name="draft_main_kv", layer_ids=draft_ids, planes=main_planes,
+                                  draft=True))
+        regions.append(RegionSpec(name="draft_indexer_k", layer_ids=draft_ids,
+                                  planes=idx_planes, send_from=SendFrom.DECODE_PREFIX,
+                                  tokens_per_row=index_kpool, draft=True))
+    names = [r.name for r in regions]
+    rows: tuple[PackedRow, ...] = ()
+    if packing == "block":
+        rows = (PackedRow("kv_block", tuple(n for n in names if not n.startswith("draft_"))),)
+    elif packing == "mla":
+        rows = (PackedRow("mla_row", ("main_kv",)),)
+    rules = []
+    for r in regions:
+        if r.name.endswith("indexer_k"):
+            rules.append(PageRule(r.name, DSA_INDEXER, RuleKind.EQ, KERNEL_PAGE_ROWS))
+        elif index_kpool == 1:
+            rules.append(PageRule(r.name, FLASHMLA, RuleKind.EQ, KERNEL_PAGE_ROWS))
     return LayoutSpec(
         page_size_tokens=page_size_tokens,
         kv_dtype="fp8_ds_mla",
         regions=tuple(regions),
         model=model,
         num_layers=num_layers,
+        rows=rows,
+        page_rules=tuple(rules),
     )
 
 
-def glm53(*, page_size_tokens: int = 64, indexer_layers: int | None = None) -> LayoutSpec:
-    """GLM-5.3; `indexer_layers` other than 21 spreads that many full layers evenly."""
+def glm53(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
+          mtp_layers: int = 0, index_kpool: int = 1, packing: str = "none") -> LayoutSpec:
+    """GLM-5.3; `indexer_layers` other than 21 spreads that many full layers evenly. The page
+    defaults to 64 tokens (64 * `index_kpool`: the indexer's physical page stays 64 rows)."""
     ids = (
         GLM53_INDEXER_LAYER_IDS
         if indexer_layers in (None, len(GLM53_INDEXER_LAYER_IDS))
@@ -82,8 +148,38 @@ def glm53(*, page_size_tokens: int = 64, indexer_layers: int | None = None) -> L
     )
     return mla_dsa_layout(
         model="glm-5.3", num_layers=GLM53_NUM_LAYERS, indexer_layer_ids=ids,
-        page_size_tokens=page_size_tokens,
+        page_size_tokens=(KERNEL_PAGE_ROWS * index_kpool if page_size_tokens is None
+                          else page_size_tokens),
+        mtp_layers=mtp_layers, index_kpool=index_kpool, packing=packing,
     )
+
+
+def glm53_mtp(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
+              mtp_layers: int = 1) -> LayoutSpec:
+    """GLM-5.3 with its MTP draft layer(s) (draft regions after layer 77)."""
+    return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
+                 mtp_layers=mtp_layers)
+
+
+def glm53_kpool2(*, page_size_tokens: int | None = None,
+                 indexer_layers: int | None = None) -> LayoutSpec:
+    """GLM-5.3 with index_kpool = 2: main page 128 tokens, indexer page 64 rows."""
+    return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
+                 index_kpool=2)
+
+
+def glm53_vllm(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
+               mtp_layers: int = 0) -> LayoutSpec:
+    """GLM-5.3 as vLLM registers it: one packed block of 78 MLA + 21 indexer pages."""
+    return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
+                 mtp_layers=mtp_layers, packing="block")
+
+
+def glm53_vllm_mla(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
+                   mtp_layers: int = 0) -> LayoutSpec:
+    """GLM-5.3 with only the MLA pages packed (BLHNC rows); the indexer passes through."""
+    return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
+                 mtp_layers=mtp_layers, packing="mla")
 
 
 def deepseek_v32(*, page_size_tokens: int = 64, indexer_layers: int | None = None) -> LayoutSpec:
@@ -140,12 +236,16 @@ def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1, tp_rank: int = 0
 
 PRESETS: dict[str, Callable[..., LayoutSpec]] = {
     "glm-5.3": glm53,
+    "glm-5.3-mtp": glm53_mtp,
+    "glm-5.3-kpool2": glm53_kpool2,
+    "glm-5.3-vllm": glm53_vllm,
+    "glm-5.3-vllm-mla": glm53_vllm_mla,
     "deepseek-v3.2": deepseek_v32,
     "llama-3.1-8b": llama31_8b,
 }
 
 
-def preset(name: str, **kwargs: int | None) -> LayoutSpec:
+def preset(name: str, **kwargs: int | str | None) -> LayoutSpec:
     """The layout of a known model by name (see `PRESETS`)."""
     try:
         factory = PRESETS[name]

@@ -12,6 +12,13 @@ Rules:
   different page sizes go token-granular per plane through the same path.
 - Planes are paired by name, so a destination may take a subset of the source's planes (GQA head
   slices are per-head planes) and a source may feed a subset of the destination's.
+- Each side's memory is its own region's: page p of a layer starts at ``p * page_stride`` of
+  that layer's bytes (the item length for one buffer per layer, the block stride of a packed
+  row), so a packed side and a per-layer side pair like any two. Offsets are relative to page 0
+  of the layer (`LayoutSpec.layer_offset` adds the member offset inside a packed row).
+- A compressed region (`tokens_per_row` > 1, the indexer's index_kpool) moves rows: tokens
+  ``[start, end)`` are rows ``[start/k, ceil(end/k))``; both sides must compress alike.
+- A layer holding 0 rows on either side (`empty_layers`) moves nothing.
 - Vectorised numpy: no Python loop per page or per token.
 """
 
@@ -123,6 +130,7 @@ def build_spans(
     dst_first_token: int = 0,
     dst_region: RegionSpec | None = None,
     planes: Collection[str] | None = None,
+    layer: int | None = None,
 ) -> SpanPlan:
     """Spans moving tokens ``[token_start, token_end)`` of one layer buffer of `region`.
 
@@ -136,6 +144,8 @@ def build_spans(
         dst_region: the destination region when its planes differ (planes pair by name).
         planes: move only the planes of these names (a head slice); offsets stay those of the
             full regions.
+        layer: the layer the plan is for; a layer holding 0 rows on either side gets an empty
+            plan (without it, the plan is the one of every live layer of the region).
 
     Returns:
         The coalesced `SpanPlan` (offsets in bytes into one layer buffer of each side).
@@ -154,6 +164,19 @@ def build_spans(
             raise ConfigError(f"{side}_first_token: {first} is not a multiple of page {size}")
     sp = _as_pages(src_pages, "src_pages")
     dp = _as_pages(dst_pages, "dst_pages")
+    dst_reg = dst_region if dst_region is not None else region
+    if region.tokens_per_row != dst_reg.tokens_per_row:
+        raise ConfigError(
+            f"{region.name}.tokens_per_row: source={region.tokens_per_row} "
+            f"destination={dst_reg.tokens_per_row}"
+        )
+    if layer is not None:
+        for reg, side in ((region, "source"), (dst_reg, "destination")):
+            if layer not in reg.layer_ids:
+                raise ConfigError(f"layer: {layer} is not a layer of the {side} region "
+                                  f"{reg.name!r}")
+        if region.is_empty(layer) or dst_reg.is_empty(layer):
+            return SpanPlan.empty()
     if token_start == token_end:
         return SpanPlan.empty()
     for first, size, pages, side in (
@@ -168,8 +191,19 @@ def build_spans(
                 f"{side}_pages: {len(pages)} pages of {size} from token {first} cover up to "
                 f"token {have}, but the range ends at {token_end}"
             )
+    # A compressed region moves rows: everything below is in rows (a row is a token when k=1).
+    k = region.tokens_per_row
+    s_rows_pp = region.rows_per_page(src_page_size)
+    d_rows_pp = dst_reg.rows_per_page(dst_page_size)
+    if token_start % k:
+        raise ConfigError(f"token_start: {token_start} is not on a row boundary "
+                          f"(tokens_per_row={k})")
+    token_start, token_end = token_start // k, -(-token_end // k)
+    src_first_token, dst_first_token = src_first_token // k, dst_first_token // k
+    src_page_size, dst_page_size = s_rows_pp, d_rows_pp
+    s_pnb = region.page_stride(src_page_size * k)
+    d_pnb = dst_reg.page_stride(dst_page_size * k)
 
-    dst_reg = dst_region if dst_region is not None else region
     pairs = _plane_pairs(region, dst_reg, planes)
 
     # Segment boundaries: the range ends plus every page boundary of either side inside it.
@@ -191,8 +225,6 @@ def build_spans(
     s_tok = s_rel % src_page_size
     d_tok = d_rel % dst_page_size
 
-    s_pnb = region.page_nbytes(src_page_size)
-    d_pnb = dst_reg.page_nbytes(dst_page_size)
     s_poff = region.plane_offsets()
     d_poff = dst_reg.plane_offsets()
     n_seg, n_pl = seg_start.shape[0], len(pairs)
