@@ -25,7 +25,7 @@ def _root() -> None:
     """kvhandoff: per-layer, checksummed KV-cache handoff from prefill to decode."""
 
 
-_COMMANDS = ("plan", "inspect", "serve", "demo", "bench")
+_COMMANDS = ("plan", "inspect", "serve", "demo", "bench", "doctor")
 
 for _name in _COMMANDS:
     try:
