@@ -5,6 +5,20 @@ math, the span builder both sides of a transfer share, the layout hash and diff,
 rules, admission and prompt-prefix agreement, and capacity planning.
 """
 
+from kvhandoff.kv_layout.admission import (
+    AllocationPolicy,
+    DecodeNeed,
+    PromptDigest,
+    RegionNeed,
+    check_capacity,
+    check_reservation,
+    decode_need,
+    first_differing_page,
+    policy_mismatch,
+    prefix_digest,
+    prompt_digest,
+    prompt_mismatch,
+)
 from kvhandoff.kv_layout.pages import (
     kv_to_page_indices,
     num_pages,
@@ -39,6 +53,18 @@ from kvhandoff.kv_layout.spec import (
 )
 
 __all__ = [
+    "AllocationPolicy",
+    "DecodeNeed",
+    "PromptDigest",
+    "RegionNeed",
+    "check_capacity",
+    "check_reservation",
+    "decode_need",
+    "first_differing_page",
+    "policy_mismatch",
+    "prefix_digest",
+    "prompt_digest",
+    "prompt_mismatch",
     "GB",
     "GIB",
     "GLM53_INDEXER_LAYER_IDS",

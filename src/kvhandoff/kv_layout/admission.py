@@ -1,0 +1,240 @@
+"""Admission and prompt-prefix agreement (seed 003): pure functions both sides of a handshake
+run before any byte moves.
+
+Admission. A 57 GB request cannot wait for its KV to arrive before finding room: the decode
+decides up front, and a request that will not fit is refused at the handshake, never half
+transferred. The allocation unit is a page of every region (a vLLM block, `page_size` SGLang
+cells): the decode reserves one page per `page_size` tokens of the sequence, except the pages of
+its page-aligned cached prefix, which it already holds. `AllocationPolicy` says when it
+reserves (SGLang's ``--disaggregation-decode-allocation-policy``):
+
+- ``early``: when the request reaches the decode; the transfer request carries the pages it
+  reserved and the prefill checks them against `decode_need`.
+- ``prefill_complete``: after the prefill finished; the decode asks with its free pages and the
+  request is refused if they are short (`check_capacity`).
+
+Both sides must run the same policy (`policy_mismatch`).
+
+Prefix agreement. Suffix-only regions (the indexer) move from the decode's page-aligned cached
+prefix on; that is only right if the decode's prefix is the SAME tokens as the prompt. A
+`PromptDigest` holds a chained hash per page of prompt token ids (page i's hash covers pages
+0..i, as a prefix cache's block hashes do) so a mismatch names the first differing page, and a
+whole-sequence hash. `prompt_mismatch` compares the prefill's digest with the decode's digest of
+the prompt and of its cached prefix.
+
+Pure: hashlib and numpy, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.kv_layout.pages import num_pages, page_aligned
+from kvhandoff.kv_layout.spec import LayoutSpec, SendFrom
+
+DIGEST_BYTES = 8  # per page: 16,384 pages of a 1M-token prompt are 128 KiB of hashes
+
+
+class AllocationPolicy(str, Enum):
+    """When the decode reserves a request's pages."""
+
+    EARLY = "early"  # when the request reaches the decode (SGLang's default)
+    PREFILL_COMPLETE = "prefill_complete"  # after the prefill finished; KV waits on the prefill
+
+    @classmethod
+    def parse(cls, value: object, field: str = "allocation_policy") -> AllocationPolicy:
+        """The policy named `value`; anything else is a `ConfigError` naming `field`."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{field}: expected one of {', '.join(p.value for p in cls)}, "
+                              f"got {value!r}") from None
+
+
+def policy_mismatch(prefill: AllocationPolicy, decode: AllocationPolicy) -> str | None:
+    """The refusal reason when the two sides run different allocation policies."""
+    if prefill is decode:
+        return None
+    return (f"allocation_policy: prefill={prefill.value} decode={decode.value} "
+            "(both sides must run the same --disaggregation-decode-allocation-policy)")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionNeed:
+    """What one region of a request takes on the decode."""
+
+    name: str
+    pages: int  # new pages (the unit is shared by all regions)
+    bytes_reserved: int  # pages x item length x live layers
+    bytes_moved: int  # what the handoff writes into them (start regions: the whole sequence)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeNeed:
+    """What a request needs on the decode: new pages and their bytes, per region and total."""
+
+    seq_len: int
+    decode_prefix_len: int
+    page_size_tokens: int
+    held_pages: int  # the page-aligned cached prefix the decode already holds
+    pages: int  # new pages to reserve
+    bytes_per_page: int
+    regions: tuple[RegionNeed, ...]
+
+    @property
+    def bytes(self) -> int:
+        return self.pages * self.bytes_per_page
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(r.bytes_moved for r in self.regions)
+
+
+def decode_need(layout: LayoutSpec, *, seq_len: int, decode_prefix_len: int) -> DecodeNeed:
+    """The pages and bytes a request of `seq_len` tokens needs on a decode of `layout` that
+    holds `decode_prefix_len` tokens of it cached (page-aligned down)."""
+    if seq_len <= 0:
+        raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
+    if not 0 <= decode_prefix_len <= seq_len:
+        raise ConfigError(f"decode_prefix_len: expected 0..seq_len={seq_len}, got "
+                          f"{decode_prefix_len}")
+    ps = layout.page_size_tokens
+    held_tokens = page_aligned(decode_prefix_len, ps)
+    held = held_tokens // ps
+    new = num_pages(seq_len, ps) - held
+    regions = []
+    for r in layout.regions:
+        moved_tokens = seq_len - held_tokens if r.send_from is SendFrom.DECODE_PREFIX else seq_len
+        regions.append(RegionNeed(
+            name=r.name, pages=new,
+            bytes_reserved=new * r.page_nbytes(ps) * r.num_live_layers,
+            bytes_moved=r.nbytes_for(moved_tokens) * r.num_live_layers))
+    return DecodeNeed(seq_len=seq_len, decode_prefix_len=decode_prefix_len,
+                      page_size_tokens=ps, held_pages=held, pages=new,
+                      bytes_per_page=layout.bytes_per_page, regions=tuple(regions))
+
+
+def _need_text(need: DecodeNeed) -> str:
+    return (f"{need.seq_len:,} tokens with {need.held_pages * need.page_size_tokens:,} cached "
+            f"need {need.pages:,} pages of {need.page_size_tokens} tokens "
+            f"({need.bytes:,} B)")
+
+
+def check_capacity(need: DecodeNeed, *, free_pages: int) -> str | None:
+    """``prefill_complete`` (and the decode's own check under ``early``): the refusal reason
+    when `free_pages` cannot hold the request, else None."""
+    if free_pages < 0:
+        raise ConfigError(f"free_pages: expected >= 0, got {free_pages}")
+    if need.pages <= free_pages:
+        return None
+    return f"admission: {_need_text(need)}; the decode has {free_pages:,} free"
+
+
+def check_reservation(need: DecodeNeed, *, reserved_pages: int) -> str | None:
+    """``early``: the prefill's check of what the decode says it reserved."""
+    if reserved_pages < 0:
+        raise ConfigError(f"reserved_pages: expected >= 0, got {reserved_pages}")
+    if reserved_pages >= need.pages:
+        return None
+    return f"admission: {_need_text(need)}; the decode reserved {reserved_pages:,}"
+
+
+# ---- prompt-prefix agreement ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDigest:
+    """Hashes of prompt token ids: one chained hash per page (a partial last page included) and
+    one of the whole sequence."""
+
+    page_size_tokens: int
+    num_tokens: int
+    pages: tuple[bytes, ...]
+    whole: bytes
+
+
+def _tokens(token_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ConfigError(f"token_ids: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ConfigError("token_ids: ids must be >= 0")
+    return arr
+
+
+def prompt_digest(token_ids: Sequence[int] | npt.ArrayLike, page_size_tokens: int,
+                  *, num_tokens: int | None = None) -> PromptDigest:
+    """The digest of the first `num_tokens` (default: all) prompt tokens in pages of
+    `page_size_tokens`."""
+    if page_size_tokens <= 0:
+        raise ConfigError(f"page_size_tokens: expected > 0, got {page_size_tokens}")
+    arr = _tokens(token_ids)
+    n = arr.shape[0] if num_tokens is None else num_tokens
+    if not 0 <= n <= arr.shape[0]:
+        raise ConfigError(f"num_tokens: expected 0..{arr.shape[0]}, got {n}")
+    raw = arr[:n].astype("<i8").tobytes()
+    step = page_size_tokens * 8
+    prev = b""
+    pages = []
+    for off in range(0, len(raw), step):
+        prev = hashlib.blake2b(prev + raw[off:off + step], digest_size=DIGEST_BYTES).digest()
+        pages.append(prev)
+    whole = hashlib.blake2b(n.to_bytes(8, "little") + raw, digest_size=16).digest()
+    return PromptDigest(page_size_tokens=page_size_tokens, num_tokens=n, pages=tuple(pages),
+                        whole=whole)
+
+
+def prefix_digest(token_ids: Sequence[int] | npt.ArrayLike, decode_prefix_len: int,
+                  page_size_tokens: int) -> PromptDigest:
+    """The digest of the cached prefix as the transfer uses it: page-aligned down."""
+    held = page_aligned(decode_prefix_len, page_size_tokens)
+    return prompt_digest(token_ids, page_size_tokens, num_tokens=held)
+
+
+def first_differing_page(a: Sequence[bytes], b: Sequence[bytes]) -> int | None:
+    """The first page whose chained hash differs (a shorter list differs at its end), or None
+    when the lists are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def prompt_mismatch(prefill: PromptDigest, decode: PromptDigest,
+                    decode_prefix: PromptDigest | None = None) -> str | None:
+    """The refusal reason when the decode's prompt (or its cached prefix) is not the prefill's
+    prompt, naming the first differing page; None when they agree."""
+    ps = prefill.page_size_tokens
+    for d, what in ((decode, "prompt"), (decode_prefix, "cached prefix")):
+        if d is not None and d.page_size_tokens != ps:
+            raise ConfigError(f"{what} digest: page_size_tokens={d.page_size_tokens}, the "
+                              f"prefill's is {ps} (both must hash in the same pages)")
+    if decode.num_tokens != prefill.num_tokens:
+        return (f"prompt mismatch: seq_len prefill={prefill.num_tokens} "
+                f"decode={decode.num_tokens}")
+    if decode.whole != prefill.whole:
+        page = first_differing_page(prefill.pages, decode.pages)
+        return _page_text("prompt mismatch: the prompt token ids differ", page, ps)
+    if decode_prefix is not None:
+        held = decode_prefix.num_tokens
+        if held % ps or held > prefill.num_tokens:
+            return (f"prefix mismatch: the decode's cached prefix of {held} tokens is not "
+                    f"page-aligned to {ps} within the {prefill.num_tokens}-token prompt")
+        page = first_differing_page(prefill.pages[:held // ps], decode_prefix.pages)
+        if page is not None:
+            return _page_text(f"prefix mismatch: the decode's cached {held}-token prefix is "
+                              "not the prompt's", page, ps)
+    return None
+
+
+def _page_text(head: str, page: int | None, ps: int) -> str:
+    if page is None:  # equal page hashes but different whole hashes: cannot happen by design
+        return head
+    return f"{head}; first differing page {page} (tokens {page * ps}..{(page + 1) * ps - 1})"
