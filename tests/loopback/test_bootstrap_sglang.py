@@ -9,10 +9,12 @@ import httpx
 
 Server = Callable[..., str]
 
-# the fields of SGLang's PrefillServerInfo dataclass: the decode does PrefillServerInfo(**data)
+# the fields of SGLang 0.5.23's PrefillServerInfo dataclass (the decode does
+# PrefillServerInfo(**data)); dsv41_spec_layout and kv_layout only when set
 SGLANG_SERVER_INFO_FIELDS = [
     "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype",
-    "follow_bootstrap_room", "enable_dsa_cache_layer_split", "prefill_http_port",
+    "follow_bootstrap_room", "enable_dsa_cache_layer_split", "decode_allocation_policy",
+    "enable_kv_cache_sharding", "prefill_http_port",
     "target_tp_rank", "target_tp_ranks", "target_cp_ranks", "target_pp_ranks",
     "required_dst_info_num", "required_prefill_response_num",
 ]
@@ -130,3 +132,62 @@ def test_register_and_query_dp_ranks(bootstrap_server: Server) -> None:
     assert r.status_code == 422 and "bootstrap_rooms" in r.json()["detail"]
     # the native API sees the same room
     assert httpx.get(url + "/v1/rooms/123456789").json()["dp_rank"] == 1
+
+
+# only what SGLang 0.5.23's PUT /route handler reads unconditionally
+REQUIRED_ONLY = ("attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size",
+                 "attn_dp_rank", "pp_size", "pp_rank", "system_dp_size", "system_dp_rank",
+                 "rank_ip", "rank_port", "page_size", "kv_cache_dtype")
+
+
+def test_rank_with_only_required_fields_is_accepted_beside_a_full_one(
+        bootstrap_server: Server) -> None:
+    url = bootstrap_server()
+    full = put_payload(dp=0, tp=0, dp_size=1)
+    httpx.put(url + "/route", json=full).raise_for_status()
+    bare = {k: v for k, v in put_payload(dp=0, tp=1, dp_size=1).items() if k in REQUIRED_ONLY}
+    r = httpx.put(url + "/route", json=bare)
+    assert r.status_code == 200, r.text
+    info = route(url, -1, -1, -1, -1).json()
+    # the values the full rank sent stay: the bare rank left them out
+    assert info["prefill_http_port"] == 30000 and info["follow_bootstrap_room"] is True
+    assert route(url, 0, 0, 1, 0).json()["rank_port"] == bare["rank_port"]
+    # a value that really differs is still refused, naming the field
+    r = httpx.put(url + "/route", json=put_payload(dp=0, tp=1, dp_size=1, prefill_http_port=1))
+    assert r.status_code == 400 and "prefill_http_port" in r.json()["detail"]
+
+
+def test_allocation_policy_and_dsv41_layout_must_agree(bootstrap_server: Server) -> None:
+    url = bootstrap_server()
+    spec = {"num_draft_tokens": 4, "compression_ratios": [2, 4]}
+    first = put_payload(dp=0, tp=0, dp_size=1, decode_allocation_policy="late",
+                        dsv41_spec_layout=spec)
+    httpx.put(url + "/route", json=first).raise_for_status()
+    for over, field in (({"decode_allocation_policy": "early"}, "decode_allocation_policy"),
+                        ({"decode_allocation_policy": None}, "decode_allocation_policy"),
+                        ({"dsv41_spec_layout": {**spec, "num_draft_tokens": 8}},
+                         "dsv41_spec_layout")):
+        body = {**first, "attn_tp_rank": 1, "rank_port": 17101, **over}
+        if over.get("decode_allocation_policy", "") is None:
+            del body["decode_allocation_policy"]  # absent = "early", as SGLang reads it
+        r = httpx.put(url + "/route", json=body)
+        assert r.status_code == 400 and field in r.json()["detail"], (over, r.text)
+    second = {k: v for k, v in first.items() if k != "dsv41_spec_layout"}
+    r = httpx.put(url + "/route", json={**second, "attn_tp_rank": 1, "rank_port": 17101})
+    assert r.status_code == 400 and "dsv41_spec_layout" in r.json()["detail"]
+    httpx.put(url + "/route", json={**first, "attn_tp_rank": 1}).raise_for_status()
+    info = route(url, -1, -1, -1, -1).json()
+    assert info["decode_allocation_policy"] == "late" and info["dsv41_spec_layout"] == spec
+    assert info["enable_kv_cache_sharding"] is False and "kv_layout" not in info
+
+
+def test_string_kv_layout_and_sharding_reach_the_server_info(bootstrap_server: Server) -> None:
+    url = bootstrap_server()
+    for tp in range(2):
+        httpx.put(url + "/route", json=put_payload(
+            dp=0, tp=tp, dp_size=1, kv_layout="NHD", enable_kv_cache_sharding=True,
+        )).raise_for_status()
+    info = route(url, -1, -1, -1, -1).json()
+    assert info["kv_layout"] == "NHD" and info["enable_kv_cache_sharding"] is True
+    assert list(info) == [*SGLANG_SERVER_INFO_FIELDS[:8], "kv_layout",
+                          *SGLANG_SERVER_INFO_FIELDS[8:]]

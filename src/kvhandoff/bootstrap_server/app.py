@@ -27,6 +27,7 @@ from kvhandoff.bootstrap_server.routers.ranks import engines, ranks
 from kvhandoff.bootstrap_server.routers.rooms import rooms
 from kvhandoff.bootstrap_server.routers.route import route
 from kvhandoff.bootstrap_server.routers.sglang import sglang
+from kvhandoff.bootstrap_server.sglang_answers import SglangRoutes
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.settings import Settings
 
@@ -62,7 +63,7 @@ def create_app(
         "/query_dp_ranks, /health.",
     )
     app.state.kvhandoff = ServerState(settings=settings, registry=registry, metrics=metrics,
-                                      clock=clock)
+                                      clock=clock, sglang_routes=SglangRoutes(registry))
     for router in (health, ranks, engines, rooms, route, sglang):
         app.include_router(router)
     _add_error_handlers(app)

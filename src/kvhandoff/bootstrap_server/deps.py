@@ -18,6 +18,7 @@ from fastapi import Depends, Request
 
 from kvhandoff.bootstrap_server.metrics import Metrics
 from kvhandoff.bootstrap_server.registry import Registry
+from kvhandoff.bootstrap_server.sglang_answers import SglangRoutes
 from kvhandoff.errors import BootstrapUnauthorized
 from kvhandoff.settings import Settings
 
@@ -28,6 +29,7 @@ class ServerState:
     registry: Registry
     metrics: Metrics
     clock: Callable[[], float]
+    sglang_routes: SglangRoutes
 
 
 async def get_state(request: Request) -> ServerState:

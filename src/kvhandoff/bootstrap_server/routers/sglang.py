@@ -5,16 +5,21 @@ unmodified SGLang prefill and decode can use this server.
 - ``PUT /route``: a prefill rank registers (attn_tp/cp/dp sizes and ranks, pp, system_dp,
   rank_ip, rank_port, page_size, kv_cache_dtype, ...); answers text ``OK``.
 - ``GET /route?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank=``: all four -1
-  -> the server info object (exactly SGLang's ``PrefillServerInfo`` fields: the decode builds
-  the dataclass from it with ``**data``, so no field may be added); otherwise
+  -> the server info object (exactly SGLang 0.5.23's ``PrefillServerInfo`` fields: the decode
+  builds the dataclass from it with ``**data``, so no field may be added); otherwise
   ``{"rank_ip", "rank_port"}``. 400 missing input, 503 until every rank registered, 404 unknown.
+  The answers are prepared per registry change (`sglang_answers`); the fast path in `fastpath`
+  serves them without this router.
 - ``POST /register_dp_rank`` ``{"bootstrap_room", "dp_rank"}`` -> ``OK``;
   ``POST /query_dp_ranks`` ``{"bootstrap_rooms": [...]}`` -> ``{"<room>": dp_rank}`` for the
   known rooms only.
 
 Fixed faults of the original: a duplicate PUT of one rank is counted once (the original counts
 PUTs, so a restarted rank makes a half-registered server look ready); a rank whose topology,
-page size, dtype or layout disagrees with the first is refused (400, each differing field);
+page size, dtype or layout disagrees with the first is refused (400, each differing field) —
+a field the rank leaves out is no disagreement, and fills the value when the engine lacks it;
+like SGLang 0.5.23, a rank whose ``decode_allocation_policy`` (absent = ``early``) or
+``dsv41_spec_layout`` (absent = none) differs is refused (400);
 malformed JSON, wrong types, missing fields -> 400/422 naming the field, never 500; writes
 need the bearer token when one is configured. The ranks are kept in the shared registry under
 the engine id ``sglang``, without TTL (SGLang ranks send no heartbeat).
@@ -26,29 +31,26 @@ import hashlib
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvhandoff.bootstrap_server.deps import MetricsDep, RegistryDep, StateDep, WriteAuth
-from kvhandoff.bootstrap_server.registry import RankKey, Registration, Topology
+from kvhandoff.bootstrap_server.deps import RegistryDep, StateDep, WriteAuth
+from kvhandoff.bootstrap_server.records import RankKey, Registration, Topology
 from kvhandoff.bootstrap_server.schemas import (
     MAX_AXIS_SIZE,
     MAX_WORLD_SIZE,
     ROOM_MAX,
     join_address,
-    split_address,
 )
-from kvhandoff.errors import (
-    BootstrapConflict,
-    BootstrapNotFound,
-    BootstrapUnavailable,
-    ConfigError,
+from kvhandoff.bootstrap_server.sglang_answers import (
+    SGLANG_ENGINE_ID,
+    Answer,
+    parse_route_query,
 )
+from kvhandoff.errors import BootstrapConflict, ConfigError
 from kvhandoff.kv_layout import LayoutSpec, layout_hash
 from kvhandoff.state_machine.events import Role
-
-SGLANG_ENGINE_ID = "sglang"
 
 sglang = APIRouter(tags=["sglang-compatible"])
 
@@ -76,9 +78,13 @@ class SglangRouteRegister(BaseModel):
     page_size: int | None = Field(None, ge=1, le=1 << 20)
     kv_cache_dtype: str | None = Field(None, max_length=64)
     load_balance_method: str | None = Field(None, max_length=64)
-    enable_dsa_cache_layer_split: bool = False
+    enable_dsa_cache_layer_split: bool | None = None
+    enable_kv_cache_sharding: bool | None = None
     prefill_http_port: int | None = Field(None, ge=1, le=65535)
-    kv_layout: dict[str, Any] | None = None
+    # SGLang sends a string (its KVArgs.kv_layout); a dict is a kvhandoff LayoutSpec
+    kv_layout: Annotated[str, Field(max_length=256)] | dict[str, Any] | None = None
+    decode_allocation_policy: str = Field("early", max_length=64)
+    dsv41_spec_layout: dict[str, Any] | None = None
 
 
 class SglangRegisterDpRank(BaseModel):
@@ -95,7 +101,8 @@ class SglangQueryDpRanks(BaseModel):
 
 
 class SglangServerInfo(BaseModel):
-    """Exactly the fields of SGLang's ``PrefillServerInfo`` dataclass, in order."""
+    """The fields of SGLang 0.5.23's ``PrefillServerInfo`` dataclass, in order
+    (``dsv41_spec_layout`` and ``kv_layout`` are left out when not set, as SGLang does)."""
 
     attn_tp_size: int
     attn_cp_size: int
@@ -105,6 +112,10 @@ class SglangServerInfo(BaseModel):
     kv_cache_dtype: str | None
     follow_bootstrap_room: bool
     enable_dsa_cache_layer_split: bool = False
+    dsv41_spec_layout: dict[str, Any] | None = None
+    kv_layout: str | None = None
+    decode_allocation_policy: str = "early"
+    enable_kv_cache_sharding: bool = False
     prefill_http_port: int | None = None
     target_tp_rank: int | None = None
     target_tp_ranks: list[int] | None = None
@@ -119,16 +130,16 @@ class SglangRankInfo(BaseModel):
     rank_port: int
 
 
-def _layout_identity(kv_layout: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+def _layout_identity(kv_layout: dict[str, Any] | None) -> str | None:
     if not kv_layout:
-        return "", {}
+        return None
     try:
         spec = LayoutSpec.from_dict(kv_layout)
     except ConfigError:
         # not a kvhandoff layout: compare it as opaque canonical JSON
         canon = json.dumps(kv_layout, sort_keys=True, separators=(",", ":"), default=str)
-        return "opaque:" + hashlib.sha256(canon.encode()).hexdigest(), {}
-    return layout_hash(spec), spec.to_dict()
+        return "opaque:" + hashlib.sha256(canon.encode()).hexdigest()
+    return layout_hash(spec)
 
 
 @sglang.put("/route", dependencies=[WriteAuth], response_class=PlainTextResponse,
@@ -148,7 +159,8 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
     topo = Topology(dp_size, body.attn_tp_size, body.attn_cp_size, body.pp_size)
     if topo.world_size > MAX_WORLD_SIZE:
         raise ConfigError(f"sizes: world size {topo.world_size} exceeds {MAX_WORLD_SIZE}")
-    lhash, layout = _layout_identity(body.kv_layout)
+    layout = body.kv_layout
+    lbm = body.load_balance_method
     reg = Registration(
         key=RankKey(SGLANG_ENGINE_ID, dp_group, body.attn_cp_rank, body.attn_tp_rank,
                     body.pp_rank),
@@ -156,16 +168,23 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
         topology=topo,
         agent_address=join_address(body.rank_ip, body.rank_port),
         generation=join_address(body.rank_ip, body.rank_port),
-        layout_hash=lhash,
-        layout=layout,
+        layout_hash="",
+        layout={},
         transport="sglang",
+        # None = left out: no disagreement (see the module doc)
         attributes={
             "page_size": body.page_size,
             "kv_cache_dtype": body.kv_cache_dtype,
-            "follow_bootstrap_room": (body.load_balance_method or "follow_bootstrap_room")
-            == "follow_bootstrap_room",
+            "kv_layout": layout if isinstance(layout, str) else None,
+            "kv_layout_hash": _layout_identity(layout) if isinstance(layout, dict) else None,
+            "follow_bootstrap_room": None if lbm is None else lbm == "follow_bootstrap_room",
             "enable_dsa_cache_layer_split": body.enable_dsa_cache_layer_split,
+            "enable_kv_cache_sharding": body.enable_kv_cache_sharding,
             "prefill_http_port": body.prefill_http_port,
+        },
+        strict_attributes={
+            "decode_allocation_policy": body.decode_allocation_policy,
+            "dsv41_spec_layout": body.dsv41_spec_layout,
         },
         expires=False,
     )
@@ -177,90 +196,31 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
     return "OK"
 
 
-def _parse_route_query(**params: str | None) -> dict[str, int]:
-    missing = [k for k, v in params.items() if not v]
-    if missing:
-        raise ConfigError(f"Missing inputs for bootstrap server: {', '.join(missing)}")
-    out = {}
-    for k, v in params.items():
-        try:
-            out[k] = int(v or "")
-        except ValueError:
-            raise ConfigError(f"{k}: expected an integer, got {v!r}") from None
-        if not -1 <= out[k] < MAX_AXIS_SIZE:
-            raise ConfigError(f"{k}: expected -1 or 0..{MAX_AXIS_SIZE - 1}, got {out[k]}")
-    return out
-
-
-def _not_ready(registry: RegistryDep) -> BootstrapUnavailable | None:
-    missing = registry.missing(SGLANG_ENGINE_ID)
-    try:
-        registry.engine(SGLANG_ENGINE_ID)
-    except BootstrapNotFound:
-        return BootstrapUnavailable("Prefill server not fully registered yet (0 workers "
-                                    "registered).")
-    if missing:
-        n = len(registry.ranks_of(SGLANG_ENGINE_ID))
-        return BootstrapUnavailable(
-            f"Prefill server not fully registered yet ({n} workers registered, "
-            f"{len(missing)} missing: {', '.join(map(str, missing[:8]))}"
-            f"{' ...' if len(missing) > 8 else ''})."
-        )
-    return None
-
-
 @sglang.get("/route", response_model=SglangServerInfo | SglangRankInfo, responses={
     400: {"description": "Missing or non-integer inputs."},
     404: {"description": "Unknown rank."},
     503: {"description": "Not every prefill rank registered yet."},
 })
 async def get_route(
-    registry: RegistryDep,
-    metrics: MetricsDep,
+    state: StateDep,
     prefill_dp_rank: Annotated[str | None, Query(max_length=32)] = None,
     prefill_cp_rank: Annotated[str | None, Query(max_length=32)] = None,
     target_tp_rank: Annotated[str | None, Query(max_length=32)] = None,
     target_pp_rank: Annotated[str | None, Query(max_length=32)] = None,
-) -> JSONResponse:
+) -> Response:
     """All four -1: the prefill server info; otherwise the rank's ``rank_ip``/``rank_port``."""
     try:
-        q = _parse_route_query(prefill_dp_rank=prefill_dp_rank, prefill_cp_rank=prefill_cp_rank,
-                               target_tp_rank=target_tp_rank, target_pp_rank=target_pp_rank)
-        err = _not_ready(registry)
-        if err is not None:
-            raise err
-        if all(v == -1 for v in q.values()):
-            eng = registry.engine(SGLANG_ENGINE_ID)
-            a = eng.attributes
-            info = SglangServerInfo(
-                attn_tp_size=eng.topology.tp_size, attn_cp_size=eng.topology.cp_size,
-                dp_size=eng.topology.dp_size, pp_size=eng.topology.pp_size,
-                page_size=a.get("page_size"), kv_cache_dtype=a.get("kv_cache_dtype"),
-                follow_bootstrap_room=bool(a.get("follow_bootstrap_room", True)),
-                enable_dsa_cache_layer_split=bool(a.get("enable_dsa_cache_layer_split")),
-                prefill_http_port=a.get("prefill_http_port"),
-            )
-            body: dict[str, Any] = info.model_dump()
-        else:
-            if any(v < 0 for v in q.values()):
-                raise ConfigError("ranks: give all four as -1 (server info) or all >= 0")
-            key = RankKey(SGLANG_ENGINE_ID, q["prefill_dp_rank"], q["prefill_cp_rank"],
-                          q["target_tp_rank"], q["target_pp_rank"])
-            try:
-                rec = registry.rank(key)
-            except BootstrapNotFound:
-                raise BootstrapNotFound(
-                    f"Bootstrap info not found for dp_rank={key.dp_rank} cp_rank={key.cp_rank} "
-                    f"tp_rank={key.tp_rank} pp_rank={key.pp_rank}"
-                ) from None
-            ip, port = split_address(rec.agent_address)
-            body = SglangRankInfo(rank_ip=ip, rank_port=port).model_dump()
-    except (ConfigError, BootstrapNotFound, BootstrapUnavailable) as e:
-        outcome = {400: "bad_request", 404: "not_found", 503: "unavailable"}[e.http_status]
-        metrics.route_lookups.labels("sglang", outcome).inc()
-        raise
-    metrics.route_lookups.labels("sglang", "ok").inc()
-    return JSONResponse(body)
+        ranks = parse_route_query({
+            "prefill_dp_rank": prefill_dp_rank, "prefill_cp_rank": prefill_cp_rank,
+            "target_tp_rank": target_tp_rank, "target_pp_rank": target_pp_rank})
+    except ConfigError as e:
+        answer = Answer.error(e)
+    else:
+        answer = state.sglang_routes.answer(ranks)
+    state.metrics.route_lookups.labels("sglang", answer.outcome).inc()
+    return Response(answer.body, status_code=answer.status,
+                    headers={k.decode(): v.decode() for k, v in answer.headers
+                             if k != b"content-length"})
 
 
 @sglang.post("/register_dp_rank", dependencies=[WriteAuth], response_class=PlainTextResponse)
