@@ -7,6 +7,9 @@ was expected, what came, and what to do. Raise (chained with ``from``), never lo
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 
 class KVHandoffError(Exception):
     """Root of every kvhandoff error."""
@@ -18,16 +21,6 @@ class ConfigError(KVHandoffError):
     """A setting or argument is invalid."""
 
     http_status = 400
-
-
-class LayoutMismatch(KVHandoffError):
-    """Two layouts differ; `diff` lists each differing field with both values."""
-
-    http_status = 409
-
-    def __init__(self, message: str, diff: list[str] | None = None) -> None:
-        self.diff = list(diff or [])
-        super().__init__(message if not self.diff else f"{message}: {'; '.join(self.diff)}")
 
 
 class InvalidTransition(KVHandoffError):
@@ -95,18 +88,150 @@ class TransportError(KVHandoffError):
 
 
 class TransferTimeout(KVHandoffError):
-    """A bounded wait ran out (the caller set the bound)."""
+    """A bounded wait ran out (the caller set the bound); the room itself did not fail."""
 
     http_status = 504
 
 
-class ChecksumMismatch(KVHandoffError):
-    """Bytes that landed do not hash to what the sender computed."""
+# --- room failures ---------------------------------------------------------------------------
 
-    http_status = 500
+
+class FailureKind(str, enum.Enum):
+    """Why a room failed: every failure carries one (and its reason text)."""
+
+    LAYOUT_MISMATCH = "layout_mismatch"
+    """The handshake refused the peer: layouts differ (or its Hello did not authenticate)."""
+    CHECKSUM = "checksum"
+    """Landed bytes did not verify, twice (the one retransmit did not help)."""
+    PEER_LOST = "peer_lost"
+    """The peer went silent (missed heartbeats), restarted, or dropped this agent."""
+    ABORTED = "aborted"
+    """An engine (this side or the other) aborted the room, or its agent closed."""
+    DEADLINE = "deadline"
+    """A deadline of the room passed unmet (bootstrap, waiting for input, stall, lease)."""
+    REMOTE_FAILED = "remote_failed"
+    """The peer failed the room without saying why in a known kind, or another rank of the
+    room failed."""
+    INVALID_REQUEST = "invalid_request"
+    """The transfer request or its answer does not fit this side (lengths, pages, planes)."""
+    TRANSPORT = "transport"
+    """A data-transport operation failed (send or receive of a layer)."""
+    BOOTSTRAP = "bootstrap"
+    """The bootstrap server could not name a prefill rank for the room."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One room failure: its kind and reason, and what the kind knows more (the layer and
+    region of a checksum mismatch, the diff of a layout mismatch, the deadline that expired).
+    `remote` is True when the peer reported it."""
+
+    kind: FailureKind
+    reason: str
+    remote: bool = False
+    layer: int | None = None
+    region: str | None = None
+    diff: tuple[str, ...] = ()
+    deadline: str | None = None
+
+    def error(self, room: int | None = None) -> RoomFailed:
+        """The typed error a blocking call raises for this failure."""
+        return _ERROR_OF_KIND[self.kind](self, room=room)
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 class RoomFailed(KVHandoffError):
-    """A room ended Failed; the message is the room's failure reason."""
+    """A room ended Failed. `failure` holds the kind and the reason (the message), `room` the
+    room id. Each `FailureKind` has its own subclass; catch this one for all of them."""
 
     http_status = 409
+
+    def __init__(self, failure: Failure | str, *, room: int | None = None) -> None:
+        if isinstance(failure, str):
+            failure = Failure(FailureKind.REMOTE_FAILED, failure)
+        self.failure = failure
+        self.room = room
+        self.kind = failure.kind
+        self.reason = failure.reason
+        where = f"room {room}: " if room is not None else ""
+        super().__init__(f"{where}{failure.reason}")
+
+
+class LayoutMismatch(RoomFailed):
+    """The two sides' layouts differ; `diff` lists each differing field with both values."""
+
+    @property
+    def diff(self) -> list[str]:
+        return list(self.failure.diff)
+
+
+class ChecksumMismatch(RoomFailed):
+    """Bytes that landed do not hash to what the sender computed, again after the retransmit:
+    `layer` and `region` name where."""
+
+    http_status = 500
+
+    @property
+    def layer(self) -> int | None:
+        return self.failure.layer
+
+    @property
+    def region(self) -> str | None:
+        return self.failure.region
+
+
+class PeerLost(RoomFailed):
+    """The peer stopped answering, restarted, or dropped this agent."""
+
+    http_status = 502
+
+
+class Aborted(RoomFailed):
+    """The room was aborted (by an engine or a closing agent); the reason says by whom."""
+
+
+class DeadlineExpired(RoomFailed, TransferTimeout):
+    """A deadline of the room passed unmet; `deadline` names it (also a `TransferTimeout`)."""
+
+    http_status = 504
+
+    @property
+    def deadline(self) -> str | None:
+        return self.failure.deadline
+
+
+class RemoteFailed(RoomFailed):
+    """The peer failed the room (or another rank of the room did), with its reason."""
+
+
+class InvalidRequest(RoomFailed):
+    """The transfer request or its answer does not fit this side."""
+
+    http_status = 400
+
+
+class TransportFailed(RoomFailed, TransportError):
+    """A data-transport operation of the room failed."""
+
+    http_status = 502
+
+
+class BootstrapFailed(RoomFailed, BootstrapError):
+    """The bootstrap server named no prefill rank for the room (or could not be reached)."""
+
+    http_status = 502
+
+
+_ERROR_OF_KIND: dict[FailureKind, type[RoomFailed]] = {
+    FailureKind.LAYOUT_MISMATCH: LayoutMismatch,
+    FailureKind.CHECKSUM: ChecksumMismatch,
+    FailureKind.PEER_LOST: PeerLost,
+    FailureKind.ABORTED: Aborted,
+    FailureKind.DEADLINE: DeadlineExpired,
+    FailureKind.REMOTE_FAILED: RemoteFailed,
+    FailureKind.INVALID_REQUEST: InvalidRequest,
+    FailureKind.TRANSPORT: TransportFailed,
+    FailureKind.BOOTSTRAP: BootstrapFailed,
+}

@@ -1,4 +1,4 @@
-"""One `Settings` for the whole product (server, agents, fault injection).
+"""One `Settings` for the whole product (server and agents).
 
 Rules: built in `main()` / `create_app()` / `TransferAgent(...)`, never at import time; every
 field is settable by a `KVHANDOFF_<FIELD>` environment variable and most by a CLI flag. The
@@ -19,6 +19,20 @@ class ChecksumMode(str, Enum):
     FULL = "full"
     SAMPLED = "sampled"
     OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TransportKind(str, Enum):
+    """The data transport of an agent."""
+
+    UCX = "ucx"
+    TCP = "tcp"
+    INPROC = "inproc"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Settings(BaseSettings):
@@ -45,7 +59,8 @@ class Settings(BaseSettings):
     # --- agents -----------------------------------------------------------------------------
     bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
                                       "registers with / looks routes up at.")
-    transport: str = Field("ucx", description="Data transport: ucx, tcp or inproc.")
+    transport: TransportKind = Field(TransportKind.UCX,
+                                     description="Data transport: ucx, tcp or inproc.")
     require_rdma: bool = Field(False, description="Refuse the tcp transport and a UCX that found "
                                "only TCP lanes, instead of degrading (readiness fails).")
     ucx_same_host_error_handling: bool = Field(
@@ -72,17 +87,3 @@ class Settings(BaseSettings):
     agent_metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve the agent's "
                                            "Prometheus metrics on this port (0 = any free; unset "
                                            "= not served).")
-
-    # --- fault injection: TEST ONLY, off by default -----------------------------------------
-    fault_drop_message: str | None = Field(None, description="TEST ONLY: drop outgoing control "
-                                           "messages of this kind (e.g. LayerDone).")
-    fault_delay_message_ms: float = Field(0.0, ge=0, description="TEST ONLY: delay every outgoing "
-                                          "control message by this many ms.")
-    fault_corrupt_layer: int | None = Field(None, description="TEST ONLY: flip one byte of the "
-                                            "first landed span of this layer.")
-    fault_corrupt_times: int = Field(1, ge=0, description="TEST ONLY: how many times the "
-                                     "corruption fires (2 defeats the one retransmit).")
-    fault_stall_layer: int | None = Field(None, description="TEST ONLY: never send this layer.")
-    fault_crash_layer: int | None = Field(None, description="TEST ONLY: the process exits "
-                                          "(os._exit) when this layer is ready.")
-    fault_refuse_heartbeat: bool = Field(False, description="TEST ONLY: send no heartbeats.")

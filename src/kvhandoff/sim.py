@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,13 +150,16 @@ def _layout(cfg: dict[str, Any]) -> Any:
     return preset(model, **kw)
 
 
-def _agent(role: str, spec: Any, bufs: Any, settings: Any, cfg: dict[str, Any]) -> Any:
-    """The agent of this rank, with its engine identity (engine_id, dp/tp rank and size)."""
+def _agent(role: str, spec: Any, bufs: Any, settings: Any, cfg: dict[str, Any],
+           agent_kw: dict[str, Any] | None) -> Any:
+    """The agent of this rank, with its engine identity (engine_id, dp/tp rank and size);
+    `agent_kw` adds keyword arguments (a transport, an effect filter: tests' faults)."""
     from kvhandoff.transfer import TransferAgent
 
     return TransferAgent(role, spec, bufs, settings, engine_id=cfg.get("engine_id", role),
                          dp_rank=int(cfg.get("dp_rank", 0)), dp_size=int(cfg.get("dp_size", 1)),
-                         tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)))
+                         tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)),
+                         **(agent_kw or {}))
 
 
 def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
@@ -176,7 +180,7 @@ def _settings(cfg: dict[str, Any]) -> Any:
     return Settings(**cfg.get("settings", {}))
 
 
-def run_prefill(cfg: dict[str, Any]) -> int:
+def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
     from kvhandoff.transfer import PagePool
 
     spec = _layout(cfg)
@@ -189,7 +193,7 @@ def run_prefill(cfg: dict[str, Any]) -> int:
     seed = int(cfg.get("seed", 0))
     layer_s = float(cfg.get("layer_ms", 0)) / 1e3
     salt = bool(cfg.get("plane_salt", False))
-    with _agent("prefill", spec, bufs, settings, cfg) as agent:
+    with _agent("prefill", spec, bufs, settings, cfg, agent_kw) as agent:
         _emit("ready", address=agent.address, generation=agent.generation,
               status=agent.status())
         if agent._registration is not None:
@@ -243,7 +247,8 @@ def run_prefill(cfg: dict[str, Any]) -> int:
     return 0
 
 
-def run_decode(cfg: dict[str, Any]) -> int:
+def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
+    from kvhandoff.errors import KVHandoffError
     from kvhandoff.kv_layout import SendFrom, page_aligned
     from kvhandoff.state_machine import KVPoll
     from kvhandoff.transfer import PagePool
@@ -258,7 +263,7 @@ def run_decode(cfg: dict[str, Any]) -> int:
     seed = int(cfg.get("seed", 0))
     timeout = float(cfg.get("timeout_s", 60))
     salt = bool(cfg.get("plane_salt", False))
-    with _agent("decode", spec, bufs, settings, cfg) as agent:
+    with _agent("decode", spec, bufs, settings, cfg, agent_kw) as agent:
         _emit("ready", address=agent.address, generation=agent.generation,
               status=agent.status())
         recvs = []
@@ -279,7 +284,12 @@ def run_decode(cfg: dict[str, Any]) -> int:
             recvs.append((r, rv, pages, prefix))
         layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
         for lid in layers:
-            ok = all(rv.wait_for_layer(lid, timeout) for _, rv, _, _ in recvs)
+            ok = True
+            for _, rv, _, _ in recvs:
+                try:
+                    rv.wait_for_layer(lid, timeout)
+                except KVHandoffError:  # failed (or timed out): reported by "done" below
+                    ok = False
             for r, rv, _, _ in recvs:
                 if r.get("abort_at_layer") == lid:
                     rv.abort("decode aborted the request")
@@ -378,10 +388,12 @@ class SimProcess:
         self.close()
 
 
-def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None) -> SimProcess:
-    """Starts `python -m kvhandoff.sim role cfg` and a thread reading its events."""
+def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None,
+          module: str = "kvhandoff.sim") -> SimProcess:
+    """Starts `python -m <module> role cfg` (this module, or a wrapper of it that takes the
+    same arguments) and a thread reading its events."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvhandoff.sim", role, json.dumps(cfg)],
+        [sys.executable, "-m", module, role, json.dumps(cfg)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})}, start_new_session=True)
     sp = SimProcess(role=role, proc=proc)
@@ -406,7 +418,9 @@ def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None) 
     return sp
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         agent_kw: Callable[[], dict[str, Any]] | None = None) -> int:
+    """Runs one side; `agent_kw()` (called once) adds keyword arguments to its agent."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] not in ("prefill", "decode"):
         print("usage: python -m kvhandoff.sim prefill|decode '<json config>'", file=sys.stderr)
@@ -417,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("KVHANDOFF_LOG_LEVEL", "WARNING").upper(),
                         stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     try:
-        return run_prefill(cfg) if args[0] == "prefill" else run_decode(cfg)
+        kw = agent_kw() if agent_kw is not None else None
+        return run_prefill(cfg, kw) if args[0] == "prefill" else run_decode(cfg, kw)
     except Exception as e:  # report, then fail loudly
         _emit("error", error=f"{type(e).__name__}: {e}")
         raise

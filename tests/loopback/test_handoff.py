@@ -53,9 +53,12 @@ class Handoff:
             "rooms": [{"room": r["room"], "seq_len": r["seq_len"]} for r in rooms],
             "settings": {"bootstrap_url": self.url, **settings}, "engine_id": "p",
             "timeout_s": DONE_S, **(prefill_cfg or {})}))
+        # a decode with faults runs under kvhandoff.testing.faults (the sim, faults added)
+        faulty = "faults" in (decode_cfg or {})
         d = self.stack.enter_context(spawn("decode", {
             "rooms": rooms, "settings": {**settings, **(decode_settings or {})},
-            "bootstrap_url": self.url, "timeout_s": DONE_S, **(decode_cfg or {})}))
+            "bootstrap_url": self.url, "timeout_s": DONE_S, **(decode_cfg or {})},
+            module="kvhandoff.testing.faults" if faulty else "kvhandoff.sim"))
         p.expect("ready", START_S)
         assert p.expect("registered", START_S)["ok"]
         for r in rooms:
@@ -196,8 +199,8 @@ def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: 
     (room,) = handoff.rooms(1)
     st = settings(transport)
     p, d = handoff.start([{"room": room, "seq_len": 1024, "prefix": 256}], st,
-                         decode_settings={"fault_corrupt_layer": layer,
-                                          "fault_corrupt_times": times})
+                         decode_cfg={"faults": {"corrupt": [{"layer": layer,
+                                                              "times": times}]}})
     dd = d.expect("done", DONE_S, room=room)
     pd = p.expect("done", DONE_S, room=room)
     if times == 1:  # caught, retransmitted once, then byte-exact

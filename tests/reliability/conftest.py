@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +17,15 @@ _ROOM_IDS = itertools.count(1000)
 def room_id() -> Iterator[int]:
     """A room id no other test of the session uses."""
     yield next(_ROOM_IDS)
+
+
+@pytest.fixture
+def rng() -> Iterator[random.Random]:
+    """The random choices of a test, seeded: the seed is printed (pytest shows it with a
+    failure's captured output); KVHANDOFF_TEST_SEED=<seed> replays a run."""
+    seed = int(os.environ.get("KVHANDOFF_TEST_SEED") or random.SystemRandom().getrandbits(32))
+    print(f"random seed: {seed} (replay with KVHANDOFF_TEST_SEED={seed})")
+    yield random.Random(seed)
 
 
 @pytest.fixture(scope="module")

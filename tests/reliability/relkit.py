@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,9 +29,11 @@ from kvhandoff.errors import KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing.faults import from_config
+from kvhandoff.testing.patterns import check_pattern, check_tokens, write_pattern, write_tokens
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
+from kvhandoff.transfer.transports.base import load_transport
 
 WAIT_S = 20.0  # bound on any wait for a room that is expected to end
 
@@ -43,56 +44,6 @@ def mini_glm(page_size_tokens: int = 16, num_layers: int = 6,
     non-contiguous layers) with few layers, so hundreds of rooms fit in CI memory."""
     return mla_dsa_layout(model="glm-5.3-mini", num_layers=num_layers,
                           indexer_layer_ids=indexer_layer_ids, page_size_tokens=page_size_tokens)
-
-
-def plane_pattern(t: np.ndarray, nbytes: int, layer: int, region: str, plane: str,
-                  seed: int) -> np.ndarray:
-    """The bytes of tokens `t` (rows) of one plane: distinct per token, byte, layer, region and
-    plane name (names, not positions: a GQA head keeps its bytes on every TP rank)."""
-    salt = zlib.crc32(f"{region}/{plane}".encode()) % 241
-    b = np.arange(nbytes, dtype=np.int64)
-    v = t.astype(np.int64)[:, None] * 131 + b[None, :] * 7 + layer * 17 + salt + seed
-    out: np.ndarray = (v % 251).astype(np.uint8)
-    return out
-
-
-def _planes(buf: np.ndarray, layout: LayoutSpec, reg_i: int
-            ) -> Iterator[tuple[str, int, np.ndarray]]:
-    """Per plane of the region: its name, bytes per token, and a (pages, page_size * bytes)
-    view of that plane in every page of `buf`."""
-    reg = layout.regions[reg_i]
-    ps = layout.page_size_tokens
-    rows = buf.reshape(-1, reg.page_nbytes(ps))
-    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
-        lo = off * ps
-        yield pl.name, pl.bytes_per_token, rows[:, lo:lo + ps * pl.bytes_per_token]
-
-
-def write_pattern(buf: np.ndarray, layout: LayoutSpec, reg_i: int, layer: int,
-                  pages: np.ndarray, end_tok: int, seed: int) -> None:
-    ps = layout.page_size_tokens
-    n = -(-end_tok // ps)
-    t = np.arange(n * ps)
-    reg = layout.regions[reg_i]
-    for name, nb, view in _planes(buf, layout, reg_i):
-        view[pages[:n]] = plane_pattern(t, nb, layer, reg.name, name, seed).reshape(n, ps * nb)
-
-
-def check_pattern(buf: np.ndarray, layout: LayoutSpec, reg_i: int, layer: int,
-                  pages: np.ndarray, first_tok: int, end_tok: int, seed: int) -> int:
-    """Bytes of tokens [first_tok, end_tok) (held by `pages`, page k from first_tok on) that
-    differ from the pattern."""
-    ps = layout.page_size_tokens
-    n = -(-(end_tok - first_tok) // ps)
-    t = np.arange(first_tok, first_tok + n * ps)
-    valid = (t < end_tok).reshape(n, ps)
-    reg = layout.regions[reg_i]
-    bad = 0
-    for name, nb, view in _planes(buf, layout, reg_i):
-        want = plane_pattern(t, nb, layer, reg.name, name, seed).reshape(n, ps, nb)
-        got = view[pages[:n]].reshape(n, ps, nb)
-        bad += int(np.count_nonzero((got != want) & valid[:, :, None]))
-    return bad
 
 
 def fast_settings(**kw: Any) -> Settings:
@@ -110,7 +61,12 @@ class Engine:
     """A real agent plus a page pool and release accounting (one side of a handoff)."""
 
     def __init__(self, role: str, layout: LayoutSpec, num_pages: int, settings: Settings, *,
-                 seed: int = 0, pattern: str = "planes", **agent_kw: Any) -> None:
+                 seed: int = 0, pattern: str = "planes", faults: dict[str, Any] | None = None,
+                 **agent_kw: Any) -> None:
+        """`faults`: a `kvhandoff.testing.faults.from_config` dict (the agent's transport is
+        wrapped, its control messages filtered)."""
+        if faults:
+            agent_kw.update(from_config(faults, load_transport(settings.transport, settings)))
         self.role = role
         self.sim_pattern = pattern == "sim"
         self.layout = layout
@@ -219,14 +175,15 @@ class Engine:
 def engine_pair(layout: LayoutSpec | None = None, *, num_pages: int = 64,
                 settings: Settings | None = None, prefill_settings: Settings | None = None,
                 decode_settings: Settings | None = None, decode_layout: LayoutSpec | None = None,
-                decode_pages: int | None = None) -> Iterator[tuple[Engine, Engine]]:
-    """A prefill and a decode `Engine` (closed at the end)."""
+                decode_pages: int | None = None, prefill_faults: dict[str, Any] | None = None,
+                decode_faults: dict[str, Any] | None = None) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode `Engine` (closed at the end), with optional faults per side."""
     layout = layout or mini_glm()
     base = settings or fast_settings()
-    p = Engine("prefill", layout, num_pages, prefill_settings or base)
+    p = Engine("prefill", layout, num_pages, prefill_settings or base, faults=prefill_faults)
     try:
         d = Engine("decode", decode_layout or layout, decode_pages or num_pages,
-                   decode_settings or base)
+                   decode_settings or base, faults=decode_faults)
         try:
             yield p, d
         finally:

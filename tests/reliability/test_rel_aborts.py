@@ -12,6 +12,7 @@ import threading
 import pytest
 from relkit import WAIT_S, Engine, engine_pair, fast_settings, layers_of, wait_until
 
+from kvhandoff.errors import FailureKind, RoomFailed
 from kvhandoff.state_machine import KVPoll
 
 SEQ = 48  # three 16-token pages
@@ -88,7 +89,8 @@ def test_abort_mid_transfer(shared_pair: Pair, room_id: int, by: str) -> None:
         s.layer_ready(lid)
     settle(p, d, room_id, [s, rv], reason)
     assert s.poll() is KVPoll.Failed and rv.poll() is KVPoll.Failed
-    assert not rv.wait_for_layer(layers[-1], 0.1)
+    with pytest.raises(RoomFailed, match=reason):
+        rv.wait_for_layer(layers[-1], 0.1)
     assert_pools_full(p, d)
 
 
@@ -139,7 +141,7 @@ def test_abort_after_last_layer_before_room_ack(room_id: int, by: str) -> None:
     """Decode drops its RoomAck (fault injection): decode has Success, prefill still waits for
     the ack. An abort now fails the prefill (decode keeps its Success: the bytes landed and were
     verified); the prefill's pages are freed once, the decode's once."""
-    with engine_pair(decode_settings=fast_settings(fault_drop_message="RoomAck")) as (p, d):
+    with engine_pair(decode_faults={"drop": ["RoomAck"]}) as (p, d):
         s = p.send(room_id, SEQ)
         rv = d.recv(room_id, SEQ, p.address)
         assert rv.wait(WAIT_S) is KVPoll.Success
@@ -166,14 +168,14 @@ def test_lost_room_ack_ends_by_lease_never_stuck(room_id: int) -> None:
     frees its pages, bounded by the lease plus a heartbeat."""
     lease_s = 1.0
     st = fast_settings(lease_s=lease_s)
-    with engine_pair(prefill_settings=st,
-                     decode_settings=fast_settings(lease_s=lease_s,
-                                                   fault_drop_message="RoomAck")) as (p, d):
+    with engine_pair(prefill_settings=st, decode_settings=fast_settings(lease_s=lease_s),
+                     decode_faults={"drop": ["RoomAck"]}) as (p, d):
         s = p.send(room_id, SEQ)
         rv = d.recv(room_id, SEQ, p.address)
         assert rv.wait(WAIT_S) is KVPoll.Success
         assert s.wait(WAIT_S) is KVPoll.Failed
         assert "lease" in (s.failure or ""), s.failure
+        assert s.failure_kind is FailureKind.DEADLINE
         took = s.stats()["t_done"] - rv.stats()["t_done"]
         assert took <= lease_s + 2.0, f"prefill room ended {took:.2f}s after decode's Success"
         print(f"lost RoomAck: prefill room Failed by lease {took:.3f}s after decode Success")

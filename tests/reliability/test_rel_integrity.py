@@ -2,37 +2,41 @@
 fails the room naming the layer and region; a prefill its engine aborted never lets the decode
 reach Success.
 
-Corruption is injected by the decode agent's own fault setting (`fault_corrupt_layer`,
-`fault_corrupt_times`: one byte of the first landed span of that layer flipped before it is
-verified), not by patching internals.
+Corruption is injected by wrapping the decode agent's transport
+(`kvhandoff.testing.faults.FaultyTransport`: one byte of the first landed span of a region of
+that layer flipped before the agent verifies it), not by patching internals; main KV and the
+indexer are both corrupted.
 """
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from relkit import WAIT_S, Engine, engine_pair, fast_settings, layers_of
 
+from kvhandoff.errors import ChecksumMismatch, FailureKind
 from kvhandoff.state_machine import KVPoll
 
 SEQ = 40  # 2.5 pages of 16 tokens: a partial last page too
 TRIALS = 25
 
 
-def test_corruption_once_is_caught_retransmitted_and_lands_byte_exact() -> None:
+def test_corruption_once_is_caught_retransmitted_and_lands_byte_exact(rng: random.Random
+                                                                      ) -> None:
     """N trials, each a fresh decode agent whose fault corrupts one landed byte of a random
-    layer once: every corruption is caught (the checksum fails), retransmitted once, and the
-    room ends byte-exact."""
-    rng = random.Random()
+    region (main KV or indexer) of a random layer once: every corruption is caught (the
+    checksum fails), retransmitted once, and the room ends byte-exact."""
     with engine_pair(num_pages=TRIALS * 3 + 4) as (p, _):
-        layers = layers_of(p.layout)
         for room in range(1, TRIALS + 1):
-            layer = rng.choice(layers)
-            d = Engine("decode", p.layout, 4, fast_settings(fault_corrupt_layer=layer))
+            region = rng.choice([reg.name for reg in p.layout.regions])
+            layer = rng.choice(list(p.layout.region(region).layer_ids))
+            d = Engine("decode", p.layout, 4, fast_settings(),
+                       faults={"corrupt": [{"layer": layer, "region": region}]})
             try:
                 s = p.send(room, SEQ)
                 rv = d.recv(room, SEQ, p.address)
-                assert rv.wait(WAIT_S) is KVPoll.Success, (layer, rv.failure)
+                assert rv.wait(WAIT_S) is KVPoll.Success, (layer, region, rv.failure)
                 assert s.wait(WAIT_S) is KVPoll.Success, (layer, s.failure)
                 c = d.agent.status()["counters"]
                 assert c["checksum_failures"] == 1 and c["retransmits"] == 1, (layer, c)
@@ -47,21 +51,25 @@ def test_corruption_once_is_caught_retransmitted_and_lands_byte_exact() -> None:
         p.assert_no_leak()
 
 
-def test_corruption_twice_fails_naming_layer_and_region() -> None:
+@pytest.mark.parametrize("region", ["main_kv", "indexer_k"])
+def test_corruption_twice_fails_naming_layer_and_region(region: str) -> None:
     """Corrupted again after the retransmit: Failed on both sides, the reason names the layer
     and the region; nothing reaches Success; all pages come back."""
     layer = 5  # an indexer layer of the mini layout, not the first one
-    dset = fast_settings(fault_corrupt_layer=layer, fault_corrupt_times=2 * TRIALS)
-    with engine_pair(num_pages=TRIALS * 3 + 4, decode_settings=dset) as (p, d):
+    faults = {"corrupt": [{"layer": layer, "region": region, "times": 2 * TRIALS}]}
+    with engine_pair(num_pages=TRIALS * 3 + 4, decode_faults=faults) as (p, d):
         rooms = list(range(1, TRIALS + 1))
         handles = [(p.send(room, SEQ), d.recv(room, SEQ, p.address)) for room in rooms]
         for s, rv in handles:
             assert rv.wait(WAIT_S) is KVPoll.Failed
             assert s.wait(WAIT_S) is KVPoll.Failed
-            want = f"checksum mismatch on layer {layer}, region 'main_kv'"
+            want = f"checksum mismatch on layer {layer}, region '{region}'"
             assert want in (rv.failure or ""), rv.failure
             assert want in (s.failure or ""), s.failure  # the prefill is told why
-            assert not rv.wait_for_layer(layer, 0)
+            with pytest.raises(ChecksumMismatch) as err:
+                rv.wait_for_layer(layer, 0)
+            assert (err.value.layer, err.value.region) == (layer, region)
+            assert s.failure_kind is FailureKind.CHECKSUM  # told the kind, too
         c = d.agent.status()["counters"]
         assert c["checksum_failures"] == 2 * TRIALS
         assert c["rooms_success"] == 0 and c["rooms_failed"] == TRIALS
@@ -70,11 +78,10 @@ def test_corruption_twice_fails_naming_layer_and_region() -> None:
         d.assert_no_leak()
 
 
-def test_engine_aborted_prefill_never_lets_decode_succeed() -> None:
+def test_engine_aborted_prefill_never_lets_decode_succeed(rng: random.Random) -> None:
     """The prefill engine aborts its request at a random layer (including the last one) after
     marking the layers before it ready: in every trial the decode ends Failed with the abort's
     reason, never Success, and every page comes back."""
-    rng = random.Random()
     with engine_pair(num_pages=TRIALS * 3 + 4) as (p, d):
         layers = layers_of(p.layout)
         rooms = list(range(1, TRIALS + 1))

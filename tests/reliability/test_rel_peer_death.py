@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
+from kvhandoff.errors import FailureKind, PeerLost
 from kvhandoff.kv_layout import preset
 from kvhandoff.sim import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing.faults import CRASH_EXIT_CODE
 
 HB_S = 0.2
 # "within 2 heartbeats": detection runs on the heartbeat tick, so a silence is seen between 2
@@ -45,9 +47,10 @@ def engine(role: str) -> Engine:
 @contextmanager
 def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, **cfg: Any
                  ) -> Iterator[tuple[SimProcess, str]]:
+    module = "kvhandoff.testing.faults" if "faults" in cfg else "kvhandoff.sim"
     with spawn("prefill", {"rooms": [{"room": r, "seq_len": SEQ} for r in ROOMS],
                            "settings": PROC_SETTINGS, "layer_ms": layer_ms, "timeout_s": WAIT_S,
-                           "linger": True, **cfg}, env=env) as p:
+                           "linger": True, **cfg}, env=env, module=module) as p:
         yield p, p.expect("ready", 60)["address"]
 
 
@@ -67,8 +70,8 @@ def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *, wo
     return worst
 
 
-def test_prefill_sigkill_at_random_layer_fails_decode_rooms() -> None:
-    layer = random.Random().choice(LAYERS[1:-20])
+def test_prefill_sigkill_at_random_layer_fails_decode_rooms(rng: random.Random) -> None:
+    layer = rng.choice(LAYERS[1:-20])
     d = engine("decode")
     try:
         with prefill_proc(layer_ms=30) as (p, addr):
@@ -83,20 +86,22 @@ def test_prefill_sigkill_at_random_layer_fails_decode_rooms() -> None:
         d.close()
 
 
-def test_prefill_fault_crash_layer_fails_decode_rooms() -> None:
+def test_prefill_crash_at_layer_fails_decode_rooms() -> None:
     crash = LAYERS[10]
     d = engine("decode")
     try:
-        env = {"KVHANDOFF_FAULT_CRASH_LAYER": str(crash)}
-        with prefill_proc(layer_ms=30, env=env) as (p, addr):
+        # the prefill process exits (os._exit) as it is about to send layer `crash`
+        with prefill_proc(layer_ms=30, faults={"crash_layer": crash}) as (p, addr):
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
             last = p.expect("layer", WAIT_S, layer=crash - 1)["t"]  # it exits at the next one
-            assert p.proc.wait(WAIT_S) == 137
+            assert p.proc.wait(WAIT_S) == CRASH_EXIT_CODE
             worst = assert_failed_in_time(d, rvs, last, words="silent")
-            print(f"prefill fault_crash_layer={crash}: decode rooms Failed {worst:.3f}s after "
+            print(f"prefill crash at layer {crash}: decode rooms Failed {worst:.3f}s after "
                   "its last layer event")
             # layers up to the crash may have landed, the crashed one never did
-            assert not rvs[0].wait_for_layer(crash, 0.1)
+            with pytest.raises(PeerLost, match="silent"):
+                rvs[0].wait_for_layer(crash, 0.1)
+            assert rvs[0].failure_kind is FailureKind.PEER_LOST
     finally:
         d.close()
 

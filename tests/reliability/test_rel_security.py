@@ -200,7 +200,8 @@ def test_offering_foreign_or_duplicate_pages_is_refused() -> None:
 
 def test_largest_legit_control_message_fits_the_default_limit() -> None:
     glm = preset("glm-5.3")
-    pages = 1 << 20 // glm.page_size_tokens  # a 1M-token context
+    pages = (1 << 20) // glm.page_size_tokens  # a 1M-token context: 16,384 pages of 64
+    assert pages == 16384
     req = P.TransferRequest(
         src="127.0.0.1:65535", gen=2**62 - 1, room=2**63 - 1, xfer=2**24 - 1,
         peer_gen=2**62 - 1, seq_len=1 << 20, decode_prefix_len=0, page_size=64,

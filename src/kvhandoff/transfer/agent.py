@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvhandoff.errors import ConfigError, KVHandoffError, ProtocolError
+from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError, ProtocolError
 from kvhandoff.kv_layout import (
     LayoutSpec,
     SendFrom,
@@ -71,6 +71,8 @@ from kvhandoff.state_machine import (
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.buffers import BufferSet
 from kvhandoff.transfer.checksum import span_checksum, wants_checksum
+from kvhandoff.transfer.effects import Delayed, EffectFilter, Notify, Send
+from kvhandoff.transfer.failures import failure_of, remote_failure
 from kvhandoff.transfer.rooms import Receiver, Sender, _Group, _Room
 from kvhandoff.transfer.transports.base import Transport, load_transport
 
@@ -88,7 +90,7 @@ class _Peer:
     agent_id: str = ""
     matched: bool = False
     hello_sent: bool = False
-    rejected: str | None = None
+    rejected: Failure | None = None
     authenticated: bool = False  # its Hello verified (or no shared secret is configured)
     layout: LayoutSpec | None = None
     last_seen: float = 0.0
@@ -112,8 +114,10 @@ class TransferAgent:
         buffers: the KV buffers, one per (region, layer): a dict region -> {layer_id: buffer}
             or region -> sequence aligned with the region's layer ids. Buffers are torch tensors
             or numpy arrays holding whole pages (``pages x page_nbytes`` bytes, contiguous).
-        settings: process settings (transport, heartbeat, checksums, faults ...).
+        settings: process settings (transport, heartbeat, checksums ...).
         transport: an already built transport (tests); by default `settings.transport`.
+        effect_filter: sees every control message before it leaves (tests drop or delay
+            messages with `kvhandoff.testing.faults`); None in production.
         engine_id, dp_rank, tp_rank, tp_size: identity registered with the bootstrap server.
     """
 
@@ -125,6 +129,7 @@ class TransferAgent:
         settings: Settings | None = None,
         *,
         transport: Transport | None = None,
+        effect_filter: EffectFilter | None = None,
         engine_id: str = "default",
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -163,8 +168,7 @@ class TransferAgent:
             "retransmits": 0, "checksum_failures": 0, "checksums_verified": 0, "bytes_sent": 0,
             "bytes_received": 0, "rooms_success": 0, "rooms_failed": 0, "peers_lost": 0,
         }
-        self._corrupt_left = (self.settings.fault_corrupt_times
-                              if self.settings.fault_corrupt_layer is not None else 0)
+        self._effect_filter = effect_filter
         self._closed = False
         self._routes: Any = None  # bootstrap client, created lazily
 
@@ -286,7 +290,8 @@ class TransferAgent:
             for g in self._groups.values():
                 states[g.state.name] = states.get(g.state.name, 0) + 1
             counters = dict(self._counters)
-            peers = [{"addr": p.addr, "matched": p.matched, "rejected": p.rejected}
+            peers = [{"addr": p.addr, "matched": p.matched,
+                      "rejected": p.rejected.reason if p.rejected else None}
                      for p in self._peers.values()]
         return {
             "agent_id": self.agent_id, "role": self.role.value, "address": self.address,
@@ -404,10 +409,6 @@ class TransferAgent:
     def _layer_ready(self, g: _Group, layer: int) -> None:
         if layer not in g.layer_events:
             raise ConfigError(f"layer_ready({layer}): not a layer of the layout")
-        s = self.settings
-        if s.fault_crash_layer is not None and layer == s.fault_crash_layer:
-            log.error("fault injection: crashing at layer %d", layer)
-            os._exit(137)
         with self._lock:
             if layer in g.ready:
                 return
@@ -449,8 +450,9 @@ class TransferAgent:
         with self._lock:
             if g.legs:
                 for r in g.legs:
-                    self._fail(r, Aborted(reason=reason, by=self.role), notify="abort")
-            self._fail_group(g, f"aborted by {self.role.value}: {reason}")
+                    self._fail(r, Aborted(reason=reason, by=self.role), notify=Notify.ABORT)
+            self._fail_group(g, Failure(FailureKind.ABORTED,
+                                        f"aborted by {self.role.value}: {reason}"))
         self._wake()
 
     # ------------------------------------------------------------------ peers and handshake
@@ -462,7 +464,8 @@ class TransferAgent:
             sources = lookup_prefill(self, g.room, bootstrap_addr)
         except KVHandoffError as e:
             with self._lock:
-                self._fail_group(g, f"bootstrap lookup failed: {e}")
+                self._fail_group(g, Failure(FailureKind.BOOTSTRAP,
+                                            f"bootstrap lookup failed: {e}"))
             self._wake()
             return
         self._call(lambda: self._attach_peers(g, sources))
@@ -472,7 +475,8 @@ class TransferAgent:
         if g.failure is not None:
             return
         if not sources:
-            self._fail_group(g, "no prefill rank to read this room from")
+            self._fail_group(g, Failure(FailureKind.BOOTSTRAP,
+                                        "no prefill rank to read this room from"))
             return
         g.expected = len(sources)
         for addr, gen in sources:
@@ -486,7 +490,8 @@ class TransferAgent:
             return
         p = self._peer(addr)
         if p.rejected:
-            self._fail(r, PeerLost(reason=p.rejected), notify="failed")
+            self._fail(r, PeerLost(reason=p.rejected.reason), notify=Notify.FAILED,
+                       failure=p.rejected)
             return
         if p.matched:
             self._matched(r, p)
@@ -558,7 +563,8 @@ class TransferAgent:
                 if missing:
                     self._fail(r, RemoteFailed(
                         reason=f"{reg.name}: no prefill rank of this room holds planes "
-                               f"{missing}"), notify="failed")
+                               f"{missing}"), notify=Notify.FAILED,
+                               kind=FailureKind.INVALID_REQUEST)
                     return
 
     def _check_hello(self, msg: P.Hello) -> list[str]:
@@ -598,20 +604,21 @@ class TransferAgent:
             except KVHandoffError as e:
                 problems = [f"layout: peer sent an invalid layout: {e}"]
         if problems:
-            reason = "layout mismatch: " + "; ".join(problems)
-            p.rejected = reason
+            ev = LayoutMismatch(diff=tuple(problems))
+            p.rejected = failure_of(ev)
             if not isinstance(msg, P.HelloAck):
                 self._send(msg.src, P.HelloReject(src=self.address, gen=self.generation,
-                                                  reason=reason, diff=problems))
-            self._fail_waiting(p, LayoutMismatch(diff=tuple(problems)))
+                                                  reason=ev.reason, diff=problems))
+            self._fail_waiting(p, ev)
             return
         try:
             self.transport.connect(msg.src, msg.transport_address)
         except KVHandoffError as e:
-            p.rejected = f"transport connect to {msg.src} failed: {e}"
+            lost = PeerLost(reason=f"transport connect to {msg.src} failed: {e}")
+            p.rejected = failure_of(lost, FailureKind.TRANSPORT)
             self._send(msg.src, P.HelloReject(src=self.address, gen=self.generation,
-                                              reason=p.rejected))
-            self._fail_waiting(p, PeerLost(reason=p.rejected))
+                                              reason=lost.reason))
+            self._fail_waiting(p, lost, kind=FailureKind.TRANSPORT)
             return
         p.matched = True
         p.rejected = None
@@ -636,10 +643,11 @@ class TransferAgent:
                                   reason=f"{_NO_HANDSHAKE}: {self.address} declared this peer "
                                          "lost; say Hello again"))
 
-    def _fail_waiting(self, p: _Peer, ev: FailureEvent) -> None:
+    def _fail_waiting(self, p: _Peer, ev: FailureEvent, kind: FailureKind | None = None
+                      ) -> None:
         waiting, p.waiting = p.waiting, []
         for r in waiting:
-            self._fail(r, ev, notify="failed")
+            self._fail(r, ev, notify=Notify.FAILED, kind=kind)
 
     def _peer_lost(self, p: _Peer, reason: str, *, keep: frozenset[_Room] = frozenset()
                    ) -> None:
@@ -648,9 +656,9 @@ class TransferAgent:
         self._counters["peers_lost"] += 1
         for r in list(self._legs.values()):
             if r.peer == p.addr and not r.machine.is_terminal and r not in keep:
-                self._fail(r, PeerLost(reason=reason), notify="failed")
+                self._fail(r, PeerLost(reason=reason), notify=Notify.FAILED)
         for r in p.waiting:
-            self._fail(r, PeerLost(reason=reason), notify=None)
+            self._fail(r, PeerLost(reason=reason), notify=Notify.NONE)
         p.waiting = []
         self._peers.pop(p.addr, None)
         self._forgotten[p.addr] = time.monotonic()
@@ -693,8 +701,9 @@ class TransferAgent:
                 return
             p.last_seen = time.monotonic()
             if isinstance(msg, P.HelloReject):
-                p.rejected = msg.reason
-                self._fail_waiting(p, LayoutMismatch(diff=tuple(msg.diff or [msg.reason])))
+                ev = LayoutMismatch(diff=tuple(msg.diff or [msg.reason]))
+                p.rejected = failure_of(ev)
+                self._fail_waiting(p, ev)
                 return
             if isinstance(msg, P.Heartbeat):
                 now = time.monotonic()
@@ -727,19 +736,22 @@ class TransferAgent:
             if isinstance(msg, P.TransferRequest):
                 if g.failure is not None:
                     self._send(msg.src, P.Failed(src=self.address, gen=self.generation,
-                                                 room=g.room, reason=g.failure))
+                                                 room=g.room, reason=g.failure.reason,
+                                                 failure_kind=g.failure.kind.value))
                     return
                 if g.expected is not None and len(g.legs) >= g.expected:
                     self._send(msg.src, P.Failed(
                         src=self.address, gen=self.generation, room=g.room,
                         reason=f"room {g.room} already has its {g.expected} decode rank(s) on "
-                               "this prefill rank"))
+                               "this prefill rank", failure_kind=FailureKind.INVALID_REQUEST.value))
                     return
                 r = self._new_leg(g, msg.src)
                 r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
                 r.inited = True
             elif isinstance(msg, P.Failed | P.Abort):
-                self._fail_group(g, f"peer failed the room: {msg.reason}")
+                told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
+                f = remote_failure(told, f"peer failed the room: {msg.reason}")
+                self._fail_group(g, f)
                 return
         if r is None:
             if g is None and len(self._early) < _EARLY_LIMIT:
@@ -750,17 +762,21 @@ class TransferAgent:
 
     def _dispatch_room_msg(self, r: _Room, msg: Any) -> None:
         if isinstance(msg, P.Failed):
-            self._fail(r, RemoteFailed(reason=f"peer failed the room: {msg.reason}"), notify=None)
+            reason = f"peer failed the room: {msg.reason}"
+            self._fail(r, RemoteFailed(reason=reason), notify=Notify.NONE,
+                       failure=remote_failure(msg.failure_kind, reason))
         elif isinstance(msg, P.Abort):
             other = Role.DECODE if self.role is Role.PREFILL else Role.PREFILL
-            self._fail(r, Aborted(reason=msg.reason, by=other), notify=None)
+            self._fail(r, Aborted(reason=msg.reason, by=other), notify=Notify.NONE,
+                       failure=remote_failure(msg.failure_kind or "aborted", msg.reason))
             self._send(msg.src, P.AbortAck(src=self.address, gen=self.generation, room=r.room))
         elif isinstance(msg, P.AbortAck):
             pass
         elif r.machine.is_terminal:
             if isinstance(msg, P.TransferRequest) and r.machine.state is KVPoll.Failed:
+                f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
                 self._send(msg.src, P.Failed(src=self.address, gen=self.generation, room=r.room,
-                                             reason=r.machine.failure or "failed"))
+                                             reason=f.reason, failure_kind=f.kind.value))
         elif isinstance(msg, P.TransferRequest):
             self._on_request(r, msg)
         elif isinstance(msg, P.TransferAccepted):
@@ -785,7 +801,8 @@ class TransferAgent:
         if msg.peer_gen != self.generation:
             self._send(msg.src, P.Failed(src=self.address, gen=self.generation, room=r.room,
                                          reason="stale request: it names a previous generation "
-                                         "of this prefill agent"))
+                                         "of this prefill agent",
+                                         failure_kind=FailureKind.PEER_LOST.value))
             return
         if r.accepted:
             return
@@ -815,7 +832,8 @@ class TransferAgent:
                                   dst_layout=p.layout)
         except KVHandoffError as e:
             r.peer = msg.src
-            self._fail(r, RemoteFailed(reason=f"invalid transfer request: {e}"), notify="failed")
+            self._fail(r, RemoteFailed(reason=f"invalid transfer request: {e}"),
+                       notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         now = time.monotonic()
         if p is not None and not r.machine.peer_matched:
@@ -867,7 +885,8 @@ class TransferAgent:
                                   src_ps=msg.page_size, dst_pages=r.pages, dst_ps=r.page_size,
                                   src_layout=p.layout, dst_layout=self.layout)
         except KVHandoffError as e:
-            self._fail(r, RemoteFailed(reason=f"invalid TransferAccepted: {e}"), notify="failed")
+            self._fail(r, RemoteFailed(reason=f"invalid TransferAccepted: {e}"),
+                       notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         r.accepted = True
         self._apply(r, TransferAccepted())
@@ -886,9 +905,6 @@ class TransferAgent:
         receiver verifies when both its bytes and the announcement are in, so the tail after
         the last layer is one transfer plus one check, not a round trip more."""
         s = self.settings
-        if s.fault_stall_layer is not None and layer == s.fault_stall_layer:
-            log.warning("fault injection: stalling layer %d", layer)
-            return
         r.posted[layer] = attempt
         regions = self._regions_of(r, layer)
         want = wants_checksum(s.checksum, self._layer_order[layer], len(self._layer_order))
@@ -923,9 +939,11 @@ class TransferAgent:
             with self._lock:
                 if not r.machine.is_terminal and r.posted.get(layer) == attempt:
                     self._queue_done(r, layer, attempt, regions, sums)
-            self._wake()
-        except Exception:  # a hashing job must never die silently
-            log.exception("agent: checksum of layer %d failed", layer)
+        except Exception as e:  # noqa: BLE001 - fails the room, with the error as its reason
+            with self._lock:
+                self._fail(r, RemoteFailed(reason=f"checksum of layer {layer} failed: {e!r}"),
+                           notify=Notify.FAILED, kind=FailureKind.TRANSPORT)
+        self._wake()
 
     def _queue_done(self, r: _Room, layer: int, attempt: int, regions: list[str],
                     sums: dict[str, int | None]) -> None:
@@ -998,7 +1016,7 @@ class TransferAgent:
         dead peer is still caught within 2 heartbeats."""
         when = time.monotonic() + self.settings.heartbeat_interval_s
         heapq.heappush(self._timers, (when, next(self._timer_seq), lambda: self._fail(
-            r, PeerLost(reason=reason), notify="failed")))
+            r, PeerLost(reason=reason), notify=Notify.FAILED, kind=FailureKind.TRANSPORT)))
 
     def _received(self, r: _Room, layer: int, attempt: int, region: str,
                   exc: BaseException | None) -> None:
@@ -1021,18 +1039,7 @@ class TransferAgent:
         key = (layer, attempt)
         if key in r.verifying:
             return
-        items = []
-        corrupt = bool(self._corrupt_left) and layer == self.settings.fault_corrupt_layer
-        for name in regions:
-            plan = r.plans[name]
-            buf = self.buffers.array(name, layer)
-            if corrupt and plan.count:  # one byte of the first region, once per verification
-                corrupt = False
-                self._corrupt_left -= 1
-                off = int(plan.dst_offsets[0])
-                buf[off] ^= 0xFF
-                log.warning("fault injection: corrupted layer %d %s at byte %d", layer, name, off)
-            items.append((name, sums.get(name)))
+        items = [(name, sums.get(name)) for name in regions]
         if all(want is None for _, want in items):
             self._verified(r, layer, attempt, regions, bad=None, checked=0)
             return
@@ -1058,9 +1065,12 @@ class TransferAgent:
                 r.verifying.discard((layer, attempt))
                 if not r.machine.is_terminal and r.posted.get(layer) == attempt:
                     self._verified(r, layer, attempt, regions, bad=bad, checked=checked)
-            self._wake()
-        except Exception:
-            log.exception("agent: verification of layer %d failed", layer)
+        except Exception as e:  # noqa: BLE001 - fails the room, with the error as its reason
+            with self._lock:
+                self._fail(r, RemoteFailed(reason=f"verification of layer {layer} failed: "
+                                                  f"{e!r}"),
+                           notify=Notify.FAILED, kind=FailureKind.TRANSPORT)
+        self._wake()
 
     def _verified(self, r: _Room, layer: int, attempt: int, regions: list[str], *,
                   bad: str | None, checked: int) -> None:
@@ -1075,7 +1085,7 @@ class TransferAgent:
                     attempt=attempt, reason=f"checksum mismatch in {bad}"))
                 self._post_recv_layer(r, layer, attempt + 1)
             else:
-                self._fail(r, ChecksumMismatch(layer=layer, region=bad), notify="failed")
+                self._fail(r, ChecksumMismatch(layer=layer, region=bad), notify=Notify.FAILED)
             return
         r.checksums_verified += checked
         self._counters["checksums_verified"] += checked
@@ -1102,20 +1112,23 @@ class TransferAgent:
         if r.machine.is_terminal:
             self._terminal(r)
 
-    def _fail(self, r: _Room, ev: FailureEvent, *, notify: str | None) -> None:
-        """(lock held) Fails the room (first failure wins) and tells the peer."""
+    def _fail(self, r: _Room, ev: FailureEvent, *, notify: Notify,
+              kind: FailureKind | None = None, failure: Failure | None = None) -> None:
+        """(lock held) Fails the room (first failure wins) and tells the peer. The room's
+        `Failure` is `failure`, else the event's (with `kind` when given)."""
         if r.machine.is_terminal:
             return
         r.machine.apply(ev, time.monotonic())
-        log.info("room %d (%s) failed: %s", r.room, self.role.value, r.machine.failure)
-        if notify and r.peer:
-            reason = r.machine.failure or "failed"
-            if notify == "abort":
+        r.failure = failure or failure_of(ev, kind)
+        log.info("room %d (%s) failed: %s", r.room, self.role.value, r.failure.reason)
+        if notify is not Notify.NONE and r.peer:
+            f = r.failure
+            if notify is Notify.ABORT:
                 self._send(r.peer, P.Abort(src=self.address, gen=self.generation, room=r.room,
-                                           reason=reason))
+                                           reason=f.reason, failure_kind=f.kind.value))
             else:
                 self._send(r.peer, P.Failed(src=self.address, gen=self.generation, room=r.room,
-                                            reason=reason))
+                                            reason=f.reason, failure_kind=f.kind.value))
         self._terminal(r)
 
     def _terminal(self, r: _Room) -> None:
@@ -1130,20 +1143,22 @@ class TransferAgent:
         g = r.group
         assert g is not None
         if not ok and g.failure is None:
-            g.failure = r.machine.failure or "failed"
+            g.failure = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
             for other in g.legs:
                 if other is not r and not other.machine.is_terminal:
-                    self._fail(other, RemoteFailed(reason=f"another rank of the room failed: "
-                                                          f"{g.failure}"), notify="failed")
+                    why = f"another rank of the room failed: {g.failure.reason}"
+                    self._fail(other, RemoteFailed(reason=why), notify=Notify.FAILED,
+                               failure=Failure(g.failure.kind, why))
         self._maybe_release(r)
 
-    def _fail_group(self, g: _Group, reason: str) -> None:
+    def _fail_group(self, g: _Group, failure: Failure) -> None:
         """(lock held) Fails a room that may have no legs yet (abort, failed lookup)."""
         if g.failure is None and not g.done.is_set():
-            g.failure = reason
-            log.info("room %d (%s) failed: %s", g.room, self.role.value, reason)
+            g.failure = failure
+            log.info("room %d (%s) failed: %s", g.room, self.role.value, failure.reason)
             for r in g.legs:
-                self._fail(r, RemoteFailed(reason=reason), notify="failed")
+                self._fail(r, RemoteFailed(reason=failure.reason), notify=Notify.FAILED,
+                           failure=failure)
         self._group_update(g)
 
     def _group_update(self, g: _Group) -> None:
@@ -1181,7 +1196,9 @@ class TransferAgent:
                     before[k] = before.get(k, 0) + p.descriptors_before * layers
                     per_region[k] = per_region.get(k, 0) + p.total_bytes * layers
             return {
-                "room": g.room, "state": g.state.name, "failure": g.failure,
+                "room": g.room, "state": g.state.name,
+                "failure": g.failure.reason if g.failure else None,
+                "failure_kind": g.failure.kind.value if g.failure else None,
                 "legs": len(g.legs), "peers": [r.peer for r in g.legs],
                 "bytes": sum(r.bytes_moved for r in g.legs),
                 "retransmits": sum(r.retransmits for r in g.legs),
@@ -1205,20 +1222,19 @@ class TransferAgent:
             pass
 
     def _send(self, addr: str, msg: P.Message) -> None:
-        """(any thread) Queues a control message for the control thread."""
-        s = self.settings
-        kind = type(msg).__name__
-        if s.fault_drop_message and kind == s.fault_drop_message:
-            log.warning("fault injection: dropping %s to %s", kind, addr)
+        """(lock held) Queues a control message for the control thread (through the effect
+        filter, when one is installed: tests drop or delay messages with it)."""
+        if self._effect_filter is None:
+            self._outbox.append((addr, msg))
             return
-        if isinstance(msg, P.Heartbeat) and s.fault_refuse_heartbeat:
-            return
-        if s.fault_delay_message_ms:
-            when = time.monotonic() + s.fault_delay_message_ms / 1e3
-            heapq.heappush(self._timers, (when, next(self._timer_seq),
-                                          lambda: self._outbox.append((addr, msg))))
-            return
-        self._outbox.append((addr, msg))
+        for eff in self._effect_filter(Send(addr, msg)):
+            if isinstance(eff, Send):
+                self._outbox.append((eff.addr, eff.msg))
+            elif isinstance(eff, Delayed) and isinstance(eff.effect, Send):
+                out: tuple[str, P.Message] = (eff.effect.addr, eff.effect.msg)
+                later: Callable[[], None] = functools.partial(self._outbox.append, out)
+                heapq.heappush(self._timers, (time.monotonic() + eff.after_s,
+                                              next(self._timer_seq), later))
 
     def _defer_close(self, sock: zmq.Socket[bytes]) -> None:
         heapq.heappush(self._timers, (time.monotonic(), next(self._timer_seq),
@@ -1295,10 +1311,13 @@ class TransferAgent:
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + hb
                 for p in list(self._peers.values()):
-                    if (p.matched or p.hello_sent) and not self.settings.fault_refuse_heartbeat:
-                        # straight to the outbox: _send's fault-delay timers need the lock
-                        self._outbox.append((p.addr, P.Heartbeat(
-                            src=self.address, gen=self.generation, rooms=[])))
+                    if p.matched or p.hello_sent:
+                        # not through _send: its effect filter's timers need the lock
+                        hb_msg = P.Heartbeat(src=self.address, gen=self.generation, rooms=[])
+                        effs = (self._effect_filter(Send(p.addr, hb_msg))
+                                if self._effect_filter else [Send(p.addr, hb_msg)])
+                        self._outbox.extend((e.addr, e.msg) for e in effs
+                                            if isinstance(e, Send))
             self._flush()
             return
         try:  # other threads push timers (delayed messages) under the lock
@@ -1327,7 +1346,9 @@ class TransferAgent:
             waited = now - g.t_created
             if (not g.done.is_set() and (g.expected is None or len(g.legs) < g.expected)
                     and waited > self.settings.bootstrap_timeout_s):
-                self._fail_group(g, f"bootstrap deadline expired: no peer after {waited:.1f}s")
+                self._fail_group(g, Failure(
+                    FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "
+                    f"{waited:.1f}s", deadline="bootstrap"))
         for p in list(self._peers.values()):
             if p.matched or p.hello_sent:
                 self._send(p.addr, P.Heartbeat(src=self.address, gen=self.generation,
@@ -1341,7 +1362,7 @@ class TransferAgent:
         for r in list(self._legs.values()):
             if not r.machine.is_terminal:
                 for which in r.machine.expired(now):
-                    self._fail(r, DeadlineExpired(which=which), notify="failed")
+                    self._fail(r, DeadlineExpired(which=which), notify=Notify.FAILED)
                     break
         self._gc(now)
 

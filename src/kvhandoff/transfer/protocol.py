@@ -41,6 +41,16 @@ def data_tag(xfer: int, layer: int, region: int, attempt: int) -> int:
     return (((x << LAYER_BITS | layer) << REGION_BITS | region) << ATTEMPT_BITS) | attempt
 
 
+def split_tag(tag: int) -> tuple[int, int, int, int]:
+    """(xfer mod 2**24, layer, region index, attempt) of a `data_tag`."""
+    attempt = tag & ((1 << ATTEMPT_BITS) - 1)
+    tag >>= ATTEMPT_BITS
+    region = tag & ((1 << REGION_BITS) - 1)
+    tag >>= REGION_BITS
+    layer = tag & ((1 << LAYER_BITS) - 1)
+    return tag >> LAYER_BITS, layer, region, attempt
+
+
 class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=False, frozen=True):
     src: str  # the sender's control address (host:port)
     gen: int  # the sender's generation (a nonce per process start)
@@ -93,6 +103,7 @@ class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
 class Failed(_Msg, tag="failed", frozen=True):
     room: int
     reason: str
+    failure_kind: str = ""  # the sender's FailureKind value ("" from older peers)
 
 
 class RegionDone(msgspec.Struct, frozen=True):
@@ -126,6 +137,7 @@ class RoomAck(_Msg, tag="room_ack", frozen=True):
 class Abort(_Msg, tag="abort", frozen=True):
     room: int
     reason: str
+    failure_kind: str = ""  # "aborted", or why the sender's agent gave the room up
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvhandoff.errors import ConfigError
+from kvhandoff.errors import ConfigError, Failure, FailureKind, TransferTimeout
 from kvhandoff.kv_layout import SpanPlan
 from kvhandoff.state_machine import KVPoll, Role, RoomMachine
 
@@ -44,7 +44,7 @@ class _Group:
     seq_len: int = 0
     pages: Any = None  # the engine's page table (prefill: copied into each leg on request)
     ready: list[int] = field(default_factory=list)  # prefill: layers marked ready, in order
-    failure: str | None = None
+    failure: Failure | None = None
     layer_events: dict[int, threading.Event] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
@@ -91,6 +91,7 @@ class _Room:
     sums: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
     recv_done: dict[tuple[int, int], set[str]] = field(default_factory=dict)
     released: threading.Event = field(default_factory=threading.Event)  # nothing in flight
+    failure: Failure | None = None  # set when the leg failed
     bytes_moved: int = 0
     retransmits: int = 0
     checksums_verified: int = 0
@@ -110,8 +111,27 @@ class _Handle:
 
     @property
     def failure(self) -> str | None:
-        """Why the room failed (None unless `poll()` is Failed)."""
+        """Why the room failed, in words (None unless `poll()` is Failed)."""
+        f = self._g.failure
+        return f.reason if f is not None else None
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        """What kind of failure ended the room (None unless `poll()` is Failed)."""
+        f = self._g.failure
+        return f.kind if f is not None else None
+
+    @property
+    def error(self) -> Failure | None:
+        """The room's `Failure` (kind, reason, details), None unless it failed; `.error()` of
+        it is the typed exception the blocking calls raise."""
         return self._g.failure
+
+    def raise_for_failure(self) -> None:
+        """Raises the room's typed `RoomFailed` subclass if it failed; else nothing."""
+        f = self._g.failure
+        if f is not None:
+            raise f.error(self.room)
 
     @property
     def released(self) -> bool:
@@ -178,11 +198,23 @@ class Receiver(_Handle):
         self._agent._receiver_init(self._g, dst_pages, seq_len, decode_prefix_len)
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
-        """Blocks until `layer_id` landed and verified on every leg (True), or the room failed
-        or `timeout` passed (False). The caller bounds the wait."""
+        """Blocks until `layer_id` landed and verified on every leg; returns True. The caller
+        bounds the wait.
+
+        Raises:
+            RoomFailed: the room failed (before or while waiting): the subclass of its
+                `FailureKind` (`ChecksumMismatch` naming layer and region, `LayoutMismatch`
+                with the diff, `PeerLost`, `Aborted`, `DeadlineExpired`, ...).
+            TransferTimeout: `timeout` seconds passed with the room still going.
+            ConfigError: `layer_id` is not a layer of the layout.
+        """
         ev = self._g.layer_events.get(layer_id)
         if ev is None:
             raise ConfigError(f"wait_for_layer({layer_id}): not a layer of this room's layout "
                               f"(layers {self._g.layers[0]}..{self._g.layers[-1]})")
         landed = ev.wait(timeout)
-        return landed and self._g.failure is None
+        self.raise_for_failure()
+        if not landed:
+            raise TransferTimeout(f"room {self.room}: layer {layer_id} not landed within "
+                                  f"{timeout:g}s (state {self._g.state.name})")
+        return True

@@ -21,8 +21,10 @@ import pytest
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.testing.faults import from_config
+from kvhandoff.testing.patterns import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
+from kvhandoff.transfer.transports.base import load_transport
 
 WAIT_S = 15.0  # bound of every wait; a healthy run takes milliseconds
 SEED = 3
@@ -115,10 +117,12 @@ class Pair:
         return bad, touched
 
 
-def _side(role: str, layout: LayoutSpec, settings: Settings, num_pages: int, seed: int) -> Side:
+def _side(role: str, layout: LayoutSpec, settings: Settings, num_pages: int, seed: int,
+          faults: dict[str, Any] | None) -> Side:
     pool = PagePool(num_pages, seed=seed)
+    kw = from_config(faults, load_transport(settings.transport, settings)) if faults else {}
     agent = TransferAgent(role, layout, allocate(layout, num_pages), settings,
-                          engine_id=f"unit-{role}")
+                          engine_id=f"unit-{role}", **kw)
     return Side(agent=agent, pool=pool, releases=Releases(pool))
 
 
@@ -128,13 +132,18 @@ def pair() -> Iterator[Callable[..., Pair]]:
 
     def make(layout: LayoutSpec | None = None, *, decode_layout: LayoutSpec | None = None,
              num_pages: int = 32, prefill_settings: dict[str, Any] | None = None,
-             decode_settings: dict[str, Any] | None = None, **common: Any) -> Pair:
+             decode_settings: dict[str, Any] | None = None,
+             prefill_faults: dict[str, Any] | None = None,
+             decode_faults: dict[str, Any] | None = None, **common: Any) -> Pair:
+        """Faults: a `kvhandoff.testing.faults.from_config` dict per side."""
         lp = layout or tiny_layout()
         base = {"transport": "inproc", "heartbeat_interval_s": 0.2, **common}
-        p = _side("prefill", lp, Settings(**{**base, **(prefill_settings or {})}), num_pages, 1)
+        p = _side("prefill", lp, Settings(**{**base, **(prefill_settings or {})}), num_pages, 1,
+                  prefill_faults)
         try:
             d = _side("decode", decode_layout or lp,
-                      Settings(**{**base, **(decode_settings or {})}), num_pages, 2)
+                      Settings(**{**base, **(decode_settings or {})}), num_pages, 2,
+                      decode_faults)
         except BaseException:
             p.agent.close()
             raise

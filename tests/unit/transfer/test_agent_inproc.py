@@ -11,6 +11,13 @@ import msgspec
 import pytest
 import zmq
 
+from kvhandoff.errors import (
+    Aborted,
+    ChecksumMismatch,
+    FailureKind,
+    LayoutMismatch,
+    TransferTimeout,
+)
 from kvhandoff.kv_layout import layout_hash
 from kvhandoff.settings import ChecksumMode
 from kvhandoff.state_machine import KVPoll
@@ -117,7 +124,8 @@ def test_wait_for_layer_returns_while_later_layers_are_not_ready(pair: MakePair)
     sender.layer_ready(layers[0])
     assert receiver.wait_for_layer(layers[0], WAIT_S)
     # layer 1 was never marked ready on the prefill: it cannot have landed
-    assert not receiver.wait_for_layer(layers[1], 0)
+    with pytest.raises(TransferTimeout, match="layer 1 not landed"):
+        receiver.wait_for_layer(layers[1], 0)
     assert receiver.poll() is KVPoll.Transferring
     assert sender.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
     # mid-transfer nobody may reuse the pages
@@ -127,7 +135,8 @@ def test_wait_for_layer_returns_while_later_layers_are_not_ready(pair: MakePair)
     d = pr.decode
     assert d.agent.status()["counters"]["checksums_verified"] == 2  # main_kv + indexer_k
     for lid in layers[1:]:
-        assert not receiver.wait_for_layer(lid, 0)
+        with pytest.raises(TransferTimeout):
+            receiver.wait_for_layer(lid, 0)
         sender.layer_ready(lid)
         assert receiver.wait_for_layer(lid, WAIT_S)
     assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
@@ -171,7 +180,11 @@ def test_layout_mismatch_fails_both_sides_with_the_diff(pair: MakePair) -> None:
     diff = "indexer_k.layer_ids: prefill=[0, 3, 5] decode=[0, 2, 5]"
     assert receiver.failure is not None and diff in receiver.failure
     assert sender.failure is not None and diff in sender.failure
-    assert not receiver.wait_for_layer(0, WAIT_S)  # a failed room wakes waiters with False
+    with pytest.raises(LayoutMismatch) as err:  # a failed room raises its typed error
+        receiver.wait_for_layer(0, WAIT_S)
+    assert diff in err.value.diff and err.value.kind is FailureKind.LAYOUT_MISMATCH
+    assert receiver.failure_kind is FailureKind.LAYOUT_MISMATCH
+    assert sender.failure_kind is FailureKind.LAYOUT_MISMATCH
     assert_released_once(pr, 15)
 
 
@@ -210,7 +223,10 @@ def test_abort_from_prefill_fails_decode_with_the_reason(pair: MakePair) -> None
     assert finish(sender, receiver) == (KVPoll.Failed, KVPoll.Failed)
     assert sender.failure is not None and "engine evicted the request" in sender.failure
     assert receiver.failure is not None and "engine evicted the request" in receiver.failure
-    assert not receiver.wait_for_layer(1, WAIT_S)
+    with pytest.raises(Aborted, match="engine evicted the request"):
+        receiver.wait_for_layer(1, WAIT_S)
+    assert receiver.failure_kind is FailureKind.ABORTED
+    assert sender.failure_kind is FailureKind.ABORTED
     assert_released_once(pr, 18)
     sender.abort("again")  # safe twice; the first reason stays
     assert "engine evicted the request" in (sender.failure or "")
@@ -244,7 +260,7 @@ def test_decode_abort_before_the_transfer_starts(pair: MakePair) -> None:
 
 
 def test_corruption_once_is_retransmitted(pair: MakePair) -> None:
-    pr = pair(decode_settings={"fault_corrupt_layer": 3, "fault_corrupt_times": 1})
+    pr = pair(decode_faults={"corrupt": [{"layer": 3}]})
     sender, receiver, _, dst = pr.open(21, SEQ, PREFIX)
     run_layers(pr, sender, receiver)
     assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
@@ -256,7 +272,7 @@ def test_corruption_once_is_retransmitted(pair: MakePair) -> None:
 
 
 def test_corruption_twice_fails_naming_layer_and_region(pair: MakePair) -> None:
-    pr = pair(decode_settings={"fault_corrupt_layer": 3, "fault_corrupt_times": 2})
+    pr = pair(decode_faults={"corrupt": [{"layer": 3, "times": 2}]})
     sender, receiver, _, _ = pr.open(22, SEQ, PREFIX)
     for lid in layers_of(pr.prefill.layout):
         sender.layer_ready(lid)
@@ -264,7 +280,12 @@ def test_corruption_twice_fails_naming_layer_and_region(pair: MakePair) -> None:
     want = "checksum mismatch on layer 3, region 'main_kv'"
     assert receiver.failure is not None and want in receiver.failure
     assert sender.failure is not None and want in sender.failure
-    assert not receiver.wait_for_layer(3, 0)  # a failed room reports False for every layer
+    with pytest.raises(ChecksumMismatch) as err:  # a failed room raises for every layer
+        receiver.wait_for_layer(3, 0)
+    assert (err.value.layer, err.value.region) == (3, "main_kv")
+    with pytest.raises(ChecksumMismatch):
+        receiver.wait_for_layer(0, 0)
+    assert sender.failure_kind is FailureKind.CHECKSUM
     assert pr.decode.agent.status()["counters"]["checksum_failures"] == 2
     assert_released_once(pr, 22)
 

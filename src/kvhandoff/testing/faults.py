@@ -1,0 +1,239 @@
+"""Fault injection for tests, outside the product: a transport wrapper and a message filter.
+
+- `FaultyTransport(inner, ...)` wraps any `Transport`: corrupt one byte of a landed region of a
+  layer (main KV or indexer, `Corrupt`), stall a layer's sends (never posted; cancel/close
+  still complete them), fail a layer's ops with a `TransportError`, or end the process
+  (`os._exit(137)`) when a layer is about to be sent.
+- `MessageFaults(...)` is an agent `effect_filter`: drop control messages of some kinds, delay
+  every message, or send no heartbeats.
+- `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.sim` with
+  the faults of the config's ``"faults"`` key (`from_config`), for tests with real processes.
+
+The agent never knows: the wrapper sits where the transport sits, the filter where effects
+leave the transfer core.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvhandoff.errors import TransportError
+from kvhandoff.transfer import protocol as P
+from kvhandoff.transfer.effects import Delayed, Effect, Send
+from kvhandoff.transfer.transports.base import OnDone, Transport, TransportStatus
+
+log = logging.getLogger("kvhandoff.testing.faults")
+
+CRASH_EXIT_CODE = 137
+
+
+@dataclass
+class Corrupt:
+    """Flip one byte of the first span of `region` of `layer` each time it lands (before the
+    agent verifies it), `times` times in all (2 per room defeats the one retransmit)."""
+
+    layer: int
+    region: str = "main_kv"
+    times: int = 1
+    offset: int = 0  # byte offset into the first span
+
+
+@dataclass
+class _Held:
+    peer: str
+    tag: int
+    on_done: OnDone
+
+
+@dataclass
+class FaultLog:
+    """What a `FaultyTransport` did (tests assert the fault fired)."""
+
+    corrupted: list[tuple[int, str, int]] = field(default_factory=list)  # (layer, region, off)
+    stalled: int = 0
+    failed: int = 0
+
+
+class FaultyTransport(Transport):
+    """A `Transport` that forwards to `inner` and injects the configured faults."""
+
+    def __init__(self, inner: Transport, *, corrupt: Iterable[Corrupt] = (),  # noqa: D107
+                 stall_layers: Iterable[int] = (), fail_layers: Iterable[int] = (),
+                 crash_layer: int | None = None) -> None:
+        self.inner = inner
+        self.kind = inner.kind  # type: ignore[misc]  # the wrapped transport's kind
+        self._corrupt = list(corrupt)
+        self._stall = frozenset(stall_layers)
+        self._fail = frozenset(fail_layers)
+        self._crash = crash_layer
+        self._bufs: dict[str, np.ndarray] = {}
+        self._held: list[_Held] = []
+        self._lock = threading.Lock()
+        self.log = FaultLog()
+
+    # --- plain forwarding --------------------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self.inner.address
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        self._bufs[name] = buf
+        self.inner.register(name, buf)
+
+    def connect(self, peer: str, address: bytes) -> None:
+        self.inner.connect(peer, address)
+
+    def disconnect(self, peer: str) -> None:
+        self._complete_held(lambda h: h.peer == peer, "disconnected")
+        self.inner.disconnect(peer)
+
+    def status(self) -> TransportStatus:
+        return self.inner.status()
+
+    def cancel(self, peer: str, tag: int) -> None:
+        self._complete_held(lambda h: h.peer == peer and h.tag == tag, "cancelled")
+        self.inner.cancel(peer, tag)
+
+    def close(self) -> None:
+        self._complete_held(lambda h: True, "transport closed")
+        self.inner.close()
+
+    # --- faults ------------------------------------------------------------------------------
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        _, layer, _, _ = P.split_tag(tag)
+        if self._crash is not None and layer == self._crash:
+            log.error("fault injection: the process exits at layer %d", layer)
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)
+        if layer in self._stall:
+            with self._lock:
+                self._held.append(_Held(peer, tag, on_done))
+                self.log.stalled += 1
+            return
+        if layer in self._fail:
+            self._fail_later(on_done, f"injected send failure on layer {layer}")
+            return
+        self.inner.post_send(peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        _, layer, _, _ = P.split_tag(tag)
+        if layer in self._fail:
+            self._fail_later(on_done, f"injected receive failure on layer {layer}")
+            return
+        region = name.rsplit("/", 1)[0]
+        spec = next((c for c in self._corrupt if c.layer == layer and c.region == region), None)
+        if spec is None or not len(offsets):
+            self.inner.post_recv(peer, tag, name, offsets, nbytes, on_done)
+            return
+        off = int(offsets[0]) + min(spec.offset, int(nbytes[0]) - 1)
+
+        def landed(exc: BaseException | None) -> None:
+            if exc is None:
+                with self._lock:
+                    fire = spec.times > 0
+                    spec.times -= fire
+                if fire:
+                    self._bufs[name][off] ^= 0xFF
+                    self.log.corrupted.append((layer, region, off))
+                    log.warning("fault injection: flipped byte %d of %s", off, name)
+            on_done(exc)
+
+        self.inner.post_recv(peer, tag, name, offsets, nbytes, landed)
+
+    def _fail_later(self, on_done: OnDone, why: str) -> None:
+        """Completes an op with an error from another thread, as a transport does."""
+        self.log.failed += 1
+        threading.Thread(target=on_done, args=(TransportError(why),), daemon=True,
+                         name="kvh-fault").start()
+
+    def _complete_held(self, which: Any, why: str) -> None:
+        with self._lock:
+            done = [h for h in self._held if which(h)]
+            self._held = [h for h in self._held if not which(h)]
+        for h in done:
+            self._fail_later(h.on_done, f"stalled op {why}")
+
+
+class MessageFaults:
+    """An agent `effect_filter` for control messages: `drop` names message classes
+    (``"RoomAck"``, ``"LayerDone"``...) to drop (at most `drop_times` of them, None: all),
+    `delay_s` delays every message, `refuse_heartbeats` drops every heartbeat."""
+
+    def __init__(self, *, drop: Iterable[str] = (), drop_times: int | None = None,
+                 delay_s: float = 0.0, refuse_heartbeats: bool = False) -> None:
+        self.drop = frozenset(drop)
+        self.drop_left = drop_times
+        self.delay_s = delay_s
+        self.refuse_heartbeats = refuse_heartbeats
+        self.dropped: list[str] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, eff: Effect) -> list[Effect]:
+        if not isinstance(eff, Send):
+            return [eff]
+        kind = type(eff.msg).__name__
+        if self.refuse_heartbeats and isinstance(eff.msg, P.Heartbeat):
+            return []
+        if kind in self.drop:
+            with self._lock:
+                if self.drop_left is None or self.drop_left > 0:
+                    if self.drop_left is not None:
+                        self.drop_left -= 1
+                    self.dropped.append(kind)
+                    return []
+        if self.delay_s:
+            return [Delayed(self.delay_s, eff)]
+        return [eff]
+
+
+def from_config(faults: dict[str, Any], inner: Transport) -> dict[str, Any]:
+    """The agent keyword arguments (`transport`, `effect_filter`) of a JSON fault config:
+    ``{"corrupt": [{"layer": 5, "region": "indexer_k", "times": 2}], "stall_layers": [3],
+    "fail_layers": [], "crash_layer": 10, "drop": ["RoomAck"], "delay_ms": 0,
+    "refuse_heartbeats": false}`` (every key optional)."""
+    kw: dict[str, Any] = {"transport": FaultyTransport(
+        inner, corrupt=[Corrupt(**c) for c in faults.get("corrupt", [])],
+        stall_layers=faults.get("stall_layers", ()), fail_layers=faults.get("fail_layers", ()),
+        crash_layer=faults.get("crash_layer"))}
+    if faults.get("drop") or faults.get("delay_ms") or faults.get("refuse_heartbeats"):
+        kw["effect_filter"] = MessageFaults(
+            drop=faults.get("drop", ()), delay_s=float(faults.get("delay_ms", 0)) / 1e3,
+            refuse_heartbeats=bool(faults.get("refuse_heartbeats")))
+    return kw
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvhandoff.sim` with the faults of the config's ``"faults"`` key."""
+    from kvhandoff import sim
+    from kvhandoff.settings import Settings
+    from kvhandoff.transfer.transports.base import load_transport
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m kvhandoff.testing.faults prefill|decode '<json config>'",
+              file=sys.stderr)
+        return 2
+    cfg = json.loads(args[1])
+    settings = Settings(**cfg.get("settings", {}))
+
+    def agent_kw() -> dict[str, Any]:
+        return from_config(cfg.get("faults", {}), load_transport(settings.transport, settings))
+
+    return sim.main(args, agent_kw=agent_kw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
