@@ -2,9 +2,9 @@
 
 Usage: python peer_proc.py KIND CHUNK_BYTES BUF_BYTES SEED
 Sends read buffer "out" (numpy default_rng(SEED) bytes, which the parent can rebuild);
-receives land in buffer "in".
+receives land in buffer "in" (a kvhandoff shared segment when KIND is "shm-map").
 Lines out: {"address": hex}, {"connected": true}, {"posted": tag}, {"done": tag, "error": str|null,
-"digest": hex of the bytes of the span list (receives)}.
+"digest": hex of the bytes of the span list (receives)}, {"status": {"lanes": [...]}}.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from kvhandoff.settings import Settings
+from kvhandoff.transfer.shm import SharedSegment
 from kvhandoff.transfer.transports import load_transport
 
 
@@ -26,9 +27,10 @@ def content(seed: int, size: int) -> np.ndarray:
 
 def main() -> None:
     kind, chunk, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    tr = load_transport(kind, Settings(chunk_bytes=chunk))
+    tr = load_transport(kind.split("-")[0], Settings(chunk_bytes=chunk))
     out = content(seed, size)  # sends read this
-    buf = np.zeros(size, np.uint8)  # receives land here
+    # receives land here
+    buf = SharedSegment(size).array if kind == "shm-map" else np.zeros(size, np.uint8)
     tr.register("out", out)
     tr.register("in", buf)
     out_lock = threading.Lock()
@@ -64,6 +66,8 @@ def main() -> None:
             else:
                 tr.post_send("parent", tag, "out", off, nb, done)
             say({"posted": tag})
+        elif msg["cmd"] == "status":
+            say({"status": {"lanes": list(tr.status().lanes)}})
         elif msg["cmd"] == "exit":
             break
     tr.close()

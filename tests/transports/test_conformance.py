@@ -1,7 +1,10 @@
-"""One conformance suite every data transport runs (inproc, tcp, ucx).
+"""One conformance suite every data transport runs (inproc, tcp, ucx, shm).
 
-Two real transports talk over their real lanes (sockets, UCX shared memory); for tcp and ucx a
-variant puts the peer in a real second process (peer_proc.py). Every wait is bounded.
+Two real transports talk over their real lanes (sockets, UCX shared memory, shm: cross-memory
+writes, or a mapped shared segment for "shm-map", whose buffers are kvhandoff shared segments);
+for tcp, ucx and shm a variant puts the peer in a real second process (peer_proc.py). One-sided
+writes are checked on every transport that supports them (and refused by the others). Every
+wait is bounded.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import xxhash
 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
+from kvhandoff.transfer.shm import SharedSegment
 from kvhandoff.transfer.transports import Transport, TransportStatus, load_transport
 from kvhandoff.transfer.transports._chunks import ChunkPlan, normalise_spans
 
-KINDS = ["inproc", "tcp", "ucx"]
+KINDS = ["inproc", "tcp", "ucx", "shm", "shm-map"]
 CHUNK = 64 << 10
 BUF = 3 << 20
 WAIT_S = 20.0
@@ -77,14 +81,27 @@ def stream(buf: np.ndarray, off: np.ndarray, nb: np.ndarray) -> np.ndarray:
     return np.concatenate([buf[o:o + n] for o, n in zip(off.tolist(), nb.tolist(), strict=True)])
 
 
+def base_kind(kind: str) -> str:
+    """The transport of a test kind ("shm-map" is shm with buffers in shared segments)."""
+    return kind.split("-")[0]
+
+
+def buffer(kind: str) -> np.ndarray:
+    """A zeroed BUF-byte buffer: in a kvhandoff shared segment for "shm-map"."""
+    if kind == "shm-map":
+        return SharedSegment(BUF).array
+    return np.zeros(BUF, np.uint8)
+
+
 class Pair:
     def __init__(self, kind: str, **settings: object) -> None:
         s = Settings(chunk_bytes=CHUNK, stall_timeout_s=WAIT_S, **settings)  # type: ignore[arg-type]
-        self.a: Transport = load_transport(kind, s)
-        self.b: Transport = load_transport(kind, s)
+        self.a: Transport = load_transport(base_kind(kind), s)
+        self.b: Transport = load_transport(base_kind(kind), s)
         rng = np.random.default_rng(7)
-        self.src = rng.integers(0, 256, BUF, dtype=np.uint8)
-        self.dst = np.zeros(BUF, np.uint8)
+        self.src = buffer(kind)
+        self.src[:] = rng.integers(0, 256, BUF, dtype=np.uint8)
+        self.dst = buffer(kind)
         self.a.register("kv", self.src)
         self.b.register("kv", self.dst)
         self.a.connect("b", self.b.address)
@@ -363,6 +380,7 @@ def test_close_is_idempotent_and_fails_pending(kind: str) -> None:
 # ---- status and bad input ---------------------------------------------------------------------
 
 def test_status_fields(pair: Pair, kind: str) -> None:
+    kind = base_kind(kind)
     st = pair.a.status()
     assert isinstance(st, TransportStatus)
     assert st.kind == kind == type(pair.a).kind
@@ -381,8 +399,9 @@ def test_status_fields(pair: Pair, kind: str) -> None:
 
 
 def test_require_rdma(kind: str) -> None:
+    kind = base_kind(kind)
     s = Settings(require_rdma=True, chunk_bytes=CHUNK)
-    if kind == "tcp":
+    if kind in ("tcp", "shm"):  # no RDMA at all: refused outright
         with pytest.raises(TransportError, match="require_rdma"):
             load_transport(kind, s)
         return
@@ -427,7 +446,7 @@ def test_bad_input_names_the_field(pair: Pair) -> None:
 
 
 def test_load_transport_unknown_kind() -> None:
-    with pytest.raises(TransportError, match="unknown kind 'rdma'.*inproc, tcp, ucx"):
+    with pytest.raises(TransportError, match="unknown kind 'rdma'.*inproc, shm, tcp, ucx"):
         load_transport("rdma", Settings())
 
 
@@ -495,6 +514,13 @@ class PeerProcess:
                 return msg
             self.held.append(msg)
 
+    def ask(self, cmd: str) -> dict[str, object]:
+        """Sends `cmd` and returns the peer's answer carrying the key `cmd`."""
+        self.send(cmd=cmd)
+        answer = self.expect(cmd)[cmd]
+        assert isinstance(answer, dict)
+        return answer
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.send(cmd="exit")
@@ -502,21 +528,22 @@ class PeerProcess:
         assert self.proc.wait(timeout=WAIT_S) == 0
 
 
-@pytest.mark.parametrize("xkind", ["tcp", "ucx"])
+@pytest.mark.parametrize("xkind", ["tcp", "ucx", "shm", "shm-map"])
 def test_cross_process_both_directions(xkind: str) -> None:
     peer_seed = 99
     peer = PeerProcess(xkind, peer_seed)
-    tr = load_transport(xkind, Settings(chunk_bytes=CHUNK))
+    tr = load_transport(base_kind(xkind), Settings(chunk_bytes=CHUNK))
     try:
         rng = np.random.default_rng(3)
-        mine = rng.integers(0, 256, BUF, dtype=np.uint8)
+        mine = buffer(xkind)
+        mine[:] = rng.integers(0, 256, BUF, dtype=np.uint8)
         tr.register("kv", mine)
         addr = bytes.fromhex(str(peer.expect("address")["address"]))
         tr.connect("peer", addr)
         peer.send(cmd="connect", address=tr.address.hex())
         peer.expect("connected")
-        if xkind == "ucx":
-            assert tr.status().lanes, "ucx reports the lanes it uses"
+        if xkind != "tcp":
+            assert tr.status().lanes, f"{xkind} reports the lanes it uses"
 
         # parent -> peer, sender first, spans cut differently on each side
         total = BUF // 2 + 777
@@ -544,6 +571,9 @@ def test_cross_process_both_directions(xkind: str) -> None:
         assert peer.expect("done")["error"] is None
         assert np.array_equal(stream(mine, *d), stream(theirs, *s))
         assert tr.status().bytes_received == total
+        if xkind.startswith("shm"):  # the peer wrote into us: by mapping our segment or not
+            lanes = peer.ask("status")["lanes"]
+            assert lanes == (["shm/map"] if xkind == "shm-map" else ["shm/cma"])
     finally:
         tr.close()
         peer.close()

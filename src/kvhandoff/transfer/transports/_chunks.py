@@ -109,11 +109,12 @@ def _split(off: np.ndarray, nb: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarra
 class ChunkPlan:
     """The chunk grid of one span list (see module comment)."""
 
-    __slots__ = ("total", "chunk_bytes", "nchunks", "_off", "_len", "_lo")
+    __slots__ = ("total", "chunk_bytes", "nchunks", "_off", "_len", "_lo", "_spans")
 
     def __init__(self, offsets: np.ndarray, nbytes: np.ndarray, chunk_bytes: int) -> None:
         if chunk_bytes <= 0:
             raise TransportError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        self._spans = (offsets, nbytes)
         self.chunk_bytes = int(chunk_bytes)
         self.total = int(nbytes.sum()) if nbytes.size else 0
         self.nchunks = -(-self.total // self.chunk_bytes)
@@ -124,6 +125,10 @@ class ChunkPlan:
         self._off, self._len, pos = _split(offsets, nbytes, cuts)
         self._lo = np.searchsorted(pos, np.arange(self.nchunks + 1, dtype=np.int64)
                                    * self.chunk_bytes, side="left")
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """The (normalised) span list the plan was made of."""
+        return self._spans
 
     def chunk_len(self, k: int) -> int:
         """Bytes in chunk k."""

@@ -37,6 +37,9 @@ class IoCommand(enum.Enum):
     RECV = "recv"
     FORGET = "forget"
     STOP = "stop"
+    WRITE = "write"  # a one-sided write to start
+    WRITTEN = "written"  # a copy thread ended a job
+    FENCE = "fence"
 
 
 class _OpLike(Protocol):

@@ -157,6 +157,7 @@ class Transport(ABC):
 _BACKENDS = {
     TransportKind.UCX: "kvhandoff.transfer.transports.ucx:UcxTransport",
     TransportKind.TCP: "kvhandoff.transfer.transports.tcp:TcpTransport",
+    TransportKind.SHM: "kvhandoff.transfer.transports.shm:ShmTransport",
     TransportKind.INPROC: "kvhandoff.transfer.transports.inproc:InprocTransport",
 }
 

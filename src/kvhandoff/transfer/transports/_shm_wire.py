@@ -1,0 +1,103 @@
+# The shm transport's wire: its address, buffer descriptors, control messages, and the records
+# of ops and peers (shared by shm.py's two-sided and one-sided paths).
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from kvhandoff.errors import TransportError
+
+from ._chunks import ChunkPlan
+from ._hostid import HOST_ID_BYTES
+from ._shm_copy import Job, Target
+from .base import OnDone
+
+MAGIC = b"KVHSHM1"
+PID = struct.Struct("<I")
+_DESC = struct.Struct("<8sIiQQQQ")  # magic, pid, fd, segment bytes, offset, address, nbytes
+_DESC_MAGIC = b"KVHSHMD1"
+EXPOSE = struct.Struct("<cQQ")  # b"R", tag, total bytes; then descriptor, offsets, nbytes
+FINAL = struct.Struct("<cQB")  # b"F", tag, ok; then a utf-8 reason
+TAGMSG = struct.Struct("<cQ")  # b"X" (stop writing tag) / b"A" (nothing writes it any more)
+
+
+def split_address(address: bytes) -> tuple[bytes, int, str, bytes]:
+    """(host id, pid, control endpoint, ident) of an shm transport address."""
+    head = len(MAGIC) + HOST_ID_BYTES + PID.size
+    try:
+        if not address.startswith(MAGIC) or len(address) <= head:
+            raise ValueError
+        host = address[len(MAGIC):len(MAGIC) + HOST_ID_BYTES]
+        (pid,) = PID.unpack(address[head - PID.size:head])
+        endpoint, ident = address[head:].decode("ascii").rsplit("/", 1)
+        if not endpoint.startswith("tcp://") or len(ident) != 32:
+            raise ValueError
+    except (ValueError, UnicodeDecodeError, struct.error):
+        raise TransportError(f"shm: address {address[:48]!r}… is not an shm transport address; "
+                             "both agents must use the same transport") from None
+    return host, pid, endpoint, ident.encode("ascii")
+
+
+def describe_buffer(buf: np.ndarray) -> bytes:
+    """The descriptor of a registered buffer of this process (see kvhandoff.transfer.shm)."""
+    from kvhandoff.transfer.shm import find_segment
+
+    addr, n = int(buf.ctypes.data), int(buf.size)
+    seg = find_segment(addr, n)
+    fd, seg_n, off = (seg.fd, seg.segment_nbytes, seg.offset) if seg else (-1, 0, 0)
+    return _DESC.pack(_DESC_MAGIC, os.getpid(), fd, seg_n, off, addr, n)
+
+
+def parse_descriptor(desc: bytes) -> tuple[int, int, int, int, int, int]:
+    """(pid, fd, segment bytes, offset, address, nbytes) of a buffer descriptor."""
+    if not isinstance(desc, bytes) or len(desc) != _DESC.size:
+        raise TransportError(f"shm: a buffer descriptor has {_DESC.size} bytes, got "
+                             f"{len(desc) if isinstance(desc, bytes) else type(desc).__name__}")
+    magic, pid, fd, seg_n, off, addr, n = _DESC.unpack(desc)
+    if magic != _DESC_MAGIC:
+        raise TransportError("shm: not a buffer descriptor (bad magic)")
+    return pid, fd, seg_n, off, addr, n
+
+
+class ShmOp:
+    __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
+                 "exposed", "acked", "job", "is_write", "remote", "digest")
+
+    def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> None:
+        self.peer = peer
+        self.ident = ident
+        self.tag = tag
+        self.is_send = is_send
+        self.buf = buf
+        self.plan = plan
+        self.on_done = on_done
+        self.finished = False
+        self.exposed = False  # receive: its R went out (the writer may write into it)
+        self.acked = False  # receive: the writer confirmed it stopped writing into it
+        self.job: Job | None = None  # send / write: its copy, once started
+        self.is_write = False
+        self.remote: tuple[Target, np.ndarray, np.ndarray] | None = None  # write: where to
+        self.digest: int | None = None  # write with checksum: xxh3-64 of the source stream
+
+    def __repr__(self) -> str:
+        kind = "write" if self.is_write else "send" if self.is_send else "recv"
+        return f"<shm {kind} peer={self.peer!r} tag={self.tag} bytes={self.plan.total}>"
+
+
+class ShmPeer:
+    __slots__ = ("name", "address", "pid", "ident", "pidfd", "dead", "remotes", "targets")
+
+    def __init__(self, name: str, address: bytes, pid: int, ident: bytes, pidfd: int) -> None:
+        self.name = name
+        self.address = address
+        self.pid = pid
+        self.ident = ident
+        self.pidfd = pidfd
+        self.dead: str | None = None
+        self.remotes: dict[str, Target] = {}  # register_remote name -> target
+        self.targets: dict[bytes, Target] = {}  # descriptor -> target (two-sided receives)
+
+

@@ -1,0 +1,647 @@
+# Same-host transport: the writer copies straight into the receiver's memory.
+#
+# How it works: each transport binds one ZMQ ROUTER (control only, on settings.agent_host) and
+# opens a DEALER per connected peer; its address names the host (peers on another host are
+# refused: use ucx or tcp there), its pid and the ROUTER endpoint. No byte of KV crosses a
+# socket:
+# - Two-sided (post_send / post_recv, what the agent uses): a posted receive EXPOSES its spans:
+#   the receiver sends b"R" (tag, total, its buffer's descriptor, the span list) to the writer.
+#   When the writer has both the send and the R of a tag it copies its spans into the
+#   receiver's spans (_shm_copy: a mapped kvhandoff shared segment, else process_vm_writev),
+#   then answers b"F" (tag, ok/reason), which completes the receive; the send completes when
+#   its copy ended. The receiver posts one message per receive, nothing per span or chunk.
+# - One-sided (supports_write): describe(name) gives a buffer's descriptor, the writer installs
+#   it with register_remote(peer, name, descriptor) and post_write()s span lists into it; the
+#   receiver posts nothing at all. fence(peer) completes once every earlier write to that peer
+#   ended. Writes can hash their source while copying (checksum=True).
+# - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
+#   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
+#   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
+#
+# Rules: one I/O thread owns the sockets and the matching tables; copy threads only copy and
+# report back through the command queue. `_lock` guards the op table, `finished` flags and the
+# `exposed` / `acked` state of receives. After a receive's cancel() / disconnect() returns, the
+# writer acknowledged (b"X" -> b"A") that nothing of that tag writes any more, or its process
+# is gone; the wait is bounded by stall_timeout_s (then TransportError, as ucx).
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import zmq
+
+from kvhandoff.errors import TransportError
+
+from ._chunks import ChunkPlan, check_tag, normalise_spans, paired_pieces
+from ._hostid import host_id
+from ._shm_copy import CopyPool, Job, Target, open_target
+from ._shm_wire import (
+    EXPOSE,
+    FINAL,
+    MAGIC,
+    PID,
+    TAGMSG,
+    ShmOp,
+    ShmPeer,
+    describe_buffer,
+    parse_descriptor,
+    split_address,
+)
+from ._threaded import IoCommand, ThreadedTransport
+from .base import OnDone, OnWritten, TransportKind, TransportStatus
+
+if TYPE_CHECKING:
+    from kvhandoff.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_NO_CHUNKS = 1 << 62  # paired_pieces without a chunk grid
+_DEFAULT_THREADS = 3
+
+
+class ShmTransport(ThreadedTransport):
+    """Same-host transport: writes into the peer's memory (see module comment)."""
+
+    kind: ClassVar[TransportKind] = TransportKind.SHM
+    supports_write: ClassVar[bool] = True
+
+    def __init__(self, settings: Settings, *, lane: str = "auto",
+                 copy_threads: int | None = None) -> None:
+        if settings.require_rdma:
+            raise TransportError("shm transport refused: require_rdma is set (shm is same-host "
+                                 "memory, no RDMA); unset KVHANDOFF_REQUIRE_RDMA or use ucx")
+        if lane not in ("auto", "cma"):
+            raise TransportError(f"shm: lane must be 'auto' or 'cma', got {lane!r}")
+        self._allow_map = lane == "auto"
+        self._bound_s = float(settings.stall_timeout_s)
+        self._ident = uuid.uuid4().hex.encode("ascii")
+        self._init_threaded(settings.chunk_bytes, f"kvhandoff-shm-cb-{self._ident[:8].decode()}")
+        self._cond = threading.Condition(self._lock)
+        threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
+        self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            self._router.bind(f"tcp://{settings.agent_host}:0")
+        except zmq.ZMQError as e:
+            self._router.close()
+            self._ctx.term()
+            self._copier.stop()
+            raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
+                from e
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = (MAGIC + host_id() + PID.pack(os.getpid())
+                         + f"{endpoint}/{self._ident.decode()}".encode("ascii"))
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._peer_info: dict[str, ShmPeer] = {}  # guarded by _lock
+        # finished receives the writer may still write into, until it confirms: guarded too
+        self._awaiting: dict[tuple[str, int], ShmOp] = {}
+        self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
+        # owned by the I/O thread
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._sends: dict[tuple[bytes, int], ShmOp] = {}  # (receiver ident, tag) -> send op
+        self._exposed: dict[tuple[bytes, int], tuple[bytes, np.ndarray, np.ndarray]] = {}
+        self._jobs: dict[tuple[bytes, int], Job] = {}  # two-sided copies running
+        self._ack_after: set[tuple[bytes, int]] = set()  # X arrived while copying
+        self._writes: dict[str, list[ShmOp]] = {}  # peer -> one-sided writes running
+        self._fences: list[tuple[str, set[int], OnDone]] = []
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvhandoff-shm-io-{self._ident[:8].decode()}")
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def connect(self, peer: str, address: bytes) -> None:
+        if not isinstance(address, bytes) or not address:
+            raise TransportError(f"connect {peer!r}: address must be non-empty bytes")
+        host, pid, endpoint, ident = split_address(address)
+        if host != host_id():
+            raise TransportError(f"connect {peer!r}: the peer is on another host; the shm "
+                                 "transport connects agents of one host only (use ucx or tcp)")
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known == address:
+                return
+            if known is not None:
+                raise TransportError(f"connect {peer!r}: already connected at another address; "
+                                     "disconnect first")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            raise TransportError(f"connect {peer!r}: peer process {pid} is not reachable: "
+                                 f"{e}") from e
+        with self._lock:
+            self._peers[peer] = address
+            self._peer_info[peer] = ShmPeer(peer, address, pid, ident, pidfd)
+        self._command(IoCommand.CONNECT, peer, endpoint, pidfd)
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
+            info = self._peer_info.get(peer)
+            self._peers.pop(peer, None)
+        self._deliver(done)
+        if info is None:
+            return
+        self._stop_ops(ops, "disconnect", info)
+        with self._lock:
+            self._peer_info.pop(peer, None)
+            self._lanes.pop(peer, None)
+        self._command(IoCommand.DISCONNECT, peer, info)
+
+    def cancel(self, peer: str, tag: int) -> None:
+        tag = check_tag(tag)
+        with self._lock:
+            ops = [op for k in ((peer, tag, True), (peer, tag, False))
+                   if (op := self._ops.get(k)) is not None]
+            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
+            info = self._peer_info.get(peer)
+        self._deliver(done)
+        if ops and info is not None:
+            self._stop_ops(ops, "cancel", info)
+
+    def status(self) -> TransportStatus:
+        with self._lock:
+            lanes = sorted({lane for ls in self._lanes.values() for lane in ls})
+            npeers = len(self._peer_info)
+            dead = sorted(p.name for p in self._peer_info.values() if p.dead)
+        names = {"map": "shm/map", "cma": "shm/cma"}
+        reason = (f"shm: same-host writes into the peer's memory ({npeers} peer(s); lanes: "
+                  f"{', '.join(names[x] for x in lanes) or 'none used yet'}; "
+                  f"{self._copier.threads} copy threads; map = the peer's pool is a kvhandoff "
+                  "shared segment, cma = process_vm_writev; a dying peer is an error, never an "
+                  "abort)")
+        if dead:
+            reason += f"; peer process(es) gone: {', '.join(dead)}"
+        return TransportStatus(kind=self.kind,
+                               lanes=tuple(names[x] for x in lanes) or ("shm",),
+                               degraded=False, reason=reason, bytes_sent=self._bytes_sent,
+                               bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = list(self._ops.values())
+            done = self._finish_locked(ops, "shm transport closed")
+        self._deliver(done)
+        for op in ops:  # local copies stop; peers' writes into us: see _stop_ops
+            if op.job is not None:
+                op.job.cancel()
+        self._command(IoCommand.STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._copier.stop()
+        self._callbacks.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __repr__(self) -> str:
+        return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"
+
+    # ---- one-sided writes -----------------------------------------------------------------
+
+    def describe(self, name: str) -> bytes:
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"describe: no buffer registered as {name!r}")
+        return describe_buffer(buf)
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        pid, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
+        with self._lock:
+            self._check_open()
+            info = self._peer_info.get(peer)
+            if info is None:
+                raise TransportError(f"register_remote: peer {peer!r} is not connected")
+            if pid != info.pid:
+                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
+                                     f"{pid}, peer {peer!r} is process {info.pid}")
+        target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map)
+        with self._lock:
+            info.remotes[name] = target
+            self._lanes.setdefault(peer, set()).add(target.lane)
+
+    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
+                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
+                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
+                   checksum: bool = False) -> None:
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"post_write {name!r}")
+        with self._lock:
+            info = self._peer_info.get(peer)
+            target = info.remotes.get(remote) if info is not None else None
+        if info is None:
+            raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
+                                 "first")
+        if target is None:
+            raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
+                                 "call register_remote first")
+        roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target.nbytes,
+                                    what=f"post_write remote {remote!r}")
+        total, rtotal = int(nb.sum()), int(rnb.sum())
+        if total != rtotal:
+            raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
+                                 f"remote spans {rtotal}")
+        plan = ChunkPlan(off, nb, max(total, 1))
+        op = ShmOp(peer, info.ident, tag, True, buf, plan, _ignore)
+        op.is_write = True
+        op.remote = (target, roff, rnb)
+        op.on_done = _written_adapter(op, on_done)
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"post_write: peer {peer!r} is not connected")
+            key = (peer, tag, True)
+            if key in self._ops:
+                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
+                                     "pending")
+            self._ops[key] = op
+        self._command(IoCommand.WRITE, op, checksum)
+
+    def fence(self, peer: str, on_done: OnDone) -> None:
+        if not callable(on_done):
+            raise TransportError("fence: on_done must be callable")
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"fence: peer {peer!r} is not connected")
+        self._command(IoCommand.FENCE, peer, on_done)
+
+    # ---- helpers (any thread) -------------------------------------------------------------
+
+    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> ShmOp:
+        return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
+
+    def _stop_ops(self, ops: list[ShmOp], what: str, info: ShmPeer) -> None:
+        """After `ops` were finished: stop local copies of sends/writes, and for exposed
+        receives have the writer confirm it stopped (or its process be gone), bounded."""
+        local = [op.job for op in ops if op.job is not None]
+        for job in local:
+            job.cancel()
+        exposed = [op for op in ops if not op.is_send]
+        with self._lock:
+            for op in exposed:
+                self._awaiting[(op.peer, op.tag)] = op
+        self._command(IoCommand.FORGET, ops)
+        if threading.current_thread() in (self._thread,) or self._callbacks.in_thread():
+            return
+        deadline = time.monotonic() + self._bound_s
+        for job in local:
+            if not job.wait(max(0.0, deadline - time.monotonic())):
+                raise TransportError(f"{what}: a copy into peer {info.name!r} did not stop "
+                                     f"within {self._bound_s} s")
+        with self._cond:
+            while any(op.exposed and not op.acked for op in exposed) and info.dead is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._closed and not self._thread.is_alive()):
+                    raise TransportError(f"{what}: peer {info.name!r} did not confirm within "
+                                         f"{self._bound_s} s that it stopped writing into "
+                                         "this receive's memory (peer stalled?); that memory "
+                                         "may still be written")
+                self._cond.wait(left)
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        handlers: dict[IoCommand, Callable[..., None]] = {
+            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
+            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
+            IoCommand.FORGET: self._on_forget, IoCommand.WRITTEN: self._on_written,
+            IoCommand.WRITE: self._on_write, IoCommand.FENCE: self._on_fence,
+        }
+        pidfds: dict[int, str] = {}
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._wake_r in events:
+                    self._drain_wake()
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] is IoCommand.STOP:
+                        return
+                    handlers[cmd[0]](poller, pidfds, *cmd[1:])
+                for fd, peer in list(pidfds.items()):
+                    if fd in events:
+                        poller.unregister(fd)
+                        del pidfds[fd]
+                        self._peer_exited(peer)
+                self._drain_router()
+                for peer, sock in list(self._dealers.items()):
+                    self._drain_dealer(peer, sock)
+        except Exception:
+            log.exception("shm transport I/O thread failed")
+            with self._lock:
+                self._closed = True
+                done = self._finish_locked(list(self._ops.values()),
+                                           "shm transport I/O thread failed")
+            self._deliver(done)
+        finally:
+            self._shutdown(pidfds)
+
+    def _shutdown(self, pidfds: dict[int, str]) -> None:
+        for job in self._jobs.values():
+            job.cancel()
+        for job in list(self._jobs.values()):
+            job.wait(self._bound_s)
+        # the receivers whose memory we were allowed to write: nothing writes it any more
+        for ident, tag in [*self._exposed, *self._jobs]:
+            self._router.send_multipart([ident, TAGMSG.pack(b"A", tag)])
+        with self._cond:
+            for info in self._peer_info.values():
+                info.dead = info.dead or "transport closed"
+            self._awaiting.clear()
+            self._cond.notify_all()
+        with self._lock:
+            infos = list(self._peer_info.values())
+        for info in infos:
+            try:
+                os.close(info.pidfd)
+            except OSError:
+                pass
+        for sock in self._dealers.values():
+            sock.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
+                    endpoint: str, pidfd: int) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._ident)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        old = self._dealers.pop(peer, None)
+        if old is not None:
+            poller.unregister(old)
+            old.close(linger=0)
+        self._dealers[peer] = sock
+        poller.register(sock, zmq.POLLIN)
+        pidfds[pidfd] = peer
+        poller.register(pidfd, zmq.POLLIN)
+
+    def _on_disconnect(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
+                       info: ShmPeer) -> None:
+        sock = self._dealers.pop(peer, None)
+        if sock is not None:
+            poller.unregister(sock)
+            sock.close(linger=0)
+        if pidfds.pop(info.pidfd, None) is not None:
+            poller.unregister(info.pidfd)
+        os.close(info.pidfd)
+        # what this peer exposed to us: forget it, and confirm nothing of it is written
+        for key in [k for k in self._exposed if k[0] == info.ident]:
+            del self._exposed[key]
+            self._router.send_multipart([info.ident, TAGMSG.pack(b"A", key[1])])
+        for key in [k for k, op in self._sends.items() if op.peer == peer]:
+            del self._sends[key]
+        self._writes.pop(peer, None)
+
+    def _peer_exited(self, peer: str) -> None:
+        with self._lock:
+            info = self._peer_info.get(peer)
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            if info is None:
+                return
+            pid = info.pid
+            done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
+            info.dead = f"process {pid} exited"
+            self._cond.notify_all()
+        log.warning("shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
+        for op in ops:
+            if op.job is not None:
+                op.job.cancel()
+        self._deliver(done)
+
+    def _on_send(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
+        if op.finished:
+            return
+        key = (op.ident, op.tag)
+        self._sends[key] = op
+        self._try_start(key)
+
+    def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
+        sock = self._dealers.get(op.peer)
+        with self._lock:
+            if op.finished:
+                return
+            if sock is not None:
+                op.exposed = True
+        if sock is None:
+            self._finish(op, f"peer {op.peer!r} is not connected")
+            return
+        off, nb = op.plan.spans()
+        sock.send_multipart([EXPOSE.pack(b"R", op.tag, op.plan.total), describe_buffer(op.buf),
+                             off.astype("<i8").tobytes(), nb.astype("<i8").tobytes()])
+
+    def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, str], ops: list[ShmOp]) -> None:
+        for op in ops:
+            if op.is_send:
+                if self._sends.get((op.ident, op.tag)) is op:
+                    del self._sends[(op.ident, op.tag)]
+            elif op.exposed:
+                sock = self._dealers.get(op.peer)
+                if sock is not None:
+                    sock.send_multipart([TAGMSG.pack(b"X", op.tag)])
+
+    def _try_start(self, key: tuple[bytes, int]) -> None:
+        op = self._sends.get(key)
+        exposed = self._exposed.get(key)
+        if op is None or exposed is None:
+            return
+        del self._sends[key]
+        del self._exposed[key]
+        desc, doff, dnb = exposed
+        total = int(dnb.sum()) if dnb.size else 0
+        if total != op.plan.total:
+            reason = (f"size mismatch on tag {op.tag}: sender has {op.plan.total} bytes, "
+                      f"receiver expects {total}")
+            self._router.send_multipart([key[0], FINAL.pack(b"F", key[1], 0), reason.encode()])
+            self._finish(op, reason)
+            return
+        with self._lock:
+            info = self._peer_info.get(op.peer)
+        try:
+            if info is None:
+                raise TransportError(f"peer {op.peer!r} is not connected")
+            target = info.targets.get(desc)
+            if target is None:
+                pid, fd, seg_n, off, addr, n = parse_descriptor(desc)
+                if pid != info.pid:
+                    raise TransportError(f"the receive's buffer is of process {pid}, peer "
+                                         f"{op.peer!r} is process {info.pid}")
+                target = info.targets[desc] = open_target(pid, fd, seg_n, off, addr, n,
+                                                          self._allow_map)
+                with self._lock:
+                    self._lanes.setdefault(op.peer, set()).add(target.lane)
+            if (doff + dnb > target.nbytes).any():
+                raise TransportError("the receive's spans exceed its buffer")
+        except TransportError as e:
+            self._router.send_multipart([key[0], FINAL.pack(b"F", key[1], 0), str(e).encode()])
+            self._finish(op, str(e))
+            return
+        self._start_job(op, target, doff, dnb, False, key)
+
+    def _start_job(self, op: ShmOp, target: Target, doff: np.ndarray, dnb: np.ndarray,
+                   checksum: bool, key: tuple[bytes, int] | None) -> None:
+        src_off, src_nb = op.plan.spans()
+        so, do, lens, _ = paired_pieces(src_off, src_nb, doff, dnb, _NO_CHUNKS)
+        src = so + int(op.buf.ctypes.data)
+        dst = do + target.base
+        job = Job(src, dst, lens, target, checksum,
+                  lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, key))
+        with self._lock:
+            if op.finished:  # cancelled meanwhile
+                if key is not None:
+                    self._router.send_multipart([key[0], FINAL.pack(b"F", key[1], 0),
+                                                 b"sender cancelled"])
+                return
+            op.job = job
+        if key is not None:
+            self._jobs[key] = job
+        self._copier.submit(job)
+
+    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, str], job: Job) -> None:
+        op, key = job.owner
+        if key is not None:
+            self._jobs.pop(key, None)
+            ok = job.error is None and not job.cancelled
+            reason = b"" if ok else (job.error or "sender cancelled").encode()
+            self._router.send_multipart([key[0], FINAL.pack(b"F", key[1], int(ok)), reason])
+            if key in self._ack_after:
+                self._ack_after.discard(key)
+                self._router.send_multipart([key[0], TAGMSG.pack(b"A", key[1])])
+        if job.error is None and not job.cancelled:
+            self._bytes_sent += job.total
+            op.digest = job.digest
+            self._finish(op, None)
+        else:
+            self._finish(op, job.error or "cancelled")
+        if key is None:  # a write: fences wait for it (their callbacks come after its own)
+            running = self._writes.get(op.peer, [])
+            if op in running:
+                running.remove(op)
+            self._check_fences()
+
+    def _on_write(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp,
+                  checksum: bool) -> None:
+        if op.finished or op.remote is None:
+            return
+        target, roff, rnb = op.remote
+        self._writes.setdefault(op.peer, []).append(op)
+        self._start_job(op, target, roff, rnb, checksum, None)
+
+    def _on_fence(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
+                  on_done: OnDone) -> None:
+        ids = {id(op) for op in self._writes.get(peer, []) if not op.finished}
+        self._fences.append((peer, ids, on_done))
+        self._check_fences()
+
+    def _check_fences(self) -> None:
+        still = []
+        for peer, ids, on_done in self._fences:
+            running = {id(op) for op in self._writes.get(peer, [])}
+            if ids & running:
+                still.append((peer, ids, on_done))
+            else:
+                self._callbacks.submit(functools.partial(on_done, None))
+        self._fences = still
+
+    def _drain_router(self) -> None:
+        """Messages of receivers (to us as writer): R (expose), X (stop writing)."""
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, head = frames[0], frames[1] if len(frames) > 1 else b""
+            if head[:1] == b"R" and len(head) == EXPOSE.size and len(frames) == 5:
+                _, tag, total = EXPOSE.unpack(head)
+                off = np.frombuffer(frames[3], dtype="<i8").astype(np.int64)
+                nb = np.frombuffer(frames[4], dtype="<i8").astype(np.int64)
+                if off.size != nb.size or int(nb.sum()) != total:
+                    log.warning("shm: dropping a malformed expose message")
+                    continue
+                self._exposed[(ident, tag)] = (frames[2], off, nb)
+                self._try_start((ident, tag))
+            elif head[:1] == b"X" and len(head) == TAGMSG.size:
+                _, tag = TAGMSG.unpack(head)
+                key = (ident, tag)
+                self._exposed.pop(key, None)
+                job = self._jobs.get(key)
+                if job is None:
+                    self._router.send_multipart([ident, TAGMSG.pack(b"A", tag)])
+                else:
+                    job.cancel()
+                    self._ack_after.add(key)
+            else:
+                log.warning("shm: dropping a malformed control message")
+
+    def _acked(self, peer: str, tag: int) -> None:
+        """(lock held) The writer stopped writing `tag` into us."""
+        op = self._awaiting.pop((peer, tag), None)
+        if op is not None:
+            op.acked = True
+            self._cond.notify_all()
+
+    def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
+        """Messages of writers (to us as receiver): F (landed / failed), A (stopped)."""
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            head = frames[0]
+            if head[:1] == b"F" and len(head) == FINAL.size:
+                _, tag, ok = FINAL.unpack(head)
+                with self._cond:
+                    self._acked(peer, tag)  # the writer is done with that tag either way
+                    op = self._ops.get((peer, tag, False))
+                    if op is not None and ok:
+                        self._bytes_received += op.plan.total
+                if op is not None:
+                    reason = None if ok else (frames[1].decode("utf-8", "replace")
+                                              if len(frames) > 1 and frames[1] else
+                                              "writer failed")
+                    self._finish(op, reason)
+            elif head[:1] == b"A" and len(head) == TAGMSG.size:
+                _, tag = TAGMSG.unpack(head)
+                with self._cond:
+                    self._acked(peer, tag)
+            else:
+                log.warning("shm: dropping a malformed frame from peer %r", peer)
+
+
+def _ignore(exc: BaseException | None) -> None:
+    pass
+
+
+def _written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
+    def done(exc: BaseException | None) -> None:
+        on_written(exc, op.digest if exc is None else None)
+    return done
