@@ -95,3 +95,24 @@ def test_pair_that_cannot_split_is_refused() -> None:
                               "--prefill-tp", "2", "--decode-tp", "3"])
     assert res.exit_code != 0
     assert "does not divide the 8 KV heads" in res.output
+
+
+def test_issue17_layout_variants_plan_the_bytes_of_their_rows() -> None:
+    """Packed blocks move the bytes of the per-layer layout; index_kpool=2 moves indexer rows
+    (one per 2 tokens); MTP adds the draft layer's main KV and indexer."""
+    ctx, prefix = 4096, 1000
+    base = plan_json("--model", "glm-5.3", "--context", str(ctx), "--prefix", str(prefix),
+                     "--prefill-tp", "1", "--decode-tp", "2")["pair"]
+    packed = plan_json("--model", "glm-5.3-vllm", "--context", str(ctx), "--prefix",
+                       str(prefix), "--prefill-tp", "1", "--decode-tp", "2")["pair"]
+    assert packed["total_bytes"] == base["total_bytes"]
+    assert packed["descriptors_before"] == base["descriptors_before"]
+    k2 = plan_json("--model", "glm-5.3-kpool2", "--context", str(ctx), "--prefix", str(prefix),
+                   "--prefill-tp", "1", "--decode-tp", "1")["pair"]
+    held = page_aligned(prefix, 128)
+    assert k2["decode_page"] == 128
+    assert k2["total_bytes"] == ctx * 656 * 78 + (ctx - held) // 2 * 132 * 21
+    mtp = plan_json("--model", "glm-5.3-mtp", "--context", str(ctx), "--prefix", str(prefix),
+                    "--prefill-tp", "1", "--decode-tp", "1")["pair"]
+    held = page_aligned(prefix, 64)
+    assert mtp["total_bytes"] == base["total_bytes"] // 2 + ctx * 656 + (ctx - held) * 132

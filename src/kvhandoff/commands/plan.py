@@ -1,7 +1,13 @@
 """`kvhandoff plan`: the capacity and transfer-time tables of a layout, and (with
 ``--prefill-tp/--decode-tp/--prefill-page/--decode-page``) the plan of a heterogeneous pair:
 which ranks talk to which, descriptors per request before/after coalescing for a random page
-order, bytes per rank."""
+order, bytes per rank.
+
+Also the remaining accounts of the seeds (issue 17): the handoff at realistic link efficiency
+(``--link-efficiency``, 60-80 % of line rate for 64-token pages) against the measured 0.5-1 s,
+the TTFT tail (prefill + last layer + first decode step; ``--prefill-s``/``--first-step-s``),
+admission capacity of ``--memory-gb`` in SGLang's and vLLM's terms, the tail-page waste of
+``--requests`` requests, and the layout's kernel page rules."""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from typing import Any
 import typer
 
 PAIR_SEED = 0  # the random page order of the pair plan (each rank its own permutation)
+MEASURED_S = (0.5, 1.0)  # the handoff of a 1M-token GLM-5.3 request as measured (seed 003)
+DEFAULT_EFFICIENCY = [0.6, 0.8]
 
 
 def _rank_layout(model: str, tp_size: int, tp_rank: int, page: int | None,
@@ -92,7 +100,7 @@ def pair_plan(model: str, *, context: int, prefix: int, prefill_tp: int, decode_
                     src_page_size=pps, src_first_token=page_aligned(first, pps),
                     dst_pages=dpages[page_aligned(first, dps) // dps:], dst_page_size=dps,
                     dst_first_token=page_aligned(first, dps), dst_region=reg, planes=mine)
-                layers = reg.num_layers
+                layers = reg.num_live_layers
                 nbytes += sp.total_bytes * layers
                 before += sp.descriptors_before * layers
                 after += sp.count * layers
@@ -156,6 +164,102 @@ def _print_pair(con: Any, pp: dict[str, Any]) -> None:
         con.print(f"prefill rank {p['rank']} -> decode ranks {to}: sends {_fmt_bytes(p['bytes'])}")
 
 
+def accounts(spec: Any, p: Any, *, efficiencies: tuple[float, ...], memory_gb: float | None,
+             requests: int, prefix: int = 0, prefill_s: float | None = None,
+             first_step_s: float | None = None) -> dict[str, Any]:
+    """The seeds' remaining accounts of `spec` at the plan `p` (plain data, as --json prints).
+
+    Raises:
+        ConfigError: an efficiency outside (0, 1], memory <= 0, requests < 0.
+    """
+    from kvhandoff.errors import ConfigError
+    from kvhandoff.kv_layout import (
+        GB,
+        capacity,
+        check_page_rules,
+        link_accounts,
+        tail_waste,
+        ttft_tail,
+    )
+
+    links = link_accounts(p, efficiencies)
+    tail = ttft_tail(spec, p, decode_prefix_len=prefix, efficiencies=efficiencies)
+    waste = tail_waste(spec, requests=requests)
+    out: dict[str, Any] = {
+        "page_rules": {"rules": [f"{r.region}: {r.describe()}" for r in spec.page_rules],
+                       "problems": check_page_rules(spec)},
+        "link": [{"efficiency": a.efficiency, "bytes_per_s": a.bytes_per_s,
+                  "transfer_s": a.transfer_s} for a in links],
+        "measured_s": list(MEASURED_S),
+        "measured_over_ideal": [m / p.transfer_s for m in MEASURED_S],
+        "ttft_tail": {"last_layer": tail.last_layer, "regions": list(tail.regions),
+                      "last_layer_bytes": tail.last_layer_bytes,
+                      "last_layer_s": tail.last_layer_s,
+                      "last_layer_s_at": [{"efficiency": e, "s": t}
+                                          for e, t in tail.last_layer_s_at],
+                      "prefill_s": prefill_s, "first_step_s": first_step_s,
+                      "floor_s": (tail.floor_s(prefill_s, first_step_s)
+                                  if prefill_s is not None and first_step_s is not None
+                                  else None)},
+        "tail_waste": {"requests": waste.requests, "avg_tokens": waste.avg_tokens,
+                       "per_request_bytes": waste.per_request_bytes,
+                       "total_bytes": waste.total_bytes},
+    }
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ConfigError(f"memory_gb: expected > 0, got {memory_gb}")
+        c = capacity(spec, available_bytes=int(round(memory_gb * GB)),
+                     context_tokens=p.context_tokens)
+        out["capacity"] = {
+            "available_bytes": c.available_bytes, "cell_size": c.cell_size,
+            "max_total_num_tokens": c.max_total_num_tokens,
+            "bytes_per_block": c.bytes_per_block, "bytes_per_block_mib": c.bytes_per_block_mib,
+            "num_blocks": c.num_blocks, "block_tokens": c.block_tokens,
+            "pages_per_request": c.pages_per_request,
+            "requests_at_context": c.requests_at_context,
+        }
+    return out
+
+
+def _print_accounts(con: Any, a: dict[str, Any]) -> None:
+    rules = a["page_rules"]
+    if rules["problems"]:
+        con.print("[bold red]page rules broken (an agent refuses to start):[/] "
+                  + "; ".join(rules["problems"]))
+    elif rules["rules"]:
+        con.print("page rules hold: " + "; ".join(rules["rules"]))
+    links = a["link"]
+    lo, hi = MEASURED_S
+    con.print("handoff at realistic link efficiency: " + ", ".join(
+        f"{x['efficiency'] * 100:g} % ({x['bytes_per_s'] / 1e9:g} GB/s) {x['transfer_s']:.3f} s"
+        for x in links) + f"; measured {lo:g}-{hi:g} s = "
+        f"{a['measured_over_ideal'][0]:.1f}-{a['measured_over_ideal'][1]:.1f}x the ideal")
+    t = a["ttft_tail"]
+    at = ", ".join(f"{x['s'] * 1e3:.2f} ms at {x['efficiency'] * 100:g} %"
+                   for x in t["last_layer_s_at"])
+    floor = (f" = {t['floor_s']:.4f} s" if t["floor_s"] is not None else "")
+    con.print(f"TTFT tail: last layer {t['last_layer']} ({', '.join(t['regions'])}) "
+              f"{_fmt_bytes(t['last_layer_bytes'])} takes {t['last_layer_s'] * 1e3:.2f} ms "
+              f"ideal ({at}); TTFT >= T_prefill + {t['last_layer_s'] * 1e3:.2f} ms + "
+              f"T_first_decode_step" + (f" = {t['prefill_s']:g} s + "
+                                        f"{t['last_layer_s'] * 1e3:.2f} ms + "
+                                        f"{t['first_step_s']:g} s{floor}"
+                                        if t["floor_s"] is not None else ""))
+    c = a.get("capacity")
+    if c is not None:
+        con.print(f"admission capacity of {_fmt_bytes(c['available_bytes'])}: SGLang "
+                  f"max_total_num_tokens = available // cell_size ({c['cell_size']:,} B) = "
+                  f"{c['max_total_num_tokens']:,} tokens; vLLM num_blocks = available // "
+                  f"bytes_per_block ({c['bytes_per_block']:,} B = "
+                  f"{c['bytes_per_block_mib']:.2f} MiB) = {c['num_blocks']:,} blocks "
+                  f"({c['block_tokens']:,} tokens); a request of the context needs "
+                  f"{c['pages_per_request']:,} blocks: {c['requests_at_context']:,} fit")
+    w = a["tail_waste"]
+    con.print(f"tail-page waste: on average {w['avg_tokens']:g} tokens x cell = "
+              f"{w['per_request_bytes'] / 1e6:.2f} MB per request; {w['requests']:,} requests "
+              f"{w['total_bytes'] / 1e9:.2f} GB")
+
+
 def _fmt_bytes(n: float) -> str:
     from kvhandoff.kv_layout import GB, GIB
 
@@ -182,6 +286,15 @@ def register(app: typer.Typer) -> None:
                                                 "plan; default: --page-size or the preset's)."),
         decode_page: int | None = typer.Option(None, help="Decode page size in tokens (pair "
                                                "plan; default: --page-size or the preset's)."),
+        link_efficiency: list[float] = typer.Option(
+            DEFAULT_EFFICIENCY, help="Fraction of line rate a transfer of 64-token pages "
+            "reaches (repeatable; default 0.6 and 0.8)."),
+        memory_gb: float | None = typer.Option(None, help="KV memory of one decode rank in GB "
+                                               "(1e9 B): admission capacity."),
+        requests: int = typer.Option(1000, help="Concurrent requests for the tail-page waste."),
+        prefill_s: float | None = typer.Option(None, help="Prefill time in s (TTFT floor)."),
+        first_step_s: float | None = typer.Option(None, help="First decode step in s (TTFT "
+                                                  "floor)."),
         as_json: bool = typer.Option(False, "--json", help="Print a machine-readable object."),
     ) -> None:
         """Byte account per region (per token, page, context, layer) and ideal transfer times."""
@@ -192,6 +305,7 @@ def register(app: typer.Typer) -> None:
         from kvhandoff.kv_layout import handoff_bytes, plan, preset
 
         try:
+            effs = tuple(link_efficiency) or tuple(DEFAULT_EFFICIENCY)
             kwargs: dict[str, int | None] = {"page_size_tokens": page_size}
             if model != "llama-3.1-8b":
                 kwargs["indexer_layers"] = indexer_layers
@@ -205,12 +319,15 @@ def register(app: typer.Typer) -> None:
                     decode_tp=decode_tp or 1, prefill_page=prefill_page or page_size,
                     decode_page=decode_page or page_size,
                     indexer_layers=indexer_layers if model != "llama-3.1-8b" else None)
+            acc = accounts(spec, p, efficiencies=effs, memory_gb=memory_gb, requests=requests,
+                           prefix=prefix, prefill_s=prefill_s, first_step_s=first_step_s)
         except KVHandoffError as e:
             raise typer.BadParameter(str(e)) from e
         if as_json:
             d = p.to_dict()
             d["handoff_bytes"] = moved
             d["handoff_prefix_tokens"] = prefix
+            d.update(acc)
             if pair is not None:
                 d["pair"] = pair
             typer.echo(json.dumps(d, indent=2))
@@ -238,5 +355,6 @@ def register(app: typer.Typer) -> None:
             con.print(f"handoff with a {prefix:,}-token decode prefix: "
                       + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in moved.items())
                       + f"; total {_fmt_bytes(total)}")
+        _print_accounts(con, acc)
         if pair is not None:
             _print_pair(con, pair)

@@ -25,7 +25,24 @@ from kvhandoff.kv_layout.pages import (
     page_aligned,
     suffix_page_indices,
 )
-from kvhandoff.kv_layout.planner import GB, GIB, Plan, RegionPlan, handoff_bytes, plan
+from kvhandoff.kv_layout.planner import (
+    GB,
+    GIB,
+    MIB,
+    Capacity,
+    LinkAccount,
+    Plan,
+    RegionPlan,
+    TailWaste,
+    TTFTTail,
+    capacity,
+    cell_size,
+    handoff_bytes,
+    link_accounts,
+    plan,
+    tail_waste,
+    ttft_tail,
+)
 from kvhandoff.kv_layout.presets import (
     GLM53_INDEXER_LAYER_IDS,
     PRESETS,
@@ -53,6 +70,16 @@ from kvhandoff.kv_layout.spec import (
 )
 
 __all__ = [
+    "MIB",
+    "Capacity",
+    "LinkAccount",
+    "TailWaste",
+    "TTFTTail",
+    "capacity",
+    "cell_size",
+    "link_accounts",
+    "tail_waste",
+    "ttft_tail",
     "AllocationPolicy",
     "DecodeNeed",
     "PromptDigest",
