@@ -13,14 +13,16 @@ SGLang's own bootstrap server (``CommonKVBootstrapServer``, aiohttp) as another,
 its URL: the differential test and the bench put the two side by side. Both print their URL
 once listening and stop when their stdin closes (or on SIGTERM).
 
-SGLang's ``conn.py`` imports its whole GPU runtime (triton, torchvision, flashinfer, ...), which
-cannot all be installed on a CPU-only machine. When that import fails, the host compiles the
-server's classes (``CommonKVBootstrapServer``, ``PrefillServerInfo``, ``PrefillRankInfo`` and
-the ``BaseKVBootstrapServer`` base) from the installed SGLang source files, unchanged, with the
-names they use (aiohttp's ``web``, SGLang's own ``envs``). Either way SGLang's app, routes and
-handlers answer; the host only serves that app on a socket it bound itself (SGLang's
-``_run_server`` binds a fixed port, which a test cannot pick without a race) and runs SGLang's
-expiry task as ``_run_server`` does. `sglang_unavailable()` says why it cannot run, or None.
+SGLang's ``conn.py`` imports its whole GPU runtime (torch, transformers, triton, torchvision,
+...), which cannot all be installed on a CPU-only machine and takes ~10 s to import where it
+can. So the host compiles the server's classes (``CommonKVBootstrapServer``,
+``PrefillServerInfo``, ``PrefillRankInfo`` and the ``BaseKVBootstrapServer`` base) from the
+installed SGLang source files, unchanged, with the names they use (aiohttp's ``web``, SGLang's
+own ``envs``); ``KVHANDOFF_SGLANG_IMPORT=1`` makes it import ``conn.py`` the normal way instead
+(falling back to compiling when that fails). Either way SGLang's app, routes and handlers
+answer; the host only serves that app on a socket it bound itself (SGLang's ``_run_server``
+binds a fixed port, which a test cannot pick without a race) and runs SGLang's expiry task as
+``_run_server`` does. `sglang_unavailable()` says why it cannot run, or None.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import ast
 import asyncio
 import importlib.util
 import logging
+import os
 import re
 import signal
 import socket
@@ -160,15 +163,15 @@ def _process(argv: list[str], *, what: str, startup_timeout_s: float) -> Iterato
     finally:
         if proc.stdin:
             proc.stdin.close()
+        proc.terminate()  # both servers stop cleanly on SIGTERM
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f:
+                f.close()
 
 
 def _readline(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -238,14 +241,16 @@ def sglang_unavailable() -> str | None:
 
 def _load_sglang_server_class() -> tuple[type, str]:
     """SGLang's ``CommonKVBootstrapServer`` and how it was loaded (see the module doc)."""
-    try:
-        from sglang.srt.disaggregation.common.conn import (
-            CommonKVBootstrapServer,
-        )
-    except Exception as e:  # its runtime cannot be imported here: compile the classes alone
-        reason = f"{type(e).__name__}: {e}"
-    else:
-        return CommonKVBootstrapServer, "imported"
+    reason = "set KVHANDOFF_SGLANG_IMPORT=1 to import conn.py instead"
+    if os.environ.get("KVHANDOFF_SGLANG_IMPORT") == "1":
+        try:
+            from sglang.srt.disaggregation.common.conn import (
+                CommonKVBootstrapServer,
+            )
+        except Exception as e:  # its runtime cannot be imported here: compile the classes
+            reason = f"importing conn.py failed: {type(e).__name__}: {e}"
+        else:
+            return CommonKVBootstrapServer, "conn.py imported"
     root = _sglang_root()
     assert root is not None
     import abc
