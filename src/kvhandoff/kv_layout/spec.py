@@ -100,12 +100,15 @@ class Plane:
 @dataclass(frozen=True, slots=True)
 class PackedRow:
     """One buffer holding, per block, the pages of every live layer of `regions` in order
-    (region by region as listed, each region's layers ascending, 0-row layers skipped), then
-    `pad_bytes` of padding. The block stride is the sum of the member pages plus the pad."""
+    (region by region as listed, each region's layers ascending, 0-row layers skipped; with
+    `layer_major` layer by layer ascending, the listed regions' pages of each layer in turn),
+    then `pad_bytes` of padding. The block stride is the sum of the member pages plus the
+    pad."""
 
     name: str
     regions: tuple[str, ...]
     pad_bytes: int = 0
+    layer_major: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -362,6 +365,8 @@ class LayoutSpec:
                 reg = by_name[rn]
                 members.extend(_Member(rn, lid, reg.bytes_per_token, reg.tokens_per_row)
                                for lid in reg.live_layer_ids)
+            if row.layer_major:  # stable: the listed region order within a layer
+                members.sort(key=lambda m: m.layer)
             pl = RowPlacement(row=row.name, members=tuple(members), pad_bytes=row.pad_bytes)
             for rn in row.regions:
                 placed[rn] = pl
@@ -444,7 +449,8 @@ class LayoutSpec:
             "regions": [r.to_dict() for r in self.regions],
         }
         if self.rows:
-            d["rows"] = [{"name": w.name, "regions": list(w.regions), "pad_bytes": w.pad_bytes}
+            d["rows"] = [{"name": w.name, "regions": list(w.regions), "pad_bytes": w.pad_bytes,
+                          **({"layer_major": True} if w.layer_major else {})}
                          for w in self.rows]
         return d
 
@@ -496,7 +502,8 @@ class LayoutSpec:
             if not all(isinstance(x, str) for x in names):
                 raise ConfigError(f"{where}.regions: expected a list of region names")
             rows.append(PackedRow(name=_get(wd, "name", str, where), regions=tuple(names),
-                                  pad_bytes=_opt(wd, "pad_bytes", int, where, 0)))
+                                  pad_bytes=_opt(wd, "pad_bytes", int, where, 0),
+                                  layer_major=_opt(wd, "layer_major", bool, where, False)))
         return cls(
             page_size_tokens=_get(d, "page_size_tokens", int, "layout"),
             kv_dtype=_get(d, "kv_dtype", str, "layout"),

@@ -101,6 +101,7 @@ ROWS = {
     "block": (PackedRow("row", ("main", "idx"), pad_bytes=3),),
     "block_rev": (PackedRow("row", ("idx", "main")),),
     "two": (PackedRow("row", ("main",)), PackedRow("row2", ("idx",), pad_bytes=5)),
+    "layer_major": (PackedRow("row", ("idx", "main"), pad_bytes=1, layer_major=True),),
 }
 
 
@@ -257,6 +258,18 @@ def test_kpool2_indexer_page_is_64_rows_of_a_128_token_page():
     with pytest.raises(ConfigError, match="tokens_per_row: source=2 destination=1"):
         build_spans(idx, token_start=0, token_end=10, src_pages=[0], src_page_size=128,
                     dst_pages=[0], dst_page_size=128, dst_region=flat)
+
+
+def test_layer_major_rows_interleave_each_layers_pages():
+    regs = (RegionSpec("k", (0, 1, 2), (Plane("x", 4),)),
+            RegionSpec("v", (0, 2), (Plane("x", 2),)))
+    spec = LayoutSpec(8, "x", regs, rows=(PackedRow("kv", ("k", "v"), layer_major=True),))
+    # block: k0 (32) v0 (16) k1 (32) k2 (32) v2 (16) = 128 B
+    assert [spec.layer_offset("k", 0), spec.layer_offset("v", 0), spec.layer_offset("k", 1),
+            spec.layer_offset("k", 2), spec.layer_offset("v", 2)] == [0, 32, 48, 80, 112]
+    assert spec.address("v", 2, 3) == ("kv", 3 * 128 + 112)
+    assert LayoutSpec.from_dict(spec.to_dict()) == spec
+    assert spec.to_dict()["rows"][0]["layer_major"] is True
 
 
 def test_zero_row_layers_move_nothing_and_own_no_memory():
