@@ -34,6 +34,8 @@ def test_realistic_link_efficiency_for_1m_tokens_at_400_gbs():
     assert [round(x["transfer_s"], 2) for x in d["link"]] == [0.23]
     # against the measured 0.5-1 s: 3.5-7x the ideal 0.1414 s
     assert [round(x, 1) for x in d["measured_over_ideal"]] == [3.5, 7.1]
+    # the measurement is of that request only
+    assert plan_json("--context", "4096")["measured_over_ideal"] is None
 
 
 def test_ttft_tail_is_the_last_layers_transfer():
