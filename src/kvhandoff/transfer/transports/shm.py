@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -111,6 +112,9 @@ class ShmTransport(ThreadedTransport):
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._sends: dict[tuple[bytes, int], ShmOp] = {}  # (receiver ident, tag) -> send op
         self._exposed: dict[tuple[bytes, int], tuple[bytes, np.ndarray, np.ndarray]] = {}
+        # when each exposed receive arrived (a count shared with disconnect(), as in tcp.py)
+        self._seq = itertools.count()
+        self._exposed_seq: dict[tuple[bytes, int], int] = {}
         self._jobs: dict[tuple[bytes, int], Job] = {}  # two-sided copies running
         self._ack_after: set[tuple[bytes, int]] = set()  # X arrived while copying
         self._writes: dict[str, list[ShmOp]] = {}  # peer -> one-sided writes running
@@ -163,7 +167,8 @@ class ShmTransport(ThreadedTransport):
         with self._lock:
             self._peer_info.pop(peer, None)
             self._lanes.pop(peer, None)
-        self._command(IoCommand.DISCONNECT, peer, info)
+        # what arrived before this call is dropped, not what a reconnected peer sends after
+        self._command(IoCommand.DISCONNECT, peer, info, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -406,7 +411,7 @@ class ShmTransport(ThreadedTransport):
         poller.register(pidfd, zmq.POLLIN)
 
     def _on_disconnect(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
-                       info: ShmPeer) -> None:
+                       info: ShmPeer, cut: int) -> None:
         sock = self._dealers.pop(peer, None)
         if sock is not None:
             poller.unregister(sock)
@@ -415,8 +420,10 @@ class ShmTransport(ThreadedTransport):
             poller.unregister(info.pidfd)
         os.close(info.pidfd)
         # what this peer exposed to us: forget it, and confirm nothing of it is written
-        for key in [k for k in self._exposed if k[0] == info.ident]:
+        for key in [k for k in self._exposed
+                    if k[0] == info.ident and self._exposed_seq.get(k, -1) < cut]:
             del self._exposed[key]
+            self._exposed_seq.pop(key, None)
             self._router.send_multipart([info.ident, TAGMSG.pack(b"A", key[1])])
         for key in [k for k, op in self._sends.items() if op.peer == peer]:
             del self._sends[key]
@@ -476,6 +483,7 @@ class ShmTransport(ThreadedTransport):
             return
         del self._sends[key]
         del self._exposed[key]
+        self._exposed_seq.pop(key, None)
         desc, doff, dnb = exposed
         total = int(dnb.sum()) if dnb.size else 0
         if total != op.plan.total:
@@ -588,11 +596,13 @@ class ShmTransport(ThreadedTransport):
                     log.warning("shm: dropping a malformed expose message")
                     continue
                 self._exposed[(ident, tag)] = (frames[2], off, nb)
+                self._exposed_seq[(ident, tag)] = next(self._seq)
                 self._try_start((ident, tag))
             elif head[:1] == b"X" and len(head) == TAGMSG.size:
                 _, tag = TAGMSG.unpack(head)
                 key = (ident, tag)
                 self._exposed.pop(key, None)
+                self._exposed_seq.pop(key, None)
                 job = self._jobs.get(key)
                 if job is None:
                     self._router.send_multipart([ident, TAGMSG.pack(b"A", tag)])
