@@ -586,7 +586,10 @@ class _WorkerSide:
             self._ready_async(lid, kv_layer)
             return
         for s in self._step_senders:
-            s.layer_ready(lid)
+            try:
+                s.layer_ready(lid)
+            except KVHandoffError as e:  # an aborted room: the forward goes on
+                log.warning("room %d: layer_ready(%d): %s", s.room, lid, e)
 
     def _ready_async(self, lid: int, kv_layer: Any) -> None:
         """CUDA: record the layer's event on the current stream; a thread waits on it and
