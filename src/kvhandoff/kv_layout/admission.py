@@ -238,3 +238,44 @@ def _page_text(head: str, page: int | None, ps: int) -> str:
     if page is None:  # equal page hashes but different whole hashes: cannot happen by design
         return head
     return f"{head}; first differing page {page} (tokens {page * ps}..{(page + 1) * ps - 1})"
+
+
+def admission_refusal(
+    decode_layout: LayoutSpec,
+    *,
+    seq_len: int,
+    decode_prefix_len: int,
+    prefill_policy: AllocationPolicy,
+    decode_policy: AllocationPolicy,
+    reserved_pages: int | None = None,
+    free_pages: int | None = None,
+    prefill_prompt: PromptDigest | None = None,
+    decode_prompt: PromptDigest | None = None,
+    decode_prefix: PromptDigest | None = None,
+) -> str | None:
+    """Everything the prefill checks about a transfer request before any byte moves, as ONE
+    reason (the first that applies) or None: the allocation policies agree; the prompts (and
+    the decode's cached prefix) agree, when digests are given; the request fits: under
+    ``early`` the decode's `reserved_pages`, under ``prefill_complete`` its `free_pages`.
+
+    Raises:
+        ConfigError: the count the decode's policy needs is missing (names the field).
+    """
+    reason = policy_mismatch(prefill_policy, decode_policy)
+    if reason:
+        return reason
+    if (prefill_prompt is None) != (decode_prompt is None):
+        return ("prompt digest: only one side sent one (prefill="
+                f"{'yes' if prefill_prompt else 'no'} decode={'yes' if decode_prompt else 'no'})")
+    if prefill_prompt is not None and decode_prompt is not None:
+        reason = prompt_mismatch(prefill_prompt, decode_prompt, decode_prefix)
+        if reason:
+            return reason
+    need = decode_need(decode_layout, seq_len=seq_len, decode_prefix_len=decode_prefix_len)
+    if decode_policy is AllocationPolicy.EARLY:
+        if reserved_pages is None:
+            raise ConfigError("reserved_pages: required under allocation_policy=early")
+        return check_reservation(need, reserved_pages=reserved_pages)
+    if free_pages is None:
+        raise ConfigError("free_pages: required under allocation_policy=prefill_complete")
+    return check_capacity(need, free_pages=free_pages)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import (
     AllocationPolicy,
+    admission_refusal,
     check_capacity,
     check_reservation,
     decode_need,
@@ -120,3 +121,37 @@ def test_first_differing_page_is_the_page_of_the_first_differing_token(tokens, p
     assert first_differing_page(a.pages, b.pages) == i // ps
     assert prompt_mismatch(a, b) is not None and f"page {i // ps} " in str(prompt_mismatch(a, b))
     assert first_differing_page(a.pages, a.pages) is None
+
+
+def test_admission_refusal_is_one_reason_in_order_policy_prompt_capacity():
+    spec = preset("glm-5.3")
+    prompt = np.arange(300) % 97
+    mine = prompt_digest(prompt, 64)
+    early, late = AllocationPolicy.EARLY, AllocationPolicy.PREFILL_COMPLETE
+    kw = {"seq_len": 300, "decode_prefix_len": 100}
+    assert admission_refusal(spec, **kw, prefill_policy=early, decode_policy=early,
+                             reserved_pages=4, prefill_prompt=mine, decode_prompt=mine,
+                             decode_prefix=prefix_digest(prompt, 100, 64)) is None
+    # the policy first, whatever else is wrong
+    assert admission_refusal(spec, **kw, prefill_policy=early, decode_policy=late,
+                             free_pages=0).startswith("allocation_policy: prefill=early")
+    other = prompt.copy()
+    other[5] += 1
+    assert admission_refusal(spec, **kw, prefill_policy=late, decode_policy=late, free_pages=0,
+                             prefill_prompt=mine, decode_prompt=prompt_digest(other, 64)
+                             ).startswith("prompt mismatch: the prompt token ids differ; first "
+                                          "differing page 0")
+    assert admission_refusal(spec, **kw, prefill_policy=late, decode_policy=late,
+                             free_pages=0, prefill_prompt=mine) == (
+        "prompt digest: only one side sent one (prefill=yes decode=no)")
+    # held: 1 page (64 of the 100 cached tokens); 300 tokens: 5 pages, 4 new
+    assert admission_refusal(spec, **kw, prefill_policy=late, decode_policy=late,
+                             free_pages=3) == (
+        "admission: 300 tokens with 64 cached need 4 pages of 64 tokens (13,808,640 B); the "
+        "decode has 3 free")
+    assert admission_refusal(spec, **kw, prefill_policy=early, decode_policy=early,
+                             reserved_pages=3).endswith("the decode reserved 3")
+    with pytest.raises(ConfigError, match="^reserved_pages: required"):
+        admission_refusal(spec, **kw, prefill_policy=early, decode_policy=early)
+    with pytest.raises(ConfigError, match="^free_pages: required"):
+        admission_refusal(spec, **kw, prefill_policy=late, decode_policy=late)
