@@ -29,6 +29,7 @@ class TransportKind(str, Enum):
 
     UCX = "ucx"
     TCP = "tcp"
+    SHM = "shm"  # same host: writes into the peer's memory (transfer/transports/shm.py)
     INPROC = "inproc"
 
     def __str__(self) -> str:
@@ -60,7 +61,8 @@ class Settings(BaseSettings):
     bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
                                       "registers with / looks routes up at.")
     transport: TransportKind = Field(TransportKind.UCX,
-                                     description="Data transport: ucx, tcp or inproc.")
+                                     description="Data transport: ucx, tcp, shm (same host) "
+                                     "or inproc.")
     require_rdma: bool = Field(False, description="Refuse the tcp transport and a UCX that found "
                                "only TCP lanes, instead of degrading (readiness fails).")
     ucx_same_host_error_handling: bool = Field(

@@ -21,7 +21,6 @@
 #   TransportError from these methods; the agent then uses post_send / post_recv.
 from __future__ import annotations
 
-import enum
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from kvhandoff.errors import TransportError
+from kvhandoff.settings import TransportKind as TransportKind  # one enum (settings, Hello)
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -41,22 +41,6 @@ OnWritten = Callable[[BaseException | None, int | None], None]
 
 #: Tags the agent passes must be below this; the bits above belong to the transport.
 TAG_LIMIT = 1 << 40
-
-
-class TransportKind(str, enum.Enum):
-    """The data transports (the value is the name settings and Hello carry; a member compares
-    equal to it and formats as it)."""
-
-    UCX = "ucx"
-    TCP = "tcp"
-    SHM = "shm"
-    INPROC = "inproc"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:  # f"{kind}" is the value on every Python
-        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
