@@ -6,7 +6,8 @@ save_kv_layer, then wait_for_save / get_finished.
     python vllm_worker_proc.py '<json config>'
 
 Config: bootstrap_url, model_dir, transport, steps: a list of steps, each
-``{"sends": [{"rid", "room", "blocks", "seq"}], "aborts": [rid, ...]}``.
+``{"sends": [{"rid", "room", "blocks", "seq"}], "aborts": [rid, ...], "forward": bool}``
+(``forward: false``: the step's forward never ran, e.g. the engine step was cut short).
 Prints one JSON object per line: registered, step, finished (the finished_sending ids).
 Exits when stdin closes.
 """
@@ -54,7 +55,7 @@ def main() -> None:
             aborts=dict.fromkeys(step.get("aborts", []), "aborted by the test client"))
         all_rids |= set(meta.sends)
         conn.bind_connector_metadata(meta)
-        for layer, name in enumerate(env.layer_names()):
+        for layer, name in enumerate(env.layer_names() if step.get("forward", True) else []):
             u = env.as_u8(views[name])
             for s in step["sends"]:  # the forward writes this layer's KV ...
                 for j, b in enumerate(s["blocks"]):

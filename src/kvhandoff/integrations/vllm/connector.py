@@ -97,7 +97,9 @@ class KVHandoffMetadata(KVConnectorMetadata):
 
     sends: dict[str, SendReq] = field(default_factory=dict)
     recvs: dict[str, RecvReq] = field(default_factory=dict)
-    aborts: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    aborts: dict[str, str] = field(default_factory=dict)  # finished request id -> reason
+    # preempted prefills: their blocks were freed, the room restarts at the next last chunk
+    resets: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -363,6 +365,11 @@ class _SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.cfg.role == "prefill":
+            for rid in scheduler_output.preempted_req_ids or ():
+                p = self._prefills.get(rid)
+                if p is not None and p.sent:
+                    p.sent = False
+                    self._meta.resets[rid] = "prefill request preempted; its blocks were freed"
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 p = self._prefills.get(rid)
                 if p is None or p.sent:
@@ -457,6 +464,7 @@ class _WorkerSide:
         self.agent: Any = None
         self._lock = threading.Lock()
         self._senders: dict[str, Any] = {}
+        self._stale: list[Any] = []  # senders of preempted requests, until released
         self._step_senders: list[Any] = []
         self._finished: set[str] = set()  # requests vLLM finished (senders may still run)
         self._loads: dict[str, _Load] = {}  # async loads
@@ -508,11 +516,11 @@ class _WorkerSide:
         vl = self.vl
         assert vl is not None
         self._step_senders = []
-        for rid, s in meta.sends.items():
-            sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
-                                       seq_len=s.num_tokens)
-            self._senders[rid] = sender
-            self._step_senders.append(sender)
+        for rid, reason in meta.resets.items():
+            snd = self._senders.pop(rid, None)
+            if snd is not None:  # not reported: the request runs on and sends again
+                snd.abort(reason)
+                self._stale.append(snd)
         for rid, reason in meta.aborts.items():
             snd = self._senders.get(rid)
             if snd is not None:
@@ -521,6 +529,11 @@ class _WorkerSide:
             ld = self._loads.get(rid)
             if ld is not None:
                 ld.receiver.abort(reason)
+        for rid, s in meta.sends.items():
+            sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
+                                       seq_len=s.num_tokens)
+            self._senders[rid] = sender
+            self._step_senders.append(sender)
         self._sync = []
         for rid, r in meta.recvs.items():
             ld = self._open_load(rid, r)
@@ -630,6 +643,7 @@ class _WorkerSide:
                 del self._senders[rid]
                 sent.add(rid)
         self._finished = {r for r in self._finished if r in self._senders}
+        self._stale = [s for s in self._stale if not s.released]
         recvd: set[str] = set()
         for rid, ld in list(self._loads.items()):
             st = ld.receiver.poll()
