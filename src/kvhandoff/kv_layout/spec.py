@@ -637,3 +637,47 @@ def _short(v: list[Any]) -> str:
     if len(v) <= 12:
         return repr(v)
     return f"[{', '.join(map(repr, v[:6]))}, ... {len(v)} items]"
+
+
+def infer_packed_row(layout: LayoutSpec, name: str, regions: tuple[str, ...], *,
+                     offsets: dict[tuple[str, int], int], block_stride: int) -> PackedRow:
+    """The `PackedRow` of `regions` whose member offsets inside a block and block stride are the
+    observed ones (an engine's per-layer tensors that are views into one block-outermost
+    tensor: ``offsets[(region, layer)] = layer.data_ptr() - base``). Tries every order of the
+    regions, region-major and layer-major; the pad is what the stride leaves.
+
+    Raises:
+        ConfigError: a live member layer without an offset, a stride smaller than the members,
+            or offsets no packing explains (the message shows the first differing member of
+            the region-major reading).
+    """
+    import itertools
+
+    if len(regions) > 4:
+        raise ConfigError(f"rows[{name}].regions: at most 4 regions can be inferred")
+    base = layout._replace(rows=tuple(w for w in layout.rows
+                                      if not set(w.regions) & set(regions)))
+    ps = layout.page_size_tokens
+    members = [(rn, lid) for rn in regions for lid in base.region(rn).live_layer_ids]
+    missing = [m for m in members if m not in offsets]
+    if missing:
+        raise ConfigError(f"rows[{name}]: no offset for {missing[:4]}")
+    used = sum(base.region(rn).page_nbytes(ps) for rn, _ in members)
+    if block_stride < used:
+        raise ConfigError(f"rows[{name}].block_stride: {block_stride} is smaller than the "
+                          f"{used} bytes of its member pages")
+    first_miss = ""
+    for order in itertools.permutations(regions):
+        for layer_major in (False, True):
+            row = PackedRow(name, tuple(order), block_stride - used, layer_major)
+            trial = base._replace(rows=(*base.rows, row))
+            bad = [(m, offsets[m], trial.layer_offset(*m)) for m in members
+                   if trial.layer_offset(*m) != offsets[m]]
+            if not bad:
+                return row
+            if not first_miss:
+                (rn, lid), got, want = bad[0]
+                first_miss = (f"{rn} layer {lid} is at {got}, a region-major row of "
+                              f"{list(regions)} puts it at {want}")
+    raise ConfigError(f"rows[{name}]: the observed offsets match no packing of "
+                      f"{list(regions)} ({first_miss})")

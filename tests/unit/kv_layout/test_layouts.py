@@ -20,6 +20,7 @@ from kvhandoff.kv_layout import (
     SendFrom,
     build_spans,
     check_page_rules,
+    infer_packed_row,
     layout_compat_diff,
     layout_diff,
     layout_hash,
@@ -361,3 +362,29 @@ def test_layouts_without_rules_take_any_page_and_peers_are_checked_against_mine(
         PageRule("main_kv", "K", RuleKind.MULTIPLE_OF, 0)
     assert check_page_rules(mine.with_page_rules(
         PageRule("main_kv", "pool", RuleKind.MULTIPLE_OF, 32))) == []
+
+
+def test_infer_packed_row_from_observed_offsets():
+    """A connector sees per-layer views into one block-outermost tensor: their offsets from the
+    base and the block stride give the row back (order, layer-major or not, pad)."""
+    vllm = preset("glm-5.3-vllm")
+    flat = vllm.unpacked()
+    offsets = {(r.name, lid): vllm.layer_offset(r.name, lid)
+               for r in vllm.regions for lid in r.live_layer_ids}
+    row = infer_packed_row(flat, "kv_block", ("indexer_k", "main_kv"), offsets=offsets,
+                           block_stride=3_452_160 + 64)
+    assert row == PackedRow("kv_block", ("main_kv", "indexer_k"), pad_bytes=64)
+    regs = (RegionSpec("k", (0, 1, 2), (Plane("x", 4),)), RegionSpec("v", (0, 1, 2),
+                                                                      (Plane("x", 4),)))
+    spec = LayoutSpec(8, "x", regs)
+    inter = {("k", i): 64 * i for i in range(3)} | {("v", i): 64 * i + 32 for i in range(3)}
+    assert infer_packed_row(spec, "kv", ("k", "v"), offsets=inter, block_stride=192) == (
+        PackedRow("kv", ("k", "v"), 0, layer_major=True))
+    inter[("v", 2)] += 1
+    with pytest.raises(ConfigError, match=r"match no packing of \['k', 'v'\] \(k layer 1 is at "
+                       "64, a region-major row of"):
+        infer_packed_row(spec, "kv", ("k", "v"), offsets=inter, block_stride=192)
+    with pytest.raises(ConfigError, match="block_stride: 100 is smaller"):
+        infer_packed_row(spec, "kv", ("k", "v"), offsets=inter, block_stride=100)
+    with pytest.raises(ConfigError, match=r"no offset for \[\('k', 0\)"):
+        infer_packed_row(spec, "kv", ("k", "v"), offsets={}, block_stride=192)
