@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvhandoff.kv_layout import handoff_bytes, preset
 
 KVHANDOFF = str(Path(sys.executable).with_name("kvhandoff"))
@@ -130,3 +132,34 @@ def test_plane_digests_pair_pages_of_different_sizes_token_by_token() -> None:
     page = ps.dst_pages[95 // 32]  # token 95: cached on decode, not moved
     dst[("indexer_k", lid)][page * idx.page_nbytes(32) + 31 * idx.planes[0].bytes_per_token] ^= 1
     assert plane_digests(lambda r, lid: dst[(r, lid)], dst_spec, ps, side="dst") == want
+
+
+@pytest.mark.parametrize("pool", ["--shm-pool", "--no-shm-pool"])
+def test_bench_shm_both_lanes(tmp_path: Path, pool: str) -> None:
+    """--transport shm: the decode's pool in a kvhandoff shared segment (the prefill maps it:
+    lane shm/map) or plain memory (process_vm_writev: shm/cma); every byte checked."""
+    p, r = _run(tmp_path, "--transport", "shm", pool, "--cases", "memcpy,raw,handoff_full")
+    lane = "shm/map" if pool == "--shm-pool" else "shm/cma"
+    assert r["lanes"]["raw"] == {"kind": "shm", "lanes": [lane], "degraded": False}
+    assert r["lanes"]["handoff"]["full"]["lanes"] == [lane]
+    assert r["verified"] == {"memcpy": True, "raw": True, "handoff_full": True}
+    assert r["ratios"]["handoff_full_over_memcpy"] > 0
+    assert f"raw lanes: {lane}" in p.stdout
+
+
+def test_bench_ucx_names_its_build(tmp_path: Path) -> None:
+    p, r = _run(tmp_path, "--cases", "raw")
+    build = r["lanes"]["ucx_build"]
+    assert build.startswith("UCX ") and "libucp.so" in build
+    assert ("no verbs" in build) or ("verbs" in build and "no verbs" not in build)
+    assert "UCX build: UCX" in " ".join(p.stdout.split())
+
+
+def test_bench_nixl_baseline(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu12", reason="the nixl extra (nixl-cu12) is not installed")
+    p, r = _run(tmp_path, "--cases", "memcpy,handoff_full,nixl")
+    assert r["verified"] == {"memcpy": True, "handoff_full": True, "nixl": True}
+    assert r["cases"]["nixl"]["GBps_median"] > 0
+    assert r["ratios"]["handoff_full_over_nixl"] > 0
+    assert r["lanes"]["nixl"]["descriptors"] == r["workload"]["pieces"]
+    assert "handoff / NIXL WRITE" in p.stdout

@@ -45,6 +45,7 @@ from kvhandoff.bench.pageset import PageSet, layers_of, plane_digests, rank_spec
 from kvhandoff.kv_layout import LayoutSpec
 
 CASES = ("memcpy", "raw", "handoff_full", "handoff_off", "paced")
+OPTIONAL_CASES = ("nixl",)  # NIXL WRITE of the memcpy page set, when nixl-cu12 is installed
 
 
 @dataclass
@@ -66,6 +67,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 120.0
     cases: tuple[str, ...] = CASES
+    shared_pool: bool = True  # shm: the decode's pool in a kvhandoff shared segment (map lane)
 
 
 class _Child:
@@ -236,10 +238,15 @@ class Bench:
         self.raw_child = _Child("raw", self.procs)
         to = self.cfg.timeout_s
         addr = self.raw_child.ask(to, cmd="setup", kind=self.cfg.transport, nbytes=n,
-                                  chunk_bytes=self.cfg.chunk_bytes)["address"]
+                                  chunk_bytes=self.cfg.chunk_bytes,
+                                  shared=self._shared())["address"]
         self.raw_tr.connect("child", bytes.fromhex(addr))
         self.raw_child.ask(to, cmd="connect", address=self.raw_tr.address.hex())
         self._raw_tag = 0
+
+    def _shared(self) -> bool:
+        """Whether receivers allocate in kvhandoff shared segments (shm's map lane)."""
+        return self.cfg.transport == "shm" and self.cfg.shared_pool
 
     def _raw(self, verify: bool) -> float:
         n = self.total_bytes
@@ -273,6 +280,7 @@ class Bench:
                         if c.startswith("handoff") or c == "paced"})
         msg = {"cmd": "setup", "model": cfg.model, "pageset": self.pageset.to_msg(),
                "modes": modes, "transport": cfg.transport, "chunk_bytes": cfg.chunk_bytes,
+               "shared_pool": self._shared(),
                "timeout_s": cfg.timeout_s}
         # one process per rank; a prefill rank no decode rank reads from takes no part
         self.prefills = {p: _Child(f"prefill{p}", self.procs, "prefill")
@@ -355,6 +363,8 @@ class Bench:
             return self._memcpy(verify)
         if case == "raw":
             return self._raw(verify)
+        if case == "nixl":
+            return self.nixl.write(verify, self.verified)
         if case == "paced":
             _, tail = self._handoff("full", self.cfg.layer_ms, verify, case)
             self._last_tail = tail
@@ -367,6 +377,12 @@ class Bench:
         self.progress("setting up (buffers, processes)")
         if "memcpy" in cases:
             self._setup_memcpy()
+        if "nixl" in cases:
+            from kvhandoff.bench.nixl_baseline import NixlWrite
+
+            if "memcpy" not in cases:
+                self._setup_memcpy()
+            self.nixl = NixlWrite(self.mc_spans)
         if "raw" in cases:
             self._setup_raw()
         if any(c.startswith("handoff") or c == "paced" for c in cases):
@@ -388,6 +404,11 @@ class Bench:
         if hasattr(self, "raw_tr"):
             st = self.raw_tr.status()
             out["raw"] = {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded}
+            build = getattr(self.raw_tr, "build", None)
+            if build is not None:  # ucx: the UCX library behind those lanes
+                out["ucx_build"] = build.describe()
+        if hasattr(self, "nixl"):
+            out["nixl"] = self.nixl.describe()
         if getattr(self, "prefills", None):
             first = next(iter(self.prefills.values()))
             out["handoff"] = first.ask(self.cfg.timeout_s, cmd="status")["status"]
@@ -426,6 +447,9 @@ class Bench:
         ratios["handoff_full_over_memcpy"] = h / m if h and m else None
         ratios["handoff_off_over_memcpy"] = off / m if off and m else None
         ratios["checksum_overhead"] = off / h - 1.0 if h and off else None
+        nx = rate("nixl")
+        if nx:
+            ratios["handoff_full_over_nixl"] = h / nx if h else None
         ps = self.pageset
 
         def layer_bytes(specs: list[LayoutSpec]) -> int:  # the largest layer, all ranks together

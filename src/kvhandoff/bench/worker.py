@@ -64,7 +64,13 @@ def run_raw() -> None:
             if cmd == "setup":
                 tr = load_transport(msg["kind"], Settings(transport=msg["kind"],
                                                           chunk_bytes=msg["chunk_bytes"]))
-                buf = np.zeros(int(msg["nbytes"]), np.uint8)  # zeros: pages faulted in now
+                if msg.get("shared"):  # shm: a kvhandoff shared segment (the map lane)
+                    from kvhandoff.transfer.shm import SharedSegment
+
+                    buf = SharedSegment(int(msg["nbytes"])).array
+                else:
+                    buf = np.zeros(int(msg["nbytes"]), np.uint8)
+                buf[:] = 0  # pages faulted in now, not during the first receive
                 tr.register("raw", buf)
                 say(address=tr.address.hex())
             elif cmd == "connect":
@@ -108,7 +114,15 @@ class _AgentSide:
         self.timeout_s = float(msg.get("timeout_s", 120))
         pool = (self.pageset.src_num_pages if role == "prefill"
                 else self.pageset.dst_num_pages)
-        bufs = allocate(self.spec, pool)
+        if role == "decode" and msg.get("shared_pool"):
+            from kvhandoff.transfer.shm import allocate_shared
+
+            bufs = allocate_shared(self.spec, pool)  # shm: the prefill maps and writes it
+            for per_layer in bufs.values():
+                for t in per_layer.values():
+                    t.numpy()[:] = 0  # faulted in now, as allocate's zeros
+        else:
+            bufs = allocate(self.spec, pool)
         if role == "prefill":  # random bytes: the handoff must not depend on content
             rng = np.random.default_rng(int(msg.get("seed", 0)))
             for per_layer in bufs.values():

@@ -32,7 +32,8 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
               "raw": f"raw {r['config']['transport']}, 1 contiguous buffer{pair}",
               "handoff_full": f"handoff{ranks}, checksums full",
               "handoff_off": f"handoff{ranks}, checksums off",
-              "paced": f"tail{ranks}, 1 layer per {r['config']['layer_ms']:g} ms"}
+              "paced": f"tail{ranks}, 1 layer per {r['config']['layer_ms']:g} ms",
+              "nixl": "NIXL WRITE of the page set (1 process, 2 agents)"}
     for case, s in r["cases"].items():
         if not s.get("n"):
             continue
@@ -59,7 +60,8 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
             ("handoff (no checksum) / raw", "handoff_off_over_raw", None, ""),
             ("handoff (no checksum) / memcpy", "handoff_off_over_memcpy", None, ""),
             ("checksum overhead", "checksum_overhead", "checksum_overhead<=0.10", "<= 0.10"),
-            ("tail / one layer on raw", "tail_over_one_layer", "tail<=2x_one_layer", "<= 2")]
+            ("tail / one layer on raw", "tail_over_one_layer", "tail<=2x_one_layer", "<= 2"),
+            ("handoff / NIXL WRITE", "handoff_full_over_nixl", None, ">= 2")]
     for label, key, tkey, target in rows:
         v = r["ratios"].get(key)
         if v is None:
@@ -74,6 +76,11 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
     for name, st in lanes.items():
         if name == "raw":
             con.print(f"raw lanes: {', '.join(st['lanes'])}")
+        elif name == "ucx_build":
+            con.print(f"UCX build: {st}")
+        elif name == "nixl":
+            con.print(f"NIXL {st['version']}: backend {st['backend']}, {st['descriptors']:,} "
+                      f"descriptors ({st['setup']})")
         else:
             for mode, s in st.items():
                 con.print(f"handoff ({mode}) lanes: {', '.join(s['lanes'])}")
@@ -98,7 +105,11 @@ def register(app: typer.Typer) -> None:
         decode_tp: int = typer.Option(1, min=1, help="Decode TP ranks of the handoff cases "
                                       "(one worker process each, routed to its prefill "
                                       "rank(s)); memcpy and raw stay single-pair."),
-        transport: str = typer.Option("ucx", help="Data transport: ucx, tcp or inproc."),
+        transport: str = typer.Option("ucx", help="Data transport: ucx, tcp, shm (same host) "
+                                      "or inproc."),
+        shm_pool: bool = typer.Option(True, help="shm: the decode's pool in a kvhandoff shared "
+                                      "segment (the map lane); --no-shm-pool: plain memory "
+                                      "(process_vm_writev lane)."),
         reps: int = typer.Option(5, min=1, help="Timed repetitions of every case."),
         warmup: int = typer.Option(1, min=0, help="Untimed repetitions first."),
         layer_ms: float = typer.Option(5.0, min=0.0, help="Pacing of the tail case: one layer "
@@ -108,7 +119,8 @@ def register(app: typer.Typer) -> None:
                                     "page slots are drawn from the pool)."),
         seed: int = typer.Option(0, help="Seed of page slots and contents."),
         cases: str = typer.Option(",".join(("memcpy", "raw", "handoff_full", "handoff_off",
-                                            "paced")), help="Cases to run, comma-separated."),
+                                            "paced")), help="Cases to run, comma-separated; "
+                                  "add 'nixl' for a NIXL WRITE baseline (the nixl extra)."),
         timeout: float = typer.Option(120.0, help="Bound on each step, in seconds."),
         out: str | None = typer.Option(None, "--out", help="Write the JSON result here."),
         as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
@@ -117,20 +129,21 @@ def register(app: typer.Typer) -> None:
         (checksums on and off) in one run, alternating; prints medians, spread and ratios."""
         from rich.console import Console
 
-        from kvhandoff.bench.runner import CASES, Bench, BenchConfig
+        from kvhandoff.bench.runner import CASES, OPTIONAL_CASES, Bench, BenchConfig
         from kvhandoff.errors import KVHandoffError
 
         chosen = tuple(c.strip() for c in cases.split(",") if c.strip())
-        unknown = [c for c in chosen if c not in CASES]
+        known = CASES + OPTIONAL_CASES
+        unknown = [c for c in chosen if c not in known]
         if unknown or not chosen:
-            raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(CASES)}")
+            raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(known)}")
         con = Console(stderr=True)
         cfg = BenchConfig(model=model, context=context, prefix=prefix, page_size=page_size,
                           prefill_page=prefill_page, decode_page=decode_page,
                           prefill_tp=prefill_tp, decode_tp=decode_tp,
                           transport=transport, reps=reps, warmup=warmup, layer_ms=layer_ms,
                           chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
-                          timeout_s=timeout, cases=chosen)
+                          timeout_s=timeout, cases=chosen, shared_pool=shm_pool)
 
         def term(signum: int, frame: Any) -> None:
             raise KeyboardInterrupt
