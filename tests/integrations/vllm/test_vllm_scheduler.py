@@ -152,13 +152,7 @@ def test_prefill_request_binds_room_sends_table_and_delays_free(model: Path, boo
 
 
 def test_chunked_prefill_sends_at_the_last_chunk(model: Path, bootstrap: str) -> None:
-    from vllm.config import SchedulerConfig
-
-    s = scheduler(model, "kv_producer", extra={"bootstrap_url": bootstrap})
-    s.scheduler_config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
-                                         max_model_len=1024, is_encoder_decoder=False,
-                                         enable_chunked_prefill=True)
-    s.max_num_scheduled_tokens = 16
+    s = scheduler(model, "kv_producer", extra={"bootstrap_url": bootstrap}, batched_tokens=16)
     s.add_request(request("c1", {"do_remote_decode": True}))
     sends = []
     for _ in range(3):

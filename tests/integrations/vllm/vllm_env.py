@@ -43,7 +43,7 @@ def model_dir(root: Path) -> Path:
 
 
 def vllm_config(model: Path, *, role: str, engine_id: str, extra: dict[str, Any] | None = None,
-                policy: str = "fail", layout: str = "LBHNC") -> Any:
+                policy: str = "fail", layout: str = "LBHNC", batched_tokens: int = 1024) -> Any:
     """A `VllmConfig` on CPU whose kv_transfer_config loads KVHandoffConnector by module path."""
     from vllm.config import (
         CacheConfig,
@@ -59,8 +59,9 @@ def vllm_config(model: Path, *, role: str, engine_id: str, extra: dict[str, Any]
     cfg = VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=1024, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched_tokens,
+                                         max_model_len=1024, is_encoder_decoder=False,
+                                         enable_chunked_prefill=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVHandoffConnector",
             kv_connector_module_path="kvhandoff.integrations.vllm",
