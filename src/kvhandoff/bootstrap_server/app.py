@@ -1,9 +1,10 @@
 """`create_app(settings)`: the FastAPI app of the bootstrap server.
 
-Rules: `create_app` only wires things — routers, middleware, error handlers, the state object —
-and holds no logic. Every error leaves as JSON ``{"error", "detail", ...}`` with a 4xx/5xx
-status: a `KVHandoffError` by its `http_status` (one handler), a validation error as 422 whose
-``detail`` names each bad field, an unknown route/method as 404/405. A 500 is a bug.
+Rules: `create_app` only wires things — routers, middleware, error handlers, the state object,
+the fast path of SGLang's ``GET /route`` (`fastpath`) — and holds no logic. Every error leaves
+as JSON ``{"error", "detail", ...}`` with a 4xx/5xx status: a `KVHandoffError` by its
+`http_status` (one handler), a validation error as 422 whose ``detail`` names each bad field,
+an unknown route/method as 404/405. A 500 is a bug.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhandoff.bootstrap_server.deps import ServerState
+from kvhandoff.bootstrap_server.fastpath import BootstrapApp, FastRoutes
 from kvhandoff.bootstrap_server.metrics import Metrics
 from kvhandoff.bootstrap_server.middleware import BodyLimitMiddleware, MetricsMiddleware
 from kvhandoff.bootstrap_server.registry import Registry
@@ -42,6 +44,7 @@ def create_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     registry: Registry | None = None,
+    fast_path: bool = True,
 ) -> FastAPI:
     """Build the app.
 
@@ -49,21 +52,26 @@ def create_app(
         settings: server settings (default: `Settings()` from the environment).
         clock: monotonic seconds for TTLs and retention (tests pass a fake one).
         registry: an existing registry (default: a new one from the settings and clock).
+        fast_path: answer SGLang's ``GET /route`` from prepared bytes (`fastpath`); False
+            leaves every request to the FastAPI stack (tests compare the two).
     """
     settings = settings or Settings()
     registry = registry or Registry(
         clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s
     )
     metrics = Metrics(registry)
-    app = FastAPI(
+    app = BootstrapApp(
         title="kvhandoff bootstrap server",
         version="1",
         description="Prefill ranks register; decode ranks ask where their prefill is. "
         "Native API under /v1, SGLang-compatible routes at /route, /register_dp_rank, "
         "/query_dp_ranks, /health.",
     )
-    app.state.kvhandoff = ServerState(settings=settings, registry=registry, metrics=metrics,
-                                      clock=clock, sglang_routes=SglangRoutes(registry))
+    state = ServerState(settings=settings, registry=registry, metrics=metrics, clock=clock,
+                        sglang_routes=SglangRoutes(registry))
+    app.state.kvhandoff = state
+    # the hot lookup, answered from prepared bytes in front of the stack below (fastpath)
+    app.fast_routes = FastRoutes(state.sglang_routes, metrics) if fast_path else None
     for router in (health, ranks, engines, rooms, route, sglang):
         app.include_router(router)
     _add_error_handlers(app)

@@ -1,12 +1,15 @@
-"""Throughput of route lookups (a measurement script, not a test).
+"""Throughput of route lookups, beside SGLang's own bootstrap server (a measurement script, not
+a test).
 
-    python -m kvhandoff.bootstrap_server.bench [--seconds 5] [--concurrency 32]
+    python -m kvhandoff.bootstrap_server.bench [--seconds 5] [--concurrency 1,32] [--routes all]
 
 Starts `kvhandoff serve --port 0` as its own process (so the load generator does not share a
-GIL with the server), registers a prefill engine of TP 8 (native) and 8 SGLang ranks, then
-drives keep-alive GETs (raw asyncio streams) from ``--clients`` processes, each an asyncio loop with
-``--concurrency`` requests in flight, for ``--seconds`` per route. Prints requests/s and
-latency percentiles of each route.
+GIL with the server) and, when SGLang is installed, SGLang 0.5.23's ``CommonKVBootstrapServer``
+as another (`kvhandoff.testing.server.sglang_process`). Registers a native prefill engine of TP 8
+on ours and the same 8 SGLang-style ranks (``PUT /route``) on both, then drives keep-alive GETs
+(raw asyncio streams) from ``--clients`` processes, each an asyncio loop with N requests in
+flight, for ``--seconds`` per route and concurrency. The SGLang route is measured on both
+servers back to back, and the kvhandoff/SGLang ratio is printed for each concurrency.
 """
 
 from __future__ import annotations
@@ -15,20 +18,21 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import re
-import subprocess
-import sys
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 
+SGLANG_ROUTE = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=3&target_pp_rank=0"
 ROUTES = {
     "GET /v1/route (native, by dp_rank)": "/v1/route?engine_id=p&dp_rank=0&tp_rank=3&tp_size=8",
-    "GET /route (SGLang, one rank)": "/route?prefill_dp_rank=0&prefill_cp_rank=0"
-                                     "&target_tp_rank=3&target_pp_rank=0",
+    "GET /route (SGLang, one rank)": SGLANG_ROUTE,
     "GET /health": "/health",
 }
+SGLANG_NAME = "GET /route (SGLang, one rank)"
 
 
 async def _load(url: str, path: str, seconds: float, concurrency: int) -> list[float]:
@@ -62,56 +66,90 @@ def _client(args: tuple[str, str, float, int]) -> list[float]:
     return asyncio.run(_load(*args))
 
 
-def _seed(url: str) -> None:
-    from kvhandoff.bootstrap_server import BootstrapClient
+def _sglang_rank(tp: int) -> dict[str, Any]:
+    return {"attn_tp_size": 8, "attn_tp_rank": tp, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+            "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+            "rank_port": 9100 + tp, "page_size": 64, "kv_cache_dtype": "auto"}
+
+
+def _seed(url: str, *, native: bool) -> None:
+    from kvhandoff.bootstrap_server.client import BootstrapClient
     from kvhandoff.kv_layout import preset
 
     c = BootstrapClient(url)
     for tp in range(8):
-        c.register_rank(engine_id="p", role="prefill", agent_address=f"127.0.0.1:{9000 + tp}",
-                        generation="bench", layout=preset("glm-5.3"), tp_rank=tp, tp_size=8)
-        httpx.put(url + "/route", json={
-            "attn_tp_size": 8, "attn_tp_rank": tp, "attn_dp_size": 1, "attn_dp_rank": 0,
-            "pp_size": 1, "pp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 9100 + tp,
-            "page_size": 64, "kv_cache_dtype": "auto"}).raise_for_status()
+        if native:
+            c.register_rank(engine_id="p", role="prefill", agent_address=f"127.0.0.1:{9000 + tp}",
+                            generation="bench", layout=preset("glm-5.3"), tp_rank=tp, tp_size=8)
+        httpx.put(url + "/route", json=_sglang_rank(tp)).raise_for_status()
+    # both answer the same, or the comparison is meaningless
+    r = httpx.get(url + SGLANG_ROUTE)
+    if r.status_code != 200 or r.json() != {"rank_ip": "127.0.0.1", "rank_port": 9103}:
+        raise SystemExit(f"{url}{SGLANG_ROUTE}: {r.status_code} {r.text[:200]}")
+
+
+def _measure(url: str, path: str, seconds: float, concurrency: int,
+             clients: int) -> dict[str, Any]:
+    with mp.get_context("spawn").Pool(clients) as pool:
+        parts = pool.map(_client, [(url, path, seconds, concurrency)] * clients)
+    lat = sorted(x for p in parts for x in p)
+    n = len(lat)
+    return {"requests": n, "requests_per_s": round(n / seconds),
+            "p50_ms": round(lat[n // 2] * 1e3, 3), "p99_ms": round(lat[int(n * 0.99)] * 1e3, 3)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from kvhandoff.testing.server import serve_process, sglang_process, sglang_unavailable
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,32",
+                    help="requests in flight per client process, comma-separated")
     ap.add_argument("--clients", type=int, default=1, help="load-generating processes")
+    ap.add_argument("--routes", choices=("all", "sglang"), default="all",
+                    help="sglang: only the SGLang route, on both servers")
+    ap.add_argument("--no-sglang", action="store_true", help="do not start SGLang's server")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "serve", "--port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
-    results: dict[str, Any] = {}
-    try:
-        assert proc.stdout is not None
-        m = re.search(r"(http://\S+)", proc.stdout.readline())
-        if not m:
-            raise SystemExit("kvhandoff serve printed no URL")
-        url = m.group(1)
-        _seed(url)
-        for name, path in ROUTES.items():
-            with mp.get_context("spawn").Pool(a.clients) as pool:
-                parts = pool.map(_client, [(url, path, a.seconds, a.concurrency)] * a.clients)
-            lat = sorted(x for p in parts for x in p)
-            n = len(lat)
-            results[name] = {
-                "requests": n, "requests_per_s": round(n / a.seconds),
-                "p50_ms": round(lat[n // 2] * 1e3, 2), "p99_ms": round(lat[int(n * 0.99)] * 1e3, 2),
-            }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    why_not = "--no-sglang" if a.no_sglang else sglang_unavailable()
+    routes = ROUTES if a.routes == "all" else {SGLANG_NAME: SGLANG_ROUTE}
+    results: dict[str, Any] = {"seconds": a.seconds, "clients": a.clients,
+                               "loadavg_before": os.getloadavg(), "kvhandoff": {}, "sglang": {},
+                               "ratio_kvhandoff_over_sglang": {}, "sglang_missing": why_not}
+    with ExitStack() as stack:
+        ours = stack.enter_context(serve_process())
+        _seed(ours, native=True)
+        theirs = None
+        if why_not is None:
+            theirs = stack.enter_context(sglang_process())
+            _seed(theirs, native=False)
+        for c in levels:
+            for name, path in routes.items():
+                results["kvhandoff"][f"{name} @{c}"] = _measure(ours, path, a.seconds, c,
+                                                                 a.clients)
+                if name == SGLANG_NAME and theirs is not None:
+                    r = _measure(theirs, path, a.seconds, c, a.clients)
+                    results["sglang"][f"{name} @{c}"] = r
+                    mine = results["kvhandoff"][f"{name} @{c}"]["requests_per_s"]
+                    results["ratio_kvhandoff_over_sglang"][str(c)] = round(
+                        mine / max(r["requests_per_s"], 1), 2)
+    results["loadavg_after"] = os.getloadavg()
     if a.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{a.clients} client process(es) x {a.concurrency} in flight, {a.seconds:g} s each")
-    for name, r in results.items():
-        print(f"{name:40s} {r['requests_per_s']:>7,} req/s  p50 {r['p50_ms']:.2f} ms  "
-              f"p99 {r['p99_ms']:.2f} ms  ({r['requests']:,} requests)")
+    print(f"{a.clients} client process(es), {a.seconds:g} s each; load average before "
+          f"{results['loadavg_before'][0]:.2f}, after {results['loadavg_after'][0]:.2f}")
+    for server in ("kvhandoff", "sglang"):
+        for name, r in results[server].items():
+            print(f"{server:9s} {name:44s} {r['requests_per_s']:>7,} req/s  "
+                  f"p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
+                  f"({r['requests']:,} requests)")
+    if why_not is not None:
+        print(f"SGLang's server not measured: {why_not}")
+    for c, ratio in results["ratio_kvhandoff_over_sglang"].items():
+        print(f"kvhandoff/SGLang GET /route (one rank), {c} in flight: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

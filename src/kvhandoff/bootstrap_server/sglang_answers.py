@@ -47,6 +47,8 @@ class Answer:
     status: int
     body: bytes
     headers: tuple[tuple[bytes, bytes], ...]
+    # the header lines as HTTP/1.1 writes them (for the protocol-level fast path)
+    header_lines: bytes
 
     @property
     def outcome(self) -> str:
@@ -56,8 +58,9 @@ class Answer:
     @classmethod
     def json(cls, status: int, body: Any, extra: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
         data = dump_json(body)
-        return cls(status, data, ((b"content-length", str(len(data)).encode()),
-                                  (b"content-type", b"application/json"), *extra))
+        headers = ((b"content-length", str(len(data)).encode()),
+                   (b"content-type", b"application/json"), *extra)
+        return cls(status, data, headers, b"".join(b"%s: %s\r\n" % h for h in headers))
 
     @classmethod
     def error(cls, exc: KVHandoffError) -> Answer:

@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         from pydantic import ValidationError
 
         from kvhandoff.bootstrap_server.app import create_app
+        from kvhandoff.bootstrap_server.fastpath import http_protocol
         from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
 
         given: dict[str, Any] = {
@@ -70,7 +71,9 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"host/port: cannot listen on "
                                      f"{settings.host}:{settings.port}: {e}") from e
         typer.echo(f"kvhandoff bootstrap server listening on {socket_url(sock)}", err=False)
-        config = uvicorn.Config(create_app(settings), log_level=level, lifespan="off")
+        # http_protocol(): SGLang's GET /route answered at the HTTP parser (fastpath)
+        config = uvicorn.Config(create_app(settings), log_level=level, lifespan="off",
+                                http=http_protocol())
         server = uvicorn.Server(config)
         try:
             asyncio.run(server.serve(sockets=[sock]))

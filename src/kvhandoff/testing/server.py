@@ -47,6 +47,7 @@ from typing import Any
 import uvicorn
 
 from kvhandoff.bootstrap_server.app import create_app
+from kvhandoff.bootstrap_server.fastpath import http_protocol
 from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
 from kvhandoff.errors import BootstrapError
 from kvhandoff.settings import Settings
@@ -81,6 +82,7 @@ def run_server(
     *,
     clock: Callable[[], float] | None = None,
     startup_timeout_s: float = 15.0,
+    fast_path: bool = True,
     **overrides: Any,
 ) -> Iterator[str]:
     """Serve `create_app(settings)` on ``settings.host`` and a free port (``port`` is ignored
@@ -90,14 +92,16 @@ def run_server(
         settings: server settings; ``overrides`` are applied on top (e.g. ``rank_ttl_s=0.2``).
         clock: fake clock for the registry (default: `time.monotonic`).
         startup_timeout_s: bound on waiting for uvicorn's startup.
+        fast_path: see `create_app` (False: every request through the FastAPI stack).
     """
     base = settings or Settings(port=0)
     # validated (a str token becomes a SecretStr), without reading the environment again
     settings = Settings.model_validate({**base.model_dump(), "port": 0, **overrides})
-    app = create_app(settings) if clock is None else create_app(settings, clock=clock)
+    app = create_app(settings, fast_path=fast_path) if clock is None else create_app(
+        settings, clock=clock, fast_path=fast_path)
     sock = bind_socket(settings.host, settings.port)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, http=http_protocol())
     server = _Server(config)
 
     def target() -> None:
