@@ -120,11 +120,43 @@ def test_kernel_blocks_are_pages(model: Path) -> None:
     assert vl.expand_blocks([3, 5]).tolist() == [6, 7, 10, 11]
 
 
-@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC"])
-def test_packed_rows_are_refused_naming_the_fix(model: Path, layout: str) -> None:
+@pytest.mark.parametrize("layout,order", [("BLHNC", "HND"), ("BLNHC", "NHD")])
+def test_packed_rows_match_vllm_memory(model: Path, layout: str, order: str) -> None:
+    """Block-outermost: one block holds every layer's page; one row buffer over the blocks,
+    and `LayoutSpec.address` finds every byte vLLM's views put there."""
     kv = views(model, layout, GQA)
-    with pytest.raises(ConfigError, match="LBHNC or LBNHC"):
-        build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=2)
+    fill(kv)
+    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=2)
+    assert vl.order == order
+    (row,) = vl.layout.rows
+    assert row.regions == ("kv",)
+    (reg,) = vl.layout.regions
+    page = reg.page_nbytes(16)
+    assert reg.page_stride(16) == env.NUM_LAYERS * page + row.pad_bytes
+    flat = vl.buffers[row.name]
+    assert set(vl.buffers) == {row.name}
+    c = 2 * 16 * 2
+    for name, v in kv.items():
+        lid = layer_index(name)
+        u = env.as_u8(v)
+        for b in (0, 3, 7):
+            key, off = vl.layout.address("kv", lid, b)
+            assert key == row.name
+            got = flat[off: off + page]
+            if order == "HND":
+                want = u[b].reshape(-1)
+            else:
+                want = u[b].permute(1, 0, 2).reshape(-1)
+            assert got.numel() == 2 * 16 * c and torch.equal(got, want), (name, b)
+
+
+def test_padded_pages_are_refused(model: Path) -> None:
+    kv = views(model, "LBHNC", GQA)
+    t = kv["model.layers.0.self_attn.attn"]
+    strided = t[:, :, ::2]  # every other token: not a dense page
+    with pytest.raises(ConfigError, match="dense pages"):
+        build_layout({"model.layers.0.self_attn.attn": strided}, block_size=16, kv_dtype="k",
+                     model="m", mla=False, total_kv_heads=2)
 
 
 def test_layer_names() -> None:

@@ -12,11 +12,13 @@ view's strides. This module reads that order from the strides, never from a name
   head subset (planes pair by name).
 - MLA (``H == 1``): one plane ``latent`` of ``C`` bytes; the two orders coincide.
 
-Each layer's pages must be one contiguous run (layer-compact, block-contiguous, unpadded): the
-block-outermost layouts (``BLHNC``/``BLNHC``, one block = a row of every layer's page) are
-refused with the layout named, as are padded pages. A manager block split into kernel blocks
-(``B = num_blocks * ratio``) is one page per kernel block; `expand_blocks` maps vLLM block ids
-to those pages.
+Memory: layer-compact layouts (``LBHNC``/``LBNHC``) give each layer one contiguous run, one
+buffer per layer. Block-outermost layouts (``BLHNC``/``BLNHC``: one block is a row of every
+layer's page, then padding) become a `PackedRow` of the region and ONE buffer over the blocks
+(``LayoutSpec.rows``; the handshake ignores packing, so a packed prefill pairs with a per-layer
+decode). A page itself must be dense; padded or strided pages are refused. A manager block
+split into kernel blocks (``B = num_blocks * ratio``) is one page per kernel block;
+`expand_blocks` maps vLLM block ids to those pages.
 
 Pure apart from reading tensor metadata: no I/O, no vLLM import (the connector passes in what it
 read from vLLM's config).
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
+from kvhandoff.kv_layout import LayoutSpec, PackedRow, Plane, RegionSpec, SendFrom, TPSplit
 from kvhandoff.kv_layout.presets import heads_of_rank
 
 _LAYER_RE = re.compile(r"\.(\d+)\.")
@@ -53,7 +55,8 @@ class VllmLayout:
     vLLM's names and block ids to kvhandoff's layer ids and pages."""
 
     layout: LayoutSpec
-    buffers: dict[str, dict[int, Any]]  # region -> layer id -> 1-D uint8 tensor (no copy)
+    # region -> layer id -> 1-D uint8 tensor, or packed row name -> 1-D uint8 tensor (no copy)
+    buffers: dict[str, Any]
     layer_ids: dict[str, int]  # vLLM layer name -> layer id
     order: str  # "NHD", "HND" or "MLA"
     pages_per_block: int  # kernel blocks per vLLM block
@@ -81,9 +84,8 @@ def _physical(t: Any, where: str) -> tuple[list[int], Any]:
     if not p.is_contiguous():
         raise ConfigError(
             f"{where}: the layer's pages are not one contiguous run (strides {tuple(t.stride())} "
-            f"for shape {tuple(t.shape)}): block-outermost (packed-row) layouts such as BLHNC and "
-            "padded pages are not supported by this connector; set VLLM_KV_CACHE_LAYOUT to a "
-            "layer-compact layout (LBHNC or LBNHC)")
+            f"for shape {tuple(t.shape)}): padded or strided pages are not supported by this "
+            "connector; use a layout with dense pages (LBHNC, LBNHC, BLHNC or BLNHC)")
     return order, p
 
 
@@ -124,30 +126,42 @@ def build_layout(
         if lid in seen:
             raise ConfigError(f"{where}: layer number {lid} also in {seen[lid]!r}")
         seen[lid] = name
-        order, p = _physical(t, where)
         nb, nh, nt, nc = (int(s) for s in t.shape)
-        if order[0] != 0 and nb > 1:
-            raise ConfigError(f"{where}: blocks are not the outermost dimension of the layer "
-                              f"(physical order {order}); unsupported KV cache layout")
+        elem = t.element_size()
+        inner, _ = _physical(t[0], f"{where} (one block)")  # a page is one dense run
+        page = nh * nt * nc * elem
+        bstride = t.stride(0) * elem
+        if nb > 1 and bstride < page:
+            raise ConfigError(f"{where}: blocks {bstride} B apart hold {page}-byte pages: blocks "
+                              "are not the outermost dimension; unsupported KV cache layout")
+        packed = nb > 1 and bstride > page
         if block_size % nt:
             raise ConfigError(f"{where}: kernel block of {nt} tokens does not divide the block "
                               f"size {block_size}")
-        content = nc * t.element_size()
         if mla:
             if nh != 1:
                 raise ConfigError(f"{where}: MLA expects one head slot, got {nh}")
             kind = "MLA"
-        elif nh == 1 or order.index(1) < order.index(2):
+        elif nh == 1 or inner.index(0) < inner.index(1):
             kind = "HND"  # one head: both orders are the same bytes; name the plane by head
         else:
             kind = "NHD"
-        key = (kind, nh, nt, content, nb)
-        groups.setdefault(key, []).append((lid, name, p.reshape(-1).view(_uint8())))
+        if packed:
+            # a block of a packed row: this layer's page sits at its offset in every block
+            buf: Any = (t.untyped_storage().data_ptr(), t.storage_offset() * elem, bstride)
+        else:
+            _, whole = _physical(t, where)
+            buf = whole.reshape(-1).view(_uint8())
+        key = (kind, nh, nt, nc * elem, nb, packed)
+        groups.setdefault(key, []).append((lid, name, buf))
+    if len({k[5] for k in groups}) > 1:
+        raise ConfigError("kv_caches: some layers are packed into shared blocks, others are not")
     regions: list[RegionSpec] = []
-    buffers: dict[str, dict[int, Any]] = {}
+    buffers: dict[str, Any] = {}
+    rows: list[PackedRow] = []
     order_name = ""
     nt0 = 0
-    for i, ((kind, nh, nt, content, _nb), members) in enumerate(sorted(groups.items())):
+    for i, ((kind, nh, nt, content, nb, packed), members) in enumerate(sorted(groups.items())):
         name = "kv" if len(groups) == 1 else f"kv{i}"
         planes: tuple[Plane, ...]
         split = TPSplit.REPLICATED
@@ -162,20 +176,60 @@ def build_layout(
                 planes = (Plane("kv", content * nh),)
             if tp_size > 1:
                 split, num_heads = TPSplit.HEAD_SHARDED, nh
-        members.sort()
+        members.sort(key=lambda m: m[0])
         regions.append(RegionSpec(name=name, layer_ids=tuple(m[0] for m in members),
                                   planes=planes, send_from=SendFrom.DECODE_PREFIX,
                                   tp_split=split, num_heads=num_heads))
-        buffers[name] = {lid: buf for lid, _, buf in members}
+        if packed:
+            row, view = _packed_row(name, members, nh * nt * content, nb, kv_caches)
+            rows.append(row)
+            buffers[row.name] = view
+        else:
+            buffers[name] = {lid: b for lid, _, b in members}
         if order_name and (order_name != kind or nt0 != nt):
             raise ConfigError(f"kv_caches: layers disagree on the page order or kernel block "
                               f"({order_name}/{nt0} vs {kind}/{nt})")
         order_name, nt0 = kind, nt
+    if len(rows) > 1:
+        raise ConfigError("kv_caches: packed layers of different shapes share blocks; "
+                          "unsupported KV cache layout")
     layout = LayoutSpec(page_size_tokens=nt0, kv_dtype=kv_dtype, regions=tuple(regions),
-                        model=model)
+                        model=model, rows=tuple(rows))
     return VllmLayout(layout=layout, buffers=buffers, layer_ids={n: lid for lid, n in
                                                                  seen.items()},
                       order=order_name, pages_per_block=block_size // nt0)
+
+
+def _packed_row(region: str, members: list[tuple[int, str, Any]], page: int, nb: int,
+                kv_caches: Mapping[str, Any]) -> tuple[PackedRow, Any]:
+    """The packed row of `region` (layers ascending, one page each per block, then padding)
+    and one flat byte view over its blocks."""
+    ptrs = {m[2][0] for m in members}
+    strides = {m[2][2] for m in members}
+    if len(ptrs) != 1 or len(strides) != 1:
+        raise ConfigError(f"kv_caches: the packed layers of region {region!r} do not share one "
+                          "backing allocation and block stride")
+    stride = strides.pop()
+    base = members[0][2][1]
+    for k, (lid, name, (_, off, _)) in enumerate(members):
+        if off != base + k * page:
+            raise ConfigError(f"kv_caches[{name!r}]: layer {lid}'s page is at byte {off - base} "
+                              f"of the block, expected {k * page} (layers ascending, one page "
+                              "each); unsupported packing")
+    pad = stride - len(members) * page
+    if pad < 0:
+        raise ConfigError(f"kv_caches: {len(members)} pages of {page} B do not fit a "
+                          f"{stride}-byte block")
+    import torch
+
+    t0 = kv_caches[members[0][1]]
+    storage = t0.untyped_storage()
+    if base + nb * stride > storage.nbytes():
+        raise ConfigError(f"kv_caches: {nb} blocks of {stride} B from byte {base} run past the "
+                          f"{storage.nbytes()}-byte allocation")
+    view = torch.empty((0,), dtype=torch.uint8, device=t0.device)
+    view.set_(storage, base, (nb * stride,), (1,))
+    return PackedRow(name=f"{region}_row", regions=(region,), pad_bytes=pad), view
 
 
 def _global_heads(local: int, total: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
