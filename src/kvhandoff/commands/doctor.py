@@ -37,9 +37,17 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check this node: UCX build and lanes, RDMA, memlock, /dev/shm, ptrace scope,
         hugepages, CUDA/CUDA IPC, the bootstrap server. Exit 1 on a blocking problem."""
+        from pydantic import ValidationError
+
         from kvhandoff.doctor import report_json, run_checks
 
-        settings = Settings()
+        try:
+            settings = Settings()
+        except ValidationError as e:  # a bad KVHANDOFF_* variable is itself a blocking problem
+            bad = "; ".join(f"KVHANDOFF_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
+                            for x in e.errors())
+            typer.echo(f"kvhandoff doctor: bad setting in the environment: {bad}", err=True)
+            raise typer.Exit(1) from None
         results = run_checks(
             root, bootstrap_url=bootstrap_url or settings.bootstrap_url,
             require_rdma=settings.require_rdma if require_rdma is None else require_rdma,

@@ -70,3 +70,12 @@ def test_doctor_fake_rdma_node_exit_code_follows_memlock(tmp_path: Path) -> None
     out = doctor("--json", "--no-probes", "--require-rdma", "--root", str(tmp_path))
     assert out.returncode == 0, out.stdout
     assert json.loads(out.stdout)["ok"] is True
+
+
+def test_doctor_bad_environment_setting_names_the_variable() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVHANDOFF_")}
+    env["KVHANDOFF_RANK_TTL_S"] = "soon"
+    out = subprocess.run([sys.executable, "-m", "kvhandoff.cli", "doctor", "--no-probes"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1
+    assert "KVHANDOFF_RANK_TTL_S" in out.stderr and "Traceback" not in out.stderr
