@@ -164,9 +164,14 @@ def _agent(role: str, spec: Any, bufs: Any, settings: Any, cfg: dict[str, Any],
 
 def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
     """The KV buffers: CPU torch tensors, or numpy arrays with ``"numpy_buffers": true`` (the
-    agent takes both; numpy spares the process the torch import, for many-rank tests)."""
+    agent takes both; numpy spares the process the torch import, for many-rank tests); numpy
+    views of a kvhandoff shared segment with ``"shared_buffers": true`` (the shm map lane)."""
     from kvhandoff.transfer import allocate
 
+    if cfg.get("shared_buffers"):
+        from kvhandoff.transfer.shm import allocate_shared
+
+        return allocate_shared(spec, num_pages, numpy_arrays=True)
     if not cfg.get("numpy_buffers"):
         return allocate(spec, num_pages)
     ps = spec.page_size_tokens

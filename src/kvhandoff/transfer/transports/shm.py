@@ -445,14 +445,27 @@ class ShmTransport(ThreadedTransport):
                 op.job.cancel()
         self._deliver(done)
 
+    def _dead(self, op: ShmOp) -> bool:
+        """Fails `op` if its peer's process is gone (ops to a dead peer end with an error
+        through on_done, like any failure on the wire); whether it did."""
+        with self._lock:
+            info = self._peer_info.get(op.peer)
+            dead = info.dead if info is not None else None
+        if dead is None:
+            return False
+        self._finish(op, f"peer {op.peer!r}: {dead}")
+        return True
+
     def _on_send(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
-        if op.finished:
+        if op.finished or self._dead(op):
             return
         key = (op.ident, op.tag)
         self._sends[key] = op
         self._try_start(key)
 
     def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
+        if self._dead(op):
+            return
         sock = self._dealers.get(op.peer)
         with self._lock:
             if op.finished:
@@ -558,7 +571,7 @@ class ShmTransport(ThreadedTransport):
 
     def _on_write(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp,
                   checksum: bool) -> None:
-        if op.finished or op.remote is None:
+        if op.finished or op.remote is None or self._dead(op):
             return
         target, roff, rnb = op.remote
         self._writes.setdefault(op.peer, []).append(op)

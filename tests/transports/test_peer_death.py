@@ -1,0 +1,102 @@
+"""A receiver process killed mid-write does not take the writer with it (shm, both lanes).
+
+The writer is this process; the receiver a real second process (peer_proc.py) receiving into
+plain memory (lane shm/cma: process_vm_writev, a dead peer is ESRCH) or into a kvhandoff shared
+segment (lane shm/map: the writer maps it; the mapping outlives the peer). The write is made
+of many small pieces, with one copy thread and one iovec per syscall, so it lasts long enough
+to be killed in the middle; the test kills once a copy thread started it. Then the
+writer's send fails with a reason, the writer keeps running, new ops to the dead peer fail
+at once, and a new peer works.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from test_conformance import PEER, WAIT_S, Done, PeerProcess
+
+from kvhandoff.errors import TransportError
+from kvhandoff.settings import Settings
+from kvhandoff.transfer.transports import _shm_copy
+from kvhandoff.transfer.transports.shm import ShmTransport
+
+SIZE = 64 << 20
+PIECE = 256
+
+
+class BigPeer(PeerProcess):
+    """peer_proc.py with a SIZE-byte receive buffer."""
+
+    def __init__(self, kind: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(PEER), kind, str(1 << 20), str(SIZE),
+                                      "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.lines: queue.Queue[dict[str, object]] = queue.Queue()
+        self.held: list[dict[str, object]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+
+@pytest.mark.parametrize("kind", ["shm", "shm-map"])
+def test_receiver_killed_mid_write(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_shm_copy, "IOV_MAX", 1)  # one piece per syscall: a long write
+    started = threading.Event()
+    copy_part = _shm_copy._copy_part
+
+    def copy_part_started(*args: Any) -> Any:
+        started.set()
+        return copy_part(*args)
+
+    monkeypatch.setattr(_shm_copy, "_copy_part", copy_part_started)
+    peer = BigPeer(kind)
+    tr = ShmTransport(Settings(chunk_bytes=1 << 20, stall_timeout_s=WAIT_S), copy_threads=1)
+    try:
+        src = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+        tr.register("kv", src)
+        tr.connect("peer", bytes.fromhex(str(peer.expect("address")["address"])))
+        peer.send(cmd="connect", address=tr.address.hex())
+        peer.expect("connected")
+        n = SIZE // PIECE
+        off = np.random.default_rng(2).permutation(n).astype(np.int64) * PIECE
+        ds = Done()
+        tr.post_send("peer", 1, "kv", off, np.full(n, PIECE, np.int64), ds)
+        peer.send(cmd="recv", tag=1, offsets=[0], nbytes=[SIZE])
+        peer.expect("posted")
+        assert started.wait(WAIT_S), "the copy into the peer never started"
+        peer.proc.send_signal(signal.SIGKILL)
+        assert peer.proc.wait(WAIT_S) == -signal.SIGKILL
+        err = ds.wait()
+        assert isinstance(err, TransportError), "the write into a dead peer did not fail"
+        assert "exited" in str(err) or "No such process" in str(err), err
+        lane = "shm/map" if kind == "shm-map" else "shm/cma"
+        st = tr.status()
+        assert st.lanes == (lane,) and "gone" in st.reason
+        late = Done()  # an op to the dead peer ends at once, with the reason
+        tr.post_send("peer", 2, "kv", np.array([0]), np.array([10]), late)
+        err = late.wait()
+        assert isinstance(err, TransportError) and "exited" in str(err)
+        tr.disconnect("peer")  # returns: nothing to wait for from a dead process
+        # the writer still works: a new peer, a new transfer
+        other = ShmTransport(Settings(chunk_bytes=1 << 20))
+        try:
+            dst = np.zeros(1000, np.uint8)
+            other.register("kv", dst)
+            tr.connect("other", other.address)
+            other.connect("me", tr.address)
+            ds, dr = Done(), Done()
+            other.post_recv("me", 3, "kv", np.array([0]), np.array([1000]), dr)
+            tr.post_send("other", 3, "kv", np.array([0]), np.array([1000]), ds)
+            assert dr.wait() is None and ds.wait() is None
+            assert np.array_equal(dst, src[:1000])
+        finally:
+            other.close()
+    finally:
+        tr.close()
+        if peer.proc.poll() is None:
+            peer.proc.kill()
