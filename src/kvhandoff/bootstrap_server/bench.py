@@ -7,9 +7,11 @@ Starts `kvhandoff serve --port 0` as its own process (so the load generator does
 GIL with the server) and, when SGLang is installed, SGLang 0.5.23's ``CommonKVBootstrapServer``
 as another (`kvhandoff.testing.server.sglang_process`). Registers a native prefill engine of TP 8
 on ours and the same 8 SGLang-style ranks (``PUT /route``) on both, then drives keep-alive GETs
-(raw asyncio streams) from ``--clients`` processes, each an asyncio loop with N requests in
-flight, for ``--seconds`` per route and concurrency. The SGLang route is measured on both
-servers back to back, and the kvhandoff/SGLang ratio is printed for each concurrency.
+(raw asyncio streams, on uvloop when installed) from ``--clients`` processes, each an event
+loop with N requests in flight, for ``--seconds`` per route and concurrency. The SGLang route
+is measured on both servers in ``--rounds`` alternating slices (ours, SGLang, SGLang, ours, ...)
+so that a change of the machine's load hits both alike, and the kvhandoff/SGLang ratio is
+printed for each concurrency with the load average.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ async def _load(url: str, path: str, seconds: float, concurrency: int) -> list[f
 
 
 def _client(args: tuple[str, str, float, int]) -> list[float]:
-    return asyncio.run(_load(*args))
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_load(*args))
+    return uvloop.run(_load(*args))
 
 
 def _sglang_rank(tp: int) -> dict[str, Any]:
@@ -89,11 +95,14 @@ def _seed(url: str, *, native: bool) -> None:
         raise SystemExit(f"{url}{SGLANG_ROUTE}: {r.status_code} {r.text[:200]}")
 
 
-def _measure(url: str, path: str, seconds: float, concurrency: int,
-             clients: int) -> dict[str, Any]:
-    with mp.get_context("spawn").Pool(clients) as pool:
-        parts = pool.map(_client, [(url, path, seconds, concurrency)] * clients)
-    lat = sorted(x for p in parts for x in p)
+def _slice(pool: Any, url: str, path: str, seconds: float, concurrency: int,
+           clients: int) -> list[float]:
+    parts = pool.map(_client, [(url, path, seconds, concurrency)] * clients)
+    return [x for p in parts for x in p]
+
+
+def _summary(lat: list[float], seconds: float) -> dict[str, Any]:
+    lat = sorted(lat)
     n = len(lat)
     return {"requests": n, "requests_per_s": round(n / seconds),
             "p50_ms": round(lat[n // 2] * 1e3, 3), "p99_ms": round(lat[int(n * 0.99)] * 1e3, 3)}
@@ -107,6 +116,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,32",
                     help="requests in flight per client process, comma-separated")
     ap.add_argument("--clients", type=int, default=1, help="load-generating processes")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating slices per server for the SGLang comparison")
     ap.add_argument("--routes", choices=("all", "sglang"), default="all",
                     help="sglang: only the SGLang route, on both servers")
     ap.add_argument("--no-sglang", action="store_true", help="do not start SGLang's server")
@@ -125,16 +136,25 @@ def main() -> None:
         if why_not is None:
             theirs = stack.enter_context(sglang_process())
             _seed(theirs, native=False)
+        pool = stack.enter_context(mp.get_context("spawn").Pool(a.clients))
         for c in levels:
             for name, path in routes.items():
-                results["kvhandoff"][f"{name} @{c}"] = _measure(ours, path, a.seconds, c,
-                                                                 a.clients)
-                if name == SGLANG_NAME and theirs is not None:
-                    r = _measure(theirs, path, a.seconds, c, a.clients)
-                    results["sglang"][f"{name} @{c}"] = r
-                    mine = results["kvhandoff"][f"{name} @{c}"]["requests_per_s"]
-                    results["ratio_kvhandoff_over_sglang"][str(c)] = round(
-                        mine / max(r["requests_per_s"], 1), 2)
+                key = f"{name} @{c}"
+                if name != SGLANG_NAME or theirs is None:
+                    lat = _slice(pool, ours, path, a.seconds, c, a.clients)
+                    results["kvhandoff"][key] = _summary(lat, a.seconds)
+                    continue
+                mine: list[float] = []
+                other: list[float] = []
+                part = a.seconds / a.rounds
+                for i in range(a.rounds):
+                    order = ((ours, mine), (theirs, other))
+                    for url, into in order if i % 2 == 0 else order[::-1]:
+                        into += _slice(pool, url, path, part, c, a.clients)
+                results["kvhandoff"][key] = _summary(mine, a.seconds)
+                results["sglang"][key] = _summary(other, a.seconds)
+                results["ratio_kvhandoff_over_sglang"][str(c)] = round(
+                    len(mine) / max(len(other), 1), 2)
     results["loadavg_after"] = os.getloadavg()
     if a.json:
         print(json.dumps(results, indent=2))

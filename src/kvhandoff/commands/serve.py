@@ -39,8 +39,6 @@ def register(app: typer.Typer) -> None:
         """Run the bootstrap server: ranks register, rooms are assigned, decode asks where its
         prefill is. Native API under /v1, SGLang-compatible /route, /register_dp_rank,
         /query_dp_ranks; /health, /ready, /metrics; OpenAPI at /docs."""
-        import asyncio
-
         import uvicorn
         from pydantic import ValidationError
 
@@ -76,6 +74,6 @@ def register(app: typer.Typer) -> None:
                                 http=http_protocol())
         server = uvicorn.Server(config)
         try:
-            asyncio.run(server.serve(sockets=[sock]))
+            server.run(sockets=[sock])  # uvicorn's event loop choice: uvloop when installed
         finally:
             sock.close()
