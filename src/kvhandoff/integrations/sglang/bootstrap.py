@@ -1,0 +1,112 @@
+"""``KVHandoffKVBootstrapServer``: the bootstrap server SGLang starts on a prefill node.
+
+SGLang constructs it with ``(host, port)`` = ``--host`` and ``--disaggregation-bootstrap-port``.
+
+- Default: runs kvhandoff's bootstrap server (`kvhandoff.bootstrap_server.create_app`) in this
+  process, on a uvicorn thread, bound to that host and port before it returns. It serves
+  SGLang's routes (``PUT/GET /route``, ``/register_dp_rank``, ``/query_dp_ranks``,
+  ``/health``) and kvhandoff's ``/v1`` API (agent registration and route lookup), ``/ready``
+  and ``/metrics``. Settings come from the ``KVHANDOFF_*`` environment (auth token, TTL, ...),
+  host and port from SGLang.
+- ``KVHANDOFF_BOOTSTRAP_URL`` set: the node runs a ``kvhandoff serve`` sidecar; nothing is
+  started, the sidecar must answer ``/health`` (bounded wait) and listen on the same port SGLang
+  was given (decode ranks reach the prefill's bootstrap server at that port).
+
+It subclasses SGLang's ``BaseKVBootstrapServer`` only, not ``CommonKVBootstrapServer``: SGLang's
+Rust server stands in for ``Common*`` bootstrap servers, and this one must not be replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, KVPoll
+
+from kvhandoff.errors import ConfigError
+
+log = logging.getLogger("kvhandoff.sglang")
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class KVHandoffKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, int(port)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        sidecar = os.environ.get("KVHANDOFF_BOOTSTRAP_URL")
+        if sidecar:
+            self.url = sidecar.rstrip("/")
+            self.sidecar = True
+            self._check_sidecar()
+        else:
+            self.sidecar = False
+            self.url = self._start()
+
+    def _check_sidecar(self) -> None:
+        u = urlparse(self.url)
+        if u.scheme not in ("http", "https") or u.port is None:
+            raise ConfigError(f"KVHANDOFF_BOOTSTRAP_URL: expected http://host:port, got "
+                              f"{self.url!r}")
+        if u.port != self.port:
+            raise ConfigError(
+                f"KVHANDOFF_BOOTSTRAP_URL: the sidecar listens on port {u.port} but "
+                f"--disaggregation-bootstrap-port is {self.port}; decode ranks reach the "
+                f"prefill's bootstrap server at that port, so give both the same port")
+        import httpx
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    log.info("kvhandoff bootstrap: using the sidecar at %s", self.url)
+                    return
+            except httpx.HTTPError as e:
+                last = e
+            time.sleep(0.2)
+        raise ConfigError(f"KVHANDOFF_BOOTSTRAP_URL: no kvhandoff server answers {self.url}"
+                          f"/health within {STARTUP_TIMEOUT_S:.0f}s ({last})")
+
+    def _start(self) -> str:
+        import uvicorn
+
+        from kvhandoff.bootstrap_server.app import create_app
+        from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
+        from kvhandoff.settings import Settings
+
+        settings = Settings().model_copy(update={"host": self.host, "port": self.port})
+        sock = bind_socket(self.host, self.port)
+        url = socket_url(sock)
+        config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on")
+        server = uvicorn.Server(config)
+        self._server = server
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                        daemon=True, name="kvh-sglang-bootstrap")
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ConfigError(f"kvhandoff bootstrap server on {url} did not start")
+            time.sleep(0.01)
+        self.port = sock.getsockname()[1]
+        log.info("kvhandoff bootstrap server (in-process) on %s", url)
+        return url
+
+    def run(self) -> None:
+        """Already serving since construction (SGLang's API)."""
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def poll(self) -> KVPoll:  # SGLang's Common server has it; nothing to report here
+        return KVPoll.Success

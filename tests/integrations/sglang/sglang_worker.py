@@ -1,0 +1,216 @@
+"""One side of a real SGLang PD pair using the kvhandoff backend (run as its own process).
+
+    python sglang_worker.py prefill|decode BOOTSTRAP_PORT
+
+Builds SGLang's manager through ``get_kv_class(TransferBackend("kvhandoff"), ...)`` after SGLang's
+plugin loader registered the backend, then drives the rooms of `ROOMS` with the calls and in the
+order SGLang's ``prefill.py`` / ``decode.py`` make them (sender: create, poll until bootstrapped,
+``pop_decode_prefix_len``, ``init(num_pages, aux_index)``, one ``send`` per chunk, the DSA
+suffix pages with the last one, poll; receiver: create, ``try_ensure_parallel_info``,
+``init(prefill_dp_rank)``, ``send_metadata(suffix pages, aux_index, [dsa pages],
+decode_prefix_len)``, poll). Prints one JSON line per room: the distinct poll values seen, the
+``failure_exception()`` text, and (decode) the byte checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import sglang_env as E
+
+DEADLINE_S = 30.0
+
+# src/dst: physical pages of the whole sequence (token page k -> page src[k] / dst[k])
+ROOMS: list[dict[str, Any]] = [
+    {"room": 7001, "name": "chunks", "seq": 40, "prefix": 0, "chunks": [2, 2, 1],
+     "src": [5, 9, 3, 30, 31], "dst": [40, 2, 17, 18, 11], "aux": (1, 3)},
+    {"room": 7002, "name": "cached_prefix", "seq": 60, "prefix": 16, "chunks": [3, 3],
+     "src": [1, 2, 3, 4, 6, 7, 8, 10], "dst": [20, 21, 22, 23, 24, 30, 31, 32], "aux": (2, 5)},
+    {"room": 7003, "name": "decode_abort", "seq": 24, "prefix": 0, "chunks": [3],
+     "src": [12, 13, 14], "dst": [1, 3, 5], "aux": (0, 0)},
+    {"room": 7004, "name": "prefill_abort", "seq": 24, "prefix": 0, "chunks": [3],
+     "src": [15, 16, 17], "dst": [6, 7, 8], "aux": (4, 1)},
+    {"room": 7005, "name": "prefill_dies", "seq": 40, "prefix": 0, "chunks": [2, 3],
+     "src": [20, 21, 22, 23, 24], "dst": [9, 10, 12, 13, 14], "aux": (3, 2)},
+]
+
+
+def emit(**kw: Any) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def poll_until(handle: Any, done: Any, seen: list[int]) -> int:
+    """Polls as SGLang's event loop does until `done(state)`; records each new state."""
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        st = int(handle.poll())
+        if not seen or seen[-1] != st:
+            seen.append(st)
+        if done(st) or time.monotonic() > end:
+            return st
+        time.sleep(0.002)
+
+
+def failure_text(handle: Any) -> str | None:
+    try:
+        handle.failure_exception()
+    except Exception as e:  # SGLang's KVTransferError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fill_prefill(p: E.Pools, r: dict[str, Any]) -> None:
+    n_pages = math.ceil(r["seq"] / E.PAGE)
+    for k in range(n_pages):
+        page = r["src"][k]
+        for layer, t in enumerate(p.main):
+            t[page].copy_(_t(E.page_bytes("main", layer, k, r["room"], t.shape[1])))
+        for layer, t in enumerate(p.indexer):
+            t[page].copy_(_t(E.page_bytes("indexer", layer, k, r["room"], t.shape[1])))
+    for i, t in enumerate(p.aux):
+        t[r["aux"][0]].copy_(_t(E.page_bytes("aux", i, 0, r["room"], t.shape[1])))
+
+
+def _t(a: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def run_prefill(port: int) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+
+    sa = E.server_args("prefill", port)
+    p = E.pools()
+    mgr = get_kv_class(TransferBackend("kvhandoff"), KVClassType.MANAGER)(
+        E.kv_args(p), DisaggregationMode.PREFILL, sa, True)
+    sender_cls = get_kv_class(TransferBackend("kvhandoff"), KVClassType.SENDER)
+    emit(side="prefill", ready=True, manager=type(mgr).__name__)
+    for r in ROOMS:
+        seen: list[int] = []
+        s = sender_cls(mgr, f"127.0.0.1:{port}", r["room"])
+        poll_until(s, lambda st: st != KVPoll.Bootstrapping, seen)
+        if r["name"] == "decode_abort":
+            poll_until(s, lambda st: st == KVPoll.Failed, seen)
+            emit(side="prefill", name=r["name"], seen=seen, failure=failure_text(s))
+            continue
+        prefix = s.pop_decode_prefix_len()
+        n_pages = math.ceil((r["seq"] - prefix) / E.PAGE)
+        s.init(n_pages, r["aux"][0])
+        if r["name"] == "prefill_abort":
+            s.abort()
+            poll_until(s, lambda st: st == KVPoll.Failed, seen)
+            emit(side="prefill", name=r["name"], seen=seen, failure=failure_text(s))
+            continue
+        fill_prefill(p, r)
+        suffix = np.asarray(r["src"][prefix // E.PAGE:], dtype=np.int32)
+        off = 0
+        for i, c in enumerate(r["chunks"]):
+            last = i == len(r["chunks"]) - 1
+            if r["name"] == "prefill_dies" and last:
+                emit(side="prefill", name=r["name"], seen=seen, dying=True)
+                os._exit(3)  # the prefill process dies between two chunks
+            s.send(suffix[off:off + c], [suffix] if last else None,
+                   num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE))
+            off += c
+            st = int(s.poll())
+            if seen[-1] != st:
+                seen.append(st)
+        final = poll_until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed), seen)
+        emit(side="prefill", name=r["name"], seen=seen,
+             failure=failure_text(s) if final == KVPoll.Failed else None,
+             bytes=s.get_transfer_metric().transfer_total_bytes)
+        s.clear()
+    mgr.close()
+
+
+def run_decode(port: int) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+
+    sa = E.server_args("decode", port)
+    p = E.pools()
+    mgr = get_kv_class(TransferBackend("kvhandoff"), KVClassType.MANAGER)(
+        E.kv_args(p), DisaggregationMode.DECODE, sa, True)
+    receiver_cls = get_kv_class(TransferBackend("kvhandoff"), KVClassType.RECEIVER)
+    addr = f"127.0.0.1:{port}"
+    end = time.monotonic() + DEADLINE_S
+    while not mgr.try_ensure_parallel_info(addr):  # as decode.py: retried each loop
+        if time.monotonic() > end:
+            raise SystemExit("prefill never registered")
+        time.sleep(0.05)
+    emit(side="decode", ready=True, manager=type(mgr).__name__)
+    sentinel = 0xAB
+    for r in ROOMS:
+        seen: list[int] = []
+        rcv = receiver_cls(mgr, addr, r["room"])
+        seen.append(int(rcv.poll()))
+        rcv.init(0)
+        poll_until(rcv, lambda st: st != KVPoll.Bootstrapping, seen)
+        prefix_pages = r["prefix"] // E.PAGE
+        n_pages = math.ceil(r["seq"] / E.PAGE)
+        for t in (*p.main, *p.indexer):
+            for k in range(n_pages):  # the held prefix, and suffix pages with old content
+                t[r["dst"][k]].fill_(sentinel)
+        suffix = np.asarray(r["dst"][prefix_pages:n_pages], dtype=np.int32)
+        rcv.send_metadata(suffix, r["aux"][1], [suffix], decode_prefix_len=r["prefix"])
+        if r["name"] == "decode_abort":
+            rcv.abort()
+        final = poll_until(rcv, lambda st: st in (KVPoll.Success, KVPoll.Failed), seen)
+        out: dict[str, Any] = {"side": "decode", "name": r["name"], "seen": seen}
+        if final == KVPoll.Success:
+            bad = []
+            for kind, bufs in (("main", p.main), ("indexer", p.indexer)):
+                for layer, t in enumerate(bufs):
+                    for k in range(n_pages):
+                        got = t[r["dst"][k]].numpy()
+                        if k < prefix_pages:
+                            ok = bool((got == sentinel).all())  # held prefix: untouched
+                        else:
+                            ok = np.array_equal(got, E.page_bytes(kind, layer, k, r["room"],
+                                                                  t.shape[1]))
+                        if not ok:
+                            bad.append(f"{kind}/{layer}/page{k}")
+            for i, t in enumerate(p.aux):
+                if not np.array_equal(t[r["aux"][1]].numpy(),
+                                      E.page_bytes("aux", i, 0, r["room"], t.shape[1])):
+                    bad.append(f"aux{i}")
+            out["bad"] = bad
+            out["pages_checked"] = n_pages
+            rcv.clear()
+        else:
+            out["failure"] = failure_text(rcv)
+        emit(**out)
+    mgr.close()
+
+
+def main() -> None:
+    role, port = sys.argv[1], int(sys.argv[2])
+    if os.environ.get("KVH_SGLANG_TEST_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"{role} %(name)s %(message)s")
+    E.import_sglang()
+    E.load_plugins()
+    (run_prefill if role == "prefill" else run_decode)(port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A real SGLang 1P1D pair on the kvhandoff backend: two processes (sglang_worker.py), the
+prefill's manager/sender and the decode's manager/receiver built by SGLang's get_kv_class from
+KVArgs over CPU tensors shaped like GLM-5.3 (main KV + DSA indexer + metadata buffers), driven
+in SGLang's call order, with kvhandoff's bootstrap server class on 127.0.0.1 port 0, UCX.
+
+Rooms: several chunks; a cached prefix on decode (suffix-only, held pages untouched); an abort
+by decode; an abort by prefill; a prefill process that dies between two chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sglang_env as E
+
+HERE = Path(__file__).parent
+Failed, Bootstrapping, WaitingForInput, Transferring, Success = range(5)  # SGLang's KVPoll
+
+
+def _run_pair(port: int) -> tuple[dict[str, Any], dict[str, Any], int]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
+        "PYTHONPATH", "")]), KVHANDOFF_TRANSPORT="ucx", KVHANDOFF_HEARTBEAT_INTERVAL_S="0.2",
+        SGLANG_HOST_IP="127.0.0.1", SGLANG_PLUGINS="kvhandoff")
+    env.pop("KVHANDOFF_BOOTSTRAP_URL", None)
+    procs = {role: subprocess.Popen([sys.executable, str(HERE / "sglang_worker.py"), role,
+                                     str(port)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+             for role in ("prefill", "decode")}
+    out: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    logs = {}
+    try:
+        for role, p in procs.items():
+            logs[role], _ = p.communicate(timeout=240)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for role, text in logs.items():
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                rec = json.loads(line[len("RESULT "):])
+                out[role][rec.get("name", "ready")] = rec
+    assert procs["decode"].returncode == 0, logs["decode"][-4000:]
+    assert "prefill_dies" in out["prefill"], logs["prefill"][-4000:]
+    return out["prefill"], out["decode"], procs["prefill"].returncode
+
+
+def _monotonic_to(seen: list[int], final: int) -> None:
+    """SGLang's order: states only move forward, and end at `final`."""
+    assert seen[-1] == final, seen
+    body = seen[:-1] if final == Failed else seen
+    assert body == sorted(body) and set(body) <= {Bootstrapping, WaitingForInput, Transferring,
+                                                  Success}, seen
+
+
+@pytest.mark.timeout(300)
+def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
+
+    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
+    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+    try:
+        pre, dec, prefill_rc = _run_pair(srv.port)
+    finally:
+        srv.close()
+    assert pre["ready"]["manager"] == dec["ready"]["manager"] == "KVHandoffKVManager"
+    page_bytes = E.MAIN_LAYERS * E.PAGE * E.MAIN_BPT + E.INDEXER_LAYERS * E.PAGE * E.INDEXER_BPT
+
+    # three chunks, whole sequence: byte-exact in every layer of main KV, indexer and aux
+    _monotonic_to(pre["chunks"]["seen"], Success)
+    _monotonic_to(dec["chunks"]["seen"], Success)
+    assert Transferring in dec["chunks"]["seen"]
+    assert dec["chunks"]["bad"] == [] and dec["chunks"]["pages_checked"] == 5
+    assert pre["chunks"]["bytes"] == 5 * page_bytes
+
+    # decode holds 16 tokens (2 pages): only the 6 suffix pages move, main KV and indexer;
+    # the held pages keep their content (checked byte by byte on decode)
+    _monotonic_to(dec["cached_prefix"]["seen"], Success)
+    assert dec["cached_prefix"]["bad"] == []
+    assert pre["cached_prefix"]["bytes"] == 6 * page_bytes
+
+    # decode aborts after its metadata: both sides Failed, with the reason
+    _monotonic_to(dec["decode_abort"]["seen"], Failed)
+    _monotonic_to(pre["decode_abort"]["seen"], Failed)
+    assert "Aborted by AbortReq" in dec["decode_abort"]["failure"]
+    assert "KVTransferError" in pre["decode_abort"]["failure"]
+    assert "Aborted by the decode" in pre["decode_abort"]["failure"]
+
+    # prefill aborts before its first chunk: decode learns it, with prefill's reason
+    _monotonic_to(pre["prefill_abort"]["seen"], Failed)
+    _monotonic_to(dec["prefill_abort"]["seen"], Failed)
+    assert "Aborted by AbortReq on the prefill" in dec["prefill_abort"]["failure"]
+
+    # the prefill process dies between two chunks: decode fails (peer lost), not hangs
+    assert pre["prefill_dies"]["dying"] and prefill_rc == 3
+    _monotonic_to(dec["prefill_dies"]["seen"], Failed)
+    assert "KVTransferError" in dec["prefill_dies"]["failure"]
+    assert "silent" in dec["prefill_dies"]["failure"]
