@@ -44,6 +44,7 @@ START_S = 120.0  # the prefill process imports vLLM and torch on a loaded 2-core
 DONE_S = 60.0
 MARK = 0xAB
 PROC = Path(__file__).with_name("vllm_worker_proc.py")
+PREFILL_LAYOUT, DECODE_LAYOUT = "LBHNC", "LBHNC"
 
 
 class Child:
@@ -113,6 +114,7 @@ def test_two_process_per_layer_handoff_and_load_errors(bootstrap: str,
     send = [{"rid": rid, "room": room[rid], "blocks": rs[rid]["src"], "seq": SEQ}
             for rid in rs]
     child = Child({"bootstrap_url": bootstrap, "model_dir": str(mdir), "transport": "tcp",
+                   "layout": PREFILL_LAYOUT,
                    "steps": [{"sends": [s for s in send if s["rid"].startswith("A")]},
                              # B's last chunk is scheduled, but the request is aborted before
                              # its forward wrote a layer (vLLM: request_finished -> aborts)
@@ -121,6 +123,7 @@ def test_two_process_per_layer_handoff_and_load_errors(bootstrap: str,
                              {"sends": [], "aborts": ["B1", "B2"]}]})
     try:
         cfg = env.vllm_config(mdir, role="kv_consumer", engine_id=env.ENGINE_D,
+                              layout=DECODE_LAYOUT,
                               extra={"settings": {"transport": "tcp",
                                                   "heartbeat_interval_s": 1.0},
                                      "layer_timeout_s": DONE_S})

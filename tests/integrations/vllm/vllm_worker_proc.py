@@ -5,7 +5,8 @@ save_kv_layer, then wait_for_save / get_finished.
 
     python vllm_worker_proc.py '<json config>'
 
-Config: bootstrap_url, model_dir, transport, steps: a list of steps, each
+Config: bootstrap_url, model_dir, transport, layout (vLLM's KV cache layout name), steps: a
+list of steps, each
 ``{"sends": [{"rid", "room", "blocks", "seq"}], "aborts": [rid, ...], "forward": bool}``
 (``forward: false``: the step's forward never ran, e.g. the engine step was cut short).
 Prints one JSON object per line: registered, step, finished (the finished_sending ids).
@@ -38,7 +39,8 @@ def main() -> None:
     cfg = env.vllm_config(Path(cfg_in["model_dir"]), role="kv_producer", engine_id=env.ENGINE_P,
                           extra={"bootstrap_url": cfg_in["bootstrap_url"],
                                  "settings": {"transport": cfg_in["transport"],
-                                              "heartbeat_interval_s": 1.0}})
+                                              "heartbeat_interval_s": 1.0}},
+                          layout=cfg_in["layout"])
     kcc = env.kv_cache_config(cfg)
     views = env.allocate(cfg, kcc)
     conn = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
