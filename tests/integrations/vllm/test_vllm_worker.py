@@ -106,6 +106,7 @@ def loaded_blocks(r: dict[str, Any], sync: bool) -> set[int]:
     return set(r["dst"][r["local"] // bs: -(-load // bs)])
 
 
+@pytest.mark.timeout(300)  # the prefill process imports vLLM: ~20 s alone, minutes on a loaded box
 def test_two_process_per_layer_handoff_and_load_errors(bootstrap: str,
                                                        tmp_path: Path) -> None:
     mdir = env.model_dir(tmp_path)
