@@ -197,6 +197,7 @@ def run_decode(port: int) -> None:
             rcv.clear()
         else:
             out["failure"] = failure_text(rcv)
+        out["routes_cached"] = len(mgr._routes)
         emit(**out)
     mgr.close()
 

@@ -104,3 +104,5 @@ def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
     _monotonic_to(dec["prefill_dies"]["seen"], Failed)
     assert "KVTransferError" in dec["prefill_dies"]["failure"]
     assert "silent" in dec["prefill_dies"]["failure"]
+    # the dead prefill's agent addresses are forgotten: the next request looks them up again
+    assert dec["chunks"]["routes_cached"] == 1 and dec["prefill_dies"]["routes_cached"] == 0

@@ -333,6 +333,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         return out
 
     def forget_routes(self, bootstrap_addr: str) -> None:
+        """Drops the cached agent addresses of a prefill (after a failure: it may have
+        restarted with new ones)."""
         for k in [k for k in self._routes if k[0] == bootstrap_addr]:
             self._routes.pop(k, None)
 
@@ -574,6 +576,8 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             for h in self._handles:
                 h.abort(reason or "failed")
+            # the prefill's agents may be gone (restart: new addresses); look them up again
+            self.kv_mgr.forget_routes(self.bootstrap_addr)
         elif st == KVPoll.Success:
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
         else:
