@@ -212,6 +212,22 @@ def test_decode_request_announces_remote_tokens_and_records_blocks(
         assert not out.kv_connector_metadata.recvs  # one transfer per request
 
 
+def test_decode_aborted_while_loading_aborts_the_room(model: Path, bootstrap: str) -> None:
+    _, params = prefill_params(model, bootstrap, rid="p5")
+    s = scheduler(model, "kv_consumer", extra={"load_mode": "async"})
+    total = free_blocks(s)
+    s.add_request(request("d5", dict(params)))
+    out = s.schedule()
+    assert "d5" in out.kv_connector_metadata.recvs
+    s.update_from_output(out, step_output(out, {}))
+    s.finish_requests("d5", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(s) == total - 3  # the load may still write into them
+    out = s.schedule()
+    assert "d5" in out.kv_connector_metadata.aborts
+    s.update_from_output(out, step_output(out, {}, finished_recving={"d5"}))
+    assert free_blocks(s) == total
+
+
 def test_decode_with_local_prefix_loads_only_the_suffix(model: Path, bootstrap: str) -> None:
     _, params = prefill_params(model, bootstrap, rid="p2")
     s = scheduler(model, "kv_consumer")

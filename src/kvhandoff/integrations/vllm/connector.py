@@ -205,6 +205,9 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._s().build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().update_connector_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
@@ -277,6 +280,7 @@ class _SchedulerSide:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._prefills: dict[str, _PrefillReq] = {}
+        self._async_loads: set[str] = set()  # decode requests loading between steps
         self.kv_manager: Any = None
         self._meta = KVHandoffMetadata()
         self._binder: ThreadPoolExecutor | None = None
@@ -348,6 +352,12 @@ class _SchedulerSide:
             room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=list(ids),
             num_tokens=rp.num_tokens, local_tokens=local,
             load_tokens=local + num_external_tokens, sync=sync)
+        if not sync:
+            self._async_loads.add(rid)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._async_loads.discard(rid)
 
     # prefill
 
@@ -395,6 +405,10 @@ class _SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        if rid in self._async_loads:
+            # finished (aborted) while its KV is loading: vLLM keeps the blocks until
+            # finished_recving; abort the room so that comes now
+            self._meta.aborts[rid] = f"decode request ended with {request.status.name}"
         p = self._prefills.pop(rid, None)
         if p is None:
             return False, None
@@ -448,6 +462,7 @@ class _SchedulerSide:
 
 @dataclass
 class _Load:
+    rid: str
     spec: RecvReq
     receiver: Any
     pages: list[int]  # vLLM block ids that were to be loaded (reported on failure)
@@ -527,7 +542,8 @@ class _WorkerSide:
                 snd.abort(reason)
             self._finished.add(rid)
             ld = self._loads.get(rid)
-            if ld is not None:
+            if ld is not None and ld.failed is None:
+                ld.failed = reason  # the request is gone: nothing to report as load errors
                 ld.receiver.abort(reason)
         for rid, s in meta.sends.items():
             sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
@@ -548,19 +564,19 @@ class _WorkerSide:
         bs = self.vllm_config.cache_config.block_size
         loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
         receiver = self.agent.receiver(r.room, r.bootstrap_addr)
-        ld = _Load(spec=r, receiver=receiver, pages=list(loaded))
+        ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
         try:
             receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
                           decode_prefix_len=r.local_tokens)
         except KVHandoffError as e:
-            self._fail(rid, ld, f"receiver init: {e}")
+            self._fail(ld, f"receiver init: {e}")
         return ld
 
-    def _fail(self, rid: str, ld: _Load, reason: str) -> None:
+    def _fail(self, ld: _Load, reason: str) -> None:
         if ld.failed is not None:
             return
         ld.failed = reason
-        log.error("request %s (room %d): KV load failed, %d blocks reported: %s", rid,
+        log.error("request %s (room %d): KV load failed, %d blocks reported: %s", ld.rid,
                   ld.spec.room, len(ld.pages), reason)
         ld.receiver.abort(reason)
         with self._lock:
@@ -584,7 +600,7 @@ class _WorkerSide:
                 self._fail_sync(ld, f"layer {lid}: {ld.receiver.failure or 'timed out'}")
 
     def _fail_sync(self, ld: _Load, reason: str) -> None:
-        self._fail(f"room {ld.spec.room}", ld, reason)
+        self._fail(ld, reason)
         # vLLM recomputes into these blocks: nothing may still write into them
         if not ld.receiver.wait_released(self.cfg.layer_timeout_s):
             log.error("room %d: pages not released after the failure", ld.spec.room)
@@ -648,7 +664,7 @@ class _WorkerSide:
         for rid, ld in list(self._loads.items()):
             st = ld.receiver.poll()
             if st is KVPoll.Failed and ld.failed is None:
-                self._fail(rid, ld, ld.receiver.failure or "failed")
+                self._fail(ld, ld.receiver.failure or "failed")
             if st in (KVPoll.Success, KVPoll.Failed) and ld.receiver.released:
                 del self._loads[rid]
                 recvd.add(rid)
