@@ -6,7 +6,8 @@
 Rules: the listening socket is bound (port 0 = any free port) and listening before uvicorn
 starts, so the URL is known at once; `run_server` still waits, with a bound, for uvicorn's
 startup to finish and fails loudly if the server thread dies. Leaving the block stops the
-server and joins the thread (bounded). `FakeClock` is a settable clock for the registry.
+server and joins the thread (bounded). `FakeClock` (from `kvhandoff.testing.clock`) is a
+settable clock for the registry.
 
 `serve_process()` runs `kvhandoff serve --port 0` as its own process and `sglang_process()` runs
 SGLang's own bootstrap server (``CommonKVBootstrapServer``, aiohttp) as another, each yielding
@@ -51,6 +52,7 @@ from kvhandoff.bootstrap_server.fastpath import http_protocol
 from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
 from kvhandoff.errors import BootstrapError
 from kvhandoff.settings import Settings
+from kvhandoff.testing.clock import FakeClock
 
 __all__ = [
     "FakeClock",
@@ -126,24 +128,6 @@ def run_server(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-class FakeClock:
-    """A settable monotonic clock for `create_app(clock=...)` / `run_server(clock=...)`."""
-
-    __slots__ = ("now",)
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    def __repr__(self) -> str:
-        return f"FakeClock(now={self.now})"
 
 
 # -- servers as processes ----------------------------------------------------------------------
