@@ -58,9 +58,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return env.model_dir(tmp_path_factory.mktemp("model"))
 
 
-def scheduler(model: Path, role: str, **kw: Any) -> Scheduler:
-    cfg = env.vllm_config(model, role=role, engine_id=env.ENGINE_P if role == "kv_producer"
-                          else env.ENGINE_D, **kw)
+def scheduler(model: Path, role: str, engine_id: str | None = None, **kw: Any) -> Scheduler:
+    engine = engine_id or (env.ENGINE_P if role == "kv_producer" else env.ENGINE_D)
+    cfg = env.vllm_config(model, role=role, engine_id=engine, **kw)
     kcc = env.kv_cache_config(cfg)
     cfg.cache_config.num_gpu_blocks = kcc.num_blocks
     return Scheduler(vllm_config=cfg, kv_cache_config=kcc,
@@ -180,6 +180,25 @@ def test_prefill_abort_after_send_keeps_blocks_and_aborts_the_room(model: Path, 
     out = s.schedule()
     assert "a1" in out.kv_connector_metadata.aborts
     s.update_from_output(out, step_output(out, {}, finished_sending={"a1"}))
+    assert free_blocks(s) == total
+
+
+def test_room_not_bound_means_no_handoff(model: Path, bootstrap: str) -> None:
+    """An engine the bootstrap server does not know cannot bind its rooms: the request gets no
+    params (the proxy's decode computes the prompt), the workers abort the room, and the blocks
+    wait for the room's release like any other."""
+    s = scheduler(model, "kv_producer", engine_id="not-registered",
+                  extra={"bootstrap_url": bootstrap})
+    total = free_blocks(s)
+    s.add_request(request("u1", {"do_remote_decode": True}))
+    out = s.schedule()
+    assert "u1" in out.kv_connector_metadata.sends
+    outputs = s.update_from_output(out, step_output(out, {"u1": 7}))
+    assert params_of(outputs, "u1") is None
+    out = s.schedule()
+    assert "not registered" in out.kv_connector_metadata.aborts["u1"]
+    assert free_blocks(s) == total - 3
+    s.update_from_output(out, step_output(out, {}, finished_sending={"u1"}))
     assert free_blocks(s) == total
 
 

@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -414,11 +415,11 @@ class _SchedulerSide:
             return False, None
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                 RequestStatus.FINISHED_STOPPED)
-        bind_error = self._bind_error(p)
         if not p.sent:
             # no sender was opened: nothing reads the blocks
             self._meta.aborts[rid] = "request finished before its prompt was computed"
             return False, None
+        bind_error = self._bind_error(p) if ok else None
         if not ok or bind_error:
             reason = bind_error or f"prefill request ended with {request.status.name}"
             log.warning("request %s (room %d): no handoff: %s", rid, p.room, reason)
@@ -443,11 +444,12 @@ class _SchedulerSide:
             return "room not bound"
         try:
             p.bind.result(timeout=self.cfg.bind_timeout_s)
-        except KVHandoffError as e:
-            return f"binding room {p.room} at the bootstrap server failed: {e}"
-        except TimeoutError:
+        except FutureTimeout:
             return (f"binding room {p.room} at the bootstrap server took more than "
                     f"{self.cfg.bind_timeout_s} s")
+        except Exception as e:  # noqa: BLE001 - any failure means: no handoff, said why
+            return (f"binding room {p.room} at the bootstrap server failed: "
+                    f"{type(e).__name__}: {e}")
         return None
 
     def close(self) -> None:
