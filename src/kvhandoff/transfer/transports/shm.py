@@ -25,7 +25,6 @@
 # is gone; the wait is bounded by stall_timeout_s (then TransportError, as ucx).
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -40,7 +39,7 @@ import zmq
 
 from kvhandoff.errors import TransportError
 
-from ._chunks import ChunkPlan, check_tag, normalise_spans, paired_pieces
+from ._chunks import ChunkPlan, check_tag, paired_pieces
 from ._hostid import host_id
 from ._shm_copy import CopyPool, Job, Target, open_target
 from ._shm_wire import (
@@ -55,8 +54,9 @@ from ._shm_wire import (
     parse_descriptor,
     split_address,
 )
+from ._shm_writes import OneSidedWrites
 from ._threaded import IoCommand, ThreadedTransport
-from .base import OnDone, OnWritten, TransportKind, TransportStatus
+from .base import OnDone, TransportKind, TransportStatus
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -67,7 +67,7 @@ _NO_CHUNKS = 1 << 62  # paired_pieces without a chunk grid
 _DEFAULT_THREADS = 3
 
 
-class ShmTransport(ThreadedTransport):
+class ShmTransport(OneSidedWrites, ThreadedTransport):
     """Same-host transport: writes into the peer's memory (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.SHM
@@ -221,80 +221,6 @@ class ShmTransport(ThreadedTransport):
     def __repr__(self) -> str:
         return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"
 
-    # ---- one-sided writes -----------------------------------------------------------------
-
-    def describe(self, name: str) -> bytes:
-        buf = self._buffers.get(name)
-        if buf is None:
-            raise TransportError(f"describe: no buffer registered as {name!r}")
-        return describe_buffer(buf)
-
-    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
-        pid, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
-        with self._lock:
-            self._check_open()
-            info = self._peer_info.get(peer)
-            if info is None:
-                raise TransportError(f"register_remote: peer {peer!r} is not connected")
-            if pid != info.pid:
-                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
-                                     f"{pid}, peer {peer!r} is process {info.pid}")
-        target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map)
-        with self._lock:
-            info.remotes[name] = target
-            self._lanes.setdefault(peer, set()).add(target.lane)
-
-    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
-                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
-                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
-                   checksum: bool = False) -> None:
-        tag = check_tag(tag)
-        if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        buf = self._buffers.get(name)
-        if buf is None:
-            raise TransportError(f"post_write: no buffer registered as {name!r}")
-        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"post_write {name!r}")
-        with self._lock:
-            info = self._peer_info.get(peer)
-            target = info.remotes.get(remote) if info is not None else None
-        if info is None:
-            raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
-                                 "first")
-        if target is None:
-            raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
-                                 "call register_remote first")
-        roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target.nbytes,
-                                    what=f"post_write remote {remote!r}")
-        total, rtotal = int(nb.sum()), int(rnb.sum())
-        if total != rtotal:
-            raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
-                                 f"remote spans {rtotal}")
-        plan = ChunkPlan(off, nb, max(total, 1))
-        op = ShmOp(peer, info.ident, tag, True, buf, plan, _ignore)
-        op.is_write = True
-        op.remote = (target, roff, rnb)
-        op.on_done = _written_adapter(op, on_done)
-        with self._lock:
-            self._check_open()
-            if peer not in self._peers:
-                raise TransportError(f"post_write: peer {peer!r} is not connected")
-            key = (peer, tag, True)
-            if key in self._ops:
-                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
-                                     "pending")
-            self._ops[key] = op
-        self._command(IoCommand.WRITE, op, checksum)
-
-    def fence(self, peer: str, on_done: OnDone) -> None:
-        if not callable(on_done):
-            raise TransportError("fence: on_done must be callable")
-        with self._lock:
-            self._check_open()
-            if peer not in self._peers:
-                raise TransportError(f"fence: peer {peer!r} is not connected")
-        self._command(IoCommand.FENCE, peer, on_done)
-
     # ---- helpers (any thread) -------------------------------------------------------------
 
     def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
@@ -439,7 +365,8 @@ class ShmTransport(ThreadedTransport):
             done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
             info.dead = f"process {pid} exited"
             self._cond.notify_all()
-        log.warning("shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
+        log.log(logging.WARNING if done else logging.INFO,
+                "shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
         for op in ops:
             if op.job is not None:
                 op.job.cancel()
@@ -569,30 +496,6 @@ class ShmTransport(ThreadedTransport):
                 running.remove(op)
             self._check_fences()
 
-    def _on_write(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp,
-                  checksum: bool) -> None:
-        if op.finished or op.remote is None or self._dead(op):
-            return
-        target, roff, rnb = op.remote
-        self._writes.setdefault(op.peer, []).append(op)
-        self._start_job(op, target, roff, rnb, checksum, None)
-
-    def _on_fence(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
-                  on_done: OnDone) -> None:
-        ids = {id(op) for op in self._writes.get(peer, []) if not op.finished}
-        self._fences.append((peer, ids, on_done))
-        self._check_fences()
-
-    def _check_fences(self) -> None:
-        still = []
-        for peer, ids, on_done in self._fences:
-            running = {id(op) for op in self._writes.get(peer, [])}
-            if ids & running:
-                still.append((peer, ids, on_done))
-            else:
-                self._callbacks.submit(functools.partial(on_done, None))
-        self._fences = still
-
     def _drain_router(self) -> None:
         """Messages of receivers (to us as writer): R (expose), X (stop writing)."""
         while True:
@@ -658,13 +561,3 @@ class ShmTransport(ThreadedTransport):
                     self._acked(peer, tag)
             else:
                 log.warning("shm: dropping a malformed frame from peer %r", peer)
-
-
-def _ignore(exc: BaseException | None) -> None:
-    pass
-
-
-def _written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
-    def done(exc: BaseException | None) -> None:
-        on_written(exc, op.digest if exc is None else None)
-    return done

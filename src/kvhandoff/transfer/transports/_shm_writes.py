@@ -1,0 +1,153 @@
+# One-sided writes of the shm transport (Transport.supports_write): the public calls and their
+# I/O-thread handlers, mixed into ShmTransport (shm.py has the design; this part only starts
+# jobs on a target installed by register_remote, and completes fences).
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvhandoff.errors import TransportError
+
+from ._chunks import ChunkPlan, check_tag, normalise_spans
+from ._shm_copy import Target, open_target
+from ._shm_wire import ShmOp, describe_buffer, parse_descriptor
+from ._threaded import IoCommand
+from .base import OnDone, OnWritten
+
+if TYPE_CHECKING:
+    import threading
+
+    import zmq
+
+    from ._shm_wire import ShmPeer
+
+
+class OneSidedWrites:
+    """describe / register_remote / post_write / fence of ShmTransport."""
+
+    if TYPE_CHECKING:  # provided by ShmTransport / ThreadedTransport
+        _lock: threading.Lock
+        _buffers: dict[str, np.ndarray]
+        _peers: dict[str, bytes]
+        _ops: dict[tuple[str, int, bool], Any]
+        _peer_info: dict[str, ShmPeer]
+        _lanes: dict[str, set[str]]
+        _allow_map: bool
+        _writes: dict[str, list[ShmOp]]
+        _fences: list[tuple[str, set[int], OnDone]]
+        _callbacks: Any
+
+        def _check_open(self) -> None: ...
+        def _command(self, cmd: IoCommand, *args: Any) -> None: ...
+        def _dead(self, op: ShmOp) -> bool: ...
+        def _start_job(self, op: ShmOp, target: Target, doff: np.ndarray, dnb: np.ndarray,
+                       checksum: bool, key: tuple[bytes, int] | None) -> None: ...
+
+    def describe(self, name: str) -> bytes:
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"describe: no buffer registered as {name!r}")
+        return describe_buffer(buf)
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        pid, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
+        with self._lock:
+            self._check_open()
+            info = self._peer_info.get(peer)
+            if info is None:
+                raise TransportError(f"register_remote: peer {peer!r} is not connected")
+            if pid != info.pid:
+                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
+                                     f"{pid}, peer {peer!r} is process {info.pid}")
+        target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map)
+        with self._lock:
+            info.remotes[name] = target
+            self._lanes.setdefault(peer, set()).add(target.lane)
+
+    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
+                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
+                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
+                   checksum: bool = False) -> None:
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"post_write {name!r}")
+        with self._lock:
+            info = self._peer_info.get(peer)
+            target = info.remotes.get(remote) if info is not None else None
+        if info is None:
+            raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
+                                 "first")
+        if target is None:
+            raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
+                                 "call register_remote first")
+        roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target.nbytes,
+                                    what=f"post_write remote {remote!r}")
+        total, rtotal = int(nb.sum()), int(rnb.sum())
+        if total != rtotal:
+            raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
+                                 f"remote spans {rtotal}")
+        plan = ChunkPlan(off, nb, max(total, 1))
+        op = ShmOp(peer, info.ident, tag, True, buf, plan, _ignore)
+        op.is_write = True
+        op.remote = (target, roff, rnb)
+        op.on_done = _written_adapter(op, on_done)
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"post_write: peer {peer!r} is not connected")
+            key = (peer, tag, True)
+            if key in self._ops:
+                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
+                                     "pending")
+            self._ops[key] = op
+        self._command(IoCommand.WRITE, op, checksum)
+
+    def fence(self, peer: str, on_done: OnDone) -> None:
+        if not callable(on_done):
+            raise TransportError("fence: on_done must be callable")
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"fence: peer {peer!r} is not connected")
+        self._command(IoCommand.FENCE, peer, on_done)
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _on_write(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp,
+                  checksum: bool) -> None:
+        if op.finished or op.remote is None or self._dead(op):
+            return
+        target, roff, rnb = op.remote
+        self._writes.setdefault(op.peer, []).append(op)
+        self._start_job(op, target, roff, rnb, checksum, None)
+
+    def _on_fence(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
+                  on_done: OnDone) -> None:
+        ids = {id(op) for op in self._writes.get(peer, []) if not op.finished}
+        self._fences.append((peer, ids, on_done))
+        self._check_fences()
+
+    def _check_fences(self) -> None:
+        still = []
+        for peer, ids, on_done in self._fences:
+            running = {id(op) for op in self._writes.get(peer, [])}
+            if ids & running:
+                still.append((peer, ids, on_done))
+            else:
+                self._callbacks.submit(functools.partial(on_done, None))
+        self._fences = still
+
+def _ignore(exc: BaseException | None) -> None:
+    pass
+
+
+def _written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
+    def done(exc: BaseException | None) -> None:
+        on_written(exc, op.digest if exc is None else None)
+    return done
