@@ -252,6 +252,7 @@ def _run(steps: list[Step]) -> dict[str, tuple[Answer, Answer]]:
     return out
 
 
+@pytest.mark.timeout(600)  # six server processes; ~20 s on an idle 2-core machine
 def test_kvhandoff_answers_like_sglang_0_5_23_except_the_listed_differences() -> None:
     labels = [s.label for s in (*MAIN, *DUPLICATES, *FILL)]
     assert len(labels) == len(set(labels)), "step labels must be unique"
