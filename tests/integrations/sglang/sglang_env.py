@@ -25,15 +25,21 @@ AUX_SLOTS = 8
 DTYPE = "fp8_e4m3"
 
 
-def import_sglang() -> None:
-    """Imports SGLang's disaggregation modules (CPU stand-in for torchvision, see there)."""
+def import_sglang(*, scheduler_modules: bool = True) -> None:
+    """Imports SGLang's disaggregation modules (CPU stand-in for torchvision, see there);
+    `scheduler_modules`: also ``prefill.py`` and ``decode.py`` (slow to import; the pair's
+    workers make their calls themselves and skip them)."""
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
     os.environ.setdefault("SGLANG_PLUGINS", "kvhandoff")
     import sglang_cpu_import
 
     sglang_cpu_import.install()
-    import sglang.srt.disaggregation.decode  # noqa: F401
-    import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.disaggregation.common.conn  # noqa: F401
+    import sglang.srt.disaggregation.utils  # noqa: F401
+
+    if scheduler_modules:
+        import sglang.srt.disaggregation.decode  # noqa: F401
+        import sglang.srt.disaggregation.prefill  # noqa: F401
 
 
 def load_plugins() -> None:

@@ -208,7 +208,7 @@ def main() -> None:
         import logging
 
         logging.basicConfig(level=logging.INFO, format=f"{role} %(name)s %(message)s")
-    E.import_sglang()
+    E.import_sglang(scheduler_modules=False)
     E.load_plugins()
     (run_prefill if role == "prefill" else run_decode)(port)
 

@@ -457,7 +457,11 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
             return self.conclude_state
         status = self.kv_mgr.request_status.get(self.bootstrap_room)
         if not self._handles or status == KVPoll.Failed:
-            return super().poll()
+            st = super().poll()
+            if st == KVPoll.Failed:  # e.g. the decode aborted: free the agent rooms now
+                for h in self._handles:
+                    h.abort(self.kv_mgr.failure_records.get(self.bootstrap_room, "failed"))
+            return st
         st, reason = _merge(self._handles)
         if st == KVPoll.Failed:
             self.kv_mgr.record_failure(self.bootstrap_room, reason or "failed")
