@@ -108,7 +108,7 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
     """
     from kvhandoff.bootstrap_server.client import BootstrapClient
     from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
-    from kvhandoff.bootstrap_server.testing import run_server
+    from kvhandoff.testing.server import run_server
     from kvhandoff.kv_layout import SendFrom, TPSplit, handoff_bytes, page_aligned
     from kvhandoff.settings import Settings
     from kvhandoff.sim import spawn
