@@ -9,6 +9,12 @@ Baseline: memcpy of the same bytes inside one process (contiguous, and page by p
     .venv/bin/python scripts/transport_probe.py                      # ucx, tcp, inproc; 4 MiB
     .venv/bin/python scripts/transport_probe.py --transports ucx --chunks 1,2,4,8,16
     .venv/bin/python scripts/transport_probe.py --scale 0.1 --reps 1  # quick
+    .venv/bin/python scripts/transport_probe.py --transports shm,shm-map,shm-write,shm-write-hash
+
+shm kinds: "shm" receives into plain memory (lane shm/cma: process_vm_writev), "shm-map" into a
+kvhandoff shared segment (lane shm/map: the sender maps it); "shm-write" is a one-sided
+post_write into a shared segment (the receiver posts nothing), "shm-write-hash" the same with
+the fused xxh3 of the source (checksum=True).
 
 The receiver is a child process (this script with --child) driven by JSON lines on stdin/out.
 Each run checks the received bytes (xxh3 of the destination stream) against the sender's.
@@ -100,11 +106,17 @@ def child() -> None:
         if cmd == "setup":
             if tr is not None:
                 tr.close()
-            tr = load_transport(msg["kind"], Settings(chunk_bytes=msg["chunk"]))
-            buf = np.empty(msg["size"], np.uint8)
+            tr = load_transport(msg["kind"].split("-")[0], Settings(chunk_bytes=msg["chunk"]))
+            if msg["kind"].startswith("shm-"):  # a kvhandoff shared segment (shm/map lane)
+                from kvhandoff.transfer.shm import SharedSegment
+
+                buf = SharedSegment(msg["size"]).array
+            else:
+                buf = np.empty(msg["size"], np.uint8)
             buf.fill(0)  # fault the pages in now, not during the timed transfer
             tr.register("kv", buf)
-            say({"address": tr.address.hex()})
+            desc = tr.describe("kv").hex() if type(tr).supports_write else None
+            say({"address": tr.address.hex(), "descriptor": desc})
         elif cmd == "connect":
             assert tr is not None
             tr.connect("parent", bytes.fromhex(msg["address"]))
@@ -119,6 +131,10 @@ def child() -> None:
             err = w.wait()
             say({"error": None if err is None else str(err),
                  "digest": digest(buf, off, nb) if msg.get("verify") else None})
+        elif cmd == "digest":
+            off = np.asarray(msg["offsets"], np.int64)
+            nb = np.asarray(msg["nbytes"], np.int64)
+            say({"digest": digest(buf, off, nb)})
         elif cmd == "exit":
             break
     if tr is not None:
@@ -167,15 +183,26 @@ def run_transport(kind: str, chunk: int, wl: str, reps: int, scale: float,
     total = int(s_nb.sum())
     src = np.empty(size, np.uint8)
     src[:] = np.resize(np.arange(251, dtype=np.uint8), size)
-    tr = load_transport(kind, Settings(chunk_bytes=chunk))
+    tr = load_transport(kind.split("-")[0], Settings(chunk_bytes=chunk))
     tr.register("kv", src)
-    addr = child.ask(cmd="setup", kind=kind, chunk=chunk, size=size)["address"]
-    tr.connect("child", bytes.fromhex(str(addr)))
+    setup = child.ask(cmd="setup", kind=kind, chunk=chunk, size=size)
+    tr.connect("child", bytes.fromhex(str(setup["address"])))
     child.ask(cmd="connect", address=tr.address.hex())
     times = []
     ok = True
+    if "-write" in kind:
+        tr.register_remote("child", "kv", bytes.fromhex(str(setup["descriptor"])))
     for rep in range(reps + 1):  # rep 0 warms up
         verify = rep == reps
+        if "-write" in kind:  # one-sided: the receiver posts nothing
+            dt, digest_ok = _write_once(tr, rep, s_off, s_nb, d_off, d_nb, kind.endswith("hash"),
+                                        src)
+            if rep:
+                times.append(dt)
+            if verify:
+                got = child.ask(cmd="digest", offsets=d_off.tolist(), nbytes=d_nb.tolist())
+                ok = digest_ok and got["digest"] == digest(src, s_off, s_nb)
+            continue
         child.tell(cmd="recv", tag=rep, offsets=d_off.tolist(), nbytes=d_nb.tolist(),
                    verify=verify)
         child.get()  # posted
@@ -198,6 +225,30 @@ def run_transport(kind: str, chunk: int, wl: str, reps: int, scale: float,
             "pieces": int(s_nb.size), "best_s": best, "GBps_best": total / best / 1e9,
             "GBps_median": total / float(np.median(times)) / 1e9, "byte_exact": ok,
             "lanes": list(st.lanes), "degraded": st.degraded}
+
+
+def _write_once(tr: object, tag: int, s_off: np.ndarray, s_nb: np.ndarray, d_off: np.ndarray,
+                d_nb: np.ndarray, checksum: bool, src: np.ndarray) -> tuple[float, bool]:
+    """One post_write of the page set + fence; (seconds, whether the fused digest is right)."""
+    done = threading.Event()
+    result: list[tuple[BaseException | None, int | None]] = []
+
+    def on_written(err: BaseException | None, dig: int | None) -> None:
+        result.append((err, dig))
+
+    t0 = time.perf_counter()
+    tr.post_write("child", tag, "kv", s_off, s_nb, "kv", d_off, d_nb,  # type: ignore[attr-defined]
+                  on_written, checksum=checksum)
+    tr.fence("child", lambda err: done.set())  # type: ignore[attr-defined]
+    if not done.wait(120):
+        raise RuntimeError("shm write: fence did not complete")
+    dt = time.perf_counter() - t0
+    err, dig = result[0]
+    if err is not None:
+        raise RuntimeError(f"shm write failed: {err}")
+    want = int(xxhash.xxh3_64_intdigest(b"".join(
+        src[o:o + n].tobytes() for o, n in zip(s_off.tolist(), s_nb.tolist(), strict=True))))
+    return dt, (dig == want) if checksum else True
 
 
 def run_inproc(chunk: int, wl: str, reps: int, scale: float) -> dict[str, object]:

@@ -56,26 +56,39 @@ class Target:
 
 
 def open_target(pid: int, fd: int, segment_nbytes: int, offset: int, addr: int, nbytes: int,
-                allow_map: bool) -> Target:
+                allow_map: bool, maps: dict[tuple[int, int], Any] | None = None) -> Target:
     """The lane to a peer buffer: map its shared segment when it has one and it opens, else
-    cross-memory writes to its address."""
+    cross-memory writes to its address. `maps` caches one mapping per (fd, size) of the peer:
+    every buffer of an `allocate_shared` pool lies in the same segment."""
     if allow_map and fd >= 0:
-        try:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            f = -1
-        if f >= 0:
-            try:
-                if os.fstat(f).st_size >= segment_nbytes >= offset + nbytes:
-                    mm = mmap.mmap(f, segment_nbytes, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    base = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data) + offset
-                    return Target("map", pid, base, nbytes, mm)
-            except OSError:
-                pass
-            finally:
-                os.close(f)
+        key = (fd, segment_nbytes)
+        mm = maps.get(key) if maps is not None else None
+        if mm is None:
+            mm = _map_segment(pid, fd, segment_nbytes)
+            if mm is not None and maps is not None:
+                maps[key] = mm
+        if mm is not None and segment_nbytes >= offset + nbytes:
+            base = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data) + offset
+            return Target("map", pid, base, nbytes, mm)
     return Target("cma", pid, addr, nbytes, None)
+
+
+def _map_segment(pid: int, fd: int, segment_nbytes: int) -> mmap.mmap | None:
+    """A shared mapping of the peer's segment (its fd opened through /proc), None if that
+    is not allowed or it is not the size the peer says."""
+    try:
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(f).st_size < segment_nbytes:
+            return None
+        return mmap.mmap(f, segment_nbytes, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(f)
 
 
 class Job:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,8 @@ class ShmOp:
 
 
 class ShmPeer:
-    __slots__ = ("name", "address", "pid", "ident", "pidfd", "dead", "remotes", "targets")
+    __slots__ = ("name", "address", "pid", "ident", "pidfd", "dead", "remotes", "targets",
+                 "maps")
 
     def __init__(self, name: str, address: bytes, pid: int, ident: bytes, pidfd: int) -> None:
         self.name = name
@@ -99,5 +101,6 @@ class ShmPeer:
         self.dead: str | None = None
         self.remotes: dict[str, Target] = {}  # register_remote name -> target
         self.targets: dict[bytes, Target] = {}  # descriptor -> target (two-sided receives)
+        self.maps: dict[tuple[int, int], Any] = {}  # (fd, size) -> the peer segment's mmap
 
 

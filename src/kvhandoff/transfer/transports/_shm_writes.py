@@ -61,7 +61,7 @@ class OneSidedWrites:
             if pid != info.pid:
                 raise TransportError(f"register_remote {name!r}: the descriptor is of process "
                                      f"{pid}, peer {peer!r} is process {info.pid}")
-        target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map)
+        target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map, info.maps)
         with self._lock:
             info.remotes[name] = target
             self._lanes.setdefault(peer, set()).add(target.lane)

@@ -444,7 +444,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                     raise TransportError(f"the receive's buffer is of process {pid}, peer "
                                          f"{op.peer!r} is process {info.pid}")
                 target = info.targets[desc] = open_target(pid, fd, seg_n, off, addr, n,
-                                                          self._allow_map)
+                                                          self._allow_map, info.maps)
                 with self._lock:
                     self._lanes.setdefault(op.peer, set()).add(target.lane)
             if (doff + dnb > target.nbytes).any():
