@@ -572,8 +572,9 @@ def test_cross_process_both_directions(xkind: str) -> None:
         assert np.array_equal(stream(mine, *d), stream(theirs, *s))
         assert tr.status().bytes_received == total
         if xkind.startswith("shm"):  # the peer wrote into us: by mapping our segment or not
-            lanes = peer.ask("status")["lanes"]
-            assert lanes == (["shm/map"] if xkind == "shm-map" else ["shm/cma"])
+            lane = "shm/map" if xkind == "shm-map" else "shm/cma"
+            assert peer.ask("status")["lanes"] == [lane]
+            assert tr.status().lanes == (lane,)  # the lane our receive offered
     finally:
         tr.close()
         peer.close()

@@ -403,7 +403,11 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             self._finish(op, f"peer {op.peer!r} is not connected")
             return
         off, nb = op.plan.spans()
-        sock.send_multipart([EXPOSE.pack(b"R", op.tag, op.plan.total), describe_buffer(op.buf),
+        desc = describe_buffer(op.buf)
+        with self._lock:  # the lane this receive offers (the writer may still fall back to cma)
+            self._lanes.setdefault(op.peer, set()).add("map" if parse_descriptor(desc)[1] >= 0
+                                                       else "cma")
+        sock.send_multipart([EXPOSE.pack(b"R", op.tag, op.plan.total), desc,
                              off.astype("<i8").tobytes(), nb.astype("<i8").tobytes()])
 
     def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, str], ops: list[ShmOp]) -> None:
