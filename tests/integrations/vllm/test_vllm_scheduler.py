@@ -304,3 +304,19 @@ def test_bad_extra_config_names_the_field(model: Path) -> None:
         scheduler(model, "kv_both", extra={"bootstrap_url": "http://127.0.0.1:1"})
     with pytest.raises(ConfigError, match="tranport"):
         scheduler(model, "kv_consumer", extra={"settings": {"tranport": "tcp"}})
+
+
+def test_plugin_registers_the_connector_by_name() -> None:
+    """The `vllm.general_plugins` entry point (pyproject) registers KVHandoffConnector with
+    vLLM's factory; vLLM may call it more than once."""
+    from importlib.metadata import entry_points
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvhandoff"]
+    register = ep.load()
+    register()
+    register()
+    kt = KVTransferConfig(kv_connector="KVHandoffConnector", kv_role="kv_consumer")
+    assert KVConnectorFactory.get_connector_class(kt) is KVHandoffConnector
