@@ -116,3 +116,37 @@ def test_preempted_prefill_resends_from_its_new_blocks(bootstrap: str, tmp_path:
     finally:
         pre.shutdown()
         dec.shutdown()
+
+
+def test_a_room_that_cannot_open_is_reported_not_leaked(bootstrap: str, tmp_path: Path) -> None:
+    """Two requests naming one room (a duplicate request id at the proxy): the second room
+    cannot open. The prefill reports that request in finished_sending once vLLM finished it
+    (its blocks are free to go, nothing reads them); the decode reports exactly its blocks as
+    load errors and the request in finished_recving. The forward goes on."""
+    mdir = env.model_dir(tmp_path)
+    pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap})
+    dec, _ = worker(mdir, "kv_consumer", {"load_mode": "async"})
+    try:
+        room = room_of(env.ENGINE_P, "dup")
+        pre.bind_connector_metadata(KVHandoffMetadata(sends={
+            "x": SendReq(room=room, block_ids=[1, 2, 3], num_tokens=SEQ),
+            "y": SendReq(room=room, block_ids=[4, 5, 6], num_tokens=SEQ)}))
+        forward(pre, pviews, [1, 2, 3], salt=0)
+        assert pre.get_finished(set()) == (None, None)  # y is not finished on the scheduler
+        assert pre.get_finished({"y"}) == ({"y"}, None)
+        pre.clear_connector_metadata()
+
+        host, port = split_addr(bootstrap)
+        addr = f"{host}:{port}"
+        dec.bind_connector_metadata(KVHandoffMetadata(recvs={
+            "d1": RecvReq(room=room, bootstrap_addr=addr, block_ids=[11, 12, 13],
+                          num_tokens=SEQ, local_tokens=0, load_tokens=SEQ, sync=False),
+            "d2": RecvReq(room=room, bootstrap_addr=addr, block_ids=[21, 22, 23],
+                          num_tokens=SEQ, local_tokens=16, load_tokens=SEQ, sync=False)}))
+        dec.clear_connector_metadata()
+        _, recvd = dec.get_finished(set())
+        assert recvd == {"d2"}
+        assert dec.get_block_ids_with_load_errors() == {22, 23}  # beyond its local block
+    finally:
+        pre.shutdown()
+        dec.shutdown()

@@ -482,6 +482,7 @@ class _WorkerSide:
         self._lock = threading.Lock()
         self._senders: dict[str, Any] = {}
         self._stale: list[Any] = []  # senders of preempted requests, until released
+        self._unsent: set[str] = set()  # requests whose sender could not be opened
         self._step_senders: list[Any] = []
         self._finished: set[str] = set()  # requests vLLM finished (senders may still run)
         self._loads: dict[str, _Load] = {}  # async loads
@@ -548,8 +549,14 @@ class _WorkerSide:
                 ld.failed = reason  # the request is gone: nothing to report as load errors
                 ld.receiver.abort(reason)
         for rid, s in meta.sends.items():
-            sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
-                                       seq_len=s.num_tokens)
+            try:
+                sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
+                                           seq_len=s.num_tokens)
+            except KVHandoffError as e:
+                # no room: nothing will read the blocks; vLLM may free them once finished
+                log.error("request %s (room %d): cannot open the sender: %s", rid, s.room, e)
+                self._unsent.add(rid)
+                continue
             self._senders[rid] = sender
             self._step_senders.append(sender)
         self._sync = []
@@ -565,8 +572,14 @@ class _WorkerSide:
         assert vl is not None
         bs = self.vllm_config.cache_config.block_size
         loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
-        receiver = self.agent.receiver(r.room, r.bootstrap_addr)
+        try:
+            receiver = self.agent.receiver(r.room, r.bootstrap_addr)
+        except KVHandoffError as e:
+            receiver = _NoRoom(r.room, f"cannot open the receiver: {e}")
         ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
+        if isinstance(receiver, _NoRoom):
+            self._fail(ld, receiver.failure)
+            return ld
         try:
             receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
                           decode_prefix_len=r.local_tokens)
@@ -660,7 +673,10 @@ class _WorkerSide:
                                 s.failure)
                 del self._senders[rid]
                 sent.add(rid)
-        self._finished = {r for r in self._finished if r in self._senders}
+        for rid in self._unsent & self._finished:
+            self._unsent.discard(rid)
+            sent.add(rid)
+        self._finished = {r for r in self._finished if r in self._senders or r in self._unsent}
         self._stale = [s for s in self._stale if not s.released]
         recvd: set[str] = set()
         for rid, ld in list(self._loads.items()):
@@ -682,6 +698,27 @@ class _WorkerSide:
             self._ready_q.put(None)
         if self.agent is not None:
             self.agent.close()
+
+
+class _NoRoom:
+    """Stands in for a receiver that could not be opened: terminal, Failed, nothing in flight."""
+
+    def __init__(self, room: int, failure: str) -> None:
+        self.room = room
+        self.failure = failure
+        self.released = True
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed
+
+    def abort(self, reason: str = "") -> None:
+        return
+
+    def wait_released(self, timeout: float) -> bool:
+        return True
+
+    def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
+        raise KVHandoffError(self.failure)
 
 
 def _tp_rank() -> int:
