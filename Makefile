@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-de
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	@# optional: the shm transport's native copy helper (needs a C compiler; else Python copies)
+	@$(BIN)/python -m kvhandoff.transfer.transports._native || true
 	@# the engines (SGLang, vLLM) for tests/integrations: no deps, then their light import deps
 	$(BIN)/pip install -q -r requirements/engines-deps.txt
 	$(BIN)/pip install -q --no-deps -r requirements/engines-nodeps.txt

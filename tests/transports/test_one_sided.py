@@ -8,6 +8,7 @@ process_vm_writev, "shm-map" into a mapped kvhandoff shared segment.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 
@@ -178,3 +179,35 @@ def test_transports_without_writes_refuse_them(kind: str) -> None:
                 call()
     finally:
         tr.close()
+
+
+@pytest.mark.parametrize("helper", ["python", "native-without-libxxhash", "native"])
+def test_map_lane_copy_paths_agree(helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The map lane copies (and hashes) the same bytes whichever way it runs: piece by piece
+    from Python, the native batch copy with the hash in Python, or fused in C."""
+    from kvhandoff.transfer.transports import _native, _shm_copy
+
+    built, _ = _native.native()
+    if helper != "python" and built is None:
+        pytest.skip("the native copy helper is not built here (make setup builds it)")
+    if helper == "python":
+        monkeypatch.setattr(_shm_copy, "native", lambda: (None, "python"))
+    elif helper == "native-without-libxxhash":
+        assert built is not None
+        plain = _native.Native(ctypes.CDLL(str(_native._target())), None)
+        monkeypatch.setattr(_shm_copy, "native", lambda: (plain, "no libxxhash"))
+    p = Pair("shm-map")
+    try:
+        p.a.register_remote("b", "kv", p.b.describe("kv"))
+        rng = np.random.default_rng(9)
+        total = BUF // 2
+        s = random_spans(rng, total, BUF, 4 * CHUNK)
+        d = random_spans(rng, total, BUF, 4 * CHUNK)
+        w = Written()
+        p.a.post_write("b", 1, "kv", *s, "kv", *d, w, checksum=True)
+        err, digest = w.wait()
+        assert err is None and p.a.status().lanes == ("shm/map",)
+        assert digest == xxhash.xxh3_64(stream(p.src, *s).data).intdigest()
+        assert np.array_equal(stream(p.dst, *d), stream(p.src, *s))
+    finally:
+        p.close()

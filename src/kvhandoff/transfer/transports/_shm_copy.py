@@ -13,6 +13,9 @@
 # `checksum` the job runs as one part and hashes each source piece (xxh3-64, stream order) just
 # before copying it, while it is in cache (a fused copy+hash pass).
 #
+# The map lane copies through the native helper when it is built (_native.py: one foreign call
+# per batch of pieces, the hash fused in C); else piece by piece from Python.
+#
 # Rules: a job ends exactly once (`_end`), after every part stopped; `cancel()` makes parts stop
 # at their next batch boundary and `wait()` returns once none runs, so after it nothing of that
 # job writes. Mappings are kept alive by the jobs that use them (Python references), so a
@@ -29,6 +32,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from ._native import Native, native
 
 IOV_MAX = 1024  # iovecs per process_vm_writev call
 _BATCH = 64  # pieces between cancellation checks on the map lane
@@ -190,6 +195,9 @@ def _copy_part(job: Job, lo: int, hi: int) -> str | None:
 
 
 def _copy_mapped(job: Job, lo: int, hi: int) -> str | None:
+    helper, _ = native()
+    if helper is not None:
+        return _copy_mapped_native(job, lo, hi, helper)
     src = job.src[lo:hi].tolist()
     dst = job.dst[lo:hi].tolist()
     lens = job.lens[lo:hi].tolist()
@@ -204,6 +212,36 @@ def _copy_mapped(job: Job, lo: int, hi: int) -> str | None:
             _memmove(d, s, n)
     if h is not None:
         job.digest = int(h.intdigest())
+    return None
+
+
+def _copy_mapped_native(job: Job, lo: int, hi: int, helper: Native) -> str | None:
+    """Batches of pieces in one foreign call each (GIL released for the batch); with
+    `checksum`, libxxhash's update is called on each piece right before its copy, in C."""
+    src = np.ascontiguousarray(job.src[lo:hi], dtype=np.int64)
+    dst = np.ascontiguousarray(job.dst[lo:hi], dtype=np.int64)
+    lens = np.ascontiguousarray(job.lens[lo:hi], dtype=np.int64)
+    state = helper.new_hash() if job.checksum else None
+    py_hash = xxhash.xxh3_64() if job.checksum and state is None else None
+    batch = IOV_MAX if py_hash is None else 16  # Python hashing: keep the batch in cache
+    sp, dp, lp = src.ctypes.data, dst.ctypes.data, lens.ctypes.data
+    try:
+        for b in range(0, lens.size, batch):
+            if job.cancelled:
+                return "cancelled"
+            k = min(batch, lens.size - b)
+            if py_hash is not None:
+                for s, n in zip(src[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
+                    py_hash.update((ctypes.c_char * n).from_address(s))
+            rc = helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, k,
+                             helper.update_fn if state is not None else None, state)
+            if rc != 0:
+                return f"shm copy: xxh3 update failed ({rc})"
+    finally:
+        if state is not None:
+            job.digest = helper.digest(state)
+    if py_hash is not None:
+        job.digest = int(py_hash.intdigest())
     return None
 
 

@@ -41,6 +41,7 @@ from kvhandoff.errors import TransportError
 
 from ._chunks import ChunkPlan, check_tag, paired_pieces
 from ._hostid import host_id
+from ._native import native
 from ._shm_copy import CopyPool, Job, Target, open_target
 from ._shm_wire import (
     EXPOSE,
@@ -191,7 +192,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                   f"{', '.join(names[x] for x in lanes) or 'none used yet'}; "
                   f"{self._copier.threads} copy threads; map = the peer's pool is a kvhandoff "
                   "shared segment, cma = process_vm_writev; a dying peer is an error, never an "
-                  "abort)")
+                  f"abort; map lane: {native()[1]})")
         if dead:
             reason += f"; peer process(es) gone: {', '.join(dead)}"
         return TransportStatus(kind=self.kind,
