@@ -58,20 +58,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return env.model_dir(tmp_path_factory.mktemp("model"))
 
 
-def scheduler(model: Path, role: str, engine_id: str | None = None, **kw: Any) -> Scheduler:
+def scheduler(model: Path, role: str, engine_id: str | None = None,
+              num_blocks: int = env.NUM_BLOCKS, **kw: Any) -> Scheduler:
     engine = engine_id or (env.ENGINE_P if role == "kv_producer" else env.ENGINE_D)
     cfg = env.vllm_config(model, role=role, engine_id=engine, **kw)
-    kcc = env.kv_cache_config(cfg)
+    kcc = env.kv_cache_config(cfg, num_blocks)
     cfg.cache_config.num_gpu_blocks = kcc.num_blocks
     return Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                      structured_output_manager=StructuredOutputManager(cfg),
                      block_size=env.BLOCK_SIZE)
 
 
-def request(rid: str, params: dict[str, Any], n: int = PROMPT) -> Request:
-    sp = SamplingParams(max_tokens=1 if params.get("do_remote_decode") else 4,
+def request(rid: str, params: dict[str, Any], n: int = PROMPT, *, first: int = 3,
+            max_tokens: int | None = None) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens or (1 if params.get("do_remote_decode") else 4),
                         extra_args={"kv_transfer_params": params})
-    return Request(rid, list(range(3, 3 + n)), sp, None,
+    return Request(rid, list(range(first, first + n)), sp, None,
                    block_hasher=get_request_block_hasher(env.BLOCK_SIZE, sha256))
 
 
@@ -200,6 +202,33 @@ def test_room_not_bound_means_no_handoff(model: Path, bootstrap: str) -> None:
     assert free_blocks(s) == total - 3
     s.update_from_output(out, step_output(out, {}, finished_sending={"u1"}))
     assert free_blocks(s) == total
+
+
+def test_preempted_prefill_resets_its_room_and_sends_again(model: Path, bootstrap: str
+                                                           ) -> None:
+    """Memory for 6 blocks: a local request Q (48 tokens) and a prefill P (40 tokens, more than
+    one output token) take all of them; Q's next token needs a block, the scheduler preempts P
+    (the last one in): its room is reset (its blocks were freed) and, once P runs again, sent
+    from its new blocks."""
+    s = scheduler(model, "kv_producer", extra={"bootstrap_url": bootstrap}, num_blocks=7)
+    s.add_request(request("q", {}, n=48, first=100, max_tokens=20))
+    s.add_request(request("p", {"do_remote_decode": True}, max_tokens=20))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"q": 48, "p": PROMPT}
+    first = out.kv_connector_metadata.sends["p"]
+    s.update_from_output(out, step_output(out, {"q": 7, "p": 7}))
+    out = s.schedule()
+    assert out.preempted_req_ids == {"p"}
+    meta = out.kv_connector_metadata
+    assert "p" in meta.resets and "p" not in meta.sends and "p" not in meta.aborts
+    s.update_from_output(out, step_output(out, {"q": 7}))
+    s.finish_requests("q", RequestStatus.FINISHED_ABORTED)  # room for p again
+    out = s.schedule()
+    # resumed: its two full prompt blocks come back from the prefix cache, the rest is computed
+    assert out.num_scheduled_tokens["p"] == PROMPT + 1 - 32
+    again = out.kv_connector_metadata.sends["p"]
+    assert again.room == first.room
+    assert again.block_ids == s.kv_cache_manager.get_block_ids("p")[0]
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "async"])

@@ -73,17 +73,17 @@ def vllm_config(model: Path, *, role: str, engine_id: str, extra: dict[str, Any]
     return cfg
 
 
-def kv_cache_config(cfg: Any) -> Any:
-    """vLLM's own plan for the tiny model: one full-attention group, NUM_BLOCKS blocks."""
+def kv_cache_config(cfg: Any, num_blocks: int = NUM_BLOCKS) -> Any:
+    """vLLM's own plan for the tiny model: one full-attention group, `num_blocks` blocks."""
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
                              head_size=HEAD_SIZE, dtype=torch.bfloat16)
     groups = [KVCacheGroupSpec(layer_names(), spec)]
-    # one block of slack: vLLM's block pool keeps block 0 as its null block
+    # vLLM's block pool keeps block 0 as its null block: num_blocks - 1 are usable
     return get_kv_cache_config_from_groups(cfg, groups,
-                                           NUM_BLOCKS * spec.page_size_bytes * NUM_LAYERS)
+                                           num_blocks * spec.page_size_bytes * NUM_LAYERS)
 
 
 def allocate(cfg: Any, kcc: Any) -> dict[str, torch.Tensor]:
