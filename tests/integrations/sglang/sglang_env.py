@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-PAGE = 8  # tokens per page
-PAGES = 48  # pages per buffer
-MAIN_LAYERS = 6
-INDEXER_LAYERS = 3  # GLM-5.3 has an indexer on some layers only
+FULL_SIZE = os.environ.get("KVH_SGLANG_SHAPE") == "glm-5.3"  # bench_sglang_pair.py
+PAGE = 64 if FULL_SIZE else 8  # tokens per page
+PAGES = 80 if FULL_SIZE else 48  # pages per buffer
+MAIN_LAYERS = 78 if FULL_SIZE else 6
+INDEXER_LAYERS = 21 if FULL_SIZE else 3  # GLM-5.3 has an indexer on some layers only
 MAIN_BPT = 656  # fp8_ds_mla bytes per token per layer (GLM-5.3)
 INDEXER_BPT = 128 + 4  # fp8 key + fp32 scale per token (GLM-5.3)
 AUX_ITEMS = (16, 64)  # bytes per request slot of two SGLang metadata buffers

@@ -41,6 +41,12 @@ ROOMS: list[dict[str, Any]] = [
 ]
 
 
+if E.FULL_SIZE:  # bench_sglang_pair.py: one GLM-5.3 request of 4,096 tokens in 4 chunks
+    ROOMS = [{"room": 9001, "name": "bench", "seq": 4096, "prefix": 0,
+              "chunks": [16, 16, 16, 16], "src": list(range(0, 64)),
+              "dst": list(range(79, 15, -1)), "aux": (1, 2)}]
+
+
 def emit(**kw: Any) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
@@ -83,6 +89,20 @@ def _t(a: np.ndarray) -> Any:
     return torch.from_numpy(a)
 
 
+def memcpy_baseline(p: E.Pools, pages: np.ndarray) -> float:
+    """Seconds to copy the same pages of every buffer once (best of 3), in this process."""
+    import torch
+
+    idx = torch.from_numpy(pages.astype(np.int64))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for buf in (*p.main, *p.indexer):
+            buf.index_select(0, idx)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def run_prefill(port: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import (
@@ -115,13 +135,19 @@ def run_prefill(port: int) -> None:
             emit(side="prefill", name=r["name"], seen=seen, failure=failure_text(s))
             continue
         fill_prefill(p, r)
+        if r["name"] == "chunks":
+            # a forward pass longer than the agents' lease (the test sets KVHANDOFF_LEASE_S):
+            # the decode's room, open since its metadata, must not expire meanwhile
+            time.sleep(2 * float(os.environ.get("KVHANDOFF_LEASE_S", "0")))
         suffix = np.asarray(r["src"][prefix // E.PAGE:], dtype=np.int32)
         off = 0
+        t_last = 0.0
         for i, c in enumerate(r["chunks"]):
             last = i == len(r["chunks"]) - 1
             if r["name"] == "prefill_dies" and last:
                 emit(side="prefill", name=r["name"], seen=seen, dying=True)
                 os._exit(3)  # the prefill process dies between two chunks
+            t_last = time.perf_counter()
             s.send(suffix[off:off + c], [suffix] if last else None,
                    num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE))
             off += c
@@ -129,9 +155,11 @@ def run_prefill(port: int) -> None:
             if seen[-1] != st:
                 seen.append(st)
         final = poll_until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed), seen)
+        tail = time.perf_counter() - t_last
         emit(side="prefill", name=r["name"], seen=seen,
              failure=failure_text(s) if final == KVPoll.Failed else None,
-             bytes=s.get_transfer_metric().transfer_total_bytes)
+             bytes=s.get_transfer_metric().transfer_total_bytes, tail_s=tail,
+             memcpy_s=memcpy_baseline(p, suffix) if E.FULL_SIZE else None)
         s.clear()
     mgr.close()
 

@@ -26,6 +26,7 @@ Failed, Bootstrapping, WaitingForInput, Transferring, Success = range(5)  # SGLa
 def _run_pair(port: int) -> tuple[dict[str, Any], dict[str, Any], int]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
         "PYTHONPATH", "")]), KVHANDOFF_TRANSPORT="ucx", KVHANDOFF_HEARTBEAT_INTERVAL_S="0.2",
+        KVHANDOFF_LEASE_S="0.5",
         SGLANG_HOST_IP="127.0.0.1", SGLANG_PLUGINS="kvhandoff")
     env.pop("KVHANDOFF_BOOTSTRAP_URL", None)
     procs = {role: subprocess.Popen([sys.executable, str(HERE / "sglang_worker.py"), role,
@@ -74,7 +75,8 @@ def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
     assert pre["ready"]["manager"] == dec["ready"]["manager"] == "KVHandoffKVManager"
     page_bytes = E.MAIN_LAYERS * E.PAGE * E.MAIN_BPT + E.INDEXER_LAYERS * E.PAGE * E.INDEXER_BPT
 
-    # three chunks, whole sequence: byte-exact in every layer of main KV, indexer and aux
+    # three chunks, whole sequence: byte-exact in every layer of main KV, indexer and aux;
+    # the prefill's "forward" before its first chunk outlasts the agents' lease setting
     _monotonic_to(pre["chunks"]["seen"], Success)
     _monotonic_to(dec["chunks"]["seen"], Success)
     assert Transferring in dec["chunks"]["seen"]

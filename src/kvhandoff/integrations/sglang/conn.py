@@ -113,11 +113,16 @@ class _DecodeInfo:
 
 def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings:
     s = Settings()
-    # SGLang lets a decode wait this long between its metadata and the prefill's last chunk;
-    # the prefill agent keeps the decode's early request that long (its bootstrap bound)
+    # SGLang lets a decode wait this long between its metadata and the prefill's last chunk
+    # (the prefill's queueing and forward passes). The decode's agent room exists from the
+    # metadata on, the prefill's only from the last chunk: until then the prefill agent keeps
+    # the decode's request as an early message (bounded by bootstrap_timeout_s) and renews no
+    # lease for it (lease_s). Both bounds are raised to SGLang's; a dead prefill is still found
+    # within 2 heartbeats.
     wait = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
     upd: dict[str, Any] = {"agent_host": host,
-                           "bootstrap_timeout_s": max(s.bootstrap_timeout_s, wait)}
+                           "bootstrap_timeout_s": max(s.bootstrap_timeout_s, wait),
+                           "lease_s": max(s.lease_s, wait)}
     if role == "prefill":
         upd["bootstrap_url"] = bootstrap_url
     return s.model_copy(update=upd)
