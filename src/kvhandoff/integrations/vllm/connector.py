@@ -492,7 +492,7 @@ class _WorkerSide:
         self._ready_t: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
         from kvhandoff.transfer import TransferAgent
 
@@ -502,6 +502,9 @@ class _WorkerSide:
             raise ConfigError(f"kv_cache_groups: KVHandoffConnector supports one KV cache group, "
                               f"got {len(groups)} (run with --disable-hybrid-kv-cache-manager)")
         spec = groups[0].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ConfigError(f"kv_cache_groups[0]: KVHandoffConnector moves full-attention "
+                              f"(GQA) and MLA caches, got {type(spec).__name__}")
         mla = isinstance(spec, MLAAttentionSpec)
         mc = vc.model_config
         pc = vc.parallel_config
