@@ -280,11 +280,11 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 endpoint=m.decode_ip, dst_port=m.decode_port, is_dummy=m.is_dummy,
                 required_dst_info_num=m.required_dst_info_num,
                 decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages)
-            real = [i for i in infos.values() if not i.is_dummy]
-            if real and len(real) < real[0].required_dst_info_num:
+            if len(infos) < m.required_dst_info_num:
                 return  # more decode ranks of this room still to come
-            if real:
-                self.req_to_decode_prefix_len[m.room] = real[0].decode_prefix_len
+            # every TP rank of the prefill must start its chunks at the same token, dummy
+            # (MLA: decode TP < prefill TP) ones included: each gets the decode's prefix
+            self.req_to_decode_prefix_len[m.room] = m.decode_prefix_len
         self.update_status(m.room, KVPoll.WaitingForInput)
 
     def _on_decode_abort(self, room: int) -> None:
