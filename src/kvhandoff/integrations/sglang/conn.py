@@ -373,6 +373,13 @@ def _merge(handles: list[Any]) -> tuple[KVPoll | int, str | None]:
     return KVPoll.Transferring, None
 
 
+def _release(handles: list[Any], reason: str) -> None:
+    """SGLang forgets the request: an agent room still open is aborted (its pages freed)."""
+    for h in handles:
+        if int(h.poll()) not in (int(KVPoll.Success), int(KVPoll.Failed)):
+            h.abort(reason)
+
+
 class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
     """Prefill side of one request."""
 
@@ -478,6 +485,10 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         else:
             return KVPoll.Transferring
         return super().poll()
+
+    def clear(self) -> None:
+        _release(self._handles, "sender cleared before the transfer ended")
+        super().clear()
 
     def abort(self) -> None:
         super().abort()
@@ -592,6 +603,10 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         else:
             return KVPoll.Transferring
         return super().poll()
+
+    def clear(self) -> None:
+        _release(self._handles, "receiver cleared before the transfer ended")
+        super().clear()
 
     def abort(self) -> None:
         super().abort()
