@@ -1,16 +1,22 @@
 """The optional NIXL baseline of `kvhandoff bench` (case `nixl`): one NIXL WRITE of the same
 page set the memcpy case copies, every piece one descriptor, all in one transfer request.
 
-Two NIXL agents (UCX backend) in this process, source and destination registered as DRAM;
-the request is built from two N x 3 numpy arrays (address, length, device 0) and posted once;
-the time is from creating the request to NIXL reporting DONE. Needs the `nixl` extra
-(`pip install 'kvhandoff[nixl]'`, i.e. nixl-cu12, which imports as `nixl_cu12` and runs on a
-CPU-only machine for DRAM); without it the case is refused with that reason.
+It runs in a worker process (`python -m kvhandoff.bench.worker nixl`): two NIXL agents (UCX
+backend), source and destination buffers of the memcpy case's sizes registered as DRAM, the
+request built from two N x 3 numpy arrays (address, length, device 0) and posted once; the time
+is from creating the request to NIXL reporting DONE, and the last repetition checks every
+piece. A process of its own because NIXL 1.5.1 crashes its process with SIGSEGV at interpreter
+exit when two agents with a remote agent existed (reproduced with a 12-line script, also after
+deregistering and deleting them); the worker leaves with os._exit after its last answer. Needs
+the `nixl` extra (`pip install 'kvhandoff[nixl]'`: nixl-cu12, imported as `nixl_cu12`, runs on
+a CPU-only machine for DRAM).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -31,42 +37,50 @@ def _import_nixl() -> Any:
     return _api
 
 
-class NixlWrite:
-    """The `nixl` case: src -> dst arrays of the memcpy case, spans (src_off, dst_off, n)."""
+def check_installed() -> None:
+    """Raises ConfigError (with the install hint) when NIXL cannot be imported."""
+    _import_nixl()
 
-    def __init__(self, mc_spans: list[tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]]
-                 ) -> None:
+
+def setup_message(mc_spans: list[tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]],
+                  seed: int) -> dict[str, Any]:
+    """The worker's setup: buffer sizes and the pieces (buffer index, src, dst, bytes)."""
+    sizes = [[int(src.size), int(dst.size)] for src, dst, _ in mc_spans]
+    pieces = [[i, so, do, n] for i, (_, _, spans) in enumerate(mc_spans) for so, do, n in spans]
+    return {"cmd": "setup", "sizes": sizes, "pieces": pieces, "seed": seed}
+
+
+class _Pair:
+    """Two NIXL agents of the worker and the one WRITE request's descriptors."""
+
+    def __init__(self, msg: dict[str, Any]) -> None:
         api = _import_nixl()
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        self.version = getattr(api, "__version__", None) or _dist_version()
+        rng = np.random.default_rng(int(msg["seed"]))
+        self.srcs = [rng.integers(0, 256, s, dtype=np.uint8) for s, _ in msg["sizes"]]
+        self.dsts = [np.zeros(d, np.uint8) for _, d in msg["sizes"]]
+        p = np.asarray(msg["pieces"], dtype=np.int64).reshape(-1, 4)
+        self.pieces = p
         self.src_agent = api.nixl_agent(f"kvh-bench-src-{os.getpid()}",
                                         api.nixl_agent_config(backends=["UCX"]))
         self.dst_agent = api.nixl_agent(f"kvh-bench-dst-{os.getpid()}",
                                         api.nixl_agent_config(backends=["UCX"]))
-        srcs = {id(s): s for s, _, _ in mc_spans}
-        dsts = {id(d): d for _, d, _ in mc_spans}
-        self.src_agent.register_memory(_regions(srcs.values()), "DRAM")
-        self.dst_agent.register_memory(_regions(dsts.values()), "DRAM")
+        self.src_agent.register_memory(_regions(self.srcs), "DRAM")
+        self.dst_agent.register_memory(_regions(self.dsts), "DRAM")
         self.remote = self.src_agent.add_remote_agent(self.dst_agent.get_agent_metadata())
-        local, remote = [], []
-        for src, dst, spans in mc_spans:
-            if not spans:
-                continue
-            a = np.asarray(spans, dtype=np.int64)
-            local.append(np.stack([a[:, 0] + src.ctypes.data, a[:, 2],
-                                   np.zeros(len(a), np.int64)], axis=1))
-            remote.append(np.stack([a[:, 1] + dst.ctypes.data, a[:, 2],
-                                    np.zeros(len(a), np.int64)], axis=1))
-        self.local = self.src_agent.get_xfer_descs(np.concatenate(local), "DRAM")
-        self.remote_descs = self.src_agent.get_xfer_descs(np.concatenate(remote), "DRAM")
-        self.descriptors = int(sum(len(x) for x in local))
-        self.mc_spans = mc_spans
+        src_base = np.asarray([a.ctypes.data for a in self.srcs], dtype=np.int64)
+        dst_base = np.asarray([a.ctypes.data for a in self.dsts], dtype=np.int64)
+        zeros = np.zeros(len(p), np.int64)
+        self.local = self.src_agent.get_xfer_descs(
+            np.stack([src_base[p[:, 0]] + p[:, 1], p[:, 3], zeros], axis=1), "DRAM")
+        self.remote_descs = self.src_agent.get_xfer_descs(
+            np.stack([dst_base[p[:, 0]] + p[:, 2], p[:, 3], zeros], axis=1), "DRAM")
         self.backend = "?"
+        self.version = _dist_version()
 
-    def write(self, verify: bool, verified: dict[str, bool]) -> float:
+    def write(self, verify: bool) -> dict[str, Any]:
         if verify:
-            for _, dst, _ in self.mc_spans:
-                dst[:] = 0
+            for d in self.dsts:
+                d[:] = 0
         t0 = time.perf_counter()
         handle = self.src_agent.initialize_xfer("WRITE", self.local, self.remote_descs,
                                                 self.remote)
@@ -80,21 +94,40 @@ class NixlWrite:
             pass
         handle.release()
         if state != "DONE":
-            raise RuntimeError(f"NIXL WRITE ended in state {state}")
+            return {"error": f"NIXL WRITE ended in state {state}"}
+        ok = None
         if verify:
-            verified["nixl"] = all(
-                np.array_equal(dst[d:d + n], src[s:s + n])
-                for src, dst, spans in self.mc_spans for s, d, n in spans)
-        return dt
-
-    def describe(self) -> dict[str, Any]:
-        return {"version": self.version, "backend": self.backend,
-                "descriptors": self.descriptors,
-                "setup": "two NIXL agents (UCX backend) in the bench process, DRAM -> DRAM, "
-                         "one WRITE request of every piece"}
+            ok = all(np.array_equal(self.dsts[i][do:do + n], self.srcs[i][so:so + n])
+                     for i, so, do, n in self.pieces.tolist())
+        return {"t": dt, "ok": ok}
 
 
-def _regions(arrays: Any) -> np.ndarray:
+def serve() -> None:
+    """The worker loop (JSON lines): setup -> {descriptors, version}; write{verify} ->
+    {t, ok}; describe -> {backend}; exit -> os._exit(0) (see the module comment)."""
+    pair: _Pair | None = None
+
+    def say(**obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "setup":
+            pair = _Pair(msg)
+            say(descriptors=int(len(pair.pieces)), version=pair.version)
+        elif msg["cmd"] == "write" and pair is not None:
+            say(**pair.write(bool(msg.get("verify"))))
+        elif msg["cmd"] == "describe" and pair is not None:
+            say(backend=pair.backend)
+        elif msg["cmd"] == "exit":
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _regions(arrays: list[np.ndarray]) -> np.ndarray:
     return np.asarray([[a.ctypes.data, a.nbytes, 0] for a in arrays], dtype=np.int64)
 
 

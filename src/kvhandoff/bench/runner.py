@@ -364,7 +364,10 @@ class Bench:
         if case == "raw":
             return self._raw(verify)
         if case == "nixl":
-            return self.nixl.write(verify, self.verified)
+            res = self.nixl.ask(self.cfg.timeout_s, cmd="write", verify=verify)
+            if verify:
+                self.verified["nixl"] = bool(res["ok"])
+            return float(res["t"])
         if case == "paced":
             _, tail = self._handoff("full", self.cfg.layer_ms, verify, case)
             self._last_tail = tail
@@ -378,11 +381,14 @@ class Bench:
         if "memcpy" in cases:
             self._setup_memcpy()
         if "nixl" in cases:
-            from kvhandoff.bench.nixl_baseline import NixlWrite
+            from kvhandoff.bench.nixl_baseline import check_installed, setup_message
 
+            check_installed()
             if "memcpy" not in cases:
                 self._setup_memcpy()
-            self.nixl = NixlWrite(self.mc_spans)
+            self.nixl = _Child("nixl", self.procs)
+            self.nixl_info = self.nixl.ask(self.cfg.timeout_s,
+                                           **setup_message(self.mc_spans, self.cfg.seed))
         if "raw" in cases:
             self._setup_raw()
         if any(c.startswith("handoff") or c == "paced" for c in cases):
@@ -408,7 +414,10 @@ class Bench:
             if build is not None:  # ucx: the UCX library behind those lanes
                 out["ucx_build"] = build.describe()
         if hasattr(self, "nixl"):
-            out["nixl"] = self.nixl.describe()
+            backend = self.nixl.ask(self.cfg.timeout_s, cmd="describe")["backend"]
+            out["nixl"] = {**self.nixl_info, "backend": backend,
+                           "setup": "a worker process with two NIXL agents (UCX backend), "
+                                    "DRAM -> DRAM, one WRITE request of every piece"}
         if getattr(self, "prefills", None):
             first = next(iter(self.prefills.values()))
             out["handoff"] = first.ask(self.cfg.timeout_s, cmd="status")["status"]
@@ -511,7 +520,7 @@ class Bench:
         }
 
     def close(self) -> None:
-        children = [getattr(self, "raw_child", None),
+        children = [getattr(self, "raw_child", None), getattr(self, "nixl", None),
                     *getattr(self, "prefills", {}).values(), *getattr(self, "decodes", [])]
         for c in children:
             if c is not None:

@@ -223,13 +223,17 @@ def run_agent(role: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2 or sys.argv[1] not in ("raw", "prefill", "decode"):
-        print("usage: python -m kvhandoff.bench.worker raw|prefill|decode", file=sys.stderr)
+    if len(sys.argv) != 2 or sys.argv[1] not in ("raw", "prefill", "decode", "nixl"):
+        print("usage: python -m kvhandoff.bench.worker raw|prefill|decode|nixl", file=sys.stderr)
         return 2
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
         if sys.argv[1] == "raw":
             run_raw()
+        elif sys.argv[1] == "nixl":  # the NIXL WRITE baseline (bench/nixl_baseline.py)
+            from kvhandoff.bench.nixl_baseline import serve
+
+            serve()
         else:
             run_agent(sys.argv[1])
     except Exception as e:  # report on the channel, then fail loudly

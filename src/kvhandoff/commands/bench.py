@@ -33,7 +33,7 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
               "handoff_full": f"handoff{ranks}, checksums full",
               "handoff_off": f"handoff{ranks}, checksums off",
               "paced": f"tail{ranks}, 1 layer per {r['config']['layer_ms']:g} ms",
-              "nixl": "NIXL WRITE of the page set (1 process, 2 agents)"}
+              "nixl": "NIXL WRITE of the page set (2 agents, 1 process)"}
     for case, s in r["cases"].items():
         if not s.get("n"):
             continue
