@@ -122,14 +122,6 @@ def test_kpool2_with_zero_row_placeholder_layers() -> None:
     assert_exact(pre, dec, spec, 301, 200)
 
 
-AGENT_COMPAT = pytest.mark.xfail(
-    strict=True,
-    reason="TransferAgent's handshake still compares layouts with `with_page_size(1)."
-           "tp_invariant()`, which keeps packed rows; it must call kv_layout.layout_compat_diff "
-           "(packing factored out) for packed <-> per-layer to pass the handshake")
-
-
-@AGENT_COMPAT
 @pytest.mark.parametrize(("src", "dst"), [("glm-5.3-vllm", "glm-5.3"),
                                           ("glm-5.3", "glm-5.3-vllm-mla")])
 def test_packed_and_per_layer_both_ways(src: str, dst: str) -> None:

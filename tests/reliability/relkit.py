@@ -287,9 +287,13 @@ def age_out_finished_rooms(e: Engine, after_s: float = 3600.0) -> None:
     """Runs the agent's own collection of finished rooms as if `after_s` seconds had passed.
     An agent keeps the record of a finished room for 10 minutes (late messages still find it);
     a soak test cannot wait that long, so it ages them out here, between rounds."""
-    agent = e.agent
-    with agent._lock:
-        agent._gc(time.monotonic() + after_s)
+    e.agent._age_out(after_s)
+
+
+def plan_of(e: Engine, room: int, region: str) -> Any:
+    """The span plan of `region` of `room`'s first leg on engine `e`, read on the agent's
+    control thread (the only thread that touches the session)."""
+    return e.agent._loop.query(lambda s: s.groups[room].legs[0].plans[region])
 
 
 def free_port() -> int:

@@ -26,6 +26,7 @@ from relkit import (
     fast_settings,
     handoff,
     layers_of,
+    plan_of,
     wait_until,
 )
 
@@ -171,8 +172,8 @@ def test_decode_writes_only_into_the_pages_it_offered() -> None:
                 mine = set(pages[first:].tolist())
                 offered[reg.name] |= mine
                 pnb = reg.page_nbytes(ps)
-                dplan = rv._g.legs[0].plans[reg.name]
-                pplan = s._g.legs[0].plans[reg.name]
+                dplan = plan_of(d, r, reg.name)
+                pplan = plan_of(p, r, reg.name)
                 # both sides derived the same plan; every span lies inside offered pages
                 assert np.array_equal(dplan.dst_offsets, pplan.dst_offsets)
                 assert np.array_equal(dplan.nbytes, pplan.nbytes)

@@ -34,6 +34,17 @@ class Effect:
     """Base of every effect."""
 
 
+INFO, WARNING = 20, 30  # the `logging` levels, without importing logging here
+
+
+@dataclass(frozen=True, slots=True)
+class Log(Effect):
+    """Log `message` at `level` (the session does no I/O, logging included)."""
+
+    level: int
+    message: str
+
+
 @dataclass(frozen=True, slots=True)
 class Send(Effect):
     """Send control message `msg` to the agent at control address `addr`."""

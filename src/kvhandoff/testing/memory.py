@@ -1,0 +1,243 @@
+"""Two (or more) `TransferSession`s wired to each other in memory: no threads, no sockets, no
+clock but a `FakeClock`. Tests drive them step by step.
+
+`MemoryWire` executes the sessions' effects itself: control messages go through the real wire
+format (`protocol.encode` / `decode`) into a FIFO per receiver; sends and receives posted on the
+"transport" are matched by (sender, receiver, tag) and copy the bytes of their span lists
+between the sides' buffers; hashing jobs run inline; room views are plain records. Nothing
+happens until the test calls `run()` (deliver everything, to quiescence) or `step()` (one
+message or completion); `tick(dt)` moves the clock and feeds every session a `Tick`. Hooks:
+`drop(pred)` drops messages, `hold(pred)` keeps them until `release_held()`, and `corrupt_next`
+flips a byte of the next landed span of a (layer, region).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvhandoff.errors import Failure
+from kvhandoff.kv_layout import LayoutSpec, layout_hash
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll, Role
+from kvhandoff.testing.clock import FakeClock
+from kvhandoff.transfer import events as ev
+from kvhandoff.transfer import protocol as P
+from kvhandoff.transfer.buffers import BufferSet, allocate
+from kvhandoff.transfer.checksum import span_checksum
+from kvhandoff.transfer.effects import (
+    Cancel,
+    Connect,
+    Delayed,
+    DropPeer,
+    Effect,
+    HashSpans,
+    Log,
+    PostRecv,
+    PostSend,
+    Release,
+    RoomUpdate,
+    Send,
+)
+from kvhandoff.transfer.handshake import Identity
+from kvhandoff.transfer.session import TransferSession
+
+
+@dataclass
+class View:
+    """A room as the engine would see it (what `RoomUpdate` / `Release` said)."""
+
+    room: int
+    state: KVPoll = KVPoll.Bootstrapping
+    failure: Failure | None = None
+    landed: frozenset[int] = frozenset()
+    done: bool = False
+    releases: int = 0
+
+
+@dataclass
+class Side:
+    """One agent: its session, buffers and the views of its rooms."""
+
+    name: str
+    session: TransferSession
+    buffers: dict[str, np.ndarray]
+    views: dict[int, View] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Op:
+    side: Side
+    op: int
+    buffer: str
+    offsets: np.ndarray
+    nbytes: np.ndarray
+
+
+class MemoryWire:
+    """Sessions wired in memory (see the module doc)."""
+
+    def __init__(self, *, clock: FakeClock | None = None) -> None:
+        self.clock = clock or FakeClock()
+        self.sides: dict[str, Side] = {}
+        self.messages: deque[tuple[Side, Any]] = deque()  # (to, msg) in flight
+        self.completions: deque[tuple[Side, ev.Event]] = deque()
+        self.held: list[tuple[Side, Any]] = []
+        self.sent: list[tuple[str, str, Any]] = []  # (from, to, msg) as delivered or dropped
+        self._sends: dict[tuple[str, str, int], deque[_Op]] = {}
+        self._recvs: dict[tuple[str, str, int], deque[_Op]] = {}
+        self._drop: list[Callable[[str, str, Any], bool]] = []
+        self._hold: list[Callable[[str, str, Any], bool]] = []
+        self._corrupt: list[tuple[int, str]] = []
+
+    # ------------------------------------------------------------------ building
+
+    def add(self, name: str, role: Role, layout: LayoutSpec, *, num_pages: int = 16,
+            settings: Settings | None = None) -> Side:
+        """A side called `name` (its control address) with zeroed buffers of `num_pages`."""
+        st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
+        bufs = BufferSet(layout, allocate(layout, num_pages))
+        ident = Identity(address=name, generation=len(self.sides) + 11, agent_id=name,
+                         role=role, transport_kind="memory", transport_address=name.encode(),
+                         layout=layout, layout_hash=layout_hash(layout),
+                         buffers=tuple(bufs.descs()))
+        side = Side(name, TransferSession(identity=ident, settings=st, now=self.clock()),
+                    dict(bufs.views()))
+        self.sides[name] = side
+        return side
+
+    # ------------------------------------------------------------------ engine calls
+
+    def feed(self, side: Side, event: ev.Event) -> None:
+        """Feeds one event to `side` now and executes its effects."""
+        for eff in side.session.handle(event, self.clock()):
+            self._execute(side, eff)
+
+    def tick(self, dt: float = 0.0) -> None:
+        """Moves the clock `dt` seconds and ticks every side."""
+        self.clock.advance(dt)
+        for side in list(self.sides.values()):
+            self.feed(side, ev.Tick(drained_at=self.clock()))
+
+    # ------------------------------------------------------------------ delivery
+
+    def step(self) -> bool:
+        """Delivers one completion, else one message; False when nothing was pending."""
+        if self.completions:
+            side, event = self.completions.popleft()
+            self.feed(side, event)
+            return True
+        if self.messages:
+            to, msg = self.messages.popleft()
+            self.feed(to, ev.MessageReceived(msg))
+            return True
+        return False
+
+    def run(self, max_steps: int = 100_000) -> int:
+        """Delivers until quiescent, ticking (without moving the clock) whenever it is, so
+        batched announcements go out; returns the steps taken."""
+        n = 0
+        while n < max_steps:
+            if not self.step():
+                self.tick(0.0)
+                if not (self.messages or self.completions):
+                    return n
+            n += 1
+        raise AssertionError(f"no quiescence after {max_steps} steps")
+
+    def drop(self, pred: Callable[[str, str, Any], bool]) -> None:
+        """Drops every message (from, to, msg) for which `pred` holds."""
+        self._drop.append(pred)
+
+    def hold(self, pred: Callable[[str, str, Any], bool]) -> None:
+        """Holds every message for which `pred` holds until `release_held()`."""
+        self._hold.append(pred)
+
+    def release_held(self) -> None:
+        self._hold.clear()
+        for item in self.held:
+            self.messages.append(item)
+        self.held.clear()
+
+    def corrupt_next(self, layer: int, region: str) -> None:
+        """Flips one byte of the next receive of (`layer`, `region`) that lands."""
+        self._corrupt.append((layer, region))
+
+    # ------------------------------------------------------------------ effects
+
+    def _execute(self, side: Side, eff: Effect) -> None:
+        if isinstance(eff, Send):
+            self._send(side, eff.addr, eff.msg)
+        elif isinstance(eff, PostSend | PostRecv):
+            key = (side.name, eff.peer, eff.tag) if isinstance(eff, PostSend) else \
+                (eff.peer, side.name, eff.tag)
+            mine = self._sends if isinstance(eff, PostSend) else self._recvs
+            mine.setdefault(key, deque()).append(_Op(side, eff.op, eff.buffer, eff.offsets,
+                                                     eff.nbytes))
+            self._match(key)
+        elif isinstance(eff, Cancel):
+            self._cancel(lambda k, s: s.side is side and eff.peer in k[:2] and k[2] == eff.tag)
+        elif isinstance(eff, DropPeer):
+            self._cancel(lambda k, s: s.side is side and eff.peer in k[:2])
+        elif isinstance(eff, Connect):
+            self.feed(side, ev.Connected(eff.peer, None if eff.peer in self.sides else
+                                         f"no such peer {eff.peer}"))
+        elif isinstance(eff, HashSpans):
+            sums = tuple(span_checksum(side.buffers[b], o, n) for b, o, n in eff.spans)
+            self.completions.append((side, ev.Hashed(eff.job, sums)))
+        elif isinstance(eff, RoomUpdate):
+            v = self._view(side, eff.token)
+            v.state, v.failure, v.landed, v.done = eff.state, eff.failure, eff.landed, eff.done
+        elif isinstance(eff, Release):
+            self._view(side, eff.token).releases += 1
+        elif isinstance(eff, Log):
+            side.log.append(eff.message)
+        elif isinstance(eff, Delayed):
+            raise AssertionError("no effect filter here")
+
+    def _view(self, side: Side, token: object) -> View:
+        assert isinstance(token, int), "MemoryWire tokens are room ids"
+        return side.views.setdefault(token, View(token))
+
+    def _send(self, side: Side, to: str, msg: Any) -> None:
+        wire = P.decode(P.encode(msg), max_bytes=1 << 24)  # through the real wire format
+        dest = self.sides.get(to)
+        if dest is None or any(p(side.name, to, wire) for p in self._drop):
+            self.sent.append((side.name, to, ("dropped", wire)))
+            return
+        self.sent.append((side.name, to, wire))
+        if any(p(side.name, to, wire) for p in self._hold):
+            self.held.append((dest, wire))
+        else:
+            self.messages.append((dest, wire))
+
+    def _match(self, key: tuple[str, str, int]) -> None:
+        sends, recvs = self._sends.get(key), self._recvs.get(key)
+        while sends and recvs:
+            s, r = sends.popleft(), recvs.popleft()
+            data = np.concatenate([s.side.buffers[s.buffer][o:o + n] for o, n in
+                                   zip(s.offsets.tolist(), s.nbytes.tolist(), strict=True)])
+            pos = 0
+            dst = r.side.buffers[r.buffer]
+            for o, n in zip(r.offsets.tolist(), r.nbytes.tolist(), strict=True):
+                dst[o:o + n] = data[pos:pos + n]
+                pos += n
+            _, layer, _, _ = P.split_tag(key[2])
+            region = r.buffer.rsplit("/", 1)[0]
+            if (layer, region) in self._corrupt:
+                self._corrupt.remove((layer, region))
+                dst[int(r.offsets[0])] ^= 0xFF
+            self.completions.append((s.side, ev.OpDone(s.op, None)))
+            self.completions.append((r.side, ev.OpDone(r.op, None)))
+
+    def _cancel(self, which: Callable[[tuple[str, str, int], _Op], bool]) -> None:
+        for table in (self._sends, self._recvs):
+            for key, ops in table.items():
+                for op in [o for o in ops if which(key, o)]:
+                    ops.remove(op)
+                    self.completions.append((op.side, ev.OpDone(op.op, "cancelled")))

@@ -1,0 +1,129 @@
+"""Events: what happens to the transfer session. Pure data, no I/O.
+
+Engine threads, transport callbacks, hasher workers and the control socket each produce
+events; one thread (the driver) feeds them to `session.TransferSession.handle(event, now)`.
+`token` is the engine handle's opaque identity of a room (a room id can be reused after a
+room ended; the token tells the two apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of every event."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived(Event):
+    """A decoded control message arrived."""
+
+    msg: Any  # a `protocol.Message`
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSender(Event):
+    """Prefill engine opened `room`: its page table (per region), length, decode ranks."""
+
+    room: int
+    token: object
+    pages: dict[str, np.ndarray]
+    seq_len: int
+    expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReceiver(Event):
+    """Decode engine opened `room`; `peers` are the prefill agents (address, generation), or
+    None while the bootstrap lookup runs (`PeersResolved` follows)."""
+
+    room: int
+    token: object
+    peers: tuple[tuple[str, int], ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class PeersResolved(Event):
+    """The bootstrap lookup of a receiver's room ended: its prefill agents, or `error`."""
+
+    room: int
+    token: object
+    peers: tuple[tuple[str, int], ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReady(Event):
+    """Prefill engine: `layer`'s KV is written."""
+
+    room: int
+    token: object
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverInit(Event):
+    """Decode engine offered destination pages (per region, suffix-only regions from the
+    page-aligned prefix on), the length and the page-aligned cached prefix."""
+
+    room: int
+    token: object
+    pages: dict[str, np.ndarray]
+    seq_len: int
+    prefix: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRoom(Event):
+    """An engine aborted `room` (or the agent is closing)."""
+
+    room: int
+    token: object
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpDone(Event):
+    """A posted transport op completed (`error`: why it failed, None: it succeeded)."""
+
+    op: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Hashed(Event):
+    """A `HashSpans` job finished: one sum per span list, or `error`."""
+
+    job: int
+    sums: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Connected(Event):
+    """The answer to a `Connect` effect (`error`: why the transport could not connect)."""
+
+    peer: str
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Tick(Event):
+    """Time passed: heartbeats, liveness, deadlines, timers, collection. `drained_at` is when
+    the driver last found no control message waiting (a peer's silence is measured up to it,
+    so a busy driver does not take its own backlog for a dead peer)."""
+
+    drained_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetPeer(Event):
+    """Declare `peer` lost now (what the liveness check does to a silent peer)."""
+
+    peer: str
+    reason: str

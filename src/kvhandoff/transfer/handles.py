@@ -1,0 +1,204 @@
+"""The handles engines hold (`Sender`, `Receiver`) and the room view behind them.
+
+Rules:
+- A handle never touches the session: its calls become events for the control thread
+  (`layer_ready`, `init`, `abort`), and it reads the room through a `RoomView` that only the
+  control thread writes (from the session's `RoomUpdate` / `Release` effects).
+- Each view has its own condition; the control thread notifies it, engine threads wait on it.
+  It is the only lock an engine thread and the control thread share, and it guards nothing
+  but the view's few fields.
+- Names follow SGLang's KVSender/KVReceiver and vLLM's wait_for_layer_load / save_kv_layer.
+  Blocking calls raise typed errors: a failed room raises its `RoomFailed` subclass, a wait
+  that runs out raises `TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvhandoff.errors import ConfigError, Failure, FailureKind, TransferTimeout
+from kvhandoff.state_machine import KVPoll
+
+if TYPE_CHECKING:
+    from kvhandoff.transfer.agent import TransferAgent
+
+log = logging.getLogger("kvhandoff.agent")
+
+
+class RoomView:
+    """What the engine side sees of one room (written by the control thread only)."""
+
+    __slots__ = ("room", "layers", "on_release", "state", "failure", "landed", "done",
+                 "released", "inited", "_cond")
+
+    def __init__(self, room: int, layers: tuple[int, ...],
+                 on_release: Callable[[int], None] | None) -> None:
+        self.room = room
+        self.layers = layers
+        self.on_release = on_release
+        self.state = KVPoll.Bootstrapping
+        self.failure: Failure | None = None
+        self.landed: frozenset[int] = frozenset()
+        self.done = False
+        self.released = False
+        self.inited = False  # decode: init() was called (engine side only)
+        self._cond = threading.Condition(threading.Lock())
+
+    def update(self, state: KVPoll, failure: Failure | None, landed: frozenset[int],
+               done: bool) -> None:
+        """(control thread) The session's `RoomUpdate`."""
+        with self._cond:
+            self.state, self.failure, self.landed, self.done = state, failure, landed, done
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """(control thread) The session's `Release`: wake waiters, call `on_release` once."""
+        with self._cond:
+            self.released = True
+            self._cond.notify_all()
+        if self.on_release is not None:
+            try:
+                self.on_release(self.room)
+            except Exception:  # an engine callback must not kill the control thread
+                log.exception("on_release callback of room %d raised", self.room)
+
+    def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
+        """Waits (bounded) until `pred()` holds; returns its last value."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+class _Handle:
+    __slots__ = ("room", "_agent", "_v")
+
+    def __init__(self, agent: TransferAgent, view: RoomView) -> None:
+        self.room = view.room
+        self._agent = agent
+        self._v = view
+
+    def poll(self) -> KVPoll:
+        """The room's state (KVPoll, the worst of its legs); Failed and Success are final."""
+        return self._v.state
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed, in words (None unless `poll()` is Failed)."""
+        f = self._v.failure
+        return f.reason if f is not None else None
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        """What kind of failure ended the room (None unless `poll()` is Failed)."""
+        f = self._v.failure
+        return f.kind if f is not None else None
+
+    @property
+    def error(self) -> Failure | None:
+        """The room's `Failure` (kind, reason, details), None unless it failed; its
+        `.error()` is the typed exception the blocking calls raise."""
+        return self._v.failure
+
+    def raise_for_failure(self) -> None:
+        """Raises the room's typed `RoomFailed` subclass if it failed; else nothing."""
+        f = self._v.failure
+        if f is not None:
+            raise f.error(self.room)
+
+    @property
+    def released(self) -> bool:
+        """Whether the room's pages may be reused (terminal, nothing in flight)."""
+        return self._v.released
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Blocks until the room is terminal or `timeout` seconds passed; returns the state
+        (as `poll()`: Failed is a state here, `failure` / `error` say why)."""
+        self._v.wait_until(lambda: self._v.done, timeout)
+        return self._v.state
+
+    def wait_released(self, timeout: float) -> bool:
+        """Blocks until the pages are released (bounded by `timeout`); whether they are."""
+        return self._v.wait_until(lambda: self._v.released, timeout)
+
+    def abort(self, reason: str = "aborted by the engine") -> None:
+        """Fails the room on both sides with `reason`; safe to call twice or after the end."""
+        self._agent._abort(self._v, reason)
+
+    def stats(self) -> dict[str, Any]:
+        """Byte and timing figures of the room (for demo/bench output)."""
+        return self._agent._room_stats(self._v)
+
+    def __repr__(self) -> str:
+        cls = type(self).__name__
+        failure = f", failure={self.failure!r}" if self.failure else ""
+        return f"{cls}(room={self.room}, state={self._v.state.name}{failure})"
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._v.done:
+            self.abort("handle closed before the room finished")
+
+
+class Sender(_Handle):
+    """Prefill side of a room (cf. SGLang KVSender, vLLM save_kv_layer)."""
+
+    __slots__ = ()
+
+    def layer_ready(self, layer_id: int, event: Any = None) -> None:
+        """Layer `layer_id`'s KV is written: send it now. For CUDA, pass the layer's event; the
+        agent waits on it before reading the pages."""
+        if event is not None:
+            event.synchronize()
+        self._agent._layer_ready(self._v, layer_id)
+
+
+class Receiver(_Handle):
+    """Decode side of a room (cf. SGLang KVReceiver, vLLM wait_for_layer_load)."""
+
+    __slots__ = ()
+
+    def init(
+        self,
+        dst_pages: np.ndarray | list[int] | dict[str, np.ndarray | list[int]],
+        seq_len: int,
+        decode_prefix_len: int = 0,
+    ) -> None:
+        """Offers destination pages: one page table covering the whole sequence from token 0
+        (suffix-only regions use its pages from the page-aligned prefix on), or a dict per
+        region. `decode_prefix_len` tokens are already held (their indexer rows stay)."""
+        self._agent._receiver_init(self._v, dst_pages, seq_len, decode_prefix_len)
+
+    def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
+        """Blocks until `layer_id` landed and verified on every leg; returns True. The caller
+        bounds the wait.
+
+        Raises:
+            RoomFailed: the room failed (before or while waiting): the subclass of its
+                `FailureKind` (`ChecksumMismatch` naming layer and region, `LayoutMismatch`
+                with the diff, `PeerLost`, `Aborted`, `DeadlineExpired`, ...).
+            TransferTimeout: `timeout` seconds passed with the room still going.
+            ConfigError: `layer_id` is not a layer of the layout.
+        """
+        v = self._v
+        if layer_id not in v.layers:
+            raise ConfigError(f"wait_for_layer({layer_id}): not a layer of this room's layout "
+                              f"(layers {v.layers[0]}..{v.layers[-1]})")
+        landed = v.wait_until(lambda: layer_id in v.landed or v.failure is not None, timeout)
+        self.raise_for_failure()
+        if not landed:
+            raise TransferTimeout(f"room {self.room}: layer {layer_id} not landed within "
+                                  f"{timeout:g}s (state {v.state.name})")
+        return True

@@ -1,0 +1,312 @@
+"""The transfer protocol without threads, sockets or sleeps: two `TransferSession`s wired in
+memory (`kvhandoff.testing.memory.MemoryWire`), a fake clock, driven step by step. Covers the
+handshake, the per-layer flow, the retransmit after a checksum mismatch, abort races, peer loss
+and lease expiry; every message goes through the real wire format.
+
+Room ids double as the engine's tokens here (small ints: the session compares tokens by
+identity)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvhandoff.errors import FailureKind
+from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll, Role
+from kvhandoff.testing.memory import MemoryWire, Side
+from kvhandoff.testing.patterns import check_tokens, write_tokens
+from kvhandoff.transfer import events as ev
+from kvhandoff.transfer import protocol as P
+
+SEQ = 40  # 2.5 pages of 16 tokens
+HB = 0.5
+
+
+def layout(indexer: tuple[int, ...] = (1, 3)) -> LayoutSpec:
+    return mla_dsa_layout(model="tiny", num_layers=4, indexer_layer_ids=indexer,
+                          page_size_tokens=16)
+
+
+def layers(lay: LayoutSpec) -> list[int]:
+    return sorted({lid for r in lay.regions for lid in r.layer_ids})
+
+
+def settings(**kw: object) -> Settings:
+    return Settings(transport="inproc", heartbeat_interval_s=HB, lease_s=5.0, **kw)
+
+
+def pair(*, decode_layout: LayoutSpec | None = None, prefill: Settings | None = None,
+         decode: Settings | None = None) -> tuple[MemoryWire, Side, Side]:
+    w = MemoryWire()
+    p = w.add("prefill:1", Role.PREFILL, layout(), settings=prefill or settings())
+    d = w.add("decode:1", Role.DECODE, decode_layout or layout(), settings=decode or settings())
+    return w, p, d
+
+
+def pages(n: int, offset: int = 0) -> np.ndarray:
+    return np.arange(offset, offset + n, dtype=np.int64)
+
+
+def open_room(w: MemoryWire, p: Side, d: Side, room: int, *, seq: int = SEQ) -> None:
+    lay = p.session.layout
+    src = pages(-(-seq // 16))
+    for ri, reg in enumerate(lay.regions):
+        for lid in reg.layer_ids:
+            write_tokens(p.buffers[f"{reg.name}/{lid}"], lay, ri, lid, src, 0, seq, 7)
+    w.feed(p, ev.OpenSender(room, room, {r.name: src for r in lay.regions}, seq, 1))
+    w.feed(d, ev.OpenReceiver(room, room, (("prefill:1", 0),)))
+    dst = pages(-(-seq // 16), offset=5)
+    w.feed(d, ev.ReceiverInit(room, room, {r.name: dst for r in lay.regions}, seq, 0))
+
+
+def bad_bytes(d: Side, seq: int = SEQ) -> int:
+    lay = d.session.layout
+    dst = pages(-(-seq // 16), offset=5)
+    return sum(check_tokens(d.buffers[f"{reg.name}/{lid}"], lay, ri, lid, dst, 0, seq, 7)
+               for ri, reg in enumerate(lay.regions) for lid in reg.layer_ids)
+
+
+def kinds(w: MemoryWire, frm: str) -> list[str]:
+    return [type(m).__name__ for f, _, m in w.sent if f == frm and not isinstance(m, tuple)]
+
+
+# ---------------------------------------------------------------------------- handshake + flow
+
+
+def test_handshake_then_layer_by_layer_to_success() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 1)
+    w.run()
+    # decode said Hello first; prefill acked; then request / accept
+    assert kinds(w, "decode:1")[:2] == ["Hello", "TransferRequest"]
+    assert kinds(w, "prefill:1")[:2] == ["HelloAck", "TransferAccepted"]
+    assert d.views[1].state is KVPoll.WaitingForInput
+    assert p.views[1].state is KVPoll.WaitingForInput
+    for i, lid in enumerate(layers(p.session.layout)):
+        w.feed(p, ev.LayerReady(1, 1, lid))
+        w.run()
+        assert d.views[1].landed == frozenset(layers(p.session.layout)[:i + 1])
+    assert d.views[1].state is KVPoll.Success and p.views[1].state is KVPoll.Success
+    assert d.views[1].releases == 1 and p.views[1].releases == 1
+    assert bad_bytes(d) == 0
+    assert "RoomAck" in kinds(w, "decode:1")
+    c = d.session.counters
+    assert c["checksums_verified"] == 4 + 2 and c["checksum_failures"] == 0
+
+
+def test_layers_ready_before_the_request_go_out_on_accept() -> None:
+    w, p, d = pair()
+    lay = p.session.layout
+    src = pages(3)
+    w.feed(p, ev.OpenSender(2, 2, {r.name: src for r in lay.regions}, SEQ, 1))
+    for lid in layers(lay):
+        w.feed(p, ev.LayerReady(2, 2, lid))
+    assert p.views[2].state is KVPoll.Bootstrapping  # nobody asked yet
+    w.feed(d, ev.OpenReceiver(2, 2, (("prefill:1", 0),)))
+    w.feed(d, ev.ReceiverInit(2, 2, {r.name: pages(3, 5) for r in lay.regions}, SEQ, 0))
+    w.run()
+    assert (p.views[2].state, d.views[2].state) == (KVPoll.Success, KVPoll.Success)
+
+
+def test_layout_mismatch_fails_both_sides_at_the_handshake() -> None:
+    w, p, d = pair(decode_layout=layout(indexer=(1, 2)))
+    open_room(w, p, d, 3)
+    w.run()
+    assert d.views[3].state is KVPoll.Failed
+    f = d.views[3].failure
+    assert f is not None and f.kind is FailureKind.LAYOUT_MISMATCH
+    assert "indexer_k.layer_ids: prefill=[1, 3] decode=[1, 2]" in f.diff
+    assert "HelloReject" in kinds(w, "prefill:1")
+    assert "TransferRequest" not in kinds(w, "decode:1")
+
+
+# ---------------------------------------------------------------------------- checksums
+
+
+def test_checksum_mismatch_is_retransmitted_once_then_lands() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 4)
+    w.run()
+    w.corrupt_next(1, "indexer_k")
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(4, 4, lid))
+    w.run()
+    assert (p.views[4].state, d.views[4].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0  # the retransmit overwrote the flipped byte
+    nacks = [m for f, _, m in w.sent if isinstance(m, P.LayerNack)]
+    assert [(m.layer, m.attempt) for m in nacks] == [(1, 0)]
+    assert d.session.counters["checksum_failures"] == 1
+    assert p.session.counters["retransmits"] == 1
+
+
+def test_checksum_mismatch_twice_fails_naming_layer_and_region() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 5)
+    w.run()
+    w.corrupt_next(2, "main_kv")
+    w.corrupt_next(2, "main_kv")
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(5, 5, lid))
+    w.run()
+    fd, fp = d.views[5].failure, p.views[5].failure
+    assert fd is not None and (fd.kind, fd.layer, fd.region) == (FailureKind.CHECKSUM, 2,
+                                                                 "main_kv")
+    assert fp is not None and fp.kind is FailureKind.CHECKSUM and fp.remote
+    assert "checksum mismatch on layer 2, region 'main_kv'" in fp.reason
+    assert d.views[5].releases == 1 and p.views[5].releases == 1
+
+
+# ---------------------------------------------------------------------------- aborts
+
+
+def test_abort_races_the_last_layer_done() -> None:
+    """Decode aborts while the prefill's LayerDone of the last layer is on the wire: decode
+    ends Failed (its abort), the late LayerDone changes nothing, prefill Failed with the
+    decode's reason; each side releases once, after its ops completed."""
+    w, p, d = pair()
+    open_room(w, p, d, 6)
+    w.run()
+    lay = p.session.layout
+    for lid in layers(lay)[:-1]:
+        w.feed(p, ev.LayerReady(6, 6, lid))
+    w.run()
+    w.hold(lambda f, t, m: isinstance(m, P.LayerDone))
+    w.feed(p, ev.LayerReady(6, 6, layers(lay)[-1]))
+    w.run()
+    assert d.views[6].state is KVPoll.Transferring
+    w.feed(d, ev.AbortRoom(6, 6, "client went away"))
+    w.release_held()
+    w.run()
+    assert d.views[6].state is KVPoll.Failed and p.views[6].state is KVPoll.Failed
+    fd, fp = d.views[6].failure, p.views[6].failure
+    assert fd is not None and fd.kind is FailureKind.ABORTED and "client went away" in fd.reason
+    assert fp is not None and fp.kind is FailureKind.ABORTED and fp.remote
+    assert d.views[6].releases == 1 and p.views[6].releases == 1
+    assert "AbortAck" in kinds(w, "prefill:1")
+
+
+def test_both_sides_abort_at_once_first_reason_kept() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 7)
+    w.run()
+    w.feed(p, ev.LayerReady(7, 7, 0))
+    w.feed(p, ev.AbortRoom(7, 7, "prefill evicted"))
+    w.feed(d, ev.AbortRoom(7, 7, "decode gave up"))
+    w.feed(d, ev.AbortRoom(7, 7, "decode again"))
+    w.run()
+    fp, fd = p.views[7].failure, d.views[7].failure
+    assert fp is not None and "prefill evicted" in fp.reason
+    assert fd is not None and "decode gave up" in fd.reason
+    assert p.views[7].releases == 1 and d.views[7].releases == 1
+
+
+def test_abort_before_the_engine_opened_the_room_is_kept() -> None:
+    """The decode's Abort can reach the prefill before its engine opens the room: kept, and
+    the room fails as soon as it is opened."""
+    w, p, d = pair()
+    lay = d.session.layout
+    w.feed(d, ev.OpenReceiver(8, 8, (("prefill:1", 0),)))
+    w.feed(d, ev.ReceiverInit(8, 8, {r.name: pages(3, 5) for r in lay.regions}, SEQ, 0))
+    w.feed(d, ev.AbortRoom(8, 8, "request cancelled"))
+    w.run()
+    w.feed(p, ev.OpenSender(8, 8, {r.name: pages(3) for r in lay.regions}, SEQ, 1))
+    w.run()
+    fp = p.views[8].failure
+    assert fp is not None and fp.kind is FailureKind.ABORTED and "request cancelled" in fp.reason
+    assert p.views[8].releases == 1
+
+
+# ---------------------------------------------------------------------------- time
+
+
+def test_silent_peer_is_lost_after_two_heartbeats() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 9)
+    w.run()
+    w.feed(p, ev.LayerReady(9, 9, 0))
+    w.run()
+    w.drop(lambda f, t, m: f == "prefill:1")  # the prefill process froze
+    w.tick(HB)
+    w.run()
+    assert d.views[9].state is KVPoll.Transferring  # one heartbeat of silence: not yet
+    for _ in range(3):
+        w.tick(HB)
+        w.run()
+    f = d.views[9].failure
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "silent" in f.reason
+    assert d.views[9].releases == 1  # its posted receives were cancelled, then released
+    assert d.session.counters["peers_lost"] == 1
+
+
+def test_lost_room_ack_ends_the_prefill_room_by_its_lease() -> None:
+    lease = 2.0
+    w, p, d = pair(prefill=settings().model_copy(update={"lease_s": lease}))
+    w.drop(lambda f, t, m: isinstance(m, P.RoomAck))
+    open_room(w, p, d, 10)
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(10, 10, lid))
+    w.run()
+    assert d.views[10].state is KVPoll.Success
+    assert p.views[10].state is KVPoll.Transferring  # no ack: waits
+    t0 = w.clock()
+    while p.views[10].state is KVPoll.Transferring and w.clock() - t0 < 3 * lease:
+        w.tick(HB)  # decode's heartbeats no longer name the finished room: no renewal
+        w.run()
+    f = p.views[10].failure
+    assert f is not None and f.kind is FailureKind.DEADLINE and f.deadline == "lease"
+    assert w.clock() - t0 <= lease + 2 * HB
+    assert p.views[10].releases == 1
+
+
+def test_peer_restart_is_detected_by_its_generation() -> None:
+    w, p, d = pair()
+    open_room(w, p, d, 11)
+    w.run()
+    # a new process on the same address says Hello with another generation
+    w.feed(d, ev.MessageReceived(P.Hello(
+        src="prefill:1", gen=999, agent_id="prefill-new", role="prefill", transport="memory",
+        transport_address=b"x", layout=p.session.layout.to_dict(),
+        layout_hash=p.session.me.layout_hash, buffers=[])))
+    w.run()
+    f = d.views[11].failure
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "restarted" in f.reason
+
+
+# ---------------------------------------------------------------------------- purity
+
+
+SANS_IO = ("session.py", "session_data.py", "session_peers.py", "handshake.py", "rooms.py",
+           "events.py", "effects.py", "failures.py", "protocol.py")
+FORBIDDEN = {"zmq", "threading", "time", "socket", "os", "logging", "asyncio", "selectors",
+             "concurrent", "ucxx", "kvhandoff.transfer.transports", "kvhandoff.transfer.control",
+             "kvhandoff.transfer.agent"}
+
+
+@pytest.mark.parametrize("name", SANS_IO)
+def test_the_session_modules_do_no_io(name: str) -> None:
+    import kvhandoff.transfer
+
+    path = pathlib.Path(kvhandoff.transfer.__file__).parent / name
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        found |= {m for m in mods for bad in FORBIDDEN if m == bad or m.startswith(bad + ".")}
+    assert not found, f"{name} imports {sorted(found)}"
+
+
+def test_importing_the_session_loads_no_zmq_and_no_transport() -> None:
+    code = ("import sys, kvhandoff.transfer.session, kvhandoff.testing.memory; "
+            "bad = [m for m in sys.modules if m == 'zmq' or m.startswith('zmq.') or "
+            "m.startswith('kvhandoff.transfer.transports') or m == 'ucxx']; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
