@@ -1,6 +1,7 @@
 """Worker side of KVHandoffConnector in two processes over CPU tensors: a prefill worker process
 (`vllm_worker_proc.py`) and the decode worker in this process, each with vLLM's own planner and
-allocator (per-layer ``[B, H, N, C]`` views, LBHNC), a real bootstrap server on 127.0.0.1 port 0
+allocator (per-layer ``[B, H, N, C]`` views; the prefill BLHNC: every layer's page packed into
+one block, the decode LBHNC: one region per layer), a real bootstrap server on 127.0.0.1 port 0
 and the tcp transport.
 
 The prefill writes each layer's KV and calls ``save_kv_layer`` per layer; the decode waits per
@@ -44,7 +45,9 @@ START_S = 120.0  # the prefill process imports vLLM and torch on a loaded 2-core
 DONE_S = 60.0
 MARK = 0xAB
 PROC = Path(__file__).with_name("vllm_worker_proc.py")
-PREFILL_LAYOUT, DECODE_LAYOUT = "LBHNC", "LBHNC"
+# the prefill packs every layer's page into one block (BLHNC, one row buffer), the decode keeps
+# one buffer per layer (LBHNC): the handshake ignores packing, the spans pair them
+PREFILL_LAYOUT, DECODE_LAYOUT = "BLHNC", "LBHNC"
 
 
 class Child:
