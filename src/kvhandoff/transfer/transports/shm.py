@@ -234,12 +234,12 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         local = [op.job for op in ops if op.job is not None]
         for job in local:
             job.cancel()
-        exposed = [op for op in ops if not op.is_send]
-        with self._lock:
+        with self._lock:  # (finished ops: `exposed` cannot change any more)
+            exposed = [op for op in ops if not op.is_send and op.exposed]
             for op in exposed:
                 self._awaiting[(op.peer, op.tag)] = op
         self._command(IoCommand.FORGET, ops)
-        if threading.current_thread() in (self._thread,) or self._callbacks.in_thread():
+        if threading.current_thread() is self._thread:  # it answers the acks: cannot wait
             return
         deadline = time.monotonic() + self._bound_s
         for job in local:
@@ -247,7 +247,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                 raise TransportError(f"{what}: a copy into peer {info.name!r} did not stop "
                                      f"within {self._bound_s} s")
         with self._cond:
-            while any(op.exposed and not op.acked for op in exposed) and info.dead is None:
+            while any(not op.acked for op in exposed) and info.dead is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self._closed and not self._thread.is_alive()):
                     raise TransportError(f"{what}: peer {info.name!r} did not confirm within "
