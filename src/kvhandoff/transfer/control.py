@@ -94,6 +94,7 @@ class ControlLoop:
         os.set_blocking(self._wake_w, False)
         self._drained_at = time.monotonic()  # when the control socket was last read empty
         self._closing = False
+        self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
 
     def start(self, session: TransferSession, name: str) -> None:
@@ -105,9 +106,12 @@ class ControlLoop:
     # ------------------------------------------------------------------ any thread
 
     def post(self, event: ev.Event) -> None:
-        """Queues an event for the session (any thread; never blocks)."""
+        """Queues an event for the session (any thread; never blocks). The wake pipe is
+        written only while the loop may be asleep in `poll` (it sets `_asleep` before it
+        looks at the queue for the last time, so an event is never left waiting)."""
         self._queue.append((event, None, None))
-        self._wake()
+        if self._asleep:
+            self._wake()
 
     def query(self, fn: _Query, timeout: float = 10.0) -> Any:
         """Runs `fn(session)` on the control thread and returns its result (bounded)."""
@@ -233,10 +237,12 @@ class ControlLoop:
         hb = self.settings.heartbeat_interval_s
         while True:
             closing = self._closing
+            self._asleep = True  # before _timeout_ms looks at the queue (see post)
             try:
                 events = dict(poller.poll(self._timeout_ms(hb)))
             except zmq.ZMQError:
                 break
+            self._asleep = False
             if self._wake_r in events:
                 try:
                     while os.read(self._wake_r, 4096):
