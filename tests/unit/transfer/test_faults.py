@@ -1,0 +1,52 @@
+"""`kvhandoff.testing.faults` does what it says: its faults fire and the agent reacts as the
+product must (the rest of the matrix is in tests/reliability)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvhandoff.errors import FailureKind
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing.faults import FaultyTransport, MessageFaults
+
+from .conftest import WAIT_S, Pair, layers_of
+
+MakePair = Callable[..., Pair]
+SEQ = 100
+
+
+def test_delayed_messages_still_hand_off(pair: MakePair) -> None:
+    pr = pair(decode_faults={"delay_ms": 30})
+    s, rv, _, dst = pr.open(1, SEQ)
+    for lid in layers_of(pr.prefill.layout):
+        s.layer_ready(lid)
+    assert rv.wait(WAIT_S) is KVPoll.Success and s.wait(WAIT_S) is KVPoll.Success
+    assert pr.verify(dst, SEQ, 0) == (0, 0)
+    filt = pr.decode.agent._loop._filter
+    assert isinstance(filt, MessageFaults) and filt.delay_s == 0.03 and not filt.dropped
+
+
+def test_a_stalled_layer_fails_the_room_by_its_stall_deadline(pair: MakePair) -> None:
+    pr = pair(prefill_faults={"stall_layers": [2]}, stall_timeout_s=0.5)
+    s, rv, _, _ = pr.open(2, SEQ)
+    for lid in layers_of(pr.prefill.layout):
+        s.layer_ready(lid)
+    assert rv.wait(WAIT_S) is KVPoll.Failed and s.wait(WAIT_S) is KVPoll.Failed
+    assert rv.failure_kind is FailureKind.DEADLINE or s.failure_kind is FailureKind.DEADLINE
+    assert "transfer_stall deadline expired" in (rv.failure or "") + (s.failure or "")
+    tr = pr.prefill.agent.transport
+    assert isinstance(tr, FaultyTransport) and tr.log.stalled >= 1
+    # the stalled sends were cancelled when the room failed: the pages come back
+    assert s.wait_released(WAIT_S) and rv.wait_released(WAIT_S)
+
+
+def test_dropped_room_ack_is_counted_and_the_decode_still_succeeds(pair: MakePair) -> None:
+    pr = pair(decode_faults={"drop": ["RoomAck"]})
+    s, rv, _, _ = pr.open(3, SEQ)
+    for lid in layers_of(pr.prefill.layout):
+        s.layer_ready(lid)
+    assert rv.wait(WAIT_S) is KVPoll.Success
+    filt = pr.decode.agent._loop._filter
+    assert isinstance(filt, MessageFaults) and filt.dropped == ["RoomAck"]
+    assert s.poll() is KVPoll.Transferring  # no ack: the prefill still waits
+    s.abort("test over")
