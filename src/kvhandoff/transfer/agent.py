@@ -37,6 +37,8 @@ from kvhandoff.transfer.transports.base import Transport, load_transport
 
 log = logging.getLogger("kvhandoff.agent")
 
+_ABORT_WAIT_S = 5.0  # bound on abort() waiting for the control thread to end the room
+
 
 class TransferAgent:
     """Moves KV pages of rooms between a prefill and a decode engine rank.
@@ -294,7 +296,14 @@ class TransferAgent:
                                         page_aligned(prefix, self.layout.page_size_tokens)))
 
     def _abort(self, v: RoomView, reason: str) -> None:
+        """Aborts the room and returns once it is terminal (as the engine expects: `poll()`
+        says Failed, the room id may be opened again), bounded; from the control thread
+        itself (an `on_release` callback) it only posts."""
+        if v.done:
+            return
         self._loop.post(ev.AbortRoom(v.room, v, reason))
+        if self._loop.running_elsewhere():
+            v.wait_until(lambda: v.done, _ABORT_WAIT_S)
 
     def _room_stats(self, v: RoomView) -> dict[str, Any]:
         stats: dict[str, Any] | None = self._loop.query(lambda s: s.room_stats(v.room, v))

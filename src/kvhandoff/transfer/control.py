@@ -113,6 +113,12 @@ class ControlLoop:
         if self._asleep:
             self._wake()
 
+    def running_elsewhere(self) -> bool:
+        """Whether the loop runs and the caller is not the loop's own thread (so it may wait
+        for the loop without deadlocking it)."""
+        t = self._thread
+        return t is not None and t.is_alive() and threading.current_thread() is not t
+
     def query(self, fn: _Query, timeout: float = 10.0) -> Any:
         """Runs `fn(session)` on the control thread and returns its result (bounded)."""
         assert self.session is not None
