@@ -352,3 +352,19 @@ def test_bad_messages_are_rejected_and_the_agent_keeps_serving(pair: MakePair) -
     run_layers(pr, sender, receiver)
     assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
     assert pr.verify(dst, SEQ, PREFIX) == (0, 0)
+
+
+def test_abort_then_reopen_the_same_room_id(pair: MakePair) -> None:
+    """abort() returns with the room terminal, so an engine may open the same room id again at
+    once (vLLM reopens a preempted request's room on its new blocks)."""
+    pr = pair()
+    p = pr.prefill
+    src = p.pool.alloc(-(-SEQ // 16))
+    s1 = p.agent.sender(31, pages=src, seq_len=SEQ, on_release=p.releases.callback(src))
+    s1.abort("preempted")
+    assert s1.poll() is KVPoll.Failed and "preempted" in (s1.failure or "")
+    assert s1.wait_released(WAIT_S)
+    sender, receiver, _, dst = pr.open(31, SEQ)  # the same id, new pages
+    run_layers(pr, sender, receiver)
+    assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+    assert pr.verify(dst, SEQ, 0) == (0, 0)
