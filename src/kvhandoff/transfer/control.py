@@ -130,8 +130,11 @@ class ControlLoop:
         return fut.result(timeout)
 
     def _wake(self) -> None:
+        w = self._wake_w
+        if w < 0:  # closed: never write into a file descriptor number reused since
+            return
         try:
-            os.write(self._wake_w, b"x")
+            os.write(w, b"x")
         except (BlockingIOError, OSError):
             pass
 
@@ -146,8 +149,9 @@ class ControlLoop:
         for s in [*self._dealers.values(), *self._to_close]:
             s.close(0)
         self._router.close(0)
+        w, self._wake_w = self._wake_w, -1  # late posts (transport callbacks) write nothing
+        os.close(w)
         os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # ------------------------------------------------------------------ control thread
 
