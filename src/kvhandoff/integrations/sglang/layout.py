@@ -19,7 +19,8 @@ moves rank to rank): it is part of the layout hash both agents compare at the ha
 mismatch fails the handshake with the differing field named.
 
 Buffers are zero-copy views of SGLang's memory: numpy views of host pointers, or CUDA tensors
-built through ``__cuda_array_interface__`` for device pointers.
+built through ``__cuda_array_interface__`` for device pointers (the KV pool and DSA state on a
+CUDA device; SGLang's metadata buffers are host memory there).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class Parallel:
 
     attn_tp_size: int = 1
     pp_size: int = 1
-    attn_dp_size: int = 1
 
 
 @dataclass
@@ -192,7 +192,9 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         alens, aitems = kv_args.aux_data_lens, kv_args.aux_item_lens
         aregions = []
         for i in range(len(aptrs)):
-            spec, bufs = _region(f"aux{i}", [i], aptrs, alens, aitems, 1, device,
+            # SGLang's metadata buffers live in host memory (MetadataBuffers: device "cpu"
+            # on CUDA builds), whatever the KV pool's device
+            spec, bufs = _region(f"aux{i}", [i], aptrs, alens, aitems, 1, "cpu",
                                  "kv_args.aux_data_ptrs", SendFrom.START, [i])
             aregions.append(spec)
             aux_buffers[spec.name] = bufs
