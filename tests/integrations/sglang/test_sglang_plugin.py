@@ -166,3 +166,19 @@ def test_bootstrap_server_in_process_and_sidecar(monkeypatch: pytest.MonkeyPatch
             KVHandoffKVBootstrapServer("127.0.0.1", srv.port + 1)
     finally:
         srv.close()
+
+
+def test_unsupported_topologies_are_refused_at_startup() -> None:
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+    from sglang.srt.runtime_context import get_parallel
+
+    sa = E.server_args("prefill", 1)
+    manager = get_kv_class(TransferBackend("kvhandoff"), KVClassType.MANAGER)
+    with get_parallel().override(pp_size=2), \
+            pytest.raises(ConfigError, match=r"does not support: pp_size=2"):
+        manager(E.kv_args(E.pools()), DisaggregationMode.PREFILL, sa, True)

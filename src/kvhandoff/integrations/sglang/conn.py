@@ -55,6 +55,7 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel
+from sglang.srt.utils.network import NetworkAddress
 
 from kvhandoff.errors import BootstrapNotFound, ConfigError, KVHandoffError
 from kvhandoff.integrations.sglang.layout import Built, Parallel, build
@@ -160,7 +161,10 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._routes: dict[tuple[str, int, int], tuple[str, str | None]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
-        url = bootstrap_url_for(self.bootstrap_host, self.bootstrap_port)
+        host = self.bootstrap_host
+        if self.dist_init_addr:  # multi-node: the server runs on the node of rank 0, as SGLang
+            host = NetworkAddress.parse(self.dist_init_addr).resolved().host
+        url = bootstrap_url_for(host, self.bootstrap_port)
         settings = _agent_settings(role, self.local_ip, url)
         ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
