@@ -81,6 +81,10 @@ class KVHandoffKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
         from kvhandoff.settings import Settings
 
         settings = Settings().model_copy(update={"host": self.host, "port": self.port})
+        if settings.auth_token is not None:
+            raise ConfigError("KVHANDOFF_AUTH_TOKEN: SGLang's own requests to its bootstrap "
+                              "server (PUT /route, /register_dp_rank) carry no token and would "
+                              "be refused; unset it for the server SGLang starts")
         sock = bind_socket(self.host, self.port)
         url = socket_url(sock)
         config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on")
