@@ -358,6 +358,9 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         for a in self._agents:
             a.close()
         self._agents = []
+        sock = getattr(self, "server_socket", None)
+        if sock is not None and not sock.closed:
+            sock.close(0)
 
     supports_role_switch = False
 
