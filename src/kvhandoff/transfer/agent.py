@@ -241,12 +241,12 @@ class TransferAgent:
             if old is not None and not old.done:
                 raise ConfigError(f"room {room}: already open on this agent")
             self._open[room] = v
-            if len(self._open) > 2 * self._open_high:  # forget finished rooms' views
+            if len(self._open) > self._open_high:  # forget finished rooms' views
                 self._open = {k: o for k, o in self._open.items() if not o.done}
-                self._open_high = max(1024, len(self._open))
+                self._open_high = max(256, 2 * len(self._open))
         return v
 
-    _open_high = 1024
+    _open_high = 256
 
     def _page_table(self, pages: Any, seq_len: int, prefix: int, *, side: str
                     ) -> dict[str, np.ndarray]:

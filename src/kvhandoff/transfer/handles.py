@@ -62,9 +62,10 @@ class RoomView:
         with self._cond:
             self.released = True
             self._cond.notify_all()
-        if self.on_release is not None:
+        cb, self.on_release = self.on_release, None  # once; and keep no engine state alive
+        if cb is not None:
             try:
-                self.on_release(self.room)
+                cb(self.room)
             except Exception:  # an engine callback must not kill the control thread
                 log.exception("on_release callback of room %d raised", self.room)
 
