@@ -11,6 +11,7 @@ at once, and a new peer works.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from test_conformance import PEER, WAIT_S, Done, PeerProcess
 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import _shm_copy
+from kvhandoff.transfer.transports import _shm_copy, load_transport
 from kvhandoff.transfer.transports.shm import ShmTransport
 
 SIZE = 64 << 20
@@ -34,10 +35,10 @@ PIECE = 256
 class BigPeer(PeerProcess):
     """peer_proc.py with a SIZE-byte receive buffer."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, str(PEER), kind, str(1 << 20), str(SIZE),
                                       "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env={**os.environ, **(env or {})})
         self.lines: queue.Queue[dict[str, object]] = queue.Queue()
         self.held: list[dict[str, object]] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -96,6 +97,36 @@ def test_receiver_killed_mid_write(kind: str, monkeypatch: pytest.MonkeyPatch) -
             assert np.array_equal(dst, src[:1000])
         finally:
             other.close()
+    finally:
+        tr.close()
+        if peer.proc.poll() is None:
+            peer.proc.kill()
+
+
+def test_ucx_sender_killed_mid_receive_with_error_handling() -> None:
+    """ucx with peer error handling (ucx_same_host_error_handling): the sender process dies
+    while a receive is in flight; disconnect() returns (it does not wait for a request from a
+    dead peer), the receive ends with an error and the receiver keeps running. Closing the
+    endpoint UCX had failed crashed this process with SIGSEGV inside ucxx before."""
+    env_var = "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING"
+    peer = BigPeer("ucx", env={env_var: "true"})
+    tr = load_transport("ucx", Settings(chunk_bytes=1 << 20, stall_timeout_s=WAIT_S,
+                                        ucx_same_host_error_handling=True))
+    try:
+        buf = np.zeros(SIZE, np.uint8)
+        tr.register("kv", buf)
+        tr.connect("peer", bytes.fromhex(str(peer.expect("address")["address"])))
+        peer.send(cmd="connect", address=tr.address.hex())
+        peer.expect("connected")
+        dr = Done()
+        tr.post_recv("peer", 1, "kv", np.array([0]), np.array([SIZE]), dr)
+        peer.send(cmd="send", tag=1, offsets=[0], nbytes=[SIZE])
+        peer.expect("posted")
+        peer.proc.send_signal(signal.SIGKILL)
+        assert peer.proc.wait(WAIT_S) == -signal.SIGKILL
+        tr.disconnect("peer")  # what the agent does once heartbeats say the peer is gone
+        err = dr.wait()
+        assert isinstance(err, TransportError)
     finally:
         tr.close()
         if peer.proc.poll() is None:

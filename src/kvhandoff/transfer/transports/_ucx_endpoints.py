@@ -20,6 +20,12 @@ from ucxx._lib import libucxx as ucx_api
 
 
 def close_ep(ep: Any) -> None:
+    """Closes an endpoint, unless UCX's error handling already failed it: closing an endpoint
+    whose peer died (error callback called) crashes the process with SIGSEGV inside ucxx
+    (reproduced: same-host pair with error handling, sender SIGKILLed while a receive was in
+    flight, then disconnect()); a failed endpoint is only dropped."""
+    if not ep.alive:
+        return
     try:
         ep.close()
     except ucx_api.UCXError:

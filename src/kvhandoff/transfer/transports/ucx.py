@@ -395,7 +395,22 @@ class UcxTransport(ThreadedTransport):
 
     def _on_disconnect(self, peer: str, ops: list[_Op]) -> None:
         self._on_forget(ops)
+        ep = self._eps.get(peer)
+        if ep is not None and not ep.alive:
+            self._abandon_direct(ops)
         self._eps.park(peer, self._touching(peer))
+
+    def _abandon_direct(self, ops: list[_Op]) -> None:
+        """UCX failed the peer's endpoint (error handling: the peer is gone), so nothing
+        writes into the memory of `ops`' receives any more, but their requests may never
+        complete (ucxx has no per-request cancel, and closing a failed endpoint crashes):
+        stop counting them, so disconnect()'s wait ends."""
+        with self._cond:
+            for item in self._inflight:
+                if item.direct and item.op is not None and item.op in ops:
+                    item.direct = False
+                    item.op.direct_inflight -= 1
+            self._cond.notify_all()
 
     def _touching(self, peer: str) -> bool:
         """Whether a UCX request in flight for an op with `peer` may access its memory: a
