@@ -14,6 +14,7 @@ a CPU-only machine for DRAM).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -26,15 +27,15 @@ from kvhandoff.errors import ConfigError
 
 
 def _import_nixl() -> Any:
+    # by name: NIXL is an optional extra, and mypy must not depend on whether it is installed
     try:
-        from nixl_cu12 import _api
+        return importlib.import_module("nixl_cu12._api")
     except ImportError:
         try:
-            from nixl import _api  # type: ignore[no-redef]
+            return importlib.import_module("nixl._api")
         except ImportError as e:
             raise ConfigError("bench case 'nixl' needs NIXL: pip install 'kvhandoff[nixl]' "
                               f"(nixl-cu12); import failed: {e}") from None
-    return _api
 
 
 def check_installed() -> None:
