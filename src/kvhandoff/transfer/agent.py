@@ -301,7 +301,7 @@ class TransferAgent:
         itself (an `on_release` callback) it only posts."""
         if v.done:
             return
-        self._loop.post(ev.AbortRoom(v.room, v, reason))
+        self._loop.post_ahead(ev.AbortRoom(v.room, v, reason))  # not behind a backlog
         if self._loop.running_elsewhere():
             v.wait_until(lambda: v.done, _ABORT_WAIT_S)
 

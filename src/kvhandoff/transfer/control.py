@@ -71,6 +71,7 @@ class ControlLoop:
         self._buffers = buffers  # transport buffer name -> bytes
         self._filter = effect_filter
         self._queue: deque[tuple[ev.Event | None, _Query | None, Future[Any] | None]] = deque()
+        self._ahead: deque[ev.Event] = deque()
         self._outbox: deque[tuple[str, P.Message]] = deque()
         self._timers: list[tuple[float, int, Effect]] = []
         self._timer_seq = itertools.count()
@@ -104,6 +105,13 @@ class ControlLoop:
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
+
+    def post_ahead(self, event: ev.Event) -> None:
+        """Queues an event that goes before the queued ones (an engine's abort, which the
+        engine waits for): fed at the start of the next pass or between two messages."""
+        self._ahead.append(event)
+        if self._asleep:
+            self._wake()
 
     def post(self, event: ev.Event) -> None:
         """Queues an event for the session (any thread; never blocks). The wake pipe is
@@ -259,6 +267,7 @@ class ControlLoop:
                         pass
                 except (BlockingIOError, OSError):
                     pass
+            self._drain_ahead()
             self._drain_queue(time.monotonic() + hb / 4)
             if self._router not in events:
                 self._drained_at = time.monotonic()  # polled: nothing waiting to be read
@@ -269,8 +278,12 @@ class ControlLoop:
                 self._execute(heapq.heappop(self._timers)[2])
             self._feed(ev.Tick(drained_at=self._drained_at))
             self._flush()
-            if closing and not self._queue:
+            if closing and not self._queue and not self._ahead:
                 break
+
+    def _drain_ahead(self) -> None:
+        while self._ahead:
+            self._feed(self._ahead.popleft())
 
     def _drain_queue(self, until: float) -> None:
         """Feeds queued events until the queue is empty or the clock passes `until` (a burst
@@ -305,13 +318,14 @@ class ControlLoop:
                 log.warning("rejected a control message: %s", e)
                 continue
             self._feed(ev.MessageReceived(msg))
+            self._drain_ahead()
             if self._queue:  # completions and engine events between messages
                 self._drain_queue(batch_end)
             if time.monotonic() > batch_end:
                 break
 
     def _timeout_ms(self, hb: float) -> int:
-        if self._outbox or self._queue or self._closing:
+        if self._outbox or self._queue or self._ahead or self._closing:
             return 0
         now = time.monotonic()
         assert self.session is not None

@@ -98,6 +98,7 @@ class TransferSession(PeerHandling, DataPath):
         self._now = now
         self._out: list[Effect] = []
         self._dirty: dict[int, Group] = {}
+        self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
         self._deadlines = DeadlineConfig(
             bootstrap_s=settings.bootstrap_timeout_s,
             waiting_for_input_s=settings.waiting_timeout_s,
@@ -175,11 +176,13 @@ class TransferSession(PeerHandling, DataPath):
         for msg in self._early.pop(e.room, []):
             self._room_msg(msg)
         self._group_update(g)
+        self._abort_if_asked(g)
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
         g = self._new_group(e.room, e.token, None)
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
+        self._abort_if_asked(g)
 
     def _on_resolved(self, e: ev.PeersResolved) -> None:
         g = self._group(e.room, e.token)
@@ -224,11 +227,22 @@ class TransferSession(PeerHandling, DataPath):
     def _on_abort(self, e: ev.AbortRoom) -> None:
         g = self._group(e.room, e.token)
         if g is None:
+            # the driver feeds aborts ahead of the queue: the room's open may still be queued
+            if len(self._aborts_ahead) < EARLY_LIMIT:
+                self._aborts_ahead.setdefault(e.token, e.reason)
             return
+        self._abort(g, e.reason)
+
+    def _abort_if_asked(self, g: Group) -> None:
+        reason = self._aborts_ahead.pop(g.token, None)
+        if reason is not None:
+            self._abort(g, reason)
+
+    def _abort(self, g: Group, reason: str) -> None:
         for r in g.legs:
-            self._fail(r, Aborted(reason=e.reason, by=self.role), notify=Notify.ABORT)
+            self._fail(r, Aborted(reason=reason, by=self.role), notify=Notify.ABORT)
         self._fail_group(g, Failure(FailureKind.ABORTED,
-                                    f"aborted by {self.role.value}: {e.reason}"))
+                                    f"aborted by {self.role.value}: {reason}"))
 
     # ------------------------------------------------------------------ message handling
 

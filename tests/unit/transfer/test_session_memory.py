@@ -310,3 +310,22 @@ def test_importing_the_session_loads_no_zmq_and_no_transport() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_abort_fed_before_its_open_applies_when_the_room_opens() -> None:
+    """The driver feeds an engine's abort ahead of queued events, so it can reach the session
+    before the room's open: it is kept and applied at the open (after the handshake started,
+    so the peer is told, as for an abort right after the open)."""
+    w, p, d = pair()
+    lay = d.session.layout
+    w.feed(d, ev.AbortRoom(12, 12, "client closed"))
+    assert 12 not in d.views
+    w.feed(d, ev.OpenReceiver(12, 12, (("prefill:1", 0),)))
+    w.feed(d, ev.ReceiverInit(12, 12, {r.name: pages(3, 5) for r in lay.regions}, SEQ, 0))
+    w.feed(p, ev.OpenSender(12, 12, {r.name: pages(3) for r in lay.regions}, SEQ, 1))
+    w.run()
+    fd, fp = d.views[12].failure, p.views[12].failure
+    assert fd is not None and fd.kind is FailureKind.ABORTED and "client closed" in fd.reason
+    assert fp is not None and fp.kind is FailureKind.ABORTED and "client closed" in fp.reason
+    assert "TransferRequest" not in kinds(w, "decode:1")
+    assert d.views[12].releases == 1 and p.views[12].releases == 1
