@@ -8,7 +8,7 @@ was expected, what came, and what to do. Raise (chained with ``from``), never lo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 
 class KVHandoffError(Exception):
@@ -128,6 +128,7 @@ class Failure:
 
     kind: FailureKind
     reason: str
+    _: KW_ONLY
     remote: bool = False
     layer: int | None = None
     region: str | None = None

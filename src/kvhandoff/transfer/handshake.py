@@ -33,7 +33,7 @@ class PeerState(enum.Enum):
 
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Peer:
     """One peer agent, by control address."""
 
@@ -61,7 +61,7 @@ class Peer:
                               PeerState.MATCHED) or self.initiated
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Identity:
     """What this agent says about itself in a Hello."""
 

@@ -25,7 +25,7 @@ from kvhandoff.kv_layout import SpanPlan
 from kvhandoff.state_machine import KVPoll, Role, RoomMachine
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Group:
     """One room on one agent: its legs and what the engine gave."""
 
@@ -58,7 +58,7 @@ class Group:
         return min([KVPoll.Bootstrapping] + [leg.machine.state for leg in self.legs])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Leg:
     """The transfer of one room with one peer."""
 
