@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.bootstrap_server.testing import run_server
 from kvhandoff.sim import spawn
+from kvhandoff.testing.server import run_server
 
 
 @pytest.mark.parametrize("lane", ["shm/map", "shm/cma"])
