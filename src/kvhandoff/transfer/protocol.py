@@ -82,6 +82,17 @@ class HelloReject(_Msg, tag="hello_reject", frozen=True):
     diff: list[str] = []
 
 
+class Digest(msgspec.Struct, frozen=True):
+    """Hashes of prompt token ids (`kv_layout.PromptDigest` on the wire): one chained 8-byte
+    hash per page of `page_size` tokens, concatenated in `pages`, and one of the whole
+    sequence."""
+
+    page_size: int
+    num_tokens: int
+    pages: bytes
+    whole: bytes
+
+
 class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     room: int
     xfer: int
@@ -92,6 +103,12 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     dst_pages: dict[str, list[int]]  # per region; suffix-only regions list suffix pages only
     lease_s: float
     planes: dict[str, list[str]] | None = None  # per region, the planes wanted from this peer
+    # admission (issue 17), checked by the prefill before any byte moves:
+    allocation_policy: str = ""  # the decode's policy: early | prefill_complete ("": none)
+    reserved_pages: dict[str, int] | None = None  # early: pages reserved per region (new ones)
+    free_pages: int | None = None  # prefill_complete: the decode's free pages when it asks
+    prompt: Digest | None = None  # the decode's digest of the prompt token ids
+    cached_prefix: Digest | None = None  # ... and of its page-aligned cached prefix
 
 
 class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
