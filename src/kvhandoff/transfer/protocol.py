@@ -115,6 +115,7 @@ class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
     room: int
     page_size: int
     src_pages: dict[str, list[int]]  # per region, same convention as dst_pages
+    chunk_end: int = -1  # chunked prefill: the tokens src_pages cover so far (-1: seq_len)
 
 
 class Failed(_Msg, tag="failed", frozen=True):
@@ -133,6 +134,7 @@ class LayerInfo(msgspec.Struct, frozen=True):
     layer: int
     attempt: int
     regions: list[RegionDone]
+    chunk: int = 0  # chunked prefill: the chunk of the room (0: the first / the only one)
 
 
 class LayerDone(_Msg, tag="layer_done", frozen=True):
@@ -145,6 +147,7 @@ class LayerNack(_Msg, tag="layer_nack", frozen=True):
     layer: int
     attempt: int  # the attempt that failed verification
     reason: str
+    chunk: int = 0  # chunked prefill: the chunk of the room
 
 
 class RoomAck(_Msg, tag="room_ack", frozen=True):
@@ -161,6 +164,24 @@ class AbortAck(_Msg, tag="abort_ack", frozen=True):
     room: int
 
 
+class ChunkAdded(_Msg, tag="chunk_added", frozen=True):
+    """Prefill -> decode: the next chunk of a chunked prefill (its source pages, appended to
+    the ones sent so far, same convention as `TransferAccepted.src_pages`)."""
+
+    room: int
+    chunk: int  # 1, 2, ... (chunk 0 is the TransferAccepted)
+    chunk_end: int  # the tokens covered after this chunk (the room's seq_len: the last one)
+    src_pages: dict[str, list[int]]
+
+
+class ChunkAccepted(_Msg, tag="chunk_accepted", frozen=True):
+    """Decode -> prefill: the receives of `chunk` are posted under the transfer id `xfer`."""
+
+    room: int
+    chunk: int
+    xfer: int
+
+
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     rooms: list[int]  # rooms with the receiver of this heartbeat: renews their leases
 
@@ -171,7 +192,7 @@ class Reject(_Msg, tag="reject", frozen=True):
 
 Message = (
     Hello | HelloAck | HelloReject | TransferRequest | TransferAccepted | Failed | LayerDone
-    | LayerNack | RoomAck | Abort | AbortAck | Heartbeat | Reject
+    | LayerNack | RoomAck | Abort | AbortAck | Heartbeat | Reject | ChunkAdded | ChunkAccepted
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -53,6 +53,9 @@ SAMPLES: list[P.Message] = [
     P.AbortAck(src=ADDR, gen=GEN, room=42),
     P.Heartbeat(src=ADDR, gen=GEN, rooms=[1, 2, (1 << 63) - 1]),
     P.Reject(src=ADDR, gen=GEN, reason="protocol version 2 not supported"),
+    P.ChunkAdded(src=ADDR, gen=GEN, room=42, chunk=2, chunk_end=12_288,
+                 src_pages={"main_kv": [7, 8], "indexer_k": []}),
+    P.ChunkAccepted(src=ADDR, gen=GEN, room=42, chunk=2, xfer=(1 << 24) + 3),
 ]
 
 
