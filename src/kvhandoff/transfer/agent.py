@@ -30,7 +30,7 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer.buffers import BufferSet
 from kvhandoff.transfer.control import ControlLoop
 from kvhandoff.transfer.effects import EffectFilter
-from kvhandoff.transfer.handles import Receiver, RoomView, Sender
+from kvhandoff.transfer.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.transfer.handshake import Identity
 from kvhandoff.transfer.session import TransferSession
 from kvhandoff.transfer.transports.base import Transport, load_transport
@@ -142,18 +142,28 @@ class TransferAgent:
         seq_len: int,
         on_release: Callable[[int], None] | None = None,
         num_decode_ranks: int = 1,
+        chunk_end: int | None = None,
     ) -> Sender:
         """Opens the prefill side of `room`: `pages` is the page table of the sequence (token 0
         on; or a dict per region), `seq_len` its length in tokens. `num_decode_ranks` decode
-        ranks will read this room from this rank (decode TP > prefill TP: several; 0: none)."""
+        ranks will read this room from this rank (decode TP > prefill TP: several; 0: none).
+        Chunked prefill: `chunk_end` < `seq_len` opens the room with the first chunk, `pages`
+        covering (at most) its `chunk_end` tokens; `Sender.add_chunk` gives the next ones."""
         self._need(Role.PREFILL, "sender")
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
         if num_decode_ranks < 0:
             raise ConfigError(f"num_decode_ranks: expected >= 0, got {num_decode_ranks}")
-        table = self._page_table(pages, seq_len, 0, side="pages")
+        if chunk_end is None:
+            table = self._page_table(pages, seq_len, 0, side="pages")
+        else:
+            table = chunk_table(self.layout, self.buffers.num_pages, pages, seq_len=seq_len,
+                                chunk_end=chunk_end, have={})
         v = self._new_view(room, on_release)
-        self._loop.post(ev.OpenSender(room, v, table, seq_len, num_decode_ranks))
+        if chunk_end is not None and chunk_end < seq_len:
+            v.chunk = ChunkState(seq_len, chunk_end, {k: len(a) for k, a in table.items()})
+        self._loop.post(ev.OpenSender(room, v, table, seq_len, num_decode_ranks,
+                                      chunk_end=chunk_end or 0))
         return Sender(self, v)
 
     def receiver(

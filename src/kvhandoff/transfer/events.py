@@ -35,6 +35,7 @@ class OpenSender(Event):
     pages: dict[str, np.ndarray]
     seq_len: int
     expected: int
+    chunk_end: int = 0  # chunked prefill: the tokens `pages` cover so far (0: seq_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,19 @@ class LayerReady(Event):
     room: int
     token: object
     layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class AddChunk(Event):
+    """Prefill engine (chunked prefill): the pages of the next chunk, appended per region to
+    the room's page table, which now covers `chunk_end` tokens (the room's seq_len: the last
+    chunk). Every layer of the previous chunk was marked ready; this chunk's layers are marked
+    ready again (`LayerReady`) as they are written."""
+
+    room: int
+    token: object
+    pages: dict[str, np.ndarray]
+    chunk_end: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvhandoff.errors import ConfigError, Failure, FailureKind, TransferTimeout
+from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.state_machine import KVPoll
+from kvhandoff.transfer import events as ev
 
 if TYPE_CHECKING:
     from kvhandoff.transfer.agent import TransferAgent
@@ -35,7 +37,7 @@ class RoomView:
     """What the engine side sees of one room (written by the control thread only)."""
 
     __slots__ = ("room", "layers", "on_release", "state", "failure", "landed", "done",
-                 "released", "inited", "_cond")
+                 "released", "inited", "_cond", "chunk", "_engine_lock")
 
     def __init__(self, room: int, layers: tuple[int, ...],
                  on_release: Callable[[int], None] | None) -> None:
@@ -49,6 +51,8 @@ class RoomView:
         self.released = False
         self.inited = False  # decode: init() was called (engine side only)
         self._cond = threading.Condition(threading.Lock())
+        self.chunk: ChunkState | None = None  # prefill, chunked: engine side only
+        self._engine_lock = threading.Lock()
 
     def update(self, state: KVPoll, failure: Failure | None, landed: frozenset[int],
                done: bool) -> None:
@@ -79,6 +83,49 @@ class RoomView:
                     return False
                 self._cond.wait(left)
             return True
+
+
+class ChunkState:
+    """Engine side of a chunked prefill room: what the engine gave so far."""
+
+    __slots__ = ("seq_len", "chunk_end", "npages", "ready")
+
+    def __init__(self, seq_len: int, chunk_end: int, npages: dict[str, int]) -> None:
+        self.seq_len, self.chunk_end, self.npages = seq_len, chunk_end, npages
+        self.ready: set[int] = set()
+
+
+def chunk_table(layout: LayoutSpec, capacity: Callable[[str], int], pages: Any, *,
+                seq_len: int, chunk_end: int, have: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Per region, the new pages of a chunk of a chunked prefill, validated: page ids in
+    range and not repeated within the chunk, a table never longer than the sequence's pages
+    and, with the last chunk (`chunk_end == seq_len`), exactly that long. A region may lag
+    behind `chunk_end` (its pages given later, e.g. with the last chunk only): it moves what
+    its pages reach. `pages` is one table for every region or a dict per region (a region
+    left out gets no page in this chunk); tables start at token 0."""
+    if not 0 < chunk_end <= seq_len:
+        raise ConfigError(f"chunk_end: expected 1..{seq_len}, got {chunk_end}")
+    ps = layout.page_size_tokens
+    total = -(-seq_len // ps)
+    out: dict[str, np.ndarray] = {}
+    for reg in layout.regions:
+        raw = pages.get(reg.name, ()) if isinstance(pages, Mapping) else pages
+        arr = np.asarray(raw, dtype=np.int64).reshape(-1) if len(raw) else np.zeros(0, np.int64)
+        n = have.get(reg.name, 0) + len(arr)
+        if n > total:
+            raise ConfigError(f"pages[{reg.name}]: {n} pages given, more than the {total} "
+                              f"pages of {seq_len} tokens")
+        if chunk_end == seq_len and n < total:
+            raise ConfigError(f"pages[{reg.name}]: the last chunk leaves {n} of the {total} "
+                              f"pages of {seq_len} tokens")
+        cap = capacity(reg.name)
+        if len(arr) and (arr.min() < 0 or arr.max() >= cap):
+            raise ConfigError(f"pages[{reg.name}]: page ids must be in [0, {cap}), got "
+                              f"[{arr.min()}, {arr.max()}]")
+        if len(np.unique(arr)) != len(arr):
+            raise ConfigError(f"pages[{reg.name}]: a page id appears twice")
+        out[reg.name] = arr
+    return out
 
 
 class _Handle:
@@ -164,6 +211,38 @@ class Sender(_Handle):
         if event is not None:
             event.synchronize()
         self._agent._layer_ready(self._v, layer_id)
+        c = self._v.chunk
+        if c is not None:
+            with self._v._engine_lock:
+                c.ready.add(layer_id)
+
+    def add_chunk(self, pages: Any, chunk_end: int) -> None:
+        """Chunked prefill (a room opened with `sender(..., chunk_end=)`): the next chunk's
+        pages (per region or one table, appended to what was given), which now cover
+        `chunk_end` tokens; `chunk_end == seq_len` is the last chunk. Every layer of the
+        previous chunk must have been marked ready; mark this chunk's layers ready again
+        (`layer_ready`) as they are written: each one is sent at once."""
+        v = self._v
+        c = v.chunk
+        if c is None:
+            raise ConfigError("add_chunk: this room was not opened chunked "
+                              "(sender(..., chunk_end=) with chunk_end < seq_len)")
+        with v._engine_lock:
+            if not c.chunk_end < chunk_end <= c.seq_len:
+                raise ConfigError(f"chunk_end: expected {c.chunk_end + 1}..{c.seq_len}, got "
+                                  f"{chunk_end}")
+            missing = sorted(set(v.layers) - c.ready)
+            if missing:
+                raise ConfigError(f"add_chunk: layers {missing[:8]} of the previous chunk "
+                                  f"(up to token {c.chunk_end}) were not marked ready")
+            agent = self._agent
+            table = chunk_table(agent.layout, agent.buffers.num_pages, pages,
+                                seq_len=c.seq_len, chunk_end=chunk_end, have=c.npages)
+            for k, arr in table.items():
+                c.npages[k] = c.npages.get(k, 0) + len(arr)
+            c.chunk_end = chunk_end
+            c.ready = set()
+            agent._loop.post(ev.AddChunk(v.room, v, table, chunk_end))
 
 
 class Receiver(_Handle):

@@ -46,6 +46,7 @@ class Group:
     t_created: float = 0.0
     t_last_ready: float | None = None
     t_done: float | None = None
+    chunk_end: int = 0  # prefill: the tokens whose pages the engine gave so far (chunked)
 
     @property
     def state(self) -> KVPoll:
@@ -91,3 +92,15 @@ class Leg:
     bytes_moved: int = 0
     retransmits: int = 0
     checksums_verified: int = 0
+    # Chunked prefill: the leg's chunk c moves tokens up to chunk_ends[c] (chunk 0: what the
+    # TransferAccepted covers); its plans and transfer id (prefill: None until the decode's
+    # ChunkAccepted). The internal keys of posted/outstanding/sums/... are units
+    # (`session_data.unit_of(chunk, layer)`, the layer itself for chunk 0).
+    chunk_ends: list[int] = field(default_factory=list)
+    chunk_plans: list[dict[str, SpanPlan]] = field(default_factory=list)
+    chunk_xfers: list[int | None] = field(default_factory=list)
+    covered: dict[str, int] = field(default_factory=dict)  # per region: tokens planned so far
+    src_table: dict[str, np.ndarray] = field(default_factory=dict)  # decode: prefill's pages
+    dst_table: dict[str, np.ndarray] = field(default_factory=dict)  # prefill: decode's pages
+    dst_page_size: int = 0  # prefill: the decode's page size
+    units_done: set[int] = field(default_factory=set)  # units sent (prefill) / landed (decode)

@@ -59,7 +59,7 @@ from kvhandoff.transfer.effects import (
 from kvhandoff.transfer.failures import failure_of, remote_failure
 from kvhandoff.transfer.handshake import Identity, Peer, PeerState
 from kvhandoff.transfer.rooms import Group, Leg
-from kvhandoff.transfer.session_data import DataPath
+from kvhandoff.transfer.session_data import DataPath, unit_of
 from kvhandoff.transfer.session_peers import NO_HANDSHAKE, PeerHandling
 
 EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
@@ -111,6 +111,7 @@ class TransferSession(PeerHandling, DataPath):
             ev.AbortRoom: self._on_abort, ev.OpDone: self._on_op_done,
             ev.Hashed: self._on_hashed, ev.Connected: self._on_connected,
             ev.Tick: self._on_tick, ev.ForgetPeer: self._on_forget_peer,
+            ev.AddChunk: self._on_add_chunk,
         }
 
     # ------------------------------------------------------------------ the entry point
@@ -172,6 +173,7 @@ class TransferSession(PeerHandling, DataPath):
     def _on_open_sender(self, e: ev.OpenSender) -> None:
         g = self._new_group(e.room, e.token, e.expected)
         g.seq_len, g.pages = e.seq_len, e.pages
+        g.chunk_end = e.chunk_end or e.seq_len
         self._early_t.pop(e.room, None)
         for msg in self._early.pop(e.room, []):
             self._room_msg(msg)
@@ -202,7 +204,7 @@ class TransferSession(PeerHandling, DataPath):
         g.t_last_ready = self._now
         for r in g.legs:
             if r.accepted and not r.machine.is_terminal:
-                self._post_layer(r, e.layer, 0)
+                self._post_ready(r, e.layer)
 
     def _on_receiver_init(self, e: ev.ReceiverInit) -> None:
         g = self._group(e.room, e.token)
@@ -353,13 +355,21 @@ class TransferSession(PeerHandling, DataPath):
             self._on_accepted(r, msg)
         elif isinstance(msg, P.LayerDone):
             for info in msg.layers:
-                r.sums[(info.layer, info.attempt)] = {x.region: x.checksum for x in info.regions}
-                self._try_verify(r, info.layer, info.attempt)
+                unit = unit_of(info.chunk, info.layer)
+                r.sums[(unit, info.attempt)] = {x.region: x.checksum for x in info.regions}
+                self._try_verify(r, unit, info.attempt)
         elif isinstance(msg, P.LayerNack):
-            if msg.attempt + 1 < 1 << P.ATTEMPT_BITS and r.posted.get(msg.layer) == msg.attempt:
+            unit = unit_of(msg.chunk, msg.layer)
+            if msg.attempt + 1 < 1 << P.ATTEMPT_BITS and r.posted.get(unit) == msg.attempt:
                 self.counters["retransmits"] += 1
                 r.retransmits += 1
-                self._post_layer(r, msg.layer, msg.attempt + 1)
+                self._post_layer(r, unit, msg.attempt + 1)
+        elif isinstance(msg, P.ChunkAdded):
+            if r.role is Role.DECODE:
+                self._on_chunk_added(r, msg)
+        elif isinstance(msg, P.ChunkAccepted):
+            if r.role is Role.PREFILL:
+                self._on_chunk_accepted(r, msg)
         elif isinstance(msg, P.RoomAck):
             if r.role is Role.PREFILL:
                 r.acked = True
@@ -519,7 +529,7 @@ class TransferSession(PeerHandling, DataPath):
         before: dict[str, int] = {}
         per_region: dict[str, int] = {}
         for r in g.legs:
-            for k, p in r.plans.items():
+            for k, p in [kp for plans in (r.chunk_plans or [r.plans]) for kp in plans.items()]:
                 layers = len(self.layout.region(k).layer_ids)
                 desc[k] = desc.get(k, 0) + p.count * layers
                 before[k] = before.get(k, 0) + p.descriptors_before * layers

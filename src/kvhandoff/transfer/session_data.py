@@ -9,6 +9,16 @@ layer is one transfer plus one check. Decode posts every receive when the transf
 accepted, verifies a layer once its bytes and its `LayerDone` are both in, asks for one
 retransmit on a mismatch (`LayerNack`), and fails the room naming layer and region when the
 retransmit does not verify either.
+
+Chunked prefill: a room's pages may come in chunks (`events.AddChunk`). A leg's chunk 0 is what
+its `TransferAccepted` covers (`chunk_end`); each later chunk goes to the decode as
+`ChunkAdded` (its new source pages), the decode plans it over its token range, posts its
+receives under a fresh transfer id and answers `ChunkAccepted`; the prefill then sends the
+chunk's ready layers. Per region, a chunk moves the tokens from where the previous one stopped
+to where this side's pages reach (so a region whose pages come late, e.g. an indexer given with
+the last chunk only, moves everything at once then): no byte moves twice. Every (chunk, layer)
+is checksummed and verified on its own; a layer lands (`LayerSent` / `LayerLanded`) once the
+last chunk's unit of it and every earlier one did.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from kvhandoff.state_machine import (
     AllLayersAcked,
     AllLayersLanded,
     ChecksumMismatch,
+    Deadline,
     KVPoll,
     LayerLanded,
     LayerSent,
@@ -48,6 +59,17 @@ if TYPE_CHECKING:
     from kvhandoff.transfer.handshake import Identity, Peer
 
 MAX_ATTEMPTS = 2  # one retransmit after a checksum mismatch, then the room fails
+_LAYER_MASK = (1 << P.LAYER_BITS) - 1
+
+
+def unit_of(chunk: int, layer: int) -> int:
+    """The internal key of (chunk, layer) of a leg (the layer itself for chunk 0)."""
+    return chunk << P.LAYER_BITS | layer
+
+
+def split_unit(unit: int) -> tuple[int, int]:
+    """(chunk, layer) of a `unit_of`."""
+    return unit >> P.LAYER_BITS, unit & _LAYER_MASK
 
 
 def buffer_name(region: str, layer: int) -> str:
@@ -91,12 +113,16 @@ class DataPath:
         hb: float
         _now: float
         _dirty: dict[int, Group]
+        _xfer: Any
+        groups: dict[int, Group]
 
         def _send(self, addr: str, msg: P.Message) -> None: ...
         def _emit(self, effect: Effect) -> None: ...
         def _later(self, delay_s: float, fn: Callable[[], None]) -> None: ...
         def _apply(self, r: Leg, event: Any) -> None: ...
         def _maybe_release(self, r: Leg) -> None: ...
+        def _group(self, room: int, token: object) -> Group | None: ...
+        def _fail_group(self, g: Group, failure: Failure) -> None: ...
         def suffix_pages(self, r: Leg) -> dict[str, np.ndarray]: ...
         def _fail(self, r: Leg, fe: FailureEvent, *, notify: Notify,
                   kind: _Kind | None = None, failure: Failure | None = None) -> None: ...
@@ -135,11 +161,13 @@ class DataPath:
             if p is None or p.layout is None:
                 raise ConfigError("transfer request before the decode's Hello")
             r.planes = msg.planes
+            r.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
+            r.dst_page_size = msg.page_size
+            end = r.group.chunk_end or r.seq_len
             r.plans = self._plans(r, src_pages=r.pages, src_ps=r.page_size,
-                                  dst_pages={k: np.asarray(v, dtype=np.int64)
-                                             for k, v in msg.dst_pages.items()},
-                                  dst_ps=msg.page_size, src_layout=self.layout,
-                                  dst_layout=p.layout)
+                                  dst_pages=r.dst_table, dst_ps=msg.page_size,
+                                  src_layout=self.layout, dst_layout=p.layout, end=end)
+            self._first_chunk(r, end, msg.xfer)
         except KVHandoffError as e:
             self._fail(r, RemoteFailed(reason=f"invalid transfer request: {e}"),
                        notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
@@ -152,17 +180,27 @@ class DataPath:
         r.accepted = True
         self._send(msg.src, P.TransferAccepted(
             src=self.me.address, gen=self.me.generation, room=r.room, page_size=r.page_size,
-            src_pages={k: v.tolist() for k, v in r.pages.items()}))
+            src_pages={k: v.tolist() for k, v in r.pages.items()},
+            chunk_end=-1 if end >= r.seq_len else end))
         for layer in r.group.ready:
             self._post_layer(r, layer, 0)
 
     def _plans(self, r: Leg, *, src_pages: Mapping[str, np.ndarray], src_ps: int,
                dst_pages: Mapping[str, np.ndarray], dst_ps: int, src_layout: LayoutSpec,
-               dst_layout: LayoutSpec) -> dict[str, Any]:
+               dst_layout: LayoutSpec, end: int | None = None) -> dict[str, Any]:
         """The span plan of each region this leg moves (the same for every layer of the
         region): both sides call this with the same arguments. Regions whose planes this leg
-        does not bring (another leg does) are left out."""
+        does not bring (another leg does) are left out.
+
+        Chunked prefill (`end` < seq_len, or a later chunk): each region moves from where its
+        previous chunk stopped (`r.covered`) up to `end` or as far as the source pages reach,
+        whichever is less (on a row boundary); `r.covered` is advanced and regions with
+        nothing to move in this chunk are left out. The last chunk (`end` = seq_len) needs
+        every region's pages to reach the end."""
+        end = r.seq_len if end is None else end
+        chunked = end < r.seq_len or bool(r.chunk_ends)
         plans = {}
+        covered = dict(r.covered)
         for reg in self.layout.regions:
             wanted = (r.planes or {}).get(reg.name)
             if r.planes is not None and not wanted:
@@ -170,14 +208,151 @@ class DataPath:
             if reg.name not in src_pages or reg.name not in dst_pages:
                 raise ConfigError(f"pages: region {reg.name!r} missing")
             first = r.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
+            start, stop = max(first, covered.get(reg.name, 0)), end
+            if end < r.seq_len:
+                reach = page_aligned(first, src_ps) + len(src_pages[reg.name]) * src_ps
+                k = src_layout.region(reg.name).tokens_per_row
+                stop = min(end, reach) // k * k
+            stop = max(start, stop)
+            covered[reg.name] = stop
+            if chunked and stop == start:
+                continue
             plans[reg.name] = build_spans(
-                src_layout.region(reg.name), token_start=first, token_end=r.seq_len,
+                src_layout.region(reg.name), token_start=start, token_end=stop,
                 src_pages=src_pages[reg.name], src_page_size=src_ps,
                 src_first_token=page_aligned(first, src_ps),
                 dst_pages=dst_pages[reg.name], dst_page_size=dst_ps,
                 dst_first_token=page_aligned(first, dst_ps),
                 dst_region=dst_layout.region(reg.name), planes=wanted)
+        r.covered = covered
         return plans
+
+    # ------------------------------------------------------------------ chunked prefill
+
+    def _first_chunk(self, r: Leg, end: int, xfer: int) -> None:
+        r.chunk_ends, r.chunk_plans, r.chunk_xfers = [end], [r.plans], [xfer]
+
+    def _chunk_plans(self, r: Leg, unit: int) -> dict[str, Any]:
+        return r.chunk_plans[unit >> P.LAYER_BITS] if r.chunk_plans else r.plans
+
+    def _tag(self, r: Leg, unit: int, region: str, attempt: int) -> int:
+        chunk, layer = split_unit(unit)
+        xfer = r.chunk_xfers[chunk] if r.chunk_xfers else r.xfer
+        assert xfer is not None  # units of a chunk are posted once its transfer id is known
+        return P.data_tag(xfer, layer, self.region_index[region], attempt)
+
+    def _rearm_stall(self, r: Leg) -> None:
+        """A chunk is progress: the stall deadline counts from it (the RoomMachine arms it
+        only on whole layers, which land after the last chunk)."""
+        if r.machine.deadline(Deadline.TRANSFER_STALL) is not None:
+            r.machine._arm(Deadline.TRANSFER_STALL, self._now)
+
+    def _post_ready(self, r: Leg, layer: int) -> None:
+        """Prefill: the engine marked `layer` ready: send it in the leg's current chunk (once
+        the decode accepted that chunk)."""
+        c = len(r.chunk_ends) - 1
+        if c <= 0 or r.chunk_xfers[c] is not None:
+            self._post_layer(r, unit_of(max(c, 0), layer), 0)
+
+    def _on_add_chunk(self, e: ev.AddChunk) -> None:
+        """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
+        which the agent checked)."""
+        g = self._group(e.room, e.token)
+        if g is None or g.done:
+            return
+        if len(g.ready) < len(g.layers) or not g.chunk_end < e.chunk_end <= g.seq_len:
+            self._fail_group(g, Failure(
+                FailureKind.INVALID_REQUEST,
+                f"add_chunk(chunk_end={e.chunk_end}): after {g.chunk_end} of {g.seq_len} "
+                f"tokens with {len(g.ready)} of {len(g.layers)} layers ready"))
+            return
+        g.pages = {k: np.concatenate([v, np.asarray(e.pages.get(k, ()), dtype=np.int64)])
+                   for k, v in g.pages.items()}
+        g.chunk_end = e.chunk_end
+        g.ready = []
+        for r in g.legs:
+            if r.accepted and not r.machine.is_terminal:
+                self._add_leg_chunk(r)
+
+    def _add_leg_chunk(self, r: Leg) -> None:
+        """Prefill: plan the leg's next chunk and offer it to the decode (`ChunkAdded`)."""
+        g = r.group
+        old = r.pages
+        r.pages = g.pages
+        r.pages = self.suffix_pages(r)
+        delta = {k: v[len(old.get(k, ())):].tolist() for k, v in r.pages.items()}
+        p = self.peers.get(r.peer)
+        try:
+            if p is None or p.layout is None:
+                raise ConfigError("the decode's Hello is gone")
+            plans = self._plans(r, src_pages=r.pages, src_ps=r.page_size,
+                                dst_pages=r.dst_table, dst_ps=r.dst_page_size,
+                                src_layout=self.layout, dst_layout=p.layout, end=g.chunk_end)
+        except KVHandoffError as e:
+            self._fail(r, RemoteFailed(reason=f"invalid chunk: {e}"), notify=Notify.FAILED,
+                       kind=FailureKind.INVALID_REQUEST)
+            return
+        r.chunk_ends.append(g.chunk_end)
+        r.chunk_plans.append(plans)
+        r.chunk_xfers.append(None)
+        self._rearm_stall(r)
+        self._send(r.peer, P.ChunkAdded(src=self.me.address, gen=self.me.generation,
+                                        room=r.room, chunk=len(r.chunk_ends) - 1,
+                                        chunk_end=g.chunk_end, src_pages=delta))
+
+    def _on_chunk_added(self, r: Leg, msg: P.ChunkAdded) -> None:
+        """Decode: plan the chunk, post its receives, answer `ChunkAccepted`."""
+        try:
+            if not r.accepted or msg.chunk != len(r.chunk_ends):
+                raise ConfigError(f"chunk: {msg.chunk} out of order (expected "
+                                  f"{len(r.chunk_ends)})")
+            if not r.chunk_ends[-1] < msg.chunk_end <= r.seq_len:
+                raise ConfigError(f"chunk_end: {msg.chunk_end} not in "
+                                  f"{r.chunk_ends[-1] + 1}..{r.seq_len}")
+            p = self.peers.get(r.peer)
+            if p is None or p.layout is None:
+                raise ConfigError("ChunkAdded before the prefill's Hello")
+            for k, v in msg.src_pages.items():
+                if k not in r.src_table:
+                    raise ConfigError(f"src_pages: unknown region {k!r}")
+                r.src_table[k] = np.concatenate([r.src_table[k], np.asarray(v, np.int64)])
+            plans = self._plans(r, src_pages=r.src_table, src_ps=p.layout.page_size_tokens,
+                                dst_pages=r.pages, dst_ps=r.page_size, src_layout=p.layout,
+                                dst_layout=self.layout, end=msg.chunk_end)
+        except KVHandoffError as e:
+            self._fail(r, RemoteFailed(reason=f"invalid ChunkAdded: {e}"),
+                       notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
+            return
+        xfer = next(self._xfer)
+        r.chunk_ends.append(msg.chunk_end)
+        r.chunk_plans.append(plans)
+        r.chunk_xfers.append(xfer)
+        self._rearm_stall(r)
+        self._send(r.peer, P.ChunkAccepted(src=self.me.address, gen=self.me.generation,
+                                           room=r.room, chunk=msg.chunk, xfer=xfer))
+        for layer in r.layers:
+            self._post_recv_layer(r, unit_of(msg.chunk, layer), 0)
+
+    def _on_chunk_accepted(self, r: Leg, msg: P.ChunkAccepted) -> None:
+        """Prefill: the decode posted the chunk's receives: send its ready layers."""
+        c = msg.chunk
+        if not 0 < c < len(r.chunk_xfers) or r.chunk_xfers[c] is not None:
+            return
+        r.chunk_xfers[c] = msg.xfer
+        latest = c == len(r.chunk_ends) - 1
+        for layer in (r.group.ready if latest else r.layers):
+            self._post_layer(r, unit_of(c, layer), 0)
+
+    def _layer_complete(self, r: Leg, unit: int) -> int | None:
+        """The layer of `unit` when every chunk of it is sent / landed (the last chunk is
+        known), else None."""
+        r.units_done.add(unit)
+        layer = unit & _LAYER_MASK
+        n = len(r.chunk_ends) or 1
+        if (r.chunk_ends and r.chunk_ends[-1] < r.seq_len) or any(
+                unit_of(c, layer) not in r.units_done for c in range(n)):
+            return None
+        return layer
 
     def _on_accepted(self, r: Leg, msg: P.TransferAccepted) -> None:
         """Decode: plan, post every receive, WaitingForInput."""
@@ -187,10 +362,14 @@ class DataPath:
             p = self.peers.get(r.peer)
             if p is None or p.layout is None:
                 raise ConfigError("TransferAccepted before the prefill's Hello")
-            r.plans = self._plans(r, src_pages={k: np.asarray(v, dtype=np.int64)
-                                                for k, v in msg.src_pages.items()},
-                                  src_ps=msg.page_size, dst_pages=r.pages, dst_ps=r.page_size,
-                                  src_layout=p.layout, dst_layout=self.layout)
+            end = r.seq_len if msg.chunk_end < 0 else msg.chunk_end
+            if not 0 < end <= r.seq_len:
+                raise ConfigError(f"chunk_end: {msg.chunk_end} not in 1..{r.seq_len}")
+            r.src_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.src_pages.items()}
+            r.plans = self._plans(r, src_pages=r.src_table, src_ps=msg.page_size,
+                                  dst_pages=r.pages, dst_ps=r.page_size,
+                                  src_layout=p.layout, dst_layout=self.layout, end=end)
+            self._first_chunk(r, end, r.xfer)
         except KVHandoffError as e:
             self._fail(r, RemoteFailed(reason=f"invalid TransferAccepted: {e}"),
                        notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
@@ -202,9 +381,11 @@ class DataPath:
 
     # ------------------------------------------------------------------ posting
 
-    def _regions_of(self, r: Leg, layer: int) -> list[str]:
-        """The regions of `layer` this leg moves."""
-        return [reg.name for reg in self.layout.regions_of_layer(layer) if reg.name in r.plans]
+    def _regions_of(self, r: Leg, unit: int) -> list[str]:
+        """The regions of `unit`'s layer this leg moves in its chunk."""
+        plans = self._chunk_plans(r, unit)
+        return [reg.name for reg in self.layout.regions_of_layer(unit & _LAYER_MASK)
+                if reg.name in plans]
 
     def _op(self, r: Leg, tag: int, *, send: bool, layer: int, attempt: int,
             region: str) -> int:
@@ -216,9 +397,11 @@ class DataPath:
     def _hash(self, job: _Job) -> None:
         self._next_op += 1
         self._jobs[self._next_op] = job
-        spans = tuple((buffer_name(n, job.layer), job.leg.plans[n].src_offsets
-                       if not job.verify else job.leg.plans[n].dst_offsets,
-                       job.leg.plans[n].nbytes) for n in job.hashed)
+        plans = self._chunk_plans(job.leg, job.layer)
+        layer = job.layer & _LAYER_MASK
+        spans = tuple((buffer_name(n, layer), plans[n].src_offsets
+                       if not job.verify else plans[n].dst_offsets,
+                       plans[n].nbytes) for n in job.hashed)
         self._emit(HashSpans(self._next_op, spans))
 
     def _post_layer(self, r: Leg, layer: int, attempt: int) -> None:
@@ -234,13 +417,15 @@ class DataPath:
             self._sent(r, layer, attempt, "", None)
             return
         r.outstanding[key] = len(regions)
+        plans = self._chunk_plans(r, layer)
+        real = layer & _LAYER_MASK
         for name in regions:
-            plan = r.plans[name]
-            tag = P.data_tag(r.xfer, layer, self.region_index[name], attempt)
+            plan = plans[name]
+            tag = self._tag(r, layer, name, attempt)
             op = self._op(r, tag, send=True, layer=layer, attempt=attempt, region=name)
-            self._emit(PostSend(op, r.peer, tag, buffer_name(name, layer), plan.src_offsets,
+            self._emit(PostSend(op, r.peer, tag, buffer_name(name, real), plan.src_offsets,
                                 plan.nbytes))
-        if wants_checksum(self.settings.checksum, self.layer_order[layer], len(self.layers)):
+        if wants_checksum(self.settings.checksum, self.layer_order[real], len(self.layers)):
             self._hash(_Job(r, False, layer, attempt, tuple(regions), tuple(regions)))
         else:
             self._queue_done(r, layer, attempt, tuple(regions), (None,) * len(regions))
@@ -250,9 +435,11 @@ class DataPath:
         """Queues the LayerDone of a posted layer (several layers of a room leave in one
         message, at the next Tick)."""
         r.sums[(layer, attempt)] = dict(zip(regions, sums, strict=True))
+        plans = self._chunk_plans(r, layer)
+        chunk, real = split_unit(layer)
         self._pending_done.setdefault((r.room, r.peer), []).append(P.LayerInfo(
-            layer=layer, attempt=attempt, regions=[
-                P.RegionDone(region=n, nbytes=r.plans[n].total_bytes, checksum=s)
+            layer=real, attempt=attempt, chunk=chunk, regions=[
+                P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s)
                 for n, s in zip(regions, sums, strict=True)]))
 
     def _flush_done(self) -> None:
@@ -267,12 +454,13 @@ class DataPath:
         regions = self._regions_of(r, layer)
         if not regions:
             self._try_verify(r, layer, attempt)
+        plans = self._chunk_plans(r, layer)
         for name in regions:
-            plan = r.plans[name]
-            tag = P.data_tag(r.xfer, layer, self.region_index[name], attempt)
+            plan = plans[name]
+            tag = self._tag(r, layer, name, attempt)
             op = self._op(r, tag, send=False, layer=layer, attempt=attempt, region=name)
-            self._emit(PostRecv(op, r.peer, tag, buffer_name(name, layer), plan.dst_offsets,
-                                plan.nbytes))
+            self._emit(PostRecv(op, r.peer, tag, buffer_name(name, layer & _LAYER_MASK),
+                                plan.dst_offsets, plan.nbytes))
 
     # ------------------------------------------------------------------ completions
 
@@ -295,9 +483,10 @@ class DataPath:
 
     def _sent(self, r: Leg, layer: int, attempt: int, region: str, error: str | None) -> None:
         if error is not None:
-            self._fail_after_grace(r, f"send of layer {layer} {region} failed: {error}")
+            self._fail_after_grace(r, f"send of layer {layer & _LAYER_MASK} {region} failed: "
+                                      f"{error}")
             return
-        nbytes = r.plans[region].total_bytes if region else 0
+        nbytes = self._chunk_plans(r, layer)[region].total_bytes if region else 0
         r.bytes_moved += nbytes
         self.counters["bytes_sent"] += nbytes
         key = (layer, attempt)
@@ -306,8 +495,10 @@ class DataPath:
             return
         del r.outstanding[key]
         if attempt == 0:
-            self._apply(r, LayerSent(layer=layer))
-            self._maybe_acked(r)
+            whole = self._layer_complete(r, layer)
+            if whole is not None:
+                self._apply(r, LayerSent(layer=whole))
+                self._maybe_acked(r)
 
     def _maybe_acked(self, r: Leg) -> None:
         """Prefill: Success once the RoomAck came AND every layer's send completed (LayerDone
@@ -328,7 +519,8 @@ class DataPath:
     def _received(self, r: Leg, layer: int, attempt: int, region: str,
                   error: str | None) -> None:
         if error is not None:
-            self._fail_after_grace(r, f"receive of layer {layer} {region} failed: {error}")
+            self._fail_after_grace(r, f"receive of layer {layer & _LAYER_MASK} {region} "
+                                      f"failed: {error}")
             return
         r.recv_done.setdefault((layer, attempt), set()).add(region)
         self._try_verify(r, layer, attempt)
@@ -362,10 +554,11 @@ class DataPath:
             return
         if e.error is not None:
             what = "verification" if job.verify else "checksum"
-            self._fail(r, RemoteFailed(reason=f"{what} of layer {job.layer} failed: "
+            real = job.layer & _LAYER_MASK
+            self._fail(r, RemoteFailed(reason=f"{what} of layer {real} failed: "
                                               f"{e.error}"),
                        notify=Notify.FAILED, failure=Failure(
-                           FailureKind.TRANSPORT, f"{what} of layer {job.layer} could not be "
+                           FailureKind.TRANSPORT, f"{what} of layer {real} could not be "
                            f"computed: {e.error}"))
             return
         if not job.verify:
@@ -379,24 +572,31 @@ class DataPath:
     def _verified(self, r: Leg, layer: int, attempt: int, regions: tuple[str, ...], *,
                   bad: str | None, checked: int) -> None:
         """Acts on a layer's verification: landed, retransmit once, or Failed."""
+        chunk, real = split_unit(layer)
         if bad is not None:
             self.counters["checksum_failures"] += 1
             if attempt + 1 < MAX_ATTEMPTS:
                 r.retransmits += 1
                 self.counters["retransmits"] += 1
                 self._send(r.peer, P.LayerNack(
-                    src=self.me.address, gen=self.me.generation, room=r.room, layer=layer,
-                    attempt=attempt, reason=f"checksum mismatch in {bad}"))
+                    src=self.me.address, gen=self.me.generation, room=r.room, layer=real,
+                    attempt=attempt, reason=f"checksum mismatch in {bad}", chunk=chunk))
                 self._post_recv_layer(r, layer, attempt + 1)
             else:
-                self._fail(r, ChecksumMismatch(layer=layer, region=bad), notify=Notify.FAILED)
+                self._fail(r, ChecksumMismatch(layer=real, region=bad), notify=Notify.FAILED)
             return
         r.checksums_verified += checked
         self.counters["checksums_verified"] += checked
+        plans = self._chunk_plans(r, layer)
         for name in regions:
-            n = r.plans[name].total_bytes
+            n = plans[name].total_bytes
             r.bytes_moved += n
             self.counters["bytes_received"] += n
+        whole = self._layer_complete(r, layer)
+        if whole is None:
+            self._rearm_stall(r)
+            return
+        layer = whole
         self._apply(r, LayerLanded(layer=layer))
         g = r.group
         if g.expected is not None and len(g.legs) == g.expected and all(
