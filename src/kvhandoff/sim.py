@@ -147,7 +147,13 @@ def _layout(cfg: dict[str, Any]) -> Any:
     if factory is not None and "tp_size" in inspect.signature(factory).parameters:
         kw["tp_size"] = int(cfg.get("tp_size", 1))  # head-sharded: this rank's heads
         kw["tp_rank"] = int(cfg.get("tp_rank", 0))
-    return preset(model, **kw)
+    spec = preset(model, **kw)
+    if cfg.get("page_size") and not cfg.get("page_rules", False):
+        # a page size chosen on purpose (P != D pairing): a simulated engine runs no attention
+        # kernel, so the preset's kernel page rules (refused at agent start) are dropped;
+        # "page_rules": true keeps them
+        spec = spec.without_page_rules()
+    return spec
 
 
 def _agent(role: str, spec: Any, bufs: Any, settings: Any, cfg: dict[str, Any],

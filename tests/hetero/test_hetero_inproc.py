@@ -43,7 +43,8 @@ def engine() -> Iterator[Factory]:
         key = (model, role, tp, page)
         if key not in cache:
             if model == "glm-5.3":
-                layouts = [glm53(page_size_tokens=page)] * tp
+                # P != D pages on purpose: the kernel page rules would refuse 16/32/128
+                layouts = [glm53(page_size_tokens=page).without_page_rules()] * tp
             else:
                 layouts = [llama31_8b(tp_size=tp, tp_rank=r, page_size_tokens=page)
                            for r in range(tp)]
@@ -235,8 +236,9 @@ def test_refused_heads_no_prefill_rank_holds() -> None:
 def test_refused_indexer_layers_differ() -> None:
     """MLA: a decode whose indexer sits on other layers (39 instead of 21) cannot take the
     prefill's indexer pages; the reason names the field."""
-    p_reason, d_reason = _refused(glm53(page_size_tokens=16),
-                                  glm53(page_size_tokens=32, indexer_layers=39))
+    p_reason, d_reason = _refused(glm53(page_size_tokens=16).without_page_rules(),
+                                  glm53(page_size_tokens=32, indexer_layers=39)
+                                  .without_page_rules())
     for reason in (p_reason, d_reason):
         assert "indexer_k.layer_ids" in reason
         assert "page_size" not in reason  # page sizes may differ; they are not the reason

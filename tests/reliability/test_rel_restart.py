@@ -83,7 +83,7 @@ def test_prefill_restarted_on_the_same_address_new_generation() -> None:
 
 def test_bootstrap_server_restart_ranks_reregister_and_ready_returns() -> None:
     port = free_port()
-    layout = preset("glm-5.3", page_size_tokens=16)
+    layout = preset("glm-5.3", page_size_tokens=16).without_page_rules()
     server = Settings(port=0, rank_ttl_s=0.6, auth_token=None)
     with run_server(server, port=port) as url:
         p = Engine("prefill", layout, 8, fast_settings(bootstrap_url=url, rank_ttl_s=0.6),

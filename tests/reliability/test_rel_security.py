@@ -217,7 +217,8 @@ def test_largest_legit_control_message_fits_the_default_limit() -> None:
 def test_default_bind_addresses_are_loopback() -> None:
     st = Settings()
     assert st.host == "127.0.0.1" and st.agent_host == "127.0.0.1"
-    e = Engine("prefill", preset("glm-5.3", page_size_tokens=16), 1, fast_settings())
+    e = Engine("prefill", preset("glm-5.3", page_size_tokens=16).without_page_rules(), 1,
+               fast_settings())
     try:
         assert e.address.startswith("127.0.0.1:")
     finally:

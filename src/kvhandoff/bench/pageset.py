@@ -41,7 +41,9 @@ def rank_spec(model: str, page_size: int | None, tp_size: int = 1, tp_rank: int 
     spec = preset(model, **kw)
     if tp_size > 1 and any(r.tp_split is TPSplit.HEAD_SHARDED for r in spec.regions):
         spec = preset(model, tp_size=tp_size, tp_rank=tp_rank, **kw)
-    return spec
+    # a bench page size chosen on purpose runs no attention kernel: the preset's kernel page
+    # rules (which the agent enforces at start) would refuse the P != D pairings it measures
+    return spec.without_page_rules() if page_size else spec
 
 
 def layers_of(spec: LayoutSpec) -> list[int]:

@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.kv_layout import LayoutSpec, SendFrom, layout_hash, page_aligned
+from kvhandoff.kv_layout import (
+    LayoutSpec,
+    SendFrom,
+    layout_hash,
+    page_aligned,
+    require_page_rules,
+)
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import Role
 from kvhandoff.transfer import events as ev
@@ -45,7 +51,9 @@ class TransferAgent:
 
     Args:
         role: `Role.PREFILL` or `Role.DECODE` (a string "prefill" / "decode" is parsed here).
-        layout: this rank's KV layout.
+        layout: this rank's KV layout; one that breaks its own kernel page-size rules
+            (`LayoutSpec.page_rules`) is refused here with a `ConfigError` naming region, rule
+            and value (`.without_page_rules()` for a deliberate P != D page experiment).
         buffers: the KV buffers, one per (region, layer): a dict region -> {layer_id: buffer}
             or region -> sequence aligned with the region's layer ids. Buffers are torch tensors
             or numpy arrays holding whole pages (``pages x page_nbytes`` bytes, contiguous).
@@ -75,6 +83,7 @@ class TransferAgent:
             self.role = role if isinstance(role, Role) else Role(role)
         except ValueError:
             raise ConfigError(f"role: expected 'prefill' or 'decode', got {role!r}") from None
+        require_page_rules(layout)  # kernel page-size rules are hard: refuse to start
         self.layout = layout
         self.layout_hash = layout_hash(layout)
         self.settings = settings or Settings()

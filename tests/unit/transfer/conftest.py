@@ -32,8 +32,10 @@ SEED = 3
 
 def tiny_layout(*, page_size: int = 16, indexer: tuple[int, ...] = (0, 3, 5)) -> LayoutSpec:
     """Six layers of fp8_ds_mla main KV, a suffix-only indexer on a non-contiguous subset."""
+    # small pages on purpose (no attention kernel reads them): the MLA kernel page rules,
+    # which the agent enforces at start, are dropped
     return mla_dsa_layout(model="tiny", num_layers=6, indexer_layer_ids=indexer,
-                          page_size_tokens=page_size)
+                          page_size_tokens=page_size).without_page_rules()
 
 
 def layers_of(layout: LayoutSpec) -> list[int]:

@@ -32,7 +32,7 @@ HB = 0.5
 
 def layout(indexer: tuple[int, ...] = (1, 3)) -> LayoutSpec:
     return mla_dsa_layout(model="tiny", num_layers=4, indexer_layer_ids=indexer,
-                          page_size_tokens=16)
+                          page_size_tokens=16).without_page_rules()
 
 
 def layers(lay: LayoutSpec) -> list[int]:
