@@ -147,6 +147,16 @@ def run_prefill(port: int) -> None:
             if r["name"] == "prefill_dies" and last:
                 emit(side="prefill", name=r["name"], seen=seen, dying=True)
                 os._exit(3)  # the prefill process dies between two chunks
+            if r["name"] == "chunks" and last:
+                # chunked prefill streams: the earlier chunks' main KV moves before the last
+                # send() (bounded wait on the agent room's own byte count)
+                want = off * E.MAIN_LAYERS * E.PAGE * E.MAIN_BPT
+                kv = s._kv
+                end = time.monotonic() + DEADLINE_S
+                while kv is not None and kv.stats()["bytes"] < want and time.monotonic() < end:
+                    time.sleep(0.01)
+                emit(side="prefill", name="streamed", want=want,
+                     got=None if kv is None else kv.stats()["bytes"])
             t_last = time.perf_counter()
             s.send(suffix[off:off + c], [suffix] if last else None,
                    num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE))

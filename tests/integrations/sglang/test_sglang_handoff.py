@@ -82,6 +82,10 @@ def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
     assert Transferring in dec["chunks"]["seen"]
     assert dec["chunks"]["bad"] == [] and dec["chunks"]["pages_checked"] == 5
     assert pre["chunks"]["bytes"] == 5 * page_bytes
+    # chunked prefill streams: the main KV of the first two chunks (4 pages) had moved before
+    # the last chunk's send() (the indexer and aux go with the last one)
+    assert pre["streamed"]["want"] == 4 * E.MAIN_LAYERS * E.PAGE * E.MAIN_BPT
+    assert pre["streamed"]["got"] == pre["streamed"]["want"]
 
     # decode holds 16 tokens (2 pages): only the 6 suffix pages move, main KV and indexer;
     # the held pages keep their content (checked byte by byte on decode)

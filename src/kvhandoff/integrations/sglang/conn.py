@@ -23,9 +23,12 @@ What maps to what (see docs/SGLANG.md):
   The agents see that suffix as the room's sequence: ``seq_len = pages * page_size`` (whole
   pages, as SGLang's backends copy them), ``decode_prefix_len = 0``; the k-th suffix page of
   prefill lands in the k-th suffix page of decode, region by region.
-- Chunked prefill: ``send()`` accumulates each chunk's pages; the last chunk opens the agent
-  room with the whole page table and marks every layer ready (the agent API needs the page
-  table when a room opens). Nothing moves before the last chunk's forward is done.
+- Chunked prefill: the first ``send()`` opens the agent room with its chunk's pages
+  (``sender(..., chunk_end=)``), each later one adds its pages (``Sender.add_chunk``); every
+  chunk marks all layers ready at once, so each chunk moves as soon as SGLang reports it (per
+  layer inside a chunk is out of reach: SGLang calls ``send()`` after the chunk's whole
+  forward). The DSA indexer pages and the aux slot come with the last chunk only: the indexer
+  (all of its suffix) and the aux room move then.
 - ``poll()``: SGLang's state until the agent room exists, then the agent's (non-terminal ->
   ``Transferring``); a failure is recorded as SGLang's failure record, so ``failure_exception()``
   raises ``KVTransferError`` with kvhandoff's reason.
@@ -398,7 +401,9 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self._chunks: list[np.ndarray] = []
         self._handles: list[Any] = []
-        self._opened = False
+        self._kv: Any = None  # the KV agent room's sender, once the first chunk opened it
+        self._streamed = 0  # pages of `_chunks` the KV agent room has
+        self._opened = False  # the last chunk came
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None) -> None:
@@ -417,6 +422,39 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         self._record_transfer_indices(pages, state_indices)
         if is_last:
             self._open(state_indices)
+        else:
+            self._stream()
+
+    def _stream(self) -> None:
+        """A chunk before the last: its pages go to the KV agent room (opened by the first
+        one) and every layer is marked ready, so the chunk moves now."""
+        mgr = self.kv_mgr
+        real = mgr.real_infos(self.bootstrap_room)
+        pages = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int64)
+        if not real or len(pages) == self._streamed:
+            return  # a dummy rank, or nothing new: the last chunk decides
+        total = {i.num_pages for i in real}
+        if len(total) != 1 or len(pages) >= min(total):
+            return  # the last chunk checks the counts and sends the rest
+        b = mgr.built
+        ps = b.kv_layout.page_size_tokens
+        new = pages[self._streamed:]
+        try:
+            if self._kv is None:
+                table: dict[str, Any] = dict.fromkeys(b.kv_regions, new)
+                if b.dsa_slot is not None:
+                    table["indexer"] = np.zeros(0, np.int64)  # with the last chunk
+                self._kv = mgr.agent.sender(self.bootstrap_room, pages=table,
+                                            seq_len=min(total) * ps, chunk_end=len(pages) * ps,
+                                            num_decode_ranks=len(real))
+                self._handles.append(self._kv)
+            else:
+                self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
+            self._streamed = len(pages)
+            for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
+                self._kv.layer_ready(layer)
+        except KVHandoffError as e:
+            self._fail(f"kvhandoff: {e}")
 
     def _fail(self, reason: str) -> None:
         """Records `reason`, marks the room Failed and tells the decode ranks."""
@@ -425,7 +463,9 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason=reason)
 
     def _open(self, state_indices: list[Any] | None) -> None:
-        """Last chunk: opens the agent rooms with the whole page tables, every layer ready."""
+        """Last chunk: the KV agent room gets the rest of its pages (or opens with the whole
+        table when no earlier chunk streamed) and the indexer's, the aux room opens; every
+        layer ready."""
         self._opened = True
         mgr = self.kv_mgr
         room = self.bootstrap_room
@@ -452,9 +492,15 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                             f"{None if dsa is None else len(dsa)}")
                     table["indexer"] = np.asarray(dsa, dtype=np.int64).reshape(-1)
                 ps = b.kv_layout.page_size_tokens
-                h = mgr.agent.sender(room, pages=table, seq_len=len(pages) * ps,
-                                     num_decode_ranks=len(real))
-                self._handles.append(h)
+                if self._kv is None:
+                    h = mgr.agent.sender(room, pages=table, seq_len=len(pages) * ps,
+                                         num_decode_ranks=len(real))
+                    self._handles.append(h)
+                else:
+                    h = self._kv
+                    for name in b.kv_regions:
+                        table[name] = pages[self._streamed:]
+                    h.add_chunk(table, len(pages) * ps)
                 for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
                     h.layer_ready(layer)
             if mgr.aux_agent is not None:
