@@ -66,10 +66,12 @@ class Settings(BaseSettings):
     require_rdma: bool = Field(False, description="Refuse the tcp transport and a UCX that found "
                                "only TCP lanes, instead of degrading (readiness fails).")
     ucx_same_host_error_handling: bool = Field(
-        False, description="UCX peer error handling also for peers on this host. Off (default): "
-        "same-host peers get shared-memory lanes, but UCX aborts this process if such a peer "
-        "dies mid-write. On: safe, but same-host pairs use TCP lanes (about 3x slower here). "
-        "Peers on other hosts always have error handling.")
+        True, description="UCX peer error handling also for peers on this host. On (default): "
+        "a same-host peer that dies never takes this process down, but UCX then gives same-host "
+        "pairs TCP lanes only (reported as degraded); use transport=shm for the fast, safe "
+        "same-host lane. Off: UCX's shared-memory lanes, but UCX aborts this process if such a "
+        "peer dies mid-write (both sides must use the same value). Peers on other hosts always "
+        "have error handling.")
     agent_host: str = Field("127.0.0.1", description="Address the agent's control socket binds.")
     agent_port: int = Field(0, ge=0, le=65535, description="Port of the agent's control socket "
                             "(0 = any free).")

@@ -54,14 +54,15 @@ def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, **cfg: Any
         yield p, p.expect("ready", 60)["address"]
 
 
-def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *, words: str
-                          ) -> float:
-    """Every room Failed with a reason naming `words`, within FAIL_BOUND_S of `t_event`;
-    pages back in the pool. Returns the slowest time to Failed."""
+def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *,
+                          words: str | tuple[str, ...]) -> float:
+    """Every room Failed with a reason naming one of `words`, within FAIL_BOUND_S of
+    `t_event`; pages back in the pool. Returns the slowest time to Failed."""
+    alternatives = (words,) if isinstance(words, str) else words
     worst = 0.0
     for h in handles:
         assert h.wait(WAIT_S) is KVPoll.Failed, h
-        assert words in (h.failure or ""), h.failure
+        assert any(w in (h.failure or "") for w in alternatives), h.failure
         t_done = h.stats()["t_done"]
         worst = max(worst, t_done - t_event)
     assert worst <= FAIL_BOUND_S, f"rooms failed {worst:.2f}s after the event (> {FAIL_BOUND_S}s)"
@@ -126,7 +127,10 @@ def test_decode_sigkill_fails_prefill_rooms_and_frees_source_pages() -> None:
             for lid in LAYERS[half:]:  # the engine goes on computing: no error, no effect
                 for s in senders:
                     s.layer_ready(lid)
-            worst = assert_failed_in_time(p, senders, t_kill, words="silent")
+            # with UCX peer error handling (the default, also on one host) a send into the
+            # dead decode fails at once with UCX's reason; otherwise its silence fails the room
+            worst = assert_failed_in_time(p, senders, t_kill, words=(
+                "silent", "Connection reset by remote peer", "Endpoint timeout"))
             print(f"decode SIGKILL: prefill rooms Failed after {worst:.3f}s")
     finally:
         p.close()

@@ -27,7 +27,8 @@ def content(seed: int, size: int) -> np.ndarray:
 
 def main() -> None:
     kind, chunk, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    tr = load_transport(kind.split("-")[0], Settings(chunk_bytes=chunk))
+    tr = load_transport(kind.split("-")[0],
+                        Settings(chunk_bytes=chunk, ucx_same_host_error_handling=False))
     out = content(seed, size)  # sends read this
     # receives land here
     buf = SharedSegment(size).array if kind == "shm-map" else np.zeros(size, np.uint8)

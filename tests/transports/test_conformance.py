@@ -28,6 +28,10 @@ from kvhandoff.transfer.transports import Transport, TransportStatus, load_trans
 from kvhandoff.transfer.transports._chunks import ChunkPlan, normalise_spans
 
 KINDS = ["inproc", "tcp", "ucx", "shm", "shm-map"]
+# The suite characterises UCX on its shared-memory lanes (peer error handling off for same-host
+# peers, as before the safe default); the default (error handling on, TCP lanes, degraded) is
+# covered by test_peer_death.py and the loopback handoff tests.
+UCX_SHM: dict[str, bool] = {"ucx_same_host_error_handling": False}
 CHUNK = 64 << 10
 BUF = 3 << 20
 WAIT_S = 20.0
@@ -95,7 +99,7 @@ def buffer(kind: str) -> np.ndarray:
 
 class Pair:
     def __init__(self, kind: str, **settings: object) -> None:
-        s = Settings(chunk_bytes=CHUNK, stall_timeout_s=WAIT_S, **settings)  # type: ignore[arg-type]
+        s = Settings(chunk_bytes=CHUNK, stall_timeout_s=WAIT_S, **{**UCX_SHM, **settings})  # type: ignore[arg-type]
         self.a: Transport = load_transport(base_kind(kind), s)
         self.b: Transport = load_transport(base_kind(kind), s)
         rng = np.random.default_rng(7)
@@ -406,7 +410,7 @@ def test_require_rdma(kind: str) -> None:
             load_transport(kind, s)
         return
     a = load_transport(kind, s)
-    b = load_transport(kind, Settings(chunk_bytes=CHUNK))
+    b = load_transport(kind, Settings(chunk_bytes=CHUNK, **UCX_SHM))
     try:
         if kind == "ucx" and "no RDMA device" in a.status().reason:
             with pytest.raises(TransportError, match="require_rdma"):
@@ -532,7 +536,7 @@ class PeerProcess:
 def test_cross_process_both_directions(xkind: str) -> None:
     peer_seed = 99
     peer = PeerProcess(xkind, peer_seed)
-    tr = load_transport(base_kind(xkind), Settings(chunk_bytes=CHUNK))
+    tr = load_transport(base_kind(xkind), Settings(chunk_bytes=CHUNK, **UCX_SHM))
     try:
         rng = np.random.default_rng(3)
         mine = buffer(xkind)

@@ -88,7 +88,7 @@ def _rank_spec(model: str, tp_size: int, tp_rank: int, page: int | None) -> Any:
 
 
 def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_096,
-             transport: str = "ucx", layer_ms: float = _DEFAULT_LAYER_MS,
+             transport: str = "shm", layer_ms: float = _DEFAULT_LAYER_MS,
              page_size: int | None = None, prefill_page: int | None = None,
              decode_page: int | None = None, prefill_tp: int = 1, decode_tp: int = 1,
              timeout_s: float = 120.0,
@@ -346,7 +346,9 @@ def register(app: typer.Typer) -> None:
         context: int = typer.Option(16_384, min=1, help="Sequence length in tokens."),
         prefix: int = typer.Option(4_096, min=0, help="Tokens decode already holds (suffix-only "
                                    "regions move from here, page-aligned down)."),
-        transport: str = typer.Option("ucx", help="Data transport: ucx, tcp or inproc."),
+        transport: str = typer.Option("shm", help="Data transport: shm (same host, the "
+                                      "default: the prefill writes into the decode's pages), "
+                                      "ucx, tcp or inproc."),
         layer_ms: float = typer.Option(_DEFAULT_LAYER_MS, min=0.0, help="Simulated compute "
                                        "per layer on prefill, in ms (on top of filling pages)."),
         page_size: int | None = typer.Option(None, help="Page size in tokens of both sides "
