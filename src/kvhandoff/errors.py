@@ -118,6 +118,9 @@ class FailureKind(str, enum.Enum):
     """A data-transport operation failed (send or receive of a layer)."""
     BOOTSTRAP = "bootstrap"
     """The bootstrap server could not name a prefill rank for the room."""
+    ADMISSION = "admission"
+    """The prefill refused the transfer request before any byte moved: the allocation
+    policies differ, the prompts (or the decode's cached prefix) differ, or it does not fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,11 @@ class BootstrapFailed(RoomFailed, BootstrapError):
     http_status = 502
 
 
+class AdmissionRefused(RoomFailed):
+    """The transfer request was refused at the handshake, before any byte moved (policy,
+    prompt/prefix or capacity; the reason says which, with both values)."""
+
+
 _ERROR_OF_KIND: dict[FailureKind, type[RoomFailed]] = {
     FailureKind.LAYOUT_MISMATCH: LayoutMismatch,
     FailureKind.CHECKSUM: ChecksumMismatch,
@@ -235,4 +243,5 @@ _ERROR_OF_KIND: dict[FailureKind, type[RoomFailed]] = {
     FailureKind.INVALID_REQUEST: InvalidRequest,
     FailureKind.TRANSPORT: TransportFailed,
     FailureKind.BOOTSTRAP: BootstrapFailed,
+    FailureKind.ADMISSION: AdmissionRefused,
 }

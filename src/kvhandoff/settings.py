@@ -12,6 +12,8 @@ from enum import Enum
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvhandoff.kv_layout.admission import AllocationPolicy
+
 
 class ChecksumMode(str, Enum):
     """How landed bytes are verified."""
@@ -84,6 +86,11 @@ class Settings(BaseSettings):
     stall_timeout_s: float = Field(30.0, gt=0, description="A transfer with no progress for this "
                                    "long fails.")
     checksum: ChecksumMode = Field(ChecksumMode.FULL, description="full, sampled or off.")
+    allocation_policy: AllocationPolicy = Field(
+        AllocationPolicy.EARLY, description="When the decode reserves a request's pages "
+        "(SGLang's --disaggregation-decode-allocation-policy): early (the transfer request "
+        "carries the pages reserved) or prefill_complete (it carries the free pages). Both "
+        "sides must agree; a request that does not fit is refused before any byte moves.")
     chunk_bytes: int = Field(4 << 20, gt=0, description="Largest data message on the transport.")
     hmac_secret: SecretStr | None = Field(None, description="Shared secret authenticating agent "
                                           "Hello messages (HMAC-SHA256). Unset = no HMAC.")

@@ -30,6 +30,7 @@ from kvhandoff.kv_layout import (
     page_aligned,
     require_page_rules,
 )
+from kvhandoff.kv_layout.admission import AllocationPolicy, prefix_digest, prompt_digest
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import Role
 from kvhandoff.transfer import events as ev
@@ -44,6 +45,23 @@ from kvhandoff.transfer.transports.base import Transport, load_transport
 log = logging.getLogger("kvhandoff.agent")
 
 _ABORT_WAIT_S = 5.0  # bound on abort() waiting for the control thread to end the room
+
+
+def _prompt_tokens(tokens: Any, seq_len: int | None, name: str) -> np.ndarray | None:
+    """Prompt token ids as int64 (None stays None); `ConfigError` naming `name` otherwise."""
+    if tokens is None:
+        return None
+    try:
+        arr = np.asarray(tokens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name}: expected a sequence of token ids") from None
+    if arr.ndim != 1:
+        raise ConfigError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if seq_len is not None and len(arr) != seq_len:
+        raise ConfigError(f"{name}: {len(arr)} token ids for seq_len={seq_len}")
+    if arr.size and arr.min() < 0:
+        raise ConfigError(f"{name}: token ids must be >= 0")
+    return arr
 
 
 class TransferAgent:
@@ -152,12 +170,15 @@ class TransferAgent:
         on_release: Callable[[int], None] | None = None,
         num_decode_ranks: int = 1,
         chunk_end: int | None = None,
+        prompt_tokens: Any = None,
     ) -> Sender:
         """Opens the prefill side of `room`: `pages` is the page table of the sequence (token 0
         on; or a dict per region), `seq_len` its length in tokens. `num_decode_ranks` decode
         ranks will read this room from this rank (decode TP > prefill TP: several; 0: none).
         Chunked prefill: `chunk_end` < `seq_len` opens the room with the first chunk, `pages`
-        covering (at most) its `chunk_end` tokens; `Sender.add_chunk` gives the next ones."""
+        covering (at most) its `chunk_end` tokens; `Sender.add_chunk` gives the next ones.
+        `prompt_tokens` (the `seq_len` prompt token ids, optional): when the decode gives its
+        prompt too, a difference fails the room naming the first differing page."""
         self._need(Role.PREFILL, "sender")
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
@@ -168,11 +189,12 @@ class TransferAgent:
         else:
             table = chunk_table(self.layout, self.buffers.num_pages, pages, seq_len=seq_len,
                                 chunk_end=chunk_end, have={})
+        tokens = _prompt_tokens(prompt_tokens, seq_len, "prompt_tokens")
         v = self._new_view(room, on_release)
         if chunk_end is not None and chunk_end < seq_len:
             v.chunk = ChunkState(seq_len, chunk_end, {k: len(a) for k, a in table.items()})
         self._loop.post(ev.OpenSender(room, v, table, seq_len, num_decode_ranks,
-                                      chunk_end=chunk_end or 0))
+                                      chunk_end=chunk_end or 0, prompt_tokens=tokens))
         return Sender(self, v)
 
     def receiver(
@@ -301,18 +323,41 @@ class TransferAgent:
             raise ConfigError(f"layer_ready({layer}): not a layer of the layout")
         self._loop.post(ev.LayerReady(v.room, v, layer))
 
-    def _receiver_init(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int) -> None:
+    def _receiver_init(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
+                       prompt_tokens: Any = None, prefix_tokens: Any = None,
+                       free_pages: int | None = None) -> None:
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
         if not 0 <= prefix <= seq_len:
             raise ConfigError(f"decode_prefix_len: expected 0..{seq_len}, got {prefix}")
         table = self._page_table(dst_pages, seq_len, prefix, side="dst_pages")
+        ps = self.layout.page_size_tokens
+        if self.settings.allocation_policy is AllocationPolicy.PREFILL_COMPLETE:
+            if free_pages is None or free_pages < 0:
+                raise ConfigError(f"free_pages: required (>= 0) under allocation_policy="
+                                  f"prefill_complete, got {free_pages!r}")
+        tokens = _prompt_tokens(prompt_tokens, seq_len, "prompt_tokens")
+        prompt = cached = None
+        if tokens is not None:  # hashed here, on the engine thread, not the control thread
+            prompt = prompt_digest(tokens, ps)
+            held = page_aligned(prefix, ps)
+            if held:
+                src = tokens if prefix_tokens is None else _prompt_tokens(
+                    prefix_tokens, None, "prefix_tokens")
+                if src is None or len(src) < held:
+                    raise ConfigError(f"prefix_tokens: expected >= {held} token ids (the "
+                                      f"page-aligned decode_prefix_len), got "
+                                      f"{0 if src is None else len(src)}")
+                cached = prefix_digest(src, held, ps)
+        elif prefix_tokens is not None:
+            raise ConfigError("prefix_tokens: given without prompt_tokens")
         with self._open_lock:
             if v.inited:
                 raise ConfigError(f"room {v.room}: init() called twice")
             v.inited = True
-        self._loop.post(ev.ReceiverInit(v.room, v, table, seq_len,
-                                        page_aligned(prefix, self.layout.page_size_tokens)))
+        self._loop.post(ev.ReceiverInit(v.room, v, table, seq_len, page_aligned(prefix, ps),
+                                        prompt=prompt, cached_prefix=cached,
+                                        free_pages=free_pages))
 
     def _abort(self, v: RoomView, reason: str) -> None:
         """Aborts the room and returns once it is terminal (as the engine expects: `poll()`

@@ -36,6 +36,7 @@ class OpenSender(Event):
     seq_len: int
     expected: int
     chunk_end: int = 0  # chunked prefill: the tokens `pages` cover so far (0: seq_len)
+    prompt_tokens: np.ndarray | None = None  # the prompt token ids (prefix agreement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,11 @@ class ReceiverInit(Event):
     pages: dict[str, np.ndarray]
     seq_len: int
     prefix: int
+    # issue 17: digests of the prompt and of the cached prefix (kv_layout.PromptDigest), and
+    # under allocation_policy=prefill_complete the free pages the decode has when it asks
+    prompt: Any = None
+    cached_prefix: Any = None
+    free_pages: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,11 +255,23 @@ class Receiver(_Handle):
         dst_pages: np.ndarray | list[int] | dict[str, np.ndarray | list[int]],
         seq_len: int,
         decode_prefix_len: int = 0,
+        *,
+        prompt_tokens: Any = None,
+        prefix_tokens: Any = None,
+        free_pages: int | None = None,
     ) -> None:
         """Offers destination pages: one page table covering the whole sequence from token 0
         (suffix-only regions use its pages from the page-aligned prefix on), or a dict per
-        region. `decode_prefix_len` tokens are already held (their indexer rows stay)."""
-        self._agent._receiver_init(self._v, dst_pages, seq_len, decode_prefix_len)
+        region. `decode_prefix_len` tokens are already held (their indexer rows stay).
+
+        Admission and prefix agreement (checked by the prefill before any byte moves):
+        `prompt_tokens` (the `seq_len` prompt token ids) and `prefix_tokens` (the ids the
+        cached prefix holds; default: the prompt's) are hashed per page and compared with the
+        prefill's prompt when it gave one too; `free_pages` is required under
+        ``allocation_policy=prefill_complete`` (the pages this decode has free now)."""
+        self._agent._receiver_init(self._v, dst_pages, seq_len, decode_prefix_len,
+                                   prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens,
+                                   free_pages=free_pages)
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
         """Blocks until `layer_id` landed and verified on every leg; returns True. The caller

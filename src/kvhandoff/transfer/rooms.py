@@ -46,6 +46,12 @@ class Group:
     t_created: float = 0.0
     t_last_ready: float | None = None
     t_done: float | None = None
+    # issue 17 (admission, prefix agreement): prefill: the prompt token ids; decode: the
+    # digests of its prompt and cached prefix, and its free pages (prefill_complete)
+    prompt_tokens: Any = None
+    prompt: Any = None
+    cached_prefix: Any = None
+    free_pages: int | None = None
     chunk_end: int = 0  # prefill: the tokens whose pages the engine gave so far (chunked)
 
     @property

@@ -173,6 +173,7 @@ class TransferSession(PeerHandling, DataPath):
     def _on_open_sender(self, e: ev.OpenSender) -> None:
         g = self._new_group(e.room, e.token, e.expected)
         g.seq_len, g.pages = e.seq_len, e.pages
+        g.prompt_tokens = e.prompt_tokens
         g.chunk_end = e.chunk_end or e.seq_len
         self._early_t.pop(e.room, None)
         for msg in self._early.pop(e.room, []):
@@ -212,6 +213,7 @@ class TransferSession(PeerHandling, DataPath):
             return
         g.seq_len = e.seq_len
         g.pages = (e.pages, e.prefix)
+        g.prompt, g.cached_prefix, g.free_pages = e.prompt, e.cached_prefix, e.free_pages
         for r in g.legs:
             self._init_leg(r)
 
@@ -530,7 +532,7 @@ class TransferSession(PeerHandling, DataPath):
         per_region: dict[str, int] = {}
         for r in g.legs:
             for k, p in [kp for plans in (r.chunk_plans or [r.plans]) for kp in plans.items()]:
-                layers = len(self.layout.region(k).layer_ids)
+                layers = self.layout.region(k).num_live_layers  # 0-row layers move nothing
                 desc[k] = desc.get(k, 0) + p.count * layers
                 before[k] = before.get(k, 0) + p.descriptors_before * layers
                 per_region[k] = per_region.get(k, 0) + p.total_bytes * layers

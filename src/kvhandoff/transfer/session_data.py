@@ -50,6 +50,7 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.checksum import wants_checksum
 from kvhandoff.transfer.effects import Effect, HashSpans, Notify, PostRecv, PostSend
+from kvhandoff.transfer.handshake import Refusal, admission_of
 from kvhandoff.transfer.rooms import Group, Leg
 
 if TYPE_CHECKING:
@@ -160,6 +161,11 @@ class DataPath:
             r.pages = self.suffix_pages(r)
             if p is None or p.layout is None:
                 raise ConfigError("transfer request before the decode's Hello")
+            refusal = admission_of(msg, decode_layout=p.layout,  # before any byte moves
+                                   policy=self.settings.allocation_policy,
+                                   prompt_tokens=r.group.prompt_tokens, prompt=r.group.prompt)
+            if refusal is not None:
+                raise Refusal(refusal)
             r.planes = msg.planes
             r.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
             r.dst_page_size = msg.page_size
@@ -168,6 +174,10 @@ class DataPath:
                                   dst_pages=r.dst_table, dst_ps=msg.page_size,
                                   src_layout=self.layout, dst_layout=p.layout, end=end)
             self._first_chunk(r, end, msg.xfer)
+        except Refusal as e:
+            self._fail(r, RemoteFailed(reason=str(e)), notify=Notify.FAILED,
+                       failure=Failure(FailureKind.ADMISSION, str(e)))
+            return
         except KVHandoffError as e:
             self._fail(r, RemoteFailed(reason=f"invalid transfer request: {e}"),
                        notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.errors import Failure, FailureKind, KVHandoffError
+from kvhandoff.kv_layout.admission import AllocationPolicy
 from kvhandoff.state_machine import (
     FailureEvent,
     LayoutMismatch,
@@ -25,7 +26,13 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.effects import Connect, DropPeer, Effect, Notify
 from kvhandoff.transfer.failures import failure_of
-from kvhandoff.transfer.handshake import Identity, Peer, PeerState
+from kvhandoff.transfer.handshake import (
+    Identity,
+    Peer,
+    PeerState,
+    digest_to_wire,
+    reserved_pages,
+)
 from kvhandoff.transfer.rooms import Group, Leg
 
 if TYPE_CHECKING:
@@ -137,11 +144,17 @@ class PeerHandling:
         r.planes = planes
         r.request_sent = True
         r.xfer = next(self._xfer)
+        # admission (issue 17): the policy, and what was reserved (early) or is free
+        policy = self.settings.allocation_policy
+        early = policy is AllocationPolicy.EARLY
         self._send(r.peer, P.TransferRequest(
             src=self.me.address, gen=self.me.generation, room=r.room, xfer=r.xfer,
             peer_gen=r.peer_gen, seq_len=r.seq_len, decode_prefix_len=r.prefix_len,
             page_size=r.page_size, dst_pages={k: v.tolist() for k, v in r.pages.items()},
-            lease_s=self.settings.lease_s, planes=planes))
+            lease_s=self.settings.lease_s, planes=planes, allocation_policy=policy.value,
+            reserved_pages=reserved_pages(self.layout, r.pages, r.prefix_len, r.page_size)
+            if early else None, free_pages=None if early else g.free_pages,
+            prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix)))
         if g.expected is not None and len(g.legs) == g.expected and all(
                 leg.request_sent for leg in g.legs):
             for reg in self.layout.regions:
