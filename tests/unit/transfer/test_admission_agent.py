@@ -1,7 +1,8 @@
-"""Issue 17's refusals through real agents (in-process transport, control on real ZMQ sockets
-on 127.0.0.1): a layout that breaks its kernel page rules is refused at start; a request that
-cannot fit, or whose prompt differs, fails both handles with `AdmissionRefused` before any
-byte moves. The handshake-level cases are in test_admission_session.py (in memory)."""
+"""Issue 17's refusals through real agents (control on real ZMQ sockets on 127.0.0.1; the
+in-process transport, and tcp on 127.0.0.1 for the capacity refusal): a layout that breaks its
+kernel page rules is refused at start; a request that cannot fit, or whose prompt differs,
+fails both handles with `AdmissionRefused` before any byte moves. The handshake-level cases
+are in test_admission_session.py (in memory)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ def _decode_untouched(pr: Pair) -> bool:
                for reg in d.layout.regions for lid in reg.layer_ids)
 
 
-def test_prefill_complete_short_of_free_pages_fails_both_before_any_byte(pair) -> None:  # type: ignore[no-untyped-def]
-    pr = pair(prefill_settings=PC, decode_settings=PC)
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_prefill_complete_short_of_free_pages_fails_both_before_any_byte(  # type: ignore[no-untyped-def]
+        pair, transport: str) -> None:
+    pr = pair(prefill_settings=PC, decode_settings=PC, transport=transport)
     s, rv = _open(pr, 1, free_pages=6)
     with pytest.raises(AdmissionRefused) as e:
         rv.wait_for_layer(0, WAIT_S)

@@ -10,6 +10,7 @@ Room ids double as the engine's tokens (small ints: the session compares tokens 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -67,7 +68,8 @@ class Run:
         src = np.arange(-(-SEQ // play.page_size_tokens), dtype=np.int64)
         for ri, reg in enumerate(play.regions):
             for lid in reg.layer_ids:
-                write_tokens(p.buffers[f"{reg.name}/{lid}"], play, ri, lid, src, 0, SEQ, 7)
+                if f"{reg.name}/{lid}" in p.buffers:  # 0-row layers have no buffer
+                    write_tokens(p.buffers[f"{reg.name}/{lid}"], play, ri, lid, src, 0, SEQ, 7)
         self.w.feed(p, ev.OpenSender(room, room, {r.name: src for r in play.regions}, SEQ, 1,
                                      prompt_tokens=prompt))
         self.w.feed(d, ev.OpenReceiver(room, room, (("prefill:1", 0),)))
@@ -259,3 +261,24 @@ def test_prefill_rehashes_the_prompt_in_the_decodes_pages() -> None:
     run.finish(11)
     for reason in run.both_failed(11, FailureKind.ADMISSION):
         assert "first differing page 1 (tokens 8..15)" in reason
+
+
+# ---------------------------------------------------------------------------- room stats
+
+
+def test_room_stats_count_live_layers_only() -> None:
+    """An indexer with a 0-row layer (SGLang's skip-topk placeholder): the per-region bytes
+    in the room stats add up to the bytes that moved (was: every layer id counted)."""
+    base = lay()
+    regions = tuple(dataclasses.replace(r, empty_layers=(3,)) if r.name == "indexer_k" else r
+                    for r in base.regions)
+    sparse = dataclasses.replace(base, regions=regions)
+    run = Run(p_layout=sparse, d_layout=sparse)
+    run.open(12)
+    run.finish(12)
+    assert (run.p.views[12].state, run.d.views[12].state) == (KVPoll.Success, KVPoll.Success)
+    for side in (run.p, run.d):
+        stats = side.session.room_stats(12, 12)
+        assert stats is not None
+        assert sum(stats["bytes_per_region"].values()) == stats["bytes"], stats
+        assert stats["bytes_per_region"]["indexer_k"] == SEQ * 132  # one live layer of two
