@@ -157,6 +157,10 @@ def run_prefill(port: int) -> None:
                     time.sleep(0.01)
                 emit(side="prefill", name="streamed", want=want,
                      got=None if kv is None else kv.stats()["bytes"])
+            if r["name"] == "bench" and i:
+                # bench only: the chunk's forward pass (KVH_BENCH_FORWARD_S per chunk, 0 by
+                # default), during which earlier chunks may move
+                time.sleep(float(os.environ.get("KVH_BENCH_FORWARD_S", "0")))
             t_last = time.perf_counter()
             s.send(suffix[off:off + c], [suffix] if last else None,
                    num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE))
