@@ -12,7 +12,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -40,7 +45,8 @@ class AgentCollector(Collector):
     def __init__(self, agent: TransferAgent) -> None:
         self._agent = agent
 
-    def collect(self) -> Iterator[InfoMetricFamily | GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[InfoMetricFamily | GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
         st = self._agent.status()
         tr = st["transport"]
         info = InfoMetricFamily("kvhandoff_agent_transport", "The agent's data transport.")
@@ -56,6 +62,29 @@ class AgentCollector(Collector):
         for state in ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed"):
             rooms.add_metric([state], float(st["rooms"].get(state, 0)))
         yield rooms
+        rb = CounterMetricFamily("kvhandoff_agent_region_bytes",
+                                 "KV bytes moved per region (sent: posted and completed; "
+                                 "received: landed and verified).", labels=["direction", "region"])
+        rd = CounterMetricFamily("kvhandoff_agent_region_descriptors",
+                                 "Span descriptors (after coalescing) moved per region.",
+                                 labels=["direction", "region"])
+        for direction, region, n in st.get("region_bytes", []):
+            rb.add_metric([direction, region], float(n))
+        for direction, region, n in st.get("region_descriptors", []):
+            rd.add_metric([direction, region], float(n))
+        yield rb
+        yield rd
+        tail = st.get("tail")
+        if tail is not None:
+            cum, buckets = 0, []
+            for bound, n in zip([*tail["buckets_s"], float("inf")], tail["counts"], strict=True):
+                cum += n
+                buckets.append((str(bound) if bound != float("inf") else "+Inf", float(cum)))
+            h = HistogramMetricFamily("kvhandoff_agent_tail_seconds",
+                                      "Last layer_ready -> room Success (prefill side): the "
+                                      "handoff's tail after the last layer.",
+                                      buckets=buckets, sum_value=tail["sum_s"])
+            yield h
         for name, value in st["counters"].items():
             c = CounterMetricFamily(f"kvhandoff_agent_{name}",
                                     _COUNTER_HELP.get(name, name.replace("_", " ")))

@@ -67,6 +67,8 @@ FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if 
 COUNTERS = ("messages_in", "rejected_messages", "stale_messages", "retransmits",
             "checksum_failures", "checksums_verified", "bytes_sent", "bytes_received",
             "rooms_success", "rooms_failed", "peers_lost")
+# upper bounds (s) of the tail histogram (last layer_ready -> Success); one more bucket: +Inf
+TAIL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class TransferSession(PeerHandling, DataPath):
@@ -84,6 +86,12 @@ class TransferSession(PeerHandling, DataPath):
         self.layer_order = {lid: i for i, lid in enumerate(self.layers)}
         self.region_index = {r.name: i for i, r in enumerate(self.layout.regions)}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # labelled counters for the metrics: (direction, region) -> bytes / descriptors, and
+        # the tail (last layer_ready -> Success, prefill side) as cumulative histogram buckets
+        self.region_bytes: dict[tuple[str, str], int] = {}
+        self.region_descriptors: dict[tuple[str, str], int] = {}
+        self.tail_buckets: list[int] = [0] * (len(TAIL_BUCKETS_S) + 1)
+        self.tail_sum_s = 0.0
         self.groups: dict[int, Group] = {}
         self.legs: dict[tuple[int, str], Leg] = {}
         self.peers: dict[str, Peer] = {}
@@ -434,6 +442,12 @@ class TransferSession(PeerHandling, DataPath):
         if g.state.is_terminal and not g.done:
             g.t_done = self._now
             g.done = True
+            if g.state is KVPoll.Success and g.t_last_ready is not None:
+                tail = max(0.0, g.t_done - g.t_last_ready)
+                self.tail_sum_s += tail
+                i = next((i for i, b in enumerate(TAIL_BUCKETS_S) if tail <= b),
+                         len(TAIL_BUCKETS_S))
+                self.tail_buckets[i] += 1
         if g.done and not g.released and all(leg.released for leg in g.legs):
             g.released = True
             self._emit(Release(g.token, g.room))
@@ -520,7 +534,12 @@ class TransferSession(PeerHandling, DataPath):
         for g in self.groups.values():
             states[g.state.name] = states.get(g.state.name, 0) + 1
         return {"rooms": states, "peers": [peer_summary(p) for p in self.peers.values()],
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters),
+                "region_bytes": [[d, r, n] for (d, r), n in sorted(self.region_bytes.items())],
+                "region_descriptors": [[d, r, n] for (d, r), n in
+                                       sorted(self.region_descriptors.items())],
+                "tail": {"buckets_s": list(TAIL_BUCKETS_S), "counts": list(self.tail_buckets),
+                         "sum_s": self.tail_sum_s}}
 
     def room_stats(self, room: int, token: object) -> dict[str, Any] | None:
         """Byte and timing figures of a room (None when it is forgotten)."""

@@ -108,6 +108,8 @@ class DataPath:
         settings: Settings
         peers: dict[str, Peer]
         counters: dict[str, int]
+        region_bytes: dict[tuple[str, str], int]
+        region_descriptors: dict[tuple[str, str], int]
         region_index: dict[str, int]
         layer_order: dict[int, int]
         layers: tuple[int, ...]
@@ -496,9 +498,14 @@ class DataPath:
             self._fail_after_grace(r, f"send of layer {layer & _LAYER_MASK} {region} failed: "
                                       f"{error}")
             return
-        nbytes = self._chunk_plans(r, layer)[region].total_bytes if region else 0
+        plan = self._chunk_plans(r, layer)[region] if region else None
+        nbytes = plan.total_bytes if plan is not None else 0
         r.bytes_moved += nbytes
         self.counters["bytes_sent"] += nbytes
+        if plan is not None:
+            k = ("sent", region)
+            self.region_bytes[k] = self.region_bytes.get(k, 0) + nbytes
+            self.region_descriptors[k] = self.region_descriptors.get(k, 0) + plan.count
         key = (layer, attempt)
         r.outstanding[key] -= 1
         if r.outstanding[key]:
@@ -602,6 +609,9 @@ class DataPath:
             n = plans[name].total_bytes
             r.bytes_moved += n
             self.counters["bytes_received"] += n
+            k = ("received", name)
+            self.region_bytes[k] = self.region_bytes.get(k, 0) + n
+            self.region_descriptors[k] = self.region_descriptors.get(k, 0) + plans[name].count
         whole = self._layer_complete(r, layer)
         if whole is None:
             self._rearm_stall(r)
