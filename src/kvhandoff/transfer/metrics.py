@@ -36,6 +36,8 @@ _COUNTER_HELP = {
     "rooms_success": "Room legs that ended in Success.",
     "rooms_failed": "Room legs that ended in Failed.",
     "peers_lost": "Peers declared dead (missed heartbeats) or restarted.",
+    "early_dropped": "Messages for rooms not yet opened by the engine, dropped because the "
+                     "agent already held its limit of such rooms (transfer requests are refused).",
 }
 
 

@@ -66,7 +66,7 @@ EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
 COUNTERS = ("messages_in", "rejected_messages", "stale_messages", "retransmits",
             "checksum_failures", "checksums_verified", "bytes_sent", "bytes_received",
-            "rooms_success", "rooms_failed", "peers_lost")
+            "rooms_success", "rooms_failed", "peers_lost", "early_dropped")
 # upper bounds (s) of the tail histogram (last layer_ready -> Success); one more bucket: +Inf
 TAIL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -325,11 +325,27 @@ class TransferSession(PeerHandling, DataPath):
                 self._fail_group(g, remote_failure(told, f"peer failed the room: {msg.reason}"))
                 return
         if r is None:
-            if g is None and len(self._early) < EARLY_LIMIT:
+            if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
                 self._early.setdefault(msg.room, []).append(msg)
                 self._early_t.setdefault(msg.room, self._now)
+            elif g is None:
+                self._early_full(msg)
             return
         self._dispatch_room_msg(r, msg)
+
+    def _early_full(self, msg: Any) -> None:
+        """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
+        held: never dropped silently. Counted, logged, and a transfer request is refused at once
+        (the decode fails with the reason instead of waiting out its deadline)."""
+        self.counters["early_dropped"] += 1
+        self._emit(Log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: "
+                                f"{EARLY_LIMIT} rooms not yet opened by this engine are held"))
+        if isinstance(msg, P.TransferRequest):
+            self._send(msg.src, P.Failed(
+                src=self.me.address, gen=self.me.generation, room=msg.room,
+                reason=f"the {self.role.value} agent holds {EARLY_LIMIT} requests for rooms its "
+                       "engine has not opened yet; this one was refused (retry later)",
+                failure_kind=FailureKind.ADMISSION.value))
 
     def _refuse_request(self, g: Group) -> Failure | None:
         if g.failure is not None:

@@ -329,3 +329,30 @@ def test_an_abort_fed_before_its_open_applies_when_the_room_opens() -> None:
     assert fp is not None and fp.kind is FailureKind.ABORTED and "client closed" in fp.reason
     assert "TransferRequest" not in kinds(w, "decode:1")
     assert d.views[12].releases == 1 and p.views[12].releases == 1
+
+
+def test_requests_beyond_the_early_limit_are_refused_not_dropped(monkeypatch) -> None:
+    # the prefill engine has opened none of these rooms yet: the agent holds the first requests
+    # (up to EARLY_LIMIT rooms) and refuses the next one at once, counted and with the reason
+    from kvhandoff.transfer import session as session_mod
+
+    monkeypatch.setattr(session_mod, "EARLY_LIMIT", 2)
+    w, p, d = pair()
+    lay = d.session.layout
+    dst = pages(3, offset=5)
+    for room in (1, 2, 3):
+        w.feed(d, ev.OpenReceiver(room, room, (("prefill:1", 0),)))
+        w.feed(d, ev.ReceiverInit(room, room, {r.name: dst for r in lay.regions}, SEQ, 0))
+    w.run()
+    assert d.views[3].state is KVPoll.Failed
+    f = d.views[3].failure
+    assert f is not None and f.kind is FailureKind.ADMISSION and "not opened yet" in f.reason
+    assert p.session.counters["early_dropped"] == 1
+    assert KVPoll.Failed not in (d.views[1].state, d.views[2].state)
+    # the held ones go ahead once the engine opens them
+    src = pages(3)
+    w.feed(p, ev.OpenSender(1, 1, {r.name: src for r in lay.regions}, SEQ, 1))
+    for lid in layers(lay):
+        w.feed(p, ev.LayerReady(1, 1, lid))
+    w.run()
+    assert d.views[1].state is KVPoll.Success
