@@ -158,7 +158,7 @@ def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: i
     return results
 
 
-@pytest.mark.parametrize("transport", ["tcp"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_500_concurrent_rooms_with_random_aborts(transport: str, rng: random.Random) -> None:
     soak(transport=transport, rooms=500, rounds=3, max_seq=48, num_layers=6,
          rss_bound_mib=32, wait_s=60, rng=rng)
