@@ -4,13 +4,15 @@ with a reason, and the other side's pages go back to its pool; a frozen peer tha
 
 One side is a real `kvhandoff.sim` process (the one that is killed or frozen), the other an
 in-process `Engine` of the test, so its rooms, timestamps and page pool can be read directly.
-The data moves over UCX (shared memory between the processes), the control over ZMQ.
+The data moves over each same-host lane in its default configuration (UCX, shm), the control
+over ZMQ: a dying peer never takes the survivor down on either.
 """
 
 from __future__ import annotations
 
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
-from kvhandoff.errors import FailureKind, PeerLost
+from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
 from kvhandoff.sim import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
@@ -36,11 +38,23 @@ LAYERS = layers_of(LAYOUT)
 ROOMS = [101, 102, 103]
 PROC_SETTINGS: dict[str, Any] = {"transport": "ucx", "heartbeat_interval_s": HB_S,
                                  "lease_s": 5.0}
+TRANSPORT = "ucx"
+
+
+@pytest.fixture(params=["ucx", "shm"])
+def lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kill / crash tests run over each same-host lane. The SIGSTOP tests run over UCX only:
+    over shm, cancelling a receive that a frozen writer may still write into blocks the
+    decode's control thread until the writer confirms or the stall bound passes (an open
+    finding, docs/RELIABILITY.md)."""
+    monkeypatch.setitem(PROC_SETTINGS, "transport", request.param)
+    monkeypatch.setattr(sys.modules[__name__], "TRANSPORT", request.param)
+    return str(request.param)
 
 
 def engine(role: str) -> Engine:
     return Engine(role, LAYOUT, num_pages=len(ROOMS) * 2 + 2,
-                  settings=fast_settings(transport="ucx", heartbeat_interval_s=HB_S),
+                  settings=fast_settings(transport=TRANSPORT, heartbeat_interval_s=HB_S),
                   pattern="sim")
 
 
@@ -71,6 +85,7 @@ def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *,
     return worst
 
 
+@pytest.mark.usefixtures("lane")
 def test_prefill_sigkill_at_random_layer_fails_decode_rooms(rng: random.Random) -> None:
     layer = rng.choice(LAYERS[1:-20])
     d = engine("decode")
@@ -81,13 +96,13 @@ def test_prefill_sigkill_at_random_layer_fails_decode_rooms(rng: random.Random) 
             assert all(rv.wait_for_layer(LAYERS[0], WAIT_S) for rv in rvs)
             p.signal(signal.SIGKILL)
             t_kill = time.monotonic()
-            worst = assert_failed_in_time(d, rvs, t_kill, words="silent")
+            worst = assert_failed_in_time(d, rvs, t_kill, words=("silent", "exited"))
             print(f"prefill SIGKILL at layer {layer}: decode rooms Failed after {worst:.3f}s")
     finally:
         d.close()
 
 
-def test_prefill_crash_at_layer_fails_decode_rooms() -> None:
+def test_prefill_crash_at_layer_fails_decode_rooms(lane: str) -> None:
     crash = LAYERS[10]
     d = engine("decode")
     try:
@@ -96,13 +111,16 @@ def test_prefill_crash_at_layer_fails_decode_rooms() -> None:
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
             last = p.expect("layer", WAIT_S, layer=crash - 1)["t"]  # it exits at the next one
             assert p.proc.wait(WAIT_S) == CRASH_EXIT_CODE
-            worst = assert_failed_in_time(d, rvs, last, words="silent")
+            worst = assert_failed_in_time(d, rvs, last, words=("silent", "exited"))
             print(f"prefill crash at layer {crash}: decode rooms Failed {worst:.3f}s after "
                   "its last layer event")
-            # layers up to the crash may have landed, the crashed one never did
-            with pytest.raises(PeerLost, match="silent"):
+            # layers up to the crash may have landed, the crashed one never did; the shm lane
+            # watches the peer process itself and reports its exit before its silence counts
+            exc, words, kind = ((TransportFailed, "exited", FailureKind.TRANSPORT)
+                                if lane == "shm" else (PeerLost, "silent", FailureKind.PEER_LOST))
+            with pytest.raises(exc, match=words):
                 rvs[0].wait_for_layer(crash, 0.1)
-            assert rvs[0].failure_kind is FailureKind.PEER_LOST
+            assert rvs[0].failure_kind is kind
     finally:
         d.close()
 
@@ -115,6 +133,7 @@ def decode_proc(addr: str, env: dict[str, str] | None = None) -> Iterator[SimPro
         yield d
 
 
+@pytest.mark.usefixtures("lane")
 def test_decode_sigkill_fails_prefill_rooms_and_frees_source_pages() -> None:
     p = engine("prefill")
     try:
@@ -130,7 +149,8 @@ def test_decode_sigkill_fails_prefill_rooms_and_frees_source_pages() -> None:
             # with UCX peer error handling (the default, also on one host) a send into the
             # dead decode fails at once with UCX's reason; otherwise its silence fails the room
             worst = assert_failed_in_time(p, senders, t_kill, words=(
-                "silent", "Connection reset by remote peer", "Endpoint timeout"))
+                "silent", "Connection reset by remote peer", "Endpoint timeout", "exited",
+                "No such process"))
             print(f"decode SIGKILL: prefill rooms Failed after {worst:.3f}s")
     finally:
         p.close()
@@ -199,6 +219,7 @@ def test_decode_sigstop_fails_prefill_rooms_and_sigcont_does_not_resurrect() -> 
         p.close()
 
 
+@pytest.mark.usefixtures("lane")
 @pytest.mark.parametrize("layer_ms", [0])
 def test_reference_handoff_between_the_same_parts_succeeds(layer_ms: float) -> None:
     """Control for the death tests: the same processes and settings, nobody dies, Success."""
