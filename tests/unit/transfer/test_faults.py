@@ -48,5 +48,6 @@ def test_dropped_room_ack_is_counted_and_the_decode_still_succeeds(pair: MakePai
     assert rv.wait(WAIT_S) is KVPoll.Success
     filt = pr.decode.agent._loop._filter
     assert isinstance(filt, MessageFaults) and filt.dropped == ["RoomAck"]
-    assert s.poll() is KVPoll.Transferring  # no ack: the prefill still waits
+    # no ack: the prefill still waits (its view may lag one update behind the last send)
+    assert s.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
     s.abort("test over")
