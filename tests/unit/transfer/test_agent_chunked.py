@@ -78,7 +78,9 @@ def test_chunked_prefill_lands_byte_exact_each_byte_once(pair: MakePair, transpo
     # each byte once: main KV every token of 6 layers, the indexer the suffix of 3 layers
     want = SEQ * 656 * 6 + (SEQ - PREFIX) * 132 * 3
     assert receiver.stats()["bytes"] == want and sender.stats()["bytes"] == want
-    assert receiver.stats()["checksums_verified"] >= len(ends) * len(layers_of(lay))
+    # every (layer, region) verified at least once; chunks added before the decode's request
+    # reached the prefill travel as one unit (one checksum each), so no more can be required
+    assert receiver.stats()["checksums_verified"] >= sum(len(r.layer_ids) for r in lay.regions)
     assert d.releases.calls == {21: 1} and p.releases.calls == {21: 1}
 
 
