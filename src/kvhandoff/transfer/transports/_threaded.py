@@ -159,6 +159,20 @@ class ThreadedTransport(Transport):
         except BlockingIOError:
             pass  # the pipe is full: the I/O thread is awake anyway
 
+    def _shutdown_io(self, *also: Any) -> None:
+        """The end of close(): stops the I/O thread (`self._thread`, joined unless this is it),
+        then each of `also` (anything with a stop()), the callback thread, and closes the wake
+        pipe."""
+        self._command(IoCommand.STOP)
+        io_thread: threading.Thread = self._thread  # type: ignore[attr-defined]
+        if threading.current_thread() is not io_thread:
+            io_thread.join()
+        for worker in also:
+            worker.stop()
+        self._callbacks.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
     def _drain_wake(self) -> None:
         try:
             while os.read(self._wake_r, 4096):

@@ -211,13 +211,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         for op in ops:  # local copies stop; peers' writes into us: see _stop_ops
             if op.job is not None:
                 op.job.cancel()
-        self._command(IoCommand.STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        self._copier.stop()
-        self._callbacks.stop()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._shutdown_io(self._copier)
 
     def __repr__(self) -> str:
         return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"

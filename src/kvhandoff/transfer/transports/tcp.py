@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import struct
 import threading
 import uuid
@@ -178,12 +177,7 @@ class TcpTransport(ThreadedTransport):
             self._closed = True
             done = self._finish_locked(list(self._ops.values()), "tcp transport closed")
         self._deliver(done)
-        self._command(IoCommand.STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        self._callbacks.stop()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._shutdown_io()
 
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} peers={len(self._peers)}>"

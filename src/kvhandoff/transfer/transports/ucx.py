@@ -272,12 +272,7 @@ class UcxTransport(ThreadedTransport):
             ops = list(self._ops.values())
             done = self._finish_locked(ops, "ucx transport closed")
         self._deliver(done)
-        self._command(IoCommand.STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        self._callbacks.stop()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._shutdown_io()
 
     def __repr__(self) -> str:
         return f"<UcxTransport peers={len(self._peers)} lanes={self.status().lanes}>"
