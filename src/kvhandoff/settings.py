@@ -32,6 +32,7 @@ class TransportKind(str, Enum):
     UCX = "ucx"
     TCP = "tcp"
     SHM = "shm"  # same host: writes into the peer's memory (transfer/transports/shm.py)
+    NIXL = "nixl"  # one-sided writes through NIXL (RDMA where its UCX has verbs)
     INPROC = "inproc"
 
     def __str__(self) -> str:
@@ -86,6 +87,17 @@ class Settings(BaseSettings):
     stall_timeout_s: float = Field(30.0, gt=0, description="A transfer with no progress for this "
                                    "long fails.")
     checksum: ChecksumMode = Field(ChecksumMode.FULL, description="full, sampled or off.")
+    one_sided_writes: bool = Field(
+        True, description="Where the transport can write into a peer's memory (shm, nixl), the "
+        "prefill writes each layer straight into the decode's pages (no receives, no staging, "
+        "the checksum computed while copying). A transfer is one-sided only when the decode "
+        "offers its buffers and the prefill takes them, so the two sides need not agree; off "
+        "on either side: two-sided sends.")
+    write_quarantine_s: float = Field(
+        10.0, gt=0, description="One-sided writes: when the prefill of a room is lost mid-"
+        "transfer, the decode fails the room at once but holds its pages this long before "
+        "releasing them (a stopped, not dead, prefill could still write into them). A Failed, "
+        "Abort or AbortAck from the prefill releases them at once.")
     allocation_policy: AllocationPolicy = Field(
         AllocationPolicy.EARLY, description="When the decode reserves a request's pages "
         "(SGLang's --disaggregation-decode-allocation-policy): early (the transfer request "
