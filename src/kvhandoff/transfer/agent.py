@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvhandoff.errors import ConfigError, KVHandoffError
@@ -39,6 +40,7 @@ from kvhandoff.transfer.control import ControlLoop
 from kvhandoff.transfer.effects import EffectFilter
 from kvhandoff.transfer.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.transfer.handshake import Identity
+from kvhandoff.transfer.protocol import BufferDesc
 from kvhandoff.transfer.session import TransferSession
 from kvhandoff.transfer.transports.base import Transport, load_transport
 
@@ -131,7 +133,7 @@ class TransferAgent:
             address=self.address, generation=self.generation, agent_id=self.agent_id,
             role=self.role, transport_kind=self.transport.kind,
             transport_address=self.transport.address, layout=layout,
-            layout_hash=self.layout_hash, buffers=tuple(self.buffers.descs()),
+            layout_hash=self.layout_hash, buffers=self._buffer_descs(views),
             hmac_secret=secret.get_secret_value().encode() if secret else None),
             settings=self.settings, now=time.monotonic())
         self._loop.start(self._session, self.agent_id)
@@ -317,6 +319,20 @@ class TransferAgent:
                 raise ConfigError(f"{side}[{reg.name}]: a page id appears twice")
             out[reg.name] = arr
         return out
+
+    def _buffer_descs(self, views: dict[str, Any]) -> tuple[BufferDesc, ...]:
+        """The buffers this agent announces in its Hello; a decode whose transport can take
+        one-sided writes (and `one_sided_writes` is on) adds each buffer's descriptor."""
+        descs = self.buffers.descs()
+        if not (self.role is Role.DECODE and self.settings.one_sided_writes
+                and self.transport.supports_write):
+            return tuple(descs)
+        out = []
+        for d in descs:
+            name = BufferSet.name(d.region, d.layer)
+            blob = self.transport.describe(name) if name in views else b""
+            out.append(msgspec.structs.replace(d, descriptor=blob))
+        return tuple(out)
 
     def _layer_ready(self, v: RoomView, layer: int) -> None:
         if layer not in self._layers:

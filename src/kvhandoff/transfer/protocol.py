@@ -60,6 +60,9 @@ class BufferDesc(msgspec.Struct, frozen=True):
     region: str
     layer: int
     nbytes: int
+    # one-sided writes: the decode's transport descriptor of this buffer (Transport.describe),
+    # b"" when it offers none (the prefill then sends two-sided)
+    descriptor: bytes = b""
 
 
 class Hello(_Msg, tag="hello", frozen=True):
