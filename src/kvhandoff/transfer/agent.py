@@ -38,6 +38,7 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer.buffers import BufferSet
 from kvhandoff.transfer.control import ControlLoop
 from kvhandoff.transfer.effects import EffectFilter
+from kvhandoff.transfer.eventwait import EventWaiter
 from kvhandoff.transfer.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.transfer.handshake import Identity
 from kvhandoff.transfer.protocol import BufferDesc
@@ -128,6 +129,9 @@ class TransferAgent:
         self._loop = ControlLoop(transport=self.transport, buffers=views,
                                  settings=self.settings, effect_filter=effect_filter)
         self.address = self._loop.address
+        # device events of marked layers are waited for here, not on the engine thread
+        self._events = EventWaiter(self._loop.post, closed=lambda: self._closed,
+                                   name=f"kvh-ev-{self.agent_id}")
         secret = self.settings.hmac_secret
         self._session = TransferSession(identity=Identity(
             address=self.address, generation=self.generation, agent_id=self.agent_id,
@@ -334,10 +338,13 @@ class TransferAgent:
             out.append(msgspec.structs.replace(d, descriptor=blob))
         return tuple(out)
 
-    def _layer_ready(self, v: RoomView, layer: int) -> None:
+    def _layer_ready(self, v: RoomView, layer: int, event: Any = None) -> None:
+        """Marks `layer` ready; with a device `event` the layer is sent once the event
+        completed (the event waiter polls it; this never blocks). A room's marks keep
+        their order."""
         if layer not in self._layers:
             raise ConfigError(f"layer_ready({layer}): not a layer of the layout")
-        self._loop.post(ev.LayerReady(v.room, v, layer))
+        self._events.submit(v, event, ev.LayerReady(v.room, v, layer), layer=layer)
 
     def _receiver_init(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
                        prompt_tokens: Any = None, prefix_tokens: Any = None,

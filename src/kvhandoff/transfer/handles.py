@@ -206,11 +206,13 @@ class Sender(_Handle):
     __slots__ = ()
 
     def layer_ready(self, layer_id: int, event: Any = None) -> None:
-        """Layer `layer_id`'s KV is written: send it now. For CUDA, pass the layer's event; the
-        agent waits on it before reading the pages."""
-        if event is not None:
-            event.synchronize()
-        self._agent._layer_ready(self._v, layer_id)
+        """Layer `layer_id`'s KV is written, or its kernels are queued: send it as soon as it
+        is. For CUDA, pass an event recorded after the layer's kernels (`torch.cuda.Event`,
+        anything with `query()`): this returns at once (never syncs the device); the agent's
+        event waiter posts the layer when the event completed. Layers of a room are sent in
+        the order they were marked. An event whose `query()` raises fails the room
+        (ABORTED, the reason names the layer)."""
+        self._agent._layer_ready(self._v, layer_id, event)
         c = self._v.chunk
         if c is not None:
             with self._v._engine_lock:
@@ -242,7 +244,8 @@ class Sender(_Handle):
                 c.npages[k] = c.npages.get(k, 0) + len(arr)
             c.chunk_end = chunk_end
             c.ready = set()
-            agent._loop.post(ev.AddChunk(v.room, v, table, chunk_end))
+            # behind this room's layers still waiting for their device events
+            agent._events.submit(v, None, ev.AddChunk(v.room, v, table, chunk_end))
 
 
 class Receiver(_Handle):
