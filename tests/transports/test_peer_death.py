@@ -7,10 +7,15 @@ of many small pieces, with one copy thread and one iovec per syscall, so it last
 to be killed in the middle; the test kills once a copy thread started it. Then the
 writer's send fails with a reason, the writer keeps running, new ops to the dead peer fail
 at once, and a new peer works.
+
+A frozen (SIGSTOPped) writer: the receiver's cancel() / disconnect() return without waiting on
+it; the receive's on_done comes once the writer confirmed it stopped (after SIGCONT), or its
+process is gone, or stall_timeout_s passed (with a warning).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -21,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_conformance import PEER, WAIT_S, Done, PeerProcess
+from test_conformance import BUF, CHUNK, PEER, WAIT_S, Done, PeerProcess
 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
@@ -101,6 +106,67 @@ def test_receiver_killed_mid_write(kind: str, monkeypatch: pytest.MonkeyPatch) -
         tr.close()
         if peer.proc.poll() is None:
             peer.proc.kill()
+
+
+@pytest.mark.parametrize("then", ["sigcont", "sigkill", "bound"])
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_shm_stopped_writer_holds_the_receive_not_the_caller(
+        how: str, then: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The peer process was told about our receive (it may write into it) and is frozen:
+    cancel() / disconnect() return at once, on_done waits for the writer (or its exit, or
+    the bound), exactly once, with the reason."""
+    peer = PeerProcess("shm", 5)
+    bound = 1.0 if then == "bound" else 120.0
+    tr = ShmTransport(Settings(chunk_bytes=CHUNK, stall_timeout_s=bound))
+    stopped = False
+    try:
+        tr.register("kv", np.zeros(BUF, np.uint8))
+        tr.connect("peer", bytes.fromhex(str(peer.expect("address")["address"])))
+        peer.send(cmd="connect", address=tr.address.hex())
+        peer.expect("connected")
+        held = Done()  # the peer never sends tag 1: its receive stays exposed
+        tr.post_recv("peer", 1, "kv", np.array([0]), np.array([BUF // 2]), held)
+        # tag 2's R leaves after tag 1's on the same socket: once tag 2 landed, the peer has
+        # tag 1's R too (it may write into that memory)
+        dr = Done()
+        tr.post_recv("peer", 2, "kv", np.array([BUF // 2]), np.array([1000]), dr)
+        peer.send(cmd="send", tag=2, offsets=[0], nbytes=[1000])
+        assert dr.wait() is None
+        peer.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        _, status = os.waitpid(peer.proc.pid, os.WUNTRACED)  # every thread of it stopped
+        assert os.WIFSTOPPED(status), status
+        with caplog.at_level(logging.WARNING, logger="kvhandoff.transfer.transports.shm"):
+            if how == "cancel":
+                tr.cancel("peer", 1)  # returns: it never waits on the frozen peer
+            else:
+                tr.disconnect("peer")
+            if then != "bound":  # (the bound is far: nothing can have released it)
+                assert not held.event.is_set(), "on_done came while the writer may still write"
+                assert "held until their writer confirms" in tr.status().reason
+            if then == "sigcont":
+                peer.proc.send_signal(signal.SIGCONT)
+                stopped = False
+            elif then == "sigkill":
+                peer.proc.send_signal(signal.SIGKILL)
+                assert peer.proc.wait(WAIT_S) == -signal.SIGKILL
+            err = held.wait()
+        word = "cancelled" if how == "cancel" else "disconnected"
+        assert isinstance(err, TransportError) and word in str(err), err
+        warned = [r for r in caplog.records if "did not confirm" in r.getMessage()]
+        assert bool(warned) == (then == "bound"), [r.getMessage() for r in caplog.records]
+        assert "held until" not in tr.status().reason
+        if then == "sigcont" and how == "cancel":  # the link still works
+            again = Done()
+            tr.post_recv("peer", 3, "kv", np.array([0]), np.array([1000]), again)
+            peer.send(cmd="send", tag=3, offsets=[0], nbytes=[1000])
+            assert again.wait() is None
+    finally:
+        if stopped and peer.proc.poll() is None:
+            peer.proc.send_signal(signal.SIGCONT)
+        tr.close()
+        if peer.proc.poll() is None:
+            peer.close()
 
 
 def test_ucx_sender_killed_mid_receive_with_error_handling() -> None:

@@ -64,7 +64,8 @@ def parse_descriptor(desc: bytes) -> tuple[int, int, int, int, int, int]:
 
 class ShmOp:
     __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
-                 "exposed", "acked", "job", "is_write", "remote", "digest")
+                 "exposed", "acked", "job", "is_write", "remote", "digest", "info", "result",
+                 "delivered", "hold_until")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> None:
@@ -77,11 +78,19 @@ class ShmOp:
         self.on_done = on_done
         self.finished = False
         self.exposed = False  # receive: its R went out (the writer may write into it)
-        self.acked = False  # receive: the writer confirmed it stopped writing into it
+        # receive: nothing of the writer writes into it any more (it confirmed with F or A, its
+        # process is gone, or the bound passed)
+        self.acked = False
+        self.info: ShmPeer | None = None  # receive: the peer it was exposed to
         self.job: Job | None = None  # send / write: its copy, once started
         self.is_write = False
         self.remote: tuple[Target, np.ndarray, np.ndarray] | None = None  # write: where to
         self.digest: int | None = None  # write with checksum: xxh3-64 of the source stream
+        # completion: the outcome once the op finished; on_done is handed on (`delivered`) only
+        # once nothing of the op writes into memory any more (shm.py's module comment)
+        self.result: BaseException | None = None
+        self.delivered = False
+        self.hold_until = 0.0  # receive held after it finished: when the wait gives up
 
     def __repr__(self) -> str:
         kind = "write" if self.is_write else "send" if self.is_send else "recv"

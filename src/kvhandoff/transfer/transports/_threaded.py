@@ -40,6 +40,7 @@ class IoCommand(enum.Enum):
     WRITE = "write"  # a one-sided write to start
     WRITTEN = "written"  # a copy thread ended a job
     FENCE = "fence"
+    HOLD = "hold"  # an op's completion is held: re-read the time bound (shm)
 
 
 class _OpLike(Protocol):

@@ -18,15 +18,34 @@
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
 #
+# Completion contract (what cancel / disconnect / close promise; the agent relies on it):
+# - cancel(peer, tag) and disconnect(peer) never wait on the peer. They end the ops at once
+#   (later messages of the peer cannot complete them any more), tell the writer to stop (b"X")
+#   and return. The only wait is for this process's own copy jobs (sends and one-sided writes
+#   into the peer): they stop within one batch of pieces (memcpy into a mapping, or
+#   process_vm_writev, neither of which waits on the peer, stopped or not); bounded by
+#   stall_timeout_s, past which TransportError is raised. So after cancel() of a post_write
+#   returns, nothing of that write is written into the peer any more.
+# - An op's on_done is called once nothing of it writes into memory any more: a send or write
+#   once its copy job stopped; a receive the peer was told about (exposed) once the writer
+#   confirmed it stopped (its b"F" or b"A"), or its process is gone (pidfd), or stall_timeout_s
+#   passed since the op ended (a warning is logged: a frozen writer that wakes up may still
+#   write). Until then the caller must keep the receive's memory (the agent keeps a room's
+#   pages until every op's on_done came). A receive never exposed completes at once.
+# - close() calls every pending op's on_done before it returns (held receives too, with a
+#   warning when their writer never confirmed).
+#
 # Rules: one I/O thread owns the sockets and the matching tables; copy threads only copy and
-# report back through the command queue. `_lock` guards the op table, `finished` flags and the
-# `exposed` / `acked` state of receives. After a receive's cancel() / disconnect() returns, the
-# writer acknowledged (b"X" -> b"A") that nothing of that tag writes any more, or its process
-# is gone; the wait is bounded by stall_timeout_s (then TransportError, as ucx).
+# report back through the command queue. `_lock` guards the op table, `finished` / `result` /
+# `delivered` of ops, the `exposed` / `acked` state of receives and the held receives
+# (`_awaiting`). After disconnect() the I/O thread keeps the peer's socket and pidfd open while
+# receives of it are held (a "drain"), so its confirmation or exit still arrives.
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -85,7 +104,6 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._bound_s = float(settings.stall_timeout_s)
         self._ident = uuid.uuid4().hex.encode("ascii")
         self._init_threaded(settings.chunk_bytes, f"kvhandoff-shm-cb-{self._ident[:8].decode()}")
-        self._cond = threading.Condition(self._lock)
         threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
         self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
@@ -106,11 +124,13 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._bytes_sent = 0
         self._bytes_received = 0
         self._peer_info: dict[str, ShmPeer] = {}  # guarded by _lock
-        # finished receives the writer may still write into, until it confirms: guarded too
-        self._awaiting: dict[tuple[str, int], ShmOp] = {}
+        # receives that ended while the writer may still write into them, by (writer ident,
+        # tag): their on_done waits for its confirmation / exit / the bound. Guarded too.
+        self._awaiting: dict[tuple[bytes, int], ShmOp] = {}
         self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
         # owned by the I/O thread
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealer_info: dict[str, ShmPeer] = {}  # the peer each dealer is connected to
         self._sends: dict[tuple[bytes, int], ShmOp] = {}  # (receiver ident, tag) -> send op
         self._exposed: dict[tuple[bytes, int], tuple[bytes, np.ndarray, np.ndarray]] = {}
         # when each exposed receive arrived (a count shared with disconnect(), as in tcp.py)
@@ -120,6 +140,8 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._ack_after: set[tuple[bytes, int]] = set()  # X arrived while copying
         self._writes: dict[str, list[ShmOp]] = {}  # peer -> one-sided writes running
         self._fences: list[tuple[str, set[int], OnDone]] = []
+        self._running: set[Job] = set()  # every copy job started and not reported ended
+        self._drains: list[tuple[ShmPeer, zmq.Socket[bytes]]] = []  # disconnected, still held
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvhandoff-shm-io-{self._ident[:8].decode()}")
         self._thread.start()
@@ -150,10 +172,11 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         except OSError as e:
             raise TransportError(f"connect {peer!r}: peer process {pid} is not reachable: "
                                  f"{e}") from e
+        info = ShmPeer(peer, address, pid, ident, pidfd)
         with self._lock:
             self._peers[peer] = address
-            self._peer_info[peer] = ShmPeer(peer, address, pid, ident, pidfd)
-        self._command(IoCommand.CONNECT, peer, endpoint, pidfd)
+            self._peer_info[peer] = info
+        self._command(IoCommand.CONNECT, peer, endpoint, info)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -164,12 +187,14 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._deliver(done)
         if info is None:
             return
-        self._stop_ops(ops, "disconnect", info)
-        with self._lock:
-            self._peer_info.pop(peer, None)
-            self._lanes.pop(peer, None)
-        # what arrived before this call is dropped, not what a reconnected peer sends after
-        self._command(IoCommand.DISCONNECT, peer, info, next(self._seq))
+        try:
+            self._stop_ops(ops, "disconnect", info)
+        finally:
+            with self._lock:
+                self._peer_info.pop(peer, None)
+                self._lanes.pop(peer, None)
+            # what arrived before this call is dropped, not what a reconnected peer sends after
+            self._command(IoCommand.DISCONNECT, peer, info, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
         tag = check_tag(tag)
@@ -187,6 +212,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             lanes = sorted({lane for ls in self._lanes.values() for lane in ls})
             npeers = len(self._peer_info)
             dead = sorted(p.name for p in self._peer_info.values() if p.dead)
+            held = len(self._awaiting)
         names = {"map": "shm/map", "cma": "shm/cma"}
         reason = (f"shm: same-host writes into the peer's memory ({npeers} peer(s); lanes: "
                   f"{', '.join(names[x] for x in lanes) or 'none used yet'}; "
@@ -195,6 +221,9 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                   f"abort; map lane: {native()[1]})")
         if dead:
             reason += f"; peer process(es) gone: {', '.join(dead)}"
+        if held:
+            reason += (f"; {held} ended receive(s) held until their writer confirms it stopped "
+                       f"(at most {self._bound_s} s)")
         return TransportStatus(kind=self.kind,
                                lanes=tuple(names[x] for x in lanes) or ("shm",),
                                degraded=False, reason=reason, bytes_sent=self._bytes_sent,
@@ -208,7 +237,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             ops = list(self._ops.values())
             done = self._finish_locked(ops, "shm transport closed")
         self._deliver(done)
-        for op in ops:  # local copies stop; peers' writes into us: see _stop_ops
+        for op in ops:  # local copies stop; held receives: see _shutdown
             if op.job is not None:
                 op.job.cancel()
         self._shutdown_io(self._copier)
@@ -223,32 +252,80 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
 
     def _stop_ops(self, ops: list[ShmOp], what: str, info: ShmPeer) -> None:
-        """After `ops` were finished: stop local copies of sends/writes, and for exposed
-        receives have the writer confirm it stopped (or its process be gone), bounded."""
+        """After `ops` were finished: stop local copies of sends/writes and wait until they
+        stopped (bounded), tell the writer of exposed receives to stop. Never waits on the
+        peer: the held receives complete later (module comment)."""
         local = [op.job for op in ops if op.job is not None]
         for job in local:
             job.cancel()
-        with self._lock:  # (finished ops: `exposed` cannot change any more)
-            exposed = [op for op in ops if not op.is_send and op.exposed]
-            for op in exposed:
-                self._awaiting[(op.peer, op.tag)] = op
         self._command(IoCommand.FORGET, ops)
-        if threading.current_thread() is self._thread:  # it answers the acks: cannot wait
+        if threading.current_thread() is self._thread:  # it reports the jobs' ends
             return
         deadline = time.monotonic() + self._bound_s
         for job in local:
             if not job.wait(max(0.0, deadline - time.monotonic())):
                 raise TransportError(f"{what}: a copy into peer {info.name!r} did not stop "
                                      f"within {self._bound_s} s")
-        with self._cond:
-            while any(not op.acked for op in exposed) and info.dead is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or (self._closed and not self._thread.is_alive()):
-                    raise TransportError(f"{what}: peer {info.name!r} did not confirm within "
-                                         f"{self._bound_s} s that it stopped writing into "
-                                         "this receive's memory (peer stalled?); that memory "
-                                         "may still be written")
-                self._cond.wait(left)
+
+    def _deliver(self, done: list[tuple[ShmOp, BaseException | None]]) -> None:
+        """Records each op's outcome; hands on_done to the callback thread now if nothing of
+        the op writes into memory any more, else holds it (see the module comment)."""
+        ready: list[ShmOp] = []
+        held = False
+        with self._lock:
+            for op, exc in done:
+                op.result = exc
+                if self._ready_locked(op):
+                    ready.append(op)
+                elif not op.is_send and op.exposed and not op.acked:
+                    op.hold_until = time.monotonic() + self._bound_s
+                    self._awaiting[(op.ident, op.tag)] = op
+                    held = True
+        for op in ready:
+            self._callbacks.submit(_call(op.on_done, op.result))
+        if held:
+            self._command(IoCommand.HOLD)
+
+    def _ready_locked(self, op: ShmOp) -> bool:
+        """(lock held) Whether finished `op`'s on_done may go now; marks it delivered if so."""
+        if op.delivered or not op.finished:
+            return False
+        if op.job is not None and not op.job.ended_event.is_set():
+            return False
+        if not op.is_send and op.exposed and not op.acked:
+            if op.info is None or op.info.dead is None:
+                return False
+        op.delivered = True
+        return True
+
+    def _settle(self, ops: list[ShmOp]) -> None:
+        """Hands on the on_done of those of `ops` that finished and may go now."""
+        with self._lock:
+            ready = [op for op in ops if self._ready_locked(op)]
+        for op in ready:
+            self._callbacks.submit(_call(op.on_done, op.result))
+
+    def _release(self, keep: Callable[[ShmOp], bool], why: str | None) -> None:
+        """Stops holding the receives `keep` selects (their writer confirmed, is gone, or the
+        bound passed: `why` then says so in a warning) and hands on their on_done."""
+        with self._lock:
+            ops = [op for op in self._awaiting.values() if keep(op)]
+            for op in ops:
+                del self._awaiting[(op.ident, op.tag)]
+                op.acked = True
+        if ops and why is not None:
+            log.warning("shm: %d ended receive(s) released although their writer did not "
+                        "confirm it stopped writing into them (%s): %s", len(ops), why,
+                        ", ".join(repr(op) for op in ops[:8]))
+        self._settle(ops)
+
+    def _hold_timeout_ms(self) -> int | None:
+        """How long the I/O thread may sleep before a held receive's bound passes."""
+        with self._lock:
+            if not self._awaiting:
+                return None
+            first = min(op.hold_until for op in self._awaiting.values())
+        return max(0, int((first - time.monotonic()) * 1000) + 1)
 
     # ---- I/O thread -----------------------------------------------------------------------
 
@@ -261,11 +338,12 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
             IoCommand.FORGET: self._on_forget, IoCommand.WRITTEN: self._on_written,
             IoCommand.WRITE: self._on_write, IoCommand.FENCE: self._on_fence,
+            IoCommand.HOLD: lambda *_: None,  # woken to re-read the bound of held receives
         }
-        pidfds: dict[int, str] = {}
+        pidfds: dict[int, ShmPeer] = {}
         try:
             while True:
-                events = dict(poller.poll())
+                events = dict(poller.poll(self._hold_timeout_ms()))
                 if self._wake_r in events:
                     self._drain_wake()
                 while self._commands:
@@ -273,14 +351,20 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                     if cmd[0] is IoCommand.STOP:
                         return
                     handlers[cmd[0]](poller, pidfds, *cmd[1:])
-                for fd, peer in list(pidfds.items()):
+                for fd, info in list(pidfds.items()):
                     if fd in events:
                         poller.unregister(fd)
                         del pidfds[fd]
-                        self._peer_exited(peer)
+                        self._peer_exited(info)
                 self._drain_router()
                 for peer, sock in list(self._dealers.items()):
-                    self._drain_dealer(peer, sock)
+                    self._drain_dealer(self._dealer_info[peer], sock, live=True)
+                for info, sock in self._drains:
+                    self._drain_dealer(info, sock, live=False)
+                self._release(functools.partial(_due, time.monotonic()),
+                              f"no confirmation within stall_timeout_s={self._bound_s} s")
+                if self._drains:
+                    self._end_drains(poller, pidfds, closing=False)
         except Exception:
             log.exception("shm transport I/O thread failed")
             with self._lock:
@@ -291,19 +375,28 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         finally:
             self._shutdown(pidfds)
 
-    def _shutdown(self, pidfds: dict[int, str]) -> None:
-        for job in self._jobs.values():
+    def _shutdown(self, pidfds: dict[int, ShmPeer]) -> None:
+        for job in self._running:
             job.cancel()
-        for job in list(self._jobs.values()):
-            job.wait(self._bound_s)
+        for job in list(self._running):
+            if not job.wait(self._bound_s):
+                log.warning("shm: closing while a copy job did not stop within %s s",
+                            self._bound_s)
         # the receivers whose memory we were allowed to write: nothing writes it any more
         for ident, tag in [*self._exposed, *self._jobs]:
             self._router.send_multipart([ident, TAGMSG.pack(b"A", tag)])
-        with self._cond:
+        # every op's on_done comes before close() returns (ops of jobs whose end was not
+        # reported yet, receives still held: module comment)
+        owners = [job.owner[0] for job in self._running]
+        with self._lock:
+            for op in owners:
+                if op.job is not None and not op.job.ended_event.is_set():
+                    op.job = None  # (it did not stop: warned above)
             for info in self._peer_info.values():
                 info.dead = info.dead or "transport closed"
-            self._awaiting.clear()
-            self._cond.notify_all()
+        self._settle(owners)
+        self._release(lambda op: True, "the transport closed")
+        self._end_drains(None, pidfds, closing=True)
         with self._lock:
             infos = list(self._peer_info.values())
         for info in infos:
@@ -316,8 +409,30 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._router.close(linger=0)
         self._ctx.term()
 
-    def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
-                    endpoint: str, pidfd: int) -> None:
+    def _end_drains(self, poller: zmq.Poller | None, pidfds: dict[int, ShmPeer],
+                    closing: bool) -> None:
+        """Closes the socket and pidfd of disconnected peers none of whose receives is held
+        any more (all of them when `closing`)."""
+        with self._lock:
+            held = {op.ident for op in self._awaiting.values()}
+        still = []
+        for info, sock in self._drains:
+            if not closing and info.ident in held:
+                still.append((info, sock))
+                continue
+            if poller is not None:
+                poller.unregister(sock)
+            sock.close(linger=0)
+            if pidfds.pop(info.pidfd, None) is not None and poller is not None:
+                poller.unregister(info.pidfd)
+            try:
+                os.close(info.pidfd)
+            except OSError:
+                pass
+        self._drains = still
+
+    def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
+                    endpoint: str, info: ShmPeer) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._ident)
         sock.setsockopt(zmq.LINGER, 0)
@@ -327,19 +442,23 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             poller.unregister(old)
             old.close(linger=0)
         self._dealers[peer] = sock
+        self._dealer_info[peer] = info
         poller.register(sock, zmq.POLLIN)
-        pidfds[pidfd] = peer
-        poller.register(pidfd, zmq.POLLIN)
+        pidfds[info.pidfd] = info
+        poller.register(info.pidfd, zmq.POLLIN)
 
-    def _on_disconnect(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
+    def _on_disconnect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
                        info: ShmPeer, cut: int) -> None:
-        sock = self._dealers.pop(peer, None)
+        sock = self._dealers.pop(peer, None)  # (commands run in order: `info`'s socket)
+        self._dealer_info.pop(peer, None)
         if sock is not None:
-            poller.unregister(sock)
-            sock.close(linger=0)
-        if pidfds.pop(info.pidfd, None) is not None:
-            poller.unregister(info.pidfd)
-        os.close(info.pidfd)
+            # while receives of this peer are held, its socket and pidfd stay open (a drain)
+            self._drains.append((info, sock))
+            self._end_drains(poller, pidfds, closing=False)
+        else:
+            if pidfds.pop(info.pidfd, None) is not None:
+                poller.unregister(info.pidfd)
+            os.close(info.pidfd)
         # what this peer exposed to us: forget it, and confirm nothing of it is written
         for key in [k for k in self._exposed
                     if k[0] == info.ident and self._exposed_seq.get(k, -1) < cut]:
@@ -350,22 +469,22 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             del self._sends[key]
         self._writes.pop(peer, None)
 
-    def _peer_exited(self, peer: str) -> None:
+    def _peer_exited(self, info: ShmPeer) -> None:
+        """`info`'s process exited: its ops fail, and nothing of it writes into our memory
+        any more (its held receives complete)."""
+        peer, pid = info.name, info.pid
         with self._lock:
-            info = self._peer_info.get(peer)
-            ops = [op for op in self._ops.values() if op.peer == peer]
-            if info is None:
-                return
-            pid = info.pid
-            done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
+            live = self._peer_info.get(peer) is info  # else disconnected (a drain)
+            ops = [op for op in self._ops.values() if op.peer == peer] if live else []
             info.dead = f"process {pid} exited"
-            self._cond.notify_all()
+            done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
         log.log(logging.WARNING if done else logging.INFO,
                 "shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
         for op in ops:
             if op.job is not None:
                 op.job.cancel()
         self._deliver(done)
+        self._release(lambda op: op.ident == info.ident, None)
 
     def _dead(self, op: ShmOp) -> bool:
         """Fails `op` if its peer's process is gone (ops to a dead peer end with an error
@@ -378,14 +497,14 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._finish(op, f"peer {op.peer!r}: {dead}")
         return True
 
-    def _on_send(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
+    def _on_send(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
         if op.finished or self._dead(op):
             return
         key = (op.ident, op.tag)
         self._sends[key] = op
         self._try_start(key)
 
-    def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, str], op: ShmOp) -> None:
+    def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
         if self._dead(op):
             return
         sock = self._dealers.get(op.peer)
@@ -394,6 +513,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                 return
             if sock is not None:
                 op.exposed = True
+                op.info = self._peer_info.get(op.peer)
         if sock is None:
             self._finish(op, f"peer {op.peer!r} is not connected")
             return
@@ -405,7 +525,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         sock.send_multipart([EXPOSE.pack(b"R", op.tag, op.plan.total), desc,
                              off.astype("<i8").tobytes(), nb.astype("<i8").tobytes()])
 
-    def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, str], ops: list[ShmOp]) -> None:
+    def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], ops: list[ShmOp]) -> None:
         for op in ops:
             if op.is_send:
                 if self._sends.get((op.ident, op.tag)) is op:
@@ -471,10 +591,12 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             op.job = job
         if key is not None:
             self._jobs[key] = job
+        self._running.add(job)
         self._copier.submit(job)
 
-    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, str], job: Job) -> None:
+    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], job: Job) -> None:
         op, key = job.owner
+        self._running.discard(job)
         if key is not None:
             self._jobs.pop(key, None)
             ok = job.error is None and not job.cancelled
@@ -489,6 +611,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             self._finish(op, None)
         else:
             self._finish(op, job.error or "cancelled")
+        self._settle([op])  # ended earlier (cancel, disconnect): on_done waited for this
         if key is None:  # a write: fences wait for it (their callbacks come after its own)
             running = self._writes.get(op.peer, [])
             if op in running:
@@ -527,36 +650,50 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
             else:
                 log.warning("shm: dropping a malformed control message")
 
-    def _acked(self, peer: str, tag: int) -> None:
-        """(lock held) The writer stopped writing `tag` into us."""
-        op = self._awaiting.pop((peer, tag), None)
-        if op is not None:
-            op.acked = True
-            self._cond.notify_all()
-
-    def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
-        """Messages of writers (to us as receiver): F (landed / failed), A (stopped)."""
+    def _drain_dealer(self, info: ShmPeer, sock: zmq.Socket[bytes], live: bool) -> None:
+        """Messages of writers (to us as receiver): F (landed / failed), A (stopped). A
+        socket kept after disconnect (not `live`) only releases held receives."""
+        peer = info.name
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             head = frames[0]
-            if head[:1] == b"F" and len(head) == FINAL.size:
-                _, tag, ok = FINAL.unpack(head)
-                with self._cond:
-                    self._acked(peer, tag)  # the writer is done with that tag either way
+            if head[:1] in (b"F", b"A") and len(head) in (FINAL.size, TAGMSG.size):
+                tag = (FINAL.unpack(head)[1] if head[:1] == b"F" and len(head) == FINAL.size
+                       else TAGMSG.unpack(head)[1] if len(head) == TAGMSG.size else None)
+                if tag is None:
+                    log.warning("shm: dropping a malformed frame from peer %r", peer)
+                    continue
+                # the writer is done with that tag either way: a held receive of it (one that
+                # ended before) is released first; the F is then not for a live receive
+                with self._lock:
+                    held = self._awaiting.get((info.ident, tag))
+                if held is not None:
+                    self._release(functools.partial(operator.is_, held), None)
+                    continue
+                if head[:1] != b"F" or not live:
+                    continue
+                ok = FINAL.unpack(head)[2]
+                with self._lock:
                     op = self._ops.get((peer, tag, False))
-                    if op is not None and ok:
-                        self._bytes_received += op.plan.total
+                    if op is not None:
+                        op.acked = True
+                        if ok:
+                            self._bytes_received += op.plan.total
                 if op is not None:
                     reason = None if ok else (frames[1].decode("utf-8", "replace")
                                               if len(frames) > 1 and frames[1] else
                                               "writer failed")
                     self._finish(op, reason)
-            elif head[:1] == b"A" and len(head) == TAGMSG.size:
-                _, tag = TAGMSG.unpack(head)
-                with self._cond:
-                    self._acked(peer, tag)
             else:
                 log.warning("shm: dropping a malformed frame from peer %r", peer)
+
+
+def _due(now: float, op: ShmOp) -> bool:
+    return op.hold_until <= now
+
+
+def _call(fn: OnDone, exc: BaseException | None) -> Callable[[], None]:
+    return lambda: fn(exc)
