@@ -14,6 +14,14 @@ from the layer's offset in the block on, so page p of the layer is at ``p * row_
 view, which is where `build_spans` puts it. Views of one row overlap; transports address them
 by name and offset only. A buffer that is not contiguous, or whose size is not a whole number
 of pages (blocks), is refused with the region (row) and layer named.
+
+Memory kinds: every buffer of one agent lives in one kind of memory, host (numpy, CPU tensors)
+or CUDA (CUDA tensors, or any object exposing ``__cuda_array_interface__``: CuPy, Numba, ...),
+and all CUDA buffers on one device; a mix is refused with a `ConfigError` naming the buffer
+that differs (`BufferSet.memory` / `.device` say which kind it is). A CUDA array interface
+object becomes a torch tensor over the same memory where torch has CUDA, else a
+`DeviceBytes` (address, size; sliceable), so sizes and kinds are checked on any machine.
+Transports that move host memory only refuse CUDA views at `register`.
 """
 
 from __future__ import annotations
@@ -28,20 +36,93 @@ from kvhandoff.kv_layout import LayoutSpec, RegionSpec
 from kvhandoff.transfer.protocol import BufferDesc
 
 
+class DeviceBytes:
+    """A 1-D byte range of CUDA memory known only by address (from a
+    ``__cuda_array_interface__`` where torch has no CUDA): size, slicing and its own array
+    interface; the object it came from is kept alive. Nothing reads or writes through it."""
+
+    __slots__ = ("ptr", "nbytes", "device", "_owner")
+
+    def __init__(self, ptr: int, nbytes: int, device: int | None, owner: Any) -> None:
+        self.ptr, self.nbytes, self.device, self._owner = ptr, nbytes, device, owner
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.nbytes,)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, key: slice) -> DeviceBytes:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("DeviceBytes: only contiguous slices")
+        start, stop, _ = key.indices(self.nbytes)
+        return DeviceBytes(self.ptr + start, max(0, stop - start), self.device, self._owner)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"data": (self.ptr, False), "shape": (self.nbytes,), "typestr": "|u1",
+                "strides": None, "version": 3}
+
+    def __repr__(self) -> str:
+        return f"DeviceBytes(ptr={self.ptr:#x}, nbytes={self.nbytes}, device={self.device})"
+
+
+def _cuda_torch() -> Any:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def as_bytes(buf: Any, where: str) -> Any:
-    """A 1-D uint8 view of `buf` (numpy array or torch tensor), no copy."""
+    """A 1-D uint8 view of `buf` (numpy array, torch tensor or CUDA array interface object),
+    no copy: a numpy array for host memory, a torch tensor (or `DeviceBytes`) for CUDA."""
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ConfigError(f"{where}: buffer must be contiguous")
         return buf.reshape(-1).view(np.uint8)
+    if isinstance(buf, DeviceBytes):
+        return buf
     import torch
 
     if isinstance(buf, torch.Tensor):
         if not buf.is_contiguous():
             raise ConfigError(f"{where}: tensor must be contiguous")
+        if buf.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"{where}: tensor on device {buf.device.type!r}; expected cpu "
+                              "or cuda")
         flat = buf.reshape(-1).view(torch.uint8)
         return flat.numpy() if flat.device.type == "cpu" else flat
-    raise ConfigError(f"{where}: expected a numpy array or torch tensor, got {type(buf).__name__}")
+    if hasattr(buf, "__cuda_array_interface__"):
+        from kvhandoff.transfer.devsum import memory_kind
+
+        try:
+            info = memory_kind(buf)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        tc = _cuda_torch()
+        if tc is not None:
+            try:
+                t = tc.as_tensor(buf, device="cuda")
+            except (TypeError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"{where}: torch cannot use its CUDA array interface: "
+                                  f"{e}") from None
+            return t.reshape(-1).view(tc.uint8)
+        return DeviceBytes(info.ptr, info.nbytes, info.device, buf)
+    raise ConfigError(f"{where}: expected a numpy array, a torch tensor or an object with "
+                      f"__cuda_array_interface__, got {type(buf).__name__}")
+
+
+def view_memory(view: Any) -> tuple[str, int | None]:
+    """("host", None) or ("cuda", device index or None when unknown) of a view from
+    `as_bytes`."""
+    if isinstance(view, np.ndarray):
+        return "host", None
+    if isinstance(view, DeviceBytes):
+        return "cuda", view.device
+    return "cuda", view.device.index  # a CUDA torch tensor
 
 
 def _nbytes(view: Any) -> int:
@@ -51,20 +132,23 @@ def _nbytes(view: Any) -> int:
 class BufferSet:
     """Byte views of every live (region, layer) of a layout, per-layer or inside packed rows."""
 
-    __slots__ = ("layout", "_bufs", "_pages", "_rows")
+    __slots__ = ("layout", "_bufs", "_pages", "_rows", "memory", "device", "_first")
 
     def __init__(self, layout: LayoutSpec, buffers: Mapping[str, Any]) -> None:
         self.layout = layout
         self._bufs: dict[tuple[str, int], Any] = {}
         self._pages: dict[str, int] = {}
         self._rows: dict[str, Any] = {}
+        self.memory: str | None = None  # "host" or "cuda": the kind of every buffer
+        self.device: int | None = None  # the CUDA device of every buffer (None: host/unknown)
+        self._first = ""  # the buffer that set the kind, for the error naming both
         ps = layout.page_size_tokens
         for row in layout.rows:
             if row.name not in buffers:
                 raise ConfigError(f"buffers: packed row {row.name!r} (regions "
                                   f"{', '.join(row.regions)}) missing (have "
                                   f"{', '.join(map(str, buffers))})")
-            view = as_bytes(buffers[row.name], f"buffers[{row.name}]")
+            view = self._view(buffers[row.name], f"buffers[{row.name}]")
             stride = layout.region(row.regions[0]).page_stride(ps)
             n = _nbytes(view)
             if n % stride:
@@ -113,7 +197,7 @@ class BufferSet:
                 continue
             if lid not in per_layer:
                 raise ConfigError(f"buffers[{reg.name}]: layer {lid} missing")
-            view = as_bytes(per_layer[lid], where)
+            view = self._view(per_layer[lid], where)
             n = _nbytes(view)
             if n % pnb:
                 raise ConfigError(f"{where}: {n} bytes is not a whole number of {pnb}-byte "
@@ -121,6 +205,25 @@ class BufferSet:
             pages = n // pnb if pages is None else min(pages, n // pnb)
             self._bufs[(reg.name, lid)] = view
         self._pages[reg.name] = pages or 0
+
+    def _view(self, buf: Any, where: str) -> Any:
+        """`as_bytes`, and the one-memory-kind-per-agent rule (one CUDA device too)."""
+        view = as_bytes(buf, where)
+        kind, dev = view_memory(view)
+        if self.memory is None:
+            self.memory, self.device, self._first = kind, dev, where
+        elif kind != self.memory:
+            raise ConfigError(f"{where}: {_kind_words(kind, dev)} but {self._first} is "
+                              f"{_kind_words(self.memory, self.device)}; one agent's buffers "
+                              "must all be host memory or all CUDA memory on one device")
+        elif kind == "cuda" and dev is not None:
+            if self.device is None:
+                self.device = dev
+            elif dev != self.device:
+                raise ConfigError(f"{where}: CUDA memory on cuda:{dev} but {self._first} is "
+                                  f"on cuda:{self.device}; one agent's buffers must all be "
+                                  "on one device")
+        return view
 
     @staticmethod
     def name(region: str, layer: int) -> str:
@@ -151,15 +254,25 @@ class BufferSet:
                 for (r, lid), v in self._bufs.items()]
 
 
-def allocate(layout: LayoutSpec, num_pages: int, *, fill: int | None = 0) -> dict[str, Any]:
-    """CPU torch buffers for `layout` with `num_pages` pages: per-layer regions get a dict
-    layer -> buffer (0-row layers an empty placeholder), packed rows one buffer each."""
+def _kind_words(kind: str, dev: int | None) -> str:
+    if kind == "host":
+        return "host memory"
+    return "CUDA memory" + (f" (cuda:{dev})" if dev is not None else "")
+
+
+def allocate(layout: LayoutSpec, num_pages: int, *, fill: int | None = 0,
+             device: str = "cpu") -> dict[str, Any]:
+    """Torch buffers for `layout` with `num_pages` pages on `device` ("cpu", "cuda",
+    "cuda:N"): per-layer regions get a dict layer -> buffer (0-row layers an empty
+    placeholder), packed rows one buffer each."""
     import torch
 
+    dev = torch.device(device)
+
     def buf(n: int) -> Any:
-        return (torch.zeros(n, dtype=torch.uint8) if fill == 0 else
-                torch.full((n,), fill, dtype=torch.uint8) if fill is not None else
-                torch.empty(n, dtype=torch.uint8))
+        return (torch.zeros(n, dtype=torch.uint8, device=dev) if fill == 0 else
+                torch.full((n,), fill, dtype=torch.uint8, device=dev) if fill is not None
+                else torch.empty(n, dtype=torch.uint8, device=dev))
 
     ps = layout.page_size_tokens
     out: dict[str, Any] = {}

@@ -76,6 +76,14 @@ def _typestr_itemsize(typestr: str) -> int:
         raise ValueError(f"__cuda_array_interface__.typestr: cannot read {typestr!r}") from e
 
 
+def _cai_device(buf: Any) -> int | None:
+    """The CUDA device of an array-interface object when it says (an int `device`, as
+    `DeviceBytes`, or a `device.id`, as CuPy); None when it does not."""
+    dev = getattr(buf, "device", None)
+    dev = getattr(dev, "id", dev)
+    return dev if isinstance(dev, int) and not isinstance(dev, bool) else None
+
+
 def memory_kind(buf: Any) -> MemoryInfo:
     """Detects host vs CUDA memory for torch tensors, objects with
     ``__cuda_array_interface__`` (CuPy, Numba, ...), numpy arrays and other host buffers.
@@ -118,7 +126,7 @@ def memory_kind(buf: Any) -> MemoryInfo:
         n = itemsize
         for s in shape:
             n *= s
-        return MemoryInfo("cuda", None, ptr, n)
+        return MemoryInfo("cuda", _cai_device(buf), ptr, n)
     if isinstance(buf, np.ndarray):
         return MemoryInfo("host", None, int(buf.ctypes.data), int(buf.nbytes))
     try:
@@ -128,6 +136,29 @@ def memory_kind(buf: Any) -> MemoryInfo:
                          "(__cuda_array_interface__) nor a host buffer") from None
     arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.zeros(0, np.uint8)
     return MemoryInfo("host", None, int(arr.ctypes.data) if mv.nbytes else 0, mv.nbytes)
+
+
+def refuse_device_memory(transport: str, name: str, buf: Any) -> None:
+    """For a transport that moves host memory only: raises `TransportError` when `buf` is
+    CUDA memory, saying which transports are meant for device buffers. Host buffers (and
+    objects `memory_kind` cannot classify, left to the transport's own checks) pass."""
+    if isinstance(buf, np.ndarray):
+        return
+    try:
+        info = memory_kind(buf)
+    except ValueError:
+        return
+    if info.kind != "cuda":
+        return
+    from kvhandoff.errors import TransportError
+
+    dev = f"cuda:{info.device}" if info.device is not None else "CUDA"
+    raise TransportError(
+        f"register {name!r}: the buffer is {dev} memory and the {transport} transport moves "
+        "host memory only (as built here); device buffers need the shm transport's CUDA IPC "
+        "lane (same host; its pieces are in transfer/transports/_cuda_ipc.py, not wired into "
+        "shm yet) or NIXL with VRAM registration (TransportKind.NIXL, reserved). Use host "
+        "buffers with this transport.")
 
 
 # ---- span list checks -----------------------------------------------------------------------

@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from kvhandoff.errors import TransportError
+from kvhandoff.transfer.devsum import refuse_device_memory
 
 from ._chunks import ChunkPlan, check_tag
 from ._threaded import IoCommand, ThreadedTransport
@@ -128,6 +129,10 @@ class TcpTransport(ThreadedTransport):
         self._thread.start()
 
     # ---- public API (any thread) ----------------------------------------------------------
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        refuse_device_memory("tcp", name, buf)  # CUDA memory: say which transport can
+        super().register(name, buf)
 
     @property
     def address(self) -> bytes:

@@ -47,6 +47,7 @@ import numpy as np
 import xxhash
 
 from kvhandoff.errors import TransportError
+from kvhandoff.transfer.devsum import refuse_device_memory
 
 from ._chunks import ChunkPlan, check_tag
 from ._hostid import host_id
@@ -170,6 +171,10 @@ class UcxTransport(ThreadedTransport):
         self._thread.start()
 
     # ---- public API (any thread) ----------------------------------------------------------
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        refuse_device_memory("ucx", name, buf)  # CUDA memory: say which transport can
+        super().register(name, buf)
 
     @property
     def address(self) -> bytes:
