@@ -52,7 +52,9 @@ class Handoff:
         p = self.stack.enter_context(spawn("prefill", {
             "rooms": [{"room": r["room"], "seq_len": r["seq_len"]} for r in rooms],
             "settings": {"bootstrap_url": self.url, **settings}, "engine_id": "p",
-            "timeout_s": DONE_S, **(prefill_cfg or {})}))
+            "timeout_s": DONE_S, **(prefill_cfg or {})},
+            module="kvhandoff.testing.faults" if "faults" in (prefill_cfg or {}) else
+            "kvhandoff.sim"))
         # a decode with faults runs under kvhandoff.testing.faults (the sim, faults added)
         faulty = "faults" in (decode_cfg or {})
         d = self.stack.enter_context(spawn("decode", {
@@ -198,13 +200,15 @@ def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: 
     # times=2 corrupts the last layer, so nothing else is in flight when the room fails: a ucx
     # peer process that exits while the other side's cma writes are still in flight aborts
     # that side (a transport bug, reported with issue 4's tests, not what this test checks)
+    # shm writes one-sided (the decode posts no receives): the writer corrupts what lands
     (room,) = handoff.rooms(1)
     st = settings(transport)
+    cfg = {"faults": {"corrupt": [{"layer": layer, "times": times}]}}
     p, d = handoff.start([{"room": room, "seq_len": 1024, "prefix": 256}], st,
-                         decode_cfg={"faults": {"corrupt": [{"layer": layer,
-                                                              "times": times}]}})
+                         **{"prefill_cfg" if transport == "shm" else "decode_cfg": cfg})
     dd = d.expect("done", DONE_S, room=room)
     pd = p.expect("done", DONE_S, room=room)
+    assert dd["stats"]["one_sided"] is (transport == "shm") is pd["stats"]["one_sided"]
     if times == 1:  # caught, retransmitted once, then byte-exact
         assert (pd["state"], dd["state"]) == ("Success", "Success")
         assert dd["stats"]["retransmits"] == 1 == pd["stats"]["retransmits"]

@@ -3,7 +3,10 @@
 - `FaultyTransport(inner, ...)` wraps any `Transport`: corrupt one byte of a landed region of a
   layer (main KV or indexer, `Corrupt`), stall a layer's sends (never posted; cancel/close
   still complete them), fail a layer's ops with a `TransportError`, or end the process
-  (`os._exit(137)`) when a layer is about to be sent.
+  (`os._exit(137)`) when a layer is about to be sent. A corruption acts where the bytes land
+  on this side: a receive (two-sided decode) or a one-sided write (the prefill writes one
+  flipped byte after the real write landed, so its checksum is of the true bytes); with
+  one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
 - `MessageFaults(...)` is an agent `effect_filter`: drop control messages of some kinds, delay
   every message, or send no heartbeats.
 - `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.sim` with
@@ -29,11 +32,12 @@ import numpy as np
 from kvhandoff.errors import TransportError
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.effects import Delayed, Effect, Send
-from kvhandoff.transfer.transports.base import OnDone, Transport, TransportStatus
+from kvhandoff.transfer.transports.base import OnDone, OnWritten, Transport, TransportStatus
 
 log = logging.getLogger("kvhandoff.testing.faults")
 
 CRASH_EXIT_CODE = 137
+SCRATCH = "fault/scratch"  # the 1-byte buffer a corrupting write copies from
 
 
 @dataclass
@@ -79,6 +83,13 @@ class FaultyTransport(Transport):
         self._held: list[_Held] = []
         self._lock = threading.Lock()
         self.log = FaultLog()
+        # one-sided writes: forwarded when the inner transport has them; a corruption is a
+        # second 1-byte write of a flipped source byte after the real one landed (so the
+        # writer's checksum is of the true bytes and the landed ones differ)
+        self.supports_write = inner.supports_write  # type: ignore[misc]
+        self._scratch = np.zeros(1, dtype=np.uint8)
+        if inner.supports_write and self._corrupt:
+            inner.register(SCRATCH, self._scratch)
 
     # --- plain forwarding --------------------------------------------------------------------
 
@@ -100,6 +111,18 @@ class FaultyTransport(Transport):
     def status(self) -> TransportStatus:
         return self.inner.status()
 
+    def describe(self, name: str) -> bytes:
+        return self.inner.describe(name)
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        self.inner.register_remote(peer, name, descriptor)
+
+    def fence(self, peer: str, on_done: OnDone) -> None:
+        self.inner.fence(peer, on_done)
+
+    def peer_exited(self, peer: str) -> bool:
+        return self.inner.peer_exited(peer)
+
     def cancel(self, peer: str, tag: int) -> None:
         self._complete_held(lambda h: h.peer == peer and h.tag == tag, "cancelled")
         self.inner.cancel(peer, tag)
@@ -110,8 +133,8 @@ class FaultyTransport(Transport):
 
     # --- faults ------------------------------------------------------------------------------
 
-    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
+    def _outgoing_fault(self, peer: str, tag: int, on_done: OnDone) -> bool:
+        """Crash, stall or fail an outgoing op of the configured layers (True: handled)."""
         _, layer, _, _ = P.split_tag(tag)
         if self._crash is not None and layer == self._crash:
             log.error("fault injection: the process exits at layer %d", layer)
@@ -121,11 +144,49 @@ class FaultyTransport(Transport):
             with self._lock:
                 self._held.append(_Held(peer, tag, on_done))
                 self.log.stalled += 1
-            return
+            return True
         if layer in self._fail:
             self._fail_later(on_done, f"injected send failure on layer {layer}")
+            return True
+        return False
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        if not self._outgoing_fault(peer, tag, on_done):
+            self.inner.post_send(peer, tag, name, offsets, nbytes, on_done)
+
+    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
+                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
+                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
+                   checksum: bool = False) -> None:
+        if self._outgoing_fault(peer, tag, lambda exc: on_done(exc, None)):
             return
-        self.inner.post_send(peer, tag, name, offsets, nbytes, on_done)
+        _, layer, _, _ = P.split_tag(tag)
+        region = name.rsplit("/", 1)[0]
+        spec = next((c for c in self._corrupt if c.layer == layer and c.region == region), None)
+        if spec is None or not len(offsets) or not len(remote_offsets):
+            self.inner.post_write(peer, tag, name, offsets, nbytes, remote, remote_offsets,
+                                  remote_nbytes, on_done, checksum=checksum)
+            return
+        src, dst = int(offsets[0]), int(remote_offsets[0])
+
+        def landed(exc: BaseException | None, digest: int | None) -> None:
+            with self._lock:
+                fire = exc is None and spec.times > 0
+                spec.times -= fire
+            if not fire:
+                on_done(exc, digest)
+                return
+            self._scratch[0] = self._bufs[name][src] ^ 0xFF
+            self.log.corrupted.append((layer, region, dst))
+            log.warning("fault injection: flipping byte %d of the peer's %s", dst, remote)
+            one = np.ones(1, dtype=np.int64)
+            self.inner.post_write(peer, tag, SCRATCH, np.zeros(1, dtype=np.int64), one, remote,
+                                  np.array([dst], dtype=np.int64), one,
+                                  lambda e, _d: on_done(e, digest))
+
+        self.inner.post_write(peer, tag, name, offsets, nbytes, remote, remote_offsets,
+                              remote_nbytes, landed, checksum=checksum)
 
     def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvhandoff.errors import Failure
@@ -39,6 +40,8 @@ from kvhandoff.transfer.effects import (
     Log,
     PostRecv,
     PostSend,
+    PostWrite,
+    RegisterRemote,
     Release,
     RoomUpdate,
     Send,
@@ -94,18 +97,26 @@ class MemoryWire:
         self._drop: list[Callable[[str, str, Any], bool]] = []
         self._hold: list[Callable[[str, str, Any], bool]] = []
         self._corrupt: list[tuple[int, str]] = []
+        self.refuse_writes: str | None = None  # RegisterRemote answers this error when set
+        self.exited: set[str] = set()  # sides whose "process" ended (Transport.peer_exited)
 
     # ------------------------------------------------------------------ building
 
     def add(self, name: str, role: Role, layout: LayoutSpec, *, num_pages: int = 16,
-            settings: Settings | None = None) -> Side:
-        """A side called `name` (its control address) with zeroed buffers of `num_pages`."""
+            settings: Settings | None = None, writes: bool = False) -> Side:
+        """A side called `name` (its control address) with zeroed buffers of `num_pages`;
+        `writes`: its "transport" takes one-sided writes (a decode offers its buffers, a
+        prefill writes into decodes that do)."""
         st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
         bufs = BufferSet(layout, allocate(layout, num_pages))
+        descs = tuple(bufs.descs())
+        if writes and role is Role.DECODE:
+            descs = tuple(msgspec.structs.replace(d, descriptor=f"{name}:{d.region}".encode())
+                          for d in descs)
         ident = Identity(address=name, generation=len(self.sides) + 11, agent_id=name,
                          role=role, transport_kind="memory", transport_address=name.encode(),
-                         layout=layout, layout_hash=layout_hash(layout),
-                         buffers=tuple(bufs.descs()))
+                         layout=layout, layout_hash=layout_hash(layout), buffers=descs,
+                         writes=writes)
         side = Side(name, TransferSession(identity=ident, settings=st, now=self.clock()),
                     dict(bufs.views()))
         self.sides[name] = side
@@ -180,9 +191,17 @@ class MemoryWire:
             mine.setdefault(key, deque()).append(_Op(side, eff.op, eff.buffer, eff.offsets,
                                                      eff.nbytes))
             self._match(key)
+        elif isinstance(eff, PostWrite):
+            self._write(side, eff)
+        elif isinstance(eff, RegisterRemote):
+            error = self.refuse_writes or (None if eff.peer in self.sides else
+                                           f"no such peer {eff.peer}")
+            self.feed(side, ev.RemoteRegistered(eff.peer, error))
         elif isinstance(eff, Cancel):
             self._cancel(lambda k, s: s.side is side and eff.peer in k[:2] and k[2] == eff.tag)
         elif isinstance(eff, DropPeer):
+            if eff.peer in self.exited:
+                self.completions.append((side, ev.PeerExited(eff.peer, eff.gen)))
             self._cancel(lambda k, s: s.side is side and eff.peer in k[:2])
         elif isinstance(eff, Connect):
             self.feed(side, ev.Connected(eff.peer, None if eff.peer in self.sides else
@@ -234,6 +253,24 @@ class MemoryWire:
                 dst[int(r.offsets[0])] ^= 0xFF
             self.completions.append((s.side, ev.OpDone(s.op, None)))
             self.completions.append((r.side, ev.OpDone(r.op, None)))
+
+    def _write(self, side: Side, eff: PostWrite) -> None:
+        """A one-sided write lands at once (into the peer's buffer of the same name)."""
+        dest = self.sides.get(eff.peer)
+        if dest is None or eff.peer in self.exited:
+            self.completions.append((side, ev.Written(eff.op, f"peer {eff.peer} is gone")))
+            return
+        src, dst = side.buffers[eff.buffer], dest.buffers[eff.buffer]
+        for so, do, n in zip(eff.offsets.tolist(), eff.remote_offsets.tolist(),
+                             eff.nbytes.tolist(), strict=True):
+            dst[do:do + n] = src[so:so + n]
+        _, layer, _, _ = P.split_tag(eff.tag)
+        region = eff.buffer.rsplit("/", 1)[0]
+        if (layer, region) in self._corrupt and len(eff.offsets):
+            self._corrupt.remove((layer, region))
+            dst[int(eff.remote_offsets[0])] ^= 0xFF
+        digest = span_checksum(src, eff.offsets, eff.nbytes) if eff.checksum else None
+        self.completions.append((side, ev.Written(eff.op, None, digest)))
 
     def _cancel(self, which: Callable[[tuple[str, str, int], _Op], bool]) -> None:
         for table in (self._sends, self._recvs):

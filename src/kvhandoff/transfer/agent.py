@@ -138,6 +138,7 @@ class TransferAgent:
             role=self.role, transport_kind=self.transport.kind,
             transport_address=self.transport.address, layout=layout,
             layout_hash=self.layout_hash, buffers=self._buffer_descs(views),
+            writes=self._writes(),
             hmac_secret=secret.get_secret_value().encode() if secret else None),
             settings=self.settings, now=time.monotonic())
         self._loop.start(self._session, self.agent_id)
@@ -324,12 +325,14 @@ class TransferAgent:
             out[reg.name] = arr
         return out
 
+    def _writes(self) -> bool:
+        return self.settings.one_sided_writes and self.transport.supports_write
+
     def _buffer_descs(self, views: dict[str, Any]) -> tuple[BufferDesc, ...]:
         """The buffers this agent announces in its Hello; a decode whose transport can take
         one-sided writes (and `one_sided_writes` is on) adds each buffer's descriptor."""
         descs = self.buffers.descs()
-        if not (self.role is Role.DECODE and self.settings.one_sided_writes
-                and self.transport.supports_write):
+        if not (self.role is Role.DECODE and self._writes()):
             return tuple(descs)
         out = []
         for d in descs:

@@ -47,6 +47,8 @@ from kvhandoff.transfer.effects import (
     Log,
     PostRecv,
     PostSend,
+    PostWrite,
+    RegisterRemote,
     Release,
     RoomUpdate,
     Send,
@@ -188,6 +190,22 @@ class ControlLoop:
                 post(eff.peer, eff.tag, eff.buffer, eff.offsets, eff.nbytes, done)
             except KVHandoffError as e:
                 self.post(ev.OpDone(eff.op, str(e)))
+        elif isinstance(eff, PostWrite):
+            written = functools.partial(self._written, eff.op)
+            try:
+                self.transport.post_write(eff.peer, eff.tag, eff.buffer, eff.offsets,
+                                          eff.nbytes, eff.buffer, eff.remote_offsets,
+                                          eff.nbytes, written, checksum=eff.checksum)
+            except KVHandoffError as e:
+                self.post(ev.Written(eff.op, str(e)))
+        elif isinstance(eff, RegisterRemote):
+            error = None
+            try:
+                for name, descriptor in eff.descriptors:
+                    self.transport.register_remote(eff.peer, name, descriptor)
+            except KVHandoffError as e:
+                error = str(e)
+            self._feed(ev.RemoteRegistered(eff.peer, error))
         elif isinstance(eff, RoomUpdate):
             assert isinstance(eff.token, RoomView)
             eff.token.update(eff.state, eff.failure, eff.landed, eff.done)
@@ -210,6 +228,8 @@ class ControlLoop:
             self._feed(ev.Connected(eff.peer, error))
         elif isinstance(eff, DropPeer):
             try:
+                if self.transport.peer_exited(eff.peer):
+                    self.post(ev.PeerExited(eff.peer, eff.gen))
                 self.transport.disconnect(eff.peer)
             except KVHandoffError:
                 pass
@@ -227,6 +247,10 @@ class ControlLoop:
     def _op_done(self, op: int, exc: BaseException | None) -> None:
         """(transport thread) A posted op completed."""
         self.post(ev.OpDone(op, None if exc is None else str(exc)))
+
+    def _written(self, op: int, exc: BaseException | None, digest: int | None) -> None:
+        """(transport thread) A one-sided write ended."""
+        self.post(ev.Written(op, None if exc is None else str(exc), digest))
 
     def _hash(self, job: HashSpans) -> None:
         """(hasher thread) The sums of a hashing job, posted back as `Hashed`."""

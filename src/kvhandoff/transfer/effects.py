@@ -72,9 +72,12 @@ class Connect(Effect):
 
 @dataclass(frozen=True, slots=True)
 class DropPeer(Effect):
-    """Forget `peer`: disconnect the transport from it and close its control socket."""
+    """Forget `peer`: disconnect the transport from it and close its control socket. When
+    the transport knows that the peer's process has ended (`Transport.peer_exited`), the
+    driver says so first (`events.PeerExited` with `gen`, the generation forgotten)."""
 
     peer: str
+    gen: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,32 @@ class PostRecv(Effect):
     buffer: str
     offsets: np.ndarray
     nbytes: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite(Effect):
+    """One-sided: write span list (offsets, nbytes) of local buffer `buffer` into span list
+    (remote_offsets, nbytes) of `peer`'s buffer of the same name (installed by
+    `RegisterRemote`), hashing the source stream while copying when `checksum`; completion
+    comes back as `events.Written(op)` once the bytes landed."""
+
+    op: int
+    peer: str
+    tag: int
+    buffer: str
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    remote_offsets: np.ndarray
+    checksum: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRemote(Effect):
+    """Install a connected peer's buffer descriptors (transport buffer name -> descriptor)
+    for one-sided writes; the driver answers with `events.RemoteRegistered` at once."""
+
+    peer: str
+    descriptors: tuple[tuple[str, bytes], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,6 +116,34 @@ class OpDone(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Written(Event):
+    """A `PostWrite` ended: `error` why it failed (None: the bytes landed), `digest` the
+    xxh3-64 of the source stream when the write was asked to hash it."""
+
+    op: int
+    error: str | None
+    digest: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRegistered(Event):
+    """The answer to a `RegisterRemote` effect (`error`: why the descriptors were refused;
+    the prefill then sends to that peer two-sided)."""
+
+    peer: str
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerExited(Event):
+    """The transport knows that generation `gen` of `peer` has ended its process: nothing of
+    it writes into our memory any more (one-sided legs' pages may go back at once)."""
+
+    peer: str
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
 class Hashed(Event):
     """A `HashSpans` job finished: one sum per span list, or `error`."""
 

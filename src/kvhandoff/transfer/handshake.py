@@ -54,6 +54,8 @@ class Peer:
     initiated: bool = False  # we said Hello first
     layout: LayoutSpec | None = None
     transport_address: bytes = b""
+    descriptors: dict[str, bytes] = field(default_factory=dict)  # its buffers, for our writes
+    writes: bool = False  # its descriptors are installed: we write into it one-sided
     last_seen: float = 0.0
     waiting: list[Leg] = field(default_factory=list)  # legs waiting for the handshake
 
@@ -83,6 +85,9 @@ class Identity:
     layout_hash: str
     buffers: tuple[P.BufferDesc, ...]
     hmac_secret: bytes | None = None
+    #: the transport can write one-sided and `one_sided_writes` is on: a decode offers its
+    #: buffers' descriptors (in `buffers`), a prefill writes into a decode that offers them
+    writes: bool = False
 
     def hello(self, cls: type[P.Hello]) -> P.Hello:
         """This agent's Hello (or HelloAck), signed when a shared secret is set."""

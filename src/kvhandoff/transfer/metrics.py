@@ -38,6 +38,11 @@ _COUNTER_HELP = {
     "peers_lost": "Peers declared dead (missed heartbeats) or restarted.",
     "early_dropped": "Messages for rooms not yet opened by the engine, dropped because the "
                      "agent already held its limit of such rooms (transfer requests are refused).",
+    "rooms_one_sided": "Room legs moved by one-sided writes (the prefill writes straight into "
+                       "the decode's pages; the rest are sent two-sided).",
+    "write_quarantines": "Failed one-sided room legs whose pages the decode held for "
+                         "write_quarantine_s because the prefill never confirmed its writes "
+                         "stopped (it died or was cut off).",
 }
 
 

@@ -119,6 +119,9 @@ class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
     page_size: int
     src_pages: dict[str, list[int]]  # per region, same convention as dst_pages
     chunk_end: int = -1  # chunked prefill: the tokens src_pages cover so far (-1: seq_len)
+    # the prefill writes straight into the decode's pages (the descriptors of its Hello): the
+    # decode posts no receives; a layer's bytes have landed when its LayerDone comes
+    one_sided: bool = False
 
 
 class Failed(_Msg, tag="failed", frozen=True):

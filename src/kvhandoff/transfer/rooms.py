@@ -95,6 +95,11 @@ class Leg:
     recv_done: dict[tuple[int, int], set[str]] = field(default_factory=dict)
     failure: Failure | None = None
     released: bool = False  # terminal and nothing in flight
+    one_sided: bool = False  # the prefill writes into the decode's pages (no receives)
+    # decode, one-sided: the prefill may still write into this leg's pages (until every layer
+    # landed, or the prefill confirmed it stopped, or write_quarantine_s after a failure)
+    remote_writes: bool = False
+    write_sums: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
     bytes_moved: int = 0
     retransmits: int = 0
     checksums_verified: int = 0

@@ -66,7 +66,8 @@ EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
 COUNTERS = ("messages_in", "rejected_messages", "stale_messages", "retransmits",
             "checksum_failures", "checksums_verified", "bytes_sent", "bytes_received",
-            "rooms_success", "rooms_failed", "peers_lost", "early_dropped")
+            "rooms_success", "rooms_failed", "peers_lost", "early_dropped", "rooms_one_sided",
+            "write_quarantines")
 # upper bounds (s) of the tail histogram (last layer_ready -> Success); one more bucket: +Inf
 TAIL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -119,7 +120,9 @@ class TransferSession(PeerHandling, DataPath):
             ev.AbortRoom: self._on_abort, ev.OpDone: self._on_op_done,
             ev.Hashed: self._on_hashed, ev.Connected: self._on_connected,
             ev.Tick: self._on_tick, ev.ForgetPeer: self._on_forget_peer,
-            ev.AddChunk: self._on_add_chunk,
+            ev.AddChunk: self._on_add_chunk, ev.Written: self._on_written,
+            ev.RemoteRegistered: self._on_remote_registered,
+            ev.PeerExited: self._on_peer_exited,
         }
 
     # ------------------------------------------------------------------ the entry point
@@ -357,10 +360,19 @@ class TransferSession(PeerHandling, DataPath):
         return None
 
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
+        if isinstance(msg, P.Failed | P.Abort | P.AbortAck) and r.remote_writes:
+            # one-sided decode: the prefill sends these only after its writes into this
+            # leg's pages stopped (it cancels them first), so the pages may be reused
+            r.remote_writes = False
+            if r.machine.is_terminal:
+                self._maybe_release(r)
         if isinstance(msg, P.Failed):
             reason = f"peer failed the room: {msg.reason}"
             self._fail(r, RemoteFailed(reason=reason), notify=Notify.NONE,
                        failure=remote_failure(msg.failure_kind, reason))
+            if r.one_sided and r.role is Role.PREFILL:  # our writes were cancelled: say so
+                self._send(msg.src, P.AbortAck(src=self.me.address, gen=self.me.generation,
+                                               room=r.room))
         elif isinstance(msg, P.Abort):
             other = Role.DECODE if self.role is Role.PREFILL else Role.PREFILL
             self._fail(r, Aborted(reason=msg.reason, by=other), notify=Notify.NONE,
@@ -432,6 +444,8 @@ class TransferSession(PeerHandling, DataPath):
         if not ok:
             for tag in list(r.inflight_tags):
                 self._emit(Cancel(r.peer, tag))
+            if r.remote_writes:  # the prefill may still write into our pages: see quarantine
+                self._later(self.settings.write_quarantine_s, lambda: self._quarantined(r))
         g = r.group
         if not ok and g.failure is None:
             g.failure = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
@@ -469,9 +483,21 @@ class TransferSession(PeerHandling, DataPath):
             self._emit(Release(g.token, g.room))
 
     def _maybe_release(self, r: Leg) -> None:
-        if not r.inflight_tags and not r.released:
+        if not r.inflight_tags and not r.remote_writes and not r.released:
             r.released = True
         self._group_update(r.group)
+
+    def _quarantined(self, r: Leg) -> None:
+        """Decode, one-sided: a failed leg's prefill never confirmed that its writes stopped
+        (it died, or is stopped or cut off): after `write_quarantine_s` the pages go back."""
+        if not r.remote_writes:
+            return
+        r.remote_writes = False
+        self.counters["write_quarantines"] += 1
+        self._emit(Log(WARNING, f"room {r.room}: prefill {r.peer} never confirmed that its "
+                                f"writes into this room's pages stopped; releasing them after "
+                                f"write_quarantine_s={self.settings.write_quarantine_s:g}s"))
+        self._maybe_release(r)
 
     def _publish(self) -> None:
         """One `RoomUpdate` per room whose engine-visible state changed."""
@@ -578,6 +604,7 @@ class TransferSession(PeerHandling, DataPath):
             "legs": len(g.legs), "peers": [r.peer for r in g.legs],
             "bytes": sum(r.bytes_moved for r in g.legs),
             "retransmits": sum(r.retransmits for r in g.legs),
+            "one_sided": bool(g.legs) and all(r.one_sided for r in g.legs),
             "checksums_verified": sum(r.checksums_verified for r in g.legs),
             "descriptors": desc, "descriptors_before": before, "bytes_per_region": per_region,
             "t_created": g.t_created, "t_last_ready": g.t_last_ready, "t_done": g.t_done,

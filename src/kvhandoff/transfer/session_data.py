@@ -49,7 +49,7 @@ from kvhandoff.state_machine import (
 from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.checksum import wants_checksum
-from kvhandoff.transfer.effects import Effect, HashSpans, Notify, PostRecv, PostSend
+from kvhandoff.transfer.effects import Effect, HashSpans, Notify, PostRecv, PostSend, PostWrite
 from kvhandoff.transfer.handshake import Refusal, admission_of
 from kvhandoff.transfer.rooms import Group, Leg
 
@@ -171,6 +171,7 @@ class DataPath:
             r.planes = msg.planes
             r.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
             r.dst_page_size = msg.page_size
+            r.one_sided = p.writes
             end = r.group.chunk_end or r.seq_len
             r.plans = self._plans(r, src_pages=r.pages, src_ps=r.page_size,
                                   dst_pages=r.dst_table, dst_ps=msg.page_size,
@@ -190,10 +191,12 @@ class DataPath:
         r.machine.apply(LeaseRenewed(), self._now)
         self._dirty[id(r.group)] = r.group
         r.accepted = True
+        if r.one_sided:
+            self.counters["rooms_one_sided"] += 1
         self._send(msg.src, P.TransferAccepted(
             src=self.me.address, gen=self.me.generation, room=r.room, page_size=r.page_size,
             src_pages={k: v.tolist() for k, v in r.pages.items()},
-            chunk_end=-1 if end >= r.seq_len else end))
+            chunk_end=-1 if end >= r.seq_len else end, one_sided=r.one_sided))
         for layer in r.group.ready:
             self._post_layer(r, layer, 0)
 
@@ -375,6 +378,8 @@ class DataPath:
             if p is None or p.layout is None:
                 raise ConfigError("TransferAccepted before the prefill's Hello")
             end = r.seq_len if msg.chunk_end < 0 else msg.chunk_end
+            if msg.one_sided and not self.me.writes:
+                raise ConfigError("one_sided: this decode offered no buffers for writes")
             if not 0 < end <= r.seq_len:
                 raise ConfigError(f"chunk_end: {msg.chunk_end} not in 1..{r.seq_len}")
             r.src_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.src_pages.items()}
@@ -387,6 +392,9 @@ class DataPath:
                        notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         r.accepted = True
+        if msg.one_sided:
+            r.one_sided = r.remote_writes = True
+            self.counters["rooms_one_sided"] += 1
         self._apply(r, TransferAccepted())
         for layer in r.layers:
             self._post_recv_layer(r, layer, 0)
@@ -431,13 +439,23 @@ class DataPath:
         r.outstanding[key] = len(regions)
         plans = self._chunk_plans(r, layer)
         real = layer & _LAYER_MASK
+        want = wants_checksum(self.settings.checksum, self.layer_order[real], len(self.layers))
+        if r.one_sided:  # straight into the decode's pages, hashed while copying
+            r.write_sums[key] = {}
+            for name in regions:
+                plan = plans[name]
+                tag = self._tag(r, layer, name, attempt)
+                op = self._op(r, tag, send=True, layer=layer, attempt=attempt, region=name)
+                self._emit(PostWrite(op, r.peer, tag, buffer_name(name, real), plan.src_offsets,
+                                     plan.nbytes, plan.dst_offsets, want))
+            return
         for name in regions:
             plan = plans[name]
             tag = self._tag(r, layer, name, attempt)
             op = self._op(r, tag, send=True, layer=layer, attempt=attempt, region=name)
             self._emit(PostSend(op, r.peer, tag, buffer_name(name, real), plan.src_offsets,
                                 plan.nbytes))
-        if wants_checksum(self.settings.checksum, self.layer_order[real], len(self.layers)):
+        if want:
             self._hash(_Job(r, False, layer, attempt, tuple(regions), tuple(regions)))
         else:
             self._queue_done(r, layer, attempt, tuple(regions), (None,) * len(regions))
@@ -464,6 +482,10 @@ class DataPath:
         r.posted[layer] = attempt
         r.recv_done[(layer, attempt)] = set()
         regions = self._regions_of(r, layer)
+        if r.one_sided:  # nothing to post: the bytes are in once the layer's LayerDone is
+            r.recv_done[(layer, attempt)] = set(regions)
+            self._try_verify(r, layer, attempt)
+            return
         if not regions:
             self._try_verify(r, layer, attempt)
         plans = self._chunk_plans(r, layer)
@@ -481,17 +503,49 @@ class DataPath:
         if op is None:
             return
         r = op.leg
-        left = r.inflight_tags.get(op.tag, 1) - 1
-        if left:
-            r.inflight_tags[op.tag] = left
-        else:
-            r.inflight_tags.pop(op.tag, None)
+        self._op_ended(r, op.tag)
         if r.machine.is_terminal:
             self._maybe_release(r)
         elif op.send:
             self._sent(r, op.layer, op.attempt, op.region, e.error)
         else:
             self._received(r, op.layer, op.attempt, op.region, e.error)
+
+    def _on_written(self, e: ev.Written) -> None:
+        """Prefill: a one-sided write of (layer, region) landed (or failed). LayerDone leaves
+        once every region of the layer landed, with the sums computed while copying."""
+        op = self._ops.pop(e.op, None)
+        if op is None:
+            return
+        r = op.leg
+        self._op_ended(r, op.tag)
+        if r.machine.is_terminal:
+            self._maybe_release(r)
+            return
+        error = e.error
+        key = (op.layer, op.attempt)
+        sums = r.write_sums.get(key)
+        if error is None and sums is not None:
+            real = op.layer & _LAYER_MASK
+            want = wants_checksum(self.settings.checksum, self.layer_order[real],
+                                  len(self.layers))
+            if want and e.digest is None:
+                error = "the transport returned no checksum for a write that asked for one"
+            else:
+                sums[op.region] = e.digest if want else None
+                regions = tuple(self._regions_of(r, op.layer))
+                if len(sums) == len(regions):
+                    del r.write_sums[key]
+                    self._queue_done(r, op.layer, op.attempt, regions,
+                                     tuple(sums[n] for n in regions))
+        self._sent(r, op.layer, op.attempt, op.region, error)
+
+    def _op_ended(self, r: Leg, tag: int) -> None:
+        left = r.inflight_tags.get(tag, 1) - 1
+        if left:
+            r.inflight_tags[tag] = left
+        else:
+            r.inflight_tags.pop(tag, None)
 
     def _sent(self, r: Leg, layer: int, attempt: int, region: str, error: str | None) -> None:
         if error is not None:
@@ -624,6 +678,7 @@ class DataPath:
             g.landed.add(layer)
             self._dirty[id(g)] = g
         if r.machine.layers >= set(r.layers):
+            r.remote_writes = False  # every layer verified: the prefill writes nothing more
             self._apply(r, AllLayersLanded())
             self._send(r.peer, P.RoomAck(src=self.me.address, gen=self.me.generation,
                                          room=r.room))

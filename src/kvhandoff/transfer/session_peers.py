@@ -24,7 +24,16 @@ from kvhandoff.state_machine import (
 )
 from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.effects import Connect, DropPeer, Effect, Notify
+from kvhandoff.transfer.effects import (
+    INFO,
+    WARNING,
+    Connect,
+    DropPeer,
+    Effect,
+    Log,
+    Notify,
+    RegisterRemote,
+)
 from kvhandoff.transfer.failures import failure_of
 from kvhandoff.transfer.handshake import (
     Identity,
@@ -34,6 +43,7 @@ from kvhandoff.transfer.handshake import (
     reserved_pages,
 )
 from kvhandoff.transfer.rooms import Group, Leg
+from kvhandoff.transfer.session_data import buffer_name
 
 if TYPE_CHECKING:
     from kvhandoff.kv_layout import LayoutSpec
@@ -67,6 +77,7 @@ class PeerHandling:
         def _init_leg(self, r: Leg) -> None: ...
         def _fail_group(self, g: Group, failure: Failure) -> None: ...
         def _group_update(self, g: Group) -> None: ...
+        def _maybe_release(self, r: Leg) -> None: ...
         def _fail(self, r: Leg, fe: FailureEvent, *, notify: Notify,
                   kind: FailureKind | None = None, failure: Failure | None = None) -> None: ...
 
@@ -187,6 +198,8 @@ class PeerHandling:
         p.layout = layout
         p.state = PeerState.CONNECTING
         p.transport_address = msg.transport_address
+        p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
+                         if b.descriptor}
         self._pending_ack[p.addr] = not isinstance(msg, P.HelloAck)
         self._emit(Connect(msg.src, msg.transport_address))  # answered by Connected at once
 
@@ -203,11 +216,36 @@ class PeerHandling:
             self._fail_waiting(p, lost, FailureKind.TRANSPORT)
             return
         p.state, p.rejected = PeerState.MATCHED, None
+        if self.me.writes and self.me.role is Role.PREFILL and p.descriptors:
+            # answered by RemoteRegistered at once, before any transfer request is read
+            self._emit(RegisterRemote(p.addr, tuple(sorted(p.descriptors.items()))))
         if reply_ack:
             self._send(e.peer, self.me.hello(P.HelloAck))
         waiting, p.waiting = p.waiting, []
         for r in waiting:
             self._matched(r, p)
+
+    def _on_remote_registered(self, e: ev.RemoteRegistered) -> None:
+        """Prefill: the decode's buffers are installed (one-sided writes from now on), or
+        refused (its rooms are sent two-sided; said once, as a warning)."""
+        p = self.peers.get(e.peer)
+        if p is None:
+            return
+        p.writes = e.error is None
+        if e.error is None:
+            self._emit(Log(INFO, f"peer {e.peer}: one-sided writes into its "
+                                 f"{len(p.descriptors)} buffers"))
+        else:
+            self._emit(Log(WARNING, f"peer {e.peer}: one-sided writes refused ({e.error}); "
+                                    "its rooms are sent two-sided"))
+
+    def _on_peer_exited(self, e: ev.PeerExited) -> None:
+        """Decode: a lost prefill's process is gone: its one-sided legs' pages go back now
+        instead of after `write_quarantine_s`."""
+        for r in list(self.legs.values()):
+            if r.peer == e.peer and r.peer_gen == e.gen and r.remote_writes:
+                r.remote_writes = False
+                self._maybe_release(r)
 
     def _tell_forgotten(self, addr: str) -> None:
         """A peer this agent declared lost still talks to it (it did not see us die): tell it
@@ -245,4 +283,4 @@ class PeerHandling:
         self.peers.pop(p.addr, None)
         self._pending_ack.pop(p.addr, None)
         self._forgotten[p.addr] = self._now
-        self._emit(DropPeer(p.addr))
+        self._emit(DropPeer(p.addr, p.gen))

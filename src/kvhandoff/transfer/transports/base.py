@@ -127,6 +127,12 @@ class Transport(ABC):
         """on_done once every write posted to `peer` before this call has ended."""
         raise self._no_write("fence")
 
+    def peer_exited(self, peer: str) -> bool:
+        """True only when this transport knows that `peer`'s process has ended (a same-host
+        peer's pidfd), so nothing of it can write into this process's memory any more.
+        False when it cannot tell (the default; peers on other hosts)."""
+        return False
+
     def _no_write(self, what: str) -> TransportError:
         return TransportError(f"{what}: the {self.kind} transport has no one-sided writes "
                               "(supports_write is False); use post_send / post_recv")
