@@ -59,7 +59,8 @@ from kvhandoff.transfer.effects import (
 from kvhandoff.transfer.failures import failure_of, remote_failure
 from kvhandoff.transfer.handshake import Identity, Peer, PeerState
 from kvhandoff.transfer.rooms import Group, Leg
-from kvhandoff.transfer.session_data import DataPath, unit_of
+from kvhandoff.transfer.session_chunks import unit_of
+from kvhandoff.transfer.session_data import DataPath
 from kvhandoff.transfer.session_peers import NO_HANDSHAKE, PeerHandling
 
 EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
