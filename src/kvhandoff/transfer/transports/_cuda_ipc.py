@@ -1,0 +1,321 @@
+"""Same-host GPU lane pieces (CUDA IPC), standalone: the shm transport is meant to call them
+for CUDA buffers; nothing calls them yet but the tests and the GPU bench.
+
+- `export_buffer(t)`: a CUDA tensor as (IPC handle of its allocation block, offset of the
+  tensor's bytes in the block, nbytes, device). The torch caching allocator hands out
+  sub-blocks of larger allocations and CUDA IPC shares whole allocations, so the handle is
+  the block's (``UntypedStorage._share_cuda_()`` finds the block and the storage's offset in
+  it) and the offset adds the tensor's own offset in its storage.
+- `IpcExport.encode()` / `decode_export()`: a versioned msgpack map (no pickle); a decode
+  names the field that is missing or of the wrong type, and refuses other versions.
+- `PeerBlocks.open(peer, export)`: a uint8 tensor over the peer's bytes. Each (peer, block
+  handle) is opened once (one ``_new_shared_cuda``); the other buffers of that block are
+  addressed from the opened block's base pointer. `close_peer` drops a peer's blocks.
+- `match_spans`: a source span list and a destination span list carrying the same stream,
+  cut differently, as (src offset, dst offset, nbytes) pieces; pieces contiguous on both
+  sides are merged. `plan_batches`: the pieces as copy batches: long pieces one device
+  copy each, runs of short pieces of one length a single gather/scatter kernel each.
+- `copy_spans(...)`: runs the batches with async copies on a private stream (one per
+  device, created on first use), after the caller's `after` event, and returns an event
+  recorded behind the last copy (`query()` / `synchronize()`, as `Sender.layer_ready`
+  takes). CPU tensors take the same path synchronously (tests): the event is already done.
+
+Only torch CUDA tensors from the caching allocator are exported here (objects seen only
+through ``__cuda_array_interface__`` are refused with a clear error).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+VERSION = 1
+SMALL_PIECE = 64 << 10  # pieces shorter than this are batched into gather/scatter kernels
+MAX_BATCH = 1 << 16  # pieces per gather batch
+
+
+# ---- descriptor --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IpcExport:
+    """What a peer needs to open one CUDA buffer of this process (see module doc)."""
+
+    device: int
+    handle: bytes  # cudaIpcMemHandle of the allocation block (as torch gives it)
+    storage_offset: int  # byte offset of the storage in the block
+    storage_nbytes: int  # size of that storage
+    offset: int  # byte offset of the buffer in its storage
+    nbytes: int
+    ref_counter_handle: bytes  # torch's producer-side reference counter (keeps the block)
+    ref_counter_offset: int
+    event_handle: bytes  # torch's IPC event of the producer's last use
+    event_sync_required: bool
+
+    @property
+    def block_offset(self) -> int:
+        """Byte offset of the buffer in the allocation block."""
+        return self.storage_offset + self.offset
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode({"v": VERSION, **{f: getattr(self, f) for f in _FIELDS}})
+
+
+_FIELDS: dict[str, type] = {"device": int, "handle": bytes, "storage_offset": int,
+                            "storage_nbytes": int, "offset": int, "nbytes": int,
+                            "ref_counter_handle": bytes, "ref_counter_offset": int,
+                            "event_handle": bytes, "event_sync_required": bool}
+
+
+def decode_export(blob: bytes) -> IpcExport:
+    """The `IpcExport` of `blob`; ValueError naming the field on anything unexpected."""
+    try:
+        m = msgspec.msgpack.decode(blob)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"cuda ipc descriptor: not msgpack: {e}") from None
+    if not isinstance(m, dict):
+        raise ValueError("cuda ipc descriptor: expected a map")
+    v = m.get("v")
+    if v != VERSION:
+        raise ValueError(f"cuda ipc descriptor: version {v!r}, this side reads {VERSION}")
+    out: dict[str, Any] = {}
+    for f, typ in _FIELDS.items():
+        if f not in m:
+            raise ValueError(f"cuda ipc descriptor: field {f!r} missing")
+        x = m[f]
+        ok = isinstance(x, typ) and (typ is bool or not isinstance(x, bool))
+        if not ok:
+            raise ValueError(f"cuda ipc descriptor: field {f!r} must be {typ.__name__}, got "
+                             f"{type(x).__name__}")
+        if typ is int and x < 0:
+            raise ValueError(f"cuda ipc descriptor: field {f!r} must be >= 0, got {x}")
+        out[f] = x
+    if out["offset"] + out["nbytes"] > out["storage_nbytes"]:
+        raise ValueError(f"cuda ipc descriptor: offset {out['offset']} + nbytes "
+                         f"{out['nbytes']} past the storage ({out['storage_nbytes']} bytes)")
+    return IpcExport(**out)
+
+
+def export_buffer(t: Any) -> IpcExport:
+    """The `IpcExport` of a contiguous CUDA tensor (any dtype) from torch's allocator."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"cuda ipc export: expected a torch CUDA tensor, got "
+                         f"{type(t).__name__} (buffers seen only through "
+                         "__cuda_array_interface__ are not exported yet)")
+    if t.device.type != "cuda":
+        raise ValueError(f"cuda ipc export: tensor is on {t.device}, not a CUDA device")
+    if not t.is_contiguous():
+        raise ValueError("cuda ipc export: tensor must be contiguous")
+    st = t.untyped_storage()
+    (device, handle, size, st_off, ref_h, ref_off, ev_h, ev_sync) = st._share_cuda_()
+    return IpcExport(device=int(device), handle=bytes(handle), storage_offset=int(st_off),
+                     storage_nbytes=int(size),
+                     offset=int(t.storage_offset()) * t.element_size(),
+                     nbytes=t.numel() * t.element_size(), ref_counter_handle=bytes(ref_h),
+                     ref_counter_offset=int(ref_off), event_handle=bytes(ev_h or b""),
+                     event_sync_required=bool(ev_sync))
+
+
+class _Raw:
+    """A CUDA byte range by address for torch.as_tensor; keeps the opened block alive."""
+
+    def __init__(self, ptr: int, nbytes: int, keep: Any) -> None:
+        self._keep = keep
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,),
+                                         "typestr": "|u1", "strides": None, "version": 3}
+
+
+class PeerBlocks:
+    """Peers' allocation blocks opened through CUDA IPC, each (peer, handle) once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: dict[tuple[str, bytes], tuple[Any, int]] = {}  # -> (storage, base)
+        self.opens = 0  # IPC opens done (tests: once per block per peer)
+
+    def open(self, peer: str, exp: IpcExport) -> Any:
+        """A uint8 CUDA tensor over the peer's buffer `exp` (no copy)."""
+        import torch
+
+        key = (peer, exp.handle)
+        with self._lock:
+            got = self._blocks.get(key)
+            if got is None:
+                st = torch.UntypedStorage._new_shared_cuda(
+                    exp.device, exp.handle, exp.storage_nbytes, exp.storage_offset,
+                    exp.ref_counter_handle, exp.ref_counter_offset, exp.event_handle,
+                    exp.event_sync_required)
+                got = (st, int(st.data_ptr()) - exp.storage_offset)  # the block's base
+                self._blocks[key] = got
+                self.opens += 1
+        st, base = got
+        raw = _Raw(base + exp.block_offset, exp.nbytes, st)
+        with torch.cuda.device(exp.device):
+            return torch.as_tensor(raw, device=f"cuda:{exp.device}")
+
+    def close_peer(self, peer: str) -> int:
+        """Drops every block of `peer` (its tensors keep theirs alive); how many."""
+        with self._lock:
+            keys = [k for k in self._blocks if k[0] == peer]
+            for k in keys:
+                del self._blocks[k]
+        return len(keys)
+
+
+# ---- span matching and batching (pure numpy) ---------------------------------------------
+
+def match_spans(src_offsets: Any, src_nbytes: Any, dst_offsets: Any, dst_nbytes: Any
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src offsets, dst offsets, nbytes) of the pieces that carry the stream of the source
+    spans into the destination spans (both in stream order, same total), cut where either
+    side cuts; pieces contiguous on both sides merged; empty spans ignored."""
+    so, sn = _spans(src_offsets, src_nbytes, "src")
+    do, dn = _spans(dst_offsets, dst_nbytes, "dst")
+    if int(sn.sum()) != int(dn.sum()):
+        raise ValueError(f"spans: the source carries {int(sn.sum())} bytes, the destination "
+                         f"{int(dn.sum())}")
+    if not sn.size:
+        z = np.zeros(0, np.int64)
+        return z, z.copy(), z.copy()
+    s_end, d_end = np.cumsum(sn), np.cumsum(dn)
+    cuts = np.union1d(s_end, d_end)  # stream positions where a piece ends
+    starts = np.concatenate([[0], cuts[:-1]])
+    si = np.searchsorted(s_end, starts, side="right")
+    di = np.searchsorted(d_end, starts, side="right")
+    n = cuts - starts
+    src = so[si] + (starts - (s_end[si] - sn[si]))
+    dst = do[di] + (starts - (d_end[di] - dn[di]))
+    # merge pieces contiguous on both sides
+    joins = (src[1:] == src[:-1] + n[:-1]) & (dst[1:] == dst[:-1] + n[:-1])
+    head = np.concatenate([[True], ~joins])
+    group = np.cumsum(head) - 1
+    merged = np.bincount(group, weights=n).astype(np.int64)
+    return src[head], dst[head], merged
+
+
+def _spans(off: Any, nb: Any, side: str) -> tuple[np.ndarray, np.ndarray]:
+    o = np.asarray(off, dtype=np.int64).reshape(-1)
+    n = np.asarray(nb, dtype=np.int64).reshape(-1)
+    if o.shape != n.shape:
+        raise ValueError(f"spans ({side}): {o.size} offsets but {n.size} lengths")
+    if n.size and (n.min() < 0 or o.min() < 0):
+        raise ValueError(f"spans ({side}): offsets and lengths must be >= 0")
+    keep = n > 0
+    return o[keep], n[keep]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One device operation: `kind` "copy" (one piece, `nbytes` long) or "gather" (len(src)
+    pieces of `nbytes` each, one kernel)."""
+
+    kind: str
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: int
+
+
+def plan_batches(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, *,
+                 small: int = SMALL_PIECE, max_batch: int = MAX_BATCH) -> list[Batch]:
+    """The pieces as batches, in order: a long piece (>= `small` bytes) is one copy; runs of
+    short pieces of equal length are one gather each (at most `max_batch` pieces); a lone
+    short piece is a copy. Pieces never overlap on the destination, so their order within
+    the stream does not matter to the result."""
+    out: list[Batch] = []
+    i, n = 0, len(nbytes)
+    while i < n:
+        L = int(nbytes[i])
+        if L >= small:
+            out.append(Batch("copy", src[i:i + 1], dst[i:i + 1], L))
+            i += 1
+            continue
+        j = i + 1
+        while j < n and j - i < max_batch and int(nbytes[j]) == L:
+            j += 1
+        kind = "gather" if j - i > 1 else "copy"
+        out.append(Batch(kind, src[i:j], dst[i:j], L))
+        i = j
+    return out
+
+
+# ---- copies ------------------------------------------------------------------------------
+
+class _Done:
+    """A completed event (CPU copies)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_streams: dict[int, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _stream(device: Any) -> Any:
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        s = _streams.get(idx)
+        if s is None:
+            s = _streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+
+def copy_spans(src: Any, src_offsets: Any, src_nbytes: Any, dst: Any, dst_offsets: Any,
+               dst_nbytes: Any, *, after: Any = None, small: int = SMALL_PIECE) -> Any:
+    """Copies the stream of `src`'s spans into `dst`'s spans (1-D uint8 tensors, CUDA or
+    CPU), batched (`plan_batches`), async on a private stream that first waits for `after`
+    (an event, e.g. recorded behind the kernels that wrote `src`; default: the current
+    stream's work so far). Returns an event recorded behind the last copy."""
+    import torch
+
+    s_off, d_off, nb = match_spans(src_offsets, src_nbytes, dst_offsets, dst_nbytes)
+    if nb.size:
+        if int((s_off + nb).max()) > src.numel() or int((d_off + nb).max()) > dst.numel():
+            raise ValueError("copy_spans: a span ends past its buffer")
+    batches = plan_batches(s_off, d_off, nb, small=small)
+    cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+    if not cuda:
+        _run(batches, src, dst)
+        return _Done()
+    dev = src.device if src.device.type == "cuda" else dst.device
+    stream = _stream(dev)
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        _run(batches, src, dst)
+        done = torch.cuda.Event()
+        done.record(stream)
+    for t in (src, dst):  # the allocator must not reuse these blocks before the copies ran
+        if t.device.type == "cuda":
+            t.record_stream(stream)
+    return done
+
+
+def _run(batches: list[Batch], src: Any, dst: Any) -> None:
+    import torch
+
+    for b in batches:
+        if b.kind == "copy":
+            so, do = int(b.src[0]), int(b.dst[0])
+            dst[do:do + b.nbytes].copy_(src[so:so + b.nbytes], non_blocking=True)
+            continue
+        cols = torch.arange(b.nbytes, dtype=torch.int64, device=src.device)
+        si = (torch.as_tensor(b.src, device=src.device)[:, None] + cols[None, :]).reshape(-1)
+        di = torch.as_tensor(b.dst, device=dst.device)[:, None]
+        di = (di + cols.to(dst.device)[None, :]).reshape(-1)
+        vals = torch.index_select(src, 0, si)
+        if vals.device != dst.device:
+            vals = vals.to(dst.device, non_blocking=True)
+        dst.index_copy_(0, di, vals)
