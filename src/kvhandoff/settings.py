@@ -33,6 +33,7 @@ class TransportKind(str, Enum):
     TCP = "tcp"
     SHM = "shm"  # same host: writes into the peer's memory (transfer/transports/shm.py)
     NIXL = "nixl"  # one-sided writes through NIXL (RDMA where its UCX has verbs)
+    AUTO = "auto"  # shm with peers on this host, the cross-host transport with the others
     INPROC = "inproc"
 
     def __str__(self) -> str:
