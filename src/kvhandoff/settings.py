@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvhandoff.kv_layout.admission import AllocationPolicy
@@ -45,6 +45,14 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVHANDOFF_", extra="ignore")
 
+    @field_validator("auto_cross_host")
+    @classmethod
+    def _cross_host_kind(cls, v: TransportKind) -> TransportKind:
+        if v not in (TransportKind.UCX, TransportKind.TCP, TransportKind.NIXL):
+            raise ValueError(f"auto_cross_host must be ucx, tcp or nixl (a transport that "
+                             f"reaches other hosts), got {v.value!r}")
+        return v
+
     # --- bootstrap server -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the bootstrap server binds. Use 0.0.0.0 "
                       "(with an auth token) for a real deployment.")
@@ -67,6 +75,9 @@ class Settings(BaseSettings):
     transport: TransportKind = Field(TransportKind.UCX,
                                      description="Data transport: ucx, tcp, shm (same host) "
                                      "or inproc.")
+    auto_cross_host: TransportKind = Field(
+        TransportKind.UCX, description="transport=auto: the transport for peers on other hosts "
+        "(ucx, tcp or nixl; peers on this host use shm). Set it alike on both sides.")
     require_rdma: bool = Field(False, description="Refuse the tcp transport and a UCX that found "
                                "only TCP lanes, instead of degrading (readiness fails).")
     ucx_same_host_error_handling: bool = Field(

@@ -148,6 +148,7 @@ _BACKENDS = {
     TransportKind.UCX: "kvhandoff.transfer.transports.ucx:UcxTransport",
     TransportKind.TCP: "kvhandoff.transfer.transports.tcp:TcpTransport",
     TransportKind.SHM: "kvhandoff.transfer.transports.shm:ShmTransport",
+    TransportKind.AUTO: "kvhandoff.transfer.transports.auto:AutoTransport",
     TransportKind.INPROC: "kvhandoff.transfer.transports.inproc:InprocTransport",
 }
 
