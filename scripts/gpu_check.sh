@@ -9,26 +9,33 @@
 # GPU_CHECK_DEVICE=cpu runs the same steps on CPU (the gpu tests then skip): a dry run of this
 # script on a machine without a GPU, nothing more.
 #
-# What it covers:
-#   1. `pytest -m gpu tests`: every test marked `gpu` (they skip with "no CUDA device"
-#      elsewhere). Today: tests/unit/gpu/test_devsum_cuda.py: the device checksum
-#      (kvhandoff.transfer.devsum) on CUDA tensors equals the numpy reference and the CPU value
-#      (aligned and unaligned spans, long and short spans, index table built on the device and
-#      on the host), both sides of a span plan between page sizes 16 -> 64 and 16 -> 1 agree
-#      after device-to-device copies, a flipped byte is seen; memory_kind() of CUDA tensors
-#      and of objects exposing __cuda_array_interface__; the doctor's two-process CUDA IPC
-#      probe (a child process opens the parent's allocation, checks it and writes it back).
-#   2. A short timing of devsum against a device copy of the same page set
-#      (`python -m kvhandoff.transfer.devsum --device cuda`): contiguous copy (the limit
-#      baseline), page gather copy, devsum; ratios printed in the same run. Page-granular
-#      (16-token pages of 656 B, GLM MLA fp8) and token-granular (132 B, the indexer) sets.
-#   3. `kvhandoff doctor --json` on the node (UCX build and lanes, CUDA devices, CUDA IPC, ...).
+# What it covers (caps add up to under 8 minutes; a healthy run takes far less):
+#   1. `pytest -m gpu tests` (cap 180 s): every test marked `gpu` (they skip with "no CUDA
+#      device" elsewhere): tests/unit/gpu/test_devsum_cuda.py (the device checksum on CUDA
+#      equals the numpy reference and the CPU value; both sides of a span plan agree after
+#      device copies; memory_kind of CUDA tensors / array interfaces; the doctor's two-process
+#      CUDA IPC probe) and tests/unit/gpu/test_gpu_lane_cuda.py (the CUDA IPC lane pieces of
+#      transfer/transports/_cuda_ipc.py between two processes: sub-block export, one open per
+#      block, span copies cut differently on both sides, device checksums equal; BufferSet on
+#      CUDA tensors and array interfaces; tcp's refusal of CUDA buffers; the event waiter on a
+#      real CUDA event behind a long kernel).
+#   2. `python -m kvhandoff.transfer.devsum --device cuda` (cap 2 x 30 s): devsum against a
+#      contiguous device copy and a page gather copy of the same page set, page-granular
+#      (16-token pages of 656 B) and token-granular (132 B) sets.
+#   3. `kvhandoff bench --device cuda` (cap 90 s, 4k tokens, 3 reps): the page set on the GPU:
+#      contiguous copy (ceiling), gather/scatter limit baseline, the CUDA IPC lane's copy engine
+#      (copy_spans, one process), devsum; verified byte-exact; JSON in bench_device.json.
+#   4. `kvhandoff demo --device cuda --json` (cap 60 s, 4k tokens): layers marked ready with
+#      CUDA events through the event waiter, copied by copy_spans, device checksums both sides,
+#      byte-exact check; JSON in demo_device.json.
+#   5. `kvhandoff doctor --json` (cap 60 s) on the node.
 #
-# What it does NOT cover (not built yet, see issue 13): the agent does not take CUDA buffers
-# (BufferSet / the ucx transport still refuse them), there is no CUDA-IPC same-host lane, no
-# GPUDirect/cuda_copy UCX lane and no `demo/bench --device cuda`, so no GPU handoff is timed
-# here; devsum is not wired into the agent's checksums (the agent still hashes host bytes with
-# xxh3); devsum uses torch ops (several passes per chunk), not a fused kernel.
+# What it does NOT cover (not built yet; docs/GPU.md): no agent transport moves device memory
+# (tcp/ucx refuse CUDA buffers at register; the shm transport does not call the CUDA IPC
+# pieces yet; no NIXL VRAM), so no agent-to-agent GPU handoff is timed; devsum is not wired
+# into the agent's checksums (the agent hashes host bytes with xxh3); devsum uses torch ops
+# (several passes per chunk), not a fused kernel. When this script was written nothing in it
+# had run on a GPU: its first run on a lent machine is the first GPU check.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -62,26 +69,57 @@ EOF
 fi
 
 rc=0
-say "== 1. pytest -m gpu (budget 300 s)"
-timeout 300 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider \
+say "== 1. pytest -m gpu (cap 180 s)"
+timeout 180 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider \
   --junitxml "$R/pytest-gpu.xml" 2>&1 | tee "$R/pytest-gpu.txt" | tail -25 | tee -a "$LOG"
 prc=${PIPESTATUS[0]}
 say "pytest -m gpu exit $prc"
 [[ $prc -ne 0 ]] && rc=1
 
-say "== 2. devsum vs device copy on $DEV (budget 2 x 60 s)"
+say "== 2. devsum vs device copy on $DEV (cap 2 x 30 s)"
 if [[ "$DEV" == cpu ]]; then BIG=32 SMALL=8 REP=3; else BIG=256 SMALL=64 REP=10; fi
 for args in "--mib $BIG --page-tokens 16 --token-bytes 656" \
             "--mib $SMALL --page-tokens 1 --token-bytes 132"; do
   # shellcheck disable=SC2086
-  timeout 60 "$PY" -m kvhandoff.transfer.devsum --device "$DEV" --repeat "$REP" $args 2>&1 \
+  timeout 30 "$PY" -m kvhandoff.transfer.devsum --device "$DEV" --repeat "$REP" $args 2>&1 \
     | tee -a "$R/devsum_bench.txt" | tee -a "$LOG"
   brc=${PIPESTATUS[0]}
   [[ $brc -ne 0 ]] && { say "devsum bench ($args) exit $brc"; rc=1; }
 done
 
-say "== 3. kvhandoff doctor --json (budget 120 s)"
-timeout 120 "$PY" -m kvhandoff.cli doctor --json >"$R/doctor.json" 2>"$R/doctor.stderr"
+if [[ "$DEV" == cpu ]]; then
+  say "== 3-4. skipped on the cpu dry run: bench/demo --device need CUDA (their CPU path is"
+  say "   tested in tests/unit/transfer/test_gpu_cpu_cli.py)"
+else
+  say "== 3. kvhandoff bench --device $DEV (cap 90 s)"
+  timeout 90 "$PY" -m kvhandoff.cli bench --device "$DEV" --context 4096 --prefix 1024 \
+    --reps 3 --warmup 1 --out "$R/bench_device.json" 2>"$R/bench_device.stderr" \
+    | tee "$R/bench_device.txt" | tee -a "$LOG"
+  brc=${PIPESTATUS[0]}
+  say "bench --device exit $brc"
+  [[ $brc -ne 0 ]] && { tail -20 "$R/bench_device.stderr" | tee -a "$LOG"; rc=1; }
+
+  say "== 4. kvhandoff demo --device $DEV --json (cap 60 s)"
+  timeout 60 "$PY" -m kvhandoff.cli demo --device "$DEV" --context 4096 --prefix 1024 \
+    --json >"$R/demo_device.json" 2>"$R/demo_device.stderr"
+  drc=$?
+  say "demo --device exit $drc"
+  [[ $drc -ne 0 ]] && { tail -20 "$R/demo_device.stderr" | tee -a "$LOG"; rc=1; }
+  "$PY" - "$R/demo_device.json" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"demo_device.json unreadable: {e}")
+    sys.exit(0)
+keys = ("ok", "byte_exact", "checksums_verified", "bytes", "handoff_window_s", "tail_s",
+        "failure")
+print("  " + ", ".join(f"{k}={r.get(k)}" for k in keys))
+EOF
+fi
+
+say "== 5. kvhandoff doctor --json (cap 60 s)"
+timeout 60 "$PY" -m kvhandoff.cli doctor --json >"$R/doctor.json" 2>"$R/doctor.stderr"
 drc=$?
 say "doctor exit $drc (1 = a blocking problem on this node; see doctor.json)"
 "$PY" - "$R/doctor.json" <<'EOF' 2>&1 | tee -a "$LOG"

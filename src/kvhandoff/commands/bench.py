@@ -122,6 +122,11 @@ def register(app: typer.Typer) -> None:
                                             "paced")), help="Cases to run, comma-separated; "
                                   "add 'nixl' for a NIXL WRITE baseline (the nixl extra)."),
         timeout: float = typer.Option(120.0, help="Bound on each step, in seconds."),
+        device: str = typer.Option("cpu", help="Where the KV buffers live: cpu (memcpy, raw "
+                                   "transport and agent handoff cases), or cuda / cuda:N "
+                                   "(device cases only: contiguous copy, gather/scatter limit "
+                                   "baseline, the CUDA IPC lane's copy engine, device "
+                                   "checksum; docs/GPU.md); without CUDA it exits 2."),
         out: str | None = typer.Option(None, "--out", help="Write the JSON result here."),
         as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
     ) -> None:
@@ -138,6 +143,12 @@ def register(app: typer.Typer) -> None:
         if unknown or not chosen:
             raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(known)}")
         con = Console(stderr=True)
+        if device != "cpu":
+            _bench_on_device(device, con, out, as_json, model=model, context=context,
+                             prefix=prefix, page_size=page_size, prefill_page=prefill_page,
+                             decode_page=decode_page, reps=reps, warmup=warmup, slack=slack,
+                             seed=seed)
+            return
         cfg = BenchConfig(model=model, context=context, prefix=prefix, page_size=page_size,
                           prefill_page=prefill_page, decode_page=decode_page,
                           prefill_tp=prefill_tp, decode_tp=decode_tp,
@@ -175,3 +186,33 @@ def register(app: typer.Typer) -> None:
         if not all(result["verified"].values()):
             con.print("[red]a case did not move the bytes exactly[/red]")
             raise typer.Exit(1)
+
+
+def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw: Any) -> None:
+    """`bench --device cuda[:N]`: exit 2 with "no CUDA device: ..." where there is none."""
+    from rich.console import Console
+
+    from kvhandoff.bench.device import NoCudaDevice, cuda_preflight, print_device_summary
+    from kvhandoff.bench.device import run_device_bench
+
+    try:
+        cuda_preflight(device)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--device") from None
+    except NoCudaDevice as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    with con.status("bench") as status:
+        result = run_device_bench(device=device, progress=lambda s: status.update(
+            f"bench: {s}"), **kw)
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    if as_json:
+        typer.echo(text)
+    else:
+        print_device_summary(result, Console())
+    if not all(result["verified"].values()):
+        con.print("[red]a case did not move the bytes exactly[/red]")
+        raise typer.Exit(1)

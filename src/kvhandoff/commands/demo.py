@@ -360,6 +360,11 @@ def register(app: typer.Typer) -> None:
         decode_tp: int = typer.Option(1, min=1, help="Decode TP ranks (one process each); "
                                       "each finds its prefill rank(s) by route lookup."),
         timeout: float = typer.Option(120.0, help="Bound on the whole handoff, in seconds."),
+        device: str = typer.Option("cpu", help="Where the KV buffers live: cpu (the agents' "
+                                   "handoff between two processes), or cuda / cuda:N (both "
+                                   "sides' buffers on the GPU, moved by the CUDA IPC lane "
+                                   "pieces in one process, no agent yet: docs/GPU.md); "
+                                   "without CUDA it exits 2."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object, no bars."),
         report_pids: bool = typer.Option(False, "--report-pids", hidden=True, help="Print "
                                          "the child PIDs as JSON lines on stderr (tests)."),
@@ -372,6 +377,11 @@ def register(app: typer.Typer) -> None:
         from kvhandoff.errors import KVHandoffError
 
         con = Console(stderr=as_json)
+        if device != "cpu":
+            _demo_on_device(device, con, as_json, model=model, context=context, prefix=prefix,
+                            page_size=page_size, prefill_page=prefill_page,
+                            decode_page=decode_page, timeout_s=timeout)
+            return
         bars = Progress(TextColumn("{task.description:<34}"), BarColumn(),
                         MofNCompleteColumn(), console=con, disable=as_json, transient=False)
         tasks: dict[str, Any] = {}
@@ -409,3 +419,26 @@ def register(app: typer.Typer) -> None:
             con.print(_table(result))
         if not result["ok"]:
             raise typer.Exit(1)
+
+
+def _demo_on_device(device: str, con: Any, as_json: bool, **kw: Any) -> None:
+    """`demo --device cuda[:N]`: exit 2 with "no CUDA device: ..." where there is none."""
+    from kvhandoff.bench.device import NoCudaDevice, cuda_preflight
+    from kvhandoff.commands.demo_device import print_summary, run_demo_device
+
+    try:
+        cuda_preflight(device)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--device") from None
+    except NoCudaDevice as e:
+        if as_json:
+            typer.echo(json.dumps({"ok": False, "error": str(e)}))
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    result = run_demo_device(device=device, **kw)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        print_summary(result, con)
+    if not result["ok"]:
+        raise typer.Exit(1)
