@@ -23,7 +23,7 @@ import pytest
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.sim import SimProcess, spawn
 
-TRANSPORTS = ["ucx", "tcp", "shm"]
+TRANSPORTS = ["ucx", "tcp", "shm", "auto"]
 START_S = 60.0  # process start (imports torch, ucxx) on a loaded 2-core machine
 DONE_S = 60.0
 PAGE = 64
