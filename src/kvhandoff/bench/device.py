@@ -165,7 +165,7 @@ def run_device_bench(*, device: str = "cuda", model: str = "glm-5.3", context: i
     def ratio(a: str, b: str) -> float | None:
         if a not in cases or b not in cases:
             return None
-        return cases[a]["median_s"] / cases[b]["median_s"]
+        return float(cases[a]["median_s"] / cases[b]["median_s"])
 
     return {
         "device": str(dev), "device_name": (torch.cuda.get_device_name(dev)

@@ -192,8 +192,12 @@ def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw
     """`bench --device cuda[:N]`: exit 2 with "no CUDA device: ..." where there is none."""
     from rich.console import Console
 
-    from kvhandoff.bench.device import NoCudaDevice, cuda_preflight, print_device_summary
-    from kvhandoff.bench.device import run_device_bench
+    from kvhandoff.bench.device import (
+        NoCudaDevice,
+        cuda_preflight,
+        print_device_summary,
+        run_device_bench,
+    )
 
     try:
         cuda_preflight(device)

@@ -106,7 +106,7 @@ def run_demo_device(*, device: str = "cuda", model: str = "glm-5.3", context: in
                                         generator=gen))  # the layer's "compute"
             event: Any = None
             if dev.type == "cuda":
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record()
             t_last_ready = time.monotonic()
             t_first = t_first or t_last_ready

@@ -55,7 +55,7 @@ class EventWaiter:
         self._cond = threading.Condition(threading.Lock())
         self._rooms: dict[int, tuple[Any, deque[_Entry]]] = {}  # id(view) -> (view, entries)
         self._thread: threading.Thread | None = None
-        self.posted = 0  # entries posted after waiting (tests, stats)
+        self.posted = 0  # entries posted by the waiter thread (tests, stats)
         self.failed = 0  # rooms failed because an event's query raised
 
     # ------------------------------------------------------------------ engine threads
@@ -137,9 +137,10 @@ class EventWaiter:
                     return True
                 if not complete:
                     return moved
+            with self._cond:
+                self.posted += 1  # counted before the post: a test that saw it sees this
             self._post(head.then)  # posted first, dequeued after: never overtaken
             with self._cond:
-                self.posted += 1
                 q = self._rooms[key][1]
                 q.popleft()
                 if not q:

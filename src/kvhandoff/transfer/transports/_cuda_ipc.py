@@ -113,7 +113,8 @@ def export_buffer(t: Any) -> IpcExport:
     if not t.is_contiguous():
         raise ValueError("cuda ipc export: tensor must be contiguous")
     st = t.untyped_storage()
-    (device, handle, size, st_off, ref_h, ref_off, ev_h, ev_sync) = st._share_cuda_()
+    (device, handle, size, st_off, ref_h, ref_off, ev_h,
+     ev_sync) = st._share_cuda_()  # type: ignore[no-untyped-call]
     return IpcExport(device=int(device), handle=bytes(handle), storage_offset=int(st_off),
                      storage_nbytes=int(size),
                      offset=int(t.storage_offset()) * t.element_size(),
@@ -137,6 +138,8 @@ class PeerBlocks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._blocks: dict[tuple[str, bytes], tuple[Any, int]] = {}  # -> (storage, base)
+        # peer reference counters accounted for: held by an opened storage or given back
+        self._released: set[tuple[str, bytes, int]] = set()
         self.opens = 0  # IPC opens done (tests: once per block per peer)
 
     def open(self, peer: str, exp: IpcExport) -> Any:
@@ -146,13 +149,23 @@ class PeerBlocks:
         key = (peer, exp.handle)
         with self._lock:
             got = self._blocks.get(key)
+            counter = (peer, exp.ref_counter_handle, exp.ref_counter_offset)
+            if got is not None and counter not in self._released:
+                # the block is open already: give back the reference the peer took for this
+                # export (as torch does for a storage it has open), once
+                torch.UntypedStorage._release_ipc_counter(
+                    exp.ref_counter_handle, exp.ref_counter_offset,
+                    device=exp.device)  # type: ignore[no-untyped-call]
+                self._released.add(counter)
             if got is None:
+                torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
                 st = torch.UntypedStorage._new_shared_cuda(
                     exp.device, exp.handle, exp.storage_nbytes, exp.storage_offset,
                     exp.ref_counter_handle, exp.ref_counter_offset, exp.event_handle,
                     exp.event_sync_required)
                 got = (st, int(st.data_ptr()) - exp.storage_offset)  # the block's base
                 self._blocks[key] = got
+                self._released.add(counter)  # held by the opened storage, released with it
                 self.opens += 1
         st, base = got
         raw = _Raw(base + exp.block_offset, exp.nbytes, st)
@@ -165,6 +178,7 @@ class PeerBlocks:
             keys = [k for k in self._blocks if k[0] == peer]
             for k in keys:
                 del self._blocks[k]
+            self._released = {c for c in self._released if c[0] != peer}
         return len(keys)
 
 
@@ -267,40 +281,49 @@ def _stream(device: Any) -> Any:
     with _streams_lock:
         s = _streams.get(idx)
         if s is None:
-            s = _streams[idx] = torch.cuda.Stream(device=idx)
+            s = _streams[idx] = torch.cuda.Stream(device=idx)  # type: ignore[no-untyped-call]
         return s
 
 
 def copy_spans(src: Any, src_offsets: Any, src_nbytes: Any, dst: Any, dst_offsets: Any,
                dst_nbytes: Any, *, after: Any = None, small: int = SMALL_PIECE) -> Any:
-    """Copies the stream of `src`'s spans into `dst`'s spans (1-D uint8 tensors, CUDA or
-    CPU), batched (`plan_batches`), async on a private stream that first waits for `after`
-    (an event, e.g. recorded behind the kernels that wrote `src`; default: the current
-    stream's work so far). Returns an event recorded behind the last copy."""
+    """Copies the stream of `src`'s spans into `dst`'s spans (1-D uint8 tensors, both CUDA,
+    on one device or two, or both CPU), batched (`plan_batches`), async on private streams
+    (one per device) that first wait for `after` (an event, e.g. recorded behind the
+    kernels that wrote `src`; default: the current stream's work so far on `src`'s
+    device). Returns an event recorded behind the last copy.
+
+    Across two devices the gathers run on the source device's private stream and the
+    scatters on the destination's; torch's cross-device copy orders the two both ways, so
+    the event, recorded on the destination's stream, is behind every byte."""
     import torch
 
+    if (src.device.type == "cuda") != (dst.device.type == "cuda"):
+        raise ValueError(f"copy_spans: source on {src.device}, destination on {dst.device}: "
+                         "both CUDA or both CPU")
     s_off, d_off, nb = match_spans(src_offsets, src_nbytes, dst_offsets, dst_nbytes)
     if nb.size:
         if int((s_off + nb).max()) > src.numel() or int((d_off + nb).max()) > dst.numel():
             raise ValueError("copy_spans: a span ends past its buffer")
     batches = plan_batches(s_off, d_off, nb, small=small)
-    cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-    if not cuda:
+    if src.device.type != "cuda":
         _run(batches, src, dst)
         return _Done()
-    dev = src.device if src.device.type == "cuda" else dst.device
-    stream = _stream(dev)
+    s_stream, d_stream = _stream(src.device), _stream(dst.device)
     if after is not None:
-        stream.wait_event(after)
+        s_stream.wait_event(after)
     else:
-        stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
+        s_stream.wait_stream(torch.cuda.current_stream(src.device))
+    if d_stream is not s_stream:
+        d_stream.wait_stream(s_stream)
+    with torch.cuda.stream(s_stream), torch.cuda.stream(d_stream):
         _run(batches, src, dst)
-        done = torch.cuda.Event()
-        done.record(stream)
-    for t in (src, dst):  # the allocator must not reuse these blocks before the copies ran
-        if t.device.type == "cuda":
-            t.record_stream(stream)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(d_stream)
+    # the allocator must not reuse these blocks before the copies ran (memory opened
+    # through IPC is not the allocator's: torch skips it)
+    src.record_stream(s_stream)
+    dst.record_stream(d_stream)
     return done
 
 
