@@ -8,7 +8,29 @@ import random
 from collections.abc import Iterator
 
 import pytest
+import relkit
 from relkit import Engine, engine_pair
+
+# tests that choose their transports themselves (these fixtures, or a module saying
+# OWN_LANES = True), or share a module-wide pair, run as written
+_OWN_LANES = {"transport", "lane", "shared_pair"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every other test of the matrix runs on each of `relkit.LANES`."""
+    if ("rel_lane" in metafunc.fixturenames and not _OWN_LANES & set(metafunc.fixturenames)
+            and not getattr(metafunc.module, "OWN_LANES", False)):
+        metafunc.parametrize("rel_lane", relkit.LANES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def rel_lane(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The transport `relkit.fast_settings` gives during the test."""
+    relkit.lane = getattr(request, "param", "tcp")
+    try:
+        yield relkit.lane
+    finally:
+        relkit.lane = "tcp"
 
 _ROOM_IDS = itertools.count(1000)
 

@@ -47,9 +47,15 @@ def mini_glm(page_size_tokens: int = 16, num_layers: int = 6,
                           ).without_page_rules()  # 16-token pages on purpose: no kernel reads them
 
 
+#: The transport `fast_settings` gives: the conftest runs each test of the matrix on every
+#: lane of LANES (tcp two-sided; shm, where the prefill writes one-sided into the decode)
+LANES = ("tcp", "shm")
+lane = "tcp"
+
+
 def fast_settings(**kw: Any) -> Settings:
     """Agent settings with short heartbeats so failures show within a second."""
-    base: dict[str, Any] = {"transport": "tcp", "heartbeat_interval_s": 0.2, "lease_s": 5.0}
+    base: dict[str, Any] = {"transport": lane, "heartbeat_interval_s": 0.2, "lease_s": 5.0}
     base.update(kw)
     return Settings(**base)
 
@@ -67,7 +73,8 @@ class Engine:
         """`faults`: a `kvhandoff.testing.faults.from_config` dict (the agent's transport is
         wrapped, its control messages filtered)."""
         if faults:
-            agent_kw.update(from_config(faults, load_transport(settings.transport, settings)))
+            agent_kw.update(from_config(faults, load_transport(settings.transport, settings),
+                                        role))
         self.role = role
         self.sim_pattern = pattern == "sim"
         self.layout = layout

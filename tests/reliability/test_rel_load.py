@@ -38,6 +38,8 @@ from kvhandoff.state_machine import KVPoll
 
 PHASES = ("before_init", "waiting", "mid", "after_last")
 
+OWN_LANES = True  # each test names its transport (the conftest adds none)
+
 
 @dataclass
 class RoundResult:

@@ -16,6 +16,7 @@ import signal
 import time
 from typing import Any
 
+import relkit
 from relkit import WAIT_S, Engine, Prober, fast_settings, free_port
 
 from kvhandoff.bootstrap_server import BootstrapClient
@@ -34,7 +35,8 @@ LAYOUT = preset("glm-5.3", page_size_tokens=64)
 def prefill_cfg(port: int, room: int, layer_ms: float) -> dict[str, Any]:
     return {"rooms": [{"room": room, "seq_len": SEQ}], "layer_ms": layer_ms, "linger": True,
             "timeout_s": WAIT_S, "engine_id": "p",
-            "settings": {"transport": "tcp", "heartbeat_interval_s": HB_S, "agent_port": port}}
+            "settings": {"transport": relkit.lane, "heartbeat_interval_s": HB_S,
+                         "agent_port": port}}
 
 
 def stale(e: Engine) -> int:

@@ -7,6 +7,8 @@
   on this side: a receive (two-sided decode) or a one-sided write (the prefill writes one
   flipped byte after the real write landed, so its checksum is of the true bytes); with
   one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
+  `receive_corruption=True` (what `from_config` sets for a decode with corruptions) makes a
+  decode offer no buffers for writes, so its corruptions act on the two-sided receives.
 - `MessageFaults(...)` is an agent `effect_filter`: drop control messages of some kinds, delay
   every message, or send no heartbeats.
 - `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.sim` with
@@ -72,7 +74,7 @@ class FaultyTransport(Transport):
 
     def __init__(self, inner: Transport, *, corrupt: Iterable[Corrupt] = (),  # noqa: D107
                  stall_layers: Iterable[int] = (), fail_layers: Iterable[int] = (),
-                 crash_layer: int | None = None) -> None:
+                 crash_layer: int | None = None, receive_corruption: bool = False) -> None:
         self.inner = inner
         self.kind = inner.kind  # type: ignore[misc]  # the wrapped transport's kind
         self._corrupt = list(corrupt)
@@ -87,6 +89,8 @@ class FaultyTransport(Transport):
         # second 1-byte write of a flipped source byte after the real one landed (so the
         # writer's checksum is of the true bytes and the landed ones differ)
         self.supports_write = inner.supports_write  # type: ignore[misc]
+        if receive_corruption:  # a decode that corrupts what it receives offers no buffers
+            self.supports_write = False  # type: ignore[misc]
         self._scratch = np.zeros(1, dtype=np.uint8)
         if inner.supports_write and self._corrupt:
             inner.register(SCRATCH, self._scratch)
@@ -260,15 +264,18 @@ class MessageFaults:
         return [eff]
 
 
-def from_config(faults: dict[str, Any], inner: Transport) -> dict[str, Any]:
+def from_config(faults: dict[str, Any], inner: Transport, role: str = "") -> dict[str, Any]:
     """The agent keyword arguments (`transport`, `effect_filter`) of a JSON fault config:
     ``{"corrupt": [{"layer": 5, "region": "indexer_k", "times": 2}], "stall_layers": [3],
     "fail_layers": [], "crash_layer": 10, "drop": ["RoomAck"], "delay_ms": 0,
-    "refuse_heartbeats": false}`` (every key optional)."""
+    "refuse_heartbeats": false}`` (every key optional). A decode (`role`) with corruptions
+    receives two-sided, where they act (`FaultyTransport.receive_corruption`)."""
+    corrupt = [Corrupt(**c) for c in faults.get("corrupt", [])]
     kw: dict[str, Any] = {"transport": FaultyTransport(
-        inner, corrupt=[Corrupt(**c) for c in faults.get("corrupt", [])],
+        inner, corrupt=corrupt,
         stall_layers=faults.get("stall_layers", ()), fail_layers=faults.get("fail_layers", ()),
-        crash_layer=faults.get("crash_layer"))}
+        crash_layer=faults.get("crash_layer"),
+        receive_corruption=role == "decode" and bool(corrupt))}
     if faults.get("drop") or faults.get("delay_ms") or faults.get("refuse_heartbeats"):
         kw["effect_filter"] = MessageFaults(
             drop=faults.get("drop", ()), delay_s=float(faults.get("delay_ms", 0)) / 1e3,
@@ -291,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(**cfg.get("settings", {}))
 
     def agent_kw() -> dict[str, Any]:
-        return from_config(cfg.get("faults", {}), load_transport(settings.transport, settings))
+        return from_config(cfg.get("faults", {}), load_transport(settings.transport, settings),
+                           args[0])
 
     return sim.main(args, agent_kw=agent_kw)
 
