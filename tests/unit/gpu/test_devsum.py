@@ -163,3 +163,47 @@ def test_memory_kind_refuses_other_devices_and_objects() -> None:
         memory_kind(torch.empty(4, device="meta"))
     with pytest.raises(ValueError, match="not a torch tensor, a CUDA array"):
         memory_kind(object())
+
+
+def test_views_that_start_off_word_boundaries_equal_the_reference() -> None:
+    """A layer view inside a packed row starts at the layer's offset in the block, which need
+    not be a multiple of 4: the byte path must give the reference value."""
+    rng = np.random.default_rng(9)
+    buf = rng.integers(0, 256, 8192, dtype=np.uint8)
+    t = torch.from_numpy(buf)
+    off, nb = np.array([0, 1000, 4096]), np.array([400, 2048, 256])
+    for start in (1, 2, 3, 4, 6):
+        want = devsum_reference(buf[start:], off, nb)
+        assert devsum(t[start:], off, nb) == want
+        assert devsum(t[start:], off, nb, chunk_words=37, index_on_device=True) == want
+
+
+def test_packed_and_per_layer_sides_agree() -> None:
+    """A vLLM packed block on one side, SGLang per-layer buffers on the other: the same
+    plan-order stream, the same value on both sides."""
+    from kvhandoff.kv_layout import build_spans, preset
+    from kvhandoff.transfer.buffers import BufferSet
+
+    packed = preset("glm-5.3-vllm-mla", page_size_tokens=64)
+    flat = preset("glm-5.3", page_size_tokens=64)
+    rng = np.random.default_rng(4)
+    pages = 6
+    stride = packed.region("main_kv").page_stride(64)
+    row = rng.integers(0, 256, pages * stride, dtype=np.uint8)
+    bufs = {"mla_row": row}
+    for reg in packed.regions:
+        if reg.placement is None:
+            bufs[reg.name] = {lid: np.zeros(reg.page_nbytes(64) * pages, np.uint8)
+                              for lid in reg.layer_ids}
+    src = BufferSet(packed, bufs)
+    reg_p, reg_f = packed.region("main_kv"), flat.region("main_kv")
+    src_pages, dst_pages = rng.permutation(pages), rng.permutation(pages)
+    p = build_spans(reg_p, token_start=0, token_end=300, src_pages=src_pages,
+                    src_page_size=64, dst_pages=dst_pages, dst_page_size=64, dst_region=reg_f)
+    for lid in (0, 5, reg_p.layer_ids[-1]):
+        view = src.array("main_kv", lid)
+        dst = np.zeros(reg_f.page_nbytes(64) * pages, np.uint8)
+        apply(p, view, dst)
+        value = devsum(view, p.src_offsets, p.nbytes)
+        assert value == devsum_reference(np.asarray(view), p.src_offsets, p.nbytes)
+        assert devsum(dst, p.dst_offsets, p.nbytes) == value
