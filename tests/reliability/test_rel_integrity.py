@@ -5,7 +5,8 @@ reach Success.
 Corruption is injected by wrapping the decode agent's transport
 (`kvhandoff.testing.faults.FaultyTransport`: one byte of the first landed span of a region of
 that layer flipped before the agent verifies it), not by patching internals; main KV and the
-indexer are both corrupted.
+indexer are both corrupted. With one-sided writes the decode posts nothing to wrap, so the
+prefill's transport corrupts instead (a byte flipped in the decode's pages after its write).
 """
 
 from __future__ import annotations
@@ -103,6 +104,49 @@ def test_engine_aborted_prefill_never_lets_decode_succeed(rng: random.Random) ->
             assert f"engine aborted request {room}" in (rv.failure or "")
             assert s.poll() is KVPoll.Failed
         assert d.agent.status()["counters"]["rooms_success"] == 0
+        assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
+        p.assert_no_leak()
+        d.assert_no_leak()
+
+
+@pytest.mark.parametrize("lane", ["shm"])
+def test_one_sided_corruption_is_caught_and_rewritten(lane: str) -> None:
+    """One-sided writes: the prefill's faulty transport flips a byte in the decode's pages
+    after its write landed, so the checksum it sends is of the true bytes. The decode verifies
+    what landed: caught, rewritten once, byte-exact; every page comes back."""
+    for room, (layer, region) in enumerate([(5, "indexer_k"), (0, "main_kv"), (3, "main_kv")]):
+        faults = {"corrupt": [{"layer": layer, "region": region}]}
+        with engine_pair(num_pages=8, settings=fast_settings(transport=lane),
+                         prefill_faults=faults) as (p, d):
+            s, rv = p.send(room, SEQ), d.recv(room, SEQ, p.address)
+            assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+            assert rv.stats()["retransmits"] == 1 and rv.stats()["one_sided"] is True
+            assert d.agent.status()["counters"]["checksum_failures"] == 1
+            assert d.bad_bytes(room, SEQ) == 0
+            assert p.wait_all_released([room], WAIT_S) and d.wait_all_released([room], WAIT_S)
+            p.assert_no_leak()
+            d.assert_no_leak()
+
+
+@pytest.mark.parametrize("lane", ["shm"])
+def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str) -> None:
+    """Every write of the layer corrupted (the rewrite too): Failed on both sides naming the
+    layer and region, over one-sided writes; every page comes back."""
+    layer, region = 5, "indexer_k"
+    faults = {"corrupt": [{"layer": layer, "region": region, "times": 2 * TRIALS}]}
+    with engine_pair(num_pages=TRIALS * 3 + 4, settings=fast_settings(transport=lane),
+                     prefill_faults=faults) as (p, d):
+        rooms = list(range(1, TRIALS + 1))
+        handles = [(p.send(room, SEQ), d.recv(room, SEQ, p.address)) for room in rooms]
+        want = f"checksum mismatch on layer {layer}, region '{region}'"
+        for s, rv in handles:
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert want in (rv.failure or ""), rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Failed and want in (s.failure or "")
+            assert rv.stats()["one_sided"] is True
+        c = d.agent.status()["counters"]
+        assert c["checksum_failures"] == 2 * TRIALS and c["rooms_one_sided"] == TRIALS
         assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
         p.assert_no_leak()
         d.assert_no_leak()
