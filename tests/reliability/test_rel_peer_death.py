@@ -5,11 +5,19 @@ with a reason, and the other side's pages go back to its pool; a frozen peer tha
 One side is a real `kvhandoff.sim` process (the one that is killed or frozen), the other an
 in-process `Engine` of the test, so its rooms, timestamps and page pool can be read directly.
 The data moves over each same-host lane in its default configuration (UCX, shm), the control
-over ZMQ: a dying peer never takes the survivor down on either.
+over ZMQ: a dying peer never takes the survivor down on either. A frozen peer does not freeze
+the survivor either: its control thread goes on serving the rooms of a healthy peer (over shm,
+cancelling a receive the frozen writer was told about returns at once; the pages are held until
+the writer confirms it stopped, exits, or stall_timeout_s passes).
+
+The last test kills the decode process mid-write on every lane (tcp, ucx, shm, and nixl once
+that transport exists) with both processes in their default configuration: the prefill process
+survives, fails the room with a reason and frees its pages.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sys
@@ -21,11 +29,13 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
+from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
 from kvhandoff.sim import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
+from kvhandoff.testing.server import run_server
 
 HB_S = 0.2
 # "within 2 heartbeats": detection runs on the heartbeat tick, so a silence is seen between 2
@@ -36,6 +46,7 @@ SEQ = 128
 LAYOUT = preset("glm-5.3", page_size_tokens=64)
 LAYERS = layers_of(LAYOUT)
 ROOMS = [101, 102, 103]
+OTHER = 104  # a room with a healthy peer, served while the frozen one's rooms fail
 PROC_SETTINGS: dict[str, Any] = {"transport": "ucx", "heartbeat_interval_s": HB_S,
                                  "lease_s": 5.0}
 TRANSPORT = "ucx"
@@ -43,35 +54,40 @@ TRANSPORT = "ucx"
 
 @pytest.fixture(params=["ucx", "shm"])
 def lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The kill / crash tests run over each same-host lane. The SIGSTOP tests run over UCX only:
-    over shm, cancelling a receive that a frozen writer may still write into blocks the
-    decode's control thread until the writer confirms or the stall bound passes (an open
-    finding, docs/RELIABILITY.md)."""
+    """The kill / crash / stop tests run over each same-host lane."""
     monkeypatch.setitem(PROC_SETTINGS, "transport", request.param)
     monkeypatch.setattr(sys.modules[__name__], "TRANSPORT", request.param)
     return str(request.param)
 
 
-def engine(role: str) -> Engine:
+def engine(role: str, **settings: Any) -> Engine:
     return Engine(role, LAYOUT, num_pages=len(ROOMS) * 2 + 2,
-                  settings=fast_settings(transport=TRANSPORT, heartbeat_interval_s=HB_S),
+                  settings=fast_settings(transport=TRANSPORT, heartbeat_interval_s=HB_S,
+                                         **settings),
                   pattern="sim")
 
 
+def wait_stopped(p: SimProcess) -> None:
+    """Waits until every thread of the child `p` stopped (after SIGSTOP)."""
+    _, status = os.waitpid(p.proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), status
+
+
 @contextmanager
-def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, **cfg: Any
-                 ) -> Iterator[tuple[SimProcess, str]]:
+def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, *,
+                 rooms: list[int] = ROOMS, **cfg: Any) -> Iterator[tuple[SimProcess, str]]:
     module = "kvhandoff.testing.faults" if "faults" in cfg else "kvhandoff.sim"
-    with spawn("prefill", {"rooms": [{"room": r, "seq_len": SEQ} for r in ROOMS],
+    with spawn("prefill", {"rooms": [{"room": r, "seq_len": SEQ} for r in rooms],
                            "settings": PROC_SETTINGS, "layer_ms": layer_ms, "timeout_s": WAIT_S,
                            "linger": True, **cfg}, env=env, module=module) as p:
         yield p, p.expect("ready", 60)["address"]
 
 
 def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *,
-                          words: str | tuple[str, ...]) -> float:
+                          words: str | tuple[str, ...], released: bool = True) -> float:
     """Every room Failed with a reason naming one of `words`, within FAIL_BOUND_S of
-    `t_event`; pages back in the pool. Returns the slowest time to Failed."""
+    `t_event`; pages back in the pool (unless not `released`: the caller checks that later).
+    Returns the slowest time to Failed."""
     alternatives = (words,) if isinstance(words, str) else words
     worst = 0.0
     for h in handles:
@@ -80,8 +96,9 @@ def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *,
         t_done = h.stats()["t_done"]
         worst = max(worst, t_done - t_event)
     assert worst <= FAIL_BOUND_S, f"rooms failed {worst:.2f}s after the event (> {FAIL_BOUND_S}s)"
-    assert eng.wait_all_released(ROOMS, WAIT_S)
-    eng.assert_no_leak()
+    if released:
+        assert eng.wait_all_released(ROOMS, WAIT_S)
+        eng.assert_no_leak()
     return worst
 
 
@@ -114,10 +131,13 @@ def test_prefill_crash_at_layer_fails_decode_rooms(lane: str) -> None:
             worst = assert_failed_in_time(d, rvs, last, words=("silent", "exited"))
             print(f"prefill crash at layer {crash}: decode rooms Failed {worst:.3f}s after "
                   "its last layer event")
-            # layers up to the crash may have landed, the crashed one never did; the shm lane
-            # watches the peer process itself and reports its exit before its silence counts
-            exc, words, kind = ((TransportFailed, "exited", FailureKind.TRANSPORT)
-                                if lane == "shm" else (PeerLost, "silent", FailureKind.PEER_LOST))
+            # layers up to the crash may have landed, the crashed one never did. The shm lane
+            # watches the peer process itself and fails the decode's receives when it exits,
+            # before its silence counts; with one-sided writes the decode has no op to fail
+            # and the silence does
+            exited = lane == "shm" and not rvs[0].stats()["one_sided"]
+            exc, words, kind = ((TransportFailed, "exited", FailureKind.TRANSPORT) if exited
+                                else (PeerLost, "silent", FailureKind.PEER_LOST))
             with pytest.raises(exc, match=words):
                 rvs[0].wait_for_layer(crash, 0.1)
             assert rvs[0].failure_kind is kind
@@ -126,8 +146,9 @@ def test_prefill_crash_at_layer_fails_decode_rooms(lane: str) -> None:
 
 
 @contextmanager
-def decode_proc(addr: str, env: dict[str, str] | None = None) -> Iterator[SimProcess]:
-    cfg = {"rooms": [{"room": r, "seq_len": SEQ} for r in ROOMS], "peer": addr,
+def decode_proc(addr: str, env: dict[str, str] | None = None, *,
+                rooms: list[int] = ROOMS) -> Iterator[SimProcess]:
+    cfg = {"rooms": [{"room": r, "seq_len": SEQ} for r in rooms], "peer": addr,
            "settings": PROC_SETTINGS, "timeout_s": WAIT_S}
     with spawn("decode", cfg, env=env) as d:
         yield d
@@ -156,8 +177,60 @@ def test_decode_sigkill_fails_prefill_rooms_and_frees_source_pages() -> None:
         p.close()
 
 
-def test_prefill_sigstop_fails_decode_rooms_and_sigcont_does_not_resurrect() -> None:
+def test_prefill_sigstop_fails_decode_rooms_and_sigcont_does_not_resurrect(lane: str) -> None:
     d = engine("decode")
+    try:
+        with prefill_proc(layer_ms=0, rooms=[OTHER]) as (healthy, healthy_addr):
+            with prefill_proc(layer_ms=30) as (p, addr):
+                rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
+                p.expect("layer", WAIT_S, layer=LAYERS[5])
+                assert all(rv.wait_for_layer(LAYERS[0], WAIT_S) for rv in rvs)  # in flight
+                p.signal(signal.SIGSTOP)
+                t_stop = time.monotonic()
+                try:
+                    wait_stopped(p)
+                    # a new room with a healthy peer while this one is frozen: served
+                    other = d.recv(OTHER, SEQ, healthy_addr)
+                    worst = assert_failed_in_time(d, rvs, t_stop, words="silent",
+                                                  released=False)
+                    assert other.wait(WAIT_S) is KVPoll.Success, other.failure
+                    assert d.bad_bytes(OTHER, SEQ) == 0
+                    if lane == "shm":  # the frozen writer could still write: pages kept
+                        assert not any(d.releases[r] for r in ROOMS), dict(d.releases)
+                finally:
+                    p.signal(signal.SIGCONT)
+                print(f"prefill SIGSTOP: decode rooms Failed after {worst:.3f}s")
+                # woken, the writer confirms it stopped writing (or the bound passes): the
+                # pages go back
+                assert d.wait_all_released([*ROOMS, OTHER], WAIT_S)
+                d.assert_no_leak()
+                # the prefill wakes up: it learns its rooms failed and ends them Failed too
+                for r in ROOMS:
+                    ev = p.expect("done", WAIT_S, room=r)
+                    assert ev["state"] == "Failed" and ev["failure"], ev
+                    assert ev["released"], ev
+                pool = p.expect("pool", WAIT_S)
+                assert pool["free"] == pool["total"], pool
+                p.close()
+                status = p.expect("status", WAIT_S)["status"]
+                assert status["counters"]["rooms_success"] == 0, status
+            assert healthy.expect("done", WAIT_S, room=OTHER)["state"] == "Success"
+        # whatever arrived from the woken prefill, the decode rooms stay Failed
+        assert all(rv.poll() is KVPoll.Failed for rv in rvs)
+        counters = d.agent.status()["counters"]
+        assert counters["rooms_success"] == 1 and counters["rooms_failed"] == len(ROOMS)
+        d.assert_no_leak()
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("lane", ["shm"], indirect=True)
+@pytest.mark.usefixtures("lane")
+def test_prefill_stays_frozen_decode_pages_back_after_the_bound() -> None:
+    """shm: the prefill stays frozen; the decode's rooms fail at once, and its pages come back
+    once stall_timeout_s (here short) passed since the receives ended, with no word from the
+    writer (one-sided writes: after write_quarantine_s)."""
+    d = engine("decode", stall_timeout_s=2.0, write_quarantine_s=2.0)
     try:
         with prefill_proc(layer_ms=30) as (p, addr):
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
@@ -165,42 +238,32 @@ def test_prefill_sigstop_fails_decode_rooms_and_sigcont_does_not_resurrect() -> 
             p.signal(signal.SIGSTOP)
             t_stop = time.monotonic()
             try:
-                worst = assert_failed_in_time(d, rvs, t_stop, words="silent")
+                wait_stopped(p)
+                assert_failed_in_time(d, rvs, t_stop, words="silent")  # and pages back
             finally:
                 p.signal(signal.SIGCONT)
-            print(f"prefill SIGSTOP: decode rooms Failed after {worst:.3f}s")
-            # the prefill wakes up: it learns its rooms failed and ends them Failed too
-            for r in ROOMS:
-                ev = p.expect("done", WAIT_S, room=r)
-                assert ev["state"] == "Failed" and ev["failure"], ev
-                assert ev["released"], ev
-            pool = p.expect("pool", WAIT_S)
-            assert pool["free"] == pool["total"], pool
-            p.close()
-            status = p.expect("status", WAIT_S)["status"]
-            assert status["counters"]["rooms_success"] == 0, status
-        # whatever arrived from the woken prefill, the decode rooms stay Failed
-        assert all(rv.poll() is KVPoll.Failed for rv in rvs)
-        counters = d.agent.status()["counters"]
-        assert counters["rooms_success"] == 0 and counters["rooms_failed"] == len(ROOMS)
-        d.assert_no_leak()
     finally:
         d.close()
 
 
-def test_decode_sigstop_fails_prefill_rooms_and_sigcont_does_not_resurrect() -> None:
+def test_decode_sigstop_fails_prefill_rooms_and_sigcont_does_not_resurrect(lane: str) -> None:
     p = engine("prefill")
     try:
-        senders = [p.send(r, SEQ, ready=4) for r in ROOMS]
-        with decode_proc(p.address) as d:
+        senders = [p.send(r, SEQ, ready=4) for r in [*ROOMS, OTHER]]
+        with decode_proc(p.address) as d, decode_proc(p.address, rooms=[OTHER]) as healthy:
             d.expect("layer", 60, layer=LAYERS[3])
             d.signal(signal.SIGSTOP)
             t_stop = time.monotonic()
             try:
-                for lid in LAYERS[4:]:
+                wait_stopped(d)
+                for lid in LAYERS[4:]:  # the healthy room's layers go after the stop
                     for s in senders:
                         s.layer_ready(lid)
-                worst = assert_failed_in_time(p, senders, t_stop, words="silent")
+                worst = assert_failed_in_time(p, senders[:-1], t_stop, words="silent",
+                                              released=False)
+                assert senders[-1].wait(WAIT_S) is KVPoll.Success, senders[-1].failure
+                assert p.wait_all_released([*ROOMS, OTHER], WAIT_S)
+                p.assert_no_leak()
             finally:
                 d.signal(signal.SIGCONT)
             print(f"decode SIGSTOP: prefill rooms Failed after {worst:.3f}s")
@@ -212,8 +275,10 @@ def test_decode_sigstop_fails_prefill_rooms_and_sigcont_does_not_resurrect() -> 
             assert pool["free"] == pool["total"], pool
             status = d.expect("status", WAIT_S)["status"]
             assert status["counters"]["rooms_success"] == 0, status
-        assert all(s.poll() is KVPoll.Failed for s in senders)
-        assert p.agent.status()["counters"]["rooms_success"] == 0
+            ev = healthy.expect("done", WAIT_S, room=OTHER)
+            assert ev["state"] == "Success" and ev["verify"]["byte_exact"], ev
+        assert all(s.poll() is KVPoll.Failed for s in senders[:-1])
+        assert p.agent.status()["counters"]["rooms_success"] == 1
         p.assert_no_leak()
     finally:
         p.close()
@@ -234,3 +299,41 @@ def test_reference_handoff_between_the_same_parts_succeeds(layer_ms: float) -> N
                 assert d.bad_bytes(r, SEQ) == 0
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx", "shm", "nixl"])
+def test_decode_sigkill_mid_write_prefill_process_survives_every_lane(transport: str) -> None:
+    """Both processes with every agent setting at its default but the transport; the decode
+    process is killed while the prefill is still writing layers into it. The prefill process
+    stays alive, fails the room with a reason naming the lost peer or the transport's error,
+    and frees its pages."""
+    if transport == "nixl":
+        pytest.importorskip("kvhandoff.transfer.transports.nixl",
+                            reason="the nixl transport is not in this tree yet")
+    with run_server() as url:
+        client = BootstrapClient(url)
+        room = client.allocate_rooms(1)[0]
+        settings = {"transport": transport}
+        with spawn("prefill", {"rooms": [{"room": room, "seq_len": 3000}], "numpy_buffers": True,
+                               "settings": {**settings, "bootstrap_url": url},
+                               "engine_id": "p", "layer_ms": 20, "timeout_s": WAIT_S,
+                               "linger": True}) as p, \
+             spawn("decode", {"rooms": [{"room": room, "seq_len": 3000}], "numpy_buffers": True,
+                              "settings": settings, "bootstrap_url": url,
+                              "timeout_s": WAIT_S}) as d:
+            p.expect("ready", 60)
+            p.expect("registered", 60)
+            client.bind_room(room, "p", 0)
+            d.expect("layer", 60, layer=LAYERS[5])  # landed: the prefill writes the rest
+            d.signal(signal.SIGKILL)
+            assert d.proc.wait(WAIT_S) == -signal.SIGKILL
+            done = p.expect("done", 2 * WAIT_S)
+            print(f"{transport}: prefill room {done['state']}: {done['failure']}")
+            assert done["state"] == "Failed", done
+            assert any(w in (done["failure"] or "") for w in (
+                "silent", "exited", "No such process", "Connection reset",
+                "Endpoint timeout")), done["failure"]
+            assert done["released"] is True, done
+            pool = p.expect("pool", WAIT_S)
+            assert pool["free"] == pool["total"], pool
+            assert p.proc.poll() is None  # alive, serving (linger)

@@ -80,6 +80,7 @@ def test_receiver_killed_mid_write(kind: str, monkeypatch: pytest.MonkeyPatch) -
         err = ds.wait()
         assert isinstance(err, TransportError), "the write into a dead peer did not fail"
         assert "exited" in str(err) or "No such process" in str(err), err
+        assert tr.peer_exited("peer")  # what the agent asks before it drops the peer
         lane = "shm/map" if kind == "shm-map" else "shm/cma"
         st = tr.status()
         assert st.lanes == (lane,) and "gone" in st.reason
@@ -144,6 +145,8 @@ def test_shm_stopped_writer_holds_the_receive_not_the_caller(
             if then != "bound":  # (the bound is far: nothing can have released it)
                 assert not held.event.is_set(), "on_done came while the writer may still write"
                 assert "held until their writer confirms" in tr.status().reason
+            if how == "cancel":
+                assert not tr.peer_exited("peer")  # stopped is not gone
             if then == "sigcont":
                 peer.proc.send_signal(signal.SIGCONT)
                 stopped = False

@@ -45,8 +45,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import operator
 import os
+import select
 import threading
 import time
 import uuid
@@ -62,6 +62,7 @@ from ._chunks import ChunkPlan, check_tag, paired_pieces
 from ._hostid import host_id
 from ._native import native
 from ._shm_copy import CopyPool, Job, Target, open_target
+from ._shm_hold import HeldCompletions, due
 from ._shm_wire import (
     EXPOSE,
     FINAL,
@@ -87,7 +88,7 @@ _NO_CHUNKS = 1 << 62  # paired_pieces without a chunk grid
 _DEFAULT_THREADS = 3
 
 
-class ShmTransport(OneSidedWrites, ThreadedTransport):
+class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
     """Same-host transport: writes into the peer's memory (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.SHM
@@ -207,6 +208,19 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         if ops and info is not None:
             self._stop_ops(ops, "cancel", info)
 
+    def peer_exited(self, peer: str) -> bool:
+        """Whether `peer`'s process has ended (its pidfd is readable; a stopped process has
+        not), so nothing of it writes into this process any more."""
+        with self._lock:  # (pidfds of peers in _peer_info are closed under it only)
+            info = self._peer_info.get(peer)
+            if info is None or self._closed:
+                return False
+            if info.dead is not None:
+                return info.dead.startswith("process")
+            ready = select.poll()
+            ready.register(info.pidfd, select.POLLIN)
+            return bool(ready.poll(0))
+
     def status(self) -> TransportStatus:
         with self._lock:
             lanes = sorted({lane for ls in self._lanes.values() for lane in ls})
@@ -267,66 +281,6 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                 raise TransportError(f"{what}: a copy into peer {info.name!r} did not stop "
                                      f"within {self._bound_s} s")
 
-    def _deliver(self, done: list[tuple[ShmOp, BaseException | None]]) -> None:
-        """Records each op's outcome; hands on_done to the callback thread now if nothing of
-        the op writes into memory any more, else holds it (see the module comment)."""
-        ready: list[ShmOp] = []
-        held = False
-        with self._lock:
-            for op, exc in done:
-                op.result = exc
-                if self._ready_locked(op):
-                    ready.append(op)
-                elif not op.is_send and op.exposed and not op.acked:
-                    op.hold_until = time.monotonic() + self._bound_s
-                    self._awaiting[(op.ident, op.tag)] = op
-                    held = True
-        for op in ready:
-            self._callbacks.submit(_call(op.on_done, op.result))
-        if held:
-            self._command(IoCommand.HOLD)
-
-    def _ready_locked(self, op: ShmOp) -> bool:
-        """(lock held) Whether finished `op`'s on_done may go now; marks it delivered if so."""
-        if op.delivered or not op.finished:
-            return False
-        if op.job is not None and not op.job.ended_event.is_set():
-            return False
-        if not op.is_send and op.exposed and not op.acked:
-            if op.info is None or op.info.dead is None:
-                return False
-        op.delivered = True
-        return True
-
-    def _settle(self, ops: list[ShmOp]) -> None:
-        """Hands on the on_done of those of `ops` that finished and may go now."""
-        with self._lock:
-            ready = [op for op in ops if self._ready_locked(op)]
-        for op in ready:
-            self._callbacks.submit(_call(op.on_done, op.result))
-
-    def _release(self, keep: Callable[[ShmOp], bool], why: str | None) -> None:
-        """Stops holding the receives `keep` selects (their writer confirmed, is gone, or the
-        bound passed: `why` then says so in a warning) and hands on their on_done."""
-        with self._lock:
-            ops = [op for op in self._awaiting.values() if keep(op)]
-            for op in ops:
-                del self._awaiting[(op.ident, op.tag)]
-                op.acked = True
-        if ops and why is not None:
-            log.warning("shm: %d ended receive(s) released although their writer did not "
-                        "confirm it stopped writing into them (%s): %s", len(ops), why,
-                        ", ".join(repr(op) for op in ops[:8]))
-        self._settle(ops)
-
-    def _hold_timeout_ms(self) -> int | None:
-        """How long the I/O thread may sleep before a held receive's bound passes."""
-        with self._lock:
-            if not self._awaiting:
-                return None
-            first = min(op.hold_until for op in self._awaiting.values())
-        return max(0, int((first - time.monotonic()) * 1000) + 1)
-
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -361,7 +315,7 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                     self._drain_dealer(self._dealer_info[peer], sock, live=True)
                 for info, sock in self._drains:
                     self._drain_dealer(info, sock, live=False)
-                self._release(functools.partial(_due, time.monotonic()),
+                self._release(functools.partial(due, time.monotonic()),
                               f"no confirmation within stall_timeout_s={self._bound_s} s")
                 if self._drains:
                     self._end_drains(poller, pidfds, closing=False)
@@ -398,38 +352,15 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
         self._release(lambda op: True, "the transport closed")
         self._end_drains(None, pidfds, closing=True)
         with self._lock:
-            infos = list(self._peer_info.values())
-        for info in infos:
-            try:
-                os.close(info.pidfd)
-            except OSError:
-                pass
+            for info in self._peer_info.values():
+                try:
+                    os.close(info.pidfd)
+                except OSError:
+                    pass
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._router.close(linger=0)
         self._ctx.term()
-
-    def _end_drains(self, poller: zmq.Poller | None, pidfds: dict[int, ShmPeer],
-                    closing: bool) -> None:
-        """Closes the socket and pidfd of disconnected peers none of whose receives is held
-        any more (all of them when `closing`)."""
-        with self._lock:
-            held = {op.ident for op in self._awaiting.values()}
-        still = []
-        for info, sock in self._drains:
-            if not closing and info.ident in held:
-                still.append((info, sock))
-                continue
-            if poller is not None:
-                poller.unregister(sock)
-            sock.close(linger=0)
-            if pidfds.pop(info.pidfd, None) is not None and poller is not None:
-                poller.unregister(info.pidfd)
-            try:
-                os.close(info.pidfd)
-            except OSError:
-                pass
-        self._drains = still
 
     def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
                     endpoint: str, info: ShmPeer) -> None:
@@ -649,51 +580,3 @@ class ShmTransport(OneSidedWrites, ThreadedTransport):
                     self._ack_after.add(key)
             else:
                 log.warning("shm: dropping a malformed control message")
-
-    def _drain_dealer(self, info: ShmPeer, sock: zmq.Socket[bytes], live: bool) -> None:
-        """Messages of writers (to us as receiver): F (landed / failed), A (stopped). A
-        socket kept after disconnect (not `live`) only releases held receives."""
-        peer = info.name
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            head = frames[0]
-            if head[:1] in (b"F", b"A") and len(head) in (FINAL.size, TAGMSG.size):
-                tag = (FINAL.unpack(head)[1] if head[:1] == b"F" and len(head) == FINAL.size
-                       else TAGMSG.unpack(head)[1] if len(head) == TAGMSG.size else None)
-                if tag is None:
-                    log.warning("shm: dropping a malformed frame from peer %r", peer)
-                    continue
-                # the writer is done with that tag either way: a held receive of it (one that
-                # ended before) is released first; the F is then not for a live receive
-                with self._lock:
-                    held = self._awaiting.get((info.ident, tag))
-                if held is not None:
-                    self._release(functools.partial(operator.is_, held), None)
-                    continue
-                if head[:1] != b"F" or not live:
-                    continue
-                ok = FINAL.unpack(head)[2]
-                with self._lock:
-                    op = self._ops.get((peer, tag, False))
-                    if op is not None:
-                        op.acked = True
-                        if ok:
-                            self._bytes_received += op.plan.total
-                if op is not None:
-                    reason = None if ok else (frames[1].decode("utf-8", "replace")
-                                              if len(frames) > 1 and frames[1] else
-                                              "writer failed")
-                    self._finish(op, reason)
-            else:
-                log.warning("shm: dropping a malformed frame from peer %r", peer)
-
-
-def _due(now: float, op: ShmOp) -> bool:
-    return op.hold_until <= now
-
-
-def _call(fn: OnDone, exc: BaseException | None) -> Callable[[], None]:
-    return lambda: fn(exc)
