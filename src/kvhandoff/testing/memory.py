@@ -85,6 +85,10 @@ class _Op:
 class MemoryWire:
     """Sessions wired in memory (see the module doc)."""
 
+    #: whether sides `add`ed without `writes=` take one-sided writes (tests flip it to run a
+    #: protocol test over both data paths)
+    writes = False
+
     def __init__(self, *, clock: FakeClock | None = None) -> None:
         self.clock = clock or FakeClock()
         self.sides: dict[str, Side] = {}
@@ -103,11 +107,12 @@ class MemoryWire:
     # ------------------------------------------------------------------ building
 
     def add(self, name: str, role: Role, layout: LayoutSpec, *, num_pages: int = 16,
-            settings: Settings | None = None, writes: bool = False) -> Side:
+            settings: Settings | None = None, writes: bool | None = None) -> Side:
         """A side called `name` (its control address) with zeroed buffers of `num_pages`;
         `writes`: its "transport" takes one-sided writes (a decode offers its buffers, a
         prefill writes into decodes that do)."""
         st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
+        writes = self.writes if writes is None else writes
         bufs = BufferSet(layout, allocate(layout, num_pages))
         descs = tuple(bufs.descs())
         if writes and role is Role.DECODE:

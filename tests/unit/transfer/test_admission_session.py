@@ -29,6 +29,14 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.effects import PostRecv, PostSend
 
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])
+def one_sided(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test runs on both data paths: sends and receives, and one-sided writes (the
+    prefill writes into the decode's pages, the decode posts nothing)."""
+    monkeypatch.setattr(MemoryWire, "writes", request.param)
+    return bool(request.param)
+
 SEQ = 40  # 2.5 pages of 16 tokens: 3 pages
 
 

@@ -20,6 +20,14 @@ from kvhandoff.testing.patterns import check_tokens, write_tokens
 from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])
+def one_sided(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test runs on both data paths: sends and receives, and one-sided writes (the
+    prefill writes into the decode's pages, the decode posts nothing)."""
+    monkeypatch.setattr(MemoryWire, "writes", request.param)
+    return bool(request.param)
+
 PS = 16
 SEQ = 40  # 2.5 pages
 DST_OFF = 5  # destination page ids are the source ones + 5

@@ -26,6 +26,14 @@ from kvhandoff.testing.patterns import check_tokens, write_tokens
 from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])
+def one_sided(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test runs on both data paths: sends and receives, and one-sided writes (the
+    prefill writes into the decode's pages, the decode posts nothing)."""
+    monkeypatch.setattr(MemoryWire, "writes", request.param)
+    return bool(request.param)
+
 SEQ = 40  # 2.5 pages of 16 tokens
 HB = 0.5
 
@@ -227,7 +235,7 @@ def test_abort_before_the_engine_opened_the_room_is_kept() -> None:
 # ---------------------------------------------------------------------------- time
 
 
-def test_silent_peer_is_lost_after_two_heartbeats() -> None:
+def test_silent_peer_is_lost_after_two_heartbeats(one_sided: bool) -> None:
     w, p, d = pair()
     open_room(w, p, d, 9)
     w.run()
@@ -242,6 +250,10 @@ def test_silent_peer_is_lost_after_two_heartbeats() -> None:
         w.run()
     f = d.views[9].failure
     assert f is not None and f.kind is FailureKind.PEER_LOST and "silent" in f.reason
+    if one_sided:  # the frozen prefill could still write: held for write_quarantine_s
+        assert d.views[9].releases == 0
+        w.tick(d.session.settings.write_quarantine_s)
+        w.run()
     assert d.views[9].releases == 1  # its posted receives were cancelled, then released
     assert d.session.counters["peers_lost"] == 1
 
