@@ -104,11 +104,14 @@ def as_bytes(buf: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {e}") from None
         tc = _cuda_torch()
         if tc is not None:
-            try:
-                t = tc.as_tensor(buf, device="cuda")
+            try:  # no device argument: torch keeps the memory where it is (never a copy)
+                t = tc.as_tensor(buf)
             except (TypeError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"{where}: torch cannot use its CUDA array interface: "
                                   f"{e}") from None
+            if t.device.type != "cuda" or (info.nbytes and t.data_ptr() != info.ptr):
+                raise ConfigError(f"{where}: torch did not map its CUDA array interface in "
+                                  f"place (got {t.device}); pass a torch tensor instead")
             return t.reshape(-1).view(tc.uint8)
         return DeviceBytes(info.ptr, info.nbytes, info.device, buf)
     raise ConfigError(f"{where}: expected a numpy array, a torch tensor or an object with "

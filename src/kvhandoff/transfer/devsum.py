@@ -240,7 +240,7 @@ def _as_u8(buf: Any) -> Any:
     if isinstance(buf, np.ndarray):
         buf = torch.from_numpy(np.ascontiguousarray(buf))
     elif not isinstance(buf, torch.Tensor) and hasattr(buf, "__cuda_array_interface__"):
-        buf = torch.as_tensor(buf, device="cuda")
+        buf = torch.as_tensor(buf)  # in place on its device (a device argument may copy)
     if not isinstance(buf, torch.Tensor):
         raise ValueError(f"buffer: expected a torch tensor, numpy array or CUDA array, got "
                          f"{type(buf).__name__}")

@@ -169,8 +169,11 @@ class PeerBlocks:
                 self.opens += 1
         st, base = got
         raw = _Raw(base + exp.block_offset, exp.nbytes, st)
-        with torch.cuda.device(exp.device):
-            return torch.as_tensor(raw, device=f"cuda:{exp.device}")
+        t = torch.as_tensor(raw)  # in place: no device argument, which could copy
+        if t.device.type != "cuda" or t.data_ptr() != base + exp.block_offset:
+            raise RuntimeError(f"cuda ipc open: torch did not map the peer's buffer in place "
+                               f"(got {t.device})")
+        return t
 
     def close_peer(self, peer: str) -> int:
         """Drops every block of `peer` (its tensors keep theirs alive); how many."""
