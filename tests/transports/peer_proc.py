@@ -4,7 +4,8 @@ Usage: python peer_proc.py KIND CHUNK_BYTES BUF_BYTES SEED
 Sends read buffer "out" (numpy default_rng(SEED) bytes, which the parent can rebuild);
 receives land in buffer "in" (a kvhandoff shared segment when KIND is "shm-map").
 Lines out: {"address": hex}, {"connected": true}, {"posted": tag}, {"done": tag, "error": str|null,
-"digest": hex of the bytes of the span list (receives)}, {"status": {"lanes": [...]}}.
+"digest": hex of the bytes of the span list (receives)}, {"status": {"lanes": [...]}},
+{"describe": {"descriptor": hex}} (buffer "in", for a one-sided writer).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> None:
             else:
                 tr.post_send("parent", tag, "out", off, nb, done)
             say({"posted": tag})
+        elif msg["cmd"] == "describe":
+            say({"describe": {"descriptor": tr.describe("in").hex()}})
         elif msg["cmd"] == "status":
             say({"status": {"lanes": list(tr.status().lanes)}})
         elif msg["cmd"] == "exit":

@@ -31,6 +31,7 @@ from test_conformance import BUF, CHUNK, PEER, WAIT_S, Done, PeerProcess
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
 from kvhandoff.transfer.transports import _shm_copy, load_transport
+from kvhandoff.transfer.transports._shm_wire import parse_descriptor
 from kvhandoff.transfer.transports.shm import ShmTransport
 
 SIZE = 64 << 20
@@ -164,6 +165,77 @@ def test_shm_stopped_writer_holds_the_receive_not_the_caller(
             tr.post_recv("peer", 3, "kv", np.array([0]), np.array([1000]), again)
             peer.send(cmd="send", tag=3, offsets=[0], nbytes=[1000])
             assert again.wait() is None
+    finally:
+        if stopped and peer.proc.poll() is None:
+            peer.proc.send_signal(signal.SIGCONT)
+        tr.close()
+        if peer.proc.poll() is None:
+            peer.close()
+
+
+def test_shm_write_cancel_with_frozen_receiver_stops_before_return(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-sided write into a frozen peer's shared segment: cancel() returns (the copy is
+    local: it never waits on the peer), and when it returns no copy of that write runs and
+    nothing more of it lands; its on_done says cancelled."""
+    monkeypatch.setattr(_shm_copy, "IOV_MAX", 2)  # 2 MiB per foreign call: a few ms each
+    started = threading.Event()
+    running = [0]
+    copy_part = _shm_copy._copy_part
+
+    def copy_part_counted(*args: Any) -> Any:
+        running[0] += 1
+        started.set()
+        try:
+            return copy_part(*args)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(_shm_copy, "_copy_part", copy_part_counted)
+    peer = BigPeer("shm-map")
+    tr = ShmTransport(Settings(chunk_bytes=1 << 20, stall_timeout_s=WAIT_S), copy_threads=1)
+    stopped = False
+    try:
+        src = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+        tr.register("kv", src)
+        tr.connect("peer", bytes.fromhex(str(peer.expect("address")["address"])))
+        peer.send(cmd="connect", address=tr.address.hex())
+        peer.expect("connected")
+        desc = bytes.fromhex(str(peer.ask("describe")["descriptor"]))
+        tr.register_remote("peer", "in", desc)
+        pid, fd, seg_n, seg_off, _, nbytes = parse_descriptor(desc)
+        mapping = _shm_copy._map_segment(pid, fd, seg_n)  # the peer's memory, seen from here
+        assert mapping is not None and nbytes == SIZE
+        theirs = np.frombuffer(mapping, np.uint8)[seg_off:seg_off + SIZE]
+        peer.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        _, status = os.waitpid(peer.proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        piece = 1 << 20
+        n = SIZE // piece
+        off = np.random.default_rng(2).permutation(n).astype(np.int64) * piece
+        results: list[BaseException | None] = []
+        written = threading.Event()
+
+        def on_written(exc: BaseException | None, digest: int | None) -> None:
+            results.append(exc)
+            written.set()
+
+        tr.post_write("peer", 1, "kv", off, np.full(n, piece, np.int64), "in",
+                      np.array([0]), np.array([SIZE]), on_written)
+        assert started.wait(WAIT_S), "the write never started"
+        tr.cancel("peer", 1)
+        assert running[0] == 0, "a copy of the write still runs after cancel() returned"
+        snapshot = theirs.copy()
+        assert written.wait(WAIT_S) and len(results) == 1
+        err = results[0]
+        if err is None:  # it completed before cancel: then all of it landed
+            assert np.array_equal(theirs, np.concatenate([src[o:o + piece] for o in off]))
+        else:
+            assert isinstance(err, TransportError) and "cancelled" in str(err), err
+        assert np.array_equal(theirs, snapshot), "the write went on after cancel() returned"
+        del theirs
+        mapping.close()
     finally:
         if stopped and peer.proc.poll() is None:
             peer.proc.send_signal(signal.SIGCONT)
