@@ -225,3 +225,43 @@ def test_waiter_ends_when_closed_and_drops_what_waits() -> None:
     assert t is not None
     t.join(WAIT_S)
     assert not t.is_alive() and w.pending() == 0 and posts.items == []
+
+
+def test_a_chunk_added_while_its_layers_wait_goes_after_them(pair: Any) -> None:
+    """Chunked prefill: add_chunk right after marking the first chunk's layers with pending
+    events; the chunk waits behind them (it would otherwise reach the session first); then
+    all lands byte-exact."""
+    from kvhandoff.testing.patterns import write_tokens
+
+    from .conftest import SEED
+
+    p = pair()
+    lay = p.prefill.layout
+    ps = lay.page_size_tokens
+    src = p.prefill.pool.alloc(-(-SEQ // ps))
+    dst = p.decode.pool.alloc(-(-SEQ // ps))
+    receiver = p.decode.agent.receiver(7, peer=p.prefill.agent.address)
+    receiver.init(dst, SEQ, 0)
+    first_end = 2 * ps
+    sender = p.prefill.agent.sender(7, pages=src[:2], seq_len=SEQ, chunk_end=first_end)
+    waiter = p.prefill.agent._events
+    events = []
+    for start, end in ((0, first_end), (first_end, SEQ)):
+        if start:
+            sender.add_chunk(src[2:], SEQ)  # behind the first chunk's pending layers
+            assert events[0].wait_queried(2)
+            assert waiter.pending() == len(layers_of(lay)) + 1 and waiter.posted == 0
+        for ri, reg in enumerate(lay.regions):
+            for lid in reg.layer_ids:
+                write_tokens(p.prefill.agent.buffers.array(reg.name, lid), lay, ri, lid,
+                             src[start // ps:], start, end, SEED)
+        for lid in layers_of(lay):
+            e = FakeEvent()
+            events.append(e)
+            sender.layer_ready(lid, e)
+    assert receiver.poll() is not KVPoll.Success
+    for e in events:
+        e.complete()
+    assert receiver.wait(WAIT_S) is KVPoll.Success, receiver.failure
+    assert sender.wait(WAIT_S) is KVPoll.Success, sender.failure
+    assert p.verify(dst, SEQ, 0) == (0, 0)
