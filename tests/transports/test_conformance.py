@@ -1,14 +1,17 @@
-"""One conformance suite every data transport runs (inproc, tcp, ucx, shm).
+"""One conformance suite every data transport runs (inproc, tcp, ucx, shm, nixl).
 
 Two real transports talk over their real lanes (sockets, UCX shared memory, shm: cross-memory
 writes, or a mapped shared segment for "shm-map", whose buffers are kvhandoff shared segments);
-for tcp, ucx and shm a variant puts the peer in a real second process (peer_proc.py). One-sided
+for tcp, ucx, shm and nixl a variant puts the peer in a real second process (peer_proc.py). nixl
+(skipped where nixl_cu12 is not installed) does its two-sided ops over tcp. One-sided
 writes are checked on every transport that supports them (and refused by the others). Every
-wait is bounded.
+wait is bounded. shm's cancel never waits on the peer: its receive's on_done waits for the
+writer instead (here: snapshots after on_done; a frozen peer process: test_peer_death.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import queue
 import subprocess
@@ -27,7 +30,8 @@ from kvhandoff.transfer.shm import SharedSegment
 from kvhandoff.transfer.transports import Transport, TransportStatus, load_transport
 from kvhandoff.transfer.transports._chunks import ChunkPlan, normalise_spans
 
-KINDS = ["inproc", "tcp", "ucx", "shm", "shm-map"]
+KINDS = ["inproc", "tcp", "ucx", "shm", "shm-map", "nixl"]
+HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 # The suite characterises UCX on its shared-memory lanes (peer error handling off for same-host
 # peers, as before the safe default); the default (error handling on, TCP lanes, degraded) is
 # covered by test_peer_death.py and the loopback handoff tests.
@@ -90,6 +94,14 @@ def base_kind(kind: str) -> str:
     return kind.split("-")[0]
 
 
+def need(kind: str) -> str:
+    """Skips the test when the kind's optional dependency is not installed."""
+    if base_kind(kind) == "nixl" and not HAVE_NIXL:
+        pytest.skip("nixl_cu12 is not importable: pip install 'kvhandoff[nixl]' (make setup "
+                    "installs it)")
+    return kind
+
+
 def buffer(kind: str) -> np.ndarray:
     """A zeroed BUF-byte buffer: in a kvhandoff shared segment for "shm-map"."""
     if kind == "shm-map":
@@ -118,7 +130,7 @@ class Pair:
 
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+    return need(str(request.param))
 
 
 @pytest.fixture
@@ -413,6 +425,14 @@ def test_require_rdma(kind: str) -> None:
         with pytest.raises(TransportError, match="require_rdma"):
             load_transport(kind, s)
         return
+    if kind == "nixl":  # refused at load when NIXL's UCX has no RDMA lane
+        probe = load_transport(kind, Settings(chunk_bytes=CHUNK))
+        degraded = probe.status().degraded
+        probe.close()
+        if degraded:
+            with pytest.raises(TransportError, match="require_rdma"):
+                load_transport(kind, s)
+            return
     a = load_transport(kind, s)
     b = load_transport(kind, Settings(chunk_bytes=CHUNK, **UCX_SHM))
     try:
@@ -454,7 +474,7 @@ def test_bad_input_names_the_field(pair: Pair) -> None:
 
 
 def test_load_transport_unknown_kind() -> None:
-    with pytest.raises(TransportError, match="unknown kind 'rdma'.*inproc, shm, tcp, ucx"):
+    with pytest.raises(TransportError, match="unknown kind 'rdma'.*inproc, nixl, shm, tcp, ucx"):
         load_transport("rdma", Settings())
 
 
@@ -536,8 +556,9 @@ class PeerProcess:
         assert self.proc.wait(timeout=WAIT_S) == 0
 
 
-@pytest.mark.parametrize("xkind", ["tcp", "ucx", "shm", "shm-map"])
+@pytest.mark.parametrize("xkind", ["tcp", "ucx", "shm", "shm-map", "nixl"])
 def test_cross_process_both_directions(xkind: str) -> None:
+    need(xkind)
     peer_seed = 99
     peer = PeerProcess(xkind, peer_seed)
     tr = load_transport(base_kind(xkind), Settings(chunk_bytes=CHUNK, **UCX_SHM))

@@ -3,7 +3,8 @@ supports them passes, and the refusal of those that do not.
 
 The receiver only registers its buffer and hands its descriptor over (as the agent does in
 Hello); it posts nothing per write. Real transports, real lanes: "shm" writes with
-process_vm_writev, "shm-map" into a mapped kvhandoff shared segment.
+process_vm_writev, "shm-map" into a mapped kvhandoff shared segment, "nixl" through NIXL's
+UCX (skipped where nixl_cu12 is not installed; test_nixl.py has its cross-process cases).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from test_conformance import (  # the shared harness (tests/transports is on sys
     Done,
     Pair,
     base_kind,
+    need,
     random_spans,
     stream,
 )
@@ -31,8 +33,8 @@ from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
 from kvhandoff.transfer.transports import load_transport
 
-WRITERS = [k for k in KINDS if base_kind(k) == "shm"]
-OTHERS = [k for k in KINDS if base_kind(k) != "shm"]
+WRITERS = [k for k in KINDS if base_kind(k) in ("shm", "nixl")]
+OTHERS = [k for k in KINDS if base_kind(k) not in ("shm", "nixl")]
 
 
 class Written:
@@ -57,7 +59,7 @@ class Written:
 
 @pytest.fixture(params=WRITERS)
 def wpair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    p = Pair(str(request.param))
+    p = Pair(need(str(request.param)))
     p.a.register_remote("b", "kv", p.b.describe("kv"))
     yield p
     p.close()
@@ -159,9 +161,14 @@ def test_write_bad_input_names_the_field(wpair: Pair) -> None:
 
 
 def test_write_lane_in_status(wpair: Pair) -> None:
-    lanes = wpair.a.status().lanes
+    st = wpair.a.status()
+    if st.kind == "nixl":  # the UCX transports NIXL's UCX can reach other hosts with
+        assert st.lanes and all(lane.startswith("nixl/ucx") for lane in st.lanes)
+        assert st.degraded == all(lane == "nixl/ucx:tcp" for lane in st.lanes), st
+        assert "NIXL's bundled UCX" in st.reason and "verbs" in st.reason
+        return
     shared = wpair.dst.base is not None and not isinstance(wpair.dst.base, np.ndarray)
-    assert lanes == (("shm/map",) if shared else ("shm/cma",))
+    assert st.lanes == (("shm/map",) if shared else ("shm/cma",))
 
 
 @pytest.mark.parametrize("kind", OTHERS)

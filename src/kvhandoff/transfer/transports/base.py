@@ -149,6 +149,7 @@ _BACKENDS = {
     TransportKind.TCP: "kvhandoff.transfer.transports.tcp:TcpTransport",
     TransportKind.SHM: "kvhandoff.transfer.transports.shm:ShmTransport",
     TransportKind.AUTO: "kvhandoff.transfer.transports.auto:AutoTransport",
+    TransportKind.NIXL: "kvhandoff.transfer.transports.nixl:NixlTransport",
     TransportKind.INPROC: "kvhandoff.transfer.transports.inproc:InprocTransport",
 }
 
