@@ -190,7 +190,14 @@ class _AgentSide:
             digest=self.digest() if msg.get("verify") and state.name == "Success" else None)
 
     def status(self) -> dict[str, Any]:
-        return {mode: a.status()["transport"] for mode, a in self.agents.items()}
+        out = {}
+        for mode, a in self.agents.items():
+            st = a.status()
+            c = st["counters"]
+            # how the rooms moved: one-sided writes (shm, nixl) or two-sided sends
+            out[mode] = {**st["transport"], "rooms_one_sided": c.get("rooms_one_sided", 0),
+                         "rooms": c.get("rooms_success", 0) + c.get("rooms_failed", 0)}
+        return out
 
     def close(self) -> None:
         for a in self.agents.values():

@@ -83,7 +83,11 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
                       f"descriptors ({st['setup']})")
         else:
             for mode, s in st.items():
-                con.print(f"handoff ({mode}) lanes: {', '.join(s['lanes'])}")
+                how = ""
+                if "rooms_one_sided" in s and s.get("rooms"):
+                    how = (f"; {s['rooms_one_sided']} of {s['rooms']} rooms by one-sided "
+                           "writes" if s["rooms_one_sided"] else "; two-sided sends")
+                con.print(f"handoff ({mode}) lanes: {', '.join(s['lanes'])}{how}")
     con.print("verified byte-exact: " + ", ".join(f"{k}={v}" for k, v in r["verified"].items()))
 
 
