@@ -46,7 +46,7 @@ def _pages(rng: np.random.Generator, buf_bytes: int, page: int, n: int) -> tuple
     return (slots * page).tolist(), [page] * n
 
 
-@pytest.mark.parametrize("small", [1, 64 << 10])  # every piece gathered / long pieces copied
+@pytest.mark.parametrize("small", [1, 64 << 10])  # every piece one copy / all gathered
 def test_cuda_ipc_copy_between_two_processes(small: int) -> None:
     rng = np.random.default_rng(11)
     # small buffers: the caching allocator carves them out of shared blocks
