@@ -11,7 +11,8 @@ Rules:
 - The thread starts with the first queued entry and ends after `idle_exit_s` with nothing
   queued (a later submit starts it again: at most one per agent). It polls `event.query()`
   of each room's first entry, sleeping with a bounded backoff (`min_sleep_s` doubling up to
-  `max_sleep_s`) while nothing completes; a submit wakes it.
+  `max_sleep_s`, 200 us: about the most a layer waits past its event, scheduling aside)
+  while nothing completes; a submit wakes it.
 - An entry is posted only after its event reported completion; it leaves the queue after
   it was posted, so a direct post of a later submit never overtakes it.
 - An event whose `query()` raises fails the room: an `AbortRoom` naming the layer and the
@@ -47,7 +48,7 @@ class EventWaiter:
 
     def __init__(self, post: Callable[[ev.Event], None], *, closed: Callable[[], bool],
                  name: str = "kvh-events", min_sleep_s: float = 20e-6,
-                 max_sleep_s: float = 1e-3, idle_exit_s: float = 2.0) -> None:
+                 max_sleep_s: float = 2e-4, idle_exit_s: float = 2.0) -> None:
         self._post = post
         self._closed = closed
         self._name = name
