@@ -26,7 +26,7 @@ OTHER_HOST = b"\xee" * 16
 
 def as_other_host(address: bytes) -> bytes:
     a = decode_address(address)
-    return encode_address(OTHER_HOST, a.shm, a.cross_kind, a.cross)
+    return encode_address(OTHER_HOST, a.shm, a.cross_kind, a.cross, pidns=a.pidns)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from kvhandoff.transfer.transports.auto import (
     AutoTransport,
     decode_address,
     encode_address,
+    shm_usable,
 )
 
 AUTO_PEER = Path(__file__).with_name("auto_peer_proc.py")
@@ -56,7 +57,7 @@ def make(cross: str = "tcp") -> AutoTransport:
 
 def as_other_host(address: bytes) -> bytes:
     a = decode_address(address)
-    return encode_address(OTHER_HOST, a.shm, a.cross_kind, a.cross)
+    return encode_address(OTHER_HOST, a.shm, a.cross_kind, a.cross, pidns=a.pidns)
 
 
 class AutoPair:
@@ -128,7 +129,8 @@ def _check_same_host(pair: AutoPair) -> None:
     assert "shm for 1 same-host peer(s), tcp for 0 peer(s)" in st.reason
     # tcp on its own is degraded, but no connected peer uses it
     assert "would be degraded, but no connected peer uses it" in st.reason
-    assert "tcp:tcp" in st.lanes
+    assert st.lanes == ("shm", "tcp")  # nothing moved yet; the unused cross part only named
+    assert "same-host peer(s) over" not in st.reason
 
 
 def test_other_host_peer_goes_cross_host_and_degrades_naming_it() -> None:
@@ -228,11 +230,13 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
         a.register("kv", np.zeros(64, np.uint8))
         with pytest.raises(TransportError, match="not an auto transport AutoAddress"):
             a.connect("x", b"\x01\x02garbage")
-        old = msgspec.msgpack.encode(AutoAddress(VERSION + 1, OTHER_HOST, b"", "tcp", b""))
+        old = msgspec.msgpack.encode(AutoAddress(VERSION + 1, OTHER_HOST, "", True, "", b"",
+                                                 "tcp", b""))
         with pytest.raises(TransportError, match=f"version {VERSION + 1}"):
             a.connect("x", old)
         ucx_peer = decode_address(b.address)  # another host whose cross-host kind differs
-        wrong = encode_address(OTHER_HOST, ucx_peer.shm, "ucx", ucx_peer.cross)
+        wrong = encode_address(OTHER_HOST, ucx_peer.shm, "ucx", ucx_peer.cross,
+                               pidns=ucx_peer.pidns)
         with pytest.raises(TransportError, match="auto_cross_host is ucx, this side's is tcp"):
             a.connect("x", wrong)
         assert a.route("x") is None
@@ -261,6 +265,72 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
         b.close()
     with pytest.raises(TransportError, match="closed"):
         a.post_send("b", 1, "kv", np.array([0]), np.array([1]), Done())
+
+
+def _rewrite(address: bytes, **change: object) -> bytes:
+    return msgspec.msgpack.encode(msgspec.structs.replace(decode_address(address), **change))
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"pidns": "0:12345"}, "another PID namespace (peer 0:12345"),
+    ({"shm_ok": False, "shm_why": "Yama ptrace_scope=1 forbids"},
+     "the peer's side: Yama ptrace_scope=1 forbids"),
+])
+def test_same_host_peer_that_cannot_use_shm_goes_cross_host_saying_why(
+        change: dict[str, object], why: str) -> None:
+    a, b = make(), make()
+    try:
+        src = np.arange(4096, dtype=np.int64).view(np.uint8).copy()
+        dst = np.zeros_like(src)
+        a.register("kv", src)
+        b.register("kv", dst)
+        a.connect("b", _rewrite(b.address, **change))  # same host identity, unlike otherwise
+        b.connect("a", as_other_host(a.address))  # (b sees a over tcp as well)
+        assert a.route("b") == "tcp"
+        st = a.status()
+        assert f"same-host peer(s) over tcp: b ({why}" in st.reason
+        assert st.degraded and "tcp:tcp" in st.lanes and "shm/cma" not in st.lanes
+        done, got = Done(), Done()
+        b.post_recv("a", 3, "kv", np.array([0]), np.array([src.size]), got)
+        a.post_send("b", 3, "kv", np.array([0]), np.array([src.size]), done)
+        assert done.wait() is None and got.wait() is None
+        assert np.array_equal(dst, src)
+        a.disconnect("b")
+        assert "same-host peer(s) over" not in a.status().reason
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(("scope", "cap", "ok"), [
+    (None, 0, True), ("0\n", 0, True), ("1\n", 0, False), ("1\n", 1 << 19, True),
+    ("2", 1 << 19, True), ("2", 0, False), ("3", 1 << 19, False)])
+def test_shm_usable_follows_ptrace_scope_and_cap_sys_ptrace(scope: str | None, cap: int,
+                                                            ok: bool) -> None:
+    got, why = shm_usable(scope, cap)
+    assert got is ok
+    assert (why == "") is ok and (ok or "ptrace_scope" in why)
+
+
+def test_require_rdma_applies_to_the_cross_host_part() -> None:
+    with pytest.raises(TransportError, match="tcp transport refused: require_rdma is set"):
+        load_transport("auto", Settings(auto_cross_host="tcp", require_rdma=True))
+    ucx = load_transport("ucx", Settings())
+    ucx_degraded = ucx.status().degraded
+    ucx.close()
+    s = Settings(auto_cross_host="ucx", require_rdma=True, chunk_bytes=CHUNK)
+    if ucx_degraded:  # refused at start, as ucx alone fails the agent's readiness check
+        with pytest.raises(TransportError, match="require_rdma is set but its cross-host ucx"):
+            load_transport("auto", s)
+        return
+    a, b = load_transport("auto", s), load_transport("auto", s)
+    try:  # shm (no RDMA, never degraded) still serves same-host peers
+        a.connect("b", b.address)
+        assert isinstance(a, AutoTransport) and a.route("b") == "shm"
+        assert not a.status().degraded
+    finally:
+        a.close()
+        b.close()
 
 
 # ---- two processes --------------------------------------------------------------------------
