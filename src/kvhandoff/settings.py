@@ -73,8 +73,9 @@ class Settings(BaseSettings):
     bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
                                       "registers with / looks routes up at.")
     transport: TransportKind = Field(TransportKind.UCX,
-                                     description="Data transport: ucx, tcp, shm (same host) "
-                                     "or inproc.")
+                                     description="Data transport: ucx, tcp, nixl (one-sided "
+                                     "writes through NIXL's bundled UCX: RDMA from a pip install "
+                                     "of the nixl extra), shm (same host) or inproc.")
     auto_cross_host: TransportKind = Field(
         TransportKind.UCX, description="transport=auto: the transport for peers on other hosts "
         "(ucx, tcp or nixl; peers on this host use shm). Set it alike on both sides.")
