@@ -30,10 +30,10 @@
 #      byte-exact check; JSON in demo_device.json.
 #   5. `kvhandoff doctor --json` (cap 60 s) on the node.
 #
-# What it does NOT cover (not built yet; docs/GPU.md): no agent transport moves device memory
-# (tcp/ucx refuse CUDA buffers at register; the shm transport does not call the CUDA IPC
-# pieces yet; no NIXL VRAM), so no agent-to-agent GPU handoff is timed; devsum is not wired
-# into the agent's checksums (the agent hashes host bytes with xxh3); devsum uses torch ops
+# What it does NOT cover (not built yet; docs/GPU.md): no agent-to-agent GPU handoff (tcp/ucx
+# refuse CUDA buffers at register; the shm transport does not call the CUDA IPC pieces yet;
+# nixl's VRAM registration is untested on a GPU), so none is timed; devsum is not wired into
+# the agent's checksums (the agent hashes host bytes with xxh3); devsum uses torch ops
 # (several passes per chunk), not a fused kernel. When this script was written nothing in it
 # had run on a GPU: its first run on a lent machine is the first GPU check.
 set -uo pipefail
