@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-de
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	@# the nixl transport (one-sided writes; NIXL bundles a UCX with verbs): nixl-cu12 wheels
+	@# exist for x86_64/aarch64 Linux; elsewhere its tests skip with the reason
+	$(BIN)/pip install -q -e ".[nixl]" \
+	  || echo "note: nixl-cu12 not installed; the nixl transport and its tests are unavailable"
 	@# optional: the shm transport's native copy helper (needs a C compiler; else Python copies)
 	@$(BIN)/python -m kvhandoff.transfer.transports._native || true
 	@# the engines (SGLang, vLLM) for tests/integrations: no deps, then their light import deps
