@@ -122,7 +122,8 @@ def test_host_transports_refuse_cuda_buffers_at_register(kind: str) -> None:
         dev = DeviceBytes(_BASE, 4096, 0, None)
         with pytest.raises(TransportError, match=rf"register 'main_kv/0': the buffer is cuda:0 "
                            rf"memory and the {kind} transport moves host memory only.*shm "
-                           r"transport's CUDA IPC lane.*nixl transport, which registers CUDA buffers as VRAM"):
+                           r"transport's CUDA IPC lane.*nixl transport, which registers "
+                           r"CUDA buffers as VRAM"):
             t.register("main_kv/0", dev)  # type: ignore[arg-type]
         with pytest.raises(TransportError, match="CUDA memory and the"):
             t.register("main_kv/1", FakeCudaArray(_BASE, 64))  # type: ignore[arg-type]
