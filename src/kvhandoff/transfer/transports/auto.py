@@ -213,6 +213,11 @@ class AutoTransport(Transport):
             part = self._routes.get(peer)
         return None if part is None else self._lane(part)
 
+    def routes(self) -> dict[str, str]:
+        """The lane of every connected peer ("shm" or the cross-host kind)."""
+        with self._lock:
+            return {p: self._lane(part) for p, part in self._routes.items()}
+
     # ---- Transport ------------------------------------------------------------------------
 
     @property
