@@ -414,3 +414,38 @@ def test_two_processes_other_host_route_is_two_sided_over_tcp() -> None:
     finally:
         tr.close()
         peer.close()
+
+
+def test_cross_host_nixl_route_writes_one_sided() -> None:
+    try:
+        a = make("nixl")
+    except TransportError as e:
+        if "cannot be loaded" in str(e):
+            pytest.skip(f"nixl is not installed here: {e}")
+        raise
+    b = make("nixl")
+    try:
+        rng = np.random.default_rng(21)
+        src = rng.integers(0, 256, BUF, dtype=np.uint8)
+        dst = np.zeros(BUF, np.uint8)
+        a.register("kv", src)
+        b.register("kv", dst)
+        a.connect("b", as_other_host(b.address))
+        b.connect("a", as_other_host(a.address))
+        assert a.routes() == {"b": "nixl"} and b.routes() == {"a": "nixl"}
+        a.register_remote("b", "kv", b.describe("kv"))  # the nixl part of the descriptor
+        s = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
+        d = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
+        w = Written()
+        a.post_write("b", 8, "kv", *s, "kv", *d, w, checksum=True)
+        err, digest = w.wait()
+        assert err is None
+        assert digest == xxhash.xxh3_64(stream(src, *s).data).intdigest()
+        assert np.array_equal(stream(dst, *d), stream(src, *s))
+        fenced = Done()
+        a.fence("b", fenced)
+        assert fenced.wait() is None
+        assert any(lane.startswith("nixl:") for lane in a.status().lanes)
+    finally:
+        a.close()
+        b.close()
