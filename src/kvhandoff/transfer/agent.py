@@ -124,8 +124,12 @@ class TransferAgent:
             raise ConfigError(f"require_rdma is set but the {st.kind} transport is degraded: "
                               f"{st.reason}")
         views = dict(self.buffers.views())
-        for name, arr in views.items():
-            self.transport.register(name, arr)
+        try:
+            for name, arr in views.items():
+                self.transport.register(name, arr)
+        except BaseException:  # e.g. CUDA buffers on a host-only transport: no leaked thread
+            self.transport.close()
+            raise
         self._loop = ControlLoop(transport=self.transport, buffers=views,
                                  settings=self.settings, effect_filter=effect_filter)
         self.address = self._loop.address

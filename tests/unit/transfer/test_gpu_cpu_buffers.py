@@ -156,3 +156,22 @@ def test_cuda_buffers_on_two_devices_are_refused() -> None:
         BufferSet(lay, bufs)
     bufs["main_kv"][4].device = _CupyLikeDevice(0)
     assert BufferSet(lay, bufs).device == 0
+
+
+def test_an_agent_refused_by_its_transport_closes_it() -> None:
+    """CUDA buffers on tcp: the agent raises the transport's refusal and closes the transport
+    it built on (no I/O thread left behind)."""
+    import threading
+
+    from kvhandoff.transfer import TransferAgent
+    from kvhandoff.transfer.transports.base import load_transport
+
+    lay = tiny_layout()
+    t = load_transport("tcp", Settings(transport="tcp"))
+    before = {th.ident for th in threading.enumerate()}
+    with pytest.raises(TransportError, match="moves host memory only"):
+        TransferAgent("prefill", lay, fake_buffers(lay, 4), Settings(transport="tcp"),
+                      transport=t)
+    with pytest.raises(TransportError, match="closed"):
+        t.connect("peer", t.address)
+    assert {th.ident for th in threading.enumerate() if th.is_alive()} <= before
