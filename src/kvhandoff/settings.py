@@ -72,10 +72,12 @@ class Settings(BaseSettings):
     # --- agents -----------------------------------------------------------------------------
     bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
                                       "registers with / looks routes up at.")
-    transport: TransportKind = Field(TransportKind.UCX,
-                                     description="Data transport: ucx, tcp, nixl (one-sided "
-                                     "writes through NIXL's bundled UCX: RDMA from a pip install "
-                                     "of the nixl extra), shm (same host) or inproc.")
+    transport: TransportKind = Field(
+        TransportKind.AUTO, description="Data transport: auto (default: shm with peers on this "
+        "host, auto_cross_host with the others), ucx, tcp, nixl (one-sided writes through NIXL's "
+        "bundled UCX: RDMA from a pip install of the nixl extra), shm (same host only) or "
+        "inproc. Both sides of a pair must use the same kind (a Hello of another kind is "
+        "refused naming both).")
     auto_cross_host: TransportKind = Field(
         TransportKind.UCX, description="transport=auto: the transport for peers on other hosts "
         "(ucx, tcp or nixl; peers on this host use shm). Set it alike on both sides.")

@@ -200,15 +200,17 @@ def test_injected_corruption_is_caught(handoff: Handoff, transport: str, times: 
     # times=2 corrupts the last layer, so nothing else is in flight when the room fails: a ucx
     # peer process that exits while the other side's cma writes are still in flight aborts
     # that side (a transport bug, reported with issue 4's tests, not what this test checks)
-    # shm writes one-sided (the decode posts no receives): the writer corrupts what lands
+    # shm and auto (same host: shm) write one-sided, the decode posts no receives: the
+    # writer corrupts what lands
+    one_sided = transport in ("shm", "auto")
     (room,) = handoff.rooms(1)
     st = settings(transport)
     cfg = {"faults": {"corrupt": [{"layer": layer, "times": times}]}}
     p, d = handoff.start([{"room": room, "seq_len": 1024, "prefix": 256}], st,
-                         **{"prefill_cfg" if transport == "shm" else "decode_cfg": cfg})
+                         **{"prefill_cfg" if one_sided else "decode_cfg": cfg})
     dd = d.expect("done", DONE_S, room=room)
     pd = p.expect("done", DONE_S, room=room)
-    assert dd["stats"]["one_sided"] is (transport == "shm") is pd["stats"]["one_sided"]
+    assert dd["stats"]["one_sided"] is one_sided is pd["stats"]["one_sided"]
     if times == 1:  # caught, retransmitted once, then byte-exact
         assert (pd["state"], dd["state"]) == ("Success", "Success")
         assert dd["stats"]["retransmits"] == 1 == pd["stats"]["retransmits"]

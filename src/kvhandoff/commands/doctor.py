@@ -51,7 +51,8 @@ def register(app: typer.Typer) -> None:
         results = run_checks(
             root, bootstrap_url=bootstrap_url or settings.bootstrap_url,
             require_rdma=settings.require_rdma if require_rdma is None else require_rdma,
-            transport=str(settings.transport), probes=probes)
+            transport=str(settings.transport), auto_cross_host=str(settings.auto_cross_host),
+            probes=probes)
         report = report_json(results)
         if as_json:
             typer.echo(json.dumps(report, indent=2, default=str))

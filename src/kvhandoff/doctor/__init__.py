@@ -34,13 +34,14 @@ __all__ = [
 
 def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
                require_rdma: bool = False, transport: str = "ucx",
-               probes: bool = True) -> list[CheckResult]:
+               auto_cross_host: str = "ucx", probes: bool = True) -> list[CheckResult]:
     """Runs every check. `probes=False` skips those that start processes or endpoints (the
     loopback UCX lanes, the cross-process read, CUDA IPC)."""
     inv = rdma_inventory(root)
     rdma_present = bool(inv.devices or inv.dev_nodes)
     out = [check_ucx_library(root, rdma_present=rdma_present, require_rdma=require_rdma,
-                             ucx_is_transport=transport == "ucx")]
+                             ucx_is_transport=transport == "ucx" or (
+                                 transport == "auto" and auto_cross_host == "ucx"))]
     if probes:
         out.append(check_ucx_lanes(rdma_present=rdma_present, require_rdma=require_rdma))
     else:
