@@ -17,8 +17,8 @@
 # - cancel(peer, tag) / disconnect / close release each write's NIXL handle before they return:
 #   NIXL aborts an active transfer on release, or refuses (then we wait for it to end, bounded
 #   by stall_timeout_s, and release it): after that nothing of it writes into the peer.
-# - NIXL's UCX backend runs with peer error handling (its default): a dead peer fails the
-#   write (state ERR), it never hangs the transport.
+# - The UCX backend is created with peer error handling (also NIXL's default): a dead peer
+#   fails the write (an error at post or state ERR), it never hangs the transport.
 #
 # Rules: `_lock` guards the write table, each write's `finished` flag and the fences (an op
 # finishes once; its callback, then any fence it completes, are queued in that order).
@@ -94,22 +94,25 @@ class NixlTransport(TcpTransport):
         self._agent_name = f"kvh-nixl-{uuid.uuid4().hex}"
         self._nx_lock = threading.Lock()
         try:
-            self._agent = api.nixl_agent(self._agent_name,
-                                         api.nixl_agent_config(backends=["UCX"]))
+            self._agent = api.nixl_agent(self._agent_name, api.nixl_agent_config(backends=[]))
+            if "UCX" not in self._agent.get_plugin_list():
+                raise TransportError("nixl: NIXL has no UCX plugin (nixl-cu12 ships one); "
+                                     "reinstall 'kvhandoff[nixl]'")
+            # peer error handling, explicitly (NIXL's default too): a dead peer fails writes
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+        except TransportError:
+            raise
         except Exception as e:  # NIXL raises what its bindings raise
-            raise TransportError(f"nixl: cannot create a NIXL agent ({type(e).__name__}: {e})"
-                                 ) from e
-        if "UCX" not in self._agent.backends:
-            raise TransportError("nixl: the agent has no UCX backend (the UCX plugin of "
-                                 "nixl-cu12 did not load); reinstall 'kvhandoff[nixl]'")
+            raise TransportError(f"nixl: cannot create a NIXL agent with the UCX backend "
+                                 f"({type(e).__name__}: {e})") from e
         offer = ucx_offer()  # NIXL's UCX is loaded now
         if settings.require_rdma and not offer.rdma_tls:
             raise TransportError("nixl transport refused: require_rdma is set and NIXL's UCX "
                                  f"{offer.version} sees no RDMA device ({_offer_text(offer)}); "
                                  "unset KVHANDOFF_REQUIRE_RDMA to accept UCX over TCP")
         self._offer = offer
-        # connection info only: each buffer's keys travel in its describe() blob
-        # (nothing is registered yet: connection info only)
+        # nothing is registered yet: connection info only (each buffer's keys travel in its
+        # describe() blob)
         self._metadata: bytes = self._agent.get_agent_metadata()
         super().__init__(settings.model_copy(update={"require_rdma": False}))
         self._nixl_address = encode(NixlAddress(VERSION, super().address, self._agent_name,
