@@ -5,9 +5,10 @@ It runs in a worker process (`python -m kvhandoff.bench.worker nixl`): two NIXL 
 backend), source and destination buffers of the memcpy case's sizes registered as DRAM, the
 request built from two N x 3 numpy arrays (address, length, device 0) and posted once; the time
 is from creating the request to NIXL reporting DONE, and the last repetition checks every
-piece. A process of its own because NIXL 1.5.1 crashes its process with SIGSEGV at interpreter
-exit when two agents with a remote agent existed (reproduced with a 12-line script, also after
-deregistering and deleting them); the worker leaves with os._exit after its last answer. Needs
+piece. A process of its own, which leaves with os._exit after its last answer: a NIXL process
+could crash with SIGSEGV at interpreter exit. The cause is NIXL's bundled UCX efa module, whose
+system libefa brings a second libnl into the process (not the two agents, as first thought);
+the nixl transport leaves that module out (`transports/_nixl_lib.py`). Needs
 the `nixl` extra (`pip install 'kvhandoff[nixl]'`: nixl-cu12, imported as `nixl_cu12`, runs on
 a CPU-only machine for DRAM).
 """

@@ -241,19 +241,29 @@ def _lanes(details: dict[str, Any], *, rdma_present: bool, require_rdma: bool) -
 
 
 def check_nixl() -> CheckResult:
-    if importlib.util.find_spec("nixl") is None:
-        return CheckResult("nixl", Status.SKIP, "NIXL not installed (optional backend)", {})
+    """NIXL (the nixl extra, nixl-cu12, imported as nixl_cu12: the nixl transport and the
+    bench baseline): whether it loads the way the transport loads it, and its bundled UCX."""
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return CheckResult("nixl", Status.SKIP, "NIXL not installed (optional: the nixl "
+                           "transport, RDMA from a pip install; pip install 'kvhandoff[nixl]')",
+                           {})
+    from kvhandoff.errors import TransportError
+    from kvhandoff.transfer.transports._nixl_lib import nixl_api, nixl_version, ucx_offer
+
+    version = nixl_version()
     try:
-        version = importlib.metadata.version("nixl")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    try:
-        import nixl  # noqa: F401
-    except Exception as e:  # a broken install raises anything
-        return CheckResult("nixl", Status.WARN, f"NIXL {version} installed but does not import: "
-                           f"{type(e).__name__}: {e}", {"version": version},
-                           fix="reinstall nixl matching this CUDA/UCX, or uninstall it")
-    plugin_dir = os.environ.get("NIXL_PLUGIN_DIR")
-    return CheckResult("nixl", Status.INFO, f"NIXL {version} imports (plugin dir: "
-                       f"{plugin_dir or 'default'})", {"version": version,
-                                                       "plugin_dir": plugin_dir})
+        nixl_api()
+        offer = ucx_offer()
+    except (TransportError, ImportError, OSError) as e:  # a broken install
+        return CheckResult("nixl", Status.WARN, f"NIXL {version} installed but does not load: "
+                           f"{e}", {"version": version},
+                           fix="reinstall nixl-cu12 matching this CUDA, or uninstall it")
+    details = {"version": version, "ucx_version": offer.version, "libdir": offer.libdir,
+               "verbs_modules": list(offer.verbs_modules), "resources": list(offer.resources),
+               "modules": offer.modules_note, "error": offer.error}
+    rdma = offer.rdma_tls
+    summary = (f"NIXL {version} loads; its bundled UCX {offer.version} has verbs modules "
+               f"{', '.join(offer.verbs_modules) or 'none'}; RDMA lanes here: "
+               f"{', '.join(rdma) or 'none (tcp only)'}")
+    return CheckResult("nixl", Status.INFO if not offer.error else Status.WARN, summary,
+                       details)

@@ -103,9 +103,14 @@ def test_ucx_lanes_real_loopback() -> None:
 
 
 def test_nixl_real_system() -> None:
+    """NIXL is the nixl-cu12 wheel (module nixl_cu12): loaded as the transport loads it, its
+    bundled UCX build named with its verbs modules and the RDMA lanes found here."""
     r = check_nixl()
-    if importlib.util.find_spec("nixl") is None:
+    if importlib.util.find_spec("nixl_cu12") is None:
         assert r.status is Status.SKIP and "not installed" in r.summary
     else:
-        assert r.status in (Status.INFO, Status.WARN)
-        assert r.details["version"]
+        assert r.status is Status.INFO, r.summary
+        assert r.details["version"] == importlib.metadata.version("nixl-cu12")
+        assert f"bundled UCX {r.details['ucx_version']}" in r.summary
+        assert r.details["ucx_version"] != "?" and "RDMA lanes here:" in r.summary
+        assert any(x.startswith("tcp/") for x in r.details["resources"])
