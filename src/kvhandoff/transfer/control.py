@@ -35,7 +35,8 @@ from kvhandoff.errors import KVHandoffError, ProtocolError
 from kvhandoff.settings import Settings
 from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.checksum import span_checksum
+from kvhandoff.transfer.buffers import view_memory
+from kvhandoff.transfer.devsum import room_checksum
 from kvhandoff.transfer.effects import (
     Cancel,
     Connect,
@@ -103,6 +104,9 @@ class ControlLoop:
     def start(self, session: TransferSession, name: str) -> None:
         """Starts the thread that drives `session` (built with this loop's `address`)."""
         self.session = session
+        # the Hello says where the buffers live; it decides the rooms' checksum algorithm
+        kinds = {view_memory(v)[0] for v in self._buffers.values()}
+        session.set_memory("cuda" if "cuda" in kinds else "host")
         self._thread = threading.Thread(target=self._run, name=f"kvh-{name}", daemon=True)
         self._thread.start()
 
@@ -191,11 +195,17 @@ class ControlLoop:
             except KVHandoffError as e:
                 self.post(ev.OpDone(eff.op, str(e)))
         elif isinstance(eff, PostWrite):
-            written = functools.partial(self._written, eff.op)
+            # the digest must be of the room's algorithm: the transport computes it while
+            # copying when it computes that one for this buffer, else it is hashed here once
+            # the write landed (the source does not change while its room is open)
+            fused = eff.checksum and self._write_digest_alg(eff.buffer) == eff.alg
+            written = (functools.partial(self._written, eff.op)
+                       if fused or not eff.checksum else
+                       functools.partial(self._written_then_hash, eff))
             try:
                 self.transport.post_write(eff.peer, eff.tag, eff.buffer, eff.offsets,
                                           eff.nbytes, eff.buffer, eff.remote_offsets,
-                                          eff.nbytes, written, checksum=eff.checksum)
+                                          eff.nbytes, written, checksum=fused)
             except KVHandoffError as e:
                 self.post(ev.Written(eff.op, str(e)))
         elif isinstance(eff, RegisterRemote):
@@ -252,10 +262,46 @@ class ControlLoop:
         """(transport thread) A one-sided write ended."""
         self.post(ev.Written(op, None if exc is None else str(exc), digest))
 
-    def _hash(self, job: HashSpans) -> None:
-        """(hasher thread) The sums of a hashing job, posted back as `Hashed`."""
+    def _write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of the digest `transport.post_write(checksum=True)` gives for buffer
+        `name`: what the transport says (`write_digest_alg`, shm: xxh3 of host buffers,
+        devsum of CUDA ones), else xxh3 for host buffers (every transport's fused hash) and
+        None (none it can give) for device buffers."""
+        said = getattr(self.transport, "write_digest_alg", None)
+        if said is not None:
+            alg: str | None = said(name)
+            return alg
+        buf = self._buffers.get(name)
+        return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
+
+    def _written_then_hash(self, eff: PostWrite, exc: BaseException | None,
+                           digest: int | None) -> None:
+        """(transport thread) A write whose digest the transport could not compute in the
+        room's algorithm ended: hash its source spans on the hasher pool, then post
+        `Written`."""
+        if exc is not None:
+            self.post(ev.Written(eff.op, str(exc)))
+            return
+
+        def hash_source() -> None:
+            try:
+                d = room_checksum(self._buffers[eff.buffer], eff.offsets, eff.nbytes, eff.alg)
+            except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
+                self.post(ev.Written(eff.op, f"checksum ({eff.alg}) of the written source "
+                                             f"failed: {e!r}"))
+                return
+            self.post(ev.Written(eff.op, None, d))
+
         try:
-            sums = tuple(span_checksum(self._buffers[name], offsets, nbytes)
+            self._hasher.submit(hash_source)
+        except RuntimeError as e:  # the pool shut down: the agent is closing
+            self.post(ev.Written(eff.op, f"closing: {e}"))
+
+    def _hash(self, job: HashSpans) -> None:
+        """(hasher thread) The sums of a hashing job (with the room's algorithm, on the
+        buffer where it lives), posted back as `Hashed`."""
+        try:
+            sums = tuple(room_checksum(self._buffers[name], offsets, nbytes, job.alg)
                          for name, offsets, nbytes in job.spans)
             self.post(ev.Hashed(job.job, sums))
         except Exception as e:  # noqa: BLE001 - reported to the session, which fails the room

@@ -110,8 +110,9 @@ class PostRecv(Effect):
 class PostWrite(Effect):
     """One-sided: write span list (offsets, nbytes) of local buffer `buffer` into span list
     (remote_offsets, nbytes) of `peer`'s buffer of the same name (installed by
-    `RegisterRemote`), hashing the source stream while copying when `checksum`; completion
-    comes back as `events.Written(op)` once the bytes landed."""
+    `RegisterRemote`), hashing the source stream while copying when `checksum`, with the
+    room's algorithm `alg` ("xxh3" or "devsum", `handshake.checksum_alg`); completion comes
+    back as `events.Written(op)` once the bytes landed."""
 
     op: int
     peer: str
@@ -121,6 +122,7 @@ class PostWrite(Effect):
     nbytes: np.ndarray
     remote_offsets: np.ndarray
     checksum: bool
+    alg: str = "xxh3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +144,14 @@ class Cancel(Effect):
 
 @dataclass(frozen=True, slots=True)
 class HashSpans(Effect):
-    """xxh3-64 of each (buffer, offsets, nbytes) span list, off the control thread; the sums
-    come back as `events.Hashed(job)` in the same order."""
+    """The checksum of each (buffer, offsets, nbytes) span list with the room's algorithm
+    `alg` ("xxh3": xxh3-64 over host bytes; "devsum": the device checksum, computed where the
+    buffer lives), off the control thread; the sums come back as `events.Hashed(job)` in the
+    same order."""
 
     job: int
     spans: tuple[tuple[str, np.ndarray, np.ndarray], ...]
+    alg: str = "xxh3"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,20 @@ class PeerState(enum.Enum):
 
 
 
+MEMORY_KINDS = ("host", "cuda")
+XXH3, DEVSUM = "xxh3", "devsum"
+
+
+def checksum_alg(mine: str, theirs: str) -> str:
+    """The checksum algorithm of a room between an agent whose buffers live in `mine` and a
+    peer whose buffers live in `theirs` (each "host" or "cuda"): "devsum" (the position-keyed
+    device checksum of transfer/devsum.py, computed where the bytes are; a host side computes
+    the same value on the CPU) when either side's buffers are device memory, else "xxh3"
+    (xxh3-64 over host bytes, `checksum.span_checksum`). Both sides compute it from their own
+    kind and the other's Hello, so they always agree."""
+    return DEVSUM if "cuda" in (mine, theirs) else XXH3
+
+
 @dataclass(eq=False, kw_only=True)
 class Peer:
     """One peer agent, by control address."""
@@ -56,6 +70,7 @@ class Peer:
     transport_address: bytes = b""
     descriptors: dict[str, bytes] = field(default_factory=dict)  # its buffers, for our writes
     writes: bool = False  # its descriptors are installed: we write into it one-sided
+    memory: str = "host"  # where its KV buffers live (its Hello's `memory`)
     last_seen: float = 0.0
     waiting: list[Leg] = field(default_factory=list)  # legs waiting for the handshake
 
@@ -88,13 +103,16 @@ class Identity:
     #: the transport can write one-sided and `one_sided_writes` is on: a decode offers its
     #: buffers' descriptors (in `buffers`), a prefill writes into a decode that offers them
     writes: bool = False
+    #: where this agent's KV buffers live, "host" or "cuda" (`BufferSet.memory`)
+    memory: str = "host"
 
     def hello(self, cls: type[P.Hello]) -> P.Hello:
         """This agent's Hello (or HelloAck), signed when a shared secret is set."""
         msg = cls(src=self.address, gen=self.generation, agent_id=self.agent_id,
                   role=self.role.value, transport=self.transport_kind,
                   transport_address=self.transport_address, layout=self.layout.to_dict(),
-                  layout_hash=self.layout_hash, buffers=list(self.buffers))
+                  layout_hash=self.layout_hash, buffers=list(self.buffers),
+                  memory=self.memory)
         return P.sign_hello(msg, self.hmac_secret) if self.hmac_secret else msg
 
     def verifies(self, msg: P.Hello) -> bool:
@@ -112,6 +130,9 @@ class Identity:
                     f"peer={msg.transport}"], None
         if msg.role == self.role.value:
             return [f"role: both sides are {msg.role}"], None
+        if msg.memory not in MEMORY_KINDS:
+            return [f"memory: peer says {msg.memory!r}; expected one of "
+                    f"{', '.join(MEMORY_KINDS)}"], None
         try:
             theirs = LayoutSpec.from_dict(msg.layout)
         except KVHandoffError as e:

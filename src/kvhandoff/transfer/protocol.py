@@ -74,6 +74,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     layout_hash: str
     buffers: list[BufferDesc]
     mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"" when a shared secret is set
+    # where the agent's KV buffers live: "host" or "cuda" (`BufferSet.memory`); it decides
+    # the room's checksum algorithm (`handshake.checksum_alg`). Absent (an older peer): host.
+    memory: str = "host"
 
 
 class HelloAck(Hello, tag="hello_ack", frozen=True):
@@ -230,14 +233,26 @@ def decode(frames: list[bytes], *, max_bytes: int) -> Message:
         raise ProtocolError(f"malformed message: {e}") from e
 
 
+def _hello_body(msg: Hello) -> bytes:
+    """The bytes a Hello's mac covers: the message with an empty mac, encoded as a map in
+    field order. `memory` is left out when it is "host" (its default), so the body of a host
+    agent's Hello is byte for byte what a peer that predates the field signs and checks; a
+    "cuda" Hello carries it (an older peer's check then fails: it cannot hand off device
+    memory anyway)."""
+    m = msgspec.to_builtins(msgspec.structs.replace(msg, mac=b""), builtin_types=(bytes,))
+    if m.get("memory") == "host":
+        del m["memory"]
+    return _ENCODER.encode(m)
+
+
 def sign_hello(msg: Hello, secret: bytes) -> Hello:
     """`msg` with its `mac` set (HMAC-SHA256 over the body with an empty mac)."""
-    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    body = _hello_body(msg)
     return msgspec.structs.replace(msg, mac=hmac.new(secret, body, hashlib.sha256).digest())
 
 
 def verify_hello(msg: Hello, secret: bytes) -> bool:
     """Whether `msg.mac` authenticates it with `secret` (constant-time compare)."""
-    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    body = _hello_body(msg)
     want = hmac.new(secret, body, hashlib.sha256).digest()
     return hmac.compare_digest(want, msg.mac)

@@ -21,6 +21,7 @@ its transport ops is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from kvhandoff.transfer.effects import (
     Send,
 )
 from kvhandoff.transfer.failures import failure_of, remote_failure
-from kvhandoff.transfer.handshake import Identity, Peer, PeerState
+from kvhandoff.transfer.handshake import MEMORY_KINDS, Identity, Peer, PeerState
 from kvhandoff.transfer.rooms import Group, Leg
 from kvhandoff.transfer.session_chunks import unit_of
 from kvhandoff.transfer.session_data import DataPath
@@ -127,6 +128,15 @@ class TransferSession(PeerHandling, DataPath):
         }
 
     # ------------------------------------------------------------------ the entry point
+
+    def set_memory(self, kind: str) -> None:
+        """Where this agent's KV buffers live ("host" or "cuda"), said in its Hello and used
+        for the rooms' checksum algorithm (`handshake.checksum_alg`). Its driver calls it
+        before the first event (the driver holds the buffers; the session never looks at
+        them)."""
+        if kind not in MEMORY_KINDS:
+            raise ValueError(f"memory: {kind!r} is not one of {', '.join(MEMORY_KINDS)}")
+        self.me = dataclasses.replace(self.me, memory=kind)
 
     def handle(self, event: ev.Event, now: float) -> list[Effect]:
         """Feeds one event that happened at `now`; returns the effects to execute, in order."""

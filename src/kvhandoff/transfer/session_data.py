@@ -41,7 +41,7 @@ from kvhandoff.transfer import events as ev
 from kvhandoff.transfer import protocol as P
 from kvhandoff.transfer.checksum import wants_checksum
 from kvhandoff.transfer.effects import Effect, HashSpans, Notify, PostRecv, PostSend, PostWrite
-from kvhandoff.transfer.handshake import Refusal, admission_of
+from kvhandoff.transfer.handshake import Refusal, admission_of, checksum_alg
 from kvhandoff.transfer.rooms import Group, Leg
 from kvhandoff.transfer.session_chunks import _LAYER_MASK, ChunkedPrefill, split_unit
 
@@ -274,7 +274,14 @@ class DataPath(ChunkedPrefill):
         spans = tuple((buffer_name(n, layer), plans[n].src_offsets
                        if not job.verify else plans[n].dst_offsets,
                        plans[n].nbytes) for n in job.hashed)
-        self._emit(HashSpans(self._next_op, spans))
+        self._emit(HashSpans(self._next_op, spans, self._checksum_alg(job.leg)))
+
+    def _checksum_alg(self, r: Leg) -> str:
+        """The room's checksum algorithm (`handshake.checksum_alg`) from this side's memory
+        kind and the peer's Hello; a peer no longer known counts as host (its rooms are
+        failing: nothing it sent is verified any more)."""
+        p = self.peers.get(r.peer)
+        return checksum_alg(self.me.memory, p.memory if p is not None else "host")
 
     def _post_layer(self, r: Leg, layer: int, attempt: int) -> None:
         """Prefill: send every region of `layer`, checksum the source spans while the bytes
@@ -299,7 +306,8 @@ class DataPath(ChunkedPrefill):
                 tag = self._tag(r, layer, name, attempt)
                 op = self._op(r, tag, send=True, layer=layer, attempt=attempt, region=name)
                 self._emit(PostWrite(op, r.peer, tag, buffer_name(name, real), plan.src_offsets,
-                                     plan.nbytes, plan.dst_offsets, want))
+                                     plan.nbytes, plan.dst_offsets, want,
+                                     self._checksum_alg(r)))
             return
         for name in regions:
             plan = plans[name]

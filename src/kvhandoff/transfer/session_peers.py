@@ -198,6 +198,7 @@ class PeerHandling:
         p.layout = layout
         p.state = PeerState.CONNECTING
         p.transport_address = msg.transport_address
+        p.memory = msg.memory
         p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
                          if b.descriptor}
         self._pending_ack[p.addr] = not isinstance(msg, P.HelloAck)
