@@ -6,7 +6,9 @@ always follows another):
   preallocated buffer sets, one numpy slice copy per span: the machine's limit for this
   gather/scatter.
 - raw: this process sends the same total bytes as one contiguous buffer over the bare transport
-  to a receiver process (the same transport class, settings and UCX tuning the agents use).
+  to a receiver process (the same transport class, settings and UCX tuning the agents use);
+  where the transport has one-sided writes (shm, nixl, auto), as the agents then use, one
+  `post_write` into the receiver's buffer instead, timed until it landed.
 - handoff_full / handoff_off: a prefill process hands the page set to a decode process through
   `TransferAgent`s (checksums on / off), every layer ready at once: end to end from the first
   `layer_ready` to decode Success.
@@ -243,12 +245,41 @@ class Bench:
         self.raw_tr.connect("child", bytes.fromhex(addr))
         self.raw_child.ask(to, cmd="connect", address=self.raw_tr.address.hex())
         self._raw_tag = 0
+        self.raw_write = self.raw_tr.supports_write  # the lanes the agents' writes take
+        if self.raw_write:
+            desc = self.raw_child.ask(to, cmd="describe")["descriptor"]
+            self.raw_tr.register_remote("child", "raw", bytes.fromhex(desc))
 
     def _shared(self) -> bool:
         """Whether receivers allocate in kvhandoff shared segments (shm's map lane)."""
         return self.cfg.transport == "shm" and self.cfg.shared_pool
 
+    def _raw_written(self, verify: bool) -> float:
+        """raw over one-sided writes: one post_write of the whole buffer, until it landed."""
+        n = self.total_bytes
+        to = self.cfg.timeout_s
+        self._raw_tag += 1
+        done = threading.Event()
+        out: list[Any] = []
+
+        def on_written(exc: BaseException | None, _digest: int | None) -> None:
+            out.extend((time.monotonic(), exc))
+            done.set()
+
+        one, whole = np.array([0], np.int64), np.array([n], np.int64)
+        t0 = time.monotonic()
+        self.raw_tr.post_write("child", self._raw_tag, "raw", one, whole, "raw", one, whole,
+                               on_written)
+        if not done.wait(to) or out[1] is not None:
+            raise RuntimeError(f"raw transport: write {out[1:] or 'timed out'}")
+        if verify:
+            got = self.raw_child.ask(to, cmd="digest", nbytes=n)["digest"]
+            self.verified["raw"] = got == xxhash.xxh3_64_hexdigest(self.raw_src.data)
+        return float(out[0]) - t0
+
     def _raw(self, verify: bool) -> float:
+        if self.raw_write:
+            return self._raw_written(verify)
         n = self.total_bytes
         to = self.cfg.timeout_s
         self._raw_tag += 1
@@ -409,7 +440,8 @@ class Bench:
         out: dict[str, Any] = {}
         if hasattr(self, "raw_tr"):
             st = self.raw_tr.status()
-            out["raw"] = {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded}
+            out["raw"] = {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded,
+                          "one_sided": self.raw_write}
             build = getattr(self.raw_tr, "build", None)
             if build is not None:  # ucx: the UCX library behind those lanes
                 out["ucx_build"] = build.describe()

@@ -7,7 +7,8 @@ starts to the moment the receiver has every byte, without the parent's pipe late
 
 - raw: a receiver on the bare transport (`load_transport`), one registered contiguous buffer.
   Commands: setup{kind, nbytes, chunk_bytes} -> {address}; connect{address}; recv{tag,
-  nbytes, verify} -> {posted} then {t_done, error, digest}.
+  nbytes, verify} -> {posted} then {t_done, error, digest}; for transports with one-sided
+  writes (the parent writes, as the agents do) describe -> {descriptor} and digest{nbytes}.
 - prefill / decode: one TP rank (`tp_rank` of `tp_size`, its own layout: a head-sharded preset
   holds that rank's heads), one `TransferAgent` per checksum mode on the same KV buffers (built
   once). Commands: setup{model, page_size, tp_size, tp_rank, pageset, modes, transport,
@@ -87,6 +88,10 @@ def run_raw() -> None:
                     continue
                 dig = xxhash.xxh3_64_hexdigest(buf[:n].data) if msg.get("verify") else None
                 say(t_done=w.t_done, error=None if w.error is None else str(w.error), digest=dig)
+            elif cmd == "describe":  # one-sided transports: the parent writes into "raw"
+                say(descriptor=tr.describe("raw").hex())
+            elif cmd == "digest":  # of what a one-sided write left in "raw"
+                say(digest=xxhash.xxh3_64_hexdigest(buf[:int(msg["nbytes"])].data))
             elif cmd == "status":
                 st = tr.status()
                 say(kind=st.kind, lanes=list(st.lanes), degraded=st.degraded)

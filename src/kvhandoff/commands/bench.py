@@ -75,7 +75,8 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
     lanes = r.get("lanes", {})
     for name, st in lanes.items():
         if name == "raw":
-            con.print(f"raw lanes: {', '.join(st['lanes'])}")
+            how = " (one post_write, as the agents write)" if st.get("one_sided") else ""
+            con.print(f"raw lanes: {', '.join(st['lanes'])}{how}")
         elif name == "ucx_build":
             con.print(f"UCX build: {st}")
         elif name == "nixl":
