@@ -140,7 +140,8 @@ def test_bench_shm_both_lanes(tmp_path: Path, pool: str) -> None:
     lane shm/map) or plain memory (process_vm_writev: shm/cma); every byte checked."""
     p, r = _run(tmp_path, "--transport", "shm", pool, "--cases", "memcpy,raw,handoff_full")
     lane = "shm/map" if pool == "--shm-pool" else "shm/cma"
-    assert r["lanes"]["raw"] == {"kind": "shm", "lanes": [lane], "degraded": False}
+    assert r["lanes"]["raw"] == {"kind": "shm", "lanes": [lane], "degraded": False,
+                                 "one_sided": True}  # raw is one post_write, as the agents
     assert r["lanes"]["handoff"]["full"]["lanes"] == [lane]
     assert r["verified"] == {"memcpy": True, "raw": True, "handoff_full": True}
     assert r["ratios"]["handoff_full_over_memcpy"] > 0
