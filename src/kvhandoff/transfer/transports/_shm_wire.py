@@ -67,7 +67,7 @@ class ShmOp:
                  "exposed", "acked", "job", "is_write", "remote", "digest", "info", "result",
                  "delivered", "hold_until")
 
-    def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
+    def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray | Any,
                  plan: ChunkPlan, on_done: OnDone) -> None:
         self.peer = peer
         self.ident = ident
@@ -82,10 +82,12 @@ class ShmOp:
         # process is gone, or the bound passed)
         self.acked = False
         self.info: ShmPeer | None = None  # receive: the peer it was exposed to
-        self.job: Job | None = None  # send / write: its copy, once started
+        self.job: Job | Any = None  # send / write: its copy (a DeviceJob on the CUDA lane)
         self.is_write = False
-        self.remote: tuple[Target, np.ndarray, np.ndarray] | None = None  # write: where to
-        self.digest: int | None = None  # write with checksum: xxh3-64 of the source stream
+        # write: where to (a Target, or a _shm_cuda.DeviceTarget on the CUDA lane)
+        self.remote: tuple[Target | Any, np.ndarray, np.ndarray] | None = None
+        # write with checksum: xxh3-64 of the source stream (devsum on the CUDA lane)
+        self.digest: int | None = None
         # completion: the outcome once the op finished; on_done is handed on (`delivered`) only
         # once nothing of the op writes into memory any more (shm.py's module comment)
         self.result: BaseException | None = None
@@ -108,7 +110,7 @@ class ShmPeer:
         self.ident = ident
         self.pidfd = pidfd
         self.dead: str | None = None
-        self.remotes: dict[str, Target] = {}  # register_remote name -> target
+        self.remotes: dict[str, Target | Any] = {}  # register_remote name -> target
         self.targets: dict[bytes, Target] = {}  # descriptor -> target (two-sided receives)
         self.maps: dict[tuple[int, int], Any] = {}  # (fd, size) -> the peer segment's mmap
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,6 +13,15 @@ from kvhandoff.errors import TransportError
 
 from ._chunks import ChunkPlan, check_tag, normalise_spans
 from ._shm_copy import Target, open_target
+from ._shm_cuda import (
+    LANE,
+    DeviceJob,
+    DeviceLane,
+    DeviceTarget,
+    encode_device_descriptor,
+    is_device_descriptor,
+    parse_device_descriptor,
+)
 from ._shm_wire import ShmOp, describe_buffer, parse_descriptor
 from ._threaded import IoCommand
 from .base import OnDone, OnWritten
@@ -38,6 +48,9 @@ class OneSidedWrites:
         _writes: dict[str, list[ShmOp]]
         _fences: list[tuple[str, set[int], OnDone]]
         _callbacks: Any
+        _dev: dict[str, tuple[Any, int]]
+        _dev_lane: DeviceLane
+        _running: set[Any]
 
         def _check_open(self) -> None: ...
         def _command(self, cmd: IoCommand, *args: Any) -> None: ...
@@ -46,12 +59,52 @@ class OneSidedWrites:
                        checksum: bool, key: tuple[bytes, int] | None) -> None: ...
 
     def describe(self, name: str) -> bytes:
+        dev = self._dev.get(name)
+        if dev is not None:  # a CUDA buffer: its IPC export
+            return encode_device_descriptor(os.getpid(), dev[1], self._dev_lane.export(dev[0]))
         buf = self._buffers.get(name)
         if buf is None:
             raise TransportError(f"describe: no buffer registered as {name!r}")
         return describe_buffer(buf)
 
+    def write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of post_write(checksum=True)'s digest for local buffer `name`:
+        "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
+        such buffer is registered."""
+        return "devsum" if name in self._dev else "xxh3" if name in self._buffers else None
+
+    def _register_device_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        pid, n, export = parse_device_descriptor(descriptor)
+        with self._lock:
+            self._check_open()
+            info = self._peer_info.get(peer)
+            if info is None:
+                raise TransportError(f"register_remote: peer {peer!r} is not connected")
+            if pid != info.pid:
+                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
+                                     f"{pid}, peer {peer!r} is process {info.pid}")
+            host = next(iter(self._buffers), None)
+        if host is not None or not self._dev:
+            raise TransportError(f"register_remote {name!r}: peer {peer!r}'s buffer is CUDA "
+                                 "memory and this side's buffers are host memory; shm writes "
+                                 "host to host or device to device, not across")
+        try:
+            tensor = self._dev_lane.open(peer, export)
+        except Exception as e:  # noqa: BLE001 - a CUDA or torch error opening the handle
+            raise TransportError(f"register_remote {name!r}: opening peer {peer!r}'s CUDA IPC "
+                                 f"handle failed: {e}") from e
+        with self._lock:
+            info.remotes[name] = DeviceTarget(pid, n, tensor)
+            self._lanes.setdefault(peer, set()).add(LANE)
+
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        if is_device_descriptor(descriptor):
+            self._register_device_remote(peer, name, descriptor)
+            return
+        if self._dev:
+            raise TransportError(f"register_remote {name!r}: peer {peer!r}'s buffer is host "
+                                 "memory and this side's buffers are CUDA memory; shm writes "
+                                 "host to host or device to device, not across")
         pid, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
         with self._lock:
             self._check_open()
@@ -73,10 +126,12 @@ class OneSidedWrites:
         tag = check_tag(tag)
         if not callable(on_done):
             raise TransportError("post_write: on_done must be callable")
-        buf = self._buffers.get(name)
+        dev = self._dev.get(name)
+        buf: Any = self._buffers.get(name) if dev is None else dev[0]
         if buf is None:
             raise TransportError(f"post_write: no buffer registered as {name!r}")
-        off, nb = normalise_spans(offsets, nbytes, buf.size, what=f"post_write {name!r}")
+        size = buf.size if dev is None else dev[1]
+        off, nb = normalise_spans(offsets, nbytes, size, what=f"post_write {name!r}")
         with self._lock:
             info = self._peer_info.get(peer)
             target = info.remotes.get(remote) if info is not None else None
@@ -86,6 +141,11 @@ class OneSidedWrites:
         if target is None:
             raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
                                  "call register_remote first")
+        if (dev is not None) != isinstance(target, DeviceTarget):
+            kinds = ("CUDA", "host") if dev is not None else ("host", "CUDA")
+            raise TransportError(f"post_write {name!r} -> {remote!r}: a write from {kinds[0]} "
+                                 f"memory into {kinds[1]} memory; shm writes host to host or "
+                                 "device to device, not across")
         roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target.nbytes,
                                     what=f"post_write remote {remote!r}")
         total, rtotal = int(nb.sum()), int(rnb.sum())
@@ -125,7 +185,26 @@ class OneSidedWrites:
             return
         target, roff, rnb = op.remote
         self._writes.setdefault(op.peer, []).append(op)
-        self._start_job(op, target, roff, rnb, checksum, None)
+        if isinstance(target, DeviceTarget):
+            self._start_device_job(op, target, roff, rnb, checksum)
+        else:
+            self._start_job(op, target, roff, rnb, checksum, None)
+
+    def _start_device_job(self, op: ShmOp, target: DeviceTarget, roff: np.ndarray,
+                          rnb: np.ndarray, checksum: bool) -> None:
+        """(I/O thread) A write between CUDA buffers: to the lane's worker (_shm_cuda.py)."""
+        soff, snb = op.plan.spans()
+        job = DeviceJob(op.buf, soff, snb, target.tensor, roff, rnb, checksum,
+                        lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, None))
+        with self._lock:
+            if op.finished:  # cancelled meanwhile
+                return
+            op.job = job
+        self._running.add(job)
+        try:
+            self._dev_lane.submit(job)
+        except TransportError as e:
+            job._end(str(e))
 
     def _on_fence(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
                   on_done: OnDone) -> None:

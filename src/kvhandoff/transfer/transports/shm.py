@@ -17,6 +17,10 @@
 # - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
+# - CUDA buffers (_shm_cuda.py): registered device memory is written one-sided only, through
+#   CUDA IPC (describe gives a CUDA descriptor, register_remote opens the peer's block once,
+#   post_write copies on the lane's worker and completes once the copy's event did; digest =
+#   devsum of the source). Host <-> device writes and two-sided device ops are refused.
 #
 # Completion contract (what cancel / disconnect / close promise; the agent relies on it):
 # - cancel(peer, tag) and disconnect(peer) never wait on the peer. They end the ops at once
@@ -51,7 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import zmq
@@ -62,6 +66,7 @@ from ._chunks import ChunkPlan, check_tag, paired_pieces
 from ._hostid import host_id
 from ._native import native
 from ._shm_copy import CopyPool, Job, Target, open_target
+from ._shm_cuda import DeviceLane
 from ._shm_hold import HeldCompletions, due
 from ._shm_wire import (
     EXPOSE,
@@ -95,7 +100,8 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
     supports_write: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, *, lane: str = "auto",
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None,
+                 device_lane: DeviceLane | None = None) -> None:
         if settings.require_rdma:
             raise TransportError("shm transport refused: require_rdma is set (shm is same-host "
                                  "memory, no RDMA); unset KVHANDOFF_REQUIRE_RDMA or use ucx")
@@ -143,6 +149,9 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
         self._fences: list[tuple[str, set[int], OnDone]] = []
         self._running: set[Job] = set()  # every copy job started and not reported ended
         self._drains: list[tuple[ShmPeer, zmq.Socket[bytes]]] = []  # disconnected, still held
+        # CUDA buffers (one-sided only): name -> (1-D uint8 view, size in bytes)
+        self._dev_lane = device_lane or DeviceLane(self._ident[:8].decode())
+        self._dev: dict[str, tuple[object, int]] = {}
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvhandoff-shm-io-{self._ident[:8].decode()}")
         self._thread.start()
@@ -152,6 +161,48 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
     @property
     def address(self) -> bytes:
         return self._address
+
+    def register(self, name: str, buf: Any) -> None:
+        """Host buffers as every transport takes them; CUDA buffers (torch CUDA tensors,
+        ``__cuda_array_interface__`` objects) for one-sided writes only. One memory kind per
+        transport."""
+        device = not isinstance(buf, np.ndarray) and self._dev_lane.claims(buf)
+        with self._lock:
+            self._check_open()
+            if name in self._buffers or name in self._dev:
+                raise TransportError(f"register: a buffer named {name!r} is already registered")
+            other = next(iter(self._buffers if device else self._dev), None)
+        if other is not None:
+            kinds = ("device", "host") if device else ("host", "device")
+            raise TransportError(f"register {name!r}: the buffer is {kinds[0]} memory but "
+                                 f"{other!r} is {kinds[1]} memory; one shm transport moves one "
+                                 "kind of memory (all host or all CUDA)")
+        if not device:
+            super().register(name, buf)
+            return
+        if not isinstance(name, str) or not name:
+            raise TransportError(f"register: name must be a non-empty string, got {name!r}")
+        flat = self._dev_lane.flat(buf)
+        with self._lock:
+            self._check_open()
+            self._dev[name] = flat
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._two_sided("post_send", name)
+        super().post_send(peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._two_sided("post_recv", name)
+        super().post_recv(peer, tag, name, offsets, nbytes, on_done)
+
+    def _two_sided(self, what: str, name: str) -> None:
+        if name in self._dev:
+            raise TransportError(f"{what} {name!r}: the buffer is CUDA memory; over shm device "
+                                 "memory moves by one-sided writes only (describe / "
+                                 "register_remote / post_write, which the agent uses when the "
+                                 "decode offers its buffers: one_sided_writes on)")
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -194,6 +245,9 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
             with self._lock:
                 self._peer_info.pop(peer, None)
                 self._lanes.pop(peer, None)
+                for name in [k for k, t in info.remotes.items() if t.lane == "cuda-ipc"]:
+                    del info.remotes[name]
+            self._dev_lane.close_peer(peer)  # its IPC-opened blocks
             # what arrived before this call is dropped, not what a reconnected peer sends after
             self._command(IoCommand.DISCONNECT, peer, info, next(self._seq))
 
@@ -227,11 +281,12 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
             npeers = len(self._peer_info)
             dead = sorted(p.name for p in self._peer_info.values() if p.dead)
             held = len(self._awaiting)
-        names = {"map": "shm/map", "cma": "shm/cma"}
+        names = {"map": "shm/map", "cma": "shm/cma", "cuda-ipc": "shm/cuda-ipc"}
         reason = (f"shm: same-host writes into the peer's memory ({npeers} peer(s); lanes: "
                   f"{', '.join(names[x] for x in lanes) or 'none used yet'}; "
                   f"{self._copier.threads} copy threads; map = the peer's pool is a kvhandoff "
-                  "shared segment, cma = process_vm_writev; a dying peer is an error, never an "
+                  "shared segment, cma = process_vm_writev, cuda-ipc = CUDA buffers written "
+                  "through CUDA IPC; a dying peer is an error, never an "
                   f"abort; map lane: {native()[1]})")
         if dead:
             reason += f"; peer process(es) gone: {', '.join(dead)}"
@@ -254,7 +309,7 @@ class ShmTransport(HeldCompletions, OneSidedWrites, ThreadedTransport):
         for op in ops:  # local copies stop; held receives: see _shutdown
             if op.job is not None:
                 op.job.cancel()
-        self._shutdown_io(self._copier)
+        self._shutdown_io(self._copier, self._dev_lane)
 
     def __repr__(self) -> str:
         return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"
