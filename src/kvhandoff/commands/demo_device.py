@@ -1,9 +1,10 @@
 """`kvhandoff demo --device cuda`: one handoff's page set with both sides' KV buffers on a GPU.
 
-What runs (one process; no agent, no bootstrap server): no agent transport moves device
-memory yet (tcp and ucx refuse CUDA buffers at register; the shm transport's CUDA IPC lane
-exists only as the pieces in `transfer/transports/_cuda_ipc.py`), so this demo drives those
-pieces directly and says so (`degraded`, `transport_reason`):
+What runs (one process; no agent, no bootstrap server): the agents' device lane is the shm
+transport's CUDA IPC lane, which needs the two agents in two processes (CUDA IPC does not
+open a handle in the process that exported it; tests/unit/gpu/test_shm_cuda_handoff.py runs
+two agents that way), so this one-process demo drives the lane's pieces
+(`transfer/transports/_cuda_ipc.py`) directly and says so (`degraded`, `transport_reason`):
 
 - prefill and decode `BufferSet`s on the device (`allocate(..., device=)`), page tables drawn
   at random from fragmented pools (the bench's `PageSet`), span plans as the agents build
@@ -24,9 +25,9 @@ import threading
 import time
 from typing import Any
 
-REASON = ("no agent: the agent transports do not move device memory yet (tcp/ucx refuse CUDA "
-          "buffers; the shm CUDA IPC lane is not wired), so the CUDA IPC lane pieces run in "
-          "this one process; see docs/GPU.md")
+REASON = ("no agent: the agents' device lane (shm over CUDA IPC) needs two processes and this "
+          "demo is one, so the CUDA IPC lane pieces run here directly; two agents over it: "
+          "tests/unit/gpu/test_shm_cuda_handoff.py; see docs/GPU.md")
 
 
 class _Room:

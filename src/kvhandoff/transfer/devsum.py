@@ -156,9 +156,8 @@ def refuse_device_memory(transport: str, name: str, buf: Any) -> None:
     raise TransportError(
         f"register {name!r}: the buffer is {dev} memory and the {transport} transport moves "
         "host memory only (as built here); device buffers need the shm transport's CUDA IPC "
-        "lane (same host; its pieces are in transfer/transports/_cuda_ipc.py, not wired into "
-        "shm yet) or the nixl transport, which registers CUDA buffers as VRAM. Use host "
-        "buffers with this transport.")
+        "lane (same host, one-sided writes: one_sided_writes on) or the nixl transport, which "
+        "registers CUDA buffers as VRAM. Use host buffers with this transport.")
 
 
 # ---- span list checks -----------------------------------------------------------------------
