@@ -18,7 +18,10 @@
 #      transfer/transports/_cuda_ipc.py between two processes: sub-block export, one open per
 #      block, span copies cut differently on both sides, device checksums equal; BufferSet on
 #      CUDA tensors and array interfaces; tcp's refusal of CUDA buffers; the event waiter on a
-#      real CUDA event behind a long kernel).
+#      real CUDA event behind a long kernel) and tests/unit/gpu/test_shm_cuda_handoff.py (two
+#      agents in two processes with CUDA buffers over shm's CUDA IPC lane: a whole room
+#      one-sided with devsum on both sides, byte-exact; the writer survives a decode that
+#      dies mid-room).
 #   2. `python -m kvhandoff.transfer.devsum --device cuda` (cap 2 x 30 s): devsum against a
 #      contiguous device copy and a page gather copy of the same page set, page-granular
 #      (16-token pages of 656 B) and token-granular (132 B) sets.
@@ -30,11 +33,9 @@
 #      byte-exact check; JSON in demo_device.json.
 #   5. `kvhandoff doctor --json` (cap 60 s) on the node.
 #
-# What it does NOT cover (not built yet; docs/GPU.md): no agent-to-agent GPU handoff (tcp/ucx
-# refuse CUDA buffers at register; the shm transport does not call the CUDA IPC pieces yet;
-# nixl's VRAM registration is untested on a GPU), so none is timed; devsum is not wired into
-# the agent's checksums (the agent hashes host bytes with xxh3); devsum uses torch ops
-# (several passes per chunk), not a fused kernel. When this script was written nothing in it
+# What it does NOT cover (docs/GPU.md): the agent-to-agent GPU handoff over shm is checked
+# (pytest) but not timed; nixl's VRAM registration is untested on a GPU; devsum uses torch
+# ops (several passes per chunk), not a fused kernel. When this script was written nothing in it
 # had run on a GPU: its first run on a lent machine is the first GPU check.
 set -uo pipefail
 
