@@ -327,3 +327,72 @@ def test_disconnect_closes_the_peers_blocks(dev: DevPair) -> None:
     assert w.wait()[0] is None
     dev.a.disconnect("b")
     assert dev.la.closed == ["b"] and not dev.la.opened
+
+
+# ---- a peer process that exits ---------------------------------------------------------------
+
+_CHILD = r"""
+import sys, torch
+from kvhandoff.settings import Settings
+from kvhandoff.transfer.transports._cuda_ipc import IpcExport
+from kvhandoff.transfer.transports._shm_cuda import DeviceLane
+from kvhandoff.transfer.transports.shm import ShmTransport
+
+class Lane(DeviceLane):
+    def claims(self, buf):
+        return True
+    def export(self, buf):
+        return IpcExport(device=0, handle=b"child", storage_offset=0,
+                         storage_nbytes=buf.numel(), offset=0, nbytes=buf.numel(),
+                         ref_counter_handle=b"", ref_counter_offset=0, event_handle=b"",
+                         event_sync_required=False)
+
+t = ShmTransport(Settings(transport="shm"), device_lane=Lane("child"))
+t.register("kv/0", torch.zeros(4096, dtype=torch.uint8))
+print(t.address.hex(), t.describe("kv/0").hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_no_device_copy_into_a_peer_process_that_exited() -> None:
+    """The receiver is a real second process; once it exited, a write into its (IPC-opened)
+    memory fails without launching a copy, fences do not wait for it, and the writer keeps
+    working and closes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    lane = CpuLane("w")
+    CpuLane.blocks_by_handle[b"child"] = torch.zeros(4096, dtype=torch.uint8)  # stand-in
+    w = _shm(lane)
+    try:
+        assert proc.stdout is not None
+        addr_hex, desc_hex = proc.stdout.readline().split()
+        w.register("kv/0", torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+        w.connect("child", bytes.fromhex(addr_hex))
+        w.register_remote("child", "kv/0", bytes.fromhex(desc_hex))
+        assert lane.opens == 1
+        ok = Written()
+        w.post_write("child", 1, "kv/0", np.array([0]), np.array([64]), "kv/0",
+                     np.array([0]), np.array([64]), ok)
+        assert ok.wait()[0] is None and len(lane.copy_threads) == 1
+        proc.kill()
+        proc.wait(WAIT_S)
+        assert w.peer_exited("child")
+        gone = Written()
+        fenced = threading.Event()
+        w.post_write("child", 2, "kv/0", np.array([0]), np.array([64]), "kv/0",
+                     np.array([64]), np.array([64]), gone)
+        w.fence("child", lambda exc: fenced.set())
+        err, _ = gone.wait()
+        assert err is not None and "exited" in str(err)
+        assert len(lane.copy_threads) == 1  # no second copy launched
+        assert fenced.wait(WAIT_S)
+        w.disconnect("child")
+        assert lane.closed == ["child"]
+    finally:
+        w.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -55,6 +55,8 @@ class OneSidedWrites:
         def _check_open(self) -> None: ...
         def _command(self, cmd: IoCommand, *args: Any) -> None: ...
         def _dead(self, op: ShmOp) -> bool: ...
+        def _finish(self, op: ShmOp, reason: str | None) -> bool: ...
+        def peer_exited(self, peer: str) -> bool: ...
         def _start_job(self, op: ShmOp, target: Target, doff: np.ndarray, dnb: np.ndarray,
                        checksum: bool, key: tuple[bytes, int] | None) -> None: ...
 
@@ -192,19 +194,36 @@ class OneSidedWrites:
 
     def _start_device_job(self, op: ShmOp, target: DeviceTarget, roff: np.ndarray,
                           rnb: np.ndarray, checksum: bool) -> None:
-        """(I/O thread) A write between CUDA buffers: to the lane's worker (_shm_cuda.py)."""
+        """(I/O thread) A write between CUDA buffers: to the lane's worker (_shm_cuda.py).
+        The peer's pidfd is read first: a copy into the IPC memory of a process that exited
+        is never launched (its pidfd event may not have been handled yet)."""
+        if self.peer_exited(op.peer):
+            self._finish(op, f"peer {op.peer!r}: its process exited; no copy into its "
+                             "device memory")
+            self._forget_write(op)
+            return
         soff, snb = op.plan.spans()
         job = DeviceJob(op.buf, soff, snb, target.tensor, roff, rnb, checksum,
                         lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, None))
         with self._lock:
-            if op.finished:  # cancelled meanwhile
-                return
-            op.job = job
+            cancelled = op.finished
+            if not cancelled:
+                op.job = job
+        if cancelled:  # cancelled meanwhile: nothing launched
+            self._forget_write(op)
+            return
         self._running.add(job)
         try:
             self._dev_lane.submit(job)
         except TransportError as e:
             job._end(str(e))
+
+    def _forget_write(self, op: ShmOp) -> None:
+        """(I/O thread) A write that ended without a copy: fences stop waiting for it."""
+        running = self._writes.get(op.peer, [])
+        if op in running:
+            running.remove(op)
+        self._check_fences()
 
     def _on_fence(self, poller: zmq.Poller, pidfds: dict[int, str], peer: str,
                   on_done: OnDone) -> None:
