@@ -396,3 +396,40 @@ def test_no_device_copy_into_a_peer_process_that_exited() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- agents with device buffers ------------------------------------------------------------
+
+def test_agents_with_device_buffers_fail_a_two_sided_room_saying_why() -> None:
+    """Two real agents over shm with CUDA array-interface buffers (no GPU: nothing reads
+    them) and one_sided_writes off: both Hellos say cuda, and the room fails naming the rule
+    (device memory moves by one-sided writes only) instead of moving anything."""
+    from kvhandoff.state_machine import KVPoll
+    from kvhandoff.transfer import TransferAgent
+
+    from .conftest import layers_of, tiny_layout
+    from .test_gpu_cpu_buffers import fake_buffers
+
+    lay = tiny_layout()
+    # (checksum off: the CPU cannot hash memory known only by address)
+    st = Settings(transport="shm", one_sided_writes=False, heartbeat_interval_s=0.2,
+                  checksum="off")
+    p = TransferAgent("prefill", lay, fake_buffers(lay, 8), st, engine_id="dev-p")
+    try:
+        d = TransferAgent("decode", lay, fake_buffers(lay, 8), st, engine_id="dev-d")
+        try:
+            assert p.buffers.memory == d.buffers.memory == "cuda"
+            sender = p.sender(5, pages=np.arange(2), seq_len=20)
+            receiver = d.receiver(5, peer=p.address)
+            receiver.init(np.arange(2), 20, 0)
+            for lid in layers_of(lay):
+                sender.layer_ready(lid)
+            assert receiver.wait(WAIT_S) is KVPoll.Failed
+            assert sender.wait(WAIT_S) is KVPoll.Failed
+            why = f"{receiver.failure} {sender.failure}"
+            assert "one-sided writes only" in why, why
+            assert p._session.me.memory == d._session.me.memory == "cuda"
+        finally:
+            d.close()
+    finally:
+        p.close()

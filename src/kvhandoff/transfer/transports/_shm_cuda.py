@@ -180,10 +180,17 @@ class DeviceLane:
         return buf, int(info.nbytes)
 
     def export(self, buf: Any) -> IpcExport:
+        """The IPC export of a registered CUDA buffer. Only memory of torch's caching
+        allocator exports; anything else (a `DeviceBytes`, a tensor over memory another
+        library allocated, whose torch IPC call raises) is refused here."""
         try:
             return export_buffer(buf)
         except ValueError as e:
             raise TransportError(f"describe: {e}") from None
+        except RuntimeError as e:  # torch's IPC export of memory it did not allocate
+            raise TransportError(f"describe: torch cannot export this CUDA buffer over IPC "
+                                 f"(only memory of torch's caching allocator exports): "
+                                 f"{e}") from None
 
     def open(self, peer: str, export: IpcExport) -> Any:
         return self.blocks.open(peer, export)
