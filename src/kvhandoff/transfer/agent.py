@@ -127,6 +127,7 @@ class TransferAgent:
         try:
             for name, arr in views.items():
                 self.transport.register(name, arr)
+            descs = self._buffer_descs(views)  # a decode's describe() may refuse a buffer
         except BaseException:  # e.g. CUDA buffers on a host-only transport: no leaked thread
             self.transport.close()
             raise
@@ -141,7 +142,7 @@ class TransferAgent:
             address=self.address, generation=self.generation, agent_id=self.agent_id,
             role=self.role, transport_kind=self.transport.kind,
             transport_address=self.transport.address, layout=layout,
-            layout_hash=self.layout_hash, buffers=self._buffer_descs(views),
+            layout_hash=self.layout_hash, buffers=descs,
             writes=self._writes(),
             hmac_secret=secret.get_secret_value().encode() if secret else None),
             settings=self.settings, now=time.monotonic())

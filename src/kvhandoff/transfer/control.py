@@ -61,6 +61,7 @@ from kvhandoff.transfer.transports.base import Transport
 log = logging.getLogger("kvhandoff.agent")
 
 _Query = Callable[[TransferSession], Any]
+LINGER_DROPPED_MS = 2000  # how long a dropped peer's last messages may take to leave
 
 
 class ControlLoop:
@@ -415,5 +416,8 @@ class ControlLoop:
             except zmq.ZMQError as e:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)
         for sock in self._to_close:
-            sock.close(0)
+            # a dropped peer's last messages (the Failed of its rooms) still go out in the
+            # background for a while: a peer that was only frozen reads them when it wakes,
+            # instead of finishing rooms this side already failed (a split outcome)
+            sock.close(linger=LINGER_DROPPED_MS)
         self._to_close.clear()

@@ -140,9 +140,11 @@ class TransferSession(PeerHandling, DataPath):
 
     def handle(self, event: ev.Event, now: float) -> list[Effect]:
         """Feeds one event that happened at `now`; returns the effects to execute, in order."""
-        self._now = now
+        gap, self._now = now - self._now, now
         self._out = []
         try:
+            if gap > 2 * self.hb:
+                self._woke(gap)
             self._handlers[type(event)](event)
         finally:
             self._publish()
@@ -521,6 +523,16 @@ class TransferSession(PeerHandling, DataPath):
                                             g.done))
 
     # ------------------------------------------------------------------ time
+
+    def _woke(self, gap: float) -> None:
+        """Nothing reached this session for `gap` > 2 heartbeats: its driver sent no heartbeat
+        either (the process was stopped, or its control thread starved), so every peer has
+        declared this agent lost and given up our rooms with it. Say so before anything else
+        is read, so that a room a peer already failed never ends Success here from messages
+        queued before (the peer's Failed may come after them, or never)."""
+        for p in [p for p in self.peers.values() if p.talking or p.waiting]:
+            self._peer_lost(p, f"this agent was unresponsive for {gap:.2f}s (> 2 heartbeats "
+                               f"of {self.hb:g}s): peer {p.addr} has given its rooms up")
 
     def _on_tick(self, e: ev.Tick) -> None:
         now = self._now
