@@ -368,3 +368,24 @@ def test_requests_beyond_the_early_limit_are_refused_not_dropped(monkeypatch) ->
         w.feed(p, ev.LayerReady(1, 1, lid))
     w.run()
     assert d.views[1].state is KVPoll.Success
+
+
+def test_an_agent_unresponsive_for_two_heartbeats_fails_its_rooms_before_reading() -> None:
+    """A decode frozen while every layer and LayerDone reached it: woken (its next event comes
+    more than 2 heartbeats after the last), it fails the room before reading the queued
+    messages, as its prefill, which saw no heartbeat, already did: never a split outcome."""
+    w, p, d = pair()
+    open_room(w, p, d, 7)
+    w.run()
+    w.hold(lambda f, t, m: t == "decode:1")  # what the prefill says waits in the socket
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(7, 7, lid))
+    w.run()
+    assert "LayerDone" in kinds(w, "prefill:1")
+    w.clock.advance(2.5 * HB)  # the decode process was stopped meanwhile
+    w.release_held()
+    w.run()
+    f = d.views[7].failure
+    assert d.views[7].state is KVPoll.Failed
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
+    assert "RoomAck" not in kinds(w, "decode:1")
