@@ -9,7 +9,11 @@
 #   TransportError naming the field) and never block on the network; completion is reported
 #   once per op through on_done, always from the transport's own thread, never while holding a
 #   lock the caller might need.
-# - After cancel() / disconnect() / close() return, no op they ended writes into memory.
+# - cancel() / disconnect() never wait on the peer. An op's on_done comes only once nothing of
+#   it writes into memory any more (a send or write: its local copy stopped; a receive the
+#   peer was writing into: the peer confirmed it stopped, or its process is gone, or a bound
+#   passed): until then the caller keeps the op's memory. When cancel() of a one-sided write
+#   returns, nothing more of it lands in the peer. close() calls every pending on_done.
 # - Backends are imported by name on first use (load_transport), so a missing optional
 #   dependency only matters when that backend is chosen.
 # - One-sided writes are an optional capability (`supports_write`): the receiver publishes a
