@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -103,6 +104,22 @@ def memcpy_baseline(p: E.Pools, pages: np.ndarray) -> float:
     return best
 
 
+class _ChunkEvent:
+    """Stands in for SGLang's CUDA indices_event (query / synchronize)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def complete(self) -> None:
+        self._done.set()
+
+
 def run_prefill(port: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import (
@@ -162,8 +179,14 @@ def run_prefill(port: int) -> None:
                 # default), during which earlier chunks may move
                 time.sleep(float(os.environ.get("KVH_BENCH_FORWARD_S", "0")))
             t_last = time.perf_counter()
+            # "chunks": each chunk comes with an event (SGLang's indices_event) that completes
+            # only after send() returned: a send() that waited on it would never return
+            ev = _ChunkEvent() if r["name"] == "chunks" else None
             s.send(suffix[off:off + c], [suffix] if last else None,
-                   num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE))
+                   num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE),
+                   indices_event=ev)
+            if ev is not None:
+                ev.complete()
             off += c
             st = int(s.poll())
             if seen[-1] != st:

@@ -404,6 +404,10 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         self._kv: Any = None  # the KV agent room's sender, once the first chunk opened it
         self._streamed = 0  # pages of `_chunks` the KV agent room has
         self._opened = False  # the last chunk came
+        # SGLang's event behind the chunk's KV writes: the agent waits for it on its own
+        # thread before reading the pages (layer_ready(layer, event)); the scheduler never
+        # blocks on it
+        self._event: Any = None
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None) -> None:
@@ -413,8 +417,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                                                                         state_indices)
         if skip:
             return
-        if indices_event is not None:
-            indices_event.synchronize()
+        self._event = indices_event
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -452,7 +455,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                 self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
             self._streamed = len(pages)
             for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                self._kv.layer_ready(layer)
+                self._kv.layer_ready(layer, self._event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
 
@@ -502,7 +505,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                         table[name] = pages[self._streamed:]
                     h.add_chunk(table, len(pages) * ps)
                 for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                    h.layer_ready(layer)
+                    h.layer_ready(layer, self._event)
             if mgr.aux_agent is not None:
                 if self.aux_index is None:
                     raise ConfigError("aux_index: the last chunk came without SGLang's "
@@ -513,7 +516,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     seq_len=1, num_decode_ranks=len(real))
                 self._handles.append(ah)
                 for r in b.aux_layout.regions:
-                    ah.layer_ready(r.layer_ids[0])
+                    ah.layer_ready(r.layer_ids[0], self._event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
 
