@@ -296,7 +296,8 @@ def test_peer_restart_is_detected_by_its_generation() -> None:
 
 
 SANS_IO = ("session.py", "session_data.py", "session_chunks.py", "session_peers.py",
-           "handshake.py", "rooms.py", "events.py", "effects.py", "failures.py", "protocol.py")
+           "session_reports.py", "handshake.py", "rooms.py", "events.py", "effects.py",
+           "failures.py", "protocol.py")
 FORBIDDEN = {"zmq", "threading", "time", "socket", "os", "logging", "asyncio", "selectors",
              "concurrent", "ucxx", "kvhandoff.transfer.transports", "kvhandoff.transfer.control",
              "kvhandoff.transfer.agent"}
