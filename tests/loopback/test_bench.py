@@ -37,8 +37,14 @@ def test_bench_tiny_writes_well_formed_json(tmp_path: Path) -> None:
         assert r["cases"][case]["GBps_median"] > 0
     assert set(r["ratios"]) == {"handoff_full_over_raw", "handoff_off_over_raw",
                                 "handoff_full_over_memcpy", "handoff_off_over_memcpy",
-                                "checksum_overhead", "tail_over_one_layer"}
+                                "checksum_overhead", "checksum_cpu_overhead",
+                                "tail_over_one_layer"}
     assert all(isinstance(v, float) for v in r["ratios"].values())
+    # CPU seconds of both processes per handoff, whatever else loads the machine
+    assert set(r["cpu_s"]) == {"handoff_full", "handoff_off"}
+    assert all(v > 0 for v in r["cpu_s"].values())
+    assert r["ratios"]["checksum_cpu_overhead"] == pytest.approx(
+        r["cpu_s"]["handoff_full"] / r["cpu_s"]["handoff_off"] - 1)
     assert set(r["targets"]) == {"handoff_over_raw>=0.9", "handoff_over_memcpy>=0.75",
                                  "checksum_overhead<=0.10", "tail<=2x_one_layer"}
     assert r["verified"] == dict.fromkeys(CASES, True)

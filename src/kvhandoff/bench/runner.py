@@ -185,6 +185,10 @@ class Bench:
         self.progress = progress or (lambda s: None)
         self.procs: list[subprocess.Popen[str]] = []  # every child, for cleanup by the caller
         self.times: dict[str, list[float]] = {c: [] for c in cfg.cases}
+        # CPU seconds of every prefill and decode process during a handoff (all threads):
+        # what checksums cost whatever else loads the machine
+        self.cpu: dict[str, list[float]] = {c: [] for c in cfg.cases}
+        self._last_cpu = 0.0
         self.tails: list[float] = []
         self.verified: dict[str, bool] = {}
         self._room = int.from_bytes(os.urandom(4), "little") << 16
@@ -368,6 +372,8 @@ class Bench:
                     after[k] = after.get(k, 0) + int(v)
             self.descriptors = {"before": before, "after": after}
             self.checksums_verified = sum(int(m["stats"]["checksums_verified"]) for m in ds)
+        self._last_cpu = (sum(float(m.get("cpu_s", 0.0)) for m in ps.values())
+                          + sum(float(m.get("cpu_s", 0.0)) for m in ds))
         t0 = min(float(m["t0"]) for m in ps.values())
         t_done = max(float(m["stats"]["t_done"]) for m in ds)
         t_last = max(float(m["stats"]["t_last_ready"]) for m in ps.values())
@@ -434,6 +440,8 @@ class Bench:
                 dt = self._one(case, verify=rep == total - 1)
                 if timed:
                     self.times[case].append(dt)
+                    if case.startswith("handoff"):
+                        self.cpu[case].append(self._last_cpu)
         return self.result()
 
     def lanes(self) -> dict[str, Any]:
@@ -488,6 +496,10 @@ class Bench:
         ratios["handoff_full_over_memcpy"] = h / m if h and m else None
         ratios["handoff_off_over_memcpy"] = off / m if off and m else None
         ratios["checksum_overhead"] = off / h - 1.0 if h and off else None
+        cpu = {c: statistics.median(v) for c, v in self.cpu.items() if v}
+        ratios["checksum_cpu_overhead"] = (cpu["handoff_full"] / cpu["handoff_off"] - 1.0
+                                           if cpu.get("handoff_full") and cpu.get("handoff_off")
+                                           else None)
         nx = rate("nixl")
         if nx:
             ratios["handoff_full_over_nixl"] = h / nx if h else None
@@ -545,6 +557,7 @@ class Bench:
                 "baselines": "single pair (TP 1 -> 1)",
             },
             "cases": cases, "ratios": ratios, "targets": targets, "targets_note": note,
+            "cpu_s": {c: statistics.median(v) for c, v in self.cpu.items() if v},
             "verified": self.verified,
             "checksums_verified": getattr(self, "checksums_verified", None),
             "lanes": self.lanes(),

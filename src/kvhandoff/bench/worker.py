@@ -170,19 +170,21 @@ class _AgentSide:
             time.sleep(0.0005)
         say(accepted=room, state=rv.poll().name)
         self.handles[room] = rv
-        threading.Thread(target=self._finish, args=(room, rv, msg.get("verify", False)),
-                         daemon=True).start()
+        threading.Thread(target=self._finish, args=(room, rv, msg.get("verify", False),
+                                                    time.process_time()), daemon=True).start()
 
-    def _finish(self, room: int, rv: Any, verify: bool) -> None:
+    def _finish(self, room: int, rv: Any, verify: bool, cpu0: float) -> None:
         state = rv.wait(self.timeout_s)
         rv.wait_released(5)
-        say(done=room, state=state.name, failure=rv.failure, stats=rv.stats(),
+        cpu_s = time.process_time() - cpu0  # this process, every thread, during the room
+        say(done=room, state=state.name, failure=rv.failure, stats=rv.stats(), cpu_s=cpu_s,
             digest=self.digest() if verify and state.name == "Success" else None)
 
     def go(self, msg: dict[str, Any]) -> None:
         room = int(msg["room"])
         s = self.handles.pop(room)
         layer_s = float(msg.get("layer_ms", 0)) / 1e3
+        cpu0 = time.process_time()
         t0 = time.monotonic()
         for i, lid in enumerate(self.layers):
             if layer_s and i:
@@ -192,6 +194,7 @@ class _AgentSide:
         state = s.wait(self.timeout_s)
         s.wait_released(5)
         say(t0=t0, t_ready=t_ready, state=state.name, failure=s.failure, stats=s.stats(),
+            cpu_s=time.process_time() - cpu0,
             digest=self.digest() if msg.get("verify") and state.name == "Success" else None)
 
     def status(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
             ("handoff (no checksum) / raw", "handoff_off_over_raw", None, ""),
             ("handoff (no checksum) / memcpy", "handoff_off_over_memcpy", None, ""),
             ("checksum overhead", "checksum_overhead", "checksum_overhead<=0.10", "<= 0.10"),
+            ("checksum overhead in CPU s (both sides)", "checksum_cpu_overhead", None, ""),
             ("tail / one layer on raw", "tail_over_one_layer", "tail<=2x_one_layer", "<= 2"),
             ("handoff / NIXL WRITE", "handoff_full_over_nixl", None, ">= 2")]
     for label, key, tkey, target in rows:
@@ -70,6 +71,9 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
             " [green]met[/green]" if tg[tkey] else " [red]missed[/red]")
         rt.add_row(label, f"{v:.3f}", target + mark)
     con.print(rt)
+    if r.get("cpu_s"):
+        con.print("CPU s per handoff (prefill + decode processes, every thread; medians): "
+                  + ", ".join(f"{c} {v:.3f}" for c, v in r["cpu_s"].items()))
     if r.get("targets_note"):
         con.print(r["targets_note"])
     lanes = r.get("lanes", {})
