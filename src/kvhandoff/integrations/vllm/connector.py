@@ -32,7 +32,6 @@ What maps to what (docs/VLLM.md has the whole flow):
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -488,8 +487,6 @@ class _WorkerSide:
         self._loads: dict[str, _Load] = {}  # async loads
         self._sync: list[_Load] = []  # this step's layerwise loads
         self._errors: set[int] = set()
-        self._ready_q: queue.SimpleQueue[tuple[Any, int, Any] | None] | None = None
-        self._ready_t: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -639,28 +636,18 @@ class _WorkerSide:
                 log.warning("room %d: layer_ready(%d): %s", s.room, lid, e)
 
     def _ready_async(self, lid: int, kv_layer: Any) -> None:
-        """CUDA: record the layer's event on the current stream; a thread waits on it and
-        calls layer_ready, so the forward never blocks on the copy engine."""
+        """CUDA: record the layer's event on the current stream and hand it to layer_ready,
+        which returns at once (the agent waits for the event on its own thread), so the
+        forward never blocks on the copy engine."""
         import torch
 
         ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(kv_layer.device))
-        if self._ready_q is None:
-            self._ready_q = queue.SimpleQueue()
-            self._ready_t = threading.Thread(target=self._ready_loop, daemon=True,
-                                             name="kvh-layer-ready")
-            self._ready_t.start()
         for s in self._step_senders:
-            self._ready_q.put((s, lid, ev))
-
-    def _ready_loop(self) -> None:
-        assert self._ready_q is not None
-        while (item := self._ready_q.get()) is not None:
-            s, lid, ev = item
             try:
                 s.layer_ready(lid, ev)
-            except KVHandoffError as e:
-                log.error("room %d: layer_ready(%d): %s", s.room, lid, e)
+            except KVHandoffError as e:  # an aborted room: the forward goes on
+                log.warning("room %d: layer_ready(%d): %s", s.room, lid, e)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -697,8 +684,6 @@ class _WorkerSide:
         return out
 
     def close(self) -> None:
-        if self._ready_q is not None:
-            self._ready_q.put(None)
         if self.agent is not None:
             self.agent.close()
 
