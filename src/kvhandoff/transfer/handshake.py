@@ -151,7 +151,9 @@ class Identity:
 def peer_summary(p: Peer) -> dict[str, Any]:
     """A peer as `status()` shows it."""
     return {"addr": p.addr, "matched": p.matched, "state": p.state.value,
-            "rejected": p.rejected.reason if p.rejected else None}
+            "rejected": p.rejected.reason if p.rejected else None,
+            # how this side moves data to it: one-sided writes into its buffers, or two-sided
+            "one_sided_writes": p.writes, "memory": p.memory}
 
 
 # ---- admission and prefix agreement (issue 17) ---------------------------------------------

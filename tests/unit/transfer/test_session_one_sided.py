@@ -68,6 +68,7 @@ def test_layers_are_written_into_the_decode_and_verified_there() -> None:
     assert c["checksums_verified"] == 4 + 2 and c["rooms_one_sided"] == 1
     assert p.session.counters["rooms_one_sided"] == 1
     assert d.views[1].releases == 1 and p.views[1].releases == 1
+    assert [x["one_sided_writes"] for x in p.session.status()["peers"]] == [True]
 
 
 def test_a_corrupted_write_is_caught_and_written_again() -> None:
@@ -103,6 +104,7 @@ def test_refused_descriptors_fall_back_to_two_sided_with_a_warning() -> None:
     assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
     assert not [e for _, e in seen if isinstance(e, PostWrite)]
     assert any("one-sided writes refused (descriptor of another host)" in m for m in p.log)
+    assert [x["one_sided_writes"] for x in p.session.status()["peers"]] == [False]
 
 
 def test_a_decode_failure_holds_its_pages_until_the_prefill_confirms() -> None:
