@@ -184,22 +184,11 @@ def register(app: typer.Typer) -> None:
             if bench is not None:
                 bench.close()
             signal.signal(signal.SIGTERM, old)
-        text = json.dumps(result, indent=2)
-        if out:
-            with open(out, "w") as f:
-                f.write(text + "\n")
-        if as_json:
-            typer.echo(text)
-        else:
-            _print_summary(result, Console())
-        if not all(result["verified"].values()):
-            con.print("[red]a case did not move the bytes exactly[/red]")
-            raise typer.Exit(1)
+        _report(result, con, out, as_json, _print_summary)
 
 
 def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw: Any) -> None:
     """`bench --device cuda[:N]`: exit 2 with "no CUDA device: ..." where there is none."""
-    from rich.console import Console
 
     from kvhandoff.bench.device import (
         NoCudaDevice,
@@ -218,6 +207,15 @@ def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw
     with con.status("bench") as status:
         result = run_device_bench(device=device, progress=lambda s: status.update(
             f"bench: {s}"), **kw)
+    _report(result, con, out, as_json, print_device_summary)
+
+
+def _report(result: dict[str, Any], con: Any, out: str | None, as_json: bool,
+            summary: Any) -> None:
+    """Writes the result (`--out`), prints it (JSON, or `summary` as tables) and exits 1
+    when a case did not move the bytes exactly."""
+    from rich.console import Console
+
     text = json.dumps(result, indent=2)
     if out:
         with open(out, "w") as f:
@@ -225,7 +223,7 @@ def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw
     if as_json:
         typer.echo(text)
     else:
-        print_device_summary(result, Console())
+        summary(result, Console())
     if not all(result["verified"].values()):
         con.print("[red]a case did not move the bytes exactly[/red]")
         raise typer.Exit(1)

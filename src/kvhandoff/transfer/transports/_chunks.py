@@ -90,6 +90,30 @@ def normalise_spans(offsets: object, nbytes: object, buf_nbytes: int,
     return off[heads], np.add.reduceat(nb, heads)
 
 
+
+def write_spans(peer: str, name: str, offsets: object, nbytes: object, size: int,
+                remote: str, target_nbytes: int | None, remote_offsets: object,
+                remote_nbytes: object, *, connected: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The checks every one-sided `post_write` makes once it has looked the peer up: the peer
+    is connected, its buffer `remote` is installed (`target_nbytes`, None if not), both span
+    lists fit their buffers and carry the same number of bytes. Returns the normalised
+    (offsets, nbytes, remote offsets, remote nbytes) and the total."""
+    off, nb = normalise_spans(offsets, nbytes, size, what=f"post_write {name!r}")
+    if not connected:
+        raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
+                             "first")
+    if target_nbytes is None:
+        raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
+                             "call register_remote first")
+    roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target_nbytes,
+                                what=f"post_write remote {remote!r}")
+    total, rtotal = int(nb.sum()), int(rnb.sum())
+    if total != rtotal:
+        raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
+                             f"remote spans {rtotal}")
+    return off, nb, roff, rnb, total
+
 def _split(off: np.ndarray, nb: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                       np.ndarray]:
     """Splits spans at every stream position in `cuts` (and at their own starts).

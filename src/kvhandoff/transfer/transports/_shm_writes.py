@@ -11,7 +11,7 @@ import numpy as np
 
 from kvhandoff.errors import TransportError
 
-from ._chunks import ChunkPlan, check_tag, normalise_spans
+from ._chunks import ChunkPlan, check_tag, write_spans
 from ._shm_copy import Target, open_target
 from ._shm_cuda import (
     LANE,
@@ -75,16 +75,21 @@ class OneSidedWrites:
         such buffer is registered."""
         return "devsum" if name in self._dev else "xxh3" if name in self._buffers else None
 
+    def _descriptor_peer(self, peer: str, name: str, pid: int) -> ShmPeer:
+        """(lock held) The connected peer a descriptor of process `pid` must come from."""
+        self._check_open()
+        info = self._peer_info.get(peer)
+        if info is None:
+            raise TransportError(f"register_remote: peer {peer!r} is not connected")
+        if pid != info.pid:
+            raise TransportError(f"register_remote {name!r}: the descriptor is of process "
+                                 f"{pid}, peer {peer!r} is process {info.pid}")
+        return info
+
     def _register_device_remote(self, peer: str, name: str, descriptor: bytes) -> None:
         pid, n, export = parse_device_descriptor(descriptor)
         with self._lock:
-            self._check_open()
-            info = self._peer_info.get(peer)
-            if info is None:
-                raise TransportError(f"register_remote: peer {peer!r} is not connected")
-            if pid != info.pid:
-                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
-                                     f"{pid}, peer {peer!r} is process {info.pid}")
+            info = self._descriptor_peer(peer, name, pid)
             host = next(iter(self._buffers), None)
         if host is not None or not self._dev:
             raise TransportError(f"register_remote {name!r}: peer {peer!r}'s buffer is CUDA "
@@ -109,13 +114,7 @@ class OneSidedWrites:
                                  "host to host or device to device, not across")
         pid, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
         with self._lock:
-            self._check_open()
-            info = self._peer_info.get(peer)
-            if info is None:
-                raise TransportError(f"register_remote: peer {peer!r} is not connected")
-            if pid != info.pid:
-                raise TransportError(f"register_remote {name!r}: the descriptor is of process "
-                                     f"{pid}, peer {peer!r} is process {info.pid}")
+            info = self._descriptor_peer(peer, name, pid)
         target = open_target(pid, fd, seg_n, off, addr, n, self._allow_map, info.maps)
         with self._lock:
             info.remotes[name] = target
@@ -133,27 +132,19 @@ class OneSidedWrites:
         if buf is None:
             raise TransportError(f"post_write: no buffer registered as {name!r}")
         size = buf.size if dev is None else dev[1]
-        off, nb = normalise_spans(offsets, nbytes, size, what=f"post_write {name!r}")
         with self._lock:
             info = self._peer_info.get(peer)
             target = info.remotes.get(remote) if info is not None else None
-        if info is None:
-            raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
-                                 "first")
-        if target is None:
-            raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
-                                 "call register_remote first")
+        off, nb, roff, rnb, total = write_spans(
+            peer, name, offsets, nbytes, size, remote,
+            None if target is None else target.nbytes, remote_offsets, remote_nbytes,
+            connected=info is not None)
+        assert info is not None and target is not None  # write_spans checked both
         if (dev is not None) != isinstance(target, DeviceTarget):
             kinds = ("CUDA", "host") if dev is not None else ("host", "CUDA")
             raise TransportError(f"post_write {name!r} -> {remote!r}: a write from {kinds[0]} "
                                  f"memory into {kinds[1]} memory; shm writes host to host or "
                                  "device to device, not across")
-        roff, rnb = normalise_spans(remote_offsets, remote_nbytes, target.nbytes,
-                                    what=f"post_write remote {remote!r}")
-        total, rtotal = int(nb.sum()), int(rnb.sum())
-        if total != rtotal:
-            raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
-                                 f"remote spans {rtotal}")
         plan = ChunkPlan(off, nb, max(total, 1))
         op = ShmOp(peer, info.ident, tag, True, buf, plan, _ignore)
         op.is_write = True

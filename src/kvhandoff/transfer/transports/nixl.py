@@ -38,7 +38,7 @@ import numpy as np
 from kvhandoff.errors import TransportError
 from kvhandoff.transfer.checksum import span_checksum
 
-from ._chunks import check_tag, normalise_spans
+from ._chunks import check_tag, write_spans
 from ._nixl_lib import UcxOffer, nixl_api, nixl_version, ucx_offer
 from ._nixl_wire import (
     VERSION,
@@ -242,22 +242,14 @@ class NixlTransport(TcpTransport):
         mem = self._mems.get(name)
         if mem is None:
             raise TransportError(f"post_write: no buffer registered as {name!r}")
-        off, nb = normalise_spans(offsets, nbytes, mem.length, what=f"post_write {name!r}")
         with self._lock:
             known = self._peer_agents.get(peer)
             region = self._remotes.get(peer, {}).get(remote)
-        if known is None:
-            raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
-                                 "first")
-        if region is None:
-            raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
-                                 "call register_remote first")
-        roff, rnb = normalise_spans(remote_offsets, remote_nbytes, region.length,
-                                    what=f"post_write remote {remote!r}")
-        total, rtotal = int(nb.sum()), int(rnb.sum())
-        if total != rtotal:
-            raise TransportError(f"post_write: size mismatch: local spans have {total} bytes, "
-                                 f"remote spans {rtotal}")
+        off, nb, roff, rnb, total = write_spans(
+            peer, name, offsets, nbytes, mem.length, remote,
+            None if region is None else region.length, remote_offsets, remote_nbytes,
+            connected=known is not None)
+        assert known is not None and region is not None  # write_spans checked both
         if checksum and mem.host is None:
             raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
                                  "buffer; hash VRAM on the device")
