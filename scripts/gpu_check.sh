@@ -21,8 +21,10 @@
 #      real CUDA event behind a long kernel) and tests/unit/gpu/test_shm_cuda_handoff.py (two
 #      agents in two processes with CUDA buffers over shm's CUDA IPC lane: a whole room
 #      one-sided with devsum on both sides, byte-exact; the writer survives a decode that
-#      dies mid-room).
-#   2. `python -m kvhandoff.transfer.devsum --device cuda` (cap 2 x 30 s): devsum against a
+#      dies mid-room) and tests/integrations/vllm/test_vllm_gpu_probe.py (the vLLM connector's
+#      layout probe against vLLM's own FLASH_ATTN, FLASHINFER, TRITON_ATTN layers, HND and NHD
+#      pages, and FLASHMLA: each must log "layout verified against <backend>").
+#   2. `python -m kvhandoff.bench.devsum --device cuda` (cap 2 x 30 s): devsum against a
 #      contiguous device copy and a page gather copy of the same page set, page-granular
 #      (16-token pages of 656 B) and token-granular (132 B) sets.
 #   3. `kvhandoff bench --device cuda` (cap 90 s, 4k tokens, 3 reps): the page set on the GPU:
@@ -82,7 +84,7 @@ if [[ "$DEV" == cpu ]]; then BIG=32 SMALL=8 REP=3; else BIG=256 SMALL=64 REP=10;
 for args in "--mib $BIG --page-tokens 16 --token-bytes 656" \
             "--mib $SMALL --page-tokens 1 --token-bytes 132"; do
   # shellcheck disable=SC2086
-  timeout 30 "$PY" -m kvhandoff.transfer.devsum --device "$DEV" --repeat "$REP" $args 2>&1 \
+  timeout 30 "$PY" -m kvhandoff.bench.devsum --device "$DEV" --repeat "$REP" $args 2>&1 \
     | tee -a "$R/devsum_bench.txt" | tee -a "$LOG"
   brc=${PIPESTATUS[0]}
   [[ $brc -ne 0 ]] && { say "devsum bench ($args) exit $brc"; rc=1; }

@@ -92,7 +92,7 @@ def digest(buf: np.ndarray, off: np.ndarray, nb: np.ndarray) -> str:
 
 def child() -> None:
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports import load_transport
+    from kvhandoff.transports import load_transport
 
     def say(obj: object) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -108,14 +108,16 @@ def child() -> None:
                 tr.close()
             tr = load_transport(msg["kind"].split("-")[0], Settings(chunk_bytes=msg["chunk"]))
             if msg["kind"].startswith("shm-"):  # a kvhandoff shared segment (shm/map lane)
-                from kvhandoff.transfer.shm import SharedSegment
+                from kvhandoff.buffers.shared import SharedSegment
 
                 buf = SharedSegment(msg["size"]).array
             else:
                 buf = np.empty(msg["size"], np.uint8)
             buf.fill(0)  # fault the pages in now, not during the timed transfer
             tr.register("kv", buf)
-            desc = tr.describe("kv").hex() if type(tr).supports_write else None
+            from kvhandoff.transports import OneSidedTransport
+
+            desc = tr.describe("kv").hex() if isinstance(tr, OneSidedTransport) else None
             say({"address": tr.address.hex(), "descriptor": desc})
         elif cmd == "connect":
             assert tr is not None
@@ -176,7 +178,7 @@ class Child:
 def run_transport(kind: str, chunk: int, wl: str, reps: int, scale: float,
                   child: Child) -> dict[str, object]:
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports import load_transport
+    from kvhandoff.transports import load_transport
 
     s_off, s_nb, size = workload(wl, 1, scale)
     d_off, d_nb, _ = workload(wl, 2, scale)
@@ -229,19 +231,23 @@ def run_transport(kind: str, chunk: int, wl: str, reps: int, scale: float,
 
 def _write_once(tr: object, tag: int, s_off: np.ndarray, s_nb: np.ndarray, d_off: np.ndarray,
                 d_nb: np.ndarray, checksum: bool, src: np.ndarray) -> tuple[float, bool]:
-    """One post_write of the page set + fence; (seconds, whether the fused digest is right)."""
+    """One post_write of the page set, until it landed; (seconds, whether the fused digest is
+    right)."""
     done = threading.Event()
     result: list[tuple[BaseException | None, int | None]] = []
 
     def on_written(err: BaseException | None, dig: int | None) -> None:
         result.append((err, dig))
+        done.set()
 
+    from kvhandoff.kv_layout import pair_spans
+
+    plan = pair_spans(s_off, s_nb, d_off, d_nb)
     t0 = time.perf_counter()
-    tr.post_write("child", tag, "kv", s_off, s_nb, "kv", d_off, d_nb,  # type: ignore[attr-defined]
-                  on_written, checksum=checksum)
-    tr.fence("child", lambda err: done.set())  # type: ignore[attr-defined]
+    tr.post_write("child", tag, "kv", "kv", plan, on_written,  # type: ignore[attr-defined]
+                  checksum=checksum)
     if not done.wait(120):
-        raise RuntimeError("shm write: fence did not complete")
+        raise RuntimeError("shm write: the write did not complete")
     dt = time.perf_counter() - t0
     err, dig = result[0]
     if err is not None:
@@ -253,7 +259,7 @@ def _write_once(tr: object, tag: int, s_off: np.ndarray, s_nb: np.ndarray, d_off
 
 def run_inproc(chunk: int, wl: str, reps: int, scale: float) -> dict[str, object]:
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports import load_transport
+    from kvhandoff.transports import load_transport
 
     s_off, s_nb, size = workload(wl, 1, scale)
     d_off, d_nb, _ = workload(wl, 2, scale)

@@ -121,6 +121,8 @@ class FailureKind(str, enum.Enum):
     ADMISSION = "admission"
     """The prefill refused the transfer request before any byte moved: the allocation
     policies differ, the prompts (or the decode's cached prefix) differ, or it does not fit."""
+    INTERNAL = "internal"
+    """This agent met a bug while handling the room (logged with its traceback)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,4 +246,5 @@ _ERROR_OF_KIND: dict[FailureKind, type[RoomFailed]] = {
     FailureKind.TRANSPORT: TransportFailed,
     FailureKind.BOOTSTRAP: BootstrapFailed,
     FailureKind.ADMISSION: AdmissionRefused,
+    FailureKind.INTERNAL: RoomFailed,
 }

@@ -68,6 +68,14 @@ class Settings(BaseSettings):
                                     "stay visible to lookups (server) and in an agent's status "
                                     "before they are forgotten.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+    route_access_log: bool = Field(
+        False, description="Write an access-log line for every answered GET /route (SGLang's "
+        "per-request rank lookup, thousands a second). Off: a GET /route answer gets one only "
+        "when it is an error (status 400 or above); every other request gets its access line "
+        "at log level info either way, and slow ones a warning (slow_request_s).")
+    slow_request_s: float = Field(1.0, gt=0, description="A request the bootstrap server takes "
+                                  "longer than this to answer is logged as a warning with its "
+                                  "duration (any route).")
 
     # --- agents -----------------------------------------------------------------------------
     bootstrap_url: str | None = Field(None, description="URL of the bootstrap server an agent "
@@ -119,6 +127,11 @@ class Settings(BaseSettings):
         "carries the pages reserved) or prefill_complete (it carries the free pages). Both "
         "sides must agree; a request that does not fit is refused before any byte moves.")
     chunk_bytes: int = Field(4 << 20, gt=0, description="Largest data message on the transport.")
+    layout_probe: bool = Field(
+        True, description="At start, write known keys and values for a few token slots into "
+        "scratch pages through the engine's own cache-write op and read them back through the "
+        "layout the adapter built; refuse to start on any difference. Off: the layout is "
+        "trusted unchecked (said in the log, the adapter's status and doctor).")
     hmac_secret: SecretStr | None = Field(None, description="Shared secret authenticating agent "
                                           "Hello messages (HMAC-SHA256). Unset = no HMAC.")
     max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")

@@ -175,7 +175,7 @@ def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
     from kvhandoff.transfer import allocate
 
     if cfg.get("shared_buffers"):
-        from kvhandoff.transfer.shm import allocate_shared
+        from kvhandoff.buffers.shared import allocate_shared
 
         return allocate_shared(spec, num_pages, numpy_arrays=True)
     if not cfg.get("numpy_buffers"):
@@ -215,7 +215,8 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
             pages = pool.alloc(-(-r["seq_len"] // ps))
             s = agent.sender(r["room"], pages=pages, seq_len=r["seq_len"],
                              on_release=functools.partial(_free, pool, pages),
-                             num_decode_ranks=int(r.get("num_decode_ranks", 1)))
+                             num_decode_ranks=int(r.get("num_decode_ranks", 1)),
+                             request_id=r.get("request_id"))
             senders.append((r, s, pages))
         if cfg.get("wait_for_decode"):
             # as SGLang's prefill bootstrap queue: schedule the request once its decode side
@@ -250,7 +251,7 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
             s.wait(timeout)
             s.wait_released(5)
             _emit("done", room=r["room"], state=s.poll().name, failure=s.failure,
-                  released=s.released, stats=s.stats())
+                  released=s.released, stats=s.stats(), timings=agent.room_timings(r["room"]))
         _emit("pool", free=pool.free_count, total=pool.num_pages)
         if cfg.get("linger"):
             sys.stdin.read()  # stay alive (serving) until the parent closes stdin
@@ -288,7 +289,8 @@ def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> i
                             -1, reg.page_nbytes(ps))
                         view[pages[:prefix // ps]] = PREFIX_MARKER
             rv = agent.receiver(r["room"], cfg.get("bootstrap_url"), peer=cfg.get("peer"),
-                                on_release=functools.partial(_free, pool, pages))
+                                on_release=functools.partial(_free, pool, pages),
+                                request_id=r.get("request_id"))
             rv.init(pages, r["seq_len"], r.get("prefix", 0))
             if r.get("abort_at_layer") == -1:
                 rv.abort("decode aborted the request")
@@ -327,7 +329,8 @@ def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> i
                 verify = {"bad_bytes": bad, "prefix_touched_bytes": prefix_bad,
                           "byte_exact": bad == 0 and prefix_bad == 0}
             _emit("done", room=r["room"], state=state.name, failure=rv.failure,
-                  released=rv.released, stats=rv.stats(), verify=verify)
+                  released=rv.released, stats=rv.stats(), verify=verify,
+                  timings=agent.room_timings(r["room"]))
         _emit("pool", free=pool.free_count, total=pool.num_pages)
         _emit("status", status=agent.status())
     return 0

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from kvhandoff.bootstrap_server import create_app
 from kvhandoff.kv_layout import preset
+from kvhandoff.runtime.metrics import registry_for
 from kvhandoff.settings import Settings
 from kvhandoff.transfer import TransferAgent, allocate
-from kvhandoff.transfer.metrics import registry_for
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvhandoff.json"

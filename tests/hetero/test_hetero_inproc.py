@@ -22,8 +22,8 @@ import pytest
 from hetkit import Outcome, Rank, close_all, handoff, make_ranks, one_copy_bytes
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit, page_aligned
-from kvhandoff.kv_layout.presets import glm53, heads_of_rank, llama31_8b
+from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, TPSplit, page_aligned
+from kvhandoff.kv_layout.presets import glm53, heads_of_rank, llama31_8b, main_send_from
 from kvhandoff.state_machine import KVPoll
 
 GLM_SEQ, GLM_PREFIX = 300, 100  # 5 pages of 64, the last partial; prefix 100 -> 64
@@ -207,11 +207,12 @@ def _refused(pre_layout: LayoutSpec, dec_layout: LayoutSpec) -> tuple[str, str]:
 
 
 def _gqa_layout(heads: list[int], head_bytes: int) -> LayoutSpec:
-    """A llama-3.1-8b-like layout built by hand: these heads, this many bytes per head."""
+    """A llama-3.1-8b-like layout built by hand: these heads, this many bytes per head, main KV
+    from the decode's prefix as in the preset."""
     regions = tuple(
         RegionSpec(name=name, layer_ids=tuple(range(32)),
                    planes=tuple(Plane(f"h{h}", head_bytes) for h in heads),
-                   send_from=SendFrom.START, tp_split=TPSplit.HEAD_SHARDED,
+                   send_from=main_send_from(False), tp_split=TPSplit.HEAD_SHARDED,
                    num_heads=len(heads))
         for name in ("main_k", "main_v"))
     return LayoutSpec(page_size_tokens=16, kv_dtype="bfloat16", regions=regions,

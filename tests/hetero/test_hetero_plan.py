@@ -38,9 +38,9 @@ def test_glm_pair_rank_map_bytes_and_descriptors() -> None:
     assert [p["bytes"] for p in pair["prefill_ranks"]] == [2 * copy] * 2
     assert pair["total_bytes"] == 4 * copy
     # before coalescing: one piece per 32-token segment (page boundaries of both sides) and
-    # plane: main KV one plane on 78 layers, indexer key + scale on 21 layers from the prefix
+    # plane, both from the prefix: main KV one plane on 78 layers, indexer key + scale on 21
     held = page_aligned(prefix, 32)
-    want_before = ctx // 32 * 78 + (ctx - held) // 32 * 2 * 21
+    want_before = (ctx - held) // 32 * (78 + 2 * 21)
     for r in pair["decode_ranks"]:
         assert r["descriptors_before"] == want_before
         assert 0 < r["descriptors"] <= r["descriptors_before"]
@@ -111,8 +111,8 @@ def test_issue17_layout_variants_plan_the_bytes_of_their_rows() -> None:
                    "--prefill-tp", "1", "--decode-tp", "1")["pair"]
     held = page_aligned(prefix, 128)
     assert k2["decode_page"] == 128
-    assert k2["total_bytes"] == ctx * 656 * 78 + (ctx - held) // 2 * 132 * 21
+    assert k2["total_bytes"] == (ctx - held) * 656 * 78 + (ctx - held) // 2 * 132 * 21
     mtp = plan_json("--model", "glm-5.3-mtp", "--context", str(ctx), "--prefix", str(prefix),
                     "--prefill-tp", "1", "--decode-tp", "1")["pair"]
     held = page_aligned(prefix, 64)
-    assert mtp["total_bytes"] == base["total_bytes"] // 2 + ctx * 656 + (ctx - held) * 132
+    assert mtp["total_bytes"] == base["total_bytes"] // 2 + (ctx - held) * (656 + 132)

@@ -3,7 +3,9 @@ writes well-formed JSON. No timing assertions (figures belong to docs/PERFORMANC
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +51,20 @@ def test_bench_tiny_writes_well_formed_json(tmp_path: Path) -> None:
                                  "checksum_overhead<=0.10", "tail<=2x_one_layer"}
     assert r["verified"] == dict.fromkeys(CASES, True)
     assert r["checksums_verified"] == 78 + 21
-    assert r["lanes"]["raw"]["kind"] == "ucx"
+    assert r["lanes"]["raw"]["kind"] == "auto"  # the product's default lane
     assert set(r["lanes"]["handoff"]) == {"full", "off"}
     assert "ratios" in p.stdout and "handoff / raw transport" in p.stdout
+
+
+def test_bench_help_lists_every_transport_and_defaults_to_auto() -> None:
+    from kvhandoff.settings import TransportKind
+
+    p = subprocess.run([KVHANDOFF, "bench", "--help"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert all(k.value in text for k in TransportKind), text
+    assert "[default: auto]" in text
 
 
 def test_bench_rejects_an_unknown_case() -> None:
@@ -80,7 +93,7 @@ def test_bench_prefill_and_decode_pages_differ(tmp_path: Path) -> None:
     assert w["bytes"] == r["handoff"]["bytes"] == sum(moved.values())
     assert w["bytes_per_region"] == moved
     # a 64-token prefill page holds two 32-token decode pages: more pieces than pages of 64
-    assert w["pieces_before_coalescing"] == 78 * 8 + 21 * 4 * 2
+    assert w["pieces_before_coalescing"] == 78 * 4 + 21 * 4 * 2  # the 128 suffix tokens
     assert r["verified"] == dict.fromkeys(CASES, True)
     assert all(r["cases"][c]["n"] == 1 for c in CASES)
     assert r["targets_note"] is None and "pages 64 -> 32 tokens" in " ".join(p.stdout.split())
@@ -96,9 +109,9 @@ def test_bench_gqa_two_prefill_ranks_into_one_decode_rank(tmp_path: Path) -> Non
                .values())
     assert h["bytes"] == h["bytes_per_decode_rank"][0] == r["workload"]["bytes"] == full
     assert r["cases"]["handoff_full"]["bytes"] == full
-    # each prefill rank brings 4 adjacent heads of every page of 16 tokens: one piece per
-    # prefill rank, page and layer (2 x 16 x 32)
-    assert h["descriptors"]["after"] == {"main_k": 2 * 16 * 32, "main_v": 2 * 16 * 32}
+    # each prefill rank brings 4 adjacent heads of every suffix page of 16 tokens: one piece
+    # per prefill rank, page and layer (2 x 8 x 32)
+    assert h["descriptors"]["after"] == {"main_k": 2 * 8 * 32, "main_v": 2 * 8 * 32}
     assert r["verified"] == {"memcpy": True, "handoff_full": True, "handoff_off": True}
     assert set(r["targets"].values()) == {None} and "TP 2 -> decode TP 1" in r["targets_note"]
     text = " ".join(p.stdout.split())  # the table wraps lines
@@ -155,7 +168,7 @@ def test_bench_shm_both_lanes(tmp_path: Path, pool: str) -> None:
 
 
 def test_bench_ucx_names_its_build(tmp_path: Path) -> None:
-    p, r = _run(tmp_path, "--cases", "raw")
+    p, r = _run(tmp_path, "--cases", "raw", "--transport", "ucx")
     build = r["lanes"]["ucx_build"]
     assert build.startswith("UCX ") and "libucp.so" in build
     assert ("no verbs" in build) or ("verbs" in build and "no verbs" not in build)
@@ -170,3 +183,73 @@ def test_bench_nixl_baseline(tmp_path: Path) -> None:
     assert r["ratios"]["handoff_full_over_nixl"] > 0
     assert r["lanes"]["nixl"]["descriptors"] == r["workload"]["pieces"]
     assert "handoff / NIXL WRITE" in p.stdout
+
+
+@pytest.mark.timeout(300)  # 7 processes start (baselines, agents, NIXL): 110 s at load 13
+def test_bench_rooms_mode_tiny(tmp_path: Path) -> None:
+    """`bench --rooms N`: N rooms per (model, context, concurrency) through two real agent
+    processes, with the baselines of the same pieces; the plumbing only (no timing)."""
+    out = tmp_path / "rooms.json"
+    p = subprocess.run([KVHANDOFF, "bench", "--rooms", "3", "--models", "llama-3.1-8b",
+                        "--contexts", "32", "--inflight", "2", "--reps", "1", "--rounds",
+                        "2", "--timeout", "120", "--out", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mode"] == "rooms"
+    assert [(row["context_tokens"], row["inflight"]) for row in r["rows"]] == [(32, 2)]
+    nixl = importlib.util.find_spec("nixl_cu12") is not None
+    want = {"handoff_full", "handoff_off"} | ({"nixl"} if nixl else set())
+    for row in r["rows"]:
+        ctx = row["context_tokens"]
+        assert row["bytes"] == sum(handoff_bytes(preset("llama-3.1-8b"), seq_len=ctx,
+                                                 decode_prefix_len=0).values())
+        assert set(row["cases"]) == want
+        for case, s in row["cases"].items():
+            assert s["rooms"] == 3  # 2 + 1 over two rounds, warm-up rooms not counted
+            assert 0 < s["min_s"] <= s["p50_s"] <= s["p99_s"] <= s["max_s"]
+            assert s["rooms_per_s"] > 0 and s["wall_s"] >= s["max_s"]
+            assert s["cpu_s_per_room"]["prefill"] > 0
+            if case != "nixl":  # NIXL runs both of its agents in one process
+                assert s["cpu_s_per_room"]["decode"] > 0
+                # each side's room_timings (what its trace spans carry): its steps timed, each
+                # inside its room (no bootstrap lookup: the decode is given its peer)
+                for side, t in s["timings_ms_p50"].items():
+                    assert None not in (t["total_ms"], t["handshake_ms"], t["layers_ms"],
+                                        t["tail_ms"]), (side, t)
+                    assert max(t["handshake_ms"], t["layers_ms"], t["tail_ms"]) \
+                        <= t["total_ms"], (side, t)
+                    assert t["bootstrap_lookup_ms"] is None, (side, t)
+            else:
+                assert "timings_ms_p50" not in s
+        assert set(row["baselines"]) == {"memcpy", "raw"} | ({"nixl"} if nixl else set())
+        assert all(row["verified"].values())
+        assert row["lanes"]["full"]["rooms_one_sided"] == row["lanes"]["full"]["rooms"]
+    assert r["fixed_cost"]["llama-3.1-8b"]["handoff_full"] is None  # one size: no line
+    assert set(r["targets"]) == {"llama512_full_over_nixl_write<=1.0", "fixed_cost_ms<=5",
+                                 "llama1024_rooms_per_s>=1000"}
+    # 512 and 1,024 tokens were not measured, nor two sizes: not judged
+    assert r["targets"]["llama512_full_over_nixl_write<=1.0"] == {"value": None, "met": None}
+    assert r["targets"]["fixed_cost_ms<=5"] == {"value": None, "met": None}
+    text = " ".join(p.stdout.split())
+    assert "rooms mode" in text and "target fixed_cost_ms<=5: - (not measured)" in text
+
+
+def test_bench_rooms_refuses_bad_lists() -> None:
+    p = subprocess.run([KVHANDOFF, "bench", "--rooms", "2", "--contexts", "256,x"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "contexts" in p.stderr
+    p = subprocess.run([KVHANDOFF, "bench", "--rooms", "2", "--models", "llama-9000"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "llama-9000" in p.stderr
+
+
+def test_fixed_cost_is_the_intercept_of_the_latency_line() -> None:
+    from kvhandoff.bench.rooms import fixed_cost
+
+    # 3 ms + 0.5 ms per MB, exactly
+    pts = [(int(mb * 1e6), 3e-3 + 0.5e-3 * mb) for mb in (10, 40, 160)]
+    got = fixed_cost(pts)
+    assert got is not None
+    assert got["fixed_s"] == pytest.approx(3e-3) and got["per_MB_s"] == pytest.approx(0.5e-3)
+    assert fixed_cost(pts[:1]) is None

@@ -273,3 +273,29 @@ def test_gqa_tp_ranks_with_their_own_heads_form_one_engine(bootstrap_server: Ser
     with pytest.raises(BootstrapConflict, match="page_size_tokens"):
         c.register_rank(engine_id="g", role="prefill", agent_address="h:7001", generation="g",
                         layout=per_rank[1].with_page_size(32), tp_rank=1, tp_size=2)
+
+
+def test_both_clients_from_settings_carry_the_token(bootstrap_server: Server) -> None:
+    import asyncio
+
+    from kvhandoff.bootstrap_server import AsyncBootstrapClient
+    from kvhandoff.errors import BootstrapUnauthorized, ConfigError
+    from kvhandoff.settings import Settings
+
+    url = bootstrap_server(auth_token="s3cret")
+    good = Settings(bootstrap_url=url, auth_token="s3cret")
+    sync = BootstrapClient.from_settings(good, total_wait_s=0)
+    assert type(sync) is BootstrapClient
+    assert len(sync.allocate_rooms(2)) == 2  # a write: refused without the token
+    with pytest.raises(BootstrapUnauthorized):
+        BootstrapClient.from_settings(Settings(bootstrap_url=url, auth_token=None),
+                                      total_wait_s=0).allocate_rooms(1)
+
+    async def main() -> int:
+        async with AsyncBootstrapClient.from_settings(good, total_wait_s=0) as c:
+            assert type(c) is AsyncBootstrapClient
+            return len(await c.allocate_rooms(1))
+
+    assert asyncio.run(main()) == 1
+    with pytest.raises(ConfigError, match="bootstrap_url"):
+        BootstrapClient.from_settings(Settings(bootstrap_url=None))

@@ -3,49 +3,27 @@
 from __future__ import annotations
 
 import os
-import re
-import selectors
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from test_bootstrap_defaults import serve
 
 from kvhandoff.settings import Settings
 
 SERVER_FIELDS = ("host", "port", "auth_token", "rank_ttl_s", "max_body_bytes",
-                 "room_retention_s", "log_level", "require_rdma")
+                 "room_retention_s", "log_level", "require_rdma", "route_access_log",
+                 "slow_request_s")
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.cli"]
-
-
-def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout_s):
-        raise AssertionError(f"no output from kvhandoff serve within {timeout_s} s")
-    return proc.stdout.readline()
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    env = {**os.environ, "KVHANDOFF_AUTH_TOKEN": "from-env", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*KVHANDOFF, "serve", "--port", "0", "--log-level", "warning",
-                             "--rank-ttl-s", "7"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = read_line(proc, 60)
-        m = re.search(r"listening on (http://\S+)", line)
-        assert m, line
-        yield m.group(1), proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    with serve("--log-level", "warning", "--rank-ttl-s", "7",
+               env={"KVHANDOFF_AUTH_TOKEN": "from-env"}) as s:
+        yield s.url, s.proc
 
 
 def test_serve_listens_on_a_free_port_with_env_settings(

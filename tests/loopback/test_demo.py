@@ -46,16 +46,24 @@ def test_demo_end_to_end_json_byte_exact() -> None:
     assert r["state"] == {"prefill": "Success", "decode": "Success"}
     assert r["bytes_per_region"] == moved
     assert r["bytes"] == sum(moved.values())
-    assert r["bytes_saved_by_prefix"] == {"indexer_k": full["indexer_k"] - moved["indexer_k"]}
-    assert r["bytes_saved_by_prefix"]["indexer_k"] > 0
+    # main KV and indexer both move from the decode's cached prefix on (seed 000)
+    assert r["bytes_saved_by_prefix"] == {k: full[k] - moved[k] for k in full}
+    assert all(v > 0 for v in r["bytes_saved_by_prefix"].values())
     # one checksum per (layer, region): 78 main-KV layers + 21 indexer layers
     assert r["checksums_verified"] == 78 + 21
-    assert r["descriptors_before"]["main_kv"] == 78 * (1024 // 64)
+    assert r["descriptors_before"]["main_kv"] == 78 * ((1024 - 256) // 64)  # the suffix
     assert 0 < r["descriptors_after"]["main_kv"] <= r["descriptors_before"]["main_kv"]
     assert r["transport"] == "shm" and r["lanes"] and not r["degraded"]
     assert r["tail_s"] is not None and r["tail_s"] >= 0
     assert r["released"] == {"prefill": True, "decode": True}
     assert r["pages_returned"] == {"prefill": True, "decode": True}
+    # each side's room timeline: every layer, the bytes the decode counted, a bootstrap lookup
+    (pt,), (dt,) = r["timings"]["prefill"], r["timings"]["decode"]
+    assert (pt["role"], dt["role"], pt["state"], dt["state"]) == (
+        "prefill", "decode", "Success", "Success")
+    assert pt["layers"] == dt["layers"] == 78 and dt["bytes"] == r["bytes"] == pt["bytes"]
+    assert dt["bootstrap_lookup_ms"] is not None and pt["bootstrap_lookup_ms"] is None
+    assert dt["total_ms"] >= dt["handshake_ms"] >= 0 and pt["tail_ms"] >= 0
 
 
 def test_demo_fails_loudly_when_the_handoff_cannot_run() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.buffers.shared import allocate_shared
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
@@ -34,7 +35,7 @@ from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import from_config
 from kvhandoff.testing.patterns import check_pattern, check_tokens, write_pattern, write_tokens
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
-from kvhandoff.transfer.transports.base import load_transport
+from kvhandoff.transports.base import load_transport
 
 WAIT_S = 20.0  # bound on any wait for a room that is expected to end
 
@@ -70,9 +71,11 @@ class Engine:
 
     def __init__(self, role: str, layout: LayoutSpec, num_pages: int, settings: Settings, *,
                  seed: int = 0, pattern: str = "planes", faults: dict[str, Any] | None = None,
-                 **agent_kw: Any) -> None:
+                 shared_pool: bool = False, **agent_kw: Any) -> None:
         """`faults`: a `kvhandoff.testing.faults.from_config` dict (the agent's transport is
-        wrapped, its control messages filtered)."""
+        wrapped, its control messages filtered). `shared_pool`: the buffers lie in one
+        kvhandoff shared segment (`allocate_shared`), so a same-host writer maps them (shm's
+        map lane, where the writer verifies what it wrote); else plain memory (cma lane)."""
         if faults:
             agent_kw.update(from_config(faults, load_transport(settings.transport, settings),
                                         role))
@@ -84,8 +87,8 @@ class Engine:
         self.start_free = self.pool.free_count
         # filled (not calloc-zero): every page is resident from the start, so RSS measures
         # growth, not the first touch of pool pages
-        self.agent = TransferAgent(role, layout, allocate(layout, num_pages, fill=0xFF), settings,
-                                   **agent_kw)
+        self.agent = TransferAgent(role, layout, _pool_buffers(layout, num_pages, shared_pool),
+                                   settings, **agent_kw)
         self.releases: Counter[int] = Counter()
         self.release_errors: list[str] = []
         self.pages: dict[int, np.ndarray] = {}
@@ -180,19 +183,33 @@ class Engine:
         self.agent.close()
 
 
+def _pool_buffers(layout: LayoutSpec, num_pages: int, shared: bool) -> dict[str, Any]:
+    """Every page filled (not calloc-zero), in plain memory or one shared segment."""
+    if not shared:
+        return allocate(layout, num_pages, fill=0xFF)
+    bufs = allocate_shared(layout, num_pages)
+    for held in bufs.values():
+        for buf in held.values() if isinstance(held, dict) else [held]:
+            buf.fill_(0xFF)
+    return bufs
+
+
 @contextmanager
 def engine_pair(layout: LayoutSpec | None = None, *, num_pages: int = 64,
                 settings: Settings | None = None, prefill_settings: Settings | None = None,
                 decode_settings: Settings | None = None, decode_layout: LayoutSpec | None = None,
                 decode_pages: int | None = None, prefill_faults: dict[str, Any] | None = None,
-                decode_faults: dict[str, Any] | None = None) -> Iterator[tuple[Engine, Engine]]:
-    """A prefill and a decode `Engine` (closed at the end), with optional faults per side."""
+                decode_faults: dict[str, Any] | None = None,
+                decode_shared_pool: bool = False) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode `Engine` (closed at the end), with optional faults per side;
+    `decode_shared_pool`: the decode's pages in a shared segment (see `Engine`)."""
     layout = layout or mini_glm()
     base = settings or fast_settings()
     p = Engine("prefill", layout, num_pages, prefill_settings or base, faults=prefill_faults)
     try:
         d = Engine("decode", decode_layout or layout, decode_pages or num_pages,
-                   decode_settings or base, faults=decode_faults)
+                   decode_settings or base, faults=decode_faults,
+                   shared_pool=decode_shared_pool)
         try:
             yield p, d
         finally:
@@ -261,7 +278,7 @@ class Prober:
 
     def recv(self, timeout: float) -> Any:
         """The next message the agent sent to this prober (decoded), or None on timeout."""
-        from kvhandoff.transfer import protocol as P
+        from kvhandoff.protocol import wire as P
 
         if not self.router.poll(int(timeout * 1000)):
             return None
@@ -273,7 +290,7 @@ class Prober:
         HelloReject: the agent's control loop is alive and has handled every frame this prober
         sent before (one connection delivers in order). Returns every message the agent sent
         to the prober meanwhile, the HelloReject last."""
-        from kvhandoff.transfer import protocol as P
+        from kvhandoff.protocol import wire as P
 
         hello = P.Hello(src=self.address, gen=self.gen, agent_id="prober", role=role,
                         transport="probe", transport_address=b"", layout={}, layout_hash="",
@@ -303,7 +320,7 @@ def age_out_finished_rooms(e: Engine, after_s: float = 3600.0) -> None:
     """Runs the agent's own collection of finished rooms as if `after_s` seconds had passed.
     An agent keeps the record of a finished room for 10 minutes (late messages still find it);
     a soak test cannot wait that long, so it ages them out here, between rounds."""
-    e.agent._age_out(after_s)
+    e.agent._loop.query(lambda s: s.collect(time.monotonic() + after_s))
 
 
 def plan_of(e: Engine, room: int, region: str) -> Any:

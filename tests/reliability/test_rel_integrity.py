@@ -6,7 +6,9 @@ Corruption is injected by wrapping the decode agent's transport
 (`kvhandoff.testing.faults.FaultyTransport`: one byte of the first landed span of a region of
 that layer flipped before the agent verifies it), not by patching internals; main KV and the
 indexer are both corrupted. With one-sided writes the decode posts nothing to wrap, so the
-prefill's transport corrupts instead (a byte flipped in the decode's pages after its write).
+prefill's transport corrupts instead (a byte flipped in the decode's pages after its write),
+on both one-sided lanes: plain decode memory (the decode verifies what landed) and a shared
+pool the writer maps (the writer reads back what it wrote; the decode checks that sum).
 """
 
 from __future__ import annotations
@@ -109,34 +111,48 @@ def test_engine_aborted_prefill_never_lets_decode_succeed(rng: random.Random) ->
         d.assert_no_leak()
 
 
-@pytest.mark.parametrize("lane", ["shm"])
+# The one-sided lanes: "shm" writes into plain decode memory (process_vm_writev; the decode
+# verifies what landed), "shm-map" into a decode pool in a shared segment, which the writer
+# maps: it reads back what it wrote and the decode checks that sum and the plan's digest
+# instead of reading the bytes again (checksums_writer_verified counts those).
+ONE_SIDED = ["shm", "shm-map"]
+
+
+def _writer_verifies(lane: str, counters: dict[str, int]) -> bool:
+    return (counters["checksums_writer_verified"] > 0) == (lane == "shm-map")
+
+
+@pytest.mark.parametrize("lane", ONE_SIDED)
 def test_one_sided_corruption_is_caught_and_rewritten(lane: str) -> None:
     """One-sided writes: the prefill's faulty transport flips a byte in the decode's pages
-    after its write landed, so the checksum it sends is of the true bytes. The decode verifies
-    what landed: caught, rewritten once, byte-exact; every page comes back."""
+    after its write landed, so the checksum it sends is of the true bytes. Caught (by the
+    decode's pass, or on the map lane by the writer's read-back), rewritten once, byte-exact;
+    every page comes back."""
     for room, (layer, region) in enumerate([(5, "indexer_k"), (0, "main_kv"), (3, "main_kv")]):
         faults = {"corrupt": [{"layer": layer, "region": region}]}
-        with engine_pair(num_pages=8, settings=fast_settings(transport=lane),
-                         prefill_faults=faults) as (p, d):
+        with engine_pair(num_pages=8, settings=fast_settings(transport="shm"),
+                         prefill_faults=faults,
+                         decode_shared_pool=lane == "shm-map") as (p, d):
             s, rv = p.send(room, SEQ), d.recv(room, SEQ, p.address)
             assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
             assert s.wait(WAIT_S) is KVPoll.Success, s.failure
             assert rv.stats()["retransmits"] == 1 and rv.stats()["one_sided"] is True
             assert d.agent.status()["counters"]["checksum_failures"] == 1
+            assert _writer_verifies(lane, d.agent.status()["counters"])
             assert d.bad_bytes(room, SEQ) == 0
             assert p.wait_all_released([room], WAIT_S) and d.wait_all_released([room], WAIT_S)
             p.assert_no_leak()
             d.assert_no_leak()
 
 
-@pytest.mark.parametrize("lane", ["shm"])
+@pytest.mark.parametrize("lane", ONE_SIDED)
 def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str) -> None:
     """Every write of the layer corrupted (the rewrite too): Failed on both sides naming the
     layer and region, over one-sided writes; every page comes back."""
     layer, region = 5, "indexer_k"
     faults = {"corrupt": [{"layer": layer, "region": region, "times": 2 * TRIALS}]}
-    with engine_pair(num_pages=TRIALS * 3 + 4, settings=fast_settings(transport=lane),
-                     prefill_faults=faults) as (p, d):
+    with engine_pair(num_pages=TRIALS * 3 + 4, settings=fast_settings(transport="shm"),
+                     prefill_faults=faults, decode_shared_pool=lane == "shm-map") as (p, d):
         rooms = list(range(1, TRIALS + 1))
         handles = [(p.send(room, SEQ), d.recv(room, SEQ, p.address)) for room in rooms]
         want = f"checksum mismatch on layer {layer}, region '{region}'"
@@ -147,6 +163,7 @@ def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str) -> 
             assert rv.stats()["one_sided"] is True
         c = d.agent.status()["counters"]
         assert c["checksum_failures"] == 2 * TRIALS and c["rooms_one_sided"] == TRIALS
+        assert _writer_verifies(lane, c)
         assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
         p.assert_no_leak()
         d.assert_no_leak()

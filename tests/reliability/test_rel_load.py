@@ -13,12 +13,21 @@ before the first round and RSS shows growth, not the first touch of pool pages. 
 the record of a finished room for 10 minutes (~20 KB per room over both agents for the 6-layer
 layout); between rounds the test ages those records out through the agent's own collection, as
 10 minutes would.
+
+Each soak runs in a process of its own (this module run as a script, the parameters as JSON on
+its command line), so RSS is the memory of the two agents and their pools alone: inside a full
+`make test` the pytest process also holds what hundreds of earlier tests left (vLLM, SGLang,
+torch, captured output), which grew 17-29 MiB per round there while a soak alone stays within
+a few MiB.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,10 +169,22 @@ def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: i
     return results
 
 
+def soak_in_child(rng: random.Random, **kw: Any) -> None:
+    """Runs `soak` in a fresh Python process (see the module docstring) with a seed drawn from
+    the test's seeded `rng`; its assertions fail the test with the child's output."""
+    kw["seed"] = rng.getrandbits(32)
+    budget = kw["wait_s"] * kw["rounds"] + 120  # every round may use its wait, plus start-up
+    proc = subprocess.run([sys.executable, __file__, json.dumps(kw)], capture_output=True,
+                          text=True, timeout=budget)
+    print(proc.stdout, end="")
+    assert proc.returncode == 0, (f"soak process exited {proc.returncode} (seed {kw['seed']}):\n"
+                                  + proc.stderr[-6000:])
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_500_concurrent_rooms_with_random_aborts(transport: str, rng: random.Random) -> None:
-    soak(transport=transport, rooms=500, rounds=3, max_seq=48, num_layers=6,
-         rss_bound_mib=32, wait_s=60, rng=rng)
+    soak_in_child(rng, transport=transport, rooms=500, rounds=3, max_seq=48, num_layers=6,
+                  rss_bound_mib=32, wait_s=60)
 
 
 def test_ucx_soak_200_rooms_with_aborts(rng: random.Random) -> None:
@@ -175,9 +196,9 @@ def test_ucx_soak_200_rooms_with_aborts(rng: random.Random) -> None:
     # UCX peer error handling on (as between hosts): without it a same-host UCX endpoint
     # closing while the other agent's UCX worker still runs can abort the process
     # (docs/TRANSFER.md, the UCX limitation), which is not what this soak measures
-    soak(transport="ucx", rooms=200, rounds=4, max_seq=48, num_layers=6,
-         rss_bound_mib=32, wait_s=60, warmup_rounds=2, rng=rng,
-         ucx_same_host_error_handling=True)
+    soak_in_child(rng, transport="ucx", rooms=200, rounds=4, max_seq=48, num_layers=6,
+                  rss_bound_mib=32, wait_s=60, warmup_rounds=2,
+                  ucx_same_host_error_handling=True)
 
 
 @pytest.mark.long
@@ -185,5 +206,10 @@ def test_ucx_soak_200_rooms_with_aborts(rng: random.Random) -> None:
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_soak_2000_rooms_longer_contexts(transport: str, rng: random.Random) -> None:
     # allocator arenas and socket buffers settle at this scale over two rounds; then flat
-    soak(transport=transport, rooms=2000, rounds=5, max_seq=160, num_layers=12,
-         rss_bound_mib=64, wait_s=300, warmup_rounds=2, rng=rng)
+    soak_in_child(rng, transport=transport, rooms=2000, rounds=5, max_seq=160, num_layers=12,
+                  rss_bound_mib=64, wait_s=300, warmup_rounds=2)
+
+
+if __name__ == "__main__":  # the process of one soak: soak_in_child's JSON parameters
+    args = json.loads(sys.argv[1])
+    soak(rng=random.Random(args.pop("seed")), **args)

@@ -330,7 +330,7 @@ def test_decode_sigkill_mid_write_prefill_process_survives_every_lane(transport:
     and frees its pages."""
     if transport == "nixl":  # (its module imports without the extra; making one needs it)
         pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
-        pytest.importorskip("kvhandoff.transfer.transports.nixl")
+        pytest.importorskip("kvhandoff.transports.nixl.transport")
     with run_server() as url:
         client = BootstrapClient(url)
         room = client.allocate_rooms(1)[0]

@@ -32,9 +32,9 @@ from relkit import (
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import SendFrom, preset
+from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import protocol as P
 
 SEQ = 40
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from relkit import Engine, Prober, engine_pair, fast_settings, handoff
 
 from kvhandoff.errors import ProtocolError
-from kvhandoff.transfer import protocol as P
+from kvhandoff.protocol import wire as P
 
 MAX_MSG = 64 << 10  # the agents' max_message_bytes in this module
 Pair = tuple[Engine, Engine]

@@ -18,8 +18,8 @@ import numpy as np
 import xxhash
 
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import load_transport
-from kvhandoff.transfer.transports.auto import AutoTransport, decode_address, encode_address
+from kvhandoff.transports import load_transport
+from kvhandoff.transports.auto import AutoTransport, decode_address, encode_address
 
 OTHER_HOST = b"\xee" * 16
 

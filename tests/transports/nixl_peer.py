@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import load_transport
+from kvhandoff.transports import load_transport
 
 
 def main() -> None:

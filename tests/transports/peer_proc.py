@@ -17,9 +17,9 @@ import threading
 import numpy as np
 import xxhash
 
+from kvhandoff.buffers.shared import SharedSegment
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.shm import SharedSegment
-from kvhandoff.transfer.transports import load_transport
+from kvhandoff.transports import load_transport
 
 
 def content(seed: int, size: int) -> np.ndarray:

@@ -32,9 +32,10 @@ from test_conformance import (  # the shared harness (tests/transports is on sys
 from test_one_sided import Written
 
 from kvhandoff.errors import TransportError
+from kvhandoff.kv_layout import pair_spans
 from kvhandoff.settings import Settings, TransportKind
-from kvhandoff.transfer.transports import load_transport
-from kvhandoff.transfer.transports.auto import (
+from kvhandoff.transports import load_transport
+from kvhandoff.transports.auto import (
     VERSION,
     AutoAddress,
     AutoDescriptor,
@@ -182,14 +183,11 @@ def test_one_sided_write_same_host_in_process() -> None:
         s = random_spans(rng, BUF // 3, BUF, 4 * CHUNK)
         d = random_spans(rng, BUF // 3, BUF, 4 * CHUNK)
         w = Written()
-        p.a.post_write("b", 4, "kv", *s, "kv", *d, w, checksum=True)
+        p.a.post_write("b", 4, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
         err, digest = w.wait()
         assert err is None
         assert digest == xxhash.xxh3_64(stream(p.src, *s).data).intdigest()
         assert np.array_equal(stream(p.dst, *d), stream(p.src, *s))
-        fenced = Done()
-        p.a.fence("b", fenced)
-        assert fenced.wait() is None
         assert p.a.peer_exited("b") is False  # alive
     finally:
         p.close()
@@ -244,9 +242,9 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
         calls: list[tuple[Callable[[], object], str]] = [
             (lambda: a.post_send("x", 1, "kv", one * 0, one, Done()), "post_send"),
             (lambda: a.post_recv("x", 1, "kv", one * 0, one, Done()), "post_recv"),
-            (lambda: a.fence("x", Done()), "fence"),
             (lambda: a.register_remote("x", "kv", b"\x90"), "register_remote"),
-            (lambda: a.post_write("x", 1, "kv", one * 0, one, "kv", one * 0, one, Written()),
+            (lambda: a.post_write("x", 1, "kv", "kv", pair_spans(one * 0, one, one * 0, one),
+                                  Written()),
              "post_write")]
         for call, what in calls:
             with pytest.raises(TransportError, match=f"{what}: peer 'x' is not connected"):
@@ -365,16 +363,13 @@ def test_two_processes_one_sided_writes_through_auto() -> None:
             s = random_spans(rng, total, BUF, 4 * CHUNK)
             d = random_spans(rng, total, BUF, 4 * CHUNK)
             w = Written()
-            tr.post_write("peer", tag, "kv", *s, "kv", *d, w, checksum=True)
+            tr.post_write("peer", tag, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
             err, digest = w.wait()
             assert err is None
             want = xxhash.xxh3_64(stream(mine, *s).data)
             assert digest == want.intdigest()
             peer.send(cmd="digest", offsets=d[0].tolist(), nbytes=d[1].tolist())
             assert peer.expect("digest")["digest"] == want.hexdigest()  # landed in the peer
-        fenced = Done()
-        tr.fence("peer", fenced)
-        assert fenced.wait() is None
         st = tr.status()
         assert "shm/cma" in st.lanes and not st.degraded
         assert st.bytes_sent > 0
@@ -437,14 +432,11 @@ def test_cross_host_nixl_route_writes_one_sided() -> None:
         s = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
         d = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
         w = Written()
-        a.post_write("b", 8, "kv", *s, "kv", *d, w, checksum=True)
+        a.post_write("b", 8, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
         err, digest = w.wait()
         assert err is None
         assert digest == xxhash.xxh3_64(stream(src, *s).data).intdigest()
         assert np.array_equal(stream(dst, *d), stream(src, *s))
-        fenced = Done()
-        a.fence("b", fenced)
-        assert fenced.wait() is None
         assert any(lane.startswith("nixl:") for lane in a.status().lanes)
     finally:
         a.close()

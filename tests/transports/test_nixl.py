@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from test_conformance import WAIT_S, Done, random_spans, stream
+from test_conformance import WAIT_S, random_spans, stream
 from test_one_sided import Written
 
 from kvhandoff.errors import TransportError
+from kvhandoff.kv_layout import pair_spans, plan_of
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import load_transport
-from kvhandoff.transfer.transports._chunks import normalise_spans
-from kvhandoff.transfer.transports._nixl_lib import parse_resources
-from kvhandoff.transfer.transports._nixl_wire import (
+from kvhandoff.transports import load_transport
+from kvhandoff.transports.nixl.lib import parse_resources
+from kvhandoff.transports.nixl.wire import (
     VERSION,
     Memory,
     NixlRegion,
@@ -37,6 +37,7 @@ from kvhandoff.transfer.transports._nixl_wire import (
     memory_of,
     write_descs,
 )
+from kvhandoff.transports.streams import normalise_spans
 
 try:
     import nixl_cu12  # noqa: F401
@@ -112,7 +113,7 @@ def test_write_into_another_process_byte_exact(writer: Any) -> None:
             s = random_spans(rng, total, BUF, 256 << 10)
             d = random_spans(rng, total, BUF, 256 << 10)
             w = Written()
-            writer.post_write("peer", tag, "kv", *s, "in", *d, w, checksum=True)
+            writer.post_write("peer", tag, "kv", "in", pair_spans(*s, *d), w, checksum=True)
             err, digest = w.wait()
             want = xxhash.xxh3_64(stream(src, *s).data)
             assert err is None and digest == want.intdigest()
@@ -132,14 +133,16 @@ def test_cancel_in_flight_nothing_lands_after_return(writer: Any) -> None:
         pages = np.arange(0, n, 4096, dtype=np.int64)  # many descriptors: a longer write
         sizes = np.full(pages.size, 4096, np.int64)
         w = Written()
-        writer.post_write("peer", 7, "kv", pages, sizes, "in", pages[::-1].copy(), sizes, w)
+        writer.post_write("peer", 7, "kv", "in",
+                          pair_spans(pages, sizes, pages[::-1].copy(), sizes), w)
         writer.cancel("peer", 7)
         whole = (np.array([0]), np.array([n]))
         after_cancel = peer.digest(*whole)
         err, _ = w.wait()
         marker = Written()  # the link still works, and nothing of tag 7 arrived meanwhile
-        writer.post_write("peer", 8, "kv", np.array([0]), np.array([4096]), "in",
-                          np.array([n]), np.array([4096]), marker)
+        writer.post_write("peer", 8, "kv", "in",
+                          plan_of([0], [n], [4096]),
+                          marker)
         assert marker.wait() == (None, None)
         assert peer.digest(np.array([n]), np.array([4096])) == \
             xxhash.xxh3_64(src[:4096].data).hexdigest()
@@ -160,30 +163,30 @@ def test_killed_peer_fails_the_write_never_hangs(writer: Any) -> None:
     writer.register("kv", src)
     peer = NixlPeer(writer, BUF)
     warm = Written()
-    writer.post_write("peer", 1, "kv", np.array([0]), np.array([BUF]), "in", np.array([0]),
-                      np.array([BUF]), warm)
+    writer.post_write("peer", 1, "kv", "in",
+                      plan_of([0], [0], [BUF]),
+                      warm)
     assert warm.wait() == (None, None)
     peer.proc.send_signal(signal.SIGKILL)
     assert peer.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     w = Written()
-    writer.post_write("peer", 2, "kv", np.array([0]), np.array([BUF]), "in", np.array([0]),
-                      np.array([BUF]), w, checksum=True)
+    writer.post_write("peer", 2, "kv", "in",
+                      plan_of([0], [0], [BUF]), w,
+                      checksum=True)
     err, digest = w.wait()  # bounded: an error, not a hang
     assert isinstance(err, TransportError) and digest is None, err
-    fenced = Done()
-    writer.fence("peer", fenced)
-    assert fenced.wait() is None
     writer.disconnect("peer")
     with pytest.raises(TransportError, match="not connected"):
-        writer.post_write("peer", 3, "kv", np.array([0]), np.array([1]), "in", np.array([0]),
-                          np.array([1]), Written())
+        writer.post_write("peer", 3, "kv", "in",
+                          plan_of([0], [0], [1]),
+                          Written())
 
 
 def test_missing_nixl_names_the_extra_to_install() -> None:
     code = ("import sys; sys.modules['nixl_cu12'] = None\n"
             "from kvhandoff.errors import TransportError\n"
             "from kvhandoff.settings import Settings\n"
-            "from kvhandoff.transfer.transports import load_transport\n"
+            "from kvhandoff.transports import load_transport\n"
             "try:\n    load_transport('nixl', Settings())\n"
             "except TransportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -194,7 +197,7 @@ def test_missing_nixl_names_the_extra_to_install() -> None:
 
 # ---- pure helpers ---------------------------------------------------------------------------
 
-def test_write_descs_pair_any_two_cuttings() -> None:
+def test_write_descs_one_per_piece_of_any_plan() -> None:
     rng = np.random.default_rng(12)
     size = 1 << 20
     src = rng.integers(0, 256, size, dtype=np.uint8)
@@ -204,7 +207,8 @@ def test_write_descs_pair_any_two_cuttings() -> None:
         d = normalise_spans(*random_spans(rng, total, size, 40_000), size)
         local = Memory("DRAM", 1 << 40, size, 0, None)
         region = NixlRegion(VERSION, "peer", "DRAM", 2 << 40, size, 3, b"")
-        ld, rd = write_descs(local, *s, region, *d)
+        plan = pair_spans(*s, *d)
+        ld, rd = write_descs(local, plan, region)
         assert ld.shape == rd.shape and ld.shape[1] == 3
         assert (ld[:, 1] == rd[:, 1]).all() and (ld[:, 1] > 0).all()
         assert (ld[:, 2] == 0).all() and (rd[:, 2] == 3).all()
@@ -213,8 +217,7 @@ def test_write_descs_pair_any_two_cuttings() -> None:
                              ld[:, 1].tolist(), strict=True):
             dst[ro:ro + n] = src[lo:lo + n]
         assert np.array_equal(stream(dst, *d), stream(src, *s))
-        cuts = np.union1d(np.cumsum(s[1]), np.cumsum(d[1]))
-        assert ld.shape[0] == cuts.size  # one descriptor per piece between boundaries
+        assert ld.shape[0] == plan.count  # one descriptor per piece of the plan
 
 
 def test_memory_kinds() -> None:

@@ -29,10 +29,12 @@ import pytest
 from test_conformance import BUF, CHUNK, PEER, WAIT_S, Done, PeerProcess
 
 from kvhandoff.errors import TransportError
+from kvhandoff.kv_layout import pair_spans
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import _shm_copy, load_transport
-from kvhandoff.transfer.transports._shm_wire import parse_descriptor
-from kvhandoff.transfer.transports.shm import ShmTransport
+from kvhandoff.transports import load_transport
+from kvhandoff.transports.shm import copy as _shm_copy
+from kvhandoff.transports.shm.transport import ShmTransport
+from kvhandoff.transports.shm.wire import parse_descriptor
 
 SIZE = 64 << 20
 PIECE = 256
@@ -138,7 +140,7 @@ def test_shm_stopped_writer_holds_the_receive_not_the_caller(
         stopped = True
         _, status = os.waitpid(peer.proc.pid, os.WUNTRACED)  # every thread of it stopped
         assert os.WIFSTOPPED(status), status
-        with caplog.at_level(logging.WARNING, logger="kvhandoff.transfer.transports.shm"):
+        with caplog.at_level(logging.WARNING, logger="kvhandoff.transports.shm.transport"):
             if how == "cancel":
                 tr.cancel("peer", 1)  # returns: it never waits on the frozen peer
             else:
@@ -221,8 +223,9 @@ def test_shm_write_cancel_with_frozen_receiver_stops_before_return(
             results.append(exc)
             written.set()
 
-        tr.post_write("peer", 1, "kv", off, np.full(n, piece, np.int64), "in",
-                      np.array([0]), np.array([SIZE]), on_written)
+        tr.post_write("peer", 1, "kv", "in",
+                      pair_spans(off, np.full(n, piece, np.int64), np.array([0]), np.array([SIZE])),
+                      on_written)
         assert started.wait(WAIT_S), "the write never started"
         tr.cancel("peer", 1)
         assert running[0] == 0, "a copy of the write still runs after cancel() returned"

@@ -86,8 +86,8 @@ def run_device_bench(*, device: str = "cuda", model: str = "glm-5.3", context: i
     import torch
 
     from kvhandoff.bench.runner import summarise
-    from kvhandoff.transfer.devsum import devsum
-    from kvhandoff.transfer.transports._cuda_ipc import as_words, copy_spans, word_size
+    from kvhandoff.buffers.devsum import devsum
+    from kvhandoff.transports.shm.cuda_ipc import as_words, copy_spans, word_size
 
     dev = torch.device(device) if device == "cpu" else cuda_preflight(device)
     say = progress or (lambda s: None)
@@ -131,7 +131,7 @@ def run_device_bench(*, device: str = "cuda", model: str = "glm-5.3", context: i
     def lane() -> None:
         done = None
         for _, _, src, dst, p in work:
-            done = copy_spans(src, p.src_offsets, p.nbytes, dst, p.dst_offsets, p.nbytes)
+            done = copy_spans(src, dst, p)
         if done is not None:
             done.synchronize()  # one private stream: the last event is behind every copy
 

@@ -104,9 +104,48 @@ class _Pair:
         return {"t": dt, "ok": ok}
 
 
+    def rooms(self, n: int, inflight: int) -> dict[str, Any]:
+        """Rooms mode: `n` WRITE requests of the page set, `inflight` of them posted at once
+        (one polling loop over them, as NIXL's users poll): each one's time from creating
+        the request to DONE, the wall time of all, and this process's CPU seconds (both
+        agents: NIXL runs the two sides in this one process)."""
+        lat: list[float] = []
+        pending: list[tuple[Any, float]] = []
+        posted = 0
+        cpu0, t_start = time.process_time(), time.perf_counter()
+        while posted < n or pending:
+            while posted < n and len(pending) < inflight:
+                t0 = time.perf_counter()
+                h = self.src_agent.initialize_xfer("WRITE", self.local, self.remote_descs,
+                                                   self.remote)
+                state = self.src_agent.transfer(h)
+                posted += 1
+                if state == "DONE":
+                    lat.append(time.perf_counter() - t0)
+                    h.release()
+                elif state == "PROC":
+                    pending.append((h, t0))
+                else:
+                    return {"error": f"NIXL WRITE ended in state {state}"}
+            still = []
+            for h, t0 in pending:
+                state = self.src_agent.check_xfer_state(h)
+                if state == "PROC":
+                    still.append((h, t0))
+                    continue
+                lat.append(time.perf_counter() - t0)
+                h.release()
+                if state != "DONE":
+                    return {"error": f"NIXL WRITE ended in state {state}"}
+            pending = still
+        return {"lat": lat, "wall_s": time.perf_counter() - t_start,
+                "cpu_s": time.process_time() - cpu0}
+
+
 def serve() -> None:
     """The worker loop (JSON lines): setup -> {descriptors, version}; write{verify} ->
-    {t, ok}; describe -> {backend}; exit -> os._exit(0) (see the module comment)."""
+    {t, ok}; rooms{n, inflight} -> {lat, wall_s, cpu_s}; describe -> {backend}; exit ->
+    os._exit(0) (see the module comment)."""
     pair: _Pair | None = None
 
     def say(**obj: Any) -> None:
@@ -120,6 +159,8 @@ def serve() -> None:
             say(descriptors=int(len(pair.pieces)), version=pair.version)
         elif msg["cmd"] == "write" and pair is not None:
             say(**pair.write(bool(msg.get("verify"))))
+        elif msg["cmd"] == "rooms" and pair is not None:
+            say(**pair.rooms(int(msg["n"]), int(msg["inflight"])))
         elif msg["cmd"] == "describe" and pair is not None:
             say(backend=pair.backend)
         elif msg["cmd"] == "exit":

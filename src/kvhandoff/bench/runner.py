@@ -44,7 +44,8 @@ import numpy as np
 import xxhash
 
 from kvhandoff.bench.pageset import PageSet, layers_of, plane_digests, rank_spec
-from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout import LayoutSpec, plan_of
+from kvhandoff.transports.base import OneSidedTransport
 
 CASES = ("memcpy", "raw", "handoff_full", "handoff_off", "paced")
 OPTIONAL_CASES = ("nixl",)  # NIXL WRITE of the memcpy page set, when nixl-cu12 is installed
@@ -60,7 +61,7 @@ class BenchConfig:
     decode_page: int | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
-    transport: str = "ucx"
+    transport: str = "auto"  # the product's default lane
     reps: int = 5
     warmup: int = 1
     layer_ms: float = 5.0
@@ -233,7 +234,7 @@ class Bench:
 
     def _setup_raw(self) -> None:
         from kvhandoff.settings import Settings
-        from kvhandoff.transfer.transports.base import load_transport
+        from kvhandoff.transports.base import load_transport
 
         n = self.total_bytes
         self.raw_src = np.random.default_rng(self.cfg.seed + 1).integers(0, 256, n,
@@ -249,14 +250,15 @@ class Bench:
         self.raw_tr.connect("child", bytes.fromhex(addr))
         self.raw_child.ask(to, cmd="connect", address=self.raw_tr.address.hex())
         self._raw_tag = 0
-        self.raw_write = self.raw_tr.supports_write  # the lanes the agents' writes take
-        if self.raw_write:
+        self.raw_write = isinstance(self.raw_tr, OneSidedTransport)  # the agents' lanes
+        if isinstance(self.raw_tr, OneSidedTransport):
             desc = self.raw_child.ask(to, cmd="describe")["descriptor"]
             self.raw_tr.register_remote("child", "raw", bytes.fromhex(desc))
 
     def _shared(self) -> bool:
-        """Whether receivers allocate in kvhandoff shared segments (shm's map lane)."""
-        return self.cfg.transport == "shm" and self.cfg.shared_pool
+        """Whether receivers allocate in kvhandoff shared segments (shm's map lane; auto
+        takes shm between the bench's processes, all on this host)."""
+        return self.cfg.transport in ("shm", "auto") and self.cfg.shared_pool
 
     def _raw_written(self, verify: bool) -> float:
         """raw over one-sided writes: one post_write of the whole buffer, until it landed."""
@@ -270,10 +272,10 @@ class Bench:
             out.extend((time.monotonic(), exc))
             done.set()
 
-        one, whole = np.array([0], np.int64), np.array([n], np.int64)
+        whole = plan_of([0], [0], [n])
         t0 = time.monotonic()
-        self.raw_tr.post_write("child", self._raw_tag, "raw", one, whole, "raw", one, whole,
-                               on_written)
+        assert isinstance(self.raw_tr, OneSidedTransport)  # (raw_write)
+        self.raw_tr.post_write("child", self._raw_tag, "raw", "raw", whole, on_written)
         if not done.wait(to) or out[1] is not None:
             raise RuntimeError(f"raw transport: write {out[1:] or 'timed out'}")
         if verify:

@@ -54,7 +54,7 @@ class _Waiter:
 
 def run_raw() -> None:
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports.base import load_transport
+    from kvhandoff.transports.base import load_transport
 
     tr: Any = None
     buf = np.zeros(0, np.uint8)
@@ -66,7 +66,7 @@ def run_raw() -> None:
                 tr = load_transport(msg["kind"], Settings(transport=msg["kind"],
                                                           chunk_bytes=msg["chunk_bytes"]))
                 if msg.get("shared"):  # shm: a kvhandoff shared segment (the map lane)
-                    from kvhandoff.transfer.shm import SharedSegment
+                    from kvhandoff.buffers.shared import SharedSegment
 
                     buf = SharedSegment(int(msg["nbytes"])).array
                 else:
@@ -118,9 +118,9 @@ class _AgentSide:
         self.layers = layers_of(self.spec)
         self.timeout_s = float(msg.get("timeout_s", 120))
         pool = (self.pageset.src_num_pages if role == "prefill"
-                else self.pageset.dst_num_pages)
+                else self.pageset.dst_num_pages) * int(msg.get("slots", 1))
         if role == "decode" and msg.get("shared_pool"):
-            from kvhandoff.transfer.shm import allocate_shared
+            from kvhandoff.buffers.shared import allocate_shared
 
             bufs = allocate_shared(self.spec, pool)  # shm: the prefill maps and writes it
             for per_layer in bufs.values():
@@ -137,6 +137,8 @@ class _AgentSide:
         for mode in msg["modes"]:
             st = Settings(transport=msg["transport"], checksum=mode,
                           chunk_bytes=int(msg["chunk_bytes"]), stall_timeout_s=self.timeout_s)
+            if msg.get("heartbeat_s"):  # rooms mode (bench/rooms.py says why)
+                st = st.model_copy(update={"heartbeat_interval_s": float(msg["heartbeat_s"])})
             self.agents[mode] = TransferAgent(role, self.spec, bufs, st,
                                               engine_id=f"bench-{role}{self.rank}-{mode}")
         self.handles: dict[int, Any] = {}
@@ -197,6 +199,61 @@ class _AgentSide:
             cpu_s=time.process_time() - cpu0,
             digest=self.digest() if msg.get("verify") and state.name == "Success" else None)
 
+    def rooms(self, msg: dict[str, Any]) -> None:
+        """Rooms mode: `n` rooms (ids `first` on) with `inflight` of them open at once, as
+        `inflight` engine threads; thread k serves rooms k, k + inflight, ... on page slot k
+        (the page set shifted by k pool sizes), opening the next once the last one's pages
+        were released. Prefill: sender, wait until the decode's pages are known, every layer
+        ready at once (t0 = the first `layer_ready`). Decode: receiver, init, wait (t_done =
+        the session's Success stamp). Answers {rooms: [[room, t, state, failure, timings],
+        ...], cpu_s (this process, every thread), wall_s}; timings are the agent's
+        `room_timings` (the figures the room's trace spans carry)."""
+        from kvhandoff.bench.pageset import PageSet
+
+        ps = PageSet.from_msg(msg["pageset"])
+        agent = self.agents[msg["mode"]]
+        n, inflight, first = int(msg["n"]), int(msg["inflight"]), int(msg["first"])
+        to = self.timeout_s
+        records: list[list[Any] | None] = [None] * n
+        errors: list[str] = []
+        prefill = self.role == "prefill"
+        slot = ps.src_num_pages if prefill else ps.dst_num_pages
+
+        def lane(k: int) -> None:
+            try:
+                for i in range(k, n, inflight):
+                    room = first + i
+                    if prefill:
+                        s = agent.sender(room, pages=ps.src_pages + k * slot,
+                                         seq_len=ps.seq_len)
+                        s.wait_bootstrapped(to)
+                        t = time.monotonic()
+                        for lid in self.layers:
+                            s.layer_ready(lid)
+                        state = s.wait(to)
+                        s.wait_released(to)
+                        records[i] = [room, t, state.name, s.failure, agent.room_timings(room)]
+                    else:
+                        rv = agent.receiver(room, peer=msg["peer"])
+                        rv.init(ps.dst_pages + k * slot, ps.seq_len, ps.prefix)
+                        state = rv.wait(to)
+                        t = float(rv.stats().get("t_done") or time.monotonic())
+                        rv.wait_released(to)
+                        records[i] = [room, t, state.name, rv.failure,
+                                      agent.room_timings(room)]
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                errors.append(f"{type(e).__name__}: {e}")
+
+        cpu0, t0 = time.process_time(), time.monotonic()
+        threads = [threading.Thread(target=lane, args=(k,), daemon=True)
+                   for k in range(min(inflight, n))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        say(rooms=records, cpu_s=time.process_time() - cpu0, wall_s=time.monotonic() - t0,
+            errors=errors)
+
     def status(self) -> dict[str, Any]:
         out = {}
         for mode, a in self.agents.items():
@@ -204,7 +261,9 @@ class _AgentSide:
             c = st["counters"]
             # how the rooms moved: one-sided writes (shm, nixl) or two-sided sends
             out[mode] = {**st["transport"], "rooms_one_sided": c.get("rooms_one_sided", 0),
-                         "rooms": c.get("rooms_success", 0) + c.get("rooms_failed", 0)}
+                         "rooms": c.get("rooms_success", 0) + c.get("rooms_failed", 0),
+                         "messages_in": c.get("messages_in", 0),
+                         "messages_out": c.get("messages_out", 0)}
         return out
 
     def close(self) -> None:
@@ -227,6 +286,9 @@ def run_agent(role: str) -> None:
             elif cmd == "go":
                 assert side is not None
                 side.go(msg)
+            elif cmd == "rooms":
+                assert side is not None
+                side.rooms(msg)
             elif cmd == "status":
                 assert side is not None
                 say(status=side.status())

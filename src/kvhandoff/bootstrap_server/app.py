@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvhandoff.bootstrap_server.access_log import AccessPolicy
 from kvhandoff.bootstrap_server.deps import ServerState
 from kvhandoff.bootstrap_server.fastpath import BootstrapApp, FastRoutes
 from kvhandoff.bootstrap_server.metrics import Metrics
@@ -71,13 +72,15 @@ def create_app(
                         sglang_routes=SglangRoutes(registry))
     app.state.kvhandoff = state
     # the hot lookup, answered from prepared bytes in front of the stack below (fastpath)
-    app.fast_routes = FastRoutes(state.sglang_routes, metrics) if fast_path else None
+    access = AccessPolicy.from_settings(settings)
+    app.fast_routes = FastRoutes(state.sglang_routes, metrics,
+                                 access=access) if fast_path else None
     for router in (health, ranks, engines, rooms, route, sglang):
         app.include_router(router)
     _add_error_handlers(app)
     # last added = outermost: metrics see the 413s of the body limit too
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
     return app
 
 

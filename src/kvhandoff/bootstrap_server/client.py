@@ -136,6 +136,9 @@ class _Requests:
                     params=params)
 
 
+_ClientT = TypeVar("_ClientT", bound="_Base")
+
+
 class _Base:
     def __init__(
         self,
@@ -156,6 +159,14 @@ class _Base:
         self._request_timeout_s = request_timeout_s
         self.total_wait_s = total_wait_s
         self._backoff = (backoff_initial_s, backoff_max_s)
+
+    @classmethod
+    def from_settings(cls: type[_ClientT], settings: Settings, **kw: Any) -> _ClientT:
+        """A client of ``settings.bootstrap_url`` with its token (`ConfigError` when unset)."""
+        if not settings.bootstrap_url:
+            raise ConfigError("bootstrap_url: not set (KVHANDOFF_BOOTSTRAP_URL)")
+        token = settings.auth_token.get_secret_value() if settings.auth_token else None
+        return cls(settings.bootstrap_url, token=token, **kw)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -216,13 +227,6 @@ class BootstrapClient(_Base):
         super().__init__(base_url, **kw)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers,
                                   timeout=self._request_timeout_s, transport=transport)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **kw: Any) -> BootstrapClient:
-        if not settings.bootstrap_url:
-            raise ConfigError("bootstrap_url: not set (KVHANDOFF_BOOTSTRAP_URL)")
-        token = settings.auth_token.get_secret_value() if settings.auth_token else None
-        return cls(settings.bootstrap_url, token=token, **kw)
 
     def close(self) -> None:
         self._http.close()
@@ -346,13 +350,6 @@ class AsyncBootstrapClient(_Base):
         super().__init__(base_url, **kw)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
                                        timeout=self._request_timeout_s, transport=transport)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **kw: Any) -> AsyncBootstrapClient:
-        if not settings.bootstrap_url:
-            raise ConfigError("bootstrap_url: not set (KVHANDOFF_BOOTSTRAP_URL)")
-        token = settings.auth_token.get_secret_value() if settings.auth_token else None
-        return cls(settings.bootstrap_url, token=token, **kw)
 
     async def close(self) -> None:
         await self._http.aclose()

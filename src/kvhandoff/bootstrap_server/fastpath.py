@@ -14,9 +14,11 @@ Two layers do it. `BootstrapApp` (the FastAPI app itself) answers before its mid
 runs, under any ASGI server. `http_protocol()` gives uvicorn, when ``httptools`` is installed,
 a protocol that answers at the parser callback: no ASGI scope, task or per-request objects,
 just the prepared bytes written to the socket with uvicorn's own default headers (date,
-server), keep-alive and access log. It takes the request only when nothing else is in flight
-on the connection (so pipelined answers stay in order) and hands everything else to uvicorn's
-own code path.
+server) and keep-alive. It takes the request only when nothing else is in flight on the
+connection (so pipelined answers stay in order) and hands everything else to uvicorn's own code
+path. Its access line and slow-request warning follow `access_log.AccessPolicy`: by default a
+``GET /route`` answer gets an access line only when it is an error (and a warning only when
+slow), so the hot lookup makes no log call at all.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kvhandoff.bootstrap_server.access_log import ACCESS_FORMAT, AccessPolicy
 from kvhandoff.bootstrap_server.metrics import Metrics
 from kvhandoff.bootstrap_server.middleware import Receive, Scope, Send
 from kvhandoff.bootstrap_server.sglang_answers import Answer, SglangRoutes
@@ -36,8 +39,10 @@ _NO_BODY = (b"", b"0")
 class FastRoutes:
     """Answers SGLang's ``GET /route`` from prepared bytes (see the module rules)."""
 
-    def __init__(self, routes: SglangRoutes, metrics: Metrics) -> None:
+    def __init__(self, routes: SglangRoutes, metrics: Metrics, *,
+                 access: AccessPolicy | None = None) -> None:
         self._routes = routes
+        self.access = access or AccessPolicy()
         self._latency = metrics.latency.labels("GET", "/route")
         self._requests = metrics.requests
         self._lookups = metrics.route_lookups
@@ -59,7 +64,11 @@ class FastRoutes:
         await send({"type": "http.response.start", "status": answer.status,
                     "headers": answer.headers})
         await send({"type": "http.response.body", "body": answer.body})
-        self.count(answer, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.count(answer, seconds)
+        if seconds >= self.access.slow_request_s:
+            query = scope["query_string"].decode("ascii", "replace")
+            self.access.check_slow("GET", f"/route?{query}", answer.status, seconds)
         return True
 
     def answer_query(self, query: bytes) -> Answer | None:
@@ -162,9 +171,10 @@ def http_protocol() -> Any:
                 answer.header_lines,
                 b"" if keep_alive else b"connection: close\r\n",
                 b"\r\n", answer.body)))
-            if self.access_log:
+            fast = self._fast
+            if self.access_log and fast.access.logs_route(answer.status):
                 client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
-                self.access_logger.info('%s - "GET %s HTTP/%s" %d', client,
+                self.access_logger.info(ACCESS_FORMAT, client, "GET",
                                         self.url.decode("ascii", "replace"), http_version,
                                         answer.status)
             self.server_state.total_requests += 1
@@ -175,7 +185,11 @@ def http_protocol() -> Any:
                     self.timeout_keep_alive_task.cancel()
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler)
-            self._fast.count(answer, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            fast.count(answer, seconds)
+            if seconds >= fast.access.slow_request_s:
+                fast.access.check_slow("GET", self.url.decode("ascii", "replace"),
+                                       answer.status, seconds)
             return True
 
         def on_body(self, body: bytes) -> None:

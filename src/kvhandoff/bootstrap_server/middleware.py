@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from kvhandoff.bootstrap_server.access_log import AccessPolicy
 from kvhandoff.bootstrap_server.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -112,11 +113,13 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"
 
 
 class MetricsMiddleware:
-    """Count requests and time them by (method, route template)."""
+    """Count requests and time them by (method, route template); warn about slow ones."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics,
+                 access: AccessPolicy | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.access = access or AccessPolicy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,5 +142,7 @@ class MetricsMiddleware:
             method = scope.get("method", "?")
             if method not in _METHODS:
                 method = "other"
-            self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.latency.labels(method, template).observe(seconds)
             self.metrics.requests.labels(method, template, str(status)).inc()
+            self.access.check_slow(method, scope.get("path", "?"), status, seconds)

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhandoff.state_machine.events import Role
+from kvhandoff.state_machine.vocabulary import Role
 
 ROOM_BITS = 63
 MAX_ROOMS_PER_CALL = 4096

@@ -57,7 +57,7 @@ from kvhandoff.errors import (
     BootstrapUnavailable,
     ConfigError,
 )
-from kvhandoff.state_machine.events import Role
+from kvhandoff.state_machine.vocabulary import Role
 
 __all__ = [
     "MAX_LIVE_ROOMS", "MAX_ROOMS_PER_CALL", "ROOM_BITS", "EngineRecord", "RankKey", "RankRecord",

@@ -12,7 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvhandoff.state_machine.events import Role
+from kvhandoff.netaddr import split_host_port
+from kvhandoff.state_machine.vocabulary import Role
 
 MAX_AXIS_SIZE = 4096
 MAX_WORLD_SIZE = 65536
@@ -32,24 +33,6 @@ Generation = Annotated[
 ]
 RoomId = Annotated[int, Field(ge=0, le=ROOM_MAX, description="Room id (63-bit).")]
 TransportName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$", description="ucx, tcp, ...")]
-
-
-def split_address(addr: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port). Raises ValueError with what is wrong."""
-    host, sep, port_s = addr.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected host:port, got {addr!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or any(c.isspace() for c in host):
-        raise ValueError(f"bad host in {addr!r}")
-    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise ValueError(f"port must be 1..65535, got {port_s!r}")
-    return host, int(port_s)
-
-
-def join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Request(BaseModel):
@@ -87,7 +70,7 @@ class RankRegister(RankIdentity):
     @field_validator("agent_address")
     @classmethod
     def _address(cls, v: str) -> str:
-        split_address(v)
+        split_host_port(v)
         return v
 
     @model_validator(mode="after")

@@ -18,13 +18,14 @@ from urllib.parse import parse_qsl
 
 from kvhandoff.bootstrap_server.records import RankKey
 from kvhandoff.bootstrap_server.registry import Registry
-from kvhandoff.bootstrap_server.schemas import MAX_AXIS_SIZE, split_address
+from kvhandoff.bootstrap_server.schemas import MAX_AXIS_SIZE
 from kvhandoff.errors import (
     BootstrapNotFound,
     BootstrapUnavailable,
     ConfigError,
     KVHandoffError,
 )
+from kvhandoff.netaddr import split_host_port
 
 SGLANG_ENGINE_ID = "sglang"
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
@@ -177,7 +178,7 @@ class SglangRoutes:
                 f"Bootstrap info not found for dp_rank={dp} cp_rank={cp} tp_rank={tp} "
                 f"pp_rank={pp}"
             ) from None
-        ip, port = split_address(rec.agent_address)
+        ip, port = split_host_port(rec.agent_address)
         return {"rank_ip": ip, "rank_port": port}
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import socket
 
-from kvhandoff.bootstrap_server.schemas import join_address
+from kvhandoff.netaddr import bare_host, url_for
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 picks a free one."""
+    """A listening TCP socket on (host, port); port 0 picks a free one. An IPv6 host may come
+    with or without brackets (``::1``, ``[::1]``)."""
+    host = bare_host(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must be IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only
     # when it is, and without it every response waits ~40 ms on Nagle + delayed ACK
@@ -27,4 +29,4 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def socket_url(sock: socket.socket) -> str:
     """``http://HOST:PORT`` of a bound socket (IPv6 hosts in brackets)."""
     host, port = sock.getsockname()[:2]
-    return f"http://{join_address(host, port)}"
+    return url_for(host, port)

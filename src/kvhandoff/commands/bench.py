@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import typer
+
+from kvhandoff.bench.rooms import ROOMS_CONTEXTS, ROOMS_MODELS
 
 
 def _print_summary(r: dict[str, Any], con: Any) -> None:
@@ -114,11 +117,14 @@ def register(app: typer.Typer) -> None:
         decode_tp: int = typer.Option(1, min=1, help="Decode TP ranks of the handoff cases "
                                       "(one worker process each, routed to its prefill "
                                       "rank(s)); memcpy and raw stay single-pair."),
-        transport: str = typer.Option("ucx", help="Data transport: ucx, tcp, shm (same host) "
-                                      "or inproc."),
-        shm_pool: bool = typer.Option(True, help="shm: the decode's pool in a kvhandoff shared "
-                                      "segment (the map lane); --no-shm-pool: plain memory "
-                                      "(process_vm_writev lane)."),
+        transport: str = typer.Option("auto", help="Data transport: auto (the product's "
+                                      "default: shm with a peer on this host, the cross-host "
+                                      "transport with the others), shm (same host), ucx, tcp, "
+                                      "nixl (the nixl extra) or inproc (one process only: the "
+                                      "memcpy and raw cases)."),
+        shm_pool: bool = typer.Option(True, help="shm and auto: the decode's pool in a "
+                                      "kvhandoff shared segment (the map lane); --no-shm-pool: "
+                                      "plain memory (process_vm_writev lane)."),
         reps: int = typer.Option(5, min=1, help="Timed repetitions of every case."),
         warmup: int = typer.Option(1, min=0, help="Untimed repetitions first."),
         layer_ms: float = typer.Option(5.0, min=0.0, help="Pacing of the tail case: one layer "
@@ -136,6 +142,19 @@ def register(app: typer.Typer) -> None:
                                    "(device cases only: contiguous copy, gather/scatter limit "
                                    "baseline, the CUDA IPC lane's copy engine, device "
                                    "checksum; docs/GPU.md); without CUDA it exits 2."),
+        rooms: int = typer.Option(0, min=0, help="Rooms mode: this many short handoffs per "
+                                  "model, context and concurrency (0: the one-page-set cases "
+                                  "above). Every token moves (no cached prefix); the baselines "
+                                  "(memcpy, raw, NIXL) take --reps repetitions of the same "
+                                  "pieces."),
+        models: str = typer.Option(",".join(ROOMS_MODELS), help="Rooms mode: layout presets, "
+                                   "comma-separated."),
+        contexts: str = typer.Option(",".join(map(str, ROOMS_CONTEXTS)), help="Rooms mode: "
+                                     "context sizes in tokens, comma-separated."),
+        inflight: str = typer.Option("1,4", help="Rooms mode: rooms open at once (engine "
+                                     "threads per side), comma-separated."),
+        rounds: int = typer.Option(3, min=1, help="Rooms mode: the rooms are split in this "
+                                   "many rounds, the cases' order rotated per round."),
         out: str | None = typer.Option(None, "--out", help="Write the JSON result here."),
         as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
     ) -> None:
@@ -144,7 +163,6 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from kvhandoff.bench.runner import CASES, OPTIONAL_CASES, Bench, BenchConfig
-        from kvhandoff.errors import KVHandoffError
 
         chosen = tuple(c.strip() for c in cases.split(",") if c.strip())
         known = CASES + OPTIONAL_CASES
@@ -152,6 +170,14 @@ def register(app: typer.Typer) -> None:
         if unknown or not chosen:
             raise typer.BadParameter(f"cases: unknown {unknown}; choose from {', '.join(known)}")
         con = Console(stderr=True)
+        if rooms:
+            _bench_rooms(con, out, as_json, rooms=rooms, models=_names(models, "models"),
+                         contexts=tuple(int(c) for c in _names(contexts, "contexts")),
+                         inflight=tuple(int(c) for c in _names(inflight, "inflight")),
+                         transport=transport, rounds=rounds, baseline_reps=reps,
+                         chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
+                         timeout_s=timeout, shared_pool=shm_pool)
+            return
         if device != "cpu":
             _bench_on_device(device, con, out, as_json, model=model, context=context,
                              prefix=prefix, page_size=page_size, prefill_page=prefill_page,
@@ -164,27 +190,131 @@ def register(app: typer.Typer) -> None:
                           transport=transport, reps=reps, warmup=warmup, layer_ms=layer_ms,
                           chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
                           timeout_s=timeout, cases=chosen, shared_pool=shm_pool)
-
-        def term(signum: int, frame: Any) -> None:
-            raise KeyboardInterrupt
-
-        old = signal.signal(signal.SIGTERM, term)
-        bench = None
-        try:
-            with con.status("bench") as status:
-                bench = Bench(cfg, progress=lambda s: status.update(f"bench: {s}"))
-                result = bench.run()
-        except KeyboardInterrupt:
-            typer.echo("interrupted: every child process was stopped", err=True)
-            raise typer.Exit(130) from None
-        except (KVHandoffError, TimeoutError, RuntimeError) as e:
-            con.print(f"[red]bench failed:[/red] {e}")
-            raise typer.Exit(1) from None
-        finally:
-            if bench is not None:
-                bench.close()
-            signal.signal(signal.SIGTERM, old)
+        result = _run_bench(con, "bench", lambda progress: Bench(cfg, progress=progress))
         _report(result, con, out, as_json, _print_summary)
+
+
+def _names(text: str, what: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items:
+        raise typer.BadParameter(f"{what}: expected a comma-separated list, got {text!r}")
+    if what != "models" and not all(x.isdigit() and int(x) > 0 for x in items):
+        raise typer.BadParameter(f"{what}: expected positive integers, got {text!r}")
+    return items
+
+
+def _bench_rooms(con: Any, out: str | None, as_json: bool, **kw: Any) -> None:
+    """`bench --rooms N`: the rooms mode (`kvhandoff.bench.rooms`)."""
+    from kvhandoff.bench.rooms import RoomsBench, RoomsConfig
+    from kvhandoff.errors import KVHandoffError
+    from kvhandoff.kv_layout import preset
+
+    for m in kw["models"]:
+        try:
+            preset(m)
+        except KVHandoffError as e:
+            raise typer.BadParameter(str(e), param_hint="--models") from None
+    result = _run_bench(con, "bench rooms",
+                        lambda progress: RoomsBench(RoomsConfig(**kw), progress=progress))
+    _report(result, con, out, as_json, _print_rooms)
+
+
+def _run_bench(con: Any, label: str, make: Callable[[Callable[[str], None]], Any]
+               ) -> dict[str, Any]:
+    """Runs `make(progress).run()` under a status line; every child process is stopped in a
+    `finally` (also on Ctrl-C / SIGTERM: exit 130); a failure exits 1 with its reason."""
+    from kvhandoff.errors import KVHandoffError
+
+    def term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, term)
+    bench = None
+    try:
+        with con.status(label) as status:
+            bench = make(lambda s: status.update(f"{label}: {s}"))
+            result: dict[str, Any] = bench.run()
+    except KeyboardInterrupt:
+        typer.echo("interrupted: every child process was stopped", err=True)
+        raise typer.Exit(130) from None
+    except (KVHandoffError, TimeoutError, RuntimeError) as e:
+        con.print(f"[red]bench failed:[/red] {e}")
+        raise typer.Exit(1) from None
+    finally:
+        if bench is not None:
+            bench.close()
+        signal.signal(signal.SIGTERM, old)
+    return result
+
+
+def _print_rooms(r: dict[str, Any], con: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not con.is_terminal:  # a file or a pipe: one line per row, not wrapped at 80
+        con = Console(width=220)
+
+    cfg = r["config"]
+    t = Table(title=f"kvhandoff bench, rooms mode: {cfg['rooms']} rooms per row, transport "
+              f"{cfg['transport']}, every token moved; latency = first layer_ready -> decode "
+              "Success (ms)")
+    modes = cfg["modes"]
+    cols = ["model", "tokens", "MB", "in flight"]
+    cols += [f"{m} p50 / p99" for m in modes] + ["NIXL p50 / p99", "memcpy", "raw", "NIXL 1x"]
+    cols += [f"{modes[0]} / NIXL 1x", "rooms/s " + modes[0], "rooms/s NIXL",
+             f"CPU ms/room {modes[0]} (P + D)"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "model" else "right")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    for row in r["rows"]:
+        cs, bl = row["cases"], row["baselines"]
+        nx = cs.get("nixl")
+        first = cs[f"handoff_{modes[0]}"]
+        cells = [row["model"], f"{row['context_tokens']:,}", f"{row['bytes'] / 1e6:.1f}",
+                 str(row["inflight"])]
+        cells += [f"{ms(cs[f'handoff_{m}']['p50_s'])} / {ms(cs[f'handoff_{m}']['p99_s'])}"
+                  for m in modes]
+        cells.append(f"{ms(nx['p50_s'])} / {ms(nx['p99_s'])}" if nx else "-")
+        cells += [ms(bl.get("memcpy")), ms(bl.get("raw")), ms(bl.get("nixl"))]
+        ratio = row["ratios"].get(f"{modes[0]}_p50_over_nixl_write")
+        cells.append("-" if ratio is None else f"{ratio:.2f}")
+        cells.append(f"{first['rooms_per_s']:,.0f}")
+        cells.append(f"{nx['rooms_per_s']:,.0f}" if nx else "-")
+        cpu = first["cpu_s_per_room"]
+        cells.append(f"{cpu['prefill'] * 1e3:.1f} + {cpu['decode'] * 1e3:.1f}")
+        t.add_row(*cells)
+    con.print(t)
+    for model, fits in r["fixed_cost"].items():
+        parts = [f"{c} {f['fixed_s'] * 1e3:.2f} ms + {f['per_MB_s'] * 1e3:.3f} ms/MB"
+                 for c, f in fits.items() if f]
+        if parts:
+            con.print(f"fixed cost per handoff ({model}, least squares over the contexts, "
+                      f"{min(cfg['inflight'])} in flight): " + "; ".join(parts))
+    seen: set[str] = set()
+    for row in r["rows"]:  # the agents of one model and context sent these per room
+        if row["model"] in seen or "messages_per_room" not in row:
+            continue
+        seen.add(row["model"])
+        con.print(f"control messages sent per room ({row['model']}, {row['context_tokens']:,} "
+                  "tokens; prefill, decode; heartbeats included): " + "; ".join(
+                      f"{m} {v['prefill']:.1f}, {v['decode']:.1f}"
+                      for m, v in row["messages_per_room"].items()))
+    for name, tg in r["targets"].items():
+        v = tg["value"]
+        mark = "not measured" if tg["met"] is None else ("met" if tg["met"] else "missed")
+        con.print(f"target {name}: {'-' if v is None else f'{v:.3f}'} ({mark})")
+    if r.get("nixl_missing"):
+        con.print(f"NIXL baselines not run: {r['nixl_missing']}")
+    ld = r["load"]
+    con.print(f"load average before {ld['before'][0]:.2f}, after {ld['after'][0]:.2f} "
+              f"({r['host']['cpus']} CPUs); NIXL's CPU is both of its agents in one process, "
+              "busy-polling")
+    con.print("verified byte-exact (baselines): "
+              + ("all" if all(r["verified"].values()) else
+                 ", ".join(k for k, v in r["verified"].items() if not v) + " FAILED"))
 
 
 def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw: Any) -> None:

@@ -275,6 +275,10 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
         "handoff_window_s": window,
         "gbps_window": total_bytes / window / 1e9 if window else None,
         "tail_s": tail,
+        # per rank, the room's own timeline (what its trace spans are made of): ms from its
+        # opening, the bootstrap lookup, handshake, layers and tail (docs/OPERATIONS.md)
+        "timings": {"prefill": [pd.get("timings") for pd in pds],
+                    "decode": [dd.get("timings") for dd in dds]},
         "wall_s": time.monotonic() - t_start,
         "pages_returned": returned,
     }

@@ -50,11 +50,11 @@ def run_demo_device(*, device: str = "cuda", model: str = "glm-5.3", context: in
 
     from kvhandoff.bench.device import _byte_index, cuda_preflight
     from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
-    from kvhandoff.transfer import events as ev
-    from kvhandoff.transfer.buffers import BufferSet, allocate
-    from kvhandoff.transfer.devsum import devsum
-    from kvhandoff.transfer.eventwait import EventWaiter
-    from kvhandoff.transfer.transports._cuda_ipc import copy_spans
+    from kvhandoff.buffers.bufferset import BufferSet, allocate
+    from kvhandoff.buffers.devsum import devsum
+    from kvhandoff.protocol import events as ev
+    from kvhandoff.runtime.eventwait import EventWaiter
+    from kvhandoff.transports.shm.cuda_ipc import copy_spans
 
     dev = torch.device("cpu") if device == "cpu" else cuda_preflight(device)
     t_start = time.monotonic()
@@ -81,7 +81,7 @@ def run_demo_device(*, device: str = "cuda", model: str = "glm-5.3", context: in
             for reg in spec.regions_of_layer(e.layer):
                 p = plans[reg.name]
                 s, d = _t(src.array(reg.name, e.layer)), _t(dst.array(reg.name, e.layer))
-                done = copy_spans(s, p.src_offsets, p.nbytes, d, p.dst_offsets, p.nbytes)
+                done = copy_spans(s, d, p)
                 pairs.append((reg.name, s, d, p))
             if done is not None:
                 done.synchronize()

@@ -3,8 +3,9 @@
 Prints a table (or ``--json``) of checks: the UCX library loaded (version, build: verbs,
 rdmacm, cuda), its transports and the lanes a loopback endpoint picks; NIXL; RDMA devices,
 locked memory, /dev/shm, cross-process memory access, hugepages; CUDA devices and CUDA IPC;
-the bootstrap server's /health and /ready. Each problem comes with a one-line fix. Exit code 1
-when a check FAILs (blocking), else 0.
+the bootstrap server's /health and /ready; the address family (IPv4, IPv6, a name) the agents
+(KVHANDOFF_AGENT_HOST) and the bootstrap server use. Each problem comes with a one-line fix.
+Exit code 1 when a check FAILs (blocking), else 0.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def register(app: typer.Typer) -> None:
                                   "this directory (for tests)."),
     ) -> None:
         """Check this node: UCX build and lanes, RDMA, memlock, /dev/shm, ptrace scope,
-        hugepages, CUDA/CUDA IPC, the bootstrap server. Exit 1 on a blocking problem."""
+        hugepages, CUDA/CUDA IPC, the bootstrap server, the agents' and the server's address
+        family (KVHANDOFF_AGENT_HOST). Exit 1 on a blocking problem."""
         from pydantic import ValidationError
 
         from kvhandoff.doctor import report_json, run_checks
@@ -52,7 +54,7 @@ def register(app: typer.Typer) -> None:
             root, bootstrap_url=bootstrap_url or settings.bootstrap_url,
             require_rdma=settings.require_rdma if require_rdma is None else require_rdma,
             transport=str(settings.transport), auto_cross_host=str(settings.auto_cross_host),
-            probes=probes)
+            probes=probes, layout_probe=settings.layout_probe, agent_host=settings.agent_host)
         report = report_json(results)
         if as_json:
             typer.echo(json.dumps(report, indent=2, default=str))

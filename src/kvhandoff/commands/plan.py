@@ -7,7 +7,13 @@ Also the remaining accounts of the seeds (issue 17): the handoff at realistic li
 (``--link-efficiency``, 60-80 % of line rate for 64-token pages) against the measured 0.5-1 s,
 the TTFT tail (prefill + last layer + first decode step; ``--prefill-s``/``--first-step-s``),
 admission capacity of ``--memory-gb`` in SGLang's and vLLM's terms, the tail-page waste of
-``--requests`` requests, and the layout's kernel page rules."""
+``--requests`` requests, and the layout's kernel page rules.
+
+With ``--memory-gb`` also the admission of one request of ``--context`` prompt tokens and
+``--new-tokens`` generated ones (``--prefix`` of them cached): each line (the pages of every
+region for prompt + output, rounded to pages; the indexer workspace: top-k index buffer and
+logits) and the verdict, refused with the reason when it does not fit, also when it fits only
+without its output. ``--dcp-size`` > 1 is refused (not modelled)."""
 
 from __future__ import annotations
 
@@ -166,7 +172,8 @@ def _print_pair(con: Any, pp: dict[str, Any]) -> None:
 
 def accounts(spec: Any, p: Any, *, efficiencies: tuple[float, ...], memory_gb: float | None,
              requests: int, prefix: int = 0, prefill_s: float | None = None,
-             first_step_s: float | None = None) -> dict[str, Any]:
+             first_step_s: float | None = None, new_tokens: int = 0,
+             workspace: Any = None, dcp_size: int = 1) -> dict[str, Any]:
     """The seeds' remaining accounts of `spec` at the plan `p` (plain data, as --json prints).
 
     Raises:
@@ -220,7 +227,26 @@ def accounts(spec: Any, p: Any, *, efficiencies: tuple[float, ...], memory_gb: f
             "pages_per_request": c.pages_per_request,
             "requests_at_context": c.requests_at_context,
         }
+        out["admission"] = admission(spec, context=p.context_tokens, new_tokens=new_tokens,
+                                     prefix=prefix, available_bytes=c.available_bytes,
+                                     workspace=workspace, dcp_size=dcp_size)
     return out
+
+
+def admission(spec: Any, *, context: int, new_tokens: int, prefix: int, available_bytes: int,
+              workspace: Any = None, dcp_size: int = 1) -> dict[str, Any]:
+    """`request_budget` as plain data (the ``admission`` object of --json)."""
+    from kvhandoff.kv_layout.admission import request_budget
+
+    b = request_budget(spec, seq_len=context, new_tokens=new_tokens,
+                       decode_prefix_len=min(prefix, context), available_bytes=available_bytes,
+                       workspace=workspace, dcp_size=dcp_size)
+    return {"prompt_tokens": context, "new_tokens": new_tokens,
+            "cached_tokens": b.need.held_pages * b.need.page_size_tokens,
+            "pages": b.need.pages, "prompt_pages": b.need.prompt_pages,
+            "lines": [{"name": x.name, "bytes": x.nbytes, "detail": x.detail} for x in b.lines],
+            "total_bytes": b.total_bytes, "prompt_only_bytes": b.prompt_only_bytes,
+            "available_bytes": b.available_bytes, "admitted": b.admitted, "reason": b.reason}
 
 
 def _measured_applies(spec: Any, p: Any) -> bool:
@@ -262,6 +288,16 @@ def _print_accounts(con: Any, a: dict[str, Any]) -> None:
                   f"{c['bytes_per_block_mib']:.2f} MiB) = {c['num_blocks']:,} blocks "
                   f"({c['block_tokens']:,} tokens); a request of the context needs "
                   f"{c['pages_per_request']:,} blocks: {c['requests_at_context']:,} fit")
+    adm = a.get("admission")
+    if adm is not None:
+        con.print(f"admission of one request: {adm['prompt_tokens']:,} prompt + "
+                  f"{adm['new_tokens']:,} new tokens ({adm['cached_tokens']:,} cached): "
+                  f"{adm['pages']:,} pages")
+        for x in adm["lines"]:
+            con.print(f"  {x['name']}: {_fmt_bytes(x['bytes'])} ({x['detail']})")
+        con.print(f"  total {_fmt_bytes(adm['total_bytes'])} of "
+                  f"{_fmt_bytes(adm['available_bytes'])}: "
+                  + ("admitted" if adm["admitted"] else f"[bold red]refused[/]: {adm['reason']}"))
     w = a["tail_waste"]
     con.print(f"tail-page waste: on average {w['avg_tokens']:g} tokens x cell = "
               f"{w['per_request_bytes'] / 1e6:.2f} MB per request; {w['requests']:,} requests "
@@ -300,6 +336,15 @@ def register(app: typer.Typer) -> None:
         memory_gb: float | None = typer.Option(None, help="KV memory of one decode rank in GB "
                                                "(1e9 B): admission capacity."),
         requests: int = typer.Option(1000, help="Concurrent requests for the tail-page waste."),
+        new_tokens: int = typer.Option(256, help="Tokens the request generates (admission with "
+                                       "--memory-gb: prompt + these, rounded to pages)."),
+        max_batched_tokens: int = typer.Option(8192, help="The engine's max_num_batched_tokens "
+                                               "(the indexer's top-k index buffer)."),
+        index_topk: int = typer.Option(2048, help="The indexer's top-k (its index buffer)."),
+        decode_rows: int = typer.Option(1, help="Query rows of one decode step in the "
+                                        "indexer's logits (1 + MTP draft tokens)."),
+        dcp_size: int = typer.Option(1, help="Decode context parallel size (only 1: DCP is not "
+                                     "modelled and refused)."),
         prefill_s: float | None = typer.Option(None, help="Prefill time in s (TTFT floor)."),
         first_step_s: float | None = typer.Option(None, help="First decode step in s (TTFT "
                                                   "floor)."),
@@ -327,8 +372,13 @@ def register(app: typer.Typer) -> None:
                     decode_tp=decode_tp or 1, prefill_page=prefill_page or page_size,
                     decode_page=decode_page or page_size,
                     indexer_layers=indexer_layers if model != "llama-3.1-8b" else None)
+            from kvhandoff.kv_layout.admission import IndexerWorkspace
+
             acc = accounts(spec, p, efficiencies=effs, memory_gb=memory_gb, requests=requests,
-                           prefix=prefix, prefill_s=prefill_s, first_step_s=first_step_s)
+                           prefix=prefix, prefill_s=prefill_s, first_step_s=first_step_s,
+                           new_tokens=new_tokens, dcp_size=dcp_size,
+                           workspace=IndexerWorkspace(max_batched_tokens, index_topk,
+                                                      decode_rows))
         except KVHandoffError as e:
             raise typer.BadParameter(str(e)) from e
         if as_json:

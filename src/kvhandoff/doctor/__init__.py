@@ -1,6 +1,7 @@
 """`kvhandoff doctor`: checks a node before it goes live (UCX build and lanes, NIXL, RDMA
 devices, locked memory, /dev/shm, cross-process memory access, hugepages, CUDA and CUDA IPC,
-the bootstrap server). Each check returns a `CheckResult`; only FAIL results are blocking.
+the bootstrap server, the address family of the agents and the server). Each check returns a
+`CheckResult`; only FAIL results are blocking.
 
 Checks read system files through a `root` directory (``/`` on a real node) so tests can run
 them against a fake root as well as the real system.
@@ -14,6 +15,7 @@ from typing import Any
 from .bootstrap import check_bootstrap
 from .cuda import check_cuda_devices, check_cuda_ipc
 from .model import CheckResult, Status
+from .network import check_addresses
 from .system import (
     check_hugepages,
     check_memlock,
@@ -25,16 +27,17 @@ from .system import (
 from .ucx import check_nixl, check_ucx_lanes, check_ucx_library, ucx_build
 
 __all__ = [
-    "CheckResult", "Status", "check_bootstrap", "check_cuda_devices", "check_cuda_ipc",
-    "check_hugepages", "check_memlock", "check_nixl", "check_ptrace", "check_rdma",
-    "check_shm", "check_ucx_lanes", "check_ucx_library", "rdma_inventory", "report_json",
-    "run_checks", "ucx_build",
+    "CheckResult", "Status", "check_addresses", "check_bootstrap", "check_cuda_devices",
+    "check_cuda_ipc", "check_hugepages", "check_memlock", "check_nixl", "check_ptrace",
+    "check_rdma", "check_shm", "check_ucx_lanes", "check_ucx_library", "rdma_inventory",
+    "report_json", "run_checks", "ucx_build",
 ]
 
 
 def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
                require_rdma: bool = False, transport: str = "ucx",
-               auto_cross_host: str = "ucx", probes: bool = True) -> list[CheckResult]:
+               auto_cross_host: str = "ucx", probes: bool = True,
+               layout_probe: bool = True, agent_host: str = "127.0.0.1") -> list[CheckResult]:
     """Runs every check. `probes=False` skips those that start processes or endpoints (the
     loopback UCX lanes, the cross-process read, CUDA IPC)."""
     inv = rdma_inventory(root)
@@ -56,8 +59,20 @@ def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
         check_cuda_devices(root),
         check_cuda_ipc(probe=probes),
         check_bootstrap(bootstrap_url),
+        check_addresses(agent_host, bootstrap_url=bootstrap_url, probe=probes),
+        _layout_probe(layout_probe),
     ]
     return out
+
+
+def _layout_probe(on: bool) -> CheckResult:
+    """The engine adapters' layout probe at start (setting layout_probe)."""
+    if on:
+        return CheckResult("layout_probe", Status.OK, "on: engine adapters check their KV "
+                           "layout against the engine's own cache write at start")
+    return CheckResult("layout_probe", Status.WARN, "off (KVHANDOFF_LAYOUT_PROBE=false): KV "
+                       "layouts are trusted without asking the engine's kernel",
+                       fix="unset KVHANDOFF_LAYOUT_PROBE (the probe runs in milliseconds)")
 
 
 def report_json(results: list[CheckResult]) -> dict[str, Any]:

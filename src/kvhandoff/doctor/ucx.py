@@ -144,7 +144,7 @@ def _load_ucx(stall_s: float) -> tuple[Any, str | None]:
     """A ucx transport (loads the library), or (None, why)."""
     from kvhandoff.errors import TransportError
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports import load_transport
+    from kvhandoff.transports import load_transport
 
     try:
         return load_transport("ucx", Settings(transport="ucx", stall_timeout_s=stall_s)), None
@@ -197,7 +197,7 @@ def check_ucx_lanes(*, rdma_present: bool, require_rdma: bool) -> CheckResult:
 def _lanes(details: dict[str, Any], *, rdma_present: bool, require_rdma: bool) -> CheckResult:
     from kvhandoff.errors import TransportError
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports import load_transport
+    from kvhandoff.transports import load_transport
 
     for label, eh in (("same_host", False), ("error_handling", True)):
         s = Settings(transport="ucx", stall_timeout_s=5.0, ucx_same_host_error_handling=eh,
@@ -248,7 +248,7 @@ def check_nixl() -> CheckResult:
                            "transport, RDMA from a pip install; pip install 'kvhandoff[nixl]')",
                            {})
     from kvhandoff.errors import TransportError
-    from kvhandoff.transfer.transports._nixl_lib import nixl_api, nixl_version, ucx_offer
+    from kvhandoff.transports.nixl.lib import nixl_api, nixl_version, ucx_offer
 
     version = nixl_version()
     try:

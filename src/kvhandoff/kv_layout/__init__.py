@@ -20,6 +20,7 @@ from kvhandoff.kv_layout.admission import (
     prompt_digest,
     prompt_mismatch,
 )
+from kvhandoff.kv_layout.compare import layout_compat_diff, layout_diff, layout_hash
 from kvhandoff.kv_layout.pages import (
     kv_to_page_indices,
     num_pages,
@@ -53,7 +54,7 @@ from kvhandoff.kv_layout.presets import (
     preset,
 )
 from kvhandoff.kv_layout.rules import check_page_rules, peer_page_problems, require_page_rules
-from kvhandoff.kv_layout.spans import SpanPlan, build_spans
+from kvhandoff.kv_layout.spans import SpanPlan, build_spans, cut_plan, pair_spans, plan_of
 from kvhandoff.kv_layout.spec import (
     LAYOUT_VERSION,
     LayoutSpec,
@@ -66,9 +67,6 @@ from kvhandoff.kv_layout.spec import (
     SendFrom,
     TPSplit,
     infer_packed_row,
-    layout_compat_diff,
-    layout_diff,
-    layout_hash,
 )
 
 __all__ = [
@@ -114,6 +112,7 @@ __all__ = [
     "TPSplit",
     "build_spans",
     "check_page_rules",
+    "cut_plan",
     "deepseek_v32",
     "glm53",
     "infer_packed_row",
@@ -125,8 +124,10 @@ __all__ = [
     "llama31_8b",
     "num_pages",
     "page_aligned",
+    "pair_spans",
     "peer_page_problems",
     "plan",
+    "plan_of",
     "preset",
     "require_page_rules",
     "suffix_page_indices",

@@ -15,6 +15,13 @@ reserves (SGLang's ``--disaggregation-decode-allocation-policy``):
 
 Both sides must run the same policy (`policy_mismatch`).
 
+What a request needs is its prompt AND the tokens it will generate: `decode_need` counts
+``seq_len + new_tokens`` rounded up to pages (one page of every region: main KV and indexer
+together), less the held prefix. `request_budget` adds the indexer's workspace (the top-k index
+buffer and the logits matrix, seed 000: outside the paged pool) as a line of its own and refuses
+a request that only fits without its output, saying so. Decode context parallelism (DCP: the
+indexer's slots scale as ``(size + page) x dcp - page``) is not modelled: refused by name.
+
 Prefix agreement. Suffix-only regions (the indexer) move from the decode's page-aligned cached
 prefix on; that is only right if the decode's prefix is the SAME tokens as the prompt. A
 `PromptDigest` holds a chained hash per page of prompt token ids (page i's hash covers pages
@@ -37,6 +44,7 @@ import numpy.typing as npt
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout.pages import num_pages, page_aligned
+from kvhandoff.kv_layout.planner import is_indexer
 from kvhandoff.kv_layout.spec import LayoutSpec, SendFrom
 
 DIGEST_BYTES = 8  # per page: 16,384 pages of a 1M-token prompt are 128 KiB of hashes
@@ -84,9 +92,11 @@ class DecodeNeed:
     decode_prefix_len: int
     page_size_tokens: int
     held_pages: int  # the page-aligned cached prefix the decode already holds
-    pages: int  # new pages to reserve
+    pages: int  # new pages to reserve (prompt and output)
     bytes_per_page: int
     regions: tuple[RegionNeed, ...]
+    new_tokens: int = 0  # tokens the request will generate
+    prompt_pages: int = 0  # new pages of the prompt alone
 
     @property
     def bytes(self) -> int:
@@ -97,18 +107,22 @@ class DecodeNeed:
         return sum(r.bytes_moved for r in self.regions)
 
 
-def decode_need(layout: LayoutSpec, *, seq_len: int, decode_prefix_len: int) -> DecodeNeed:
-    """The pages and bytes a request of `seq_len` tokens needs on a decode of `layout` that
-    holds `decode_prefix_len` tokens of it cached (page-aligned down)."""
+def decode_need(layout: LayoutSpec, *, seq_len: int, decode_prefix_len: int,
+                new_tokens: int = 0) -> DecodeNeed:
+    """The pages and bytes a request of `seq_len` prompt tokens and `new_tokens` generated
+    ones needs on a decode of `layout` that holds `decode_prefix_len` tokens of it cached
+    (page-aligned down)."""
     if seq_len <= 0:
         raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
+    if new_tokens < 0:
+        raise ConfigError(f"new_tokens: expected >= 0, got {new_tokens}")
     if not 0 <= decode_prefix_len <= seq_len:
         raise ConfigError(f"decode_prefix_len: expected 0..seq_len={seq_len}, got "
                           f"{decode_prefix_len}")
     ps = layout.page_size_tokens
     held_tokens = page_aligned(decode_prefix_len, ps)
     held = held_tokens // ps
-    new = num_pages(seq_len, ps) - held
+    new = num_pages(seq_len + new_tokens, ps) - held
     regions = []
     for r in layout.regions:
         moved_tokens = seq_len - held_tokens if r.send_from is SendFrom.DECODE_PREFIX else seq_len
@@ -118,12 +132,14 @@ def decode_need(layout: LayoutSpec, *, seq_len: int, decode_prefix_len: int) -> 
             bytes_moved=r.nbytes_for(moved_tokens) * r.num_live_layers))
     return DecodeNeed(seq_len=seq_len, decode_prefix_len=decode_prefix_len,
                       page_size_tokens=ps, held_pages=held, pages=new,
-                      bytes_per_page=layout.bytes_per_page, regions=tuple(regions))
+                      bytes_per_page=layout.bytes_per_page, regions=tuple(regions),
+                      new_tokens=new_tokens, prompt_pages=num_pages(seq_len, ps) - held)
 
 
 def _need_text(need: DecodeNeed) -> str:
-    return (f"{need.seq_len:,} tokens with {need.held_pages * need.page_size_tokens:,} cached "
-            f"need {need.pages:,} pages of {need.page_size_tokens} tokens "
+    out = f" + {need.new_tokens:,} new" if need.new_tokens else ""
+    return (f"{need.seq_len:,} tokens{out} with {need.held_pages * need.page_size_tokens:,} "
+            f"cached need {need.pages:,} pages of {need.page_size_tokens} tokens "
             f"({need.bytes:,} B)")
 
 
@@ -279,3 +295,107 @@ def admission_refusal(
     if free_pages is None:
         raise ConfigError("free_pages: required under allocation_policy=prefill_complete")
     return check_capacity(need, free_pages=free_pages)
+
+
+# ---- the whole budget of one request on a decode (issue 22) -------------------------------
+
+LOGITS_ROW_ALIGN = 256  # SGLang's MQA logits rows are padded to 256 fp32 columns (seed 000)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerWorkspace:
+    """The DSA indexer's memory outside the paged pool (seed 000), allocated per engine: the
+    top-k index buffer (``max_num_batched_tokens x index_topk`` int32, vLLM's
+    ``topk_indices_buffer``) and the fp32 logits of one decode step (``decode_rows`` query
+    rows, 1 + MTP draft tokens, over the context padded to `LOGITS_ROW_ALIGN` columns)."""
+
+    max_num_batched_tokens: int = 8192
+    index_topk: int = 2048
+    decode_rows: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "index_topk", "decode_rows"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: expected > 0, got {getattr(self, name)}")
+
+    def topk_bytes(self) -> int:
+        return self.max_num_batched_tokens * self.index_topk * 4
+
+    def logits_bytes(self, context_tokens: int) -> int:
+        cols = -(-context_tokens // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
+        return self.decode_rows * cols * 4
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLine:
+    name: str
+    nbytes: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBudget:
+    """What one request needs on a decode, line by line, against `available_bytes`."""
+
+    need: DecodeNeed
+    lines: tuple[BudgetLine, ...]
+    available_bytes: int
+    prompt_only_bytes: int  # the same without the output's pages
+    reason: str | None  # None: admitted
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(line.nbytes for line in self.lines)
+
+    @property
+    def admitted(self) -> bool:
+        return self.reason is None
+
+
+def request_budget(layout: LayoutSpec, *, seq_len: int, new_tokens: int, available_bytes: int,
+                   decode_prefix_len: int = 0, workspace: IndexerWorkspace | None = None,
+                   dcp_size: int = 1) -> RequestBudget:
+    """The pages of every region for the prompt and its `new_tokens` (rounded to pages), the
+    indexer workspace when the layout has an indexer, and the verdict against
+    `available_bytes`: refused when the total does not fit, saying so when the prompt alone
+    would (a request admitted that way runs out of memory while decoding).
+
+    Raises:
+        ConfigError: `dcp_size` > 1 (not modelled), bad counts (names the field).
+    """
+    if dcp_size != 1:
+        raise ConfigError(f"dcp_size: {dcp_size} is not modelled (decode context parallelism "
+                          "splits the latent across ranks and sizes the indexer's slots as "
+                          "(size + page) x dcp - page); plan with dcp_size 1")
+    if available_bytes < 0:
+        raise ConfigError(f"available_bytes: expected >= 0, got {available_bytes}")
+    need = decode_need(layout, seq_len=seq_len, decode_prefix_len=decode_prefix_len,
+                       new_tokens=new_tokens)
+    ps = layout.page_size_tokens
+    lines = [BudgetLine(r.name, need.pages * r.page_nbytes(ps) * r.num_live_layers,
+                        f"{need.pages:,} pages x {r.num_live_layers} layers x "
+                        f"{r.page_nbytes(ps):,} B")
+             for r in layout.regions if r.num_live_layers]
+    ws = 0
+    if any(is_indexer(r.name) for r in layout.regions):
+        w = workspace or IndexerWorkspace()
+        ctx = seq_len + new_tokens
+        ws = w.topk_bytes() + w.logits_bytes(ctx)
+        lines.append(BudgetLine(
+            "indexer workspace", ws,
+            f"top-k index buffer {w.max_num_batched_tokens:,} x {w.index_topk:,} x 4 B = "
+            f"{w.topk_bytes():,} B + logits {w.decode_rows} x {ctx:,} tokens (padded to "
+            f"{LOGITS_ROW_ALIGN}) x 4 B = {w.logits_bytes(ctx):,} B"))
+    total = sum(line.nbytes for line in lines)
+    prompt_only = need.prompt_pages * need.bytes_per_page + ws
+    reason = None
+    if total > available_bytes:
+        head = (f"admission: {_need_text(need)} + indexer workspace {ws:,} B = {total:,} B; "
+                f"{available_bytes:,} B free")
+        if prompt_only <= available_bytes:
+            reason = (f"{head}: it fits only without its output ({prompt_only:,} B for the "
+                      f"prompt alone), so it would run out of memory while decoding")
+        else:
+            reason = head
+    return RequestBudget(need=need, lines=tuple(lines), available_bytes=available_bytes,
+                         prompt_only_bytes=prompt_only, reason=reason)

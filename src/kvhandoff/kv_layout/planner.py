@@ -31,6 +31,7 @@ class RegionPlan:
     suffix_only: bool
     transfer_s: float
     layer_transfer_s: float
+    indexer: bool = False  # a DSA indexer region (read whole every decode step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +74,14 @@ class Plan:
 
     @property
     def sparse_read_bytes(self) -> int:
-        """Decode-step bytes of top-k sparse main-KV reads (start regions, top_k tokens)."""
-        return sum(
-            self.top_k * r.bytes_per_token for r in self.regions if not r.suffix_only
-        )
+        """Decode-step bytes of top-k sparse main-KV reads (non-indexer regions, top_k
+        tokens)."""
+        return sum(self.top_k * r.bytes_per_token for r in self.regions if not r.indexer)
 
     @property
     def indexer_read_bytes(self) -> int:
         """Decode-step bytes of the indexer: it reads its whole context every step."""
-        return sum(r.bytes_per_context for r in self.regions if r.suffix_only)
+        return sum(r.bytes_per_context for r in self.regions if r.indexer)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +118,12 @@ class Plan:
         }
 
 
+def is_indexer(region: str) -> bool:
+    """Whether a region is a DSA indexer cache (the presets' ``indexer_k`` /
+    ``draft_indexer_k``, the SGLang adapter's ``indexer`` / ``draft_indexer``)."""
+    return "indexer" in region
+
+
 def plan(
     spec: LayoutSpec, *, context_tokens: int, link_gbps: float = 3200.0, top_k: int = 2048
 ) -> Plan:
@@ -144,6 +150,7 @@ def plan(
                 suffix_only=r.send_from is SendFrom.DECODE_PREFIX,
                 transfer_s=per_ctx / rate,
                 layer_transfer_s=per_layer / rate,
+                indexer=is_indexer(r.name),
             )
         )
     return Plan(

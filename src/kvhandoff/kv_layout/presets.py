@@ -20,8 +20,18 @@ Variants (issue 17), all the same bytes per token:
   the main page's id.
 - ``packing="block"`` (preset ``glm-5.3-vllm``): vLLM's single-group block, ONE buffer whose
   block p is the 78 MLA pages then the 21 indexer pages of page p: 3,452,160 B per 64 tokens.
+  The order is this preset's; vLLM 0.33's own allocation of its DSA layers puts the indexer
+  pages first (one tensor per spec, in the order the model registers its layers), and the vLLM
+  connector reads the order from vLLM's views (`integrations.vllm.layout`), never from here.
   ``packing="mla"`` (``glm-5.3-vllm-mla``): only the MLA pages packed (3,274,752 B rows); the
   indexer keeps one buffer per layer (its own 8,448 B stride).
+
+Main KV is suffix-only (`SendFrom.DECODE_PREFIX`) like the indexer: a decode's prefix-cache hit
+covers both caches (seed 000: one slot id indexes the main KV and the indexer rows, one radix
+hit holds both), so the handoff moves both from the decode's page-aligned cached prefix on and
+never writes into its (radix-shared) prefix pages. ``whole_sequence=True`` (every preset) is the
+named option for an engine that wants the main KV of the whole sequence sent whatever it holds
+(its prefix pages are then written; the indexer stays suffix-only).
 
 Kernel page rules: FlashMLA reads 64-token main-KV pages and the DSA indexer's paged-MQA
 kernel 64-row indexer pages; the MLA presets declare both (`kv_layout.rules`). With
@@ -56,6 +66,11 @@ DSA_INDEXER = "DSA indexer paged-MQA"
 PACKINGS = ("none", "block", "mla")
 
 
+def main_send_from(whole_sequence: bool) -> SendFrom:
+    """Where main KV starts: the decode's cached prefix (default), or token 0."""
+    return SendFrom.START if whole_sequence else SendFrom.DECODE_PREFIX
+
+
 def _spread(count: int, total: int) -> tuple[int, ...]:
     """`count` layer ids spread evenly over `total` layers, always including the last."""
     if not 0 < count <= total:
@@ -75,10 +90,12 @@ def mla_dsa_layout(
     mtp_layers: int = 0,
     index_kpool: int = 1,
     packing: str = "none",
+    whole_sequence: bool = False,
 ) -> LayoutSpec:
-    """An fp8_ds_mla main KV on every layer plus a suffix-only indexer K on the given layers;
-    `mtp_layers` draft layers (main KV and indexer each) after the model's layers;
-    `index_kpool` tokens per indexer row; `packing` none / block / mla (see the module doc)."""
+    """An fp8_ds_mla main KV on every layer plus an indexer K on the given layers, both
+    suffix-only (`whole_sequence`: the main KV from token 0); `mtp_layers` draft layers (main
+    KV and indexer each) after the model's layers; `index_kpool` tokens per indexer row;
+    `packing` none / block / mla (see the module doc)."""
     if mtp_layers < 0:
         raise ConfigError(f"mtp_layers: expected >= 0, got {mtp_layers}")
     if index_kpool <= 0:
@@ -86,13 +103,14 @@ def mla_dsa_layout(
     if packing not in PACKINGS:
         raise ConfigError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
     main_planes = (Plane("latent", MLA_FP8_BYTES_PER_TOKEN),)
+    main_from = main_send_from(whole_sequence)
     idx_planes = (Plane("key", INDEXER_KEY_BYTES), Plane("scale", INDEXER_SCALE_BYTES))
     regions = [
         RegionSpec(
             name="main_kv",
             layer_ids=tuple(range(num_layers)),
             planes=main_planes,
-            send_from=SendFrom.START,
+            send_from=main_from,
             tp_split=TPSplit.REPLICATED,
         )
     ]
@@ -110,7 +128,7 @@ def mla_dsa_layout(
     if mtp_layers:
         draft_ids = tuple(range(num_layers, num_layers + mtp_layers))
         regions.append(RegionSpec(name="draft_main_kv", layer_ids=draft_ids, planes=main_planes,
-                                  draft=True))
+                                  send_from=main_from, draft=True))
         regions.append(RegionSpec(name="draft_indexer_k", layer_ids=draft_ids,
                                   planes=idx_planes, send_from=SendFrom.DECODE_PREFIX,
                                   tokens_per_row=index_kpool, draft=True))
@@ -138,7 +156,8 @@ def mla_dsa_layout(
 
 
 def glm53(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
-          mtp_layers: int = 0, index_kpool: int = 1, packing: str = "none") -> LayoutSpec:
+          mtp_layers: int = 0, index_kpool: int = 1, packing: str = "none",
+          whole_sequence: bool = False) -> LayoutSpec:
     """GLM-5.3; `indexer_layers` other than 21 spreads that many full layers evenly. The page
     defaults to 64 tokens (64 * `index_kpool`: the indexer's physical page stays 64 rows)."""
     ids = (
@@ -151,44 +170,46 @@ def glm53(*, page_size_tokens: int | None = None, indexer_layers: int | None = N
         page_size_tokens=(KERNEL_PAGE_ROWS * index_kpool if page_size_tokens is None
                           else page_size_tokens),
         mtp_layers=mtp_layers, index_kpool=index_kpool, packing=packing,
+        whole_sequence=whole_sequence,
     )
 
 
 def glm53_mtp(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
-              mtp_layers: int = 1) -> LayoutSpec:
+              mtp_layers: int = 1, whole_sequence: bool = False) -> LayoutSpec:
     """GLM-5.3 with its MTP draft layer(s) (draft regions after layer 77)."""
     return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
-                 mtp_layers=mtp_layers)
+                 mtp_layers=mtp_layers, whole_sequence=whole_sequence)
 
 
-def glm53_kpool2(*, page_size_tokens: int | None = None,
-                 indexer_layers: int | None = None) -> LayoutSpec:
+def glm53_kpool2(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
+                 whole_sequence: bool = False) -> LayoutSpec:
     """GLM-5.3 with index_kpool = 2: main page 128 tokens, indexer page 64 rows."""
     return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
-                 index_kpool=2)
+                 index_kpool=2, whole_sequence=whole_sequence)
 
 
 def glm53_vllm(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
-               mtp_layers: int = 0) -> LayoutSpec:
+               mtp_layers: int = 0, whole_sequence: bool = False) -> LayoutSpec:
     """GLM-5.3 as vLLM registers it: one packed block of 78 MLA + 21 indexer pages."""
     return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
-                 mtp_layers=mtp_layers, packing="block")
+                 mtp_layers=mtp_layers, packing="block", whole_sequence=whole_sequence)
 
 
 def glm53_vllm_mla(*, page_size_tokens: int | None = None, indexer_layers: int | None = None,
-                   mtp_layers: int = 0) -> LayoutSpec:
+                   mtp_layers: int = 0, whole_sequence: bool = False) -> LayoutSpec:
     """GLM-5.3 with only the MLA pages packed (BLHNC rows); the indexer passes through."""
     return glm53(page_size_tokens=page_size_tokens, indexer_layers=indexer_layers,
-                 mtp_layers=mtp_layers, packing="mla")
+                 mtp_layers=mtp_layers, packing="mla", whole_sequence=whole_sequence)
 
 
-def deepseek_v32(*, page_size_tokens: int = 64, indexer_layers: int | None = None) -> LayoutSpec:
+def deepseek_v32(*, page_size_tokens: int = 64, indexer_layers: int | None = None,
+                 whole_sequence: bool = False) -> LayoutSpec:
     """DeepSeek-V3.2: 61 layers, indexer on every layer."""
     n = 61
     ids = tuple(range(n)) if indexer_layers in (None, n) else _spread(int(indexer_layers or 0), n)
     return mla_dsa_layout(
         model="deepseek-v3.2", num_layers=n, indexer_layer_ids=ids,
-        page_size_tokens=page_size_tokens,
+        page_size_tokens=page_size_tokens, whole_sequence=whole_sequence,
     )
 
 
@@ -207,7 +228,8 @@ def heads_of_rank(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, ...]
     return (tp_rank * num_heads // tp_size,)
 
 
-def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1, tp_rank: int = 0) -> LayoutSpec:
+def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1, tp_rank: int = 0,
+               whole_sequence: bool = False) -> LayoutSpec:
     """Llama-3.1-8B (GQA): 32 layers, 8 KV heads x 128 dims bf16, K and V separate buffers.
 
     Each KV head is one plane named by its global head id (``h0`` .. ``h7``): a page holds all
@@ -222,7 +244,7 @@ def llama31_8b(*, page_size_tokens: int = 16, tp_size: int = 1, tp_rank: int = 0
             name=name,
             layer_ids=tuple(range(32)),
             planes=tuple(Plane(f"h{h}", head_bytes) for h in mine),
-            send_from=SendFrom.START,
+            send_from=main_send_from(whole_sequence),
             tp_split=TPSplit.HEAD_SHARDED,
             num_heads=len(mine),
         )
@@ -245,8 +267,9 @@ PRESETS: dict[str, Callable[..., LayoutSpec]] = {
 }
 
 
-def preset(name: str, **kwargs: int | str | None) -> LayoutSpec:
-    """The layout of a known model by name (see `PRESETS`)."""
+def preset(name: str, **kwargs: int | str | bool | None) -> LayoutSpec:
+    """The layout of a known model by name (see `PRESETS`); ``whole_sequence=True`` sends its
+    main KV from token 0 even when the decode holds a cached prefix."""
     try:
         factory = PRESETS[name]
     except KeyError:

@@ -19,13 +19,27 @@ Rules:
 - A compressed region (`tokens_per_row` > 1, the indexer's index_kpool) moves rows: tokens
   ``[start, end)`` are rows ``[start/k, ceil(end/k))``; both sides must compress alike.
 - A layer holding 0 rows on either side (`empty_layers`) moves nothing.
+- A `whole_pages` region (either side) with one page size on both sides moves whole pages: the
+  range widens to the page boundaries around it, as far as both sides' pages reach (a partly
+  filled last page goes whole, whatever the kernel keeps inside it).
 - Vectorised numpy: no Python loop per page or per token.
+- A `SpanPlan` is THE paired form of spans everywhere: built once (`build_spans` per region and
+  layer), handed as is through the session's effects to a transport's `post_write`, whose copy
+  engines take its arrays as their pieces. The only other way to pair is `pair_spans`: two span
+  lists of one stream that two processes cut on their own (the two sides of a two-sided
+  transfer). `cut_plan` cuts a plan at a transport's chunk grid.
+- A plan is immutable once built (its arrays are never written), so what a transport checks
+  of it (`bounds`: dtypes, signs, how far it reaches on each side), the plan without its empty
+  pieces (`nonempty`) and its `digest` are computed once per plan and kept on it: a region's
+  plan is the same object for every layer of a room, so a room's writes check it once, not per
+  write.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +58,11 @@ class SpanPlan:
     dst_offsets: IntArray
     nbytes: IntArray
     descriptors_before: int  # page-granular pieces before coalescing consecutive pages
+    # computed on first use (see the module doc): the sum of nbytes, bounds(), nonempty()
+    _total: int | None = field(default=None, init=False, repr=False)
+    _bounds: PlanBounds | None = field(default=None, init=False, repr=False)
+    _nonempty: SpanPlan | None = field(default=None, init=False, repr=False)
+    _digest: int | None = field(default=None, init=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -52,7 +71,43 @@ class SpanPlan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
+        total = self._total
+        if total is None:
+            total = int(self.nbytes.sum())
+            object.__setattr__(self, "_total", total)
+        return total
+
+    def bounds(self) -> PlanBounds:
+        """What a transport checks of the plan before it copies (computed once per plan)."""
+        b = self._bounds
+        if b is None:
+            b = PlanBounds.of(self)
+            object.__setattr__(self, "_bounds", b)
+        return b
+
+    def digest(self) -> int:
+        """A 64-bit digest of the plan's pieces (src offsets, dst offsets, nbytes, as
+        little-endian int64, in order; computed once): two sides that built the same plan
+        have the same digest, so a one-sided writer can say which plan it wrote by."""
+        d = self._digest
+        if d is None:
+            h = hashlib.blake2b(digest_size=8)
+            for arr in (self.src_offsets, self.dst_offsets, self.nbytes):
+                h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+            d = int.from_bytes(h.digest(), "little")
+            object.__setattr__(self, "_digest", d)
+        return d
+
+    def nonempty(self) -> SpanPlan:
+        """The plan without its zero-length pieces (itself when it has none; computed once)."""
+        plan = self._nonempty
+        if plan is None:
+            keep = self.nbytes > 0
+            plan = self if keep.all() else SpanPlan(
+                self.src_offsets[keep], self.dst_offsets[keep], self.nbytes[keep],
+                self.descriptors_before)
+            object.__setattr__(self, "_nonempty", plan)
+        return plan
 
     def __len__(self) -> int:
         return self.count
@@ -82,6 +137,30 @@ class SpanPlan:
     def empty() -> SpanPlan:
         z = np.zeros(0, dtype=np.int64)
         return SpanPlan(z, z.copy(), z.copy(), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanBounds:
+    """A plan's shape as a transport checks it: `well_formed` (three 1-D integer arrays of one
+    length, no negative item), and how far its pieces reach into the source and the
+    destination buffer (`src_end`, `dst_end`: the largest offset + nbytes, 0 if none)."""
+
+    well_formed: bool
+    src_end: int
+    dst_end: int
+
+    @staticmethod
+    def of(plan: SpanPlan) -> PlanBounds:
+        so, do, nb = plan.src_offsets, plan.dst_offsets, plan.nbytes
+        arrays = (so, do, nb)
+        if any(a.ndim != 1 or a.shape != nb.shape or (a.size and a.dtype.kind not in "iu")
+               for a in arrays):
+            return PlanBounds(False, 0, 0)
+        if not nb.size:
+            return PlanBounds(True, 0, 0)
+        if min(int(a.min()) for a in arrays) < 0:
+            return PlanBounds(False, 0, 0)
+        return PlanBounds(True, int((so + nb).max()), int((do + nb).max()))
 
 
 def _as_pages(pages: npt.ArrayLike, what: str) -> IntArray:
@@ -191,6 +270,12 @@ def build_spans(
                 f"{side}_pages: {len(pages)} pages of {size} from token {first} cover up to "
                 f"token {have}, but the range ends at {token_end}"
             )
+    if ((region.whole_pages or dst_reg.whole_pages) and src_page_size == dst_page_size
+            and src_first_token == dst_first_token):
+        ps, first = src_page_size, src_first_token
+        reach = first + min(len(sp), len(dp)) * ps
+        token_start = first + (token_start - first) // ps * ps
+        token_end = min(reach, first - (-(token_end - first) // ps) * ps)
     # A compressed region moves rows: everything below is in rows (a row is a token when k=1).
     k = region.tokens_per_row
     s_rows_pp = region.rows_per_page(src_page_size)
@@ -260,3 +345,86 @@ def build_spans(
         nbytes=np.add.reduceat(n_o, starts)[back],
         descriptors_before=before,
     )
+
+
+def plan_of(src_offsets: npt.ArrayLike, dst_offsets: npt.ArrayLike,
+            nbytes: npt.ArrayLike) -> SpanPlan:
+    """A plan from its three arrays as they are (int64, equal length; no pairing, no
+    coalescing): for a caller that already holds paired spans, e.g. one whole buffer."""
+    s, d, n = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (src_offsets, dst_offsets,
+                                                                   nbytes))
+    if not s.shape == d.shape == n.shape:
+        raise ConfigError(f"span plan: src_offsets, dst_offsets and nbytes must have equal "
+                          f"length, got {s.size}, {d.size} and {n.size}")
+    return SpanPlan(s, d, n, int(n.size))
+
+
+def cut_spans(off: IntArray, nb: IntArray,
+              cuts: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """Cuts spans (no empty ones) at every stream position in `cuts` and at their own starts;
+    (buffer offsets, lengths, stream positions) of the pieces."""
+    total = int(nb.sum())
+    starts = np.cumsum(nb) - nb
+    inner = cuts[(cuts > 0) & (cuts < total)]
+    bounds: IntArray = np.union1d(starts, inner)
+    idx = np.searchsorted(starts, bounds, side="right") - 1
+    poff: IntArray = off[idx] + (bounds - starts[idx])
+    plen: IntArray = np.diff(np.append(bounds, total))
+    return poff, plen, bounds
+
+
+def _nonempty(off: IntArray, nb: IntArray) -> tuple[IntArray, IntArray]:
+    keep = nb > 0
+    return (off, nb) if keep.all() else (off[keep], nb[keep])
+
+
+def pair_spans(src_offsets: npt.ArrayLike, src_nbytes: npt.ArrayLike,
+               dst_offsets: npt.ArrayLike, dst_nbytes: npt.ArrayLike) -> SpanPlan:
+    """Pairs two span lists that carry one byte stream, cut at different places (the two
+    sides of a two-sided transfer, each side's list coming from its own process): the plan's
+    pieces are cut wherever either side cuts, pieces contiguous on both sides merged, empty
+    spans ignored. The one place two independent span lists are paired.
+
+    Raises:
+        ConfigError: the lists are not 1-D of equal lengths each, a value is negative, or the
+            two totals differ.
+    """
+    sides = []
+    for what, o, n in (("src", src_offsets, src_nbytes), ("dst", dst_offsets, dst_nbytes)):
+        off = np.asarray(o, dtype=np.int64).reshape(-1)
+        nb = np.asarray(n, dtype=np.int64).reshape(-1)
+        if off.shape != nb.shape:
+            raise ConfigError(f"pair_spans ({what}): {off.size} offsets but {nb.size} lengths")
+        if nb.size and (int(nb.min()) < 0 or int(off.min()) < 0):
+            raise ConfigError(f"pair_spans ({what}): offsets and lengths must be >= 0")
+        sides.append(_nonempty(off, nb))
+    (so, sn), (do, dn) = sides
+    total = int(sn.sum())
+    if total != int(dn.sum()):
+        raise ConfigError(f"pair_spans: the source carries {total} bytes, the destination "
+                          f"{int(dn.sum())}")
+    if total == 0:
+        return SpanPlan.empty()
+    cuts: IntArray = np.union1d(np.cumsum(sn), np.cumsum(dn))
+    ps, lens, _ = cut_spans(so, sn, cuts)
+    pd, _, _ = cut_spans(do, dn, cuts)
+    joins = (ps[1:] == ps[:-1] + lens[:-1]) & (pd[1:] == pd[:-1] + lens[:-1])
+    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return SpanPlan(ps[heads], pd[heads], np.add.reduceat(lens, heads), int(lens.size))
+
+
+def cut_plan(plan: SpanPlan, step_bytes: int) -> tuple[SpanPlan, IntArray]:
+    """`plan` with its pieces also cut at every multiple of `step_bytes` of the stream (a
+    transport's chunk grid); returns the cut plan and the grid step of each piece."""
+    if step_bytes <= 0:
+        raise ConfigError(f"cut_plan: step_bytes must be > 0, got {step_bytes}")
+    keep = plan.nbytes > 0
+    so, do, nb = plan.src_offsets[keep], plan.dst_offsets[keep], plan.nbytes[keep]
+    total = int(nb.sum())
+    if total == 0:
+        return SpanPlan.empty(), np.zeros(0, dtype=np.int64)
+    grid: IntArray = np.arange(step_bytes, total, step_bytes, dtype=np.int64)
+    ps, lens, pos = cut_spans(so, nb, grid)
+    pd, _, _ = cut_spans(do, nb, grid)
+    step: IntArray = pos // step_bytes
+    return SpanPlan(ps, pd, lens, plan.descriptors_before), step

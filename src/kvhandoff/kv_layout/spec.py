@@ -2,7 +2,8 @@
 
 Rules:
 - A layout is a value, never configuration: both sides of a handoff exchange it and compare its
-  hash; `layout_diff` names every differing field so a mismatch is something a person can act on.
+  hash; `compare.layout_diff` names every differing field so a mismatch is something a person
+  can act on.
 - A page of a region holds, for each plane in order, all rows of that plane
   (`page_nbytes = sum(bytes_per_token) * rows_per_page`); plane k of row i of page p lives at
   ``p * page_stride + plane_offset_k * rows_per_page + i * plane_bytes_k`` of the layer's bytes.
@@ -15,6 +16,9 @@ Rules:
   ``p * row_stride + layer_offset[L]``. `LayoutSpec.address` is that mapping.
 - Per-layer item lengths: a region's `empty_layers` hold 0 rows on this rank (skip-topk
   placeholders, CP layer split); their item length is 0, they own no memory and move nothing.
+- Whole pages (`RegionSpec.whole_pages`): where both sides use one page size, such a region moves
+  whole pages, the partly filled last page included, so what moves is right whatever the kernel
+  keeps inside a page; where page sizes differ it pairs token by token through its planes.
 - Draft (MTP) regions are kept apart: their layer ids follow the target model's `num_layers`,
   and no layer id is both a target and a draft layer.
 - Kernel page rules (`PageRule`) are local constraints of this engine's kernels: they are NOT
@@ -22,13 +26,15 @@ Rules:
 - Layer ids are explicit: nothing assumes a region's layers are contiguous or start at 0.
 - Pure: standard library only (no I/O, no clock). Fields added after version 1 are written by
   `to_dict` only when they differ from their default, so older layouts keep their hash.
+
+Why this file is a little over 600 lines: it is one data model (planes, regions, packed rows
+and the layout that holds them), each class with its own validation and (de)serialisation, which
+must change together when a field is added; how two layouts compare is `compare`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -166,6 +172,8 @@ class RegionSpec:
     tokens_per_row: int = 1  # index_kpool: tokens whose state one row holds
     empty_layers: tuple[int, ...] = ()  # layers holding 0 rows on this rank (item length 0)
     draft: bool = False  # a draft (MTP) model's region, layer ids after the target model's
+    # equal page sizes on both sides: move whole pages (the last one too, partly filled)
+    whole_pages: bool = False
     placement: RowPlacement | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +203,8 @@ class RegionSpec:
         if list(self.empty_layers) != sorted(set(self.empty_layers)):
             raise ConfigError(f"region {self.name!r}.empty_layers: must be sorted ascending, "
                               "without duplicates")
-        if self.tp_split is TPSplit.HEAD_SHARDED:
+        if self.tp_split is TPSplit.HEAD_SHARDED and len(self.planes) == 1:
+            # one plane holding every local head (token-major pages): heads slice it evenly
             for p in self.planes:
                 if p.bytes_per_token % self.num_heads:
                     raise ConfigError(
@@ -293,6 +302,8 @@ class RegionSpec:
             d["empty_layers"] = list(self.empty_layers)
         if self.draft:
             d["draft"] = True
+        if self.whole_pages:
+            d["whole_pages"] = True
         return d
 
 
@@ -491,6 +502,7 @@ class LayoutSpec:
                     tokens_per_row=_opt(rd, "tokens_per_row", int, where, 1),
                     empty_layers=tuple(empty),
                     draft=_opt(rd, "draft", bool, where, False),
+                    whole_pages=_opt(rd, "whole_pages", bool, where, False),
                 )
             )
         rows = []
@@ -559,12 +571,6 @@ class LayoutSpec:
         return self.with_page_size(1).tp_invariant().unpacked()
 
 
-def layout_compat_diff(mine: LayoutSpec, theirs: LayoutSpec,
-                       names: tuple[str, str] = ("prefill", "decode")) -> list[str]:
-    """`layout_diff` of the `compat_form`s: what makes two layouts unable to hand off."""
-    return layout_diff(mine.compat_form(), theirs.compat_form(), names)
-
-
 def _int_list(v: list[Any], where: str) -> list[int]:
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise ConfigError(f"{where}: expected a list of integers")
@@ -582,61 +588,6 @@ def _get(d: dict[str, Any], key: str, typ: type, where: str) -> Any:
 
 def _opt(d: dict[str, Any], key: str, typ: type, where: str, default: Any) -> Any:
     return _get(d, key, typ, where) if key in d else default
-
-
-def layout_hash(spec: LayoutSpec) -> str:
-    """`LAYOUT_VERSION` + sha256 of the canonical JSON of the layout (``"v1:<hex>"``)."""
-    canon = json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{canon}".encode()).hexdigest()
-    return f"v{LAYOUT_VERSION}:{digest}"
-
-
-def layout_diff(
-    a: LayoutSpec, b: LayoutSpec, names: tuple[str, str] = ("prefill", "decode")
-) -> list[str]:
-    """Each field that differs, as ``path: <a-name>=<value> <b-name>=<value>``; [] when equal."""
-    out: list[str] = []
-    _diff(a.to_dict(), b.to_dict(), "", names, out)
-    return out
-
-
-def _diff(x: Any, y: Any, path: str, names: tuple[str, str], out: list[str]) -> None:
-    na, nb = names
-    if isinstance(x, dict) and isinstance(y, dict):
-        for k in sorted(set(x) | set(y)):
-            sub = f"{path}.{k}" if path else k
-            if k not in x or k not in y:
-                out.append(f"{sub}: {na}={x.get(k, '<absent>')!r} {nb}={y.get(k, '<absent>')!r}")
-            else:
-                _diff(x[k], y[k], sub, names, out)
-        return
-    if isinstance(x, list) and isinstance(y, list):
-        if path.endswith("regions") or path.endswith("planes"):
-            # name-keyed lists: compare by name so one missing region is one line, not many
-            xa = {e["name"]: e for e in x if isinstance(e, dict)}
-            ya = {e["name"]: e for e in y if isinstance(e, dict)}
-            if [e["name"] for e in x] != [e["name"] for e in y]:
-                if set(xa) != set(ya):
-                    out.append(f"{path}: {na}={sorted(xa)} {nb}={sorted(ya)}")
-                else:
-                    out.append(f"{path} order: {na}={list(xa)} {nb}={list(ya)}")
-            for k in [n for n in xa if n in ya]:
-                idx = list(xa).index(k)
-                # regions are named by their name alone: "indexer_k.planes[1].bytes_per_token"
-                sub = f"{path}[{idx}]" if path.endswith("planes") else k
-                _diff(xa[k], ya[k], sub, names, out)
-            return
-        if x != y:
-            out.append(f"{path}: {na}={_short(x)} {nb}={_short(y)}")
-        return
-    if x != y:
-        out.append(f"{path}: {na}={x!r} {nb}={y!r}")
-
-
-def _short(v: list[Any]) -> str:
-    if len(v) <= 12:
-        return repr(v)
-    return f"[{', '.join(map(repr, v[:6]))}, ... {len(v)} items]"
 
 
 def infer_packed_row(layout: LayoutSpec, name: str, regions: tuple[str, ...], *,

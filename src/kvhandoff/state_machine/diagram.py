@@ -10,7 +10,6 @@ failure event they are written ``any failure event`` and listed once in a commen
 
 from __future__ import annotations
 
-from kvhandoff.state_machine.events import Event, KVPoll
 from kvhandoff.state_machine.transitions import (
     FAILURE_EVENTS,
     INITIAL,
@@ -18,6 +17,7 @@ from kvhandoff.state_machine.transitions import (
     TERMINAL,
     TRANSITIONS,
 )
+from kvhandoff.state_machine.vocabulary import Event, KVPoll
 
 ANY_FAILURE = "any failure event"
 _LIFE_ORDER = (

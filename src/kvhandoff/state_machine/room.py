@@ -5,7 +5,7 @@ Rules:
   source, the same source for the whole life of the machine) with every event; the machine
   stores *absolute* deadlines computed from the durations in `DeadlineConfig`.
 - The caller asks `next_deadline()` to know when to wake up and `expired(now)` to know what
-  passed, then feeds `DeadlineExpired(which)`. A `DeadlineExpired` for a deadline that is no
+  passed, then feeds `DeadlinePassed(which)`. A `DeadlinePassed` for a deadline that is no
   longer armed, or not yet due at `now` (a timer that raced with progress), is stale: ignored,
   `apply` returns False.
 - Where a room may go is `TRANSITIONS`' business (see `transitions.py`); this class adds the
@@ -30,11 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from kvhandoff.errors import ConfigError, InvalidTransition
-from kvhandoff.state_machine.events import (
+from kvhandoff.state_machine.transitions import INITIAL, next_state
+from kvhandoff.state_machine.vocabulary import (
     AllLayersAcked,
     AllLayersLanded,
     Deadline,
-    DeadlineExpired,
+    DeadlinePassed,
     Event,
     FailureEvent,
     KVPoll,
@@ -45,7 +46,6 @@ from kvhandoff.state_machine.events import (
     Role,
     TransferAccepted,
 )
-from kvhandoff.state_machine.transitions import INITIAL, next_state
 
 # The deadline that belongs to each state: armed on entering it, cleared on leaving it.
 _STATE_DEADLINE: dict[KVPoll, Deadline] = {
@@ -166,6 +166,13 @@ class RoomMachine:
         due = [d for d, when in self._deadlines.items() if when <= now]
         return sorted(due, key=lambda d: (self._deadlines[d], _ORDER[d]))
 
+    def progressed(self, now: float) -> None:
+        """Part of a layer moved (a chunk of a chunked prefill): the stall deadline, when
+        armed, counts from `now` (whole layers re-arm it through `LayerSent` / `LayerLanded`,
+        and they land only after the last chunk)."""
+        if Deadline.TRANSFER_STALL in self._deadlines:
+            self._arm(Deadline.TRANSFER_STALL, now)
+
     def _arm(self, which: Deadline, now: float) -> None:
         duration = self._config.duration_s(which)
         if duration is not None:
@@ -178,7 +185,7 @@ class RoomMachine:
 
         Returns:
             Whether anything changed (state, layers, deadlines, peer). False for any event in
-            a terminal state (ignored), a stale `DeadlineExpired`, a repeated `PeerMatched`,
+            a terminal state (ignored), a stale `DeadlinePassed`, a repeated `PeerMatched`,
             or a `LeaseRenewed` when no lease is configured.
 
         Raises:
@@ -186,7 +193,7 @@ class RoomMachine:
         """
         if self.state.is_terminal:
             return False
-        if isinstance(event, DeadlineExpired):
+        if isinstance(event, DeadlinePassed):
             when = self._deadlines.get(event.which)
             if when is None or when > now:
                 return False

@@ -29,23 +29,23 @@ from types import MappingProxyType
 from typing import Final
 
 from kvhandoff.errors import InvalidTransition
-from kvhandoff.state_machine.events import (
-    Aborted,
+from kvhandoff.state_machine.vocabulary import (
     AllLayersAcked,
     AllLayersLanded,
-    ChecksumMismatch,
-    DeadlineExpired,
+    ChecksumsDiffered,
+    DeadlinePassed,
     Event,
     FailureEvent,
     KVPoll,
     LayerLanded,
     LayerSent,
-    LayoutMismatch,
+    LayoutsDiffered,
     LeaseRenewed,
-    PeerLost,
+    PeerFailedRoom,
     PeerMatched,
-    RemoteFailed,
+    PeerWasLost,
     Role,
+    RoomAborted,
     TransferAccepted,
 )
 
@@ -54,12 +54,12 @@ TERMINAL: Final = frozenset({KVPoll.Success, KVPoll.Failed})
 NON_TERMINAL: Final = tuple(s for s in KVPoll if s not in TERMINAL)
 
 FAILURE_EVENTS: Final[tuple[type[FailureEvent], ...]] = (
-    Aborted,
-    DeadlineExpired,
-    PeerLost,
-    ChecksumMismatch,
-    LayoutMismatch,
-    RemoteFailed,
+    RoomAborted,
+    DeadlinePassed,
+    PeerWasLost,
+    ChecksumsDiffered,
+    LayoutsDiffered,
+    PeerFailedRoom,
 )
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring

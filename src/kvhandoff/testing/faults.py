@@ -9,8 +9,11 @@
   one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
   `receive_corruption=True` (what `from_config` sets for a decode with corruptions) makes a
   decode offer no buffers for writes, so its corruptions act on the two-sided receives.
+  `hang_connect` makes a connect to the named peers wait as one to a peer that never
+  answers; `fail_cancel` makes cancel() raise after forwarding, as a copy that did not stop.
 - `MessageFaults(...)` is an agent `effect_filter`: drop control messages of some kinds, delay
-  every message, or send no heartbeats.
+  every message (it holds them and hands them back to the driver when due), or send no
+  heartbeats.
 - `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.sim` with
   the faults of the config's ``"faults"`` key (`from_config`), for tests with real processes.
 
@@ -20,6 +23,8 @@ leave the transfer core.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -32,9 +37,16 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.effects import Delayed, Effect, Send
-from kvhandoff.transfer.transports.base import OnDone, OnWritten, Transport, TransportStatus
+from kvhandoff.kv_layout.spans import SpanPlan, plan_of
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import Effect, Send
+from kvhandoff.transports.base import (
+    OnDone,
+    OneSidedTransport,
+    OnWritten,
+    Transport,
+    TransportStatus,
+)
 
 log = logging.getLogger("kvhandoff.testing.faults")
 
@@ -67,15 +79,33 @@ class FaultLog:
     corrupted: list[tuple[int, str, int]] = field(default_factory=list)  # (layer, region, off)
     stalled: int = 0
     failed: int = 0
+    hung_connects: int = 0
+    failed_cancels: int = 0
 
 
 class FaultyTransport(Transport):
-    """A `Transport` that forwards to `inner` and injects the configured faults."""
+    """A `Transport` that forwards to `inner` and injects the configured faults; a
+    `FaultyOneSidedTransport` (one-sided writes forwarded) when `inner` has them and
+    `receive_corruption` is off."""
+
+    def __new__(cls, inner: Transport, **kw: Any) -> FaultyTransport:  # noqa: D102
+        if (cls is FaultyTransport and isinstance(inner, OneSidedTransport)
+                and not kw.get("receive_corruption")):
+            cls = FaultyOneSidedTransport
+        return super().__new__(cls)
 
     def __init__(self, inner: Transport, *, corrupt: Iterable[Corrupt] = (),  # noqa: D107
                  stall_layers: Iterable[int] = (), fail_layers: Iterable[int] = (),
-                 crash_layer: int | None = None, receive_corruption: bool = False) -> None:
+                 crash_layer: int | None = None, receive_corruption: bool = False,
+                 hang_connect: Iterable[str] = (), fail_cancel: str | None = None) -> None:
         self.inner = inner
+        # a connect to one of these peers (control addresses) waits, as one to a peer that
+        # never answers, until `release_connects()` or close(), then fails
+        self.hang_connect = set(hang_connect)
+        self._unhang = threading.Event()
+        # cancel() raises TransportError(fail_cancel) after forwarding: a copy that did not
+        # stop (what shm raises when a local copy outlives its bound)
+        self.fail_cancel = fail_cancel
         self.kind = inner.kind  # type: ignore[misc]  # the wrapped transport's kind
         self._corrupt = list(corrupt)
         self._stall = frozenset(stall_layers)
@@ -88,11 +118,10 @@ class FaultyTransport(Transport):
         # one-sided writes: forwarded when the inner transport has them; a corruption is a
         # second 1-byte write of a flipped source byte after the real one landed (so the
         # writer's checksum is of the true bytes and the landed ones differ)
-        self.supports_write = inner.supports_write  # type: ignore[misc]
-        if receive_corruption:  # a decode that corrupts what it receives offers no buffers
-            self.supports_write = False  # type: ignore[misc]
+        # (a FaultyOneSidedTransport, see __new__); a decode that corrupts what it receives
+        # offers no buffers (receive_corruption: a plain FaultyTransport)
         self._scratch = np.zeros(1, dtype=np.uint8)
-        if inner.supports_write and self._corrupt:
+        if isinstance(self, OneSidedTransport) and self._corrupt:
             inner.register(SCRATCH, self._scratch)
 
     # --- plain forwarding --------------------------------------------------------------------
@@ -106,7 +135,15 @@ class FaultyTransport(Transport):
         self.inner.register(name, buf)
 
     def connect(self, peer: str, address: bytes) -> None:
+        if peer in self.hang_connect:
+            self.log.hung_connects += 1
+            self._unhang.wait()
+            raise TransportError(f"connect {peer!r}: the peer never answered (fault)")
         self.inner.connect(peer, address)
+
+    def release_connects(self) -> None:
+        """Ends the connects `hang_connect` holds (they fail)."""
+        self._unhang.set()
 
     def disconnect(self, peer: str) -> None:
         self._complete_held(lambda h: h.peer == peer, "disconnected")
@@ -115,23 +152,18 @@ class FaultyTransport(Transport):
     def status(self) -> TransportStatus:
         return self.inner.status()
 
-    def describe(self, name: str) -> bytes:
-        return self.inner.describe(name)
-
-    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
-        self.inner.register_remote(peer, name, descriptor)
-
-    def fence(self, peer: str, on_done: OnDone) -> None:
-        self.inner.fence(peer, on_done)
-
     def peer_exited(self, peer: str) -> bool:
         return self.inner.peer_exited(peer)
 
     def cancel(self, peer: str, tag: int) -> None:
         self._complete_held(lambda h: h.peer == peer and h.tag == tag, "cancelled")
         self.inner.cancel(peer, tag)
+        if self.fail_cancel is not None:
+            self.log.failed_cancels += 1
+            raise TransportError(f"cancel tag {tag} peer {peer!r}: {self.fail_cancel} (fault)")
 
     def close(self) -> None:
+        self._unhang.set()
         self._complete_held(lambda h: True, "transport closed")
         self.inner.close()
 
@@ -158,39 +190,6 @@ class FaultyTransport(Transport):
                   on_done: OnDone) -> None:
         if not self._outgoing_fault(peer, tag, on_done):
             self.inner.post_send(peer, tag, name, offsets, nbytes, on_done)
-
-    def post_write(self, peer: str, tag: int, name: str, offsets: np.ndarray,
-                   nbytes: np.ndarray, remote: str, remote_offsets: np.ndarray,
-                   remote_nbytes: np.ndarray, on_done: OnWritten, *,
-                   checksum: bool = False) -> None:
-        if self._outgoing_fault(peer, tag, lambda exc: on_done(exc, None)):
-            return
-        _, layer, _, _ = P.split_tag(tag)
-        region = name.rsplit("/", 1)[0]
-        spec = next((c for c in self._corrupt if c.layer == layer and c.region == region), None)
-        if spec is None or not len(offsets) or not len(remote_offsets):
-            self.inner.post_write(peer, tag, name, offsets, nbytes, remote, remote_offsets,
-                                  remote_nbytes, on_done, checksum=checksum)
-            return
-        src, dst = int(offsets[0]), int(remote_offsets[0])
-
-        def landed(exc: BaseException | None, digest: int | None) -> None:
-            with self._lock:
-                fire = exc is None and spec.times > 0
-                spec.times -= fire
-            if not fire:
-                on_done(exc, digest)
-                return
-            self._scratch[0] = self._bufs[name][src] ^ 0xFF
-            self.log.corrupted.append((layer, region, dst))
-            log.warning("fault injection: flipping byte %d of the peer's %s", dst, remote)
-            one = np.ones(1, dtype=np.int64)
-            self.inner.post_write(peer, tag, SCRATCH, np.zeros(1, dtype=np.int64), one, remote,
-                                  np.array([dst], dtype=np.int64), one,
-                                  lambda e, _d: on_done(e, digest))
-
-        self.inner.post_write(peer, tag, name, offsets, nbytes, remote, remote_offsets,
-                              remote_nbytes, landed, checksum=checksum)
 
     def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:
@@ -232,6 +231,58 @@ class FaultyTransport(Transport):
             self._fail_later(h.on_done, f"stalled op {why}")
 
 
+
+class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
+    """FaultyTransport over a transport with one-sided writes: they are forwarded, and a
+    corruption is a second 1-byte write of a flipped source byte after the real one landed
+    (so the writer's checksum is of the true bytes and the landed ones differ)."""
+
+    @property
+    def _writer(self) -> OneSidedTransport:
+        assert isinstance(self.inner, OneSidedTransport)
+        return self.inner
+
+    def describe(self, name: str) -> bytes:
+        return self._writer.describe(name)
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        self._writer.register_remote(peer, name, descriptor)
+
+    def write_digest_alg(self, name: str) -> str | None:
+        return self._writer.write_digest_alg(name)
+
+    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
+        return self._writer.landed_digest(peer, remote, plan)
+
+    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                   on_done: OnWritten, *, checksum: bool = False) -> None:
+        if self._outgoing_fault(peer, tag, lambda exc: on_done(exc, None)):
+            return
+        _, layer, _, _ = P.split_tag(tag)
+        region = name.rsplit("/", 1)[0]
+        spec = next((c for c in self._corrupt if c.layer == layer and c.region == region), None)
+        if spec is None or not len(plan):
+            self._writer.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
+            return
+        src, dst = int(plan.src_offsets[0]), int(plan.dst_offsets[0])
+
+        def landed(exc: BaseException | None, digest: int | None) -> None:
+            with self._lock:
+                fire = exc is None and spec.times > 0
+                spec.times -= fire
+            if not fire:
+                on_done(exc, digest)
+                return
+            self._scratch[0] = self._bufs[name][src] ^ 0xFF
+            self.log.corrupted.append((layer, region, dst))
+            log.warning("fault injection: flipping byte %d of the peer's %s", dst, remote)
+            self._writer.post_write(peer, tag, SCRATCH, remote, plan_of([0], [dst], [1]),
+                                  lambda e, _d: on_done(e, digest))
+
+        self._writer.post_write(peer, tag, name, remote, plan, landed, checksum=checksum)
+
+
+
 class MessageFaults:
     """An agent `effect_filter` for control messages: `drop` names message classes
     (``"RoomAck"``, ``"LayerDone"``...) to drop (at most `drop_times` of them, None: all),
@@ -245,8 +296,11 @@ class MessageFaults:
         self.refuse_heartbeats = refuse_heartbeats
         self.dropped: list[str] = []
         self._lock = threading.Lock()
+        # delayed messages: (due, seq, effect); only the driver's thread touches it
+        self._held: list[tuple[float, int, Effect]] = []
+        self._seq = itertools.count()
 
-    def __call__(self, eff: Effect) -> list[Effect]:
+    def __call__(self, eff: Effect, now: float) -> list[Effect]:
         if not isinstance(eff, Send):
             return [eff]
         kind = type(eff.msg).__name__
@@ -260,8 +314,19 @@ class MessageFaults:
                     self.dropped.append(kind)
                     return []
         if self.delay_s:
-            return [Delayed(self.delay_s, eff)]
+            heapq.heappush(self._held, (now + self.delay_s, next(self._seq), eff))
+            return []
         return [eff]
+
+    def due(self, now: float) -> list[Effect]:
+        """The delayed messages due by `now`, in the order they were held."""
+        out = []
+        while self._held and self._held[0][0] <= now:
+            out.append(heapq.heappop(self._held)[2])
+        return out
+
+    def next_due(self) -> float | None:
+        return self._held[0][0] if self._held else None
 
 
 def from_config(faults: dict[str, Any], inner: Transport, role: str = "") -> dict[str, Any]:
@@ -287,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     """`kvhandoff.sim` with the faults of the config's ``"faults"`` key."""
     from kvhandoff import sim
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer.transports.base import load_transport
+    from kvhandoff.transports.base import load_transport
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:

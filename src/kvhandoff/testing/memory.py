@@ -21,19 +21,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvhandoff.buffers.bufferset import BufferSet, allocate
+from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.errors import Failure
 from kvhandoff.kv_layout import LayoutSpec, layout_hash
-from kvhandoff.settings import Settings
-from kvhandoff.state_machine import KVPoll, Role
-from kvhandoff.testing.clock import FakeClock
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.buffers import BufferSet, allocate
-from kvhandoff.transfer.checksum import span_checksum
-from kvhandoff.transfer.effects import (
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import (
     Cancel,
     Connect,
-    Delayed,
     DropPeer,
     Effect,
     HashSpans,
@@ -46,8 +42,11 @@ from kvhandoff.transfer.effects import (
     RoomUpdate,
     Send,
 )
-from kvhandoff.transfer.handshake import Identity
-from kvhandoff.transfer.session import TransferSession
+from kvhandoff.protocol.handshake import Identity
+from kvhandoff.protocol.session import TransferSession
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll, Role
+from kvhandoff.testing.clock import FakeClock
 
 
 @dataclass
@@ -102,6 +101,16 @@ class MemoryWire:
         self._hold: list[Callable[[str, str, Any], bool]] = []
         self._corrupt: list[tuple[int, str]] = []
         self.refuse_writes: str | None = None  # RegisterRemote answers this error when set
+        # Connects to these peers are never answered (kept in `hung`), as a transport
+        # connect that waits on a peer which never answers
+        self.hang_connect: set[str] = set()
+        self.hung: list[tuple[Side, ev.Event]] = []
+        # Cancel answers this error when set (a copy that did not stop); the cancelled ops
+        # still complete with an error, as the transports' do
+        self.fail_cancel: str | None = None
+        # writes complete only at `release_writes()` (in flight until then)
+        self.hold_writes = False
+        self._writes_held: list[tuple[Side, str, int, ev.Event]] = []
         self.exited: set[str] = set()  # sides whose "process" ended (Transport.peer_exited)
 
     # ------------------------------------------------------------------ building
@@ -201,16 +210,24 @@ class MemoryWire:
         elif isinstance(eff, RegisterRemote):
             error = self.refuse_writes or (None if eff.peer in self.sides else
                                            f"no such peer {eff.peer}")
-            self.feed(side, ev.RemoteRegistered(eff.peer, error))
+            self.completions.append((side, ev.RemoteRegistered(eff.peer, error)))
         elif isinstance(eff, Cancel):
             self._cancel(lambda k, s: s.side is side and eff.peer in k[:2] and k[2] == eff.tag)
+            self._cancel_writes(side, eff.peer, eff.tag)
+            self.completions.append((side, ev.Cancelled(eff.peer, eff.tag, self.fail_cancel)))
         elif isinstance(eff, DropPeer):
             if eff.peer in self.exited:
                 self.completions.append((side, ev.PeerExited(eff.peer, eff.gen)))
             self._cancel(lambda k, s: s.side is side and eff.peer in k[:2])
+            self._cancel_writes(side, eff.peer, None)
+            self.completions.append((side, ev.Cancelled(eff.peer, None, None)))
         elif isinstance(eff, Connect):
-            self.feed(side, ev.Connected(eff.peer, None if eff.peer in self.sides else
-                                         f"no such peer {eff.peer}"))
+            answer = ev.Connected(eff.peer, None if eff.peer in self.sides else
+                                  f"no such peer {eff.peer}", eff.gen)
+            if eff.peer in self.hang_connect:  # a peer whose transport never answers
+                self.hung.append((side, answer))
+            else:
+                self.completions.append((side, answer))
         elif isinstance(eff, HashSpans):
             sums = tuple(span_checksum(side.buffers[b], o, n) for b, o, n in eff.spans)
             self.completions.append((side, ev.Hashed(eff.job, sums)))
@@ -221,8 +238,6 @@ class MemoryWire:
             self._view(side, eff.token).releases += 1
         elif isinstance(eff, Log):
             side.log.append(eff.message)
-        elif isinstance(eff, Delayed):
-            raise AssertionError("no effect filter here")
 
     def _view(self, side: Side, token: object) -> View:
         assert isinstance(token, int), "MemoryWire tokens are room ids"
@@ -266,16 +281,35 @@ class MemoryWire:
             self.completions.append((side, ev.Written(eff.op, f"peer {eff.peer} is gone")))
             return
         src, dst = side.buffers[eff.buffer], dest.buffers[eff.buffer]
-        for so, do, n in zip(eff.offsets.tolist(), eff.remote_offsets.tolist(),
-                             eff.nbytes.tolist(), strict=True):
+        plan = eff.plan
+        for so, do, n in plan:
             dst[do:do + n] = src[so:so + n]
         _, layer, _, _ = P.split_tag(eff.tag)
         region = eff.buffer.rsplit("/", 1)[0]
-        if (layer, region) in self._corrupt and len(eff.offsets):
+        if (layer, region) in self._corrupt and len(plan):
             self._corrupt.remove((layer, region))
-            dst[int(eff.remote_offsets[0])] ^= 0xFF
-        digest = span_checksum(src, eff.offsets, eff.nbytes) if eff.checksum else None
-        self.completions.append((side, ev.Written(eff.op, None, digest)))
+            dst[int(plan.dst_offsets[0])] ^= 0xFF
+        digest = span_checksum(src, plan.src_offsets, plan.nbytes) if eff.checksum else None
+        done = ev.Written(eff.op, None, digest)
+        if self.hold_writes:
+            self._writes_held.append((side, eff.peer, eff.tag, done))
+        else:
+            self.completions.append((side, done))
+
+    def release_writes(self) -> None:
+        """Completes the writes `hold_writes` kept in flight."""
+        self.hold_writes = False
+        for side, _, _, done in self._writes_held:
+            self.completions.append((side, done))
+        self._writes_held.clear()
+
+    def _cancel_writes(self, side: Side, peer: str, tag: int | None) -> None:
+        """Held writes of (peer, tag) complete with an error (the cancel's on_done)."""
+        for item in [w for w in self._writes_held
+                     if w[0] is side and w[1] == peer and tag in (None, w[2])]:
+            self._writes_held.remove(item)
+            assert isinstance(item[3], ev.Written)
+            self.completions.append((side, ev.Written(item[3].op, "cancelled")))
 
     def _cancel(self, which: Callable[[tuple[str, str, int], _Op], bool]) -> None:
         for table in (self._sends, self._recvs):

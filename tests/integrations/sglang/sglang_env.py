@@ -2,8 +2,8 @@
 SGLang importable (`sglang_cpu_import`), the kvhandoff plugin loaded through SGLang's own plugin
 loader (the installed entry point), SGLang's process-wide runtime context set from a real
 ``ServerArgs`` (ranks stated as a launcher would publish them), and ``KVArgs`` over CPU tensors
-shaped like GLM-5.3 (fp8_ds_mla main KV: 656 B/token/layer; DSA indexer K: 128 + 4 B/token on a
-subset of layers; SGLang's metadata buffers), at small sizes.
+from SGLang's own pool objects (`sglang_pools`: ``DSATokenToKVPool`` with its ``IndexKeyCache``,
+the MTP draft pool, ``MetadataBuffers``, constructed on CPU) and filled by SGLang's own functions.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import sglang_pools
 
 FULL_SIZE = os.environ.get("KVH_SGLANG_SHAPE") == "glm-5.3"  # bench_sglang_pair.py
-PAGE = 64 if FULL_SIZE else 8  # tokens per page
-PAGES = 80 if FULL_SIZE else 48  # pages per buffer
-MAIN_LAYERS = 78 if FULL_SIZE else 6
-INDEXER_LAYERS = 21 if FULL_SIZE else 3  # GLM-5.3 has an indexer on some layers only
+# the SGLang pool configuration of this process (sglang_pools.CONFIGS); the pair test runs
+# its workers with each of the GLM-5.3 ones
+CONFIG = os.environ.get("KVH_SGLANG_CONFIG") or ("glm-5.3" if FULL_SIZE else "small")
+# tokens per page (SGLang's DSA pool: 64-token physical indexer pages, x index_kpool)
+PAGE = sglang_pools.CONFIGS[CONFIG].page
 MAIN_BPT = 656  # fp8_ds_mla bytes per token per layer (GLM-5.3)
 INDEXER_BPT = 128 + 4  # fp8 key + fp32 scale per token (GLM-5.3)
-AUX_ITEMS = (16, 64)  # bytes per request slot of two SGLang metadata buffers
-AUX_SLOTS = 8
 DTYPE = "fp8_e4m3"
 
 
@@ -50,6 +50,13 @@ def load_plugins() -> None:
     sglang_load_plugins()
 
 
+def kv_class(kind: str) -> Any:
+    """SGLang's ``get_kv_class`` for the kvhandoff backend (`kind`: MANAGER, SENDER, ...)."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    return get_kv_class(TransferBackend("kvhandoff"), getattr(KVClassType, kind))
+
+
 def server_args(mode: str, bootstrap_port: int) -> Any:
     """A real ``ServerArgs`` published as this process's runtime context (rank 0 of TP1)."""
     from sglang.srt import runtime_context as rc
@@ -66,61 +73,98 @@ def server_args(mode: str, bootstrap_port: int) -> Any:
 
 @dataclass
 class Pools:
-    main: list[Any]  # per layer: uint8 tensor [PAGES, PAGE * MAIN_BPT]
-    indexer: list[Any]
-    aux: list[Any]  # per metadata buffer: uint8 tensor [AUX_SLOTS, item]
+    """SGLang's pools (`sglang_pools`) and byte views of them the workers fill and check."""
+
+    sglang: Any  # sglang_pools.Pools
+    main: list[Any]  # per main-KV buffer (target, then draft): uint8 [pages, PAGE * 656]
+    indexer: list[Any]  # per live indexer buffer (target, then draft): uint8 [pages, item]
+    tail: list[Any]  # per live kpool tail buffer (keys then scores): uint8 [rows, slots * 256]
+    aux: list[Any]  # per metadata buffer: uint8 [slots, item]
 
 
-def pools() -> Pools:
+def _bytes(t: Any, rows: int) -> Any:
+    """A uint8 [rows, -1] view of `t` (SGLang's memory, no copy)."""
     import torch
 
-    return Pools(
-        main=[torch.zeros(PAGES, PAGE * MAIN_BPT, dtype=torch.uint8) for _ in range(MAIN_LAYERS)],
-        indexer=[torch.zeros(PAGES, PAGE * INDEXER_BPT, dtype=torch.uint8)
-                 for _ in range(INDEXER_LAYERS)],
-        aux=[torch.zeros(AUX_SLOTS, n, dtype=torch.uint8) for n in AUX_ITEMS],
-    )
+    return t.view(torch.uint8).reshape(rows, -1) if t.numel() else t.view(torch.uint8)
+
+
+def pools(config: str | None = None, *, pages: int | None = None) -> Pools:
+    """SGLang's pools of `config` (default `CONFIG`) on CPU and byte views of them."""
+    import sglang_pools as P
+
+    sp = P.pools(config or CONFIG, pages=pages)
+    targets = [sp.target] + ([sp.draft] if sp.draft is not None else [])
+    ps = sp.target.page_size
+    main = [_bytes(b, b.shape[0] // ps) for pool in targets for b in pool.kv_buffer]
+    indexer = [b for pool in targets for b in pool.index_key_cache.buffer if b.shape[0]]
+    tail: list[Any] = []
+    for part in ("_compress_tail_k", "_compress_tail_score"):
+        for pool in targets:
+            tail += [_bytes(b, b.shape[0]) for b in (getattr(pool, part, None) or [])
+                     if b.shape[0]]
+    aux = [_bytes(t, t.shape[0]) for t in _aux_tensors(sp.metadata)]
+    return Pools(sglang=sp, main=main, indexer=indexer, tail=tail, aux=aux)
+
+
+def _aux_tensors(meta: Any) -> list[Any]:
+    """The tensors of SGLang's ``MetadataBuffers`` in ``get_buf_infos`` order (matched by data
+    pointer)."""
+    by_ptr = {v.data_ptr(): v for v in vars(meta).values()
+              if hasattr(v, "data_ptr") and hasattr(v, "numel")}
+    return [by_ptr[x] for x in meta.get_buf_infos()[0]]
 
 
 def kv_args(p: Pools) -> Any:
-    """SGLang's ``KVArgs`` as its scheduler fills them, over the CPU pools."""
-    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+    """SGLang's ``KVArgs`` as its scheduler fills them, from SGLang's own pools."""
+    import sglang_pools as P
 
-    a = KVArgs()
-    a.engine_rank = 0
-    a.pp_rank = 0
-    a.system_dp_rank = 0
-    a.rust_http_port = None
-    a.kv_cache_dtype_str = DTYPE
-    a.kv_layout = None
-    a.prefill_start_layer = 0
-    a.prefill_end_layer = MAIN_LAYERS
-    a.kv_data_ptrs = [t.data_ptr() for t in p.main]
-    a.kv_data_lens = [t.numel() for t in p.main]
-    a.kv_item_lens = [t.shape[1] for t in p.main]
-    a.kv_layer_ids = list(range(MAIN_LAYERS))
-    a.num_draft_entries = 0
-    a.page_size = PAGE
-    a.aux_data_ptrs = [t.data_ptr() for t in p.aux]
-    a.aux_data_lens = [t.numel() for t in p.aux]
-    a.aux_item_lens = [t.shape[1] for t in p.aux]
-    a.ib_device = None
-    a.gpu_id = 0
-    a.state_types = [StateType.DSA]
-    a.state_data_ptrs = [[t.data_ptr() for t in p.indexer]]
-    a.state_data_lens = [[t.numel() for t in p.indexer]]
-    a.state_item_lens = [[t.shape[1] for t in p.indexer]]
-    a.state_layer_ids = [[]]
-    a.state_dim_per_tensor = [[]]
-    a.state_slice_outer_counts = [[]]
-    a.state_conv_shard_groups = [[]]
-    a.is_hybrid_mla_backend = False
-    a.swa_kv_cache_layout = None
-    a.mla_compression_ratios = None
-    return a
+    return P.kv_args(p.sglang)
+
+
+MAIN_LAYERS = {"small": 6}.get(CONFIG, 78)
+INDEXER_LAYERS = {"small": 3}.get(CONFIG, 21)  # GLM-5.3 has an indexer on some layers only
 
 
 def page_bytes(kind: str, layer: int, page: int, room: int, nbytes: int) -> np.ndarray:
     """The deterministic content prefill writes in (kind, layer, page) for `room`."""
-    rng = np.random.default_rng([room, layer, page, {"main": 1, "indexer": 2, "aux": 3}[kind]])
+    rng = np.random.default_rng([room, layer, page,
+                                 {"main": 1, "indexer": 2, "aux": 3, "tail": 4}[kind]])
     return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def run_pair(port: int, **env: str) -> tuple[dict[str, dict[str, Any]], dict[str, str],
+                                            dict[str, int]]:
+    """Runs ``sglang_worker.py`` prefill and decode against the bootstrap server on `port` (UCX,
+    extra environment `env`); per role: its RESULT records by name, its output, its exit
+    code."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get(
+        "PYTHONPATH", "")]), KVHANDOFF_TRANSPORT="ucx", SGLANG_HOST_IP="127.0.0.1",
+        SGLANG_PLUGINS="kvhandoff", **env)
+    full.pop("KVHANDOFF_BOOTSTRAP_URL", None)
+    procs = {role: subprocess.Popen([sys.executable, str(here / "sglang_worker.py"), role,
+                                     str(port)], env=full, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+             for role in ("prefill", "decode")}
+    out: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    logs = {}
+    try:
+        for role, p in procs.items():
+            logs[role], _ = p.communicate(timeout=240)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for role, text in logs.items():
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                rec = json.loads(line[len("RESULT "):])
+                out[role][rec.get("name", "ready")] = rec
+    return out, logs, {role: int(p.returncode) for role, p in procs.items()}

@@ -29,21 +29,32 @@ DEADLINE_S = 30.0
 
 # src/dst: physical pages of the whole sequence (token page k -> page src[k] / dst[k])
 ROOMS: list[dict[str, Any]] = [
-    {"room": 7001, "name": "chunks", "seq": 40, "prefix": 0, "chunks": [2, 2, 1],
+    {"room": 7001, "name": "chunks", "seq": 320, "prefix": 0, "chunks": [2, 2, 1],
      "src": [5, 9, 3, 30, 31], "dst": [40, 2, 17, 18, 11], "aux": (1, 3)},
-    {"room": 7002, "name": "cached_prefix", "seq": 60, "prefix": 16, "chunks": [3, 3],
+    {"room": 7002, "name": "cached_prefix", "seq": 480, "prefix": 128, "chunks": [3, 3],
      "src": [1, 2, 3, 4, 6, 7, 8, 10], "dst": [20, 21, 22, 23, 24, 30, 31, 32], "aux": (2, 5)},
-    {"room": 7003, "name": "decode_abort", "seq": 24, "prefix": 0, "chunks": [3],
+    {"room": 7003, "name": "decode_abort", "seq": 192, "prefix": 0, "chunks": [3],
      "src": [12, 13, 14], "dst": [1, 3, 5], "aux": (0, 0)},
-    {"room": 7004, "name": "prefill_abort", "seq": 24, "prefix": 0, "chunks": [3],
+    {"room": 7004, "name": "prefill_abort", "seq": 192, "prefix": 0, "chunks": [3],
      "src": [15, 16, 17], "dst": [6, 7, 8], "aux": (4, 1)},
-    {"room": 7005, "name": "prefill_dies", "seq": 40, "prefix": 0, "chunks": [2, 3],
+    {"room": 7005, "name": "prefill_dies", "seq": 320, "prefix": 0, "chunks": [2, 3],
      "src": [20, 21, 22, 23, 24], "dst": [9, 10, 12, 13, 14], "aux": (3, 2)},
 ]
 
 
+if E.CONFIG != "small":  # the GLM-5.3 pools (78 layers, 21 live indexer layers, ...): a whole
+    # sequence and a cached prefix, within the pool's few pages; "aux" is also the request
+    # row of the kpool tail ring (seq % index_kpool live tail tokens)
+    _ps = 128 if E.CONFIG.endswith("kpool2") else 64
+    ROOMS = [
+        {"room": 7101, "name": "whole", "seq": 2 * _ps + 45, "prefix": 0, "chunks": [1, 2],
+         "src": [3, 0, 2], "dst": [1, 3, 0], "aux": (1, 3)},
+        {"room": 7102, "name": "cached_prefix", "seq": 3 * _ps - 1, "prefix": _ps,
+         "chunks": [2], "src": [0, 1, 2], "dst": [3, 2, 1], "aux": (4, 2)},
+    ]
+
 if E.FULL_SIZE:  # bench_sglang_pair.py: one GLM-5.3 request of 4,096 tokens in 4 chunks
-    ROOMS = [{"room": 9001, "name": "bench", "seq": 4096, "prefix": 0,
+    ROOMS = [{"room": 9001, "name": "bench", "seq": 32768, "prefix": 0,
               "chunks": [16, 16, 16, 16], "src": list(range(0, 64)),
               "dst": list(range(79, 15, -1)), "aux": (1, 2)}]
 
@@ -72,6 +83,28 @@ def failure_text(handle: Any) -> str | None:
     return None
 
 
+def tail_slots(p: E.Pools, r: dict[str, Any], row: int) -> tuple[list[int], list[int]]:
+    """SGLang's DSA_TAIL state indices of the room's request in `row`, and its live ring
+    slots in token order."""
+    import sglang_pools as P
+
+    if p.sglang.config.kpool <= 1:
+        return [], []
+    six = P.tail_indices(p.sglang, row, r["seq"])
+    if not six:
+        return [], []
+    _, o1, n1, o2, n2, _ = six
+    return six, [*range(o1, o1 + n1), *range(o2, o2 + n2)]
+
+
+def state_indices(p: E.Pools, r: dict[str, Any], pages: np.ndarray, row: int) -> list[Any]:
+    """``state_indices`` in ``state_types`` order: the DSA pages, then the kpool tail."""
+    out: list[Any] = [pages]
+    if p.sglang.config.kpool > 1:
+        out.append(tail_slots(p, r, row)[0])
+    return out
+
+
 def fill_prefill(p: E.Pools, r: dict[str, Any]) -> None:
     n_pages = math.ceil(r["seq"] / E.PAGE)
     for k in range(n_pages):
@@ -82,6 +115,11 @@ def fill_prefill(p: E.Pools, r: dict[str, Any]) -> None:
             t[page].copy_(_t(E.page_bytes("indexer", layer, k, r["room"], t.shape[1])))
     for i, t in enumerate(p.aux):
         t[r["aux"][0]].copy_(_t(E.page_bytes("aux", i, 0, r["room"], t.shape[1])))
+    _, slots = tail_slots(p, r, r["aux"][0])
+    for i, t in enumerate(p.tail):
+        for k, slot in enumerate(slots):
+            t[r["aux"][0], slot * 256:(slot + 1) * 256].copy_(
+                _t(E.page_bytes("tail", i, k, r["room"], 256)))
 
 
 def _t(a: np.ndarray) -> Any:
@@ -182,7 +220,8 @@ def run_prefill(port: int) -> None:
             # "chunks": each chunk comes with an event (SGLang's indices_event) that completes
             # only after send() returned: a send() that waited on it would never return
             ev = _ChunkEvent() if r["name"] == "chunks" else None
-            s.send(suffix[off:off + c], [suffix] if last else None,
+            s.send(suffix[off:off + c],
+                   state_indices(p, r, suffix, r["aux"][0]) if last else None,
                    num_kv_tokens=min(c * E.PAGE, r["seq"] - prefix - off * E.PAGE),
                    indices_event=ev)
             if ev is not None:
@@ -196,6 +235,9 @@ def run_prefill(port: int) -> None:
         emit(side="prefill", name=r["name"], seen=seen,
              failure=failure_text(s) if final == KVPoll.Failed else None,
              bytes=s.get_transfer_metric().transfer_total_bytes, tail_s=tail,
+             page_bytes=sum(int(t.shape[1]) for t in (*p.main, *p.indexer)),
+             # per agent room: KV, aux, then the kpool tail
+             room_bytes=[h.stats()["bytes"] for h in s._handles],
              memcpy_s=memcpy_baseline(p, suffix) if E.FULL_SIZE else None)
         s.clear()
     mgr.close()
@@ -234,8 +276,11 @@ def run_decode(port: int) -> None:
         for t in (*p.main, *p.indexer):
             for k in range(n_pages):  # the held prefix, and suffix pages with old content
                 t[r["dst"][k]].fill_(sentinel)
+        for t in p.tail:
+            t[r["aux"][1]].fill_(sentinel)
         suffix = np.asarray(r["dst"][prefix_pages:n_pages], dtype=np.int32)
-        rcv.send_metadata(suffix, r["aux"][1], [suffix], decode_prefix_len=r["prefix"])
+        rcv.send_metadata(suffix, r["aux"][1], state_indices(p, r, suffix, r["aux"][1]),
+                          decode_prefix_len=r["prefix"])
         if r["name"] == "decode_abort":
             rcv.abort()
         final = poll_until(rcv, lambda st: st in (KVPoll.Success, KVPoll.Failed), seen)
@@ -257,8 +302,18 @@ def run_decode(port: int) -> None:
                 if not np.array_equal(t[r["aux"][1]].numpy(),
                                       E.page_bytes("aux", i, 0, r["room"], t.shape[1])):
                     bad.append(f"aux{i}")
+            _, slots = tail_slots(p, r, r["aux"][1])
+            for i, t in enumerate(p.tail):
+                row = t[r["aux"][1]].numpy()
+                for slot in range(len(row) // 256):
+                    got = row[slot * 256:(slot + 1) * 256]
+                    want = (E.page_bytes("tail", i, slots.index(slot), r["room"], 256)
+                            if slot in slots else np.full(256, sentinel, np.uint8))
+                    if not np.array_equal(got, want):
+                        bad.append(f"tail{i}/slot{slot}")
             out["bad"] = bad
             out["pages_checked"] = n_pages
+            out["tail_slots"] = len(slots)
             rcv.clear()
         else:
             out["failure"] = failure_text(rcv)

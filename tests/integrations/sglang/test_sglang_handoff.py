@@ -9,48 +9,20 @@ by decode; an abort by prefill; a prefill process that dies between two chunks.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sglang_env as E
 
-HERE = Path(__file__).parent
 Failed, Bootstrapping, WaitingForInput, Transferring, Success = range(5)  # SGLang's KVPoll
 
 
 def _run_pair(port: int) -> tuple[dict[str, Any], dict[str, Any], int]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get(
-        "PYTHONPATH", "")]), KVHANDOFF_TRANSPORT="ucx", KVHANDOFF_HEARTBEAT_INTERVAL_S="0.2",
-        KVHANDOFF_LEASE_S="0.5",
-        SGLANG_HOST_IP="127.0.0.1", SGLANG_PLUGINS="kvhandoff")
-    env.pop("KVHANDOFF_BOOTSTRAP_URL", None)
-    procs = {role: subprocess.Popen([sys.executable, str(HERE / "sglang_worker.py"), role,
-                                     str(port)], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for role in ("prefill", "decode")}
-    out: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
-    logs = {}
-    try:
-        for role, p in procs.items():
-            logs[role], _ = p.communicate(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for role, text in logs.items():
-        for line in text.splitlines():
-            if line.startswith("RESULT "):
-                rec = json.loads(line[len("RESULT "):])
-                out[role][rec.get("name", "ready")] = rec
-    assert procs["decode"].returncode == 0, logs["decode"][-4000:]
+    out, logs, rc = E.run_pair(port, KVHANDOFF_HEARTBEAT_INTERVAL_S="0.2",
+                               KVHANDOFF_LEASE_S="0.5")
+    assert rc["decode"] == 0, logs["decode"][-4000:]
     assert "prefill_dies" in out["prefill"], logs["prefill"][-4000:]
-    return out["prefill"], out["decode"], procs["prefill"].returncode
+    return out["prefill"], out["decode"], rc["prefill"]
 
 
 def _monotonic_to(seen: list[int], final: int) -> None:
@@ -81,7 +53,10 @@ def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
     _monotonic_to(dec["chunks"]["seen"], Success)
     assert Transferring in dec["chunks"]["seen"]
     assert dec["chunks"]["bad"] == [] and dec["chunks"]["pages_checked"] == 5
-    assert pre["chunks"]["bytes"] == 5 * page_bytes
+    # the KV room moved main KV and indexer; SGLang's transfer metric counts every room of
+    # the request (KV and aux), as the agents' room timings do
+    assert pre["chunks"]["room_bytes"][0] == 5 * page_bytes
+    assert pre["chunks"]["bytes"] == sum(pre["chunks"]["room_bytes"])
     # chunked prefill streams: the main KV of the first two chunks (4 pages) had moved before
     # the last chunk's send() (the indexer and aux go with the last one)
     assert pre["streamed"]["want"] == 4 * E.MAIN_LAYERS * E.PAGE * E.MAIN_BPT
@@ -91,7 +66,8 @@ def test_sglang_pair_over_kvhandoff(sglang_loaded: None,
     # the held pages keep their content (checked byte by byte on decode)
     _monotonic_to(dec["cached_prefix"]["seen"], Success)
     assert dec["cached_prefix"]["bad"] == []
-    assert pre["cached_prefix"]["bytes"] == 6 * page_bytes
+    assert pre["cached_prefix"]["room_bytes"][0] == 6 * page_bytes
+    assert pre["cached_prefix"]["bytes"] == sum(pre["cached_prefix"]["room_bytes"])
 
     # decode aborts after its metadata: both sides Failed, with the reason
     _monotonic_to(dec["decode_abort"]["seen"], Failed)

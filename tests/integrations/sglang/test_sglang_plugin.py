@@ -5,6 +5,7 @@ that the backend cannot move are refused at startup, naming the state type."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import httpx
 import pytest
@@ -25,11 +26,9 @@ def test_backend_is_registered_through_sglangs_plugin_loader() -> None:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
-    from kvhandoff.integrations.sglang.conn import (
-        KVHandoffKVManager,
-        KVHandoffKVReceiver,
-        KVHandoffKVSender,
-    )
+    from kvhandoff.integrations.sglang.conn import KVHandoffKVManager
+    from kvhandoff.integrations.sglang.receiver import KVHandoffKVReceiver
+    from kvhandoff.integrations.sglang.sender import KVHandoffKVSender
 
     backend = TransferBackend("kvhandoff")
     assert backend.name == "KVHANDOFF" and backend is TransferBackend.KVHANDOFF
@@ -80,10 +79,15 @@ def test_other_sglang_versions_are_refused(monkeypatch: pytest.MonkeyPatch,
 
     from kvhandoff.integrations.sglang import plugin
 
-    plugin.check_version()  # the installed one is the supported one
-    monkeypatch.setattr(sglang, "__version__", "0.5.24")
-    with pytest.raises(plugin.UnsupportedSGLangVersion, match=r"sglang==0\.5\.23.*0\.5\.24"):
-        plugin.check_version()
+    plugin.check_version()  # the installed one is a supported one
+    for ok in ("0.5.23", "0.5.23.post1", "0.5.23+cu128"):  # its post releases and builds
+        plugin.check_version(ok)
+    for version in ("0.5.24", "0.5.22", "0.6.0", "0.5.23rc1", "unknown"):
+        monkeypatch.setattr(sglang, "__version__", version)
+        with pytest.raises(plugin.UnsupportedSGLangVersion,
+                           match=rf"supports sglang>=0\.5\.23,<0\.5\.24, found sglang=="
+                                 rf"{re.escape(version)}"):
+            plugin.check_version()
     assert any("0.5.24" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
 
 
@@ -111,7 +115,9 @@ def test_layout_maps_kvargs_and_its_hash_covers_sglangs_checks() -> None:
     assert lay.region("indexer").bytes_per_token == E.INDEXER_BPT
     assert lay.region("indexer").send_from.value == "decode_prefix"
     assert lay.page_size_tokens == E.PAGE and lay.kv_dtype == E.DTYPE
-    assert [r.name for r in b.aux_layout.regions] == ["aux0", "aux1"]  # type: ignore[union-attr]
+    # one aux region per buffer of SGLang's MetadataBuffers.get_buf_infos()
+    assert [r.name for r in b.aux_layout.regions] == [  # type: ignore[union-attr]
+        f"aux{i}" for i in range(len(a.aux_data_ptrs))]
     # zero-copy: the agent's views are SGLang's memory
     b.kv_buffers["kv"][0][7] = 42
     assert int(p.main[0].view(-1)[7]) == 42
@@ -137,7 +143,7 @@ def test_layout_maps_kvargs_and_its_hash_covers_sglangs_checks() -> None:
     # page size: SGLang requires equal page sizes; the agent pairs different ones, so the
     # page size is part of the identity the handshake compares
     a3 = E.kv_args(p)
-    a3.page_size = E.PAGE // 2
+    a3.page_size = E.PAGE * 2
     lay3 = build(a3, is_mla=True, parallel=Parallel(), device="cpu").kv_layout
     assert layout_diff(base, lay3.with_page_size(1).tp_invariant())  # type: ignore[arg-type]
     # non-MLA pools move rank to rank: attention TP size and head counts are in it

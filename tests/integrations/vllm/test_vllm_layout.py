@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvhandoff.errors import ConfigError  # noqa: E402
+from kvhandoff.integrations.vllm.backends import BACKENDS  # noqa: E402
 from kvhandoff.integrations.vllm.layout import build_layout, layer_index  # noqa: E402
 from kvhandoff.kv_layout import TPSplit  # noqa: E402
 
@@ -46,6 +47,7 @@ def views(model: Path, layout: str, spec: Any, blocks: int = 8,
                              kernel_block_sizes=[kernel] if kernel else None)
 
 
+FA = BACKENDS["FLASH_ATTN"]  # rows K|V per token and head, HND or NHD pages
 GQA = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
 
 
@@ -60,7 +62,7 @@ def fill(kv: dict[str, torch.Tensor]) -> None:
 def test_gqa_layouts_match_vllm_memory(model: Path, layout: str, order: str) -> None:
     kv = views(model, layout, GQA)
     fill(kv)
-    vl = build_layout(kv, block_size=16, kv_dtype="auto:bfloat16", model="m", mla=False,
+    vl = build_layout(kv, block_size=16, kv_dtype="auto:bfloat16", model="m", backend=FA,
                       total_kv_heads=2)
     assert vl.order == order and vl.pages_per_block == 1
     (reg,) = vl.layout.regions
@@ -93,8 +95,8 @@ def test_gqa_layouts_match_vllm_memory(model: Path, layout: str, order: str) -> 
 def test_mla_is_one_latent_plane(model: Path) -> None:
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kv = views(model, "LBHNC", spec)
-    vl = build_layout(kv, block_size=16, kv_dtype="auto:bfloat16", model="m", mla=True,
-                      total_kv_heads=1, tp_rank=1, tp_size=2)
+    vl = build_layout(kv, block_size=16, kv_dtype="auto:bfloat16", model="m",
+                      backend=BACKENDS["CPU_MLA"], total_kv_heads=1, tp_rank=1, tp_size=2)
     (reg,) = vl.layout.regions
     assert vl.order == "MLA"
     assert [(p.name, p.bytes_per_token) for p in reg.planes] == [("latent", 1152)]
@@ -103,19 +105,19 @@ def test_mla_is_one_latent_plane(model: Path) -> None:
 
 def test_head_planes_are_named_by_global_head(model: Path) -> None:
     kv = views(model, "LBHNC", GQA)
-    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=4,
+    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", backend=FA, total_kv_heads=4,
                       tp_rank=1, tp_size=2)
     (reg,) = vl.layout.regions
     assert [p.name for p in reg.planes] == ["h2", "h3"]
     assert (reg.tp_split, reg.num_heads) == (TPSplit.HEAD_SHARDED, 2)
     with pytest.raises(ConfigError, match="holds 1 of the model's 4 KV heads"):
-        build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=4,
+        build_layout(kv, block_size=16, kv_dtype="k", model="m", backend=FA, total_kv_heads=4,
                      tp_rank=1, tp_size=4)
 
 
 def test_kernel_blocks_are_pages(model: Path) -> None:
     kv = views(model, "LBHNC", GQA, kernel=8)
-    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=2)
+    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", backend=FA, total_kv_heads=2)
     assert vl.layout.page_size_tokens == 8 and vl.pages_per_block == 2
     assert vl.expand_blocks([3, 5]).tolist() == [6, 7, 10, 11]
 
@@ -126,7 +128,7 @@ def test_packed_rows_match_vllm_memory(model: Path, layout: str, order: str) -> 
     and `LayoutSpec.address` finds every byte vLLM's views put there."""
     kv = views(model, layout, GQA)
     fill(kv)
-    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", mla=False, total_kv_heads=2)
+    vl = build_layout(kv, block_size=16, kv_dtype="k", model="m", backend=FA, total_kv_heads=2)
     assert vl.order == order
     (row,) = vl.layout.rows
     assert row.regions == ("kv",)
@@ -156,7 +158,7 @@ def test_padded_pages_are_refused(model: Path) -> None:
     strided = t[:, :, ::2]  # every other token: not a dense page
     with pytest.raises(ConfigError, match="dense pages"):
         build_layout({"model.layers.0.self_attn.attn": strided}, block_size=16, kv_dtype="k",
-                     model="m", mla=False, total_kv_heads=2)
+                     model="m", backend=FA, total_kv_heads=2)
 
 
 def test_layer_names() -> None:

@@ -10,7 +10,6 @@ two-process case is `test_vllm_worker.py`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,13 +104,7 @@ def test_preempted_prefill_resends_from_its_new_blocks(bootstrap: str, tmp_path:
                 want = env.block_pattern(layer, j, shape)[:, :n]
                 assert torch.equal(u[b, :, :n], want), (layer, j)
 
-        done: set[str] = set()
-        deadline = time.monotonic() + DONE_S
-        while not done and time.monotonic() < deadline:
-            sent, _ = pre.get_finished(set())
-            done |= sent or set()
-            time.sleep(0.02)  # one engine step
-        assert done == {"p1"}
+        assert env.finished_sending(pre, DONE_S) == {"p1"}
         assert pre.get_finished(set()) == (None, None)  # reported once
     finally:
         pre.shutdown()

@@ -134,6 +134,7 @@ def test_prefill_request_binds_room_sends_table_and_delays_free(model: Path, boo
         "remote_engine_id": env.ENGINE_P, "remote_request_id": "p1", "remote_room": room,
         "remote_bootstrap_addr": f"{host}:{port}", "remote_host": host, "remote_port": port,
         "remote_block_ids": table, "remote_num_tokens": PROMPT, "tp_size": 1,
+        "decode_tp_size": 1,  # a request that does not say: the prefill's own TP size
     }
     with BootstrapClient(bootstrap) as c:
         bound = c.room(room)
@@ -310,6 +311,62 @@ def test_load_errors_follow_the_failure_policy(model: Path, bootstrap: str, poli
         assert "d3" not in s.requests
         (o,) = [o for eco in outputs.values() for o in eco.outputs if o.request_id == "d3"]
         assert o.finish_reason is not None
+
+
+@pytest.mark.parametrize(("asked", "setting", "opened"), [
+    (2, None, 2),  # kv_transfer_params.decode_tp_size: the proxy knows its decode
+    (None, 4, 4),  # the prefill's decode_tp_size setting, for requests that do not say
+    (2, 4, 2),  # the request wins
+])
+def test_prefill_opens_the_room_for_the_decode_tp_size(model: Path, bootstrap: str,
+                                                       asked: int | None, setting: int | None,
+                                                       opened: int) -> None:
+    extra: dict[str, Any] = {"bootstrap_url": bootstrap}
+    if setting is not None:
+        extra["decode_tp_size"] = setting
+    s = scheduler(model, "kv_producer", extra=extra)
+    ask: dict[str, Any] = {"do_remote_decode": True}
+    if asked is not None:
+        ask["decode_tp_size"] = asked
+    s.add_request(request("t1", ask))
+    out = s.schedule()
+    assert out.kv_connector_metadata.sends["t1"].decode_tp_size == opened
+    params = params_of(s.update_from_output(out, step_output(out, {"t1": 7})), "t1")
+    assert params is not None and params["decode_tp_size"] == opened
+    assert params["tp_size"] == 1
+
+
+@pytest.mark.parametrize("bad", ["two", 0, True])
+def test_bad_decode_tp_size_means_no_handoff(model: Path, bootstrap: str, bad: Any,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    s = scheduler(model, "kv_producer", extra={"bootstrap_url": bootstrap})
+    s.add_request(request("t2", {"do_remote_decode": True, "decode_tp_size": bad}))
+    out = s.schedule()
+    assert not out.kv_connector_metadata.sends  # no room: computed here, nothing held
+    assert params_of(s.update_from_output(out, step_output(out, {"t2": 7})), "t2") is None
+    assert "t2" not in s.requests
+    assert "kv_transfer_params.decode_tp_size" in caplog.text
+
+
+def test_decode_tp_size_setting_is_checked(model: Path) -> None:
+    from kvhandoff.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="decode_tp_size"):
+        scheduler(model, "kv_producer", extra={"bootstrap_url": "http://127.0.0.1:1",
+                                               "decode_tp_size": "2"})
+
+
+def test_decode_of_another_tp_size_computes_locally(model: Path, bootstrap: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # the prefill opened the room for two decode ranks; this decode (TP 1) would be one reader
+    # where the room waits for two: it computes the prompt itself and says why
+    _, params = prefill_params(model, bootstrap, rid="p6")
+    s = scheduler(model, "kv_consumer")
+    s.add_request(request("d6", {**params, "decode_tp_size": 2}))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"d6": PROMPT}
+    assert not out.kv_connector_metadata.recvs
+    assert "opened room" in caplog.text and "decode of TP 2" in caplog.text
 
 
 def test_bad_params_compute_locally(model: Path, bootstrap: str) -> None:

@@ -51,8 +51,11 @@ PREFILL_LAYOUT, DECODE_LAYOUT = "BLHNC", "LBHNC"
 
 
 class Child:
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.p = subprocess.Popen([sys.executable, str(PROC), json.dumps(cfg)],
+    """A worker process of these tests (`proc`, default the prefill worker) speaking JSON
+    lines."""
+
+    def __init__(self, cfg: dict[str, Any], proc: Path = PROC) -> None:
+        self.p = subprocess.Popen([sys.executable, str(proc), json.dumps(cfg)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.q: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -44,7 +44,16 @@ def model_dir(root: Path) -> Path:
 
 def vllm_config(model: Path, *, role: str, engine_id: str, extra: dict[str, Any] | None = None,
                 policy: str = "fail", layout: str = "LBHNC", batched_tokens: int = 1024) -> Any:
-    """A `VllmConfig` on CPU whose kv_transfer_config loads KVHandoffConnector by module path."""
+    """A `VllmConfig` on CPU whose kv_transfer_config loads KVHandoffConnector by module path.
+
+    No model runs here (vLLM 0.33 is a CUDA build; its ops do not load on CPU), so no attention
+    layer exists to say which backend writes the caches or to run the layout probe with: the
+    extra config names FLASH_ATTN (rows K|V per token and head, the layout these tests write
+    through vLLM's views) and the probe is off. The probe itself runs against the CPU build's
+    real layers and ops in test_vllm_cpu_probe.py."""
+    extra = dict(extra or {})
+    extra.setdefault("attention_backend", "FLASH_ATTN")
+    extra["settings"] = {"layout_probe": False, **extra.get("settings", {})}
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -103,3 +112,17 @@ def block_pattern(layer: int, seq_block: int, shape: tuple[int, ...]) -> torch.T
 def as_u8(view: torch.Tensor) -> torch.Tensor:
     """A ``[B, H, N, C]`` view as bytes (the content dim is contiguous in every layout)."""
     return view.view(torch.uint8)
+
+
+def finished_sending(conn: Any, timeout_s: float) -> set[str]:
+    """The requests a prefill worker reports in ``finished_sending``, polled once per engine
+    step until it reports some (bounded)."""
+    import time
+
+    done: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not done and time.monotonic() < deadline:
+        sent, _ = conn.get_finished(set())
+        done |= sent or set()
+        time.sleep(0.02)  # one engine step
+    return done

@@ -29,6 +29,20 @@ def say(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
+def report_finished(conn: object, rids: set[str], done: set[str]) -> None:
+    """Polls ``get_finished`` once per engine step, as vLLM does, until every request of `rids`
+    was reported in ``finished_sending`` (bounded), says which were, then waits for stdin to
+    close and shuts the connector down."""
+    deadline = time.monotonic() + 60
+    while done != rids and time.monotonic() < deadline:
+        sent, _ = conn.get_finished(rids)  # type: ignore[attr-defined]
+        done |= sent or set()
+        time.sleep(0.02)  # one engine step
+    say(event="finished", rids=sorted(done))
+    sys.stdin.read()
+    conn.shutdown()  # type: ignore[attr-defined]
+
+
 def main() -> None:
     cfg_in = json.loads(sys.argv[1])
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -70,14 +84,7 @@ def main() -> None:
         say(event="step", step=k)
 
     # vLLM calls get_finished once per step; the requests finished on the scheduler side
-    deadline = time.monotonic() + 60
-    while done != all_rids and time.monotonic() < deadline:
-        sent, _ = conn.get_finished(all_rids)
-        done |= sent or set()
-        time.sleep(0.02)  # one engine step
-    say(event="finished", rids=sorted(done))
-    sys.stdin.read()
-    conn.shutdown()
+    report_finished(conn, all_rids, done)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from kvhandoff.errors import (
     ConfigError,
 )
 from kvhandoff.kv_layout import layout_hash, preset
-from kvhandoff.state_machine.events import Role
+from kvhandoff.state_machine.vocabulary import Role
 from kvhandoff.testing.server import FakeClock
 
 GLM = preset("glm-5.3")

@@ -7,7 +7,7 @@ import json
 from kvhandoff.bootstrap_server.records import RankKey, Registration, Topology
 from kvhandoff.bootstrap_server.registry import Registry
 from kvhandoff.bootstrap_server.sglang_answers import SGLANG_ENGINE_ID, SglangRoutes
-from kvhandoff.state_machine.events import Role
+from kvhandoff.state_machine.vocabulary import Role
 from kvhandoff.testing.clock import FakeClock
 
 Q = b"prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1&target_pp_rank=0"

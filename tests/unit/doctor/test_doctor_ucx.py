@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvhandoff.doctor import Status, check_nixl, check_ucx_lanes, check_ucx_library, ucx_build
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports import load_transport
+from kvhandoff.transports import load_transport
 
 from .fakeroot import fake_ucx
 

@@ -23,8 +23,9 @@ def main() -> int:
     try:
         import torch
 
-        from kvhandoff.transfer.devsum import devsum
-        from kvhandoff.transfer.transports._cuda_ipc import (
+        from kvhandoff.buffers.devsum import devsum
+        from kvhandoff.kv_layout import pair_spans
+        from kvhandoff.transports.shm.cuda_ipc import (
             PeerBlocks,
             copy_spans,
             decode_export,
@@ -39,8 +40,8 @@ def main() -> int:
             exp = decode_export(item["desc"])
             dst = blocks.open("parent", exp)
             assert dst.numel() == exp.nbytes and dst.dtype == torch.uint8
-            events.append(copy_spans(src, item["src_off"], item["src_nb"], dst,
-                                     item["dst_off"], item["dst_nb"], small=int(req["small"])))
+            plan = pair_spans(item["src_off"], item["src_nb"], item["dst_off"], item["dst_nb"])
+            events.append(copy_spans(src, dst, plan, small=int(req["small"])))
             digests.append(devsum(src, item["src_off"], item["src_nb"]))
         for e in events:
             e.synchronize()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvhandoff.transfer.devsum import MemoryInfo, devsum, devsum_reference, memory_kind
+from kvhandoff.buffers.devsum import MemoryInfo, devsum, devsum_reference, memory_kind
 
 from .devsum_kit import apply, plan, pool, region
 
@@ -181,8 +181,8 @@ def test_views_that_start_off_word_boundaries_equal_the_reference() -> None:
 def test_packed_and_per_layer_sides_agree() -> None:
     """A vLLM packed block on one side, SGLang per-layer buffers on the other: the same
     plan-order stream, the same value on both sides."""
+    from kvhandoff.buffers.bufferset import BufferSet
     from kvhandoff.kv_layout import build_spans, preset
-    from kvhandoff.transfer.buffers import BufferSet
 
     packed = preset("glm-5.3-vllm-mla", page_size_tokens=64)
     flat = preset("glm-5.3", page_size_tokens=64)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.devsum import devsum, devsum_reference, memory_kind
 from kvhandoff.doctor import Status, check_cuda_ipc
-from kvhandoff.transfer.devsum import devsum, devsum_reference, memory_kind
 
 from .devsum_kit import plan, pool, region
 

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.bufferset import BufferSet, allocate
+from kvhandoff.buffers.devsum import devsum
 from kvhandoff.errors import TransportError
-from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout import LayoutSpec, pair_spans
 from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.protocol import events as ev
+from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.settings import Settings
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer.buffers import BufferSet, allocate
-from kvhandoff.transfer.devsum import devsum
-from kvhandoff.transfer.eventwait import EventWaiter
-from kvhandoff.transfer.transports._cuda_ipc import copy_spans, export_buffer
+from kvhandoff.transports.shm.cuda_ipc import copy_spans, export_buffer
 
 from .cuda_ipc_peer import pattern
 
@@ -93,7 +93,7 @@ def test_copy_spans_on_one_device_returns_an_event_behind_the_copies() -> None:
     dst = torch.zeros_like(src)
     s_off, s_nb = list(range(0, 1 << 21, 4096)), [4096] * 512
     d_off = [(1 << 22) - 4096 * (i + 1) for i in range(512)]
-    e = copy_spans(src, s_off, s_nb, dst, d_off, [4096] * 512, small=1)
+    e = copy_spans(src, dst, pair_spans(s_off, s_nb, d_off, [4096] * 512), small=1)
     e.synchronize()
     assert e.query()
     assert devsum(dst, d_off, [4096] * 512) == devsum(src, s_off, s_nb)
@@ -116,7 +116,7 @@ def test_buffer_set_takes_cuda_tensors_and_array_interfaces() -> None:
     bs2 = BufferSet(lay, wrapped)
     assert bs2.memory == "cuda"
     assert bs2.array("main_kv", 0).data_ptr() == raw["main_kv"][0].data_ptr()
-    from kvhandoff.transfer.transports.tcp import TcpTransport
+    from kvhandoff.transports.tcp import TcpTransport
 
     t = TcpTransport(Settings(transport="tcp"))
     try:

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import TransferAgent, allocate
-from kvhandoff.transfer.effects import Effect, HashSpans, PostWrite
 
 from .shm_cuda_agent_peer import bad_bytes, fill, layers_of, tiny_layout
 
@@ -83,11 +83,22 @@ def _pages(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(NUM_PAGES)[:n].astype(np.int64)
 
 
-def _recorder(into: list[Effect]) -> Any:
-    def record(eff: Effect) -> Iterable[Effect]:
-        into.append(eff)
+class _Recorder:
+    """An effect filter (`protocol.effects.EffectFilter`) that keeps a copy of every effect
+    and lets it through."""
+
+    def __init__(self, into: list[Effect]) -> None:
+        self.into = into
+
+    def __call__(self, eff: Effect, now: float) -> Iterable[Effect]:
+        self.into.append(eff)
         return (eff,)
-    return record
+
+    def due(self, now: float) -> Iterable[Effect]:
+        return ()
+
+    def next_due(self) -> float | None:
+        return None
 
 
 def test_two_agents_hand_off_cuda_memory_over_shm(children: list[Child]) -> None:
@@ -102,7 +113,7 @@ def test_two_agents_hand_off_cuda_memory_over_shm(children: list[Child]) -> None
                           Settings(transport="shm", heartbeat_interval_s=0.2),
                           engine_id="gpu-decode")
     seen: list[Effect] = []
-    agent._loop._filter = _recorder(seen)
+    agent._loop._filter = _Recorder(seen)
     try:
         assert agent.buffers.memory == "cuda"
         receiver = agent.receiver(ROOM, peer=prefill_addr)

@@ -22,6 +22,7 @@ from kvhandoff.kv_layout import (
     prompt_digest,
     prompt_mismatch,
 )
+from kvhandoff.kv_layout.admission import IndexerWorkspace, request_budget
 
 
 def test_a_1m_request_on_glm_needs_16384_blocks_of_3_29_mib():
@@ -34,13 +35,17 @@ def test_a_1m_request_on_glm_needs_16384_blocks_of_3_29_mib():
     assert need.bytes_moved == need.bytes  # nothing cached: everything moves
 
 
-def test_cached_prefix_pages_are_not_reserved_again_and_the_indexer_moves_only_its_suffix():
+def test_cached_prefix_pages_are_not_reserved_again_and_both_caches_move_only_their_suffix():
     spec = preset("glm-5.3")
     need = decode_need(spec, seq_len=300, decode_prefix_len=100)  # held: 64 tokens, 1 page
     assert need.held_pages == 1 and need.pages == 4
     moved = {r.name: r.bytes_moved for r in need.regions}
     assert moved == handoff_bytes(spec, seq_len=300, decode_prefix_len=100)
-    assert moved == {"main_kv": 300 * 656 * 78, "indexer_k": (300 - 64) * 132 * 21}
+    assert moved == {"main_kv": (300 - 64) * 656 * 78, "indexer_k": (300 - 64) * 132 * 21}
+    # the named whole-sequence option: main KV from token 0, the indexer still suffix-only
+    whole = preset("glm-5.3", whole_sequence=True)
+    assert handoff_bytes(whole, seq_len=300, decode_prefix_len=100) == {
+        "main_kv": 300 * 656 * 78, "indexer_k": (300 - 64) * 132 * 21}
 
 
 def test_kpool2_and_0_row_layers_count_rows_and_live_layers():
@@ -155,3 +160,44 @@ def test_admission_refusal_is_one_reason_in_order_policy_prompt_capacity():
         admission_refusal(spec, **kw, prefill_policy=early, decode_policy=early)
     with pytest.raises(ConfigError, match="^free_pages: required"):
         admission_refusal(spec, **kw, prefill_policy=late, decode_policy=late)
+
+
+def test_the_budget_counts_prompt_output_and_indexer_workspace_line_by_line():
+    spec = preset("glm-5.3")
+    # seed 000's 1M request with 256 new tokens: refused at 56 GB free
+    b = request_budget(spec, seq_len=1_048_576, new_tokens=256, available_bytes=56 * 10**9)
+    assert b.need.pages == 16_388 and b.need.prompt_pages == 16_384  # rounded to pages
+    assert [x.name for x in b.lines] == ["main_kv", "indexer_k", "indexer workspace"]
+    assert b.lines[0].nbytes == 16_388 * 78 * 41_984
+    assert b.lines[1].nbytes == 16_388 * 21 * 8_448  # the indexer's pages for the output too
+    ws = 8192 * 2048 * 4 + 1 * 1_048_832 * 4  # top-k index buffer + one row of logits
+    assert b.lines[2].nbytes == ws
+    assert b.total_bytes == 16_388 * 3_452_160 + ws
+    assert not b.admitted and b.reason is not None
+    assert "1,048,576 tokens + 256 new" in b.reason and "56,000,000,000 B free" in b.reason
+    assert "only without its output" not in b.reason  # not even the prompt fits
+    # room for the prompt (and the workspace) but not for its output: refused, saying so
+    mid = request_budget(spec, seq_len=1_048_576, new_tokens=256,
+                         available_bytes=16_384 * 3_452_160 + ws + 1)
+    assert not mid.admitted and mid.reason is not None
+    assert "fits only without its output" in mid.reason
+    assert request_budget(spec, seq_len=1_048_576, new_tokens=256,
+                          available_bytes=60 * 10**9).admitted
+    # a held prefix: its pages are not reserved again
+    held = request_budget(spec, seq_len=1_048_576, new_tokens=256, decode_prefix_len=100_000,
+                          available_bytes=60 * 10**9)
+    assert held.need.pages == 16_388 - 100_000 // 64
+
+
+def test_dcp_is_refused_by_name_and_bad_counts_name_their_field():
+    spec = preset("glm-5.3")
+    with pytest.raises(ConfigError, match=r"^dcp_size: 2 is not modelled"):
+        request_budget(spec, seq_len=10, new_tokens=1, available_bytes=1, dcp_size=2)
+    with pytest.raises(ConfigError, match=r"^new_tokens: expected >= 0"):
+        request_budget(spec, seq_len=10, new_tokens=-1, available_bytes=1)
+    with pytest.raises(ConfigError, match=r"^index_topk: expected > 0"):
+        IndexerWorkspace(index_topk=0)
+    # a model without an indexer has no workspace line
+    lines = request_budget(preset("llama-3.1-8b"), seq_len=10, new_tokens=1,
+                           available_bytes=10**9).lines
+    assert [x.name for x in lines] == ["main_k", "main_v"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvhandoff.buffers.bufferset import BufferSet
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, build_spans, preset
-from kvhandoff.transfer.buffers import BufferSet
 
 
 def numpy_buffers(spec: LayoutSpec, pages: int, rng: np.random.Generator | None = None):
@@ -124,7 +124,7 @@ def test_packed_and_per_layer_move_byte_exact_both_ways(src_name, dst_name):
     src = preset(src_name, indexer_layers=3)
     dst = preset(dst_name, indexer_layers=3)
     moved = _handoff(src, dst, seq=150, prefix=70, seed=3)
-    assert moved == 78 * 150 * 656 + 3 * (150 - 64) * 132
+    assert moved == 78 * (150 - 64) * 656 + 3 * (150 - 64) * 132  # both from the prefix
 
 
 def test_kpool2_zero_row_and_draft_layers_move_byte_exact():

@@ -130,5 +130,9 @@ def test_page_aligned_props(n, p):
 def test_handoff_bytes_suffix_only_indexer():
     spec = preset("glm-5.3")
     moved = handoff_bytes(spec, seq_len=16384, decode_prefix_len=4100)
-    assert moved["main_kv"] == 16384 * 51_168
+    # seed 000: one prefix hit covers both caches; both move from the held 4096 tokens on
+    assert moved["main_kv"] == (16384 - 4096) * 51_168
     assert moved["indexer_k"] == (16384 - 4096) * 2_772
+    whole = handoff_bytes(preset("glm-5.3", whole_sequence=True), seq_len=16384,
+                          decode_prefix_len=4100)
+    assert whole == {"main_kv": 16384 * 51_168, "indexer_k": (16384 - 4096) * 2_772}

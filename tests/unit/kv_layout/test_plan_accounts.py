@@ -45,9 +45,9 @@ def test_ttft_tail_is_the_last_layers_transfer():
     assert t["last_layer_bytes"] == 1_048_576 * (656 + 132) == 826_277_888
     assert round(t["last_layer_s"] * 1e3, 2) == 2.07  # 1.72 ms main KV + 0.35 ms indexer
     assert round(t["floor_s"], 4) == 30.0521
-    # a 100K decode prefix: the indexer of the last layer moves only its suffix
+    # a 100K decode prefix: main KV and indexer of the last layer move only their suffix
     t = plan_json("--prefix", "100000")["ttft_tail"]
-    assert t["last_layer_bytes"] == 1_048_576 * 656 + (1_048_576 - 99_968) * 132
+    assert t["last_layer_bytes"] == (1_048_576 - 99_968) * (656 + 132)
 
 
 def test_admission_capacity_in_sglang_and_vllm_terms():

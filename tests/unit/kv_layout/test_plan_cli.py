@@ -44,3 +44,33 @@ def test_plan_bad_model_is_a_clear_error():
     res = runner.invoke(app, ["plan", "--model", "gpt-9"])
     assert res.exit_code != 0
     assert "unknown preset" in res.output
+
+
+def test_plan_moves_main_kv_and_indexer_from_the_decode_prefix():
+    """Seed 000: one prefix hit covers both caches; 948,608 suffix tokens x 53,940 B."""
+    res = runner.invoke(app, ["plan", "--model", "glm-5.3", "--context", "1048576",
+                              "--prefix", "100000", "--json"])
+    assert res.exit_code == 0, res.output
+    moved = json.loads(res.output)["handoff_bytes"]
+    assert sum(moved.values()) == 948_608 * 53_940 == 51_167_915_520
+    res = runner.invoke(app, ["plan", "--context", "1048576", "--prefix", "100000"],
+                        env={"COLUMNS": "220"})
+    assert "total 51,167,915,520 B" in res.output
+
+
+def test_plan_admission_prints_each_line_and_the_refusal():
+    res = runner.invoke(app, ["plan", "--memory-gb", "56"], env={"COLUMNS": "240"})
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "1,048,576 prompt + 256 new tokens (0 cached): 16,388 pages" in out
+    for line in ("main_kv: 53,", "indexer_k: 2,", "indexer workspace: 71,304,192 B"):
+        assert line in out, line
+    assert "refused" in out and "56,000,000,000 B free" in out
+    d = json.loads(runner.invoke(app, ["plan", "--memory-gb", "56.64", "--json"]).output)
+    assert d["admission"]["admitted"] is False
+    assert "fits only without its output" in d["admission"]["reason"]
+    d = json.loads(runner.invoke(app, ["plan", "--memory-gb", "56.64", "--new-tokens", "0",
+                                       "--json"]).output)
+    assert d["admission"]["admitted"] is True
+    bad = runner.invoke(app, ["plan", "--memory-gb", "60", "--dcp-size", "2"])
+    assert bad.exit_code != 0 and "dcp_size" in bad.output

@@ -11,24 +11,24 @@ from hypothesis import strategies as st
 from kvhandoff.errors import InvalidTransition
 from kvhandoff.state_machine import (
     TRANSITIONS,
-    Aborted,
     AllLayersAcked,
     AllLayersLanded,
-    ChecksumMismatch,
+    ChecksumsDiffered,
     Deadline,
     DeadlineConfig,
-    DeadlineExpired,
+    DeadlinePassed,
     Event,
     FailureEvent,
     KVPoll,
     LayerLanded,
     LayerSent,
-    LayoutMismatch,
+    LayoutsDiffered,
     LeaseRenewed,
-    PeerLost,
+    PeerFailedRoom,
     PeerMatched,
-    RemoteFailed,
+    PeerWasLost,
     Role,
+    RoomAborted,
     RoomMachine,
     TransferAccepted,
 )
@@ -43,12 +43,12 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
     st.just(AllLayersAcked()),
     st.just(AllLayersLanded()),
     st.just(LeaseRenewed()),
-    st.builds(Aborted, REASONS, st.sampled_from(Role)),
-    st.builds(DeadlineExpired, st.sampled_from(Deadline)),
-    st.builds(PeerLost, REASONS),
-    st.builds(ChecksumMismatch, LAYERS, st.sampled_from(["main_kv", "indexer_k"])),
-    st.builds(LayoutMismatch, st.lists(REASONS, max_size=2).map(tuple)),
-    st.builds(RemoteFailed, REASONS),
+    st.builds(RoomAborted, REASONS, st.sampled_from(Role)),
+    st.builds(DeadlinePassed, st.sampled_from(Deadline)),
+    st.builds(PeerWasLost, REASONS),
+    st.builds(ChecksumsDiffered, LAYERS, st.sampled_from(["main_kv", "indexer_k"])),
+    st.builds(LayoutsDiffered, st.lists(REASONS, max_size=2).map(tuple)),
+    st.builds(PeerFailedRoom, REASONS),
 )
 DURATIONS = st.one_of(st.none(), st.floats(min_value=0.1, max_value=5.0))
 CONFIGS = st.builds(
@@ -130,7 +130,7 @@ def test_random_sequences_keep_the_room_legal(
     for step in steps:
         now += step.dt
         events = (
-            [DeadlineExpired(d) for d in m.expired(now)] if step.event is None else [step.event]
+            [DeadlinePassed(d) for d in m.expired(now)] if step.event is None else [step.event]
         )
         for event in events:
             before = snapshot(m)
@@ -167,10 +167,10 @@ def test_a_room_that_only_waits_fails_by_a_deadline_iff_one_is_armed(
     for dt in dts:
         now += dt
         for which in m.expired(now):
-            m.apply(DeadlineExpired(which), now)
+            m.apply(DeadlinePassed(which), now)
     nxt = m.next_deadline()
     if m.state is KVPoll.Failed:
-        assert isinstance(m.failure_event, DeadlineExpired)
+        assert isinstance(m.failure_event, DeadlinePassed)
     else:
         assert m.state is KVPoll.Bootstrapping
         assert nxt is None or nxt[1] > now

@@ -6,22 +6,22 @@ import pytest
 
 from kvhandoff.errors import ConfigError, InvalidTransition
 from kvhandoff.state_machine import (
-    Aborted,
     AllLayersAcked,
     AllLayersLanded,
-    ChecksumMismatch,
+    ChecksumsDiffered,
     Deadline,
     DeadlineConfig,
-    DeadlineExpired,
+    DeadlinePassed,
     Event,
     KVPoll,
     LayerLanded,
     LayerSent,
     LeaseRenewed,
-    PeerLost,
+    PeerFailedRoom,
     PeerMatched,
-    RemoteFailed,
+    PeerWasLost,
     Role,
+    RoomAborted,
     RoomMachine,
     TransferAccepted,
 )
@@ -144,14 +144,14 @@ def test_events_of_the_other_side_are_refused() -> None:
 def test_failure_keeps_the_reason_and_the_first_failure_wins(role: Role, state: KVPoll) -> None:
     m = RoomMachine(role, now=0.0, deadlines=CONFIG)
     to_state(m, state, 0.0)
-    first = ChecksumMismatch(7, "indexer_k")
+    first = ChecksumsDiffered(7, "indexer_k")
     assert m.apply(first, 1.0)
     assert m.state is KVPoll.Failed
     assert m.failure == "checksum mismatch on layer 7, region 'indexer_k'"
     assert m.failure_event == first
     assert m.next_deadline() is None
-    assert m.apply(PeerLost("gone"), 2.0) is False
-    assert m.apply(Aborted("late", Role.DECODE), 3.0) is False
+    assert m.apply(PeerWasLost("gone"), 2.0) is False
+    assert m.apply(RoomAborted("late", Role.DECODE), 3.0) is False
     assert m.failure == first.reason and m.failure_event is first
     assert "checksum mismatch" in repr(m)
 
@@ -162,7 +162,7 @@ def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) 
     if terminal is KVPoll.Success:
         to_state(m, KVPoll.Success, 0.0)
     else:
-        assert m.apply(RemoteFailed("prefill rank died"), 0.0)
+        assert m.apply(PeerFailedRoom("prefill rank died"), 0.0)
     failure = m.failure
     late = [
         PeerMatched(),
@@ -171,8 +171,8 @@ def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) 
         LayerSent(1),
         AllLayersLanded(),
         LeaseRenewed(),
-        DeadlineExpired(Deadline.LEASE),
-        Aborted("late", Role.PREFILL),
+        DeadlinePassed(Deadline.LEASE),
+        RoomAborted("late", Role.PREFILL),
     ]
     for event in late:
         assert m.apply(event, 50.0) is False
@@ -181,10 +181,10 @@ def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) 
 
 def test_aborted_keeps_its_reason_and_who() -> None:
     m = RoomMachine(Role.PREFILL, now=0.0)
-    event = Aborted("client went away", Role.DECODE)
+    event = RoomAborted("client went away", Role.DECODE)
     assert m.apply(event, 0.0)
     assert m.failure == "client went away"
-    assert isinstance(m.failure_event, Aborted) and m.failure_event.by is Role.DECODE
+    assert isinstance(m.failure_event, RoomAborted) and m.failure_event.by is Role.DECODE
 
 
 # --- deadlines --------------------------------------------------------------------------
@@ -228,10 +228,10 @@ def test_each_deadline_fires_exactly_when_due(role: Role, which: Deadline, state
     assert due == expected_due
     assert m.expired(due - EPS) == []
     # A timer that fires early is stale: ignored.
-    assert m.apply(DeadlineExpired(which), due - EPS) is False
+    assert m.apply(DeadlinePassed(which), due - EPS) is False
     assert m.state is state
     assert m.expired(due) == [which]
-    assert m.apply(DeadlineExpired(which), due)
+    assert m.apply(DeadlinePassed(which), due)
     assert m.state is KVPoll.Failed
     assert m.failure == f"{which.value} deadline expired"
     assert m.next_deadline() is None and m.expired(due + 100) == []
@@ -247,7 +247,7 @@ def test_state_deadlines_are_cleared_on_leaving_their_state() -> None:
     assert m.deadline(Deadline.BOOTSTRAP) is None
     assert m.deadline(Deadline.WAITING_FOR_INPUT) == 104.0
     # The bootstrap timer the caller had set now fires: stale, the room lives on.
-    assert m.apply(DeadlineExpired(Deadline.BOOTSTRAP), clock.advance(2.0)) is False
+    assert m.apply(DeadlinePassed(Deadline.BOOTSTRAP), clock.advance(2.0)) is False
     assert m.state is KVPoll.WaitingForInput
     m.apply(LayerLanded(0), clock.advance(0.5))
     assert m.deadline(Deadline.WAITING_FOR_INPUT) is None
@@ -262,10 +262,10 @@ def test_progress_rearms_the_stall_deadline(role: Role) -> None:
     assert m.next_deadline() == (Deadline.TRANSFER_STALL, 1.5)
     assert m.apply(layer_event(role, 1), clock.advance(1.0))  # due 2.5
     assert m.expired(1.5) == []
-    assert m.apply(DeadlineExpired(Deadline.TRANSFER_STALL), 1.5) is False
+    assert m.apply(DeadlinePassed(Deadline.TRANSFER_STALL), 1.5) is False
     assert m.next_deadline() == (Deadline.TRANSFER_STALL, 2.5)
     assert m.expired(2.5) == [Deadline.TRANSFER_STALL]
-    assert m.apply(DeadlineExpired(Deadline.TRANSFER_STALL), 2.5)
+    assert m.apply(DeadlinePassed(Deadline.TRANSFER_STALL), 2.5)
     assert m.state is KVPoll.Failed
 
 
@@ -286,8 +286,8 @@ def test_expired_lists_every_due_deadline_earliest_first() -> None:
     assert m.next_deadline() == (Deadline.LEASE, 2.0)
     assert m.expired(2.0) == [Deadline.LEASE]
     assert m.expired(10.0) == [Deadline.LEASE, Deadline.BOOTSTRAP]
-    assert m.apply(DeadlineExpired(Deadline.LEASE), 10.0)
+    assert m.apply(DeadlinePassed(Deadline.LEASE), 10.0)
     assert m.failure == "lease deadline expired"
     # The second due deadline arrives after the room failed: ignored.
-    assert m.apply(DeadlineExpired(Deadline.BOOTSTRAP), 10.0) is False
+    assert m.apply(DeadlinePassed(Deadline.BOOTSTRAP), 10.0) is False
     assert m.failure == "lease deadline expired"

@@ -24,7 +24,7 @@ from kvhandoff.settings import Settings
 from kvhandoff.testing.faults import from_config
 from kvhandoff.testing.patterns import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
-from kvhandoff.transfer.transports.base import load_transport
+from kvhandoff.transports.base import load_transport
 
 WAIT_S = 15.0  # bound of every wait; a healthy run takes milliseconds
 SEED = 3

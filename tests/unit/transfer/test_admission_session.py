@@ -21,13 +21,13 @@ from kvhandoff.errors import FailureKind
 from kvhandoff.kv_layout import LayoutSpec, PageRule, RuleKind
 from kvhandoff.kv_layout.admission import AllocationPolicy, prefix_digest, prompt_digest
 from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import PostRecv, PostSend
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 from kvhandoff.testing.patterns import check_tokens, write_tokens
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.effects import PostRecv, PostSend
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])

@@ -14,7 +14,7 @@ import pytest
 
 from kvhandoff.settings import Settings
 from kvhandoff.transfer import PagePool, TransferAgent, allocate
-from kvhandoff.transfer.transports.auto import AutoTransport, decode_address, encode_address
+from kvhandoff.transports.auto import AutoTransport, decode_address, encode_address
 
 from .conftest import Pair, Releases, Side, tiny_layout
 from .test_agent_inproc import PREFIX, SEQ, expected_bytes, finish, run_layers

@@ -18,6 +18,7 @@ from kvhandoff.testing.patterns import PREFIX_MARKER, write_tokens
 from kvhandoff.transfer import TransferAgent
 
 from .conftest import SEED, WAIT_S, Pair, layers_of
+from .test_agent_inproc import expected_bytes
 
 MakePair = Callable[..., Pair]
 
@@ -75,8 +76,8 @@ def test_chunked_prefill_lands_byte_exact_each_byte_once(pair: MakePair, transpo
     bad, touched = pr.verify(dst, SEQ, PREFIX)
     assert bad == 0, "landed bytes differ from the prefill's"
     assert touched == 0, "the handoff wrote into decode's cached-prefix indexer pages"
-    # each byte once: main KV every token of 6 layers, the indexer the suffix of 3 layers
-    want = SEQ * 656 * 6 + (SEQ - PREFIX) * 132 * 3
+    # each byte once: main KV and the indexer from the page-aligned prefix on
+    want = expected_bytes(pr, SEQ, PREFIX)  # every region from where it is sent
     assert receiver.stats()["bytes"] == want and sender.stats()["bytes"] == want
     # every (layer, region) verified at least once; chunks added before the decode's request
     # reached the prefill travel as one unit (one checksum each), so no more can be required

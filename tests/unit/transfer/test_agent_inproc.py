@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvhandoff.buffers.checksum import SAMPLE_EVERY
 from kvhandoff.errors import (
     Aborted,
     ChecksumMismatch,
@@ -19,11 +20,10 @@ from kvhandoff.errors import (
     TransferTimeout,
 )
 from kvhandoff.kv_layout import layout_hash
+from kvhandoff.protocol import wire as P
 from kvhandoff.settings import ChecksumMode
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import Receiver, Sender
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.checksum import SAMPLE_EVERY
 
 from .conftest import WAIT_S, Pair, layers_of, tiny_layout
 
@@ -78,10 +78,10 @@ def test_handoff_byte_exact_with_suffix_only_indexer(pair: MakePair) -> None:
     want = expected_bytes(pr, SEQ, PREFIX)
     assert receiver.stats()["bytes"] == want
     assert sender.stats()["bytes"] == want
-    # indexer: only the suffix moves (13 pages in all, 4 cached); main KV: every token
+    # both regions are suffix-only: 13 pages in all, the 4 cached ones stay
     per_region = receiver.stats()["bytes_per_region"]
     assert per_region["indexer_k"] == (SEQ - 64) * 132 * 3
-    assert per_region["main_kv"] == SEQ * 656 * 6
+    assert per_region["main_kv"] == (SEQ - 64) * 656 * 6
     assert_released_once(pr, 11)
     # a late abort after Success changes nothing and releases nothing twice
     sender.abort("too late")

@@ -21,18 +21,18 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvhandoff.buffers.bufferset import DeviceBytes
+from kvhandoff.buffers.checksum import span_checksum
+from kvhandoff.buffers.devsum import devsum_reference, room_checksum
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
+from kvhandoff.protocol.handshake import checksum_alg
+from kvhandoff.runtime.loop import ControlLoop
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.buffers import DeviceBytes
-from kvhandoff.transfer.checksum import span_checksum
-from kvhandoff.transfer.control import ControlLoop
-from kvhandoff.transfer.devsum import devsum_reference, room_checksum
-from kvhandoff.transfer.effects import Effect, HashSpans, PostWrite
-from kvhandoff.transfer.handshake import checksum_alg
-from kvhandoff.transfer.transports.inproc import InprocTransport
+from kvhandoff.transports.inproc import InprocTransport
 
 from .conftest import Pair
 from .test_agent_inproc import PREFIX, SEQ, finish, run_layers
@@ -54,7 +54,8 @@ class AlgWire(MemoryWire):
         done = self.completions[-1]
         assert isinstance(done[1], ev.Written)
         if eff.checksum and done[1].error is None:
-            digest = room_checksum(side.buffers[eff.buffer], eff.offsets, eff.nbytes, eff.alg)
+            digest = room_checksum(side.buffers[eff.buffer], eff.plan.src_offsets,
+                                   eff.plan.nbytes, eff.alg)
             self.completions[-1] = (side, ev.Written(eff.op, None, digest))
 
 
@@ -212,10 +213,7 @@ def _loop(buffers: dict[str, Any]) -> ControlLoop:
 
 
 def _hashed(loop: ControlLoop, job: HashSpans) -> ev.Hashed:
-    loop._hash(job)
-    event = loop._queue.pop()[0]
-    assert isinstance(event, ev.Hashed)
-    return event
+    return loop._hashing.hashed(job)
 
 
 def test_the_driver_hashes_with_the_jobs_algorithm() -> None:
@@ -244,11 +242,21 @@ def test_the_driver_hashes_with_the_jobs_algorithm() -> None:
 
 # ---- two real agents over shm ------------------------------------------------------------
 
-def _recorder(into: list[Effect]) -> Callable[[Effect], Iterable[Effect]]:
-    def record(eff: Effect) -> Iterable[Effect]:
-        into.append(eff)
+class _Recorder:
+    """An effect filter that keeps a copy of every effect and lets it through."""
+
+    def __init__(self, into: list[Effect]) -> None:
+        self.into = into
+
+    def __call__(self, eff: Effect, now: float) -> Iterable[Effect]:
+        self.into.append(eff)
         return (eff,)
-    return record
+
+    def due(self, now: float) -> Iterable[Effect]:
+        return ()
+
+    def next_due(self) -> float | None:
+        return None
 
 
 @pytest.mark.parametrize("decode_memory", ["host", "cuda"])
@@ -260,8 +268,8 @@ def test_agents_over_shm_use_the_rooms_algorithm(pair: Callable[..., Pair],
     pr = pair(transport="shm")
     d_eff: list[Effect] = []
     p_eff: list[Effect] = []
-    pr.decode.agent._loop._filter = _recorder(d_eff)
-    pr.prefill.agent._loop._filter = _recorder(p_eff)
+    pr.decode.agent._loop._filter = _Recorder(d_eff)
+    pr.prefill.agent._loop._filter = _Recorder(p_eff)
     pr.decode.agent._loop.query(lambda s: s.set_memory(decode_memory))
     sender, receiver, _, dst = pr.open(31, SEQ, PREFIX)
     run_layers(pr, sender, receiver)

@@ -15,8 +15,8 @@ import zmq
 
 from kvhandoff import errors as E
 from kvhandoff.errors import Failure, FailureKind
+from kvhandoff.protocol import wire as P
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import protocol as P
 
 from .conftest import WAIT_S, Pair, layers_of, tiny_layout
 

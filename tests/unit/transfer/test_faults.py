@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvhandoff.errors import FailureKind
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import Log, Send
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import FaultyTransport, MessageFaults
 
@@ -24,6 +26,20 @@ def test_delayed_messages_still_hand_off(pair: MakePair) -> None:
     assert pr.verify(dst, SEQ, 0) == (0, 0)
     filt = pr.decode.agent._loop._filter
     assert isinstance(filt, MessageFaults) and filt.delay_s == 0.03 and not filt.dropped
+
+
+def test_the_delay_filter_holds_messages_until_due_and_passes_the_rest() -> None:
+    """Delaying is the filter's own business (no effect exists for it in the product): it
+    holds a message and hands it back to the driver, in order, once its time came."""
+    filt = MessageFaults(delay_s=0.5)
+    first, second = (Send("d:1", P.RoomAck(src="p:1", gen=1, room=room)) for room in (1, 2))
+    assert list(filt(first, 10.0)) == [] and list(filt(second, 10.2)) == []
+    other = Log(20, "not a message")
+    assert list(filt(other, 10.2)) == [other]  # only control messages are delayed
+    assert filt.next_due() == 10.5
+    assert filt.due(10.4) == []
+    assert filt.due(10.5) == [first] and filt.next_due() == 10.7
+    assert filt.due(11.0) == [second] and filt.next_due() is None
 
 
 def test_a_stalled_layer_fails_the_room_by_its_stall_deadline(pair: MakePair) -> None:

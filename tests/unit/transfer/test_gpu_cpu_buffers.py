@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.bufferset import BufferSet, DeviceBytes, allocate, as_bytes, view_memory
+from kvhandoff.buffers.devsum import memory_kind, refuse_device_memory
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout import preset
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.buffers import BufferSet, DeviceBytes, allocate, as_bytes, view_memory
-from kvhandoff.transfer.devsum import memory_kind, refuse_device_memory
 
 from .conftest import tiny_layout
 
@@ -115,7 +115,7 @@ def test_other_devices_and_objects_are_refused() -> None:
 
 @pytest.mark.parametrize("kind", ["tcp", "ucx"])
 def test_host_transports_refuse_cuda_buffers_at_register(kind: str) -> None:
-    from kvhandoff.transfer.transports.base import load_transport
+    from kvhandoff.transports.base import load_transport
 
     t = load_transport(kind, Settings(transport=kind))
     try:
@@ -164,7 +164,7 @@ def test_an_agent_refused_by_its_transport_closes_it() -> None:
     import threading
 
     from kvhandoff.transfer import TransferAgent
-    from kvhandoff.transfer.transports.base import load_transport
+    from kvhandoff.transports.base import load_transport
 
     lay = tiny_layout()
     t = load_transport("tcp", Settings(transport="tcp"))

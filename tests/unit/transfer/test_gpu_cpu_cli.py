@@ -18,10 +18,10 @@ import torch
 
 from kvhandoff.bench.device import DEVICE_CASES, _byte_index, run_device_bench
 from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
+from kvhandoff.buffers.bufferset import BufferSet, allocate
 from kvhandoff.commands.demo_device import _check, run_demo_device
 from kvhandoff.kv_layout import handoff_bytes
-from kvhandoff.transfer.buffers import BufferSet, allocate
-from kvhandoff.transfer.transports._cuda_ipc import copy_spans
+from kvhandoff.transports.shm.cuda_ipc import copy_spans
 
 ROOT = Path(__file__).resolve().parents[3]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -75,8 +75,7 @@ def test_device_demo_check_sees_a_flipped_byte_and_a_stray_write() -> None:
             p = plans[reg.name]
             s = torch.from_numpy(src.array(reg.name, lid))
             s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8))
-            copy_spans(s, p.src_offsets, p.nbytes, torch.from_numpy(dst.array(reg.name, lid)),
-                       p.dst_offsets, p.nbytes)
+            copy_spans(s, torch.from_numpy(dst.array(reg.name, lid)), p)
     dev = torch.device("cpu")
     assert _check(src, dst, spec, plans, layers, dev, _byte_index) == (True, 0)
     p = plans["main_kv"]
@@ -107,7 +106,7 @@ def test_gpu_check_script_is_bash_clean_and_runs_the_gpu_commands() -> None:
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     text = script.read_text()
     body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
-    for needed in ('-m pytest -q -m gpu tests', '-m kvhandoff.transfer.devsum --device "$DEV"',
+    for needed in ('-m pytest -q -m gpu tests', '-m kvhandoff.bench.devsum --device "$DEV"',
                    '-m kvhandoff.cli bench --device "$DEV"',
                    '-m kvhandoff.cli demo --device "$DEV"', "-m kvhandoff.cli doctor --json",
                    'R=${OUT:-./gpu_check_out}'):

@@ -1,6 +1,6 @@
-"""The CUDA IPC lane pieces that need no GPU: the versioned msgpack descriptor, span matching
-between differently cut span lists, copy batching, and the copy executor on CPU tensors
-(the same code path as on CUDA, without the stream)."""
+"""The CUDA IPC lane pieces that need no GPU: the versioned msgpack descriptor, the pairing of
+differently cut span lists the lane's plans come from (`kv_layout.pair_spans`), copy batching,
+and the copy executor on CPU tensors (the same code path as on CUDA, without the stream)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvhandoff.transfer.transports._cuda_ipc import (
+from kvhandoff.errors import ConfigError
+from kvhandoff.kv_layout import pair_spans, plan_of
+from kvhandoff.transports.shm.cuda_ipc import (
     VERSION,
     IpcExport,
     copy_spans,
     decode_export,
     export_buffer,
-    match_spans,
     plan_batches,
 )
 
@@ -95,7 +96,8 @@ def test_matched_pieces_carry_the_stream_whatever_the_cuts(seed: int) -> None:
     do, dn = _random_spans(rng, total, 8192)
     src = rng.integers(0, 256, 8192 * 40, dtype=np.uint8)
     dst = np.zeros_like(src)
-    ps, pd, pn = match_spans(so, sn, do, dn)
+    plan = pair_spans(so, sn, do, dn)
+    ps, pd, pn = plan.src_offsets, plan.dst_offsets, plan.nbytes
     assert int(pn.sum()) == total and len(pn) <= len(sn) + len(dn) - 1
     for a, b, n in zip(ps, pd, pn, strict=True):
         dst[b:b + n] = src[a:a + n]
@@ -103,7 +105,7 @@ def test_matched_pieces_carry_the_stream_whatever_the_cuts(seed: int) -> None:
     # the executor on CPU tensors lands the same bytes, batched or not
     for small in (1, 64, 1 << 20):
         out = torch.zeros(src.size, dtype=torch.uint8)
-        ev = copy_spans(torch.from_numpy(src), so, sn, out, do, dn, small=small)
+        ev = copy_spans(torch.from_numpy(src), out, plan, small=small)
         assert ev.query() is True
         assert _stream(out.numpy(), do, dn) == _stream(src, so, sn)
         outside = np.ones(src.size, bool)
@@ -114,19 +116,20 @@ def test_matched_pieces_carry_the_stream_whatever_the_cuts(seed: int) -> None:
 
 def test_contiguous_pieces_merge_and_cuts_follow_both_sides() -> None:
     # one contiguous stream cut differently on each side: one piece
-    ps, pd, pn = match_spans([100, 140], [40, 60], [0, 30, 70], [30, 40, 30])
-    assert (ps.tolist(), pd.tolist(), pn.tolist()) == ([100], [0], [100])
+    p = pair_spans([100, 140], [40, 60], [0, 30, 70], [30, 40, 30])
+    assert (p.src_offsets.tolist(), p.dst_offsets.tolist(), p.nbytes.tolist()) == \
+        ([100], [0], [100])
     # source pages 16 apart, destination contiguous: cut at the source's page ends
-    ps, pd, pn = match_spans([0, 32, 64], [16, 16, 16], [1000], [48])
-    assert (ps.tolist(), pd.tolist(), pn.tolist()) == ([0, 32, 64], [1000, 1016, 1032],
-                                                        [16, 16, 16])
+    p = pair_spans([0, 32, 64], [16, 16, 16], [1000], [48])
+    assert (p.src_offsets.tolist(), p.dst_offsets.tolist(), p.nbytes.tolist()) == \
+        ([0, 32, 64], [1000, 1016, 1032], [16, 16, 16])
     # empty spans are ignored; unequal totals are refused
-    assert match_spans([5, 0], [0, 8], [0], [8])[2].tolist() == [8]
-    with pytest.raises(ValueError, match="source carries 8 bytes, the destination 9"):
-        match_spans([0], [8], [0], [9])
-    with pytest.raises(ValueError, match=r"spans \(dst\): 2 offsets but 1 lengths"):
-        match_spans([0], [8], [0, 4], [8])
-    assert match_spans([], [], [], [])[2].size == 0
+    assert pair_spans([5, 0], [0, 8], [0], [8]).nbytes.tolist() == [8]
+    with pytest.raises(ConfigError, match="source carries 8 bytes, the destination 9"):
+        pair_spans([0], [8], [0], [9])
+    with pytest.raises(ConfigError, match=r"pair_spans \(dst\): 2 offsets but 1 lengths"):
+        pair_spans([0], [8], [0, 4], [8])
+    assert pair_spans([], [], [], []).nbytes.size == 0
 
 
 def test_batches_copy_long_pieces_and_gather_runs_of_short_ones() -> None:
@@ -146,4 +149,4 @@ def test_batches_copy_long_pieces_and_gather_runs_of_short_ones() -> None:
 def test_copy_spans_refuses_spans_past_the_buffer() -> None:
     src = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="past its buffer"):
-        copy_spans(src, [32], [64], torch.zeros(128, dtype=torch.uint8), [0], [64])
+        copy_spans(src, torch.zeros(128, dtype=torch.uint8), plan_of([32], [0], [64]))

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kvhandoff.errors import Aborted, ConfigError, FailureKind
+from kvhandoff.protocol import events as ev
+from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer.eventwait import EventWaiter
 
 from .conftest import WAIT_S, Pair, layers_of
 

@@ -4,7 +4,7 @@ What runs here for real: two shm transports (real sockets, real I/O threads, rea
 lane's descriptor format, the dispatch by memory kind at register / describe /
 register_remote / post_write / post_send, the refusals, and the whole one-sided write path of
 device buffers: the lane's worker, `_cuda_ipc.copy_spans` (its executor runs on CPU tensors),
-the device checksum of the source, completion only once the copy's event completed, fences,
+the device checksum of the source, completion only once the copy's event completed,
 disconnect closing the peer's blocks. What stands in for CUDA: `CpuLane` treats CPU torch
 tensors as the device buffers and replaces the IPC export/open (CUDA IPC needs a GPU; the
 two-process CUDA case is tests/unit/gpu/test_shm_cuda_handoff.py, marked gpu)."""
@@ -19,19 +19,20 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.bufferset import DeviceBytes
+from kvhandoff.buffers.devsum import devsum_reference
 from kvhandoff.errors import TransportError
+from kvhandoff.kv_layout import pair_spans, plan_of
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.buffers import DeviceBytes
-from kvhandoff.transfer.devsum import devsum_reference
-from kvhandoff.transfer.transports._cuda_ipc import IpcExport
-from kvhandoff.transfer.transports._shm_cuda import (
+from kvhandoff.transports.shm.cuda import (
     DEV_MAGIC,
     DeviceJob,
     DeviceLane,
     encode_device_descriptor,
     parse_device_descriptor,
 )
-from kvhandoff.transfer.transports.shm import ShmTransport
+from kvhandoff.transports.shm.cuda_ipc import IpcExport
+from kvhandoff.transports.shm.transport import ShmTransport
 
 from .test_gpu_cpu_buffers import FakeCudaArray
 
@@ -264,7 +265,7 @@ def test_device_write_lands_with_the_device_checksum(dev: DevPair, seed: int) ->
     s = _word_spans(rng, words, BUF, 17)
     d = _word_spans(rng, words, BUF, 5)
     w = Written()
-    dev.a.post_write("b", seed, "kv/1", *s, "kv/1", *d, w, checksum=True)
+    dev.a.post_write("b", seed, "kv/1", "kv/1", pair_spans(*s, *d), w, checksum=True)
     err, digest = w.wait()
     assert err is None
     src, dst = dev.src_store[BUF:], dev.dst_store[BUF:]
@@ -285,35 +286,32 @@ def test_on_done_waits_for_the_copys_event(dev: DevPair) -> None:
     dev.install()
     dev.la.gate = threading.Event()
     w = Written()
-    fenced = threading.Event()
-    dev.a.post_write("b", 9, "kv/0", np.array([0]), np.array([4096]), "kv/0",
-                     np.array([8192]), np.array([4096]), w, checksum=False)
-    dev.a.fence("b", lambda exc: fenced.set())
+    dev.a.post_write("b", 9, "kv/0", "kv/0",
+                     plan_of([0], [8192], [4096]),
+                     w, checksum=False)
     with dev.la.polled:  # the worker polled the pending event several times
         assert dev.la.polled.wait_for(lambda: dev.la.polls[0] >= 3, WAIT_S)
-    assert not w.event.is_set() and not fenced.is_set()
+    assert not w.event.is_set()
     dev.la.gate.set()
     err, digest = w.wait()
     assert err is None and digest is None
-    assert fenced.wait(WAIT_S)
     assert torch.equal(dev.dst_store[8192:8192 + 4096], dev.src_store[:4096])
 
 
 def test_a_host_write_into_a_device_target_is_refused(dev: DevPair) -> None:
     dev.install()
     with pytest.raises(TransportError, match="no buffer registered"):
-        dev.a.post_write("b", 1, "host", np.array([0]), np.array([4]), "kv/0",
-                         np.array([0]), np.array([4]), Written())
-    with pytest.raises(TransportError, match="size mismatch"):
-        dev.a.post_write("b", 1, "kv/0", np.array([0]), np.array([8]), "kv/0",
-                         np.array([0]), np.array([4]), Written())
+        dev.a.post_write("b", 1, "host", "kv/0", plan_of([0], [0], [4]), Written())
+    with pytest.raises(TransportError, match="exceeds the local buffer 'kv/0'"):
+        dev.a.post_write("b", 1, "kv/0", "kv/0", plan_of([0], [0], [1 << 40]), Written())
 
 
 def test_a_devsum_failure_fails_the_write_after_its_copy(dev: DevPair) -> None:
     dev.install()
     w = Written()
-    dev.a.post_write("b", 3, "kv/0", np.array([0]), np.array([6]), "kv/0",
-                     np.array([0]), np.array([6]), w, checksum=True)
+    dev.a.post_write("b", 3, "kv/0", "kv/0",
+                     plan_of([0], [0], [6]), w,
+                     checksum=True)
     err, digest = w.wait()
     assert err is not None and "multiple of 4" in str(err) and digest is None
     assert torch.equal(dev.dst_store[:6], dev.src_store[:6])  # the copy itself ran
@@ -322,8 +320,8 @@ def test_a_devsum_failure_fails_the_write_after_its_copy(dev: DevPair) -> None:
 def test_disconnect_closes_the_peers_blocks(dev: DevPair) -> None:
     dev.install()
     w = Written()
-    dev.a.post_write("b", 4, "kv/0", np.array([0]), np.array([64]), "kv/0",
-                     np.array([0]), np.array([64]), w)
+    dev.a.post_write("b", 4, "kv/0", "kv/0",
+                     plan_of([0], [0], [64]), w)
     assert w.wait()[0] is None
     dev.a.disconnect("b")
     assert dev.la.closed == ["b"] and not dev.la.opened
@@ -334,9 +332,9 @@ def test_disconnect_closes_the_peers_blocks(dev: DevPair) -> None:
 _CHILD = r"""
 import sys, torch
 from kvhandoff.settings import Settings
-from kvhandoff.transfer.transports._cuda_ipc import IpcExport
-from kvhandoff.transfer.transports._shm_cuda import DeviceLane
-from kvhandoff.transfer.transports.shm import ShmTransport
+from kvhandoff.transports.shm.cuda_ipc import IpcExport
+from kvhandoff.transports.shm.cuda import DeviceLane
+from kvhandoff.transports.shm.transport import ShmTransport
 
 class Lane(DeviceLane):
     def claims(self, buf):
@@ -356,7 +354,7 @@ sys.stdin.read()
 
 def test_no_device_copy_into_a_peer_process_that_exited() -> None:
     """The receiver is a real second process; once it exited, a write into its (IPC-opened)
-    memory fails without launching a copy, fences do not wait for it, and the writer keeps
+    memory fails without launching a copy, and the writer keeps
     working and closes."""
     import subprocess
     import sys
@@ -374,21 +372,19 @@ def test_no_device_copy_into_a_peer_process_that_exited() -> None:
         w.register_remote("child", "kv/0", bytes.fromhex(desc_hex))
         assert lane.opens == 1
         ok = Written()
-        w.post_write("child", 1, "kv/0", np.array([0]), np.array([64]), "kv/0",
-                     np.array([0]), np.array([64]), ok)
+        w.post_write("child", 1, "kv/0", "kv/0",
+                     plan_of([0], [0], [64]), ok)
         assert ok.wait()[0] is None and len(lane.copy_threads) == 1
         proc.kill()
         proc.wait(WAIT_S)
         assert w.peer_exited("child")
         gone = Written()
-        fenced = threading.Event()
-        w.post_write("child", 2, "kv/0", np.array([0]), np.array([64]), "kv/0",
-                     np.array([64]), np.array([64]), gone)
-        w.fence("child", lambda exc: fenced.set())
+        w.post_write("child", 2, "kv/0", "kv/0",
+                     plan_of([0], [64], [64]),
+                     gone)
         err, _ = gone.wait()
         assert err is not None and "exited" in str(err)
         assert len(lane.copy_threads) == 1  # no second copy launched
-        assert fenced.wait(WAIT_S)
         w.disconnect("child")
         assert lane.closed == ["child"]
     finally:

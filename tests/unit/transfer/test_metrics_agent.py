@@ -6,10 +6,10 @@ import httpx
 import numpy as np
 
 from kvhandoff.kv_layout import preset
+from kvhandoff.runtime.metrics import metrics_text
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import TransferAgent, allocate
-from kvhandoff.transfer.metrics import metrics_text
 
 
 def _value(text: str, name: str) -> float:

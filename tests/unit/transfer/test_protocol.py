@@ -12,8 +12,8 @@ import pytest
 
 from kvhandoff.errors import ProtocolError
 from kvhandoff.kv_layout import layout_hash, preset
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.transports.base import TAG_LIMIT
+from kvhandoff.protocol import wire as P
+from kvhandoff.transports.base import TAG_LIMIT
 
 MAX = 1 << 20
 ADDR, GEN = "127.0.0.1:5555", (1 << 62) - 1
@@ -51,7 +51,10 @@ SAMPLES: list[P.Message] = [
             P.RegionDone(region="main_kv", nbytes=1000, checksum=(1 << 64) - 1),
             P.RegionDone(region="indexer_k", nbytes=200, checksum=None)]),
         P.LayerInfo(layer=1, attempt=1, regions=[
-            P.RegionDone(region="main_kv", nbytes=1000, checksum=0)])]),
+            P.RegionDone(region="main_kv", nbytes=1000, checksum=0)]),
+        P.LayerInfo(layer=2, attempt=0, regions=[  # verified by the writer (shm map lane)
+            P.RegionDone(region="main_kv", nbytes=1000, checksum=7, landed=7,
+                         plan=(1 << 64) - 2)])]),
     P.LayerNack(src=ADDR, gen=GEN, room=42, layer=5, attempt=0,
                 reason="checksum mismatch in main_kv"),
     P.RoomAck(src=ADDR, gen=GEN, room=42),
@@ -132,6 +135,17 @@ def test_rejects_oversized_body_before_decoding() -> None:
     assert P.decode(frames, max_bytes=len(frames[1])) == msg  # exactly at the limit: fine
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         P.decode(frames, max_bytes=len(frames[1]) - 1)
+
+
+def test_a_layer_done_without_the_writers_read_back_decodes_as_unverified() -> None:
+    # an older prefill sends no landed / plan: the decode then hashes what landed itself
+    body = _body(kind="layer_done", src="a", gen=1, room=3, layers=[
+        {"layer": 0, "attempt": 0, "regions": [{"region": "main_kv", "nbytes": 8,
+                                                "checksum": 5}]}])
+    msg = P.decode([P.HEADER, body], max_bytes=MAX)
+    assert isinstance(msg, P.LayerDone)
+    done = msg.layers[0].regions[0]
+    assert (done.checksum, done.landed, done.plan) == (5, None, None)
 
 
 def test_unknown_extra_fields_are_tolerated() -> None:

@@ -27,7 +27,7 @@ def test_room_after_the_peer_forgot_us_rehandshakes(pair: MakePair) -> None:
 
     pa, da = pr.prefill.agent, pr.decode.agent
     # what the prefill's liveness check does to a peer it took for dead
-    pa._forget_peer(da.address, "test: declared lost")
+    pa._loop.query(lambda s: s.peers.lost(s.peers[da.address], "test: declared lost"))
     assert da.status()["counters"]["peers_lost"] == 0  # the decode still holds the handshake
 
     s2, r2, _, dst = pr.open(2, 100)

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from kvhandoff.errors import FailureKind
-from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout import LayoutSpec, SendFrom
 from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 from kvhandoff.testing.patterns import check_tokens, write_tokens
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])
@@ -69,7 +69,7 @@ def bad_bytes(d: Side, prefix: int) -> int:
     lay = d.session.layout
     bad = 0
     for ri, reg in enumerate(lay.regions):
-        first = prefix if reg.name == "indexer_k" else 0
+        first = prefix if reg.send_from is SendFrom.DECODE_PREFIX else 0
         dst = np.arange(npages(SEQ), dtype=np.int64)[first // PS:] + DST_OFF
         for lid in reg.layer_ids:
             bad += check_tokens(d.buffers[f"{reg.name}/{lid}"], lay, ri, lid, dst, first, SEQ, 7)
@@ -103,8 +103,8 @@ def run_chunked(ends: list[int], *, prefix: int = 0, indexer_last: bool = False,
     def decode_side() -> None:
         w.feed(d, ev.OpenReceiver(1, 1, (("prefill:1", 0),)))
         dst = np.arange(npages(SEQ), dtype=np.int64) + DST_OFF
-        w.feed(d, ev.ReceiverInit(1, 1, {"main_kv": dst, "indexer_k": dst[prefix // PS:]},
-                                  SEQ, prefix))
+        suffix = dst[prefix // PS:]  # both regions are suffix-only
+        w.feed(d, ev.ReceiverInit(1, 1, {"main_kv": suffix, "indexer_k": suffix}, SEQ, prefix))
 
     if not ready_before_request:
         decode_side()

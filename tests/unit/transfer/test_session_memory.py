@@ -19,12 +19,12 @@ import pytest
 from kvhandoff.errors import FailureKind
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 from kvhandoff.testing.patterns import check_tokens, write_tokens
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])
@@ -63,14 +63,15 @@ def pages(n: int, offset: int = 0) -> np.ndarray:
     return np.arange(offset, offset + n, dtype=np.int64)
 
 
-def open_room(w: MemoryWire, p: Side, d: Side, room: int, *, seq: int = SEQ) -> None:
+def open_room(w: MemoryWire, p: Side, d: Side, room: int, *, seq: int = SEQ,
+              peer: str = "prefill:1") -> None:
     lay = p.session.layout
     src = pages(-(-seq // 16))
     for ri, reg in enumerate(lay.regions):
         for lid in reg.layer_ids:
             write_tokens(p.buffers[f"{reg.name}/{lid}"], lay, ri, lid, src, 0, seq, 7)
     w.feed(p, ev.OpenSender(room, room, {r.name: src for r in lay.regions}, seq, 1))
-    w.feed(d, ev.OpenReceiver(room, room, (("prefill:1", 0),)))
+    w.feed(d, ev.OpenReceiver(room, room, ((peer, 0),)))
     dst = pages(-(-seq // 16), offset=5)
     w.feed(d, ev.ReceiverInit(room, room, {r.name: dst for r in lay.regions}, seq, 0))
 
@@ -295,19 +296,23 @@ def test_peer_restart_is_detected_by_its_generation() -> None:
 # ---------------------------------------------------------------------------- purity
 
 
-SANS_IO = ("session.py", "session_data.py", "session_chunks.py", "session_peers.py",
-           "session_reports.py", "handshake.py", "rooms.py", "events.py", "effects.py",
-           "failures.py", "protocol.py")
+PROTOCOL_DIR = pathlib.Path(__file__).resolve().parents[3] / "src" / "kvhandoff" / "protocol"
+SANS_IO = sorted(p.name for p in PROTOCOL_DIR.glob("*.py"))
 FORBIDDEN = {"zmq", "threading", "time", "socket", "os", "logging", "asyncio", "selectors",
-             "concurrent", "ucxx", "kvhandoff.transfer.transports", "kvhandoff.transfer.control",
-             "kvhandoff.transfer.agent"}
+             "concurrent", "ucxx", "ucp", "kvhandoff.transports", "kvhandoff.runtime",
+             "kvhandoff.testing"}
+
+
+def test_the_sans_io_check_reads_the_whole_protocol_folder() -> None:
+    import kvhandoff.protocol
+
+    assert pathlib.Path(kvhandoff.protocol.__file__).parent == PROTOCOL_DIR
+    assert {"session.py", "wire.py", "events.py", "effects.py"} <= set(SANS_IO)
 
 
 @pytest.mark.parametrize("name", SANS_IO)
-def test_the_session_modules_do_no_io(name: str) -> None:
-    import kvhandoff.transfer
-
-    path = pathlib.Path(kvhandoff.transfer.__file__).parent / name
+def test_the_protocol_modules_do_no_io(name: str) -> None:
+    path = PROTOCOL_DIR / name
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -316,10 +321,21 @@ def test_the_session_modules_do_no_io(name: str) -> None:
     assert not found, f"{name} imports {sorted(found)}"
 
 
+@pytest.mark.parametrize("name", SANS_IO)
+def test_no_protocol_class_declares_another_classes_attributes(name: str) -> None:
+    """The session's parts are objects it holds, not mixins: no class of the folder declares,
+    under TYPE_CHECKING, attributes some other class provides."""
+    tree = ast.parse((PROTOCOL_DIR / name).read_text())
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        for node in cls.body:
+            assert not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)), \
+                f"{name}: class {cls.name} has a TYPE_CHECKING block"
+
+
 def test_importing_the_session_loads_no_zmq_and_no_transport() -> None:
-    code = ("import sys, kvhandoff.transfer.session, kvhandoff.testing.memory; "
+    code = ("import sys, kvhandoff.protocol.session, kvhandoff.testing.memory; "
             "bad = [m for m in sys.modules if m == 'zmq' or m.startswith('zmq.') or "
-            "m.startswith('kvhandoff.transfer.transports') or m == 'ucxx']; print(bad)")
+            "m.startswith('kvhandoff.transports') or m == 'ucxx']; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -347,7 +363,7 @@ def test_an_abort_fed_before_its_open_applies_when_the_room_opens() -> None:
 def test_requests_beyond_the_early_limit_are_refused_not_dropped(monkeypatch) -> None:
     # the prefill engine has opened none of these rooms yet: the agent holds the first requests
     # (up to EARLY_LIMIT rooms) and refuses the next one at once, counted and with the reason
-    from kvhandoff.transfer import session as session_mod
+    from kvhandoff.protocol import session as session_mod
 
     monkeypatch.setattr(session_mod, "EARLY_LIMIT", 2)
     w, p, d = pair()

@@ -6,15 +6,17 @@ pages back only once the prefill can no longer write into them."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.errors import FailureKind
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import HashSpans, PostRecv, PostSend, PostWrite
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
-from kvhandoff.transfer import events as ev
-from kvhandoff.transfer import protocol as P
-from kvhandoff.transfer.effects import PostRecv, PostSend, PostWrite
 
 from .test_session_memory import HB, bad_bytes, kinds, layers, layout, open_room, settings
 
@@ -71,8 +73,13 @@ def test_layers_are_written_into_the_decode_and_verified_there() -> None:
     assert [x["one_sided_writes"] for x in p.session.status()["peers"]] == [True]
 
 
-def test_a_corrupted_write_is_caught_and_written_again() -> None:
+@pytest.mark.parametrize("writer_reads_back", [False, True])
+def test_a_corrupted_write_is_caught_and_written_again(writer_reads_back: bool) -> None:
+    """Caught by the decode's pass, or (`writer_reads_back`) by the writer's read-back, whose
+    sum then differs from the source's."""
     w, p, d = pair()
+    if writer_reads_back:
+        read_back_writes(w)
     open_room(w, p, d, 1)
     w.run()
     w.corrupt_next(layers(p.session.layout)[1], "main_kv")
@@ -80,6 +87,7 @@ def test_a_corrupted_write_is_caught_and_written_again() -> None:
     assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
     assert "LayerNack" in kinds(w, "decode:1")
     assert d.session.counters["retransmits"] == 1 and bad_bytes(d) == 0
+    assert d.session.counters["checksum_failures"] == 1
 
 
 @pytest.mark.parametrize(("prefill_writes", "decode_writes"), [(False, True), (True, False)])
@@ -192,3 +200,69 @@ def test_the_prefill_fails_and_frees_when_writes_to_a_dead_decode_fail() -> None
     assert p.views[1].state is KVPoll.Failed
     assert p.views[1].failure is not None
     assert p.views[1].releases == 1
+
+
+def read_back_writes(w: MemoryWire, *, plan_skew: bool = False) -> None:
+    """The writer's verification as shm's mapped lane gives it: each write's `Written` carries
+    `landed`, the sum of the decode's pages read back at the plan's destination pieces right
+    after the write (so a corrupt_next flip is in it). `plan_skew`: the LayerDones then name a
+    plan digest one off, as a writer that wrote by another plan would."""
+    write = w._write
+
+    def with_read_back(side: Side, eff: PostWrite) -> None:
+        write(side, eff)
+        side_, done = w.completions.pop()
+        assert isinstance(done, ev.Written) and done.op == eff.op
+        dst = w.sides[eff.peer].buffers[eff.buffer]
+        landed = span_checksum(dst, eff.plan.dst_offsets, eff.plan.nbytes)
+        w.completions.append((side_, ev.Written(done.op, done.error, done.digest, landed)))
+
+    w._write = with_read_back  # type: ignore[method-assign]
+    if not plan_skew:
+        return
+    send = w._send
+
+    def skewed(side: Side, to: str, msg: object) -> None:
+        if isinstance(msg, P.LayerDone):
+            msg = msgspec.structs.replace(msg, layers=[msgspec.structs.replace(info, regions=[
+                msgspec.structs.replace(x, plan=None if x.plan is None else x.plan ^ 1)
+                for x in info.regions]) for info in msg.layers])
+        send(side, to, msg)
+
+    w._send = skewed  # type: ignore[method-assign]
+
+
+def test_the_writers_read_back_spares_the_decode_its_pass() -> None:
+    """With `landed` in every Written, every LayerDone region carries the landed sum and the
+    plan digest; the decode checks both against the source sum and its own plan and hashes
+    nothing itself."""
+    w, p, d = pair()
+    read_back_writes(w)
+    seen = record_effects(w)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0
+    done = [x for _, _, m in w.sent if isinstance(m, P.LayerDone) for i in m.layers
+            for x in i.regions]
+    assert done and all(x.landed == x.checksum and x.plan is not None for x in done)
+    assert not [e for s, e in seen if s == "decode:1" and isinstance(e, HashSpans)]
+    c = d.session.counters
+    assert c["checksums_verified"] == c["checksums_writer_verified"] == 4 + 2
+
+
+def test_a_writer_plan_other_than_the_decodes_fails_the_room() -> None:
+    """Bytes read back intact but written by a plan whose digest is not the decode's: a
+    mismatch like any other, rewritten once and then Failed on both sides naming the layer and
+    region, never Success."""
+    w, p, d = pair()
+    read_back_writes(w, plan_skew=True)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Failed, KVPoll.Failed)
+    first = layers(p.session.layout)[0]
+    failure = d.views[1].failure
+    assert failure is not None and f"checksum mismatch on layer {first}" in failure.reason
+    assert d.session.counters["checksums_writer_verified"] == 0

@@ -41,7 +41,6 @@ from kvhandoff.bootstrap_server.schemas import (
     MAX_AXIS_SIZE,
     MAX_WORLD_SIZE,
     ROOM_MAX,
-    join_address,
 )
 from kvhandoff.bootstrap_server.sglang_answers import (
     SGLANG_ENGINE_ID,
@@ -50,7 +49,8 @@ from kvhandoff.bootstrap_server.sglang_answers import (
 )
 from kvhandoff.errors import BootstrapConflict, ConfigError
 from kvhandoff.kv_layout import LayoutSpec, layout_hash
-from kvhandoff.state_machine.events import Role
+from kvhandoff.netaddr import join_host_port
+from kvhandoff.state_machine.vocabulary import Role
 
 sglang = APIRouter(tags=["sglang-compatible"])
 
@@ -166,8 +166,8 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
                     body.pp_rank),
         role=Role.PREFILL,
         topology=topo,
-        agent_address=join_address(body.rank_ip, body.rank_port),
-        generation=join_address(body.rank_ip, body.rank_port),
+        agent_address=join_host_port(body.rank_ip, body.rank_port),
+        generation=join_host_port(body.rank_ip, body.rank_port),
         layout_hash="",
         layout={},
         transport="sglang",

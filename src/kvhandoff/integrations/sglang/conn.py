@@ -1,5 +1,6 @@
-"""``KVHandoffKVManager`` / ``KVHandoffKVSender`` / ``KVHandoffKVReceiver`` on SGLang's
-``Common*`` classes, backed by `kvhandoff.transfer.TransferAgent`.
+"""kvhandoff as an SGLang disaggregation backend: ``KVHandoffKVManager`` (here, with what its
+sender and receiver share), ``KVHandoffKVSender`` (`sender`) and ``KVHandoffKVReceiver``
+(`receiver`) on SGLang's ``Common*`` classes, backed by `kvhandoff.transfer.TransferAgent`.
 
 Two planes, as in SGLang's own backends:
 
@@ -9,12 +10,13 @@ Two planes, as in SGLang's own backends:
   msgpack) carries the room, ``decode_prefix_len``, the page count and the decode's status
   endpoint; the prefill answers failures it sees before any transfer exists with SGLang's status
   message (tag ``KVH_STATUS``, with the reason). Decode aborts use SGLang's ``AbortNotification``.
-- **kvhandoff's data plane**: each rank runs two agents, one for the KV layout (main KV, draft
-  KV, DSA indexer) and one for SGLang's metadata ("aux") buffers; prefill agents register with
-  the kvhandoff bootstrap server under the engine ids `ENGINE_KV` / `ENGINE_AUX`, decode agents
-  find them there (``/v1/route``) and open their rooms with the pages SGLang gives. Handshake
-  with layout-hash check, per-layer checksums (one retransmit, then Failed), heartbeats and
-  abort are the agent's.
+- **kvhandoff's data plane**: each rank runs one agent for the KV layout (main KV, draft KV,
+  DSA indexer, draft indexer), one for SGLang's metadata ("aux") buffers and, with
+  ``index_kpool`` compression, one for the DSA kpool tail; prefill agents register with the
+  kvhandoff bootstrap server under the engine ids `ENGINE_KV` / `ENGINE_AUX` / `ENGINE_TAIL`,
+  decode agents find them there (``/v1/route``) and open their rooms with the pages SGLang
+  gives. Handshake with layout-hash check, per-layer checksums (one retransmit, then Failed),
+  heartbeats and abort are the agent's.
 
 What maps to what (see docs/SGLANG.md):
 
@@ -29,6 +31,15 @@ What maps to what (see docs/SGLANG.md):
   layer inside a chunk is out of reach: SGLang calls ``send()`` after the chunk's whole
   forward). The DSA indexer pages and the aux slot come with the last chunk only: the indexer
   (all of its suffix) and the aux room move then.
+- The kpool tail (``StateType.DSA_TAIL``): SGLang's 6-tuple per request names the live ring
+  slots (``seq_len % index_kpool`` tokens); they are the tail room's pages (`layout.tail_pages`),
+  so a tail moves slot by slot into the decode's ring. No live tail: no tail room on either
+  side; the decode states its live tail length in its metadata and a prefill that counts
+  another fails the room naming both.
+- ``--disaggregation-decode-allocation-policy prefill_complete``: SGLang's deferred bootstrap
+  (the decode's ``BOOTSTRAP`` registration, the prefill's readiness status once its forward is
+  done) runs through SGLang's own handler on this rank's socket; the decode allocates and sends
+  its metadata after that, so the agents see what they see under ``early``.
 - ``poll()``: SGLang's state until the agent room exists, then the agent's (non-terminal ->
   ``Transferring``); a failure is recorded as SGLang's failure record, so ``failure_exception()``
   raises ``KVTransferError`` with kvhandoff's reason.
@@ -44,7 +55,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
@@ -52,8 +62,6 @@ from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     AbortNotification,
     CommonKVManager,
-    CommonKVReceiver,
-    CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
@@ -61,7 +69,8 @@ from sglang.srt.runtime_context import get_disagg, get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from kvhandoff.errors import BootstrapNotFound, ConfigError, KVHandoffError
-from kvhandoff.integrations.sglang.layout import Built, Parallel, build
+from kvhandoff.integrations.sglang.layout import Built, Parallel, build, tail_pages
+from kvhandoff.netaddr import bare_host, url_for
 from kvhandoff.settings import Settings
 from kvhandoff.transfer import TransferAgent
 
@@ -69,6 +78,7 @@ log = logging.getLogger("kvhandoff.sglang")
 
 ENGINE_KV = "sglang-kvhandoff"
 ENGINE_AUX = "sglang-kvhandoff-aux"
+ENGINE_TAIL = "sglang-kvhandoff-tail"
 META_TAG = b"KVH_META"
 REG_TAG = b"KVH_REG"
 STATUS_TAG = b"KVH_STATUS"
@@ -87,6 +97,7 @@ class Meta(msgspec.Struct, frozen=True):
     num_pages: int
     required_dst_info_num: int
     is_dummy: bool
+    tail_tokens: int = 0  # live DSA kpool tail tokens of the decode's request (0: none)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -104,7 +115,7 @@ _hello_dec = msgspec.msgpack.Decoder(Hello)
 
 
 @dataclass
-class _DecodeInfo:
+class DecodeInfo:
     """What ``CommonKVManager._room_notify_targets`` reads of ``transfer_infos`` entries."""
 
     endpoint: str
@@ -113,6 +124,7 @@ class _DecodeInfo:
     required_dst_info_num: int
     decode_prefix_len: int
     num_pages: int
+    tail_tokens: int = 0
 
 
 def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings:
@@ -138,8 +150,8 @@ def bootstrap_url_for(host: str, port: int) -> str:
     url = os.environ.get("KVHANDOFF_BOOTSTRAP_URL")
     if url:
         return url.rstrip("/")
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    host = bare_host(host)
+    return url_for({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port)
 
 
 class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
@@ -161,7 +173,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._stop = threading.Event()
         self._agents: list[TransferAgent] = []
         self._room_lock = threading.Lock()
-        self._routes: dict[tuple[str, int, int], tuple[str, str | None]] = {}
+        self._routes: dict[tuple[str, int, int], tuple[str, str | None, str | None]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         host = self.bootstrap_host
@@ -169,6 +181,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             host = NetworkAddress.parse(self.dist_init_addr).resolved().host
         url = bootstrap_url_for(host, self.bootstrap_port)
         settings = _agent_settings(role, self.local_ip, url)
+        self.probe_report = self._probe(args, settings, device)
         ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
         try:
@@ -180,6 +193,11 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 self.aux_agent = TransferAgent(role, built.aux_layout, built.aux_buffers,
                                                settings, engine_id=ENGINE_AUX, **ident)
                 self._agents.append(self.aux_agent)
+            self.tail_agent: TransferAgent | None = None
+            if built.tail_layout is not None:
+                self.tail_agent = TransferAgent(role, built.tail_layout, built.tail_buffers,
+                                                settings, engine_id=ENGINE_TAIL, **ident)
+                self._agents.append(self.tail_agent)
         except BaseException:
             self.close()
             raise
@@ -189,19 +207,42 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         log.info("kvhandoff SGLang %s manager: agents %s, layout %s", role,
                  [a.address for a in self._agents], self.agent.layout_hash)
 
+    def _probe(self, args: KVArgs, settings: Settings, device: str) -> str:
+        """The layout probe (`probe.verify`) on a scratch pool of the live pool's class; its
+        report (logged), or `LayoutProbeError` (refuse to start)."""
+        if not settings.layout_probe:
+            report = ("layout probe off (layout_probe=false): the SGLang pool layout is not "
+                      "checked against its write kernels")
+            log.warning("kvhandoff SGLang manager: %s", report)
+            return report
+        if not self.built.kv_layout.region(self.built.kv_regions[0]).num_live_layers:
+            return "layout probe: no live main-KV layer"
+        from kvhandoff.integrations.sglang.probe import verify
+
+        dev = "cpu" if device == "cpu" else f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}"
+        out = verify(args, self.built, dev)
+        (log.info if out.verified else log.warning)("kvhandoff SGLang manager: %s", out.report)
+        return out.report
+
     @staticmethod
     def _check_topology(is_mla: bool) -> None:
         p, d = get_parallel(), get_disagg()
         problems = []
         if p.pp_size != 1:
-            problems.append(f"pp_size={p.pp_size} (only 1)")
+            problems.append(f"pp_size={p.pp_size} (only 1: the layout pairs whole layer sets, "
+                            "not a pipeline stage's share)")
         if p.attn_cp_size != 1:
-            problems.append(f"attn_cp_size={p.attn_cp_size} (only 1)")
+            problems.append(f"attn_cp_size={p.attn_cp_size} (only 1: context-parallel ranks "
+                            "hold token shares of a page the span builder does not pair)")
+        if getattr(p, "attn_dcp_size", 1) != 1:
+            problems.append(f"attn_dcp_size={p.attn_dcp_size} (only 1: decode context "
+                            "parallelism splits the latent and replicates the indexer per rank)")
         if p.enable_kv_cache_sharding:
             problems.append("--enable-kv-cache-sharding")
-        if d.disaggregation_decode_allocation_policy != "early":
+        if d.disaggregation_decode_allocation_policy not in ("early", "prefill_complete"):
             problems.append("--disaggregation-decode-allocation-policy "
-                            f"{d.disaggregation_decode_allocation_policy} (only 'early')")
+                            f"{d.disaggregation_decode_allocation_policy} (only 'early' or "
+                            "'prefill_complete')")
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             problems.append("SGLANG_DISAGG_STAGING_BUFFER (staging buffers)")
         if problems:
@@ -223,7 +264,13 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             v=WIRE_VERSION, room=int(bootstrap_room), decode_ip=self.local_ip,
             decode_port=self.rank_port, decode_prefix_len=int(decode_prefix_len or 0),
             num_pages=len(kv_indices), required_dst_info_num=int(required_dst_info_num or 1),
-            is_dummy=bool(is_dummy)))]
+            is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices)))]
+
+    def _tail_tokens(self, state_indices: list[Any] | None) -> int:
+        slot = self.built.tail_slot
+        if slot is None or state_indices is None or slot >= len(state_indices):
+            return 0
+        return len(tail_pages(state_indices[slot], f"state_indices[{slot}] (dsa_tail)"))
 
     def _control_loop(self) -> None:
         """Reads this rank's SGLang PULL socket: metadata/aborts (prefill), status (decode)."""
@@ -248,6 +295,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def _on_message(self, msg: list[bytes]) -> None:
         if not msg:
             return
+        if self._handle_bootstrap_message(msg):
+            return  # prefill_complete: SGLang's deferred bootstrap, handled by SGLang
         tag = msg[0]
         if tag == META_TAG and len(msg) == 2:
             try:
@@ -283,10 +332,11 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             return
         with self._room_lock:
             infos = self.transfer_infos.setdefault(m.room, {})
-            infos[(m.decode_ip, m.decode_port)] = _DecodeInfo(
+            infos[(m.decode_ip, m.decode_port)] = DecodeInfo(
                 endpoint=m.decode_ip, dst_port=m.decode_port, is_dummy=m.is_dummy,
                 required_dst_info_num=m.required_dst_info_num,
-                decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages)
+                decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages,
+                tail_tokens=m.tail_tokens)
             if len(infos) < m.required_dst_info_num:
                 return  # more decode ranks of this room still to come
             # every TP rank of the prefill must start its chunks at the same token, dummy
@@ -300,15 +350,15 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             self.update_status(room, KVPoll.Failed)
         # the decode's agents tell ours themselves (Abort), also for a room not opened yet
 
-    def real_infos(self, room: int) -> list[_DecodeInfo]:
+    def real_infos(self, room: int) -> list[DecodeInfo]:
         with self._room_lock:
             return [i for i in self.transfer_infos.get(room, {}).values() if not i.is_dummy]
 
     # ---------------------------------------------------------------- decode: routes
 
     def route(self, bootstrap_addr: str, dp_rank: int, tp_rank: int, tp_size: int
-              ) -> tuple[str, str | None]:
-        """The control addresses of the prefill rank's KV and aux agents (cached)."""
+              ) -> tuple[str, str | None, str | None]:
+        """The control addresses of the prefill rank's KV, aux and tail agents (cached)."""
         key = (bootstrap_addr, dp_rank, tp_rank)
         hit = self._routes.get(key)
         if hit is not None:
@@ -319,7 +369,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         addrs: list[str | None] = []
         deadline = time.monotonic() + ROUTE_WAIT_S
         with BootstrapClient(url, total_wait_s=ROUTE_WAIT_S) as c:
-            for engine in (ENGINE_KV, ENGINE_AUX if self.aux_agent is not None else None):
+            for engine in (ENGINE_KV, ENGINE_AUX if self.aux_agent is not None else None,
+                           ENGINE_TAIL if self.tail_agent is not None else None):
                 if engine is None:
                     addrs.append(None)
                     continue
@@ -340,7 +391,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 addrs.append(ranks[0].agent_address)
         kv = addrs[0]
         assert kv is not None
-        out = (kv, addrs[1])
+        out = (kv, addrs[1], addrs[2])
         self._routes[key] = out
         return out
 
@@ -371,7 +422,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self.close()
 
 
-def _merge(handles: list[Any]) -> tuple[KVPoll | int, str | None]:
+def merge_states(handles: list[Any]) -> tuple[KVPoll | int, str | None]:
     """SGLang state of the agent rooms of one request: Failed (with a reason) if any failed,
     Success if all succeeded, else Transferring."""
     states = [h.poll() for h in handles]
@@ -383,288 +434,8 @@ def _merge(handles: list[Any]) -> tuple[KVPoll | int, str | None]:
     return KVPoll.Transferring, None
 
 
-def _release(handles: list[Any], reason: str) -> None:
+def release_open(handles: list[Any], reason: str) -> None:
     """SGLang forgets the request: an agent room still open is aborted (its pages freed)."""
     for h in handles:
         if int(h.poll()) not in (int(KVPoll.Success), int(KVPoll.Failed)):
             h.abort(reason)
-
-
-class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
-    """Prefill side of one request."""
-
-    kv_mgr: KVHandoffKVManager
-    _transfer_start_time: float | None
-
-    def __init__(self, mgr: KVHandoffKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self._chunks: list[np.ndarray] = []
-        self._handles: list[Any] = []
-        self._kv: Any = None  # the KV agent room's sender, once the first chunk opened it
-        self._streamed = 0  # pages of `_chunks` the KV agent room has
-        self._opened = False  # the last chunk came
-        # SGLang's event behind the chunk's KV writes: the agent waits for it on its own
-        # thread before reading the pages (layer_ready(layer, event)); the scheduler never
-        # blocks on it
-        self._event: Any = None
-
-    def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
-             num_kv_tokens: int | None = None, indices_event: Any = None) -> None:
-        if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or self._opened:
-            return
-        kv_indices, _slice, is_last, skip = self._prepare_send_indices(kv_indices,
-                                                                        state_indices)
-        if skip:
-            return
-        self._event = indices_event
-        if self._transfer_start_time is None:
-            self._transfer_start_time = time.perf_counter()
-        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        self._chunks.append(pages)
-        self._record_transfer_indices(pages, state_indices)
-        if is_last:
-            self._open(state_indices)
-        else:
-            self._stream()
-
-    def _stream(self) -> None:
-        """A chunk before the last: its pages go to the KV agent room (opened by the first
-        one) and every layer is marked ready, so the chunk moves now."""
-        mgr = self.kv_mgr
-        real = mgr.real_infos(self.bootstrap_room)
-        pages = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int64)
-        if not real or len(pages) == self._streamed:
-            return  # a dummy rank, or nothing new: the last chunk decides
-        total = {i.num_pages for i in real}
-        if len(total) != 1 or len(pages) >= min(total):
-            return  # the last chunk checks the counts and sends the rest
-        b = mgr.built
-        ps = b.kv_layout.page_size_tokens
-        new = pages[self._streamed:]
-        try:
-            if self._kv is None:
-                table: dict[str, Any] = dict.fromkeys(b.kv_regions, new)
-                if b.dsa_slot is not None:
-                    table["indexer"] = np.zeros(0, np.int64)  # with the last chunk
-                self._kv = mgr.agent.sender(self.bootstrap_room, pages=table,
-                                            seq_len=min(total) * ps, chunk_end=len(pages) * ps,
-                                            num_decode_ranks=len(real))
-                self._handles.append(self._kv)
-            else:
-                self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
-            self._streamed = len(pages)
-            for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                self._kv.layer_ready(layer, self._event)
-        except KVHandoffError as e:
-            self._fail(f"kvhandoff: {e}")
-
-    def _fail(self, reason: str) -> None:
-        """Records `reason`, marks the room Failed and tells the decode ranks."""
-        for h in self._handles:
-            h.abort(reason)
-        self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason=reason)
-
-    def _open(self, state_indices: list[Any] | None) -> None:
-        """Last chunk: the KV agent room gets the rest of its pages (or opens with the whole
-        table when no earlier chunk streamed) and the indexer's, the aux room opens; every
-        layer ready."""
-        self._opened = True
-        mgr = self.kv_mgr
-        room = self.bootstrap_room
-        real = mgr.real_infos(room)
-        pages = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int64)
-        if not real:  # a dummy rank for every decode rank of this room: nothing to send
-            mgr.update_status(room, KVPoll.Success)
-            return
-        want = {i.num_pages for i in real}
-        if want != {len(pages)}:
-            self._fail(f"page count: prefill sends {len(pages)} pages, decode offered "
-                       f"{sorted(want)}")
-            return
-        b = mgr.built
-        try:
-            if len(pages):
-                table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
-                if b.dsa_slot is not None:
-                    dsa = None if state_indices is None else state_indices[b.dsa_slot]
-                    if dsa is None or len(dsa) != len(pages):
-                        raise ConfigError(
-                            f"state_indices[{b.dsa_slot}] (DSA indexer): expected the "
-                            f"{len(pages)} suffix pages, got "
-                            f"{None if dsa is None else len(dsa)}")
-                    table["indexer"] = np.asarray(dsa, dtype=np.int64).reshape(-1)
-                ps = b.kv_layout.page_size_tokens
-                if self._kv is None:
-                    h = mgr.agent.sender(room, pages=table, seq_len=len(pages) * ps,
-                                         num_decode_ranks=len(real))
-                    self._handles.append(h)
-                else:
-                    h = self._kv
-                    for name in b.kv_regions:
-                        table[name] = pages[self._streamed:]
-                    h.add_chunk(table, len(pages) * ps)
-                for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                    h.layer_ready(layer, self._event)
-            if mgr.aux_agent is not None:
-                if self.aux_index is None:
-                    raise ConfigError("aux_index: the last chunk came without SGLang's "
-                                      "metadata buffer index")
-                assert b.aux_layout is not None
-                ah = mgr.aux_agent.sender(
-                    room, pages={r.name: [int(self.aux_index)] for r in b.aux_layout.regions},
-                    seq_len=1, num_decode_ranks=len(real))
-                self._handles.append(ah)
-                for r in b.aux_layout.regions:
-                    ah.layer_ready(r.layer_ids[0], self._event)
-        except KVHandoffError as e:
-            self._fail(f"kvhandoff: {e}")
-
-    def poll(self) -> KVPoll:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        status = self.kv_mgr.request_status.get(self.bootstrap_room)
-        if not self._handles or status == KVPoll.Failed:
-            st = super().poll()
-            if st == KVPoll.Failed:  # e.g. the decode aborted: free the agent rooms now
-                for h in self._handles:
-                    h.abort(self.kv_mgr.failure_records.get(self.bootstrap_room, "failed"))
-            return st
-        st, reason = _merge(self._handles)
-        if st == KVPoll.Failed:
-            self.kv_mgr.record_failure(self.bootstrap_room, reason or "failed")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            for h in self._handles:
-                h.abort(reason or "failed")
-        elif st == KVPoll.Success:
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
-        else:
-            return KVPoll.Transferring
-        return super().poll()
-
-    def clear(self) -> None:
-        _release(self._handles, "sender cleared before the transfer ended")
-        super().clear()
-
-    def abort(self) -> None:
-        super().abort()
-        if self._handles:
-            for h in self._handles:
-                h.abort("Aborted by AbortReq on the prefill")
-        else:  # no agent room yet: tell the decode ranks through SGLang's status message
-            self.kv_mgr.send_kv_status_message(
-                targets=self.kv_mgr._room_notify_targets(self.bootstrap_room),
-                bootstrap_room=self.bootstrap_room, status=KVPoll.Failed,
-                failure_reason="Aborted by AbortReq on the prefill")
-
-
-class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
-    """Decode side of one request."""
-
-    kv_mgr: KVHandoffKVManager
-
-    def __init__(self, mgr: KVHandoffKVManager, bootstrap_addr: str,
-                 bootstrap_room: int | None = None) -> None:
-        super().__init__(mgr, bootstrap_addr, bootstrap_room)
-        self._handles: list[Any] = []
-        self._agent_addrs: tuple[str, str | None] | None = None
-
-    def init(self, prefill_dp_rank: int) -> None:
-        super().init(prefill_dp_rank)
-        if self.conclude_state == KVPoll.Failed:
-            return
-        try:
-            self._agent_addrs = self.kv_mgr.route(
-                self.bootstrap_addr, int(prefill_dp_rank), int(self.target_tp_rank),
-                int(self.prefill_info.attn_tp_size))
-        except KVHandoffError as e:
-            self._local_failure(f"kvhandoff route lookup at {self.bootstrap_addr} failed: {e}")
-
-    def _local_failure(self, reason: str) -> None:
-        self.kv_mgr.record_failure(self.bootstrap_room, reason)
-        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-        self.conclude_state = KVPoll.Failed
-
-    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
-                      state_indices: list[Any] | None = None,
-                      decode_prefix_len: int | None = None, destination: Any = None,
-                      device_kv_indices: Any = None) -> None:
-        if self.conclude_state == KVPoll.Failed:
-            return
-        if destination is not None and getattr(destination, "value", destination) != "device":
-            raise NotImplementedError("kvhandoff: host KV destinations are not supported")
-        mgr = self.kv_mgr
-        b = mgr.built
-        ps = b.kv_layout.page_size_tokens
-        prefix = int(decode_prefix_len or 0)
-        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
-        problem = None
-        if prefix % ps:
-            problem = (f"decode_prefix_len: {prefix} is not a multiple of page_size={ps} "
-                       f"(SGLang sends whole suffix pages)")
-        elif b.dsa_slot is not None and len(pages):
-            dsa = None if state_indices is None else state_indices[b.dsa_slot]
-            if dsa is None or len(dsa) != len(pages):
-                problem = (f"state_indices[{b.dsa_slot}] (DSA indexer): expected the "
-                           f"{len(pages)} suffix pages, got {None if dsa is None else len(dsa)}")
-            else:
-                table["indexer"] = np.asarray(dsa, dtype=np.int64).reshape(-1)
-        if problem is None and mgr.aux_agent is not None and aux_index is None:
-            problem = "aux_index: missing (SGLang's metadata buffer slot)"
-        if problem is not None:
-            self._local_failure(f"kvhandoff: {problem}")
-            return
-        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
-        if self.conclude_state == KVPoll.Failed or self._agent_addrs is None:
-            return
-        kv_addr, aux_addr = self._agent_addrs
-        room = self.bootstrap_room
-        assert room is not None
-        try:
-            if len(pages):
-                h = mgr.agent.receiver(room, peer=kv_addr)
-                self._handles.append(h)
-                h.init(table, len(pages) * ps, 0)
-            if mgr.aux_agent is not None and aux_addr is not None:
-                assert b.aux_layout is not None
-                ah = mgr.aux_agent.receiver(room, peer=aux_addr)
-                self._handles.append(ah)
-                ah.init({r.name: [int(aux_index or 0)] for r in b.aux_layout.regions}, 1, 0)
-        except KVHandoffError as e:
-            for h in self._handles:
-                h.abort(str(e))
-            self._local_failure(f"kvhandoff: {e}")
-
-    def poll(self) -> KVPoll:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        status = self.kv_mgr.request_status.get(self.bootstrap_room)
-        if not self._handles or status == KVPoll.Failed:
-            st = super().poll()
-            if st == KVPoll.Failed:
-                for h in self._handles:
-                    h.abort(self.kv_mgr.failure_records.get(self.bootstrap_room, "failed"))
-            return st
-        st, reason = _merge(self._handles)
-        if st == KVPoll.Failed:
-            self.kv_mgr.record_failure(self.bootstrap_room, reason or "failed")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            for h in self._handles:
-                h.abort(reason or "failed")
-            # the prefill's agents may be gone (restart: new addresses); look them up again
-            self.kv_mgr.forget_routes(self.bootstrap_addr)
-        elif st == KVPoll.Success:
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
-        else:
-            return KVPoll.Transferring
-        return super().poll()
-
-    def clear(self) -> None:
-        _release(self._handles, "receiver cleared before the transfer ended")
-        super().clear()
-
-    def abort(self) -> None:
-        super().abort()
-        for h in self._handles:
-            h.abort("Aborted by AbortReq on the decode")

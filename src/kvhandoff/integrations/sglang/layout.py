@@ -1,22 +1,41 @@
 """SGLang ``KVArgs`` -> kvhandoff layouts and buffers.
 
-Two layouts per rank, one agent each (an agent has one page size):
+Up to three layouts per rank, one agent each (an agent has one page size):
 
 - the **KV layout** (page size = SGLang's ``page_size``): the main KV buffers
   (``kv_data_ptrs/lens/item_lens``; MLA: one buffer per layer, region ``kv``; MHA: K buffers
-  then V buffers, regions ``k`` and ``v``; draft/MTP entries, the last ``num_draft_entries``,
-  as ``draft_kv`` or ``draft_k``/``draft_v``) and the DSA indexer (state component
-  ``StateType.DSA``, region ``indexer``, suffix-only). Every other state type is refused at
-  startup, naming it.
+  then V buffers, regions ``k`` and ``v``), the draft/MTP main KV (the last
+  ``num_draft_entries``: ``draft_kv`` or ``draft_k``/``draft_v``) and the DSA indexer (state
+  component ``StateType.DSA``: region ``indexer``, and ``draft_indexer`` for the entries SGLang
+  appends after the target's when the draft pool is a DSA pool too).
 - the **aux layout** (page size 1): one region ``aux<i>`` per SGLang metadata buffer
   (``aux_data_ptrs/lens/item_lens``), a page being one request slot of ``item_len`` bytes.
+- the **tail layout** (page size 1, only with ``index_kpool`` compression: state component
+  ``StateType.DSA_TAIL``): regions ``tail_k`` and ``tail_score`` (``draft_tail_k`` /
+  ``draft_tail_score``), the bf16 key and score of the request's last ``seq_len % index_kpool``
+  tokens, which live in a per-request ring of ``tail_size`` slots. A page is one ring slot
+  (`TAIL_SLOT_BYTES`): page ``row * tail_size + slot``, so the live slots of prefill and decode
+  pair up one by one even when their rings differ in size (speculative slots).
 
-A page of a region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of one plane of
-``item_len // page_size`` bytes), so SGLang pages map 1:1 onto kvhandoff pages. The layout's
-``model`` field carries what SGLang itself requires to be equal on both sides (page size, KV
-dtype, KV head counts, PP size; the attention TP size for non-MLA pools, which this backend
-moves rank to rank): it is part of the layout hash both agents compare at the handshake, so a
-mismatch fails the handshake with the differing field named.
+Every other state type is refused at startup, naming it.
+
+A page of a main KV region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of
+``item_len // page_size`` bytes). An indexer item holds ``page_size // index_kpool`` rows of a
+128-byte fp8 key (all keys of the page first) and a 4-byte fp32 scale (then all scales), planes
+``key`` and ``scale``; ``index_kpool`` (`RegionSpec.tokens_per_row`) is what the item length
+says: ``page_size * 132 // item_len``.
+
+Layer ids: the target's from ``kv_layer_ids`` when SGLang gives them, else positions; draft
+layers follow the target's (``num_layers + i``, SGLang's own band), in regions marked `draft`, so
+a draft cache can only land in the peer's draft regions. An entry of item length 0 (SGLang's
+0-row placeholders: skip-topk indexer layers, layers another rank owns) is an empty layer of
+its region (`RegionSpec.empty_layers`): no view, nothing moves for it.
+
+The layout's ``model`` field carries what SGLang itself requires to be equal on both sides (page
+size, KV dtype, KV head counts, PP size; the attention TP size for non-MLA pools, which this
+backend moves rank to rank): it is part of the layout hash both agents compare at the
+handshake, so a mismatch (another layer set, a draft cache on one side only, another kpool)
+fails the handshake with the differing field named.
 
 Buffers are zero-copy views of SGLang's memory: numpy views of host pointers, or CUDA tensors
 built through ``__cuda_array_interface__`` for device pointers (the KV pool and DSA state on a
@@ -36,6 +55,11 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
 
 DSA_STATE = "dsa"
+DSA_TAIL_STATE = "dsa_tail"
+INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
+INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
+INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
+TAIL_SLOT_BYTES = 128 * 2  # one ring slot of the kpool tail: 128 bf16 values
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,14 @@ class Built:
     dsa_slot: int | None  # index of the DSA component in state_types / state_indices
     kv_regions: tuple[str, ...]  # regions fed by the send() page lists (not the indexer)
     region_entries: dict[str, list[int]] = field(default_factory=dict)
+    tail_layout: LayoutSpec | None = None
+    tail_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
+    tail_slot: int | None = None  # index of the DSA_TAIL component
+
+    @property
+    def indexer_regions(self) -> tuple[str, ...]:
+        """The regions fed by the DSA state's page list (target and draft indexer)."""
+        return tuple(r.name for r in self.kv_layout.regions if r.name not in self.kv_regions)
 
 
 class _CudaBytes:
@@ -84,50 +116,119 @@ def _state_name(t: Any) -> str:
     return str(getattr(t, "value", t))
 
 
-def check_state_types(state_types: Sequence[Any]) -> int | None:
-    """The slot of the DSA component; any other state type is refused, named."""
-    dsa = None
+def check_state_types(state_types: Sequence[Any]) -> tuple[int | None, int | None]:
+    """The slots of the DSA component and of its kpool tail; any other state type is
+    refused, named."""
+    found: dict[str, int] = {}
     for i, t in enumerate(state_types or ()):
         name = _state_name(t)
-        if name == DSA_STATE and dsa is None:
-            dsa = i
+        if name in (DSA_STATE, DSA_TAIL_STATE) and name not in found:
+            found[name] = i
             continue
         raise ConfigError(
             f"kv_args.state_types[{i}]: state type {name!r} is not supported by the kvhandoff "
-            f"SGLang backend (supported: main KV, draft KV, aux buffers and the DSA indexer "
-            f"state '{DSA_STATE}'); use another transfer backend for this model")
-    return dsa
+            f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
+            f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}'); use another transfer "
+            f"backend for this model")
+    if DSA_TAIL_STATE in found and DSA_STATE not in found:
+        raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
+    return found.get(DSA_STATE), found.get(DSA_TAIL_STATE)
 
 
-def _plane_bytes(item_len: int, page_size: int, where: str) -> int:
-    if item_len <= 0 or item_len % page_size:
-        raise ConfigError(f"{where}: item length {item_len} B is not a positive multiple of "
-                          f"page_size={page_size}")
-    return item_len // page_size
+@dataclass(frozen=True)
+class _Entries:
+    """One region's entries of a SGLang buffer list."""
+
+    name: str
+    entries: list[int]
+    layer_ids: list[int]
+    draft: bool = False
 
 
-def _region(name: str, entries: list[int], ptrs: Sequence[int], lens: Sequence[int],
-            item_lens: Sequence[int], page_size: int, device: str, where: str,
-            send_from: SendFrom, layer_ids: Sequence[int] | None = None
-            ) -> tuple[RegionSpec, dict[int, Any]]:
-    sizes = {int(item_lens[e]) for e in entries}
+def _region(g: _Entries, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int],
+            device: str, where: str, *, send_from: SendFrom,
+            planes: Any) -> tuple[RegionSpec, dict[int, Any]] | None:
+    """The region of `g` (None when every entry is a 0-row placeholder); `planes(item_len,
+    where)` -> (planes, tokens_per_row) for the live item length."""
+    live = [(lid, e) for lid, e in zip(g.layer_ids, g.entries, strict=True)
+            if int(item_lens[e]) > 0]
+    for e in g.entries:
+        if int(item_lens[e]) < 0 or (int(item_lens[e]) == 0 and int(lens[e]) != 0):
+            raise ConfigError(f"{where}[{e}]: item length {item_lens[e]} with a buffer of "
+                              f"{lens[e]} B (a 0-row layer has item length 0 and 0 bytes)")
+    if not live:
+        return None
+    sizes = {int(item_lens[e]) for _, e in live}
     if len(sizes) != 1:
-        raise ConfigError(f"{where}: region {name!r} has buffers of different item lengths "
-                          f"{sorted(sizes)}; kvhandoff needs one page size per region")
-    bpt = _plane_bytes(sizes.pop(), page_size, f"{where}[{entries[0]}]")
-    ids = list(layer_ids) if layer_ids is not None else list(range(len(entries)))
-    if len(ids) != len(entries) or ids != sorted(set(ids)) or any(i < 0 for i in ids):
-        ids = list(range(len(entries)))  # not usable as region layer ids: positions
+        raise ConfigError(f"{where}: region {g.name!r} has live buffers of different item "
+                          f"lengths {sorted(sizes)}; kvhandoff needs one page size per region")
+    item = sizes.pop()
+    plane_list, per_row = planes(item, f"{where}[{live[0][1]}]")
     bufs: dict[int, Any] = {}
-    for lid, e in zip(ids, entries, strict=True):
+    for lid, e in live:
         n = int(lens[e])
-        if n % int(item_lens[e]):
+        if n % item:
             raise ConfigError(f"{where}[{e}]: buffer length {n} B is not a whole number of "
-                              f"{item_lens[e]} B items")
+                              f"{item} B items")
         bufs[lid] = view(int(ptrs[e]), n, device, f"{where}[{e}]")
-    spec = RegionSpec(name=name, layer_ids=tuple(ids), planes=(Plane("page", bpt),),
-                      send_from=send_from, tp_split=TPSplit.REPLICATED)
+    empty = tuple(lid for lid in g.layer_ids if lid not in bufs)
+    spec = RegionSpec(name=g.name, layer_ids=tuple(g.layer_ids), planes=tuple(plane_list),
+                      send_from=send_from, tp_split=TPSplit.REPLICATED, tokens_per_row=per_row,
+                      empty_layers=empty, draft=g.draft)
     return spec, bufs
+
+
+def _opaque(page_size: int) -> Any:
+    def planes(item_len: int, where: str) -> tuple[list[Plane], int]:
+        if item_len % page_size:
+            raise ConfigError(f"{where}: item length {item_len} B is not a multiple of "
+                              f"page_size={page_size}")
+        return [Plane("page", item_len // page_size)], 1
+    return planes
+
+
+def _indexer(page_size: int) -> Any:
+    def planes(item_len: int, where: str) -> tuple[list[Plane], int]:
+        rows = item_len // INDEXER_ROW_BYTES
+        if item_len % INDEXER_ROW_BYTES or not rows or page_size % rows:
+            raise ConfigError(
+                f"{where}: DSA indexer item length {item_len} B is not page_size={page_size} "
+                f"// index_kpool rows of {INDEXER_KEY_BYTES} key + {INDEXER_SCALE_BYTES} scale "
+                f"bytes")
+        return [Plane("key", INDEXER_KEY_BYTES), Plane("scale", INDEXER_SCALE_BYTES)], \
+            page_size // rows
+    return planes
+
+
+def _tail(item_len: int, where: str) -> tuple[list[Plane], int]:
+    if item_len % TAIL_SLOT_BYTES:
+        raise ConfigError(f"{where}: DSA tail row of {item_len} B is not a whole number of "
+                          f"{TAIL_SLOT_BYTES} B ring slots")
+    return [Plane("slot", TAIL_SLOT_BYTES)], 1
+
+
+def _split_state(name: str, n_state: int, target: list[int], draft: list[int],
+                 where: str, parts: int = 1) -> list[_Entries]:
+    """The DSA (or tail: `parts` = 2, key list then score list) entries of the target layers,
+    then of the draft layers (SGLang appends a DSA draft pool's entries after the target's)."""
+    nt, nd = len(target), len(draft)
+    if n_state == parts * nt:
+        nd = 0
+    elif n_state != parts * (nt + nd):
+        raise ConfigError(
+            f"{where}: {n_state} entries; expected {parts} x {nt} target layers"
+            + (f" (+ {parts} x {nd} draft layers)" if nd else ""))
+    out: list[_Entries] = []
+    names = ("",) if parts == 1 else ("_k", "_score")
+    for p, suffix in enumerate(names):
+        out.append(_Entries(f"{name}{suffix}", list(range(p * nt, (p + 1) * nt)), target))
+    base = parts * nt
+    for p, suffix in enumerate(names):
+        if nd:
+            out.append(_Entries(f"draft_{name}{suffix}",
+                                list(range(base + p * nd, base + (p + 1) * nd)), draft,
+                                draft=True))
+    return out
 
 
 def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Built:
@@ -136,47 +237,59 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     if ps <= 0:
         raise ConfigError(f"kv_args.page_size: expected > 0, got {ps}")
     dtype = str(kv_args.kv_cache_dtype_str)
-    dsa_slot = check_state_types(getattr(kv_args, "state_types", []) or [])
+    dsa_slot, tail_slot = check_state_types(getattr(kv_args, "state_types", []) or [])
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
         raise ConfigError(f"kv_args.kv_data_ptrs/lens/item_lens: expected equal non-zero "
                           f"lengths, got {len(ptrs)}/{len(lens)}/{len(items)}")
     n_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    layer_ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
-    groups: list[tuple[str, list[int]]] = []
-    for prefix, entries in (("", list(range(n - n_draft))),
-                            ("draft_", list(range(n - n_draft, n)))):
-        if not entries:
-            continue
-        if is_mla:
-            groups.append((f"{prefix}kv", entries))
-        else:
-            if len(entries) % 2:
-                raise ConfigError(f"kv_args.kv_data_ptrs: a non-MLA pool has K and V buffers "
-                                  f"per layer, got an odd count {len(entries)}")
-            half = len(entries) // 2
-            groups += [(f"{prefix}k", entries[:half]), (f"{prefix}v", entries[half:])]
+    if not 0 <= n_draft < n:
+        raise ConfigError(f"kv_args.num_draft_entries: expected 0..{n - 1}, got {n_draft}")
+    per_layer = 1 if is_mla else 2  # MLA: one buffer per layer; MHA: K then V
+    if (n - n_draft) % per_layer or n_draft % per_layer:
+        raise ConfigError(f"kv_args.kv_data_ptrs: a non-MLA pool has K and V buffers per "
+                          f"layer, got {n - n_draft} target and {n_draft} draft entries")
+    nt, nd = (n - n_draft) // per_layer, n_draft // per_layer
+    given = [int(x) for x in (getattr(kv_args, "kv_layer_ids", None) or [])]
+    target = given[:nt] if len(given) == n and given[:nt] == sorted(set(given[:nt])) \
+        and min(given[:nt]) >= 0 else list(range(nt))
+    num_layers = max(target) + 1
+    draft = list(range(num_layers, num_layers + nd))
+    groups: list[_Entries] = []
+    names = ("kv",) if is_mla else ("k", "v")
+    for i, nm in enumerate(names):
+        groups.append(_Entries(nm, list(range(i * nt, (i + 1) * nt)), target))
+    for i, nm in enumerate(names):
+        if nd:
+            groups.append(_Entries(f"draft_{nm}", list(range(n - n_draft + i * nd,
+                                                             n - n_draft + (i + 1) * nd)),
+                                   draft, draft=True))
     regions: list[RegionSpec] = []
     buffers: dict[str, dict[int, Any]] = {}
-    for name, entries in groups:
-        ids = [layer_ids[e] for e in entries] if len(layer_ids) == n else None
-        spec, bufs = _region(name, entries, ptrs, lens, items, ps, device,
-                             "kv_args.kv_data_ptrs", SendFrom.START, ids)
-        regions.append(spec)
-        buffers[name] = bufs
+    for g in groups:
+        built = _region(g, ptrs, lens, items, device, "kv_args.kv_data_ptrs",
+                        send_from=SendFrom.START, planes=_opaque(ps))
+        if built is None:
+            raise ConfigError(f"kv_args.kv_item_lens: every {g.name!r} buffer has item "
+                              "length 0")
+        regions.append(built[0])
+        buffers[g.name] = built[1]
     kv_regions = tuple(r.name for r in regions)
     if dsa_slot is not None:
         sp = kv_args.state_data_ptrs[dsa_slot]
         sl = kv_args.state_data_lens[dsa_slot]
         si = kv_args.state_item_lens[dsa_slot]
-        sids = list((getattr(kv_args, "state_layer_ids", None) or [[]] * (dsa_slot + 1))
-                    [dsa_slot] or []) or None
-        spec, bufs = _region("indexer", list(range(len(sp))), sp, sl, si, ps, device,
-                             f"kv_args.state_data_ptrs[{dsa_slot}]", SendFrom.DECODE_PREFIX,
-                             sids)
-        regions.append(spec)
-        buffers["indexer"] = bufs
+        where = f"kv_args.state_data_ptrs[{dsa_slot}]"
+        if not len(sp) == len(sl) == len(si):
+            raise ConfigError(f"{where}: ptrs/lens/item_lens of different lengths "
+                              f"{len(sp)}/{len(sl)}/{len(si)}")
+        for g in _split_state("indexer", len(sp), target, draft, where):
+            built = _region(g, sp, sl, si, device, where, send_from=SendFrom.DECODE_PREFIX,
+                            planes=_indexer(ps))
+            if built is not None:
+                regions.append(built[0])
+                buffers[g.name] = built[1]
     head_num = getattr(kv_args, "kv_head_num", None) if not is_mla else 1
     total_heads = getattr(kv_args, "total_kv_head_num", None) if not is_mla else 1
     ident = (f"sglang;mla={int(is_mla)};dtype={dtype};page_size={ps};pp={parallel.pp_size};"
@@ -184,21 +297,70 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     if not is_mla:
         ident += f";attn_tp={parallel.attn_tp_size}"
     kv_layout = LayoutSpec(page_size_tokens=ps, kv_dtype=dtype, regions=tuple(regions),
-                           model=ident)
-    aux_layout = None
-    aux_buffers: dict[str, dict[int, Any]] = {}
-    aptrs = list(getattr(kv_args, "aux_data_ptrs", None) or [])
-    if aptrs:
-        alens, aitems = kv_args.aux_data_lens, kv_args.aux_item_lens
-        aregions = []
-        for i in range(len(aptrs)):
-            # SGLang's metadata buffers live in host memory (MetadataBuffers: device "cpu"
-            # on CUDA builds), whatever the KV pool's device
-            spec, bufs = _region(f"aux{i}", [i], aptrs, alens, aitems, 1, "cpu",
-                                 "kv_args.aux_data_ptrs", SendFrom.START, [i])
-            aregions.append(spec)
-            aux_buffers[spec.name] = bufs
-        aux_layout = LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(aregions),
-                                model=f"sglang-aux;n={len(aptrs)}")
+                           model=ident, num_layers=num_layers)
+    aux_layout, aux_buffers = _aux(kv_args)
+    tail_layout: LayoutSpec | None = None
+    tail_buffers: dict[str, dict[int, Any]] = {}
+    if tail_slot is not None:
+        tail_layout, tail_buffers = _tail_layout(kv_args, tail_slot, target, draft, device,
+                                                 num_layers, ident)
     return Built(kv_layout=kv_layout, kv_buffers=buffers, aux_layout=aux_layout,
-                 aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions)
+                 aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions,
+                 tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot)
+
+
+def _aux(kv_args: Any) -> tuple[LayoutSpec | None, dict[str, dict[int, Any]]]:
+    aptrs = list(getattr(kv_args, "aux_data_ptrs", None) or [])
+    if not aptrs:
+        return None, {}
+    alens, aitems = kv_args.aux_data_lens, kv_args.aux_item_lens
+    aregions = []
+    buffers: dict[str, dict[int, Any]] = {}
+    for i in range(len(aptrs)):
+        # SGLang's metadata buffers live in host memory (MetadataBuffers: device "cpu" on
+        # CUDA builds), whatever the KV pool's device
+        built = _region(_Entries(f"aux{i}", [i], [i]), aptrs, alens, aitems, "cpu",
+                        "kv_args.aux_data_ptrs", send_from=SendFrom.START, planes=_opaque(1))
+        if built is None:
+            raise ConfigError(f"kv_args.aux_item_lens[{i}]: item length 0")
+        aregions.append(built[0])
+        buffers[built[0].name] = built[1]
+    return LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(aregions),
+                      model=f"sglang-aux;n={len(aptrs)}"), buffers
+
+
+def _tail_layout(kv_args: Any, slot: int, target: list[int], draft: list[int], device: str,
+                 num_layers: int, ident: str
+                 ) -> tuple[LayoutSpec | None, dict[str, dict[int, Any]]]:
+    tp = kv_args.state_data_ptrs[slot]
+    tl = kv_args.state_data_lens[slot]
+    ti = kv_args.state_item_lens[slot]
+    where = f"kv_args.state_data_ptrs[{slot}] ({DSA_TAIL_STATE})"
+    regions: list[RegionSpec] = []
+    buffers: dict[str, dict[int, Any]] = {}
+    for g in _split_state("tail", len(tp), target, draft, where, parts=2):
+        built = _region(g, tp, tl, ti, device, where, send_from=SendFrom.START, planes=_tail)
+        if built is not None:
+            regions.append(built[0])
+            buffers[g.name] = built[1]
+    if not regions:
+        return None, {}
+    return LayoutSpec(page_size_tokens=1, kv_dtype="bfloat16", regions=tuple(regions),
+                      model=f"{ident};dsa_tail", num_layers=num_layers), buffers
+
+
+def tail_pages(indices: Sequence[int] | None, where: str) -> np.ndarray:
+    """The ring slots (pages of the tail layout) of one request's live tail tokens, in token
+    order, from SGLang's 6-tuple ``[row, off1, n1, off2, n2, tail_size]``
+    (``get_dsa_tail_state_indices``); no live tail (``[]``): no pages."""
+    if not indices:
+        return np.zeros(0, np.int64)
+    v = [int(x) for x in indices]
+    if len(v) != 6:
+        raise ConfigError(f"{where}: expected SGLang's 6-tuple [row, off1, n1, off2, n2, "
+                          f"tail_size], got {v}")
+    row, o1, n1, o2, n2, size = v
+    if row < 0 or size <= 0 or min(o1, n1, o2, n2) < 0 or o1 + n1 > size or o2 + n2 > size:
+        raise ConfigError(f"{where}: ring segments {v} do not fit a ring of {size} slots")
+    slots = [*range(o1, o1 + n1), *range(o2, o2 + n2)]
+    return np.asarray(slots, dtype=np.int64) + row * size

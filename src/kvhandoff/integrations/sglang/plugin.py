@@ -6,7 +6,8 @@ SGLang has no registration API for transfer backends: ``TransferBackend`` is a c
 arguments or builds a scheduler, and gives plugins a hook registry. `register` (the entry point)
 uses exactly those:
 
-1. refuses any SGLang but `SGLANG_VERSION` (the classes subclass SGLang internals);
+1. refuses any SGLang outside `SGLANG_SUPPORTED` (the classes subclass SGLang internals), the
+   supported range named in the error;
 2. adds the member ``KVHANDOFF = "kvhandoff"`` to ``TransferBackend``;
 3. appends ``kvhandoff`` to the CLI choices (``add_disagg_transfer_backend_choices``);
 4. registers an AROUND hook on ``sglang.srt.disaggregation.utils.get_kv_class`` that answers
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 from typing import Any
 
-from kvhandoff.integrations.sglang import BACKEND_NAME, SGLANG_VERSION
+from kvhandoff.integrations.sglang import BACKEND_NAME, SGLANG_SUPPORTED
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -39,16 +41,35 @@ class UnsupportedSGLangVersion(RuntimeError):
     """The installed SGLang is not the version this backend was written for."""
 
 
+def supported_range() -> str:
+    """`SGLANG_SUPPORTED` as a pip specifier, e.g. ``>=0.5.23,<0.5.24``."""
+    low, high = (".".join(map(str, v)) for v in SGLANG_SUPPORTED)
+    return f">={low},<{high}"
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a PEP 440 version (``0.5.23.post1+cu128`` -> (0, 5, 23)); None
+    for a pre/dev release or an unparsable string."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)((?:\.post\d+)?)(\+[\w.]+)?", version.strip())
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def is_supported(version: str) -> bool:
+    rel = _release(version)
+    low, high = SGLANG_SUPPORTED
+    return rel is not None and low <= rel < high
+
+
 def check_version(version: str | None = None) -> None:
-    """Raises `UnsupportedSGLangVersion` unless SGLang is exactly `SGLANG_VERSION`."""
+    """Raises `UnsupportedSGLangVersion` unless SGLang is in `SGLANG_SUPPORTED`."""
     if version is None:
         import sglang
 
         version = str(getattr(sglang, "__version__", "unknown"))
-    if version != SGLANG_VERSION:
-        msg = (f"kvhandoff SGLang backend: written for sglang=={SGLANG_VERSION}, found "
+    if not is_supported(version):
+        msg = (f"kvhandoff SGLang backend: supports sglang{supported_range()}, found "
                f"sglang=={version}; not registering '{BACKEND_NAME}' (install "
-               f"'kvhandoff[sglang]' to get the supported version)")
+               f"'kvhandoff[sglang]' to get a supported version)")
         log.error(msg)
         raise UnsupportedSGLangVersion(msg)
 
@@ -78,11 +99,9 @@ def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
     if class_type == KVClassType.KVARGS:
         return original(transfer_backend, class_type)  # SGLang's shared KVArgs
     from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
-    from kvhandoff.integrations.sglang.conn import (
-        KVHandoffKVManager,
-        KVHandoffKVReceiver,
-        KVHandoffKVSender,
-    )
+    from kvhandoff.integrations.sglang.conn import KVHandoffKVManager
+    from kvhandoff.integrations.sglang.receiver import KVHandoffKVReceiver
+    from kvhandoff.integrations.sglang.sender import KVHandoffKVSender
 
     return {
         KVClassType.MANAGER: KVHandoffKVManager,

@@ -1,22 +1,38 @@
 """vLLM's per-layer KV tensors -> a kvhandoff `LayoutSpec` and one flat byte buffer per layer.
 
-vLLM 0.33 hands each attention layer a 4-D view ``[B, H, N, C]`` (blocks, head slots, tokens of
-a kernel block, content bytes of one head and token: K then V for GQA, the latent for MLA) into a
-shared backing allocation; the resolved ``KVCacheLayout`` decides the physical order through the
-view's strides. This module reads that order from the strides, never from a name:
+vLLM (0.32 CPU build, 0.33) hands each attention layer a 4-D view ``[B, H, N, C]`` (blocks, head
+slots, tokens of a kernel block, content) into a shared backing allocation; the resolved
+``KVCacheLayout`` decides the physical order through the view's strides. This module reads the
+page order (head-major or token-major) from the strides, and what a token is inside a page from
+the attention backend (`backends.Backend`: the layout the kernel writes, never guessed from
+shapes):
 
-- ``LBNHC`` (token-major pages, vLLM's NHD): a page holds, per token, all heads -> one plane of
-  ``H * C`` bytes per token.
-- ``LBHNC`` (head-major pages, vLLM's HND): a page holds, per head, all tokens -> one plane per
-  KV head, named by its global head id (``h<k>``), so decode ranks of another TP size can take a
-  head subset (planes pair by name).
-- MLA (``H == 1``): one plane ``latent`` of ``C`` bytes; the two orders coincide.
+- head-major pages (vLLM's HND: LBHNC, BLHNC): one plane per KV head, named by its global head
+  id (``h<g>``), so decode ranks of another TP size take their head subset (planes pair by name);
+  for CPU_ATTN, whose K is column-major inside a (block, head), one plane per element of K
+  (``h<g>.k<d>``) then one for V (``h<g>.v``).
+- token-major pages (NHD: LBNHC, BLNHC): one plane ``kv`` of ``H * C`` bytes per token.
+- MLA (``H == 1``): one plane ``latent`` of ``C`` bytes.
+- the DSA indexer K cache (DeepSeek-V3.2, GLM-5.x: ``roles`` marks its layers): one head slot of
+  uint8, ``C = d + d / 128 * 4`` bytes per token; the indexer's write keeps, per page, every
+  token's ``d`` fp8 key bytes, then every token's fp32 scales: planes ``key`` then ``scale``. Its
+  layers share their layer numbers with the MLA layers (another region, same layer id).
+
+``roles`` (layer name -> `CacheRole`, from vLLM's per-layer specs: `groups.layer_roles`) names
+the region of each layer; without it, layers of one shape are one region (``kv``, or ``kv<i>``).
+
+GQA regions are head-sharded at every TP size (a rank of TP 1 holds all heads), so the
+TP-invariant form both sides compare is the same for any TP size; every region moves whole
+pages where both sides use one page size (`RegionSpec.whole_pages`).
 
 Memory: layer-compact layouts (``LBHNC``/``LBNHC``) give each layer one contiguous run, one
 buffer per layer. Block-outermost layouts (``BLHNC``/``BLNHC``: one block is a row of every
-layer's page, then padding) become a `PackedRow` of the region and ONE buffer over the blocks
-(``LayoutSpec.rows``; the handshake ignores packing, so a packed prefill pairs with a per-layer
-decode). A page itself must be dense; padded or strided pages are refused. A manager block
+layer's page, then padding) become ONE `PackedRow` of every region and ONE buffer over the
+blocks (``LayoutSpec.rows``); the order of the pages inside a block is read from the views'
+offsets (vLLM puts the layers of one spec side by side, specs in the order the model registered
+them: a DSA block is every indexer page, then every MLA page), never assumed. The handshake
+ignores packing, so a packed prefill pairs with a per-layer decode. A page itself must be
+dense; padded or strided pages are refused. A manager block
 split into kernel blocks (``B = num_blocks * ratio``) is one page per kernel block;
 `expand_blocks` maps vLLM block ids to those pages.
 
@@ -34,8 +50,10 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.integrations.vllm.backends import Backend
 from kvhandoff.kv_layout import LayoutSpec, PackedRow, Plane, RegionSpec, SendFrom, TPSplit
 from kvhandoff.kv_layout.presets import heads_of_rank
+from kvhandoff.kv_layout.spec import infer_packed_row
 
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
@@ -49,17 +67,34 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
+# the DSA indexer's quantisation: one fp32 scale per 128 key bytes
+INDEXER_QUANT_BLOCK = 128
+INDEXER_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRole:
+    """Which region a vLLM layer's cache belongs to (`groups.layer_roles` reads it from vLLM's
+    per-layer specs)."""
+
+    region: str
+    indexer: bool = False  # a DSA indexer K cache (keys then scales per page)
+    draft: bool = False  # a draft (MTP) model's layer
+
+
 @dataclass(frozen=True)
 class VllmLayout:
     """What `build_layout` found: the layout, the per-layer byte buffers and the mapping from
     vLLM's names and block ids to kvhandoff's layer ids and pages."""
 
     layout: LayoutSpec
+    backend: Backend
     # region -> layer id -> 1-D uint8 tensor, or packed row name -> 1-D uint8 tensor (no copy)
     buffers: dict[str, Any]
-    layer_ids: dict[str, int]  # vLLM layer name -> layer id
+    layer_ids: dict[str, int]  # vLLM layer name -> layer id (an indexer shares its MLA layer's)
     order: str  # "NHD", "HND" or "MLA"
     pages_per_block: int  # kernel blocks per vLLM block
+    indexer_regions: tuple[str, ...] = ()  # the regions holding DSA indexer caches
 
     def expand_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """vLLM block ids -> page ids of the layout (kernel blocks, in token order)."""
@@ -92,40 +127,54 @@ def _physical(t: Any, where: str) -> tuple[list[int], Any]:
 def build_layout(
     kv_caches: Mapping[str, Any],
     *,
+    backend: Backend,
     block_size: int,
     kv_dtype: str,
     model: str,
-    mla: bool,
     total_kv_heads: int,
     tp_rank: int = 0,
     tp_size: int = 1,
+    roles: Mapping[str, CacheRole] | None = None,
+    num_layers: int = 0,
 ) -> VllmLayout:
     """Reads vLLM's per-layer KV views (``[B, H, N, C]``) into a `VllmLayout`.
 
     Args:
         kv_caches: layer name -> 4-D view, as `register_kv_caches` receives it.
+        backend: the attention backend writing the main caches (`backends.resolve`).
         block_size: vLLM's (manager) block size in tokens.
         kv_dtype: a label of the cache dtype (both sides must agree).
         model: a label of the model (both sides must agree).
-        mla: whether the layers are MLA (one latent per token, replicated over TP).
         total_kv_heads: KV heads of the model (GQA; ignored for MLA).
         tp_rank, tp_size: this worker's tensor-parallel rank and size.
+        roles: the region of each layer (module docstring); every layer must have one.
+        num_layers: the target model's layers (draft layer ids follow them); 0: from the ids.
     """
     if not kv_caches:
         raise ConfigError("kv_caches: no layers to register")
     if block_size <= 0:
         raise ConfigError(f"block_size: expected > 0, got {block_size}")
+    if roles is not None:
+        missing = sorted(set(kv_caches) - set(roles))
+        if missing:
+            raise ConfigError(f"kv_caches: no KV cache spec says which cache {missing[:3]} "
+                              "hold")
+    mla = backend.mla
     groups: dict[tuple[Any, ...], list[tuple[int, str, Any]]] = {}
-    seen: dict[int, str] = {}
+    seen: dict[tuple[str, int], str] = {}
+    ids: dict[str, int] = {}
     for name, t in kv_caches.items():
         where = f"kv_caches[{name!r}]"
         if not hasattr(t, "dim") or t.dim() != 4:
             raise ConfigError(f"{where}: expected a 4-D [blocks, heads, tokens, content] view, "
                               f"got {getattr(t, 'shape', type(t).__name__)}")
+        role = roles[name] if roles is not None else None
         lid = layer_index(name)
-        if lid in seen:
-            raise ConfigError(f"{where}: layer number {lid} also in {seen[lid]!r}")
-        seen[lid] = name
+        rkey = role.region if role is not None else ""
+        if (rkey, lid) in seen:
+            raise ConfigError(f"{where}: layer number {lid} also in {seen[rkey, lid]!r}")
+        seen[rkey, lid] = name
+        ids[name] = lid
         nb, nh, nt, nc = (int(s) for s in t.shape)
         elem = t.element_size()
         inner, _ = _physical(t[0], f"{where} (one block)")  # a page is one dense run
@@ -138,7 +187,10 @@ def build_layout(
         if block_size % nt:
             raise ConfigError(f"{where}: kernel block of {nt} tokens does not divide the block "
                               f"size {block_size}")
-        if mla:
+        if role is not None and role.indexer:
+            _check_indexer(where, nh, nc, elem)
+            kind = "INDEXER"
+        elif mla:
             if nh != 1:
                 raise ConfigError(f"{where}: MLA expects one head slot, got {nh}")
             kind = "MLA"
@@ -146,90 +198,141 @@ def build_layout(
             kind = "HND"  # one head: both orders are the same bytes; name the plane by head
         else:
             kind = "NHD"
+        if kind != "INDEXER" and kind not in backend.orders:
+            raise ConfigError(f"{where}: {backend.name} reads {'/'.join(backend.orders)} pages, "
+                              f"but this view's strides {tuple(t.stride())} give {kind} pages")
+        if kind != "INDEXER" and backend.k_columns and nc % 2:
+            raise ConfigError(f"{where}: {backend.name} expects K and V of one head in the last "
+                              f"dim, got {nc} elements")
         if packed:
             # a block of a packed row: this layer's page sits at its offset in every block
             buf: Any = (t.untyped_storage().data_ptr(), t.storage_offset() * elem, bstride)
         else:
             _, whole = _physical(t, where)
             buf = whole.reshape(-1).view(_uint8())
-        key = (kind, nh, nt, nc * elem, nb, packed)
+        key = (rkey, kind, nh, nt, nc * elem, nb, packed, elem)
         groups.setdefault(key, []).append((lid, name, buf))
-    if len({k[5] for k in groups}) > 1:
+    if len({k[6] for k in groups}) > 1:
         raise ConfigError("kv_caches: some layers are packed into shared blocks, others are not")
+    named = {k[0] for k in groups}
+    if roles is not None and len(named) != len(groups):
+        raise ConfigError("kv_caches: the layers of one region have different shapes: "
+                          f"{sorted((k[0], k[2:6]) for k in groups)}")
     regions: list[RegionSpec] = []
     buffers: dict[str, Any] = {}
-    rows: list[PackedRow] = []
+    packed_members: dict[str, list[tuple[int, str, Any]]] = {}
     order_name = ""
     nt0 = 0
-    for i, ((kind, nh, nt, content, nb, packed), members) in enumerate(sorted(groups.items())):
-        name = "kv" if len(groups) == 1 else f"kv{i}"
-        planes: tuple[Plane, ...]
+    indexers: list[str] = []
+    for i, ((rname, kind, nh, nt, content, _nb, packed, elem), members) in enumerate(
+            sorted(groups.items())):
+        name = rname or ("kv" if len(groups) == 1 else f"kv{i}")
+        role = roles[members[0][1]] if roles is not None else None
         split = TPSplit.REPLICATED
         num_heads = 1
-        if kind == "MLA":
+        if kind == "INDEXER":
+            planes: tuple[Plane, ...] = _indexer_planes(content)
+            indexers.append(name)
+        elif kind == "MLA":
             planes = (Plane("latent", content),)
         else:
             heads = _global_heads(nh, total_kv_heads, tp_rank, tp_size)
-            if kind == "HND":
-                planes = tuple(Plane(f"h{h}", content) for h in heads)
-            else:
-                planes = (Plane("kv", content * nh),)
-            if tp_size > 1:
-                split, num_heads = TPSplit.HEAD_SHARDED, nh
+            planes = _head_planes(backend, kind, heads, content, elem)
+            # head-sharded at every TP size: a TP-1 rank holds all heads, and its TP-invariant
+            # form is the one a rank of any other TP size registers
+            split, num_heads = TPSplit.HEAD_SHARDED, nh
         members.sort(key=lambda m: m[0])
         regions.append(RegionSpec(name=name, layer_ids=tuple(m[0] for m in members),
                                   planes=planes, send_from=SendFrom.DECODE_PREFIX,
-                                  tp_split=split, num_heads=num_heads))
+                                  tp_split=split, num_heads=num_heads, whole_pages=True,
+                                  draft=bool(role and role.draft)))
         if packed:
-            row, view = _packed_row(name, members, nh * nt * content, nb, kv_caches)
-            rows.append(row)
-            buffers[row.name] = view
+            packed_members[name] = members
         else:
             buffers[name] = {lid: b for lid, _, b in members}
-        if order_name and (order_name != kind or nt0 != nt):
-            raise ConfigError(f"kv_caches: layers disagree on the page order or kernel block "
-                              f"({order_name}/{nt0} vs {kind}/{nt})")
-        order_name, nt0 = kind, nt
-    if len(rows) > 1:
-        raise ConfigError("kv_caches: packed layers of different shapes share blocks; "
-                          "unsupported KV cache layout")
+        if nt0 and nt0 != nt:
+            raise ConfigError(f"kv_caches: the layers' kernel blocks differ ({nt0} vs {nt} "
+                              "tokens): every cache of a block must hold the same tokens")
+        if kind != "INDEXER":
+            if order_name and order_name != kind:
+                raise ConfigError(f"kv_caches: layers disagree on the page order ({order_name} "
+                                  f"vs {kind})")
+            order_name = kind
+        nt0 = nt
+    if not order_name:
+        raise ConfigError("kv_caches: only indexer caches; the main KV layers are missing")
     layout = LayoutSpec(page_size_tokens=nt0, kv_dtype=kv_dtype, regions=tuple(regions),
-                        model=model, rows=tuple(rows))
-    return VllmLayout(layout=layout, buffers=buffers, layer_ids={n: lid for lid, n in
-                                                                 seen.items()},
-                      order=order_name, pages_per_block=block_size // nt0)
+                        model=model, num_layers=num_layers)
+    if packed_members:
+        row, view = _packed_row(layout, packed_members, kv_caches)
+        layout = layout._replace(rows=(row,))
+        buffers[row.name] = view
+    return VllmLayout(layout=layout, backend=backend, buffers=buffers, layer_ids=ids,
+                      order=order_name, pages_per_block=block_size // nt0,
+                      indexer_regions=tuple(indexers))
 
 
-def _packed_row(region: str, members: list[tuple[int, str, Any]], page: int, nb: int,
+def _check_indexer(where: str, nh: int, nc: int, elem: int) -> None:
+    step = INDEXER_QUANT_BLOCK + INDEXER_SCALE_BYTES
+    if nh != 1 or elem != 1 or nc % step:
+        raise ConfigError(f"{where}: a DSA indexer cache is one head slot of uint8 rows of "
+                          f"d + d/{INDEXER_QUANT_BLOCK}*{INDEXER_SCALE_BYTES} bytes; got {nh} "
+                          f"slots of {nc} elements of {elem} B")
+
+
+def _indexer_planes(content: int) -> tuple[Plane, ...]:
+    """Keys then scales: the indexer's write keeps, per page, every token's fp8 key bytes and
+    then every token's fp32 scales (vLLM's ``indexer_k_quant_and_cache``)."""
+    blocks = content // (INDEXER_QUANT_BLOCK + INDEXER_SCALE_BYTES)
+    return (Plane("key", blocks * INDEXER_QUANT_BLOCK),
+            Plane("scale", blocks * INDEXER_SCALE_BYTES))
+
+
+def _packed_row(layout: LayoutSpec, members: Mapping[str, list[tuple[int, str, Any]]],
                 kv_caches: Mapping[str, Any]) -> tuple[PackedRow, Any]:
-    """The packed row of `region` (layers ascending, one page each per block, then padding)
-    and one flat byte view over its blocks."""
-    ptrs = {m[2][0] for m in members}
-    strides = {m[2][2] for m in members}
+    """The packed row of every region (the order of the pages inside a block as the views'
+    offsets show it) and one flat byte view over its blocks."""
+    flat = [m for ms in members.values() for m in ms]
+    ptrs = {m[2][0] for m in flat}
+    strides = {m[2][2] for m in flat}
     if len(ptrs) != 1 or len(strides) != 1:
-        raise ConfigError(f"kv_caches: the packed layers of region {region!r} do not share one "
-                          "backing allocation and block stride")
+        raise ConfigError(f"kv_caches: the packed layers of regions {sorted(members)} do not "
+                          "share one backing allocation and block stride")
     stride = strides.pop()
-    base = members[0][2][1]
-    for k, (lid, name, (_, off, _)) in enumerate(members):
-        if off != base + k * page:
-            raise ConfigError(f"kv_caches[{name!r}]: layer {lid}'s page is at byte {off - base} "
-                              f"of the block, expected {k * page} (layers ascending, one page "
-                              "each); unsupported packing")
-    pad = stride - len(members) * page
-    if pad < 0:
-        raise ConfigError(f"kv_caches: {len(members)} pages of {page} B do not fit a "
-                          f"{stride}-byte block")
+    base = min(m[2][1] for m in flat)
+    offsets = {(rn, lid): buf[1] - base for rn, ms in members.items() for lid, _, buf in ms}
+    name = "kv_row" if len(members) > 1 else f"{next(iter(members))}_row"
+    try:
+        row = infer_packed_row(layout, name, tuple(members), offsets=offsets,
+                               block_stride=stride)
+    except ConfigError as e:
+        raise ConfigError(f"kv_caches: unsupported packing of the blocks: {e}") from e
     import torch
 
-    t0 = kv_caches[members[0][1]]
+    t0 = kv_caches[flat[0][1]]
     storage = t0.untyped_storage()
+    nb = int(t0.shape[0])
     if base + nb * stride > storage.nbytes():
         raise ConfigError(f"kv_caches: {nb} blocks of {stride} B from byte {base} run past the "
                           f"{storage.nbytes()}-byte allocation")
     view = torch.empty((0,), dtype=torch.uint8, device=t0.device)
     view.set_(storage, base, (nb * stride,), (1,))
-    return PackedRow(name=f"{region}_row", regions=(region,), pad_bytes=pad), view
+    return row, view
+
+
+def _head_planes(backend: Backend, kind: str, heads: tuple[int, ...], content: int,
+                 elem: int) -> tuple[Plane, ...]:
+    """The planes of a GQA page: what `backend`'s kernel keeps where (module docstring)."""
+    if kind == "NHD":
+        return (Plane("kv", content * len(heads)),)
+    if not backend.k_columns:
+        return tuple(Plane(f"h{h}", content) for h in heads)
+    d = content // elem // 2  # head_size: K then V of one head in the declared last dim
+    out: list[Plane] = []
+    for h in heads:
+        out.extend(Plane(f"h{h}.k{i}", elem) for i in range(d))
+        out.append(Plane(f"h{h}.v", d * elem))
+    return tuple(out)
 
 
 def _global_heads(local: int, total: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:

@@ -5,7 +5,16 @@ decode request. The keys NixlConnector uses keep their meaning (``do_remote_pref
 ``do_remote_decode``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
 ``remote_port``, ``remote_block_ids``, ``tp_size``); kvhandoff adds ``remote_room`` (the room
 id), ``remote_bootstrap_addr`` (the prefill's bootstrap server, ``host:port``, which also gives
-``remote_host``/``remote_port``) and ``remote_num_tokens`` (the sequence the prefill sends).
+``remote_host``/``remote_port``), ``remote_num_tokens`` (the sequence the prefill sends) and
+``decode_tp_size``.
+
+Decode TP size: a prefill rank opens each room for the decode ranks that will read it from
+that rank, so it must know the decode's TP size before the decode exists (NixlConnector learns
+it later, from the count each reader's completion notice carries; a kvhandoff room is opened
+with its readers). It comes with the prefill request (``kv_transfer_params.decode_tp_size``:
+the proxy knows which decode it picked), else from the prefill's ``decode_tp_size`` setting,
+else it is the prefill's own. The prefill hands it back; a decode of another TP size, whose
+ranks would not be the readers the room waits for, computes the prompt itself and says why.
 
 Pure: no I/O. Bad params raise `ConfigError` naming the field.
 """
@@ -19,6 +28,7 @@ from typing import Any
 import xxhash
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.netaddr import join_host_port, split_host_port
 
 ROOM_MASK = (1 << 63) - 1
 
@@ -37,6 +47,8 @@ class RemotePrefill:
     num_tokens: int
     engine_id: str
     request_id: str
+    prefill_tp_size: int = 1
+    decode_tp_size: int | None = None  # the decode TP the room was opened for (None: not said)
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
@@ -48,7 +60,7 @@ class RemotePrefill:
             port = _int(params, "remote_port", lo=1, hi=65535)
             if not isinstance(host, str) or not host:
                 raise ConfigError("kv_transfer_params.remote_host: expected a host name")
-            addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            addr = join_host_port(host, port)
         if not isinstance(addr, str) or not addr:
             raise ConfigError("kv_transfer_params.remote_bootstrap_addr: missing (or give "
                               "remote_host and remote_port)")
@@ -58,7 +70,47 @@ class RemotePrefill:
         if not isinstance(eng, str) or not isinstance(rid, str):
             raise ConfigError("kv_transfer_params.remote_engine_id/remote_request_id: expected "
                               "strings")
-        return cls(room=room, bootstrap_addr=addr, num_tokens=n, engine_id=eng, request_id=rid)
+        ptp = _int(params, "tp_size", lo=1, hi=1 << 16) if "tp_size" in params else 1
+        dtp = (_int(params, "decode_tp_size", lo=1, hi=1 << 16) if "decode_tp_size" in params
+               else None)
+        return cls(room=room, bootstrap_addr=addr, num_tokens=n, engine_id=eng, request_id=rid,
+                   prefill_tp_size=ptp, decode_tp_size=dtp)
+
+
+def decode_tp_size_of(params: Mapping[str, Any], *, default: int, prefill_tp_size: int) -> int:
+    """The decode TP size a prefill request asks for (``decode_tp_size``, else `default`);
+    raises `ConfigError` naming the field when it is not a TP size this prefill can serve."""
+    n = _int(params, "decode_tp_size", lo=1, hi=1 << 16) if "decode_tp_size" in params \
+        else default
+    if n % prefill_tp_size and prefill_tp_size % n:
+        raise ConfigError(f"kv_transfer_params.decode_tp_size: {n} and the prefill's TP size "
+                          f"{prefill_tp_size} must divide one another")
+    return n
+
+
+def decode_readers(prefill_tp_rank: int, prefill_tp_size: int, decode_tp_size: int, *,
+                   replicated: bool) -> int:
+    """How many decode ranks of `decode_tp_size` read a room from prefill rank
+    `prefill_tp_rank` (the bootstrap server's rank mapping; a replicated cache, MLA, is read
+    from one prefill rank per decode rank, so a prefill rank may have none)."""
+    from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+
+    return sum(prefill_tp_rank in prefill_tp_ranks(d, decode_tp_size, prefill_tp_size,
+                                                   replicated=replicated)
+               for d in range(decode_tp_size))
+
+
+def readers_agree(prefill_tp_size: int, room_decode_tp: int, decode_tp: int, *,
+                  replicated: bool) -> bool:
+    """A room opened for decode TP `room_decode_tp` has, on every prefill rank, the readers a
+    decode of TP `decode_tp` brings (GQA: any decode TP up to the prefill's reads each prefill
+    rank once)."""
+    try:
+        return all(decode_readers(p, prefill_tp_size, room_decode_tp, replicated=replicated)
+                   == decode_readers(p, prefill_tp_size, decode_tp, replicated=replicated)
+                   for p in range(prefill_tp_size))
+    except ConfigError:
+        return False
 
 
 def _int(params: Mapping[str, Any], key: str, *, lo: int, hi: int) -> int:
@@ -75,8 +127,7 @@ def _int(params: Mapping[str, Any], key: str, *, lo: int, hi: int) -> int:
 
 def split_addr(addr: str) -> tuple[str, int]:
     """``host:port`` / ``[v6]:port`` / ``http://host:port`` -> (host, port)."""
-    a = addr.split("://", 1)[-1].rstrip("/")
-    host, sep, port = a.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"bootstrap_url: expected host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return split_host_port(addr.split("://", 1)[-1].rstrip("/"))
+    except ValueError as e:
+        raise ConfigError(f"bootstrap_url: {e}") from e

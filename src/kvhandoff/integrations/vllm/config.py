@@ -1,0 +1,155 @@
+"""What a `KVHandoffConnector` is configured with and what its scheduler hands its workers each
+step: the connector's extra config (`ConnectorConfig`), the per-step metadata (`SendReq`,
+`RecvReq`, `KVHandoffMetadata`) and where kvhandoff's log lines go inside an engine process."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+)
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.integrations.vllm.params import (
+    split_addr,
+)
+from kvhandoff.settings import Settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvhandoff.vllm")
+
+LOAD_MODES = ("layerwise", "async")
+_EXTRA_KEYS = {"bootstrap_url", "load_mode", "layer_timeout_s", "bind_timeout_s", "settings",
+               "attention_backend", "decode_tp_size"}
+
+
+@dataclass
+class SendReq:
+    """Open a sender: the request's whole page table (vLLM block ids) and prompt length."""
+
+    room: int
+    block_ids: list[int]
+    num_tokens: int
+    decode_tp_size: int = 1  # the decode's TP size: how many of its ranks read this room
+
+
+@dataclass
+class RecvReq:
+    """Open a receiver into `block_ids` (the whole table from token 0); the first
+    `local_tokens` tokens are a local prefix hit, `load_tokens` tokens come from the prefill."""
+
+    room: int
+    bootstrap_addr: str
+    block_ids: list[int]
+    num_tokens: int  # the sequence the prefill sends
+    local_tokens: int
+    load_tokens: int  # local_tokens + announced external tokens
+    sync: bool  # layerwise: waited on inside this step's forward
+
+
+@dataclass
+class KVHandoffMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    sends: dict[str, SendReq] = field(default_factory=dict)
+    recvs: dict[str, RecvReq] = field(default_factory=dict)
+    aborts: dict[str, str] = field(default_factory=dict)  # finished request id -> reason
+    # preempted prefills: their blocks were freed, the room restarts at the next last chunk
+    resets: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ConnectorConfig:
+    role: str  # "prefill" | "decode"
+    engine_id: str
+    dp_rank: int
+    dp_size: int
+    bootstrap_url: str | None
+    load_mode: str
+    layer_timeout_s: float
+    bind_timeout_s: float
+    settings: dict[str, Any]
+    # the backend's name where vLLM's layers cannot tell (no attention layers registered: tools
+    # and tests driving the worker side without a model); must agree with the layers if any
+    attention_backend: str | None = None
+    # prefill: the decode TP size of a request that does not say (None: the prefill's own)
+    decode_tp_size: int | None = None
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> ConnectorConfig:
+        kt = vllm_config.kv_transfer_config
+        assert kt is not None
+        extra = dict(kt.kv_connector_extra_config or {})
+        unknown = set(extra) - _EXTRA_KEYS
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)} "
+                              f"(known: {sorted(_EXTRA_KEYS)})")
+        if kt.kv_role == "kv_producer":
+            role = "prefill"
+        elif kt.kv_role == "kv_consumer":
+            role = "decode"
+        else:
+            raise ConfigError(f"kv_transfer_config.kv_role: KVHandoffConnector needs kv_producer "
+                              f"(prefill) or kv_consumer (decode), got {kt.kv_role!r}")
+        url = extra.get("bootstrap_url")
+        if role == "prefill":
+            if not isinstance(url, str) or not url:
+                raise ConfigError("kv_connector_extra_config.bootstrap_url: a prefill engine "
+                                  "needs its bootstrap server (e.g. http://127.0.0.1:8998)")
+            split_addr(url)
+        mode = extra.get("load_mode", "layerwise")
+        if mode not in LOAD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.load_mode: expected one of "
+                              f"{LOAD_MODES}, got {mode!r}")
+        settings = extra.get("settings", {})
+        if not isinstance(settings, dict):
+            raise ConfigError("kv_connector_extra_config.settings: expected an object of "
+                              "kvhandoff Settings fields")
+        bad = sorted(set(settings) - set(Settings.model_fields))
+        if bad:
+            raise ConfigError(f"kv_connector_extra_config.settings: unknown kvhandoff settings "
+                              f"{bad}")
+        backend = extra.get("attention_backend")
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise ConfigError(f"kv_connector_extra_config.attention_backend: expected a vLLM "
+                              f"backend name (e.g. CPU_ATTN), got {backend!r}")
+        dtp = extra.get("decode_tp_size")
+        if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
+            raise ConfigError(f"kv_connector_extra_config.decode_tp_size: expected the decode "
+                              f"engines' TP size (an integer >= 1), got {dtp!r}")
+        pc = vllm_config.parallel_config
+        return cls(attention_backend=backend, role=role, engine_id=str(kt.engine_id),
+                   decode_tp_size=dtp,
+                   dp_rank=int(pc.data_parallel_rank),
+                   dp_size=int(pc.data_parallel_size), bootstrap_url=url, load_mode=mode,
+                   layer_timeout_s=_pos(extra, "layer_timeout_s", 30.0),
+                   bind_timeout_s=_pos(extra, "bind_timeout_s", 5.0), settings=settings)
+
+
+def log_through_vllm() -> None:
+    """kvhandoff's loggers write through vLLM's handler (its format and level) when nothing
+    else configured them: in a `vllm serve` process the root logger has no handler, so the
+    connector's INFO lines ("layout verified against ...") would otherwise be lost."""
+    ours = logging.getLogger("kvhandoff")
+    vllm_log = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not vllm_log.handlers:
+        return
+    for h in vllm_log.handlers:
+        ours.addHandler(h)
+    ours.setLevel(vllm_log.level or logging.INFO)
+    ours.propagate = False
+
+
+def _pos(extra: dict[str, Any], key: str, default: float) -> float:
+    v = extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}: expected a number > 0, got {v!r}")
+    return float(v)
+
+
+# ---------------------------------------------------------------------------- connector

@@ -1,0 +1,128 @@
+"""Which of vLLM's KV cache groups the connector moves, and the region of each layer, read from
+vLLM's own per-layer specs (never from layer names or tensor shapes).
+
+Accepted: ONE KV cache group, whose spec is
+
+- a `FullAttentionSpec` (GQA) or `MLAAttentionSpec` shared by every layer: one region per page
+  shape, as before (``roles`` is None);
+- a `UniformTypeKVCacheSpecs` of `MLAAttentionSpec` layers: vLLM's group of a DSA model
+  (DeepSeek-V3.2, GLM-5.x), where the MLA layers and their DSA indexer K caches
+  (`DeepseekV32IndexerCache`: ``cache_role`` INDEXER, one head of uint8) share one block table;
+  a block holds both caches' pages, so a prefix hit is a hit of both, and eviction frees both.
+  The layers of one spec are one region, as vLLM allocates them (one ``KVCacheTensor`` per
+  distinct spec): the indexer caches ``indexer``; the MLA layers ``kv``, or, where the MLA layers
+  that run an indexer (``is_index_group_leader``) and those that reuse another layer's top-k have
+  different specs, ``kv`` and ``kv_shared``. Draft (MTP) layers (``is_draft``) get the same
+  names with ``draft_`` in front, as draft regions after the target model's layers.
+
+Anything else (sliding-window, Mamba, several groups, two indexer specs ...) is refused at start
+with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.integrations.vllm.layout import CacheRole, layer_index
+
+__all__ = ["GroupPlan", "plan_group"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """What `plan_group` read from vLLM's KV cache group."""
+
+    mla: bool
+    block_size: int
+    dtype: str  # of the main KV
+    roles: dict[str, CacheRole] | None  # None: one region per page shape (`build_layout`)
+    main_layers: tuple[str, ...]
+    indexer_layers: tuple[str, ...]
+    num_layers: int  # target-model layers (0: from the layer ids)
+
+
+def _dtype(spec: Any) -> str:
+    return str(getattr(spec, "dtype", "")).removeprefix("torch.")
+
+
+def plan_group(kv_cache_config: Any) -> GroupPlan:
+    """The group vLLM planned (``kv_cache_config.kv_cache_groups``), or `ConfigError` naming
+    what this connector cannot move."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SparseCacheRole,
+        UniformTypeKVCacheSpecs,
+    )
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"kv_cache_groups: KVHandoffConnector supports one KV cache group, "
+                          f"got {len(groups)} (run with --disable-hybrid-kv-cache-manager)")
+    group = groups[0]
+    spec = group.kv_cache_spec
+    names = tuple(group.layer_names)
+    if isinstance(spec, FullAttentionSpec):
+        return GroupPlan(mla=isinstance(spec, MLAAttentionSpec), block_size=int(spec.block_size),
+                         dtype=_dtype(spec), roles=None, main_layers=names, indexer_layers=(),
+                         num_layers=0)
+    if not isinstance(spec, UniformTypeKVCacheSpecs):
+        raise ConfigError(f"kv_cache_groups[0]: KVHandoffConnector moves full-attention "
+                          f"(GQA), MLA and DSA (MLA + indexer) caches, got {type(spec).__name__}")
+    per_layer = spec.kv_cache_specs
+    other = sorted({type(s).__name__ for s in per_layer.values()
+                    if not isinstance(s, MLAAttentionSpec)})
+    if other:
+        raise ConfigError(f"kv_cache_groups[0]: a group of per-layer specs is moved when every "
+                          f"layer is MLA (DSA models: MLA + indexer), got {other}")
+    # one region per distinct spec, as vLLM allocates them (one KVCacheTensor per spec)
+    # (is_draft is not part of a spec's equality: a draft layer's spec equals its target's)
+    by_spec: dict[tuple[Any, bool], list[str]] = {}
+    for n in names:
+        by_spec.setdefault((per_layer[n], bool(per_layer[n].is_draft)), []).append(n)
+    leaders = {d for (s, d) in by_spec
+               if s.cache_role != SparseCacheRole.INDEXER and s.is_index_group_leader}
+    roles: dict[str, CacheRole] = {}
+    taken: dict[str, tuple[str, Any]] = {}
+    for (s, draft), members in by_spec.items():
+        indexer = s.cache_role == SparseCacheRole.INDEXER
+        if indexer:
+            base = "indexer"
+        elif s.is_index_group_leader or draft not in leaders:
+            base = "kv"
+        else:  # MLA layers reusing another layer's top-k, beside the indexer-running ones
+            base = "kv_shared"
+        region = f"draft_{base}" if draft else base
+        if region in taken:
+            raise ConfigError(
+                f"kv_cache_groups[0]: layers {taken[region][0]!r} and {members[0]!r} are both "
+                f"{region!r} caches with different specs ({_spec_diff(taken[region][1], s)}); "
+                "KVHandoffConnector does not know which page layout each one has")
+        taken[region] = (members[0], s)
+        for n in members:
+            roles[n] = CacheRole(region=region, indexer=indexer, draft=draft)
+        if indexer and int(s.tokens_per_state) != 1:
+            raise ConfigError(
+                f"kv_cache_groups[0]: indexer {members[0]!r} keeps one state per "
+                f"{s.tokens_per_state} tokens (index_kpool); KVHandoffConnector moves indexer "
+                "caches of one row per token")
+    main = tuple(n for n in names if not roles[n].indexer)
+    if not main:
+        raise ConfigError("kv_cache_groups[0]: only indexer caches, no MLA layer")
+    first = per_layer[main[0]]
+    target_ids = [n for n in main if not roles[n].draft]
+    num_layers = (max(layer_index(n) for n in target_ids) + 1) if target_ids else 0
+    return GroupPlan(mla=True, block_size=int(spec.block_size), dtype=_dtype(first),
+                     roles=roles, main_layers=main,
+                     indexer_layers=tuple(n for n in names if roles[n].indexer),
+                     num_layers=num_layers)
+
+
+def _spec_diff(a: Any, b: Any) -> str:
+    import dataclasses
+
+    diffs = [f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+             for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+    return "; ".join(diffs) or "equal fields"

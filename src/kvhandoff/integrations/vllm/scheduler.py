@@ -1,0 +1,245 @@
+"""The scheduler side of `KVHandoffConnector` (vLLM's scheduler process): which requests are
+rooms, binding a prefill's room at the bootstrap server, how many tokens a decode loads, the
+metadata each step hands the workers and what `request_finished` returns."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+)
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq, SendReq
+from kvhandoff.integrations.vllm.params import (
+    RemotePrefill,
+    decode_tp_size_of,
+    readers_agree,
+    room_of,
+    split_addr,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvhandoff.vllm")
+
+
+@dataclass
+class _PrefillReq:
+    request: Any
+    room: int
+    bind: Future[None] | None
+    decode_tp: int = 1  # the decode TP size the room is opened for
+    sent: bool = False  # a SendReq went out: the workers hold a sender
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig) -> None:
+        self.cfg = cfg
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.mla = bool(vllm_config.model_config.use_mla)
+        self._prefills: dict[str, _PrefillReq] = {}
+        self._async_loads: set[str] = set()  # decode requests loading between steps
+        self.kv_manager: Any = None
+        self._meta = KVHandoffMetadata()
+        self._binder: ThreadPoolExecutor | None = None
+        self._client: Any = None
+        self.bootstrap_addr = ""
+        self.host, self.port = "", 0
+        if cfg.role == "prefill":
+            assert cfg.bootstrap_url
+            self.host, self.port = split_addr(cfg.bootstrap_url)
+            self.bootstrap_addr = (f"[{self.host}]:{self.port}" if ":" in self.host
+                                   else f"{self.host}:{self.port}")
+            self._binder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvh-bind")
+
+    # decode
+
+    def _remote(self, request: Request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            rp = RemotePrefill.parse(params)
+        except ConfigError as e:
+            log.warning("request %s: bad kv_transfer_params, computing the prompt locally: %s",
+                        request.request_id, e)
+            return None
+        if rp.num_tokens != request.num_prompt_tokens:
+            log.warning("request %s: kv_transfer_params.remote_num_tokens=%d but the prompt has "
+                        "%d tokens; computing the prompt locally", request.request_id,
+                        rp.num_tokens, request.num_prompt_tokens)
+            return None
+        if rp.decode_tp_size is not None and not readers_agree(
+                rp.prefill_tp_size, rp.decode_tp_size, self.tp_size, replicated=self.mla):
+            log.warning("request %s: the prefill (TP %d) opened room %d for a decode of TP %d, "
+                        "this decode has TP %d (its ranks are not the readers the room waits "
+                        "for); computing the prompt locally. Give the prefill request "
+                        "kv_transfer_params.decode_tp_size=%d, or set the prefill's "
+                        "decode_tp_size", request.request_id, rp.prefill_tp_size, rp.room,
+                        rp.decode_tp_size, self.tp_size, self.tp_size)
+            return None
+        return rp
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        if self.cfg.role != "decode":
+            return 0, False
+        rp = self._remote(request)
+        if rp is None:
+            return 0, False
+        if self.cfg.load_mode == "async":
+            count = rp.num_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        # layerwise: the last prompt token is computed in the step that loads the rest
+        count = rp.num_tokens - 1 - num_computed_tokens
+        return (count, False) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if self.cfg.role == "prefill":
+            if params.get("do_remote_decode") and rid not in self._prefills:
+                try:
+                    dtp = decode_tp_size_of(params, default=self.cfg.decode_tp_size
+                                            or self.tp_size, prefill_tp_size=self.tp_size)
+                except ConfigError as e:
+                    log.warning("request %s: no handoff (computed here, no kv_transfer_params "
+                                "returned): %s", rid, e)
+                    return
+                room = room_of(self.cfg.engine_id, rid)
+                self._prefills[rid] = _PrefillReq(request=request, room=room,
+                                                  bind=self._bind(room), decode_tp=dtp)
+            return
+        rp = self._remote(request)
+        if rp is None:
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens <= 0:
+            return
+        sync = self.cfg.load_mode == "layerwise"
+        local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
+        (ids,) = blocks.get_block_ids()
+        self._meta.recvs[rid] = RecvReq(
+            room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=list(ids),
+            num_tokens=rp.num_tokens, local_tokens=local,
+            load_tokens=local + num_external_tokens, sync=sync)
+        if not sync:
+            self._async_loads.add(rid)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._async_loads.discard(rid)
+
+    # prefill
+
+    def _bind(self, room: int) -> Future[None]:
+        assert self._binder is not None and self.cfg.bootstrap_url
+        return self._binder.submit(self._bind_now, room)
+
+    def _bind_now(self, room: int) -> None:
+        from kvhandoff.bootstrap_server.client import BootstrapClient
+
+        if self._client is None:
+            url = self.cfg.bootstrap_url or ""
+            self._client = BootstrapClient(url if "://" in url else f"http://{url}")
+        self._client.bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.cfg.role == "prefill":
+            for rid in scheduler_output.preempted_req_ids or ():
+                p = self._prefills.get(rid)
+                if p is not None and p.sent:
+                    p.sent = False
+                    self._meta.resets[rid] = "prefill request preempted; its blocks were freed"
+            for rid, n in scheduler_output.num_scheduled_tokens.items():
+                p = self._prefills.get(rid)
+                if p is None or p.sent:
+                    continue
+                req = p.request
+                if req.num_computed_tokens + n < req.num_prompt_tokens:
+                    continue  # not the last prompt chunk yet
+                ids = self._block_ids(rid)
+                p.sent = True
+                self._meta.sends[rid] = SendReq(room=p.room, block_ids=ids,
+                                                num_tokens=int(req.num_prompt_tokens),
+                                                decode_tp_size=p.decode_tp)
+        meta, self._meta = self._meta, KVHandoffMetadata()
+        return meta
+
+    def _block_ids(self, rid: str) -> list[int]:
+        if self.kv_manager is None:
+            raise ConfigError("KVHandoffConnector: the scheduler never bound its KV cache manager")
+        (ids,) = self.kv_manager.get_block_ids(rid)
+        return list(ids)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self._async_loads:
+            # finished (aborted) while its KV is loading: vLLM keeps the blocks until
+            # finished_recving; abort the room so that comes now
+            self._meta.aborts[rid] = f"decode request ended with {request.status.name}"
+        p = self._prefills.pop(rid, None)
+        if p is None:
+            return False, None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                RequestStatus.FINISHED_STOPPED)
+        if not p.sent:
+            # no sender was opened: nothing reads the blocks
+            self._meta.aborts[rid] = "request finished before its prompt was computed"
+            return False, None
+        bind_error = self._bind_error(p) if ok else None
+        if not ok or bind_error:
+            reason = bind_error or f"prefill request ended with {request.status.name}"
+            log.warning("request %s (room %d): no handoff: %s", rid, p.room, reason)
+            self._meta.aborts[rid] = reason
+            return True, None  # freed once the workers' rooms are released
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": rid,
+            "remote_room": p.room,
+            "remote_bootstrap_addr": self.bootstrap_addr,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": int(request.num_prompt_tokens),
+            "tp_size": self.tp_size,
+            "decode_tp_size": p.decode_tp,
+        }
+
+    def _bind_error(self, p: _PrefillReq) -> str | None:
+        if p.bind is None:
+            return "room not bound"
+        try:
+            p.bind.result(timeout=self.cfg.bind_timeout_s)
+        except FutureTimeout:
+            return (f"binding room {p.room} at the bootstrap server took more than "
+                    f"{self.cfg.bind_timeout_s} s")
+        except Exception as e:  # noqa: BLE001 - any failure means: no handoff, said why
+            return (f"binding room {p.room} at the bootstrap server failed: "
+                    f"{type(e).__name__}: {e}")
+        return None
+
+    def close(self) -> None:
+        if self._binder is not None:
+            self._binder.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,437 @@
+"""The worker side of `KVHandoffConnector` (each vLLM worker process): registering the KV caches
+(backend, layout, layout probe, the agent), opening senders and receivers per step, each layer's
+`layer_ready` / `wait_for_layer`, and what a step reports finished or failed.
+
+DSA models (an ``indexer`` region, `groups`): vLLM 0.33's DeepSeek-V3.2 / GLM-5 attention
+(``DeepseekV32Attention``) calls its MLA kernels directly, without the per-layer connector hooks
+(``save_kv_layer``, ``wait_for_layer_load``), and its indexer reads the indexer cache before its
+MLA layer would wait. So, for such a layout: the prefill hands over every layer no
+``save_kv_layer`` reported at ``wait_for_save`` (the forward has written them all), and a
+decode's layerwise load is waited for whole in ``start_load_kv``, before the forward reads a
+page (said once in the log); the per-layer waits then return at once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.integrations.vllm.backends import Backend, resolve
+from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq
+from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
+from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
+from kvhandoff.integrations.vllm.params import (
+    decode_readers,
+)
+from kvhandoff.integrations.vllm.probe import probe_layer
+from kvhandoff.integrations.vllm.stats import StatsRecorder
+from kvhandoff.kv_layout import TPSplit
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvhandoff.vllm")
+
+INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"  # vLLM's DSA indexer (DeepseekV32IndexerBackend)
+
+
+@dataclass
+class _Load:
+    rid: str
+    spec: RecvReq
+    receiver: Any
+    pages: list[int]  # vLLM block ids that were to be loaded (reported on failure)
+    failed: str | None = None
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.vl: VllmLayout | None = None
+        self.agent: Any = None
+        self._lock = threading.Lock()
+        self._senders: dict[str, Any] = {}
+        self._stale: list[Any] = []  # senders of preempted requests, until released
+        self._unsent: set[str] = set()  # requests whose sender could not be opened
+        self._step_senders: list[Any] = []
+        self._readied: set[int] = set()  # layer ids handed over in this step
+        self._finished: set[str] = set()  # requests vLLM finished (senders may still run)
+        self._loads: dict[str, _Load] = {}  # async loads
+        self._sync: list[_Load] = []  # this step's layerwise loads
+        self._errors: set[int] = set()
+        self.probe_report: str | None = None
+        self.stats = StatsRecorder(cfg.role)
+        self.tp_rank, self.tp_size = 0, 1
+        self.replicated = False  # every region whole on every TP rank (MLA)
+        self.plan: GroupPlan | None = None
+        self._device: Any = None  # of the KV caches (CUDA events of wait_for_save)
+        self._warned_whole = False
+
+    def layers(self, names: Any = None) -> dict[str, Any]:
+        """vLLM's attention layers of the (one) KV cache group (or of `names`), from the forward
+        context (empty when no model registered any: tools and tests driving the worker side
+        alone)."""
+        ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
+        if names is None:
+            names = self.kv_cache_config.kv_cache_groups[0].layer_names
+        return {n: ctx[n] for n in names if n in ctx and hasattr(ctx[n], "get_attn_backend")}
+
+    @staticmethod
+    def _check_indexers(layers: dict[str, Any]) -> None:
+        """The indexer caches must be written by the DSA indexer whose page the connector
+        knows (keys then scales, `layout`)."""
+        found = sorted({lay.get_attn_backend().get_name() for lay in layers.values()})
+        unknown = [n for n in found if n != INDEXER_BACKEND]
+        if unknown:
+            raise ConfigError(f"indexer caches: written by {unknown}; KVHandoffConnector knows "
+                              f"the page of {INDEXER_BACKEND} only (fp8 keys, then fp32 scales)")
+        shuffled = sorted(n for n, lay in layers.items()
+                          if getattr(lay, "uses_shuffled_layout", False))
+        if shuffled:
+            raise ConfigError(f"indexer caches {shuffled[:2]}: their reader expects the "
+                              "shuffled value layout (ROCm's aiter tiles), which "
+                              "KVHandoffConnector does not describe")
+
+    def _backend(self, layers: dict[str, Any], mla: bool) -> Backend:
+        """The attention backend writing these caches: vLLM's layers say (one backend for all),
+        else ``attention_backend`` of the extra config; nothing else is guessed."""
+        found = sorted({lay.get_attn_backend().get_name() for lay in layers.values()})
+        named = self.cfg.attention_backend
+        if len(found) > 1:
+            raise ConfigError(f"attention backends: the layers use {found}; KVHandoffConnector "
+                              "moves caches written by one backend")
+        if found and named and named != found[0]:
+            raise ConfigError(f"kv_connector_extra_config.attention_backend: {named!r}, but "
+                              f"vLLM's layers use {found[0]!r}")
+        name = found[0] if found else named
+        if name is None:
+            raise ConfigError("attention backend: no attention layer in vLLM's forward context "
+                              "says which backend writes these caches, and "
+                              "kv_connector_extra_config.attention_backend does not name one")
+        isas = {getattr(lay, "isa", None) for lay in layers.values()} - {None}
+        b = resolve(name, cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+                    isa=next(iter(isas)) if len(isas) == 1 else None)
+        if b.mla != mla:
+            raise ConfigError(f"attention backend {b.name}: {'an MLA' if b.mla else 'a GQA'} "
+                              f"backend, but the KV cache spec is "
+                              f"{'MLA' if mla else 'full attention'}")
+        return b
+
+    def _probe(self, settings: Settings, layers: dict[str, Any], kv_caches: dict[str, Any],
+               total_kv_heads: int, tp_rank: int, tp_size: int) -> str:
+        """The layout probe on one layer of each region (`probe`); its report for the log."""
+        vl = self.vl
+        assert vl is not None
+        if not settings.layout_probe:
+            return (f"layout probe off (layout_probe=false): the {vl.backend.name} layout is "
+                    "not checked against its kernel")
+        cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
+        if cache_dtype in vl.backend.quantized_dtypes:
+            return (f"layout probe: {vl.backend.name} with {cache_dtype} rows not probed (the "
+                    "write quantises; one opaque row per token, moved as whole pages)")
+        roles = self.plan.roles if self.plan is not None else None
+        by_id = {((roles[n].region if roles else ""), lid): n for n, lid in vl.layer_ids.items()}
+        reports = []
+        for reg in vl.layout.regions:
+            if reg.name in vl.indexer_regions:
+                # its write (indexer_k_quant_and_cache) quantises, on CUDA only: nothing to
+                # compare raw bytes with; the DSA kernel fixes its page at 64 rows on both
+                # sides, so the region always moves whole pages and its interior never matters
+                reports.append(f"{reg.name}: not probed ({INDEXER_BACKEND} quantises its "
+                               "writes); moves whole pages")
+                continue
+            name = by_id[(reg.name if roles else ""), reg.live_layer_ids[0]]
+            reports.append(probe_layer(
+                vl, name, kv_caches[name], layers.get(name), total_kv_heads=total_kv_heads,
+                tp_rank=tp_rank, tp_size=tp_size,
+                cache_dtype=str(self.vllm_config.cache_config.cache_dtype)))
+        return "; ".join(reports)
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        from kvhandoff.transfer import TransferAgent
+
+        vc = self.vllm_config
+        plan = self.plan = plan_group(self.kv_cache_config)
+        group = self.kv_cache_config.kv_cache_groups[0]
+        mla = plan.mla
+        mc = vc.model_config
+        pc = vc.parallel_config
+        tp_rank = _tp_rank()
+        kv_dtype = f"{vc.cache_config.cache_dtype}:{plan.dtype}"
+        model = f"vllm:{getattr(mc.hf_config, 'model_type', '') or 'model'}"
+        layers = self.layers(plan.main_layers)
+        backend = self._backend(layers, mla)
+        self._check_indexers(self.layers(plan.indexer_layers))
+        mine = {n: t for n, t in kv_caches.items() if n in group.layer_names}
+        self._device = next((getattr(t, "device", None) for t in mine.values()), None)
+        total = 1 if mla else int(mc.get_total_num_kv_heads())
+        tp_size = int(pc.tensor_parallel_size)
+        self.vl = build_layout(mine, backend=backend, block_size=plan.block_size,
+                               kv_dtype=kv_dtype, model=model, total_kv_heads=total,
+                               tp_rank=tp_rank, tp_size=tp_size, roles=plan.roles,
+                               num_layers=plan.num_layers)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # as the bootstrap server maps decode ranks to prefill ranks for this layout
+        self.replicated = all(r.tp_split is TPSplit.REPLICATED for r in self.vl.layout.regions)
+        kw: dict[str, Any] = dict(self.cfg.settings)
+        if self.cfg.role == "prefill":
+            kw["bootstrap_url"] = self.cfg.bootstrap_url
+        settings = Settings(**kw)
+        self.probe_report = self._probe(settings, layers, mine, total, tp_rank, tp_size)
+        if settings.layout_probe and "not probed" not in self.probe_report:
+            log.info("KVHandoffConnector %s: %s", self.cfg.role, self.probe_report)
+        else:
+            log.warning("KVHandoffConnector %s: %s", self.cfg.role, self.probe_report)
+        self.agent = TransferAgent(
+            self.cfg.role, self.vl.layout, self.vl.buffers, settings,
+            engine_id=self.cfg.engine_id, dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size,
+            tp_rank=tp_rank, tp_size=int(pc.tensor_parallel_size))
+        self.stats.transport = str(self.agent.status()["transport"]["kind"])
+        log.info("KVHandoffConnector %s: %s, %s pages, %d layers, page %d tokens (whole pages "
+                 "where both sides use this size), agent %s", self.cfg.role, backend.name,
+                 self.vl.order, len(self.vl.layer_ids), self.vl.layout.page_size_tokens,
+                 self.agent.address)
+
+    # ---- per step
+
+    def start_step(self, meta: KVHandoffMetadata) -> None:
+        if self.agent is None:
+            return
+        vl = self.vl
+        assert vl is not None
+        self._step_senders = []
+        self._readied = set()
+        for rid, reason in meta.resets.items():
+            snd = self._senders.pop(rid, None)
+            if snd is not None:  # not reported: the request runs on and sends again
+                snd.abort(reason)
+                self.stats.forget(snd)
+                self._stale.append(snd)
+        for rid, reason in meta.aborts.items():
+            snd = self._senders.get(rid)
+            if snd is not None:
+                snd.abort(reason)
+            self._finished.add(rid)
+            ld = self._loads.get(rid)
+            if ld is not None and ld.failed is None:
+                ld.failed = reason  # the request is gone: nothing to report as load errors
+                ld.receiver.abort(reason)
+        for rid, s in meta.sends.items():
+            try:
+                readers = decode_readers(self.tp_rank, self.tp_size, s.decode_tp_size,
+                                         replicated=self.replicated)
+                if readers == 0:  # a replicated cache read from another prefill rank
+                    self._unsent.add(rid)
+                    continue
+                sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
+                                           seq_len=s.num_tokens, num_decode_ranks=readers,
+                                           request_id=rid)
+            except KVHandoffError as e:
+                # no room: nothing will read the blocks; vLLM may free them once finished
+                log.error("request %s (room %d): cannot open the sender: %s", rid, s.room, e)
+                self._unsent.add(rid)
+                self.stats.refused()
+                continue
+            self._senders[rid] = sender
+            self.stats.watch(sender)
+            self._step_senders.append(sender)
+        self._sync = []
+        for rid, r in meta.recvs.items():
+            ld = self._open_load(rid, r)
+            if r.sync:
+                self._sync.append(ld)
+            else:
+                self._loads[rid] = ld
+
+    def _open_load(self, rid: str, r: RecvReq) -> _Load:
+        vl = self.vl
+        assert vl is not None
+        bs = self.vllm_config.cache_config.block_size
+        loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
+        try:
+            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid)
+        except KVHandoffError as e:
+            receiver = _NoRoom(r.room, f"cannot open the receiver: {e}")
+        ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
+        if isinstance(receiver, _NoRoom):
+            self.stats.refused()
+            self._fail(ld, receiver.failure)
+            return ld
+        self.stats.watch(receiver)
+        try:
+            receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
+                          decode_prefix_len=r.local_tokens)
+        except KVHandoffError as e:
+            self._fail(ld, f"receiver init: {e}")
+        return ld
+
+    def _fail(self, ld: _Load, reason: str) -> None:
+        if ld.failed is not None:
+            return
+        ld.failed = reason
+        log.error("request %s (room %d): KV load failed, %d blocks reported: %s", ld.rid,
+                  ld.spec.room, len(ld.pages), reason)
+        ld.receiver.abort(reason)
+        with self._lock:
+            self._errors.update(ld.pages)
+
+    def start_load(self) -> None:
+        """Before the forward: a DSA layout's layerwise loads are waited for whole here (module
+        docstring), since vLLM's DSA attention never calls the per-layer waits."""
+        if not self._sync or self.vl is None or not self.vl.indexer_regions:
+            return
+        if not self._warned_whole:
+            self._warned_whole = True
+            log.info("KVHandoffConnector decode: DSA layout (regions %s): a layerwise load is "
+                     "waited for whole before the forward (vLLM's DSA attention calls no "
+                     "per-layer connector hooks)", ", ".join(self.vl.indexer_regions))
+        for lid in self._all_layers():
+            self._wait_sync(lid)
+
+    def _all_layers(self) -> list[int]:
+        vl = self.vl
+        assert vl is not None
+        return sorted({lid for r in vl.layout.regions for lid in r.live_layer_ids})
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._sync or self.vl is None:
+            return
+        lid = self.vl.layer_ids.get(layer_name)
+        if lid is None:
+            return
+        self._wait_sync(lid)
+
+    def _wait_sync(self, lid: int) -> None:
+        for ld in self._sync:
+            if ld.failed is not None:
+                continue
+            try:
+                ok = ld.receiver.wait_for_layer(lid, timeout=self.cfg.layer_timeout_s)
+            except KVHandoffError as e:
+                self._fail_sync(ld, f"layer {lid}: {type(e).__name__}: {e}")
+                continue
+            if ok is False:  # the pre-typed-errors API
+                self._fail_sync(ld, f"layer {lid}: {ld.receiver.failure or 'timed out'}")
+
+    def _fail_sync(self, ld: _Load, reason: str) -> None:
+        self._fail(ld, reason)
+        # vLLM recomputes into these blocks: nothing may still write into them
+        if not ld.receiver.wait_released(self.cfg.layer_timeout_s):
+            log.error("room %d: pages not released after the failure", ld.spec.room)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        if not self._step_senders or self.vl is None:
+            return
+        lid = self.vl.layer_ids.get(layer_name)
+        if lid is None or lid in self._readied:
+            return
+        self._ready(lid, getattr(kv_layer, "device", None))
+
+    def finish_forward(self) -> None:
+        """``wait_for_save`` of a DSA layout: the forward wrote every layer; hand over those no
+        ``save_kv_layer`` reported (vLLM's DSA attention calls none, module docstring). Other
+        layouts keep per-layer hand-over only: a layer vLLM did not report (a step whose
+        forward never ran) is not sent."""
+        if not self._step_senders or self.vl is None or not self.vl.indexer_regions:
+            return
+        for lid in self._all_layers():
+            if lid not in self._readied:
+                self._ready(lid, self._device)
+
+    def _ready(self, lid: int, device: Any) -> None:
+        """`layer_ready` of every sender of the step. CUDA: with an event recorded on the
+        current stream, so layer_ready returns at once (the agent waits for the event on its
+        own thread) and the forward never blocks on the copy engine."""
+        self._readied.add(lid)
+        ev = None
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(torch.cuda.current_stream(device))
+        for s in self._step_senders:
+            try:
+                if ev is None:
+                    s.layer_ready(lid)
+                else:
+                    s.layer_ready(lid, ev)
+            except KVHandoffError as e:  # an aborted room: the forward goes on
+                log.warning("room %d: layer_ready(%d): %s", s.room, lid, e)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        self._sync = []
+        self._step_senders = []
+        self._readied = set()
+        self._finished |= finished_req_ids
+        sent: set[str] = set()
+        for rid in [r for r in self._senders if r in self._finished]:
+            s = self._senders[rid]
+            if s.poll() in (KVPoll.Success, KVPoll.Failed) and s.released:
+                if s.poll() is KVPoll.Failed:
+                    log.warning("request %s (room %d): handoff failed: %s", rid, s.room,
+                                s.failure)
+                del self._senders[rid]
+                sent.add(rid)
+        for rid in self._unsent & self._finished:
+            self._unsent.discard(rid)
+            sent.add(rid)
+        self._finished = {r for r in self._finished if r in self._senders or r in self._unsent}
+        self._stale = [s for s in self._stale if not s.released]
+        recvd: set[str] = set()
+        for rid, ld in list(self._loads.items()):
+            st = ld.receiver.poll()
+            if st is KVPoll.Failed and ld.failed is None:
+                self._fail(ld, ld.receiver.failure or "failed")
+            if st in (KVPoll.Success, KVPoll.Failed) and ld.receiver.released:
+                del self._loads[rid]
+                recvd.add(rid)
+        return (sent or None), (recvd or None)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+
+
+class _NoRoom:
+    """Stands in for a receiver that could not be opened: terminal, Failed, nothing in flight."""
+
+    def __init__(self, room: int, failure: str) -> None:
+        self.room = room
+        self.failure = failure
+        self.released = True
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed
+
+    def abort(self, reason: str = "") -> None:
+        return
+
+    def wait_released(self, timeout: float) -> bool:
+        return True
+
+    def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
+        raise KVHandoffError(self.failure)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):
+        return 0  # no initialised TP group (a single worker, tests)
+

@@ -1,0 +1,138 @@
+"""`ChunkedPrefill`: a room whose pages come in chunks, sans-IO like the session.
+
+A room's pages may come in chunks (`events.AddChunk`). A leg's chunk 0 is what its
+`TransferAccepted` covers (`chunk_end`); each later chunk goes to the decode as `ChunkAdded`
+(its new source pages), the decode plans it over its token range, posts its receives (none
+when the prefill writes one-sided) under a fresh transfer id and answers `ChunkAccepted`; the
+prefill then sends the chunk's ready layers. Per region, a chunk moves the tokens from where the
+previous one stopped to where this side's pages reach (so a region whose pages come late, e.g.
+an indexer given with the last chunk only, moves everything at once then): no byte moves twice.
+Every (chunk, layer) is a `rooms.Unit`, checksummed and verified on its own; a layer lands
+(`LayerSent` / `LayerLanded`) once its unit of the last chunk and of every earlier one did
+(`rooms.Leg` keeps a leg's chunks).
+
+It keeps no state of its own: the chunks are the legs', the plans and posts the data path's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.datapath import DataPath
+from kvhandoff.protocol.effects import Notify
+from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peers import PeerTable
+from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.state_machine import PeerFailedRoom
+
+
+class ChunkedPrefill:
+    """The chunk exchange of one session (see the module doc). Keyword-only arguments."""
+
+    def __init__(self, *, ctx: Context, rooms: RoomTable, peers: PeerTable,
+                 path: DataPath) -> None:
+        self.ctx = ctx
+        self.rooms = rooms
+        self.peers = peers
+        self.path = path
+
+    def post_ready(self, r: Leg, layer: int) -> None:
+        """Prefill: the engine marked `layer` ready: send it in the leg's current chunk (once
+        the decode accepted that chunk)."""
+        c = len(r.chunk_ends) - 1
+        if c <= 0 or r.chunk_xfers[c] is not None:
+            self.path.post_layer(r, Unit(layer, max(c, 0)), 0)
+
+    def on_add_chunk(self, e: ev.AddChunk) -> None:
+        """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
+        which the agent checked)."""
+        g = self.rooms.group(e.room, e.token)
+        if g is None or g.done:
+            return
+        if len(g.ready) < len(g.layers) or not g.chunk_end < e.chunk_end <= g.seq_len:
+            self.rooms.fail_group(g, Failure(
+                FailureKind.INVALID_REQUEST,
+                f"add_chunk(chunk_end={e.chunk_end}): after {g.chunk_end} of {g.seq_len} "
+                f"tokens with {len(g.ready)} of {len(g.layers)} layers ready"))
+            return
+        g.pages = {k: np.concatenate([v, np.asarray(e.pages.get(k, ()), dtype=np.int64)])
+                   for k, v in g.pages.items()}
+        g.chunk_end = e.chunk_end
+        g.ready = []
+        for r in g.legs:
+            if r.accepted and not r.machine.is_terminal:
+                self._add_leg_chunk(r)
+
+    def _add_leg_chunk(self, r: Leg) -> None:
+        """Prefill: plan the leg's next chunk and offer it to the decode (`ChunkAdded`)."""
+        g = r.group
+        old = r.pages
+        r.pages = g.pages
+        r.pages = self.path.suffix_pages(r)
+        delta = {k: v[len(old.get(k, ())):].tolist() for k, v in r.pages.items()}
+        p = self.peers.get(r.peer)
+        try:
+            if p is None or p.layout is None:
+                raise ConfigError("the decode's Hello is gone")
+            plans = self.path.plans(r, src_pages=r.pages, src_ps=r.page_size,
+                                    dst_pages=r.dst_table, dst_ps=r.dst_page_size,
+                                    src_layout=self.ctx.layout, dst_layout=p.layout,
+                                    end=g.chunk_end)
+        except KVHandoffError as e:
+            self.rooms.fail(r, PeerFailedRoom(reason=f"invalid chunk: {e}"), notify=Notify.FAILED,
+                            kind=FailureKind.INVALID_REQUEST)
+            return
+        r.chunk_ends.append(g.chunk_end)
+        r.chunk_plans.append(plans)
+        r.chunk_xfers.append(None)
+        r.machine.progressed(self.ctx.now)
+        self.ctx.send(r.peer, P.ChunkAdded(src=self.ctx.me.address, gen=self.ctx.me.generation,
+                                        room=r.room, chunk=len(r.chunk_ends) - 1,
+                                        chunk_end=g.chunk_end, src_pages=delta))
+
+    def on_chunk_added(self, r: Leg, msg: P.ChunkAdded) -> None:
+        """Decode: plan the chunk, post its receives, answer `ChunkAccepted`."""
+        try:
+            if not r.accepted or msg.chunk != len(r.chunk_ends):
+                raise ConfigError(f"chunk: {msg.chunk} out of order (expected "
+                                  f"{len(r.chunk_ends)})")
+            if not r.chunk_ends[-1] < msg.chunk_end <= r.seq_len:
+                raise ConfigError(f"chunk_end: {msg.chunk_end} not in "
+                                  f"{r.chunk_ends[-1] + 1}..{r.seq_len}")
+            p = self.peers.get(r.peer)
+            if p is None or p.layout is None:
+                raise ConfigError("ChunkAdded before the prefill's Hello")
+            for k, v in msg.src_pages.items():
+                if k not in r.src_table:
+                    raise ConfigError(f"src_pages: unknown region {k!r}")
+                r.src_table[k] = np.concatenate([r.src_table[k], np.asarray(v, np.int64)])
+            plans = self.path.plans(r, src_pages=r.src_table, src_ps=p.layout.page_size_tokens,
+                                    dst_pages=r.pages, dst_ps=r.page_size, src_layout=p.layout,
+                                    dst_layout=self.ctx.layout, end=msg.chunk_end)
+        except KVHandoffError as e:
+            self.rooms.fail(r, PeerFailedRoom(reason=f"invalid ChunkAdded: {e}"),
+                            notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
+            return
+        xfer = self.ctx.next_xfer()
+        r.chunk_ends.append(msg.chunk_end)
+        r.chunk_plans.append(plans)
+        r.chunk_xfers.append(xfer)
+        r.machine.progressed(self.ctx.now)
+        self.ctx.send(r.peer, P.ChunkAccepted(src=self.ctx.me.address, gen=self.ctx.me.generation,
+                                           room=r.room, chunk=msg.chunk, xfer=xfer))
+        for layer in r.layers:
+            self.path.post_recv_layer(r, Unit(layer, msg.chunk), 0)
+
+    def on_chunk_accepted(self, r: Leg, msg: P.ChunkAccepted) -> None:
+        """Prefill: the decode posted the chunk's receives: send its ready layers."""
+        c = msg.chunk
+        if not 0 < c < len(r.chunk_xfers) or r.chunk_xfers[c] is not None:
+            return
+        r.chunk_xfers[c] = msg.xfer
+        latest = c == len(r.chunk_ends) - 1
+        for layer in (r.group.ready if latest else r.layers):
+            self.path.post_layer(r, Unit(layer, c), 0)

@@ -1,0 +1,484 @@
+"""`TransferSession`: the transfer protocol of one agent, sans-IO.
+
+In the spirit of h11's `Connection` (and of aioquic's, which keeps its loss recovery and
+streams as objects it owns): the session's one entry point is `handle(event, now)`: an event
+(`events.*`: a control message arrived, the engine marked a layer ready, a transport op or a
+checksum job completed, time passed, ...) goes in, a list of effects (`effects.*`: send this
+message, post that transfer, hash these spans, wake that room's waiters, release its pages)
+comes out. It imports no zmq, no transport, no threading and no clock: `now` is an argument,
+and one driver thread (`runtime.loop.ControlLoop`) feeds it and executes what it asks, in order.
+
+The session holds its parts, each owning its state and given what it needs at construction:
+- `ctx` (`context.Context`): identity, settings, the time of the call, the effects out, the
+  timers, the counters;
+- `rooms` (`lifecycle.RoomTable`): the rooms and legs and how a room ends (fail, terminal,
+  release once nothing can write its pages);
+- `peers` (`peers.PeerTable`): the peers and the handshake, liveness, peers declared lost;
+- `path` (`datapath.DataPath`): span plans, posts, completions, checksums, verification;
+- `chunks` (`chunks.ChunkedPrefill`): rooms whose pages come in chunks;
+- `readouts` (`reports.ReadOuts`): the figures behind `status` and the metrics.
+The session itself routes: engine events to the rooms, control messages to their leg (or to
+the peer table), completions to the data path, and time to all of them.
+
+Protocol, per room: decode says `TransferRequest` (its pages) once the handshake with the
+prefill agent is done (`Hello` / `HelloAck`, layouts compatible); prefill answers
+`TransferAccepted` (its pages); both compute the same span plan; decode posts every receive at
+once, prefill posts a layer's sends as soon as the engine marks it ready and announces it with
+`LayerDone` (checksums); decode verifies, asks once for a retransmit on a mismatch
+(`LayerNack`), and ends with `RoomAck`. A failure reaches the peer as `Failed` / `Abort`, a dead
+peer is found by heartbeats, and a room's pages are released once it is terminal and none of
+its transport ops is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvhandoff.errors import Failure, FailureKind
+from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.chunks import ChunkedPrefill
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.datapath import DataPath
+from kvhandoff.protocol.effects import ERROR, WARNING, Effect, Notify
+from kvhandoff.protocol.failures import remote_failure
+from kvhandoff.protocol.handshake import Identity, PeerState
+from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
+from kvhandoff.protocol.reports import ReadOuts, room_stats
+from kvhandoff.protocol.rooms import Group, Leg, LegPhase
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import (
+    DeadlinePassed,
+    KVPoll,
+    LeaseRenewed,
+    PeerFailedRoom,
+    Role,
+    RoomAborted,
+)
+
+EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
+
+
+class TransferSession:
+    """The protocol state of one agent (see the module doc). Single-threaded by contract: only
+    its driver calls it. Args are keyword-only: `identity` (what this agent says in a Hello),
+    `settings` (heartbeats, deadlines, checksums, retention), `now` (the clock at creation)."""
+
+    def __init__(self, *, identity: Identity, settings: Settings, now: float) -> None:
+        self.ctx = ctx = Context(identity=identity, settings=settings, now=now)
+        self.readouts = ReadOuts()
+        self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)
+        self.peers = PeerTable(ctx=ctx, rooms=self.rooms, on_matched=self._matched,
+                               replay=self._room_msg)
+        self.path = DataPath(ctx=ctx, rooms=self.rooms, peers=self.peers,
+                             readouts=self.readouts)
+        self.chunks = ChunkedPrefill(ctx=ctx, rooms=self.rooms, peers=self.peers,
+                                     path=self.path)
+        self._early: dict[int, list[Any]] = {}  # room -> messages before the engine opened it
+        self._early_t: dict[int, float] = {}
+        self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
+        self._next_heartbeat = now
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ev.MessageReceived: self._on_message, ev.OpenSender: self._on_open_sender,
+            ev.OpenReceiver: self._on_open_receiver, ev.PeersResolved: self._on_resolved,
+            ev.LayerReady: self._on_layer_ready, ev.ReceiverInit: self._on_receiver_init,
+            ev.AbortRoom: self._on_abort, ev.OpDone: self.path.on_op_done,
+            ev.Hashed: self.path.on_hashed, ev.Connected: self.peers.on_connected,
+            ev.Tick: self._on_tick, ev.AddChunk: self.chunks.on_add_chunk,
+            ev.Written: self.path.on_written,
+            ev.RemoteRegistered: self.peers.on_remote_registered,
+            ev.PeerExited: self.peers.on_peer_exited, ev.Cancelled: self.rooms.on_cancelled,
+        }
+
+    # ------------------------------------------------------------------ what others read
+
+    @property
+    def me(self) -> Identity:
+        return self.ctx.me
+
+    @property
+    def role(self) -> Role:
+        return self.ctx.role
+
+    @property
+    def layout(self) -> LayoutSpec:
+        return self.ctx.layout
+
+    @property
+    def settings(self) -> Settings:
+        return self.ctx.settings
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.ctx.counters
+
+    @property
+    def groups(self) -> dict[int, Group]:
+        return self.rooms.groups
+
+    @property
+    def legs(self) -> dict[tuple[int, str], Leg]:
+        return self.rooms.legs
+
+    def status(self) -> dict[str, Any]:
+        """Room states by name, peers and counters."""
+        return self.readouts.status(groups=self.rooms.groups.values(), peers=self.peers,
+                                    counters=self.ctx.counters)
+
+    def room_stats(self, room: int, token: object) -> dict[str, Any] | None:
+        """Byte and timing figures of a room (None when it is forgotten)."""
+        g = self.rooms.group(room, token)
+        return None if g is None else room_stats(g, self.ctx.layout)
+
+    # ------------------------------------------------------------------ the entry point
+
+    def set_memory(self, kind: str) -> None:
+        """Where this agent's KV buffers live ("host" or "cuda"), said in its Hello and used
+        for the rooms' checksum algorithm (`handshake.checksum_alg`). Its driver calls it
+        before the first event (the driver holds the buffers; the session never looks at
+        them)."""
+        self.ctx.set_memory(kind)
+
+    def handle(self, event: ev.Event, now: float) -> list[Effect]:
+        """Feeds one event that happened at `now`; returns the effects to execute, in order."""
+        gap, self.ctx.now = now - self.ctx.now, now
+        room = self._room_of(event)
+        try:
+            if gap > 2 * self.ctx.hb:
+                self._woke(gap)
+            self._handlers[type(event)](event)
+        except Exception as e:
+            # a bug met while handling a room's event must not leave that room half-updated
+            # and waiting for its deadline: fail it on both sides, say why; an event of no
+            # room goes to the driver, which logs it
+            if room is None:
+                self.ctx.take()
+                raise
+            self._internal_error(room, event, e)
+        finally:
+            self.rooms.publish()
+        return self.ctx.take()
+
+    def next_wakeup(self) -> float:
+        """When the driver must send the next `Tick` at the latest."""
+        if self.path.done_pending:
+            return self.ctx.now
+        timer = self.ctx.next_timer()
+        return self._next_heartbeat if timer is None else min(self._next_heartbeat, timer)
+
+    def _room_of(self, event: ev.Event) -> int | None:
+        """The room an event is about, when it is about one (before it is handled: a
+        completion's op is forgotten while it is)."""
+        room = getattr(event, "room", None)
+        if isinstance(event, ev.MessageReceived):
+            room = getattr(event.msg, "room", None)
+        elif isinstance(event, ev.OpDone | ev.Written | ev.Hashed):
+            leg = self.path.leg_of(event)
+            room = leg.room if leg is not None else None
+        return room if isinstance(room, int) else None
+
+    def _internal_error(self, room: int, event: ev.Event, exc: Exception) -> None:
+        self.ctx.counters["internal_errors"] += 1
+        why = (f"internal error handling {type(event).__name__}: "
+               f"{type(exc).__name__}: {exc}")
+        self.ctx.log(ERROR, f"room {room} ({self.role.value}): {why}", exc=exc)
+        g = self.rooms.groups.get(room)
+        if g is None:
+            return
+        failure = Failure(FailureKind.INTERNAL, why)
+        for r in g.legs:  # every leg's peer is told, whatever state the bug left it in
+            if not r.machine.is_terminal:
+                self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
+                                failure=failure)
+        self.rooms.fail_group(g, failure)
+
+    def _matched(self, r: Leg) -> None:
+        """A leg's peer is matched: a decode leg may now send its request."""
+        self.path.maybe_request(r)
+
+    # ------------------------------------------------------------------ engine events
+
+    def _on_open_sender(self, e: ev.OpenSender) -> None:
+        g = self.rooms.new_group(e.room, e.token, e.expected)
+        g.seq_len, g.pages = e.seq_len, e.pages
+        g.prompt_tokens = e.prompt_tokens
+        g.chunk_end = e.chunk_end or e.seq_len
+        self._early_t.pop(e.room, None)
+        for msg in self._early.pop(e.room, []):
+            self._room_msg(msg)
+        self.rooms.group_update(g)
+        self._abort_if_asked(g)
+
+    def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
+        g = self.rooms.new_group(e.room, e.token, None)
+        if e.peers is not None:
+            self._attach_peers(g, list(e.peers))
+        self._abort_if_asked(g)
+
+    def _on_resolved(self, e: ev.PeersResolved) -> None:
+        g = self.rooms.group(e.room, e.token)
+        if g is None:
+            return
+        if e.error is not None:
+            self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
+                                             f"bootstrap lookup failed: {e.error}"))
+            return
+        self._attach_peers(g, list(e.peers))
+
+    def _attach_peers(self, g: Group, sources: list[tuple[str, int]]) -> None:
+        """Decode: one leg per prefill rank to read from; starts the handshakes."""
+        if g.failure is not None:
+            return
+        if not sources:
+            self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
+                                             "no prefill rank to read this room from"))
+            return
+        g.expected = len(sources)
+        for addr, _gen in sources:
+            r = self.rooms.new_leg(g, addr)
+            self.peers.attach(r, addr)
+            self.path.init_leg(r)
+        self.rooms.group_update(g)
+
+    def _on_layer_ready(self, e: ev.LayerReady) -> None:
+        g = self.rooms.group(e.room, e.token)
+        if g is None or e.layer in g.ready:
+            return
+        g.ready.append(e.layer)
+        g.t_last_ready = self.ctx.now
+        for r in g.legs:
+            if r.accepted and not r.machine.is_terminal:
+                self.chunks.post_ready(r, e.layer)
+
+    def _on_receiver_init(self, e: ev.ReceiverInit) -> None:
+        g = self.rooms.group(e.room, e.token)
+        if g is None:
+            return
+        g.seq_len = e.seq_len
+        g.pages = (e.pages, e.prefix)
+        g.prompt, g.cached_prefix, g.free_pages = e.prompt, e.cached_prefix, e.free_pages
+        for r in g.legs:
+            self.path.init_leg(r)
+
+    def _on_abort(self, e: ev.AbortRoom) -> None:
+        g = self.rooms.group(e.room, e.token)
+        if g is None:
+            # the driver feeds aborts ahead of the queue: the room's open may still be queued
+            if len(self._aborts_ahead) < EARLY_LIMIT:
+                self._aborts_ahead.setdefault(e.token, e.reason)
+            return
+        self._abort(g, e.reason)
+
+    def _abort_if_asked(self, g: Group) -> None:
+        reason = self._aborts_ahead.pop(g.token, None)
+        if reason is not None:
+            self._abort(g, reason)
+
+    def _abort(self, g: Group, reason: str) -> None:
+        for r in g.legs:
+            self.rooms.fail(r, RoomAborted(reason=reason, by=self.role), notify=Notify.ABORT)
+        self.rooms.fail_group(g, Failure(FailureKind.ABORTED,
+                                         f"aborted by {self.role.value}: {reason}"))
+
+    # ------------------------------------------------------------------ message handling
+
+    def _on_message(self, e: ev.MessageReceived) -> None:
+        msg = e.msg
+        ctx = self.ctx
+        ctx.counters["messages_in"] += 1
+        if isinstance(msg, P.Hello):  # Hello and HelloAck
+            self.peers.on_hello(msg)
+            return
+        p = self.peers.get(msg.src)
+        if (ctx.me.hmac_secret and (p is None or not p.authenticated)
+                and not isinstance(msg, P.HelloReject)):
+            # with a shared secret, only a peer whose Hello verified may touch rooms (an
+            # unknown process must not fail or abort a room it could not join)
+            ctx.counters["stale_messages"] += 1
+            return
+        if p is None or (p.gen and msg.gen != p.gen):
+            # no handshake with this sender (or an older generation of it)
+            ctx.counters["stale_messages"] += 1
+            if isinstance(msg, P.Failed | P.Abort) and p is None:
+                self._room_msg(msg)  # a failure for a room may precede any handshake
+            elif p is None and not isinstance(msg, P.Reject | P.AbortAck):
+                self.peers.tell_forgotten(msg.src)
+            return
+        p.last_seen = ctx.now
+        if isinstance(msg, P.HelloReject):
+            self.peers.on_hello_reject(p, msg)
+        elif isinstance(msg, P.Heartbeat):
+            for room in msg.rooms:
+                r = self.rooms.legs.get((room, p.addr))
+                if r is not None and not r.machine.is_terminal:
+                    r.machine.apply(LeaseRenewed(), ctx.now)
+        elif isinstance(msg, P.Reject):
+            ctx.log(WARNING, f"peer {msg.src} rejected a message: {msg.reason}")
+            if msg.reason.startswith(NO_HANDSHAKE):
+                # It dropped us (took us for dead): rooms it had accepted are gone on its
+                # side; requests it never accepted are handshaken and sent again.
+                retry = frozenset(r for r in self.rooms.open_legs()
+                                  if r.peer == p.addr and not r.accepted
+                                  and r.role is Role.DECODE)
+                self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent "
+                                   "(it took this agent for dead)", keep=retry)
+                for r in retry:
+                    if r.requested:
+                        r.advance(LegPhase.READY)
+                    r.planes = None
+                    self.peers.attach(r, p.addr)
+        elif p.state is PeerState.CONNECTING:
+            # its transport connects off the driver's thread: read once matched, in order
+            p.backlog.append(msg)
+        else:
+            self._room_msg(msg)
+
+    def _room_msg(self, msg: Any) -> None:
+        """Routes a room message to its leg (creating a prefill leg on request)."""
+        ctx = self.ctx
+        r = self.rooms.legs.get((msg.room, msg.src))
+        g = self.rooms.groups.get(msg.room)
+        if r is None and g is not None and self.role is Role.PREFILL:
+            if isinstance(msg, P.TransferRequest):
+                refusal = self._refuse_request(g)
+                if refusal is not None:
+                    ctx.send(msg.src, P.Failed(
+                        src=ctx.me.address, gen=ctx.me.generation, room=g.room,
+                        reason=refusal.reason, failure_kind=refusal.kind.value))
+                    return
+                r = self.rooms.new_leg(g, msg.src)
+                r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
+                r.advance(LegPhase.READY)
+            elif isinstance(msg, P.Failed | P.Abort):
+                told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
+                self.rooms.fail_group(g, remote_failure(told, "peer failed the room: "
+                                                              f"{msg.reason}"))
+                return
+        if r is None:
+            if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
+                self._early.setdefault(msg.room, []).append(msg)
+                self._early_t.setdefault(msg.room, ctx.now)
+            elif g is None:
+                self._early_full(msg)
+            return
+        self._dispatch_room_msg(r, msg)
+
+    def _early_full(self, msg: Any) -> None:
+        """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
+        held: never dropped silently. Counted, logged, and a transfer request is refused at once
+        (the decode fails with the reason instead of waiting out its deadline)."""
+        ctx = self.ctx
+        ctx.counters["early_dropped"] += 1
+        ctx.log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: "
+                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held")
+        if isinstance(msg, P.TransferRequest):
+            ctx.send(msg.src, P.Failed(
+                src=ctx.me.address, gen=ctx.me.generation, room=msg.room,
+                reason=f"the {self.role.value} agent holds {EARLY_LIMIT} requests for rooms its "
+                       "engine has not opened yet; this one was refused (retry later)",
+                failure_kind=FailureKind.ADMISSION.value))
+
+    def _refuse_request(self, g: Group) -> Failure | None:
+        if g.failure is not None:
+            return g.failure
+        if g.expected is not None and len(g.legs) >= g.expected:
+            return Failure(FailureKind.INVALID_REQUEST,
+                           f"room {g.room} already has its {g.expected} decode rank(s) on this "
+                           "prefill rank")
+        return None
+
+    def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
+        rooms, ctx = self.rooms, self.ctx
+        if (isinstance(msg, P.AbortAck) or isinstance(msg, P.Failed | P.Abort)
+                and msg.writes_stopped) and r.remote_writes:
+            # one-sided decode: the prefill says its writes into this leg's pages stopped
+            # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
+            # so the pages may be reused
+            rooms.writes_stopped(r)
+        if isinstance(msg, P.Failed):
+            reason = f"peer failed the room: {msg.reason}"
+            rooms.fail(r, PeerFailedRoom(reason=reason), notify=Notify.NONE,
+                       failure=remote_failure(msg.failure_kind, reason))
+            if r.one_sided and r.role is Role.PREFILL:  # our writes were cancelled: say so
+                rooms.ack_stopped(r)
+        elif isinstance(msg, P.Abort):
+            other = Role.DECODE if self.role is Role.PREFILL else Role.PREFILL
+            rooms.fail(r, RoomAborted(reason=msg.reason, by=other), notify=Notify.NONE,
+                       failure=remote_failure(msg.failure_kind or "aborted", msg.reason))
+            rooms.ack_stopped(r)
+        elif isinstance(msg, P.AbortAck):
+            pass
+        elif r.machine.is_terminal:
+            if isinstance(msg, P.TransferRequest) and r.machine.state is KVPoll.Failed:
+                f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
+                ctx.send(msg.src, P.Failed(src=ctx.me.address, gen=ctx.me.generation,
+                                           room=r.room, reason=f.reason,
+                                           failure_kind=f.kind.value))
+        elif isinstance(msg, P.TransferRequest):
+            self.path.on_request(r, msg)
+        elif isinstance(msg, P.TransferAccepted):
+            self.path.on_accepted(r, msg)
+        elif isinstance(msg, P.LayerDone):
+            self.path.on_layer_done(r, msg)
+        elif isinstance(msg, P.LayerNack):
+            self.path.on_nack(r, msg)
+        elif isinstance(msg, P.ChunkAdded):
+            if r.role is Role.DECODE:
+                self.chunks.on_chunk_added(r, msg)
+        elif isinstance(msg, P.ChunkAccepted):
+            if r.role is Role.PREFILL:
+                self.chunks.on_chunk_accepted(r, msg)
+        elif isinstance(msg, P.RoomAck):
+            if r.role is Role.PREFILL:
+                self.path.acked(r)
+
+    # ------------------------------------------------------------------ time
+
+    def _woke(self, gap: float) -> None:
+        """Nothing reached this session for `gap` > 2 heartbeats: its driver sent no heartbeat
+        either (the process was stopped, or its control thread starved), so every peer has
+        declared this agent lost and given up our rooms with it. Say so before anything else
+        is read, so that a room a peer already failed never ends Success here from messages
+        queued before (the peer's Failed may come after them, or never)."""
+        self.peers.woke(gap)
+
+    def _on_tick(self, e: ev.Tick) -> None:
+        now = self.ctx.now
+        self.ctx.run_due_timers()
+        self.path.flush_done()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.ctx.hb
+            self._heartbeats(now, e.drained_at)
+
+    def _heartbeats(self, now: float, drained_at: float) -> None:
+        """Heartbeats out, dead peers and expired deadlines in."""
+        by_peer: dict[str, list[int]] = {}
+        for r in self.rooms.open_legs():
+            by_peer.setdefault(r.peer, []).append(r.room)
+        for g in list(self.rooms.groups.values()):
+            waited = now - g.t_created
+            if (not g.done and (g.expected is None or len(g.legs) < g.expected)
+                    and waited > self.settings.bootstrap_timeout_s):
+                self.rooms.fail_group(g, Failure(
+                    FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "
+                    f"{waited:.1f}s", deadline="bootstrap"))
+        self.peers.heartbeats(now, drained_at, by_peer)
+        for r in list(self.rooms.legs.values()):
+            if not r.machine.is_terminal:
+                for which in r.machine.expired(now):
+                    self.rooms.fail(r, DeadlinePassed(which=which), notify=Notify.FAILED)
+                    break
+        self.collect(now)
+
+    def collect(self, now: float) -> None:
+        """Forgets what is kept only for a while: early messages of rooms never opened, peers
+        declared lost, finished and released rooms after `room_retention_s`."""
+        for room in [k for k, t in self._early_t.items()
+                     if now - t > self.settings.bootstrap_timeout_s]:
+            self._early.pop(room, None)
+            self._early_t.pop(room, None)
+        self.peers.collect(now)
+        self.rooms.collect(now)

@@ -1,0 +1,135 @@
+"""`Hasher`: every checksum the driver computes for its session, off the control thread.
+
+The session asks for sums in two ways, and both end here:
+- `HashSpans` (a layer's source spans before `LayerDone`, or its landed spans to verify): the
+  sums of each span list with the room's algorithm, on the hasher pool, posted back as
+  `events.Hashed` (or its error: the session fails the room).
+- `PostWrite` with `checksum` (one-sided): the transport hashes the source stream while it
+  copies when it computes the room's algorithm for that buffer (`write_digest_alg`: what the
+  transport says, else xxh3 for host buffers, which every transport's fused hash is); else the
+  write goes out unhashed and its source spans are hashed here once it landed (the source does
+  not change while its room is open), before `events.Written` is posted. Where the transport
+  can read the peer's memory (shm's mapped lane: `landed_digest`), the write's completion also
+  reads back and hashes what landed, while it is in cache, and `Written` carries that sum too:
+  the writer's verification, which spares the decode its pass over the landed bytes.
+
+The algorithms themselves are `buffers.devsum.room_checksum` ("xxh3" over host bytes,
+"devsum" where the buffer lives); this module decides where and when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvhandoff.buffers.bufferset import view_memory
+from kvhandoff.buffers.devsum import room_checksum
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol.effects import HashSpans, PostWrite
+from kvhandoff.transports.base import OneSidedTransport, OnWritten, Transport
+
+HASH_WORKERS = 2
+
+
+class Hasher:
+    """The driver's checksums (see the module doc). Keyword-only arguments: `buffers`
+    (transport buffer name -> bytes), the `transport` (asked which digest its writes give),
+    `post` (hands an event back to the control thread; any thread)."""
+
+    def __init__(self, *, buffers: dict[str, Any], transport: Transport,
+                 post: Callable[[ev.Event], None]) -> None:
+        self._buffers = buffers
+        self._transport = transport
+        self._post = post
+        self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="kvh-hash")
+
+    def close(self) -> None:
+        """Waits for running jobs; queued ones are dropped (the agent is closing)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ HashSpans
+
+    def submit(self, job: HashSpans) -> None:
+        """(control thread) Hashes `job` on the pool; `Hashed` follows."""
+        self._pool.submit(lambda: self._post(self.hashed(job)))
+
+    def hashed(self, job: HashSpans) -> ev.Hashed:
+        """(any thread) The sums of a hashing job, with the room's algorithm, on the buffer
+        where it lives, as the `Hashed` event; an error is the event's (the session fails the
+        room), never raised."""
+        try:
+            sums = tuple(room_checksum(self._buffers[name], offsets, nbytes, job.alg)
+                         for name, offsets, nbytes in job.spans)
+        except Exception as e:  # noqa: BLE001 - reported to the session, which fails the room
+            return ev.Hashed(job.job, (), error=repr(e))
+        return ev.Hashed(job.job, sums)
+
+    # ------------------------------------------------------------------ one-sided writes
+
+    def write_plan(self, eff: PostWrite) -> tuple[bool, OnWritten]:
+        """(control thread) How to post `eff`: whether the transport hashes it while copying
+        (`checksum=` of `post_write`), and the completion to give it, which posts `Written`
+        with the digest of the room's algorithm."""
+        fused = eff.checksum and self.write_digest_alg(eff.buffer) == eff.alg
+        if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
+            return True, lambda exc, digest: self._written_read_back(eff, exc, digest)
+        if fused or not eff.checksum:
+            return fused, lambda exc, digest: self._written(eff.op, exc, digest)
+        return False, lambda exc, _digest: self._written_then_hash(eff, exc)
+
+    def write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of the digest `transport.post_write(checksum=True)` gives for buffer
+        `name`: what the transport says (`write_digest_alg`, shm: xxh3 of host buffers,
+        devsum of CUDA ones), else xxh3 for host buffers (every transport's fused hash) and
+        None (none it can give) for device buffers."""
+        if isinstance(self._transport, OneSidedTransport):
+            alg = self._transport.write_digest_alg(name)
+            if alg is not None:
+                return alg
+        buf = self._buffers.get(name)
+        return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
+
+    def _written(self, op: int, exc: BaseException | None, digest: int | None) -> None:
+        """(transport thread) A one-sided write ended."""
+        self._post(ev.Written(op, None if exc is None else str(exc), digest))
+
+    def _written_read_back(self, eff: PostWrite, exc: BaseException | None,
+                           digest: int | None) -> None:
+        """(the write's completion thread: shm's copy thread) A hashed write of host memory
+        ended: where the transport can read the peer's memory (shm's mapped lane) the bytes
+        that landed are read back and hashed now, while in cache, and `Written` carries both
+        sums (the decode compares them: the writer's verification; elsewhere `landed` is None
+        and the decode hashes what landed)."""
+        if exc is not None:
+            self._post(ev.Written(eff.op, str(exc)))
+            return
+        assert isinstance(self._transport, OneSidedTransport)
+        try:
+            landed = self._transport.landed_digest(eff.peer, eff.buffer, eff.plan)
+        except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
+            self._post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
+            return
+        self._post(ev.Written(eff.op, None, digest, landed))
+
+    def _written_then_hash(self, eff: PostWrite, exc: BaseException | None) -> None:
+        """(transport thread) A write whose digest the transport could not compute in the
+        room's algorithm ended: hash its source spans on the pool, then post `Written`."""
+        if exc is not None:
+            self._post(ev.Written(eff.op, str(exc)))
+            return
+
+        def hash_source() -> None:
+            try:
+                d = room_checksum(self._buffers[eff.buffer], eff.plan.src_offsets, eff.plan.nbytes,
+                                  eff.alg)
+            except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
+                self._post(ev.Written(eff.op, f"checksum ({eff.alg}) of the written source "
+                                              f"failed: {e!r}"))
+                return
+            self._post(ev.Written(eff.op, None, d))
+
+        try:
+            self._pool.submit(hash_source)
+        except RuntimeError as e:  # the pool shut down: the agent is closing
+            self._post(ev.Written(eff.op, f"closing: {e}"))

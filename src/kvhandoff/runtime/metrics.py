@@ -1,0 +1,125 @@
+"""Prometheus metrics of a transfer agent, read from `agent.status()` at scrape time.
+
+Nothing on the hot path touches Prometheus: the agent keeps plain counters under its lock and
+this collector turns a snapshot into metric families when scraped. The transport's kind, its
+lanes and whether it is degraded (TCP instead of shared memory/RDMA) are exported, so a silent
+fallback shows on a dashboard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+
+class Reporting(Protocol):
+    """What the collector reads: an agent's `status()` (`TransferAgent` is one)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
+_COUNTER_HELP = {
+    "messages_in": "Control messages received.",
+    "messages_out": "Control messages sent.",
+    "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
+    "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
+    "retransmits": "Layers sent again after a checksum mismatch.",
+    "checksum_failures": "Landed layers whose checksum did not match.",
+    "checksums_verified": "Landed (layer, region) checksums that matched.",
+    "checksums_writer_verified": "Of checksums_verified, those the writer verified by reading "
+                                 "back what it wrote (same host, shm's mapped lane), with the "
+                                 "plan it wrote by checked against this side's: not read "
+                                 "again here.",
+    "bytes_sent": "KV bytes sent.",
+    "bytes_received": "KV bytes received and verified.",
+    "rooms_success": "Room legs that ended in Success.",
+    "rooms_failed": "Room legs that ended in Failed.",
+    "peers_lost": "Peers declared dead (missed heartbeats) or restarted.",
+    "early_dropped": "Messages for rooms not yet opened by the engine, dropped because the "
+                     "agent already held its limit of such rooms (transfer requests are refused).",
+    "rooms_one_sided": "Room legs moved by one-sided writes (the prefill writes straight into "
+                       "the decode's pages; the rest are sent two-sided).",
+    "write_quarantines": "Failed one-sided room legs whose pages the decode held for "
+                         "write_quarantine_s because the prefill never confirmed its writes "
+                         "stopped (it died or was cut off).",
+    "cancel_failures": "Cancels or disconnects the transport could not confirm (a copy that "
+                       "did not stop): the room's pages stayed held until write_quarantine_s.",
+    "internal_errors": "Rooms failed (both sides told) because handling one of their events "
+                       "raised (a bug; logged with its traceback).",
+    "loop_errors": "Events of no room (ticks, peer messages) whose handling raised (a bug; "
+                   "logged with its traceback).",
+}
+
+
+class AgentCollector(Collector):
+    """Collects one agent's metrics (prefix ``kvhandoff_agent_``)."""
+
+    def __init__(self, agent: Reporting) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[InfoMetricFamily | GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
+        st = self._agent.status()
+        tr = st["transport"]
+        info = InfoMetricFamily("kvhandoff_agent_transport", "The agent's data transport.")
+        info.add_metric([], {"kind": tr["kind"], "lanes": ",".join(tr["lanes"]),
+                             "role": st["role"], "reason": tr["reason"]})
+        yield info
+        deg = GaugeMetricFamily("kvhandoff_agent_transport_degraded",
+                                "1 when the transport runs degraded (TCP instead of shm/RDMA).")
+        deg.add_metric([], 1.0 if tr["degraded"] else 0.0)
+        yield deg
+        rooms = GaugeMetricFamily("kvhandoff_agent_rooms", "Rooms by KVPoll state.",
+                                  labels=["state"])
+        for state in ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed"):
+            rooms.add_metric([state], float(st["rooms"].get(state, 0)))
+        yield rooms
+        rb = CounterMetricFamily("kvhandoff_agent_region_bytes",
+                                 "KV bytes moved per region (sent: posted and completed; "
+                                 "received: landed and verified).", labels=["direction", "region"])
+        rd = CounterMetricFamily("kvhandoff_agent_region_descriptors",
+                                 "Span descriptors (after coalescing) moved per region.",
+                                 labels=["direction", "region"])
+        for direction, region, n in st.get("region_bytes", []):
+            rb.add_metric([direction, region], float(n))
+        for direction, region, n in st.get("region_descriptors", []):
+            rd.add_metric([direction, region], float(n))
+        yield rb
+        yield rd
+        tail = st.get("tail")
+        if tail is not None:
+            cum, buckets = 0, []
+            for bound, n in zip([*tail["buckets_s"], float("inf")], tail["counts"], strict=True):
+                cum += n
+                buckets.append((str(bound) if bound != float("inf") else "+Inf", float(cum)))
+            h = HistogramMetricFamily("kvhandoff_agent_tail_seconds",
+                                      "Last layer_ready -> room Success (prefill side): the "
+                                      "handoff's tail after the last layer.",
+                                      buckets=buckets, sum_value=tail["sum_s"])
+            yield h
+        for name, value in st["counters"].items():
+            c = CounterMetricFamily(f"kvhandoff_agent_{name}",
+                                    _COUNTER_HELP.get(name, name.replace("_", " ")))
+            c.add_metric([], float(value))
+            yield c
+
+
+def registry_for(agent: Reporting) -> CollectorRegistry:
+    """A registry holding only this agent's collector (several agents per process are fine)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
+    return reg
+
+
+def metrics_text(agent: Reporting) -> str:
+    """The agent's metrics in Prometheus text format."""
+    return generate_latest(registry_for(agent)).decode()

@@ -1,0 +1,15 @@
+"""Data transports: one small ABC (`base`), backends loaded by name on first use."""
+
+from kvhandoff.transports.base import (
+    TAG_LIMIT,
+    OnDone,
+    OneSidedTransport,
+    OnWritten,
+    Transport,
+    TransportKind,
+    TransportStatus,
+    load_transport,
+)
+
+__all__ = ["TAG_LIMIT", "OnDone", "OnWritten", "OneSidedTransport", "Transport", "TransportKind",
+           "TransportStatus", "load_transport"]

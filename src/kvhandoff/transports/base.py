@@ -1,0 +1,186 @@
+# The one small interface every data transport implements (ucx, tcp, inproc).
+#
+# Rules:
+# - A "span list" (offsets, nbytes: int64 arrays of equal length into one registered buffer)
+#   describes the bytes of one message stream. A send with span list S and a receive with span
+#   list D of the same (peer, tag) move concat(S) into concat(D); the lists may cut the stream
+#   at different places, only their totals must agree.
+# - post_send / post_recv validate their arguments synchronously (bad input raises
+#   TransportError naming the field) and never block on the network; completion is reported
+#   once per op through on_done, always from the transport's own thread, never while holding a
+#   lock the caller might need.
+# - cancel() / disconnect() never wait on the peer. An op's on_done comes only once nothing of
+#   it writes into memory any more (a send or write: its local copy stopped; a receive the
+#   peer was writing into: the peer confirmed it stopped, or its process is gone, or a bound
+#   passed): until then the caller keeps the op's memory. When cancel() of a one-sided write
+#   returns, nothing more of it lands in the peer. close() calls every pending on_done.
+# - Backends are imported by name on first use (load_transport), so a missing optional
+#   dependency only matters when that backend is chosen.
+# - One-sided writes are an optional capability, a type: `OneSidedTransport` (shm, nixl, auto
+#   implement it; `isinstance(t, OneSidedTransport)` is the check, never hasattr): the receiver
+#   publishes a
+#   descriptor of a registered buffer (`describe`), the writer installs it (`register_remote`)
+#   and writes a span plan straight into it (`post_write`) without the receiver posting
+#   anything; each write's own on_done says when it landed (there is no fence: the agent
+#   waits on each write, never on a peer's writes as a group). The plan is a
+#   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
+#   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
+#   re-pairs them. Without the capability the agent uses post_send / post_recv.
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from kvhandoff.errors import TransportError
+from kvhandoff.settings import TransportKind as TransportKind  # one enum (settings, Hello)
+
+if TYPE_CHECKING:
+    from kvhandoff.kv_layout.spans import SpanPlan
+    from kvhandoff.settings import Settings
+
+OnDone = Callable[[BaseException | None], None]
+#: Completion of a one-sided write: (error or None, xxh3-64 of the source stream or None).
+OnWritten = Callable[[BaseException | None, int | None], None]
+
+#: Tags the agent passes must be below this; the bits above belong to the transport.
+TAG_LIMIT = 1 << 40
+
+
+@dataclass(frozen=True)
+class TransportStatus:
+    """What a transport reports for readiness and metrics."""
+
+    kind: str
+    lanes: tuple[str, ...]
+    degraded: bool
+    reason: str
+    bytes_sent: int
+    bytes_received: int
+
+
+class Transport(ABC):
+    """A two-sided, tagged data transport between agents (see module comment)."""
+
+    kind: ClassVar[TransportKind]
+
+    @abstractmethod
+    def __init__(self, settings: Settings) -> None: ...
+
+    @property
+    @abstractmethod
+    def address(self) -> bytes:
+        """Opaque address of this transport; peers pass it to `connect`."""
+
+    @abstractmethod
+    def register(self, name: str, buf: np.ndarray) -> None:
+        """Registers a 1-D uint8 buffer under a unique name."""
+
+    @abstractmethod
+    def connect(self, peer: str, address: bytes) -> None:
+        """Connects to a peer agent (idempotent for the same address)."""
+
+    @abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forgets a peer; its pending ops complete with a TransportError."""
+
+    @abstractmethod
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        """Sends the bytes of a span list of buffer `name` to `peer` under `tag`."""
+
+    @abstractmethod
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        """Receives the bytes `peer` sends under `tag` into a span list of buffer `name`."""
+
+    @abstractmethod
+    def cancel(self, peer: str, tag: int) -> None:
+        """Cancels this side's pending ops of (peer, tag); their on_done gets an error."""
+
+    @abstractmethod
+    def status(self) -> TransportStatus:
+        """Current status (kind, lanes, degraded, counters)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fails pending ops, joins threads, releases resources. Safe to call twice."""
+
+    def peer_exited(self, peer: str) -> bool:
+        """True only when this transport knows that `peer`'s process has ended (a same-host
+        peer's pidfd), so nothing of it can write into this process's memory any more.
+        False when it cannot tell (the default; peers on other hosts)."""
+        return False
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OneSidedTransport(Transport):
+    """A transport with one-sided writes (see module comment)."""
+
+    @abstractmethod
+    def describe(self, name: str) -> bytes:
+        """Descriptor of registered buffer `name` for a peer's `register_remote`."""
+
+    @abstractmethod
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        """Installs a connected peer's buffer descriptor under `name` (for post_write)."""
+
+    @abstractmethod
+    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                   on_done: OnWritten, *, checksum: bool = False) -> None:
+        """Writes the pieces of `plan` (src_offsets into local buffer `name`, dst_offsets into
+        the peer's buffer `remote`, see register_remote) as they are; `on_done(err, digest)`
+        once they landed, `digest` the xxh3-64 of the source stream (the src pieces in plan
+        order) when `checksum`. cancel(peer, tag) ends it."""
+
+    def write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of post_write(checksum=True)'s digest for local buffer `name`; None
+        when the transport does not say (the caller then takes it for xxh3 of host memory)."""
+        return None
+
+    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
+        """The xxh3-64 of what is now in the peer's buffer `remote` at the destination pieces
+        of `plan`, in plan order, read where the peer reads them: the writer's check of a
+        write that just landed (call it from that write's on_done). None when this transport
+        cannot read the peer's memory (across hosts; then the peer verifies what landed)."""
+        return None
+
+
+_BACKENDS = {
+    TransportKind.UCX: "kvhandoff.transports.ucx.transport:UcxTransport",
+    TransportKind.TCP: "kvhandoff.transports.tcp:TcpTransport",
+    TransportKind.SHM: "kvhandoff.transports.shm.transport:ShmTransport",
+    TransportKind.AUTO: "kvhandoff.transports.auto:AutoTransport",
+    TransportKind.NIXL: "kvhandoff.transports.nixl.transport:NixlTransport",
+    TransportKind.INPROC: "kvhandoff.transports.inproc:InprocTransport",
+}
+
+
+def load_transport(kind: str, settings: Settings) -> Transport:
+    """Builds the transport `kind` ("ucx", "tcp", "shm" or "inproc"; a TransportKind is a str
+    too), importing its module on first use.
+
+    Raises:
+        TransportError: unknown kind, or the backend's dependency cannot be imported.
+    """
+    target = _BACKENDS.get(kind)  # type: ignore[call-overload,unused-ignore]
+    if target is None:
+        raise TransportError(f"transport: unknown kind {kind!r}; expected one of "
+                             f"{', '.join(sorted(_BACKENDS))}")
+    module_name, cls_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TransportError(f"transport {kind!r} cannot be loaded: {e}; install its dependency "
+                             "or choose another transport") from e
+    cls: type[Transport] = getattr(module, cls_name)
+    return cls(settings)

@@ -1,0 +1,475 @@
+# NIXL transport: one-sided writes through a NIXL agent (its bundled UCX: RDMA where the host
+# has a usable device, else TCP), two-sided ops over the tcp transport it extends.
+#
+# How it works:
+# - Two-sided ops (post_send / post_recv / cancel of them) are the tcp transport's, unchanged.
+#   The address is a versioned msgpack struct (_nixl_wire.NixlAddress): the tcp address and
+#   this transport's NIXL agent (name, metadata). connect() loads the peer's agent metadata.
+# - register() also registers the buffer with the agent (DRAM for a numpy array, VRAM for a
+#   CUDA buffer); describe() gives (agent, memory kind, address, length, device) and
+#   register_remote() keeps the peer's region (checking it is of that peer's agent).
+# - post_write() checks its span plan against both buffers, makes one (local, remote)
+#   descriptor pair per piece of the plan (vectorised) and queues the op; the transport's own
+#   NIXL thread creates and posts one NIXL WRITE per op and polls its state (backing off to
+#   1 ms while writes are in flight, asleep when none are). With checksum=True a hash worker
+#   computes the xxh3-64 of the source stream while the write is in flight. on_done(err,
+#   digest) comes from the callback thread once the write is DONE and the digest is ready.
+# - cancel(peer, tag) / disconnect / close release each write's NIXL handle before they return:
+#   NIXL aborts an active transfer on release, or refuses (then we wait for it to end, bounded
+#   by stall_timeout_s, and release it): after that nothing of it writes into the peer.
+# - The UCX backend is created with peer error handling (also NIXL's default): a dead peer
+#   fails the write (an error at post or state ERR), it never hangs the transport.
+#
+# Rules: `_lock` guards the write table and each write's `finished` flag (an op finishes once;
+# its callback is queued under the lock).
+# `_nx_lock` guards every call into the NIXL agent and each write's handle (released once).
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvhandoff.buffers.checksum import span_checksum
+from kvhandoff.errors import TransportError
+from kvhandoff.transports.base import OneSidedTransport, OnWritten, TransportKind, TransportStatus
+from kvhandoff.transports.callbacks import CallbackThread
+from kvhandoff.transports.nixl.lib import UcxOffer, nixl_api, nixl_version, ucx_offer
+from kvhandoff.transports.nixl.wire import (
+    VERSION,
+    Memory,
+    NixlAddress,
+    NixlRegion,
+    decode_address,
+    decode_region,
+    encode,
+    memory_of,
+    write_descs,
+)
+from kvhandoff.transports.streams import check_tag, write_plan
+from kvhandoff.transports.tcp import TcpTransport
+
+if TYPE_CHECKING:
+    from kvhandoff.kv_layout.spans import SpanPlan
+    from kvhandoff.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_POLL_MAX_S = 0.001
+
+
+class _Write:
+    __slots__ = ("peer", "tag", "total", "mem", "ldesc", "rdesc", "agent", "on_done", "handle",
+                 "finished", "landed", "want_digest", "digest", "err", "seq")
+
+    def __init__(self, peer: str, tag: int, total: int, mem: str, ldesc: np.ndarray,
+                 rdesc: np.ndarray, agent: str, on_done: OnWritten, want_digest: bool,
+                 seq: int) -> None:
+        self.peer, self.tag, self.total, self.mem = peer, tag, total, mem
+        self.ldesc, self.rdesc, self.agent, self.on_done = ldesc, rdesc, agent, on_done
+        self.handle: Any = None
+        self.finished = False
+        self.landed = False
+        self.want_digest = want_digest
+        self.digest: int | None = None
+        self.err: str | None = None
+        self.seq = seq
+
+
+class NixlTransport(TcpTransport, OneSidedTransport):
+    """One-sided writes through NIXL, two-sided ops over TCP (see module comment)."""
+
+    kind: ClassVar[TransportKind] = TransportKind.NIXL
+
+    def __init__(self, settings: Settings) -> None:
+        api = nixl_api()  # TransportError with the install hint when missing
+        self._nx_closed = False
+        self._stall_s = float(settings.stall_timeout_s)
+        self._agent_name = f"kvh-nixl-{uuid.uuid4().hex}"
+        self._nx_lock = threading.Lock()
+        try:
+            self._agent = api.nixl_agent(self._agent_name, api.nixl_agent_config(backends=[]))
+            if "UCX" not in self._agent.get_plugin_list():
+                raise TransportError("nixl: NIXL has no UCX plugin (nixl-cu12 ships one); "
+                                     "reinstall 'kvhandoff[nixl]'")
+            # peer error handling, explicitly (NIXL's default too): a dead peer fails writes
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+        except TransportError:
+            raise
+        except Exception as e:  # NIXL raises what its bindings raise
+            raise TransportError(f"nixl: cannot create a NIXL agent with the UCX backend "
+                                 f"({type(e).__name__}: {e})") from e
+        offer = ucx_offer()  # NIXL's UCX is loaded now
+        if settings.require_rdma and not offer.rdma_tls:
+            raise TransportError("nixl transport refused: require_rdma is set and NIXL's UCX "
+                                 f"{offer.version} sees no RDMA device ({_offer_text(offer)}); "
+                                 "unset KVHANDOFF_REQUIRE_RDMA to accept UCX over TCP")
+        self._offer = offer
+        # nothing is registered yet: connection info only (each buffer's keys travel in its
+        # describe() blob)
+        self._metadata: bytes = self._agent.get_agent_metadata()
+        super().__init__(settings.model_copy(update={"require_rdma": False}))
+        self._nixl_address = encode(NixlAddress(VERSION, super().address, self._agent_name,
+                                                self._metadata))
+        self._mems: dict[str, Memory] = {}
+        self._regs: dict[str, Any] = {}  # name -> NIXL registration (_nx_lock)
+        self._peer_agents: dict[str, tuple[str, bytes]] = {}  # peer -> (agent, metadata)
+        self._loaded_agents: set[str] = set()  # remote agents loaded into ours (_nx_lock)
+        self._remotes: dict[str, dict[str, NixlRegion]] = {}
+        self._writes: dict[tuple[str, int], _Write] = {}
+        self._written = 0
+        self._seq = itertools.count()
+        # the NIXL thread's queue and list of writes in flight
+        self._cv = threading.Condition(threading.Lock())
+        self._queued: list[_Write] = []
+        self._active: list[_Write] = []
+        self._stop = False
+        self._hasher = CallbackThread(f"kvhandoff-nixl-hash-{self._agent_name[9:17]}")
+        self._nx_thread = threading.Thread(target=self._nx_run, daemon=True,
+                                           name=f"kvhandoff-nixl-io-{self._agent_name[9:17]}")
+        self._nx_thread.start()
+
+    # ---- addresses, buffers, peers -------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed or self._nx_closed:
+            raise TransportError(f"{self.kind} transport is closed")
+
+    @property
+    def address(self) -> bytes:
+        return self._nixl_address
+
+    def register(self, name: str, buf: Any) -> None:
+        mem = memory_of(name, buf)
+        if mem.host is not None:
+            super().register(name, mem.host)
+        else:
+            with self._lock:
+                self._check_open()
+                if name in self._buffers or name in self._mems:
+                    raise TransportError(f"register: a buffer named {name!r} is already "
+                                         "registered")
+        with self._nx_lock:
+            try:
+                reg = self._agent.register_memory(
+                    np.asarray([[mem.addr, mem.length, mem.device]], np.int64), mem.mem)
+            except Exception as e:
+                with self._lock:
+                    self._buffers.pop(name, None)
+                raise TransportError(f"register {name!r}: NIXL refused the {mem.mem} region "
+                                     f"({type(e).__name__}: {e})") from e
+            self._regs[name] = reg
+        with self._lock:
+            self._mems[name] = mem
+
+    def connect(self, peer: str, address: bytes) -> None:
+        addr = decode_address(address)
+        super().connect(peer, addr.tcp)
+        with self._nx_lock:
+            if addr.agent not in self._loaded_agents:
+                try:
+                    self._agent.add_remote_agent(addr.metadata)
+                except Exception as e:
+                    super().disconnect(peer)
+                    raise TransportError(f"connect {peer!r}: NIXL cannot load the peer's agent "
+                                         f"metadata ({type(e).__name__}: {e})") from e
+                self._loaded_agents.add(addr.agent)
+        with self._lock:
+            self._peer_agents[peer] = (addr.agent, addr.metadata)
+
+    def disconnect(self, peer: str) -> None:
+        super().disconnect(peer)
+        with self._lock:
+            ops = [op for op in self._writes.values() if op.peer == peer]
+            known = self._peer_agents.pop(peer, None)
+            self._remotes.pop(peer, None)
+            still_used = known is not None and any(a == known[0]
+                                                   for a, _ in self._peer_agents.values())
+        self._end_writes(ops, f"disconnected from peer {peer!r}")
+        if known is not None and not still_used:
+            with self._nx_lock:
+                if known[0] in self._loaded_agents:
+                    self._loaded_agents.discard(known[0])
+                    try:
+                        self._agent.remove_remote_agent(known[0])
+                    except Exception as e:  # nothing of it is in flight any more
+                        log.warning("nixl: removing the agent of peer %r failed: %s", peer, e)
+
+    # ---- one-sided writes ------------------------------------------------------------------
+
+    def describe(self, name: str) -> bytes:
+        mem = self._mems.get(name)
+        if mem is None:
+            raise TransportError(f"describe: no buffer registered as {name!r}")
+        with self._nx_lock:
+            md = self._agent.get_partial_agent_metadata(self._regs[name], False)
+        return encode(NixlRegion(VERSION, self._agent_name, mem.mem, mem.addr, mem.length,
+                                 mem.device, md))
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        with self._lock:
+            self._check_open()
+            known = self._peer_agents.get(peer)
+        if known is None:
+            raise TransportError(f"register_remote: peer {peer!r} is not connected")
+        region = decode_region(descriptor)
+        if region.agent != known[0]:
+            raise TransportError(f"register_remote {name!r}: the descriptor is of NIXL agent "
+                                 f"{region.agent!r}, peer {peer!r} is agent {known[0]!r}")
+        with self._nx_lock:
+            try:
+                self._agent.add_remote_agent(region.metadata)  # the region's remote keys
+            except Exception as e:
+                raise TransportError(f"register_remote {name!r}: NIXL refused the descriptor's "
+                                     f"metadata ({type(e).__name__}: {e})") from e
+        with self._lock:
+            self._remotes.setdefault(peer, {})[name] = region
+
+    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                   on_done: OnWritten, *, checksum: bool = False) -> None:
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        mem = self._mems.get(name)
+        if mem is None:
+            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        with self._lock:
+            known = self._peer_agents.get(peer)
+            region = self._remotes.get(peer, {}).get(remote)
+        plan = write_plan(peer, name, plan, mem.length, remote,
+                          None if region is None else region.length, connected=known is not None)
+        assert known is not None and region is not None  # write_plan checked both
+        total = plan.total_bytes
+        if checksum and mem.host is None:
+            raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
+                                 "buffer; hash VRAM on the device")
+        ldesc, rdesc = write_descs(mem, plan, region)
+        op = _Write(peer, tag, total, mem.mem, ldesc, rdesc, known[0], on_done, checksum,
+                    next(self._seq))
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"post_write: peer {peer!r} is not connected")
+            if (peer, tag) in self._writes:
+                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
+                                     "pending")
+            self._writes[(peer, tag)] = op
+            if total == 0:
+                op.landed = True
+        if checksum:
+            assert mem.host is not None
+            self._hasher.submit(functools.partial(self._hash, op, mem.host, plan.src_offsets,
+                                                  plan.nbytes))
+        if total == 0:
+            self._complete(op)
+            return
+        with self._cv:
+            self._queued.append(op)
+            self._cv.notify()
+
+    def cancel(self, peer: str, tag: int) -> None:
+        super().cancel(peer, tag)
+        with self._lock:
+            op = self._writes.get((peer, check_tag(tag)))
+        if op is not None:
+            self._end_writes([op], f"cancelled: tag {tag} peer {peer!r}")
+
+    # ---- status, close ---------------------------------------------------------------------
+
+    def status(self) -> TransportStatus:
+        offer = self._offer
+        lanes = tuple(f"nixl/ucx:{tl}" for tl in offer.network_tls) or ("nixl/ucx",)
+        degraded = not offer.rdma_tls
+        reason = (f"nixl transport (NIXL {nixl_version()}, writes over UCX "
+                  f"{offer.version}: {', '.join(offer.rdma_tls) or 'tcp'}); two-sided ops over "
+                  f"tcp; {_offer_text(offer)}")
+        if degraded:
+            reason = "no RDMA lane: " + reason
+        return TransportStatus(kind=self.kind, lanes=lanes, degraded=degraded, reason=reason,
+                               bytes_sent=self._bytes_sent + self._written,
+                               bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._nx_closed:
+                return
+            self._nx_closed = True
+            ops = list(self._writes.values())
+        self._end_writes(ops, "nixl transport closed")
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if threading.current_thread() is not self._nx_thread:
+            self._nx_thread.join()
+        with self._lock:
+            ops = list(self._writes.values())  # posted while closing: never started
+        self._end_writes(ops, "nixl transport closed")
+        super().close()
+        self._hasher.stop()
+        with self._nx_lock:
+            for agent in list(self._loaded_agents):
+                try:
+                    self._agent.remove_remote_agent(agent)
+                except Exception as e:
+                    log.warning("nixl: removing remote agent %s failed: %s", agent, e)
+            self._loaded_agents.clear()
+            for reg in self._regs.values():
+                try:
+                    self._agent.deregister_memory(reg)
+                except Exception as e:
+                    log.warning("nixl: deregistering memory failed: %s", e)
+            self._regs.clear()
+
+    def __repr__(self) -> str:
+        return f"<NixlTransport agent={self._agent_name} peers={len(self._peers)}>"
+
+    # ---- completion (any thread) -----------------------------------------------------------
+
+    def _hash(self, op: _Write, host: np.ndarray, off: np.ndarray, nb: np.ndarray) -> None:
+        if op.finished:
+            return
+        op.digest = span_checksum(host, off, nb)
+        self._complete(op)
+
+    def _complete(self, op: _Write, err: str | None = None) -> None:
+        """Finishes `op` with `err`, or successfully once it landed and its digest (if asked)
+        is ready; no-op when already finished or not ready."""
+        with self._lock:
+            if op.finished:
+                return
+            if err is None and (not op.landed or (op.want_digest and op.digest is None)):
+                return
+            op.finished = True
+            self._writes.pop((op.peer, op.tag), None)
+            if err is None:
+                self._written += op.total
+                result: tuple[BaseException | None, int | None] = (
+                    None, op.digest if op.want_digest else None)
+            else:
+                result = (TransportError(err), None)
+            self._callbacks.submit(functools.partial(op.on_done, *result))
+
+    def _end_writes(self, ops: list[_Write], reason: str) -> None:
+        """Aborts the NIXL transfer of each op (nothing of it writes afterwards), then finishes
+        it with `reason` (unless it completed first)."""
+        for op in ops:
+            op.err = reason  # the NIXL thread starts no transfer of it any more
+            with self._nx_lock:
+                self._release(op, wait=True)
+            self._complete(op, reason)
+
+    def _release(self, op: _Write, wait: bool) -> bool:
+        """(_nx_lock held) Releases op's handle: aborts it if active; when NIXL cannot abort
+        it and `wait`, waits for it to end (bounded by stall_timeout_s). Whether released."""
+        if op.handle is None:
+            return True
+        try:
+            op.handle.release()
+        except Exception as e:
+            if not wait:
+                raise
+            deadline = time.monotonic() + self._stall_s
+            while self._agent.check_xfer_state(op.handle) == "PROC":
+                if time.monotonic() > deadline:
+                    log.error("nixl: write tag %d to peer %r could not be aborted (%s) and did "
+                              "not end in %.0f s; it may still land", op.tag, op.peer, e,
+                              self._stall_s)
+                    return False
+                time.sleep(0.0005)
+            op.handle.release()
+        op.handle = None
+        return True
+
+    # ---- the NIXL thread -------------------------------------------------------------------
+
+    def _nx_run(self) -> None:
+        delay = 0.0
+        try:
+            while True:
+                with self._cv:
+                    if not self._queued and not self._active and not self._stop:
+                        self._cv.wait()
+                    elif not self._queued and not self._stop and delay:
+                        self._cv.wait(delay)
+                    if self._stop:
+                        return
+                    new, self._queued = self._queued, []
+                ended: list[tuple[_Write, str | None]] = []
+                with self._nx_lock:
+                    for op in new:
+                        self._start(op, ended)
+                    self._poll(ended)
+                for op, err in ended:
+                    if err is None:
+                        op.landed = True
+                    self._complete(op, err)
+                delay = 0.0 if ended or new else min(max(delay * 2, 5e-5), _POLL_MAX_S)
+        except Exception:
+            log.exception("nixl transport thread failed")
+            with self._lock:
+                ops = list(self._writes.values())
+            for op in ops:
+                self._complete(op, "nixl transport thread failed")
+
+    def _start(self, op: _Write, ended: list[tuple[_Write, str | None]]) -> None:
+        """(_nx_lock held) Creates and posts op's WRITE."""
+        if op.err is not None or op.finished:
+            return
+        agent = self._agent
+        try:
+            local = agent.get_xfer_descs(op.ldesc, op.mem)
+            remote = agent.get_xfer_descs(op.rdesc, op.mem)
+            op.handle = agent.initialize_xfer("WRITE", local, remote, op.agent)
+            state = agent.transfer(op.handle)
+        except Exception as e:
+            if op.handle is not None:
+                self._release(op, wait=True)
+            ended.append((op, f"nixl: WRITE of tag {op.tag} to peer {op.peer!r} could not be "
+                              f"posted ({type(e).__name__}: {e})"))
+            return
+        self._settle(op, state, ended)
+
+    def _poll(self, ended: list[tuple[_Write, str | None]]) -> None:
+        still = []
+        for op in self._active:
+            if op.handle is None:  # aborted by cancel/disconnect/close
+                continue
+            try:
+                state = self._agent.check_xfer_state(op.handle)
+            except Exception as e:
+                state = f"ERR ({type(e).__name__}: {e})"
+            if self._settle(op, state, ended, track=False):
+                still.append(op)
+        self._active = still
+
+    def _settle(self, op: _Write, state: str, ended: list[tuple[_Write, str | None]],
+                track: bool = True) -> bool:
+        """(_nx_lock held) Acts on op's NIXL state; whether it is still in flight."""
+        if state == "PROC":
+            if track:
+                self._active.append(op)
+            return True
+        released = self._release(op, wait=True)
+        if state == "DONE":
+            ended.append((op, None))
+        else:
+            what = "the peer is gone or unreachable" if released else "and could not be released"
+            ended.append((op, f"nixl: WRITE of tag {op.tag} to peer {op.peer!r} failed "
+                              f"(state {state}: {what})"))
+        return False
+
+
+def _offer_text(offer: UcxOffer) -> str:
+    verbs = (f"built with verbs modules {', '.join(offer.verbs_modules)}"
+             if offer.verbs_modules else "built without verbs")
+    rdma = (f"RDMA transports {', '.join(offer.rdma_tls)}" if offer.rdma_tls
+            else "no RDMA device usable")
+    res = ", ".join(offer.resources) or "none"
+    err = f"; probe error: {offer.error}" if offer.error else ""
+    return (f"NIXL's bundled UCX {offer.version} at {offer.libdir} is {verbs}; {rdma} "
+            f"(resources: {res}); {offer.modules_note}{err}")

@@ -1,0 +1,332 @@
+# The copy engine of the shm transport: where a peer's buffer is reached from this process, and
+# the threads that copy span lists into it.
+#
+# Two lanes, chosen per remote buffer:
+# - "map": the peer's buffer lies in a kvhandoff shared segment (kvhandoff.buffers.shared); this
+#   process opens /proc/<pid>/fd/<fd>, maps the whole segment once and copies each piece with
+#   memmove (ctypes releases the GIL for each call). One copy per byte, no syscall per piece.
+#   The mapping is ours: a peer that dies mid-write leaves it valid, nothing faults.
+# - "cma": any other buffer: process_vm_writev into the peer's address space, 1,024 iovecs per
+#   call (GIL released). A dead peer is an error return (ESRCH), never a signal.
+# A job's pieces (source address, destination address, length) are split by bytes into parts,
+# one per copy thread, so the spans of a layer are copied by a few threads at once. With
+# `checksum` the job runs as one part and hashes each source piece (xxh3-64, stream order) just
+# before copying it, while it is in cache (a fused copy+hash pass).
+#
+# The map lane copies through the native helper when it is built (_native.py: one foreign call
+# per batch of pieces, the hash fused in C); else piece by piece from Python. `read_back` hashes
+# what a write left in a mapped target (the writer's verification of what landed).
+#
+# Rules: a job ends exactly once (`_end`), after every part stopped; `cancel()` makes parts stop
+# at their next batch boundary and `wait()` returns once none runs, so after it nothing of that
+# job writes. Mappings are kept alive by the jobs that use them (Python references), so a
+# mapping is never unmapped under a copy.
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvhandoff.transports.shm.native import Native, native
+
+IOV_MAX = 1024  # iovecs per process_vm_writev call
+_BATCH = 64  # pieces between cancellation checks on the map lane
+_PART_MIN = 1 << 20  # no part smaller than this many bytes
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_pvw = _libc.process_vm_writev
+_pvw.restype = ctypes.c_ssize_t
+_pvw.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                 ctypes.c_ulong]
+_memmove = ctypes.memmove
+
+
+class Target:
+    """A peer's buffer as this process reaches it: a base address on a lane."""
+
+    __slots__ = ("lane", "pid", "base", "nbytes", "mapping")
+
+    def __init__(self, lane: str, pid: int, base: int, nbytes: int, mapping: Any) -> None:
+        self.lane = lane  # "map" or "cma"
+        self.pid = pid
+        self.base = base  # address in this process (map) or in the peer (cma)
+        self.nbytes = nbytes
+        self.mapping = mapping  # the mmap (map lane); keeps it alive while referenced
+
+
+def open_target(pid: int, fd: int, segment_nbytes: int, offset: int, addr: int, nbytes: int,
+                allow_map: bool, maps: dict[tuple[int, int], Any] | None = None) -> Target:
+    """The lane to a peer buffer: map its shared segment when it has one and it opens, else
+    cross-memory writes to its address. `maps` caches one mapping per (fd, size) of the peer:
+    every buffer of an `allocate_shared` pool lies in the same segment."""
+    if allow_map and fd >= 0:
+        key = (fd, segment_nbytes)
+        mm = maps.get(key) if maps is not None else None
+        if mm is None:
+            mm = _map_segment(pid, fd, segment_nbytes)
+            if mm is not None and maps is not None:
+                maps[key] = mm
+        if mm is not None and segment_nbytes >= offset + nbytes:
+            base = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data) + offset
+            return Target("map", pid, base, nbytes, mm)
+    return Target("cma", pid, addr, nbytes, None)
+
+
+def _map_segment(pid: int, fd: int, segment_nbytes: int) -> mmap.mmap | None:
+    """A shared mapping of the peer's segment (its fd opened through /proc), None if that
+    is not allowed or it is not the size the peer says."""
+    try:
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(f).st_size < segment_nbytes:
+            return None
+        return mmap.mmap(f, segment_nbytes, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(f)
+
+
+class Job:
+    """One span-list copy into a Target (see module comment)."""
+
+    __slots__ = ("src", "dst", "lens", "target", "checksum", "on_end", "cancelled", "error",
+                 "digest", "_parts_left", "_lock", "_ended", "ended_event", "total", "owner")
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, target: Target,
+                 checksum: bool, on_end: Callable[[Job], None], owner: Any = None) -> None:
+        self.src = src  # int64 source addresses (this process)
+        self.dst = dst  # int64 destination addresses (see Target.base)
+        self.lens = lens
+        self.total = int(lens.sum()) if lens.size else 0
+        self.target = target
+        self.checksum = checksum
+        self.on_end = on_end
+        self.owner = owner  # what the caller wants back (its op)
+        self.cancelled = False
+        self.error: str | None = None
+        self.digest: int | None = None
+        self._parts_left = 0
+        self._lock = threading.Lock()
+        self._ended = False
+        self.ended_event = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _part_done(self, error: str | None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._parts_left -= 1
+            last = self._parts_left == 0
+        if last:
+            self.ended_event.set()
+            self.on_end(self)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every part stopped within `timeout` seconds."""
+        return self.ended_event.wait(timeout)
+
+
+class CopyPool:
+    """`threads` daemon threads running parts of jobs (see module comment)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = max(1, int(threads))
+        self._queue: queue.SimpleQueue[tuple[Job, int, int] | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(self.threads)]
+        for w in self._workers:
+            w.start()
+
+    def submit(self, job: Job) -> None:
+        n = job.lens.size
+        if n == 0:
+            job._parts_left = 1
+            job._part_done(None)
+            return
+        parts = 1 if job.checksum else max(1, min(self.threads, job.total // _PART_MIN))
+        if parts == 1:
+            bounds = [0, n]
+        else:
+            ends = np.cumsum(job.lens)
+            cut = np.searchsorted(ends, np.arange(1, parts) * (job.total / parts))
+            bounds = sorted({0, n, *[int(c) + 1 for c in cut if 0 <= int(c) + 1 < n]})
+        job._parts_left = len(bounds) - 1
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            self._queue.put((job, lo, hi))
+
+    def stop(self) -> None:
+        for _ in self._workers:
+            self._queue.put(None)
+        for w in self._workers:
+            if w is not threading.current_thread():
+                w.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, lo, hi = item
+            try:
+                err = _copy_part(job, lo, hi)
+            except Exception as e:  # never lose a part: the job must end
+                err = f"shm copy failed: {e!r}"
+            job._part_done(err)
+
+
+def _copy_part(job: Job, lo: int, hi: int) -> str | None:
+    if job.cancelled:
+        return "cancelled"
+    if job.target.lane == "map":
+        return _copy_mapped(job, lo, hi)
+    return _copy_cma(job, lo, hi)
+
+
+def _copy_mapped(job: Job, lo: int, hi: int) -> str | None:
+    helper, _ = native()
+    if helper is not None:
+        return _copy_mapped_native(job, lo, hi, helper)
+    src = job.src[lo:hi].tolist()
+    dst = job.dst[lo:hi].tolist()
+    lens = job.lens[lo:hi].tolist()
+    h = xxhash.xxh3_64() if job.checksum else None
+    for b in range(0, len(lens), _BATCH):
+        if job.cancelled:
+            return "cancelled"
+        for s, d, n in zip(src[b:b + _BATCH], dst[b:b + _BATCH], lens[b:b + _BATCH],
+                           strict=True):
+            if h is not None:
+                h.update((ctypes.c_char * n).from_address(s))
+            _memmove(d, s, n)
+    if h is not None:
+        job.digest = int(h.intdigest())
+    return None
+
+
+def _copy_mapped_native(job: Job, lo: int, hi: int, helper: Native) -> str | None:
+    """Batches of pieces in one foreign call each (GIL released for the batch); with
+    `checksum`, XXH3 update is called on each piece right before its copy, in C."""
+    src = np.ascontiguousarray(job.src[lo:hi], dtype=np.int64)
+    dst = np.ascontiguousarray(job.dst[lo:hi], dtype=np.int64)
+    lens = np.ascontiguousarray(job.lens[lo:hi], dtype=np.int64)
+    state = helper.new_hash() if job.checksum else None
+    py_hash = xxhash.xxh3_64() if job.checksum and state is None else None
+    batch = IOV_MAX if py_hash is None else 16  # Python hashing: keep the batch in cache
+    sp, dp, lp = src.ctypes.data, dst.ctypes.data, lens.ctypes.data
+    try:
+        for b in range(0, lens.size, batch):
+            if job.cancelled:
+                return "cancelled"
+            k = min(batch, lens.size - b)
+            if py_hash is not None:
+                for s, n in zip(src[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
+                    py_hash.update((ctypes.c_char * n).from_address(s))
+            rc = helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, k,
+                             helper.update_fn if state is not None else None, state)
+            if rc != 0:
+                return f"shm copy: xxh3 update failed ({rc})"
+    finally:
+        if state is not None:
+            job.digest = helper.digest(state)
+    if py_hash is not None:
+        job.digest = int(py_hash.intdigest())
+    return None
+
+
+def read_back(target: Target, offsets: np.ndarray, nbytes: np.ndarray) -> int | None:
+    """The xxh3-64 of the pieces (`offsets` into the peer's buffer, `nbytes` each) of a mapped
+    `target` as they are now, in order: what a write just left there, read at the addresses
+    the peer reads (the writer's verification, shm.transport.landed_digest). None on the cma
+    lane (its bytes are not mapped here) or when a piece lies outside the target."""
+    if target.lane != "map" or target.mapping is None or target.mapping.closed:
+        return None
+    if nbytes.size and int((offsets + nbytes).max()) > target.nbytes:
+        return None
+    ptrs = np.ascontiguousarray(offsets + target.base, dtype=np.int64)
+    lens = np.ascontiguousarray(nbytes, dtype=np.int64)
+    helper, _ = native()
+    state = helper.new_hash() if helper is not None else None
+    if helper is None or state is None:
+        h = xxhash.xxh3_64()
+        for p, n in zip(ptrs.tolist(), lens.tolist(), strict=True):
+            h.update((ctypes.c_char * n).from_address(p))
+        return int(h.intdigest())
+    try:
+        rc = helper.hash(ptrs.ctypes.data, lens.ctypes.data, lens.size, helper.update_fn, state)
+    finally:
+        digest = helper.digest(state)
+    return digest if rc == 0 else None
+
+
+def _copy_cma(job: Job, lo: int, hi: int) -> str | None:
+    pid = job.target.pid
+    h = xxhash.xxh3_64() if job.checksum else None
+    for b in range(lo, hi, IOV_MAX):
+        if job.cancelled:
+            return "cancelled"
+        e = min(hi, b + IOV_MAX)
+        k = e - b
+        local = np.empty((k, 2), np.uint64)
+        remote = np.empty((k, 2), np.uint64)
+        local[:, 0] = job.src[b:e]
+        local[:, 1] = job.lens[b:e]
+        remote[:, 0] = job.dst[b:e]
+        remote[:, 1] = job.lens[b:e]
+        if h is not None:
+            for s, n in zip(job.src[b:e].tolist(), job.lens[b:e].tolist(), strict=True):
+                h.update((ctypes.c_char * n).from_address(s))
+        want = int(job.lens[b:e].sum())
+        done = 0
+        while done < want:  # a partial write leaves whole iovecs or a cut one: resume there
+            r = _pvw(pid, local.ctypes.data, local.shape[0], remote.ctypes.data,
+                     remote.shape[0], 0)
+            if r < 0:
+                errno = ctypes.get_errno()
+                return (f"cross-memory write to peer process {pid} failed: "
+                        f"{os.strerror(errno)} (errno {errno})")
+            if r == 0:
+                return f"cross-memory write to peer process {pid} made no progress"
+            done += r
+            if done < want:
+                local, remote = _advance(local, r), _advance(remote, r)
+    if h is not None:
+        job.digest = int(h.intdigest())
+    return None
+
+
+def _advance(iov: np.ndarray, nbytes: int) -> np.ndarray:
+    """The iovec array with its first `nbytes` bytes consumed."""
+    ends = np.cumsum(iov[:, 1].astype(np.int64))
+    i = int(np.searchsorted(ends, nbytes, side="right"))
+    rest: np.ndarray = iov[i:].copy()
+    consumed = nbytes - (int(ends[i - 1]) if i else 0)
+    rest[0, 0] += np.uint64(consumed)
+    rest[0, 1] -= np.uint64(consumed)
+    return rest
+
+
+def check_cma(pid: int) -> str | None:
+    """Why cross-memory writes to `pid` cannot work (a zero-length probe), None if they can."""
+    buf = ctypes.create_string_buffer(1)
+    iov = (ctypes.c_uint64 * 2)(ctypes.addressof(buf), 0)
+    r = _pvw(pid, ctypes.addressof(iov), 1, ctypes.addressof(iov), 1, 0)
+    if r < 0:
+        errno = ctypes.get_errno()
+        return f"process_vm_writev to pid {pid}: {os.strerror(errno)}"
+    return None
+
+
+__all__ = ["IOV_MAX", "CopyPool", "Job", "Target", "check_cma", "open_target", "read_back"]

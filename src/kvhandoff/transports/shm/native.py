@@ -1,0 +1,136 @@
+"""The optional native part of the shm transport: a batch copy (and fused copy+hash) helper.
+
+`_kvhcopy.c` is compiled by `make setup` (or `python -m kvhandoff.transports.shm.native`)
+with the system C compiler into the user's cache directory, named by a hash of its source, and
+loaded with ctypes when present. Nothing is compiled at import. Without it (no compiler, not
+built yet) the map lane copies piece by piece from Python, and the shm transport's status says
+so (`native()` gives the reason). The fused hash calls XXH3's streaming API from C: the one the
+python-xxhash extension exports (with its SIMD dispatch), else the system's libxxhash.so.0
+(Debian package libxxhash0); without either a checksummed write hashes each piece in Python
+first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_SOURCE = Path(__file__).with_name("_kvhcopy.c")
+
+
+def _target() -> Path:
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvhandoff" / "native" / f"libkvhcopy-{digest}.so"
+
+
+def build() -> Path:
+    """Compiles the helper (cc -O2 -shared); returns its path. Raises OSError/CalledProcessError."""
+    out = _target()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = os.environ.get("CC", "cc")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)], check=True,
+                   capture_output=True, text=True)
+    os.replace(tmp, out)
+    return out
+
+
+class Native:
+    """The loaded helper (`copy`; `hash`, the read-back of pieces) and libxxhash's streaming
+    API (`xxh3`, None if missing)."""
+
+    def __init__(self, lib: Any, xxh: Any) -> None:
+        self.copy = lib.kvh_copy
+        self.copy.restype = ctypes.c_int
+        self.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self.hash = lib.kvh_hash
+        self.hash.restype = ctypes.c_int
+        self.hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_void_p]
+        self.xxh = xxh
+        self.update_fn: int | None = None
+        if xxh is not None:
+            xxh.XXH3_createState.restype = ctypes.c_void_p
+            xxh.XXH3_freeState.argtypes = [ctypes.c_void_p]
+            xxh.XXH3_64bits_reset.argtypes = [ctypes.c_void_p]
+            xxh.XXH3_64bits_digest.argtypes = [ctypes.c_void_p]
+            xxh.XXH3_64bits_digest.restype = ctypes.c_uint64
+            # python-xxhash's build has the runtime-dispatched (SIMD) update as well
+            update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
+            self.update_fn = ctypes.cast(update, ctypes.c_void_p).value
+
+    def new_hash(self) -> int | None:
+        """A fresh XXH3-64 state (pointer), None without libxxhash."""
+        if self.xxh is None:
+            return None
+        state = self.xxh.XXH3_createState()
+        self.xxh.XXH3_64bits_reset(state)
+        return int(state)
+
+    def digest(self, state: int) -> int:
+        value = int(self.xxh.XXH3_64bits_digest(state))
+        self.xxh.XXH3_freeState(state)
+        return value
+
+
+@functools.cache
+def native() -> tuple[Native | None, str]:
+    """(the helper or None, a one-line description of what the map lane copies with)."""
+    path = _target()
+    if not path.exists():
+        return None, ("native copy helper not built (make setup, or python -m "
+                      "kvhandoff.transports.shm.native): per-piece copies from Python")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"native copy helper failed to load ({e}): per-piece copies from Python"
+    xxh, which = _xxhash_library()
+    helper = Native(lib, xxh)
+    fused = f"fused xxh3 ({which})" if xxh is not None else "no libxxhash: hash in Python"
+    return helper, f"native batch copy ({fused})"
+
+
+def _xxhash_library() -> tuple[Any, str]:
+    """The XXH3 streaming API to call from C: the python-xxhash extension's own (a dependency,
+    so always there; it exports the API with its runtime SIMD dispatch: measured 3 x the
+    system library's generic build on 1 MiB pieces in cache here), else the system's
+    libxxhash.so.0; (None, "") without either."""
+    try:
+        import xxhash._xxhash as ext
+
+        lib = ctypes.CDLL(str(ext.__file__))
+        lib.XXH3_createState  # noqa: B018 - raises AttributeError if not exported
+        lib.XXH3_64bits_update  # noqa: B018
+        return lib, "python-xxhash"
+    except (ImportError, OSError, AttributeError):
+        pass
+    name = ctypes.util.find_library("xxhash") or "libxxhash.so.0"
+    try:
+        return ctypes.CDLL(name), "libxxhash"
+    except OSError:
+        return None, ""
+
+
+def main() -> int:
+    try:
+        path = build()
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        print(f"kvhandoff: native copy helper not built ({detail.strip()}); the shm transport "
+              "copies piece by piece from Python instead", file=sys.stderr)
+        return 1
+    print(f"kvhandoff: native copy helper built: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,768 @@
+# Same-host transport: the writer copies straight into the receiver's memory.
+#
+# How it works: each transport binds one ZMQ ROUTER (control only, on settings.agent_host) and
+# opens a DEALER per connected peer; its address names the host (peers on another host are
+# refused: use ucx or tcp there), its pid and the ROUTER endpoint. No byte of KV crosses a
+# socket:
+# - Two-sided (post_send / post_recv, what the agent uses): a posted receive EXPOSES its spans:
+#   the receiver sends b"R" (tag, total, its buffer's descriptor, the span list) to the writer.
+#   When the writer has both the send and the R of a tag it copies its spans into the
+#   receiver's spans (copy.py: a mapped kvhandoff shared segment, else process_vm_writev),
+#   then answers b"F" (tag, ok/reason), which completes the receive; the send completes when
+#   its copy ended. The receiver posts one message per receive, nothing per span or chunk.
+# - One-sided (OneSidedTransport): describe(name) gives a buffer's descriptor, the writer installs
+#   it with register_remote(peer, name, descriptor) and post_write()s span plans into it; the
+#   receiver posts nothing at all. Writes can hash their source while copying (checksum=True),
+#   and landed_digest(peer, remote, plan) reads back what a write left in a mapped target (the
+#   writer's check, from the write's on_done, while the bytes are in cache).
+# - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
+#   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
+#   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
+# - CUDA buffers (cuda.py): registered device memory is written one-sided only, through
+#   CUDA IPC (describe gives a CUDA descriptor, register_remote opens the peer's block once,
+#   post_write copies on the lane's worker and completes once the copy's event did; digest =
+#   devsum of the source). Host <-> device writes and two-sided device ops are refused.
+#
+# Completion contract (what cancel / disconnect / close promise; the agent relies on it):
+# - cancel(peer, tag) and disconnect(peer) never wait on the peer. They end the ops at once
+#   (later messages of the peer cannot complete them any more), tell the writer to stop (b"X")
+#   and return. The only wait is for this process's own copy jobs (sends and one-sided writes
+#   into the peer): they stop within one batch of pieces (memcpy into a mapping, or
+#   process_vm_writev, neither of which waits on the peer, stopped or not); bounded by
+#   stall_timeout_s, past which TransportError is raised. So after cancel() of a post_write
+#   returns, nothing of that write is written into the peer any more.
+# - An op's on_done is called once nothing of it writes into memory any more: a send or write
+#   once its copy job stopped; a receive the peer was told about (exposed) once the writer
+#   confirmed it stopped (its b"F" or b"A"), or its process is gone (pidfd), or stall_timeout_s
+#   passed since the op ended (a warning is logged: a frozen writer that wakes up may still
+#   write). Until then the caller must keep the receive's memory (the agent keeps a room's
+#   pages until every op's on_done came). A receive never exposed completes at once.
+# - close() calls every pending op's on_done before it returns (held receives too, with a
+#   warning when their writer never confirmed).
+#
+# Rules: one I/O thread owns the sockets; copy threads copy and report back through the
+# command queue, except one-sided writes of host memory: the poster's thread starts their copy
+# job and its copy thread completes the op and calls on_done itself (two hand-offs per write,
+# poster -> copy thread -> on_done, instead of four through the I/O and callback threads).
+# `_lock` guards the op table, the peer table, the running copy jobs, `finished` / `result` /
+# `delivered` of ops and the `exposed` / `acked` state of receives. The transport composes owned
+# parts, each with its own state: `HeldReceives` (hold.py: completions held until nothing
+# writes, and the drains of disconnected peers; it shares `_lock`, which guards those op
+# fields), `ExposedWriter` (expose.py: the two-sided writer's tables, I/O thread only), and the
+# target opening of one-sided writes (writes.py, stateless). The receiver's side of the wire
+# (R out, F / A in) stays here: it completes entries of the op table. (The file is ~700 lines:
+# what is left is one class whose every method takes part in the op table's lifecycle under
+# that one lock; the parts with state of their own are the modules named above.)
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import select
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import zmq
+
+from kvhandoff.errors import ConfigError, TransportError
+from kvhandoff.kv_layout.spans import SpanPlan, pair_spans
+from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
+from kvhandoff.transports.base import (
+    OnDone,
+    OneSidedTransport,
+    OnWritten,
+    TransportKind,
+    TransportStatus,
+)
+from kvhandoff.transports.hostid import host_id
+from kvhandoff.transports.shm.copy import CopyPool, Job, Target, open_target, read_back
+from kvhandoff.transports.shm.cuda import (
+    DeviceJob,
+    DeviceLane,
+    DeviceTarget,
+    encode_device_descriptor,
+)
+from kvhandoff.transports.shm.expose import ExposedWriter, Key
+from kvhandoff.transports.shm.hold import HeldReceives
+from kvhandoff.transports.shm.native import native
+from kvhandoff.transports.shm.wire import (
+    EXPOSE,
+    MAGIC,
+    PID,
+    TAGMSG,
+    ShmOp,
+    ShmPeer,
+    describe_buffer,
+    parse_descriptor,
+    parse_writer_frame,
+    split_address,
+)
+from kvhandoff.transports.shm.writes import ignore, open_remote, written_adapter
+from kvhandoff.transports.streams import ChunkPlan, check_tag, write_plan
+from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+
+if TYPE_CHECKING:
+    from kvhandoff.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_THREADS = 3
+
+
+class ShmTransport(ThreadedTransport, OneSidedTransport):
+    """Same-host transport: writes into the peer's memory (see module comment)."""
+
+    kind: ClassVar[TransportKind] = TransportKind.SHM
+
+    def __init__(self, settings: Settings, *, lane: str = "auto",
+                 copy_threads: int | None = None,
+                 device_lane: DeviceLane | None = None) -> None:
+        if settings.require_rdma:
+            raise TransportError("shm transport refused: require_rdma is set (shm is same-host "
+                                 "memory, no RDMA); unset KVHANDOFF_REQUIRE_RDMA or use ucx")
+        if lane not in ("auto", "cma"):
+            raise TransportError(f"shm: lane must be 'auto' or 'cma', got {lane!r}")
+        self._allow_map = lane == "auto"
+        self._bound_s = float(settings.stall_timeout_s)
+        self._ident = uuid.uuid4().hex.encode("ascii")
+        self._init_threaded(settings.chunk_bytes, f"kvhandoff-shm-cb-{self._ident[:8].decode()}")
+        threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
+        self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
+        try:
+            self._router.bind(zmq_endpoint(settings.agent_host, 0))
+        except zmq.ZMQError as e:
+            self._router.close()
+            self._ctx.term()
+            self._copier.stop()
+            raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
+                from e
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = (MAGIC + host_id() + PID.pack(os.getpid())
+                         + f"{endpoint}/{self._ident.decode()}".encode("ascii"))
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._peer_info: dict[str, ShmPeer] = {}  # guarded by _lock
+        self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
+        self._held = HeldReceives(lock=self._lock, submit=self._callbacks.submit,
+                                  bound_s=self._bound_s,
+                                  wake=functools.partial(self._command, IoCommand.HOLD))
+        self._writer = ExposedWriter(router=self._router, finish=self._finish,
+                                     resolve=self._receive_target, start_job=self._start_copy)
+        # owned by the I/O thread
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealer_info: dict[str, ShmPeer] = {}  # the peer each dealer is connected to
+        # copy jobs started, end not yet reported (guarded by _lock: writes start on the
+        # poster's thread and end on their copy thread)
+        self._running: set[Job | DeviceJob] = set()
+        # CUDA buffers (one-sided only): name -> (1-D uint8 view, size in bytes)
+        self._dev_lane = device_lane or DeviceLane(self._ident[:8].decode())
+        self._dev: dict[str, tuple[object, int]] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvhandoff-shm-io-{self._ident[:8].decode()}")
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def register(self, name: str, buf: Any) -> None:
+        """Host buffers as every transport takes them; CUDA buffers (torch CUDA tensors,
+        ``__cuda_array_interface__`` objects) for one-sided writes only. One memory kind per
+        transport."""
+        device = not isinstance(buf, np.ndarray) and self._dev_lane.claims(buf)
+        with self._lock:
+            self._check_open()
+            if name in self._buffers or name in self._dev:
+                raise TransportError(f"register: a buffer named {name!r} is already registered")
+            other = next(iter(self._buffers if device else self._dev), None)
+        if other is not None:
+            kinds = ("device", "host") if device else ("host", "device")
+            raise TransportError(f"register {name!r}: the buffer is {kinds[0]} memory but "
+                                 f"{other!r} is {kinds[1]} memory; one shm transport moves one "
+                                 "kind of memory (all host or all CUDA)")
+        if not device:
+            super().register(name, buf)
+            return
+        if not isinstance(name, str) or not name:
+            raise TransportError(f"register: name must be a non-empty string, got {name!r}")
+        flat = self._dev_lane.flat(buf)
+        with self._lock:
+            self._check_open()
+            self._dev[name] = flat
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._two_sided("post_send", name)
+        super().post_send(peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._two_sided("post_recv", name)
+        super().post_recv(peer, tag, name, offsets, nbytes, on_done)
+
+    def _two_sided(self, what: str, name: str) -> None:
+        if name in self._dev:
+            raise TransportError(f"{what} {name!r}: the buffer is CUDA memory; over shm device "
+                                 "memory moves by one-sided writes only (describe / "
+                                 "register_remote / post_write, which the agent uses when the "
+                                 "decode offers its buffers: one_sided_writes on)")
+
+    # ---- one-sided writes (OneSidedTransport) ---------------------------------------------
+
+    def describe(self, name: str) -> bytes:
+        dev = self._dev.get(name)
+        if dev is not None:  # a CUDA buffer: its IPC export
+            return encode_device_descriptor(os.getpid(), dev[1], self._dev_lane.export(dev[0]))
+        buf = self._buffers.get(name)
+        if buf is None:
+            raise TransportError(f"describe: no buffer registered as {name!r}")
+        return describe_buffer(buf)
+
+    def write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of post_write(checksum=True)'s digest for local buffer `name`:
+        "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
+        such buffer is registered."""
+        return "devsum" if name in self._dev else "xxh3" if name in self._buffers else None
+
+    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
+        """xxh3-64 of the peer's host buffer `remote` at `plan`'s destination pieces, read
+        through the mapping the write went through (copy.read_back); None on the cma and
+        CUDA lanes (their bytes are not mapped here: the decode verifies them)."""
+        with self._lock:
+            info = self._peer_info.get(peer)
+            target = info.remotes.get(remote) if info is not None else None
+        if not isinstance(target, Target):
+            return None
+        return read_back(target, plan.dst_offsets, plan.nbytes)
+
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        with self._lock:
+            self._check_open()
+            info = self._peer_info.get(peer)
+            local = bool(self._dev) if (self._dev or self._buffers) else None
+        if info is None:
+            raise TransportError(f"register_remote: peer {peer!r} is not connected")
+        target = open_remote(info, name, descriptor, local_device=local,
+                             allow_map=self._allow_map, dev_lane=self._dev_lane)
+        with self._lock:
+            info.remotes[name] = target
+            self._lanes.setdefault(peer, set()).add(target.lane)
+
+    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                   on_done: OnWritten, *, checksum: bool = False) -> None:
+        tag = check_tag(tag)
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        dev = self._dev.get(name)
+        buf: Any = self._buffers.get(name) if dev is None else dev[0]
+        if buf is None:
+            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        size = buf.size if dev is None else dev[1]
+        with self._lock:
+            info = self._peer_info.get(peer)
+            target = info.remotes.get(remote) if info is not None else None
+        plan = write_plan(peer, name, plan, size, remote,
+                          None if target is None else target.nbytes, connected=info is not None)
+        assert info is not None and target is not None  # write_plan checked both
+        if (dev is not None) != isinstance(target, DeviceTarget):
+            kinds = ("CUDA", "host") if dev is not None else ("host", "CUDA")
+            raise TransportError(f"post_write {name!r} -> {remote!r}: a write from {kinds[0]} "
+                                 f"memory into {kinds[1]} memory; shm writes host to host or "
+                                 "device to device, not across")
+        op = ShmOp(peer, info.ident, tag, True, buf, None, ignore, total=plan.total_bytes)
+        op.is_write = True
+        op.remote = (target, plan)  # its pieces are the copy's, as they are
+        op.on_done = written_adapter(op, on_done)
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise TransportError(f"post_write: peer {peer!r} is not connected")
+            key = (peer, tag, True)
+            if key in self._ops:
+                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
+                                     "pending")
+            self._ops[key] = op
+        if isinstance(target, DeviceTarget):
+            self._command(IoCommand.WRITE, op, checksum)
+        elif not self._dead(op):  # host memory: to a copy thread from here, no I/O-thread hop
+            self._start_job(op, target, plan, checksum, None)
+
+    def connect(self, peer: str, address: bytes) -> None:
+        if not isinstance(address, bytes) or not address:
+            raise TransportError(f"connect {peer!r}: address must be non-empty bytes")
+        host, pid, endpoint, ident = split_address(address)
+        if host != host_id():
+            raise TransportError(f"connect {peer!r}: the peer is on another host; the shm "
+                                 "transport connects agents of one host only (use ucx or tcp)")
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known == address:
+                return
+            if known is not None:
+                raise TransportError(f"connect {peer!r}: already connected at another address; "
+                                     "disconnect first")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            raise TransportError(f"connect {peer!r}: peer process {pid} is not reachable: "
+                                 f"{e}") from e
+        info = ShmPeer(peer, address, pid, ident, pidfd)
+        with self._lock:
+            self._peers[peer] = address
+            self._peer_info[peer] = info
+        self._command(IoCommand.CONNECT, peer, endpoint, info)
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
+            info = self._peer_info.get(peer)
+            self._peers.pop(peer, None)
+        self._deliver(done)
+        if info is None:
+            return
+        try:
+            self._stop_ops(ops, "disconnect", info)
+        finally:
+            with self._lock:
+                self._peer_info.pop(peer, None)
+                self._lanes.pop(peer, None)
+                for name in [k for k, t in info.remotes.items() if t.lane == "cuda-ipc"]:
+                    del info.remotes[name]
+            self._dev_lane.close_peer(peer)  # its IPC-opened blocks
+            # what arrived before this call is dropped, not what a reconnected peer sends after
+            self._command(IoCommand.DISCONNECT, peer, info, self._writer.cut())
+
+    def cancel(self, peer: str, tag: int) -> None:
+        tag = check_tag(tag)
+        with self._lock:
+            ops = [op for k in ((peer, tag, True), (peer, tag, False))
+                   if (op := self._ops.get(k)) is not None]
+            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
+            info = self._peer_info.get(peer)
+        self._deliver(done)
+        if ops and info is not None:
+            self._stop_ops(ops, "cancel", info)
+
+    def peer_exited(self, peer: str) -> bool:
+        """Whether `peer`'s process has ended (its pidfd is readable; a stopped process has
+        not), so nothing of it writes into this process any more."""
+        with self._lock:  # (pidfds of peers in _peer_info are closed under it only)
+            info = self._peer_info.get(peer)
+            if info is None or self._closed:
+                return False
+            if info.dead is not None:
+                return info.dead.startswith("process")
+            return _pidfd_ready(info.pidfd)
+
+    def status(self) -> TransportStatus:
+        with self._lock:
+            lanes = sorted({lane for ls in self._lanes.values() for lane in ls})
+            npeers = len(self._peer_info)
+            # a process gone shows at once (its pidfd), before the I/O thread handled the event
+            dead = sorted(p.name for p in self._peer_info.values()
+                          if p.dead or (not self._closed and _pidfd_ready(p.pidfd)))
+        held = len(self._held)
+        names = {"map": "shm/map", "cma": "shm/cma", "cuda-ipc": "shm/cuda-ipc"}
+        reason = (f"shm: same-host writes into the peer's memory ({npeers} peer(s); lanes: "
+                  f"{', '.join(names[x] for x in lanes) or 'none used yet'}; "
+                  f"{self._copier.threads} copy threads; map = the peer's pool is a kvhandoff "
+                  "shared segment, cma = process_vm_writev, cuda-ipc = CUDA buffers written "
+                  "through CUDA IPC; a dying peer is an error, never an "
+                  f"abort; map lane: {native()[1]})")
+        if dead:
+            reason += f"; peer process(es) gone: {', '.join(dead)}"
+        if held:
+            reason += (f"; {held} ended receive(s) held until their writer confirms it stopped "
+                       f"(at most {self._bound_s} s)")
+        return TransportStatus(kind=self.kind,
+                               lanes=tuple(names[x] for x in lanes) or ("shm",),
+                               degraded=False, reason=reason, bytes_sent=self._bytes_sent,
+                               bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = list(self._ops.values())
+            done = self._finish_locked(ops, "shm transport closed")
+        self._deliver(done)
+        for op in ops:  # local copies stop; held receives: see _shutdown
+            if op.job is not None:
+                op.job.cancel()
+        self._shutdown_io(self._copier, self._dev_lane)
+
+    def __repr__(self) -> str:
+        return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"
+
+    # ---- helpers (any thread) -------------------------------------------------------------
+
+    def _deliver(self, done: list[tuple[Any, BaseException | None]]) -> None:
+        self._held.deliver(done)  # on_done waits until nothing of the op writes (hold.py)
+
+    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> ShmOp:
+        return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
+
+    def _stop_ops(self, ops: list[ShmOp], what: str, info: ShmPeer) -> None:
+        """After `ops` were finished: stop local copies of sends/writes and wait until they
+        stopped (bounded), tell the writer of exposed receives to stop. Never waits on the
+        peer: the held receives complete later (module comment)."""
+        local = [op.job for op in ops if op.job is not None]
+        for job in local:
+            job.cancel()
+        self._command(IoCommand.FORGET, ops)
+        if threading.current_thread() is self._thread:  # it reports the jobs' ends
+            return
+        deadline = time.monotonic() + self._bound_s
+        for job in local:
+            if not job.wait(max(0.0, deadline - time.monotonic())):
+                raise TransportError(f"{what}: a copy into peer {info.name!r} did not stop "
+                                     f"within {self._bound_s} s")
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        handlers: dict[IoCommand, Callable[..., None]] = {
+            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
+            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
+            IoCommand.FORGET: self._on_forget, IoCommand.WRITTEN: self._on_written,
+            IoCommand.WRITE: self._on_write,
+            IoCommand.HOLD: lambda *_: None,  # woken to re-read the bound of held receives
+        }
+        pidfds: dict[int, ShmPeer] = {}
+        try:
+            while True:
+                self._io_asleep = True  # before the look at _commands (see _command)
+                events = dict(poller.poll(0 if self._commands else self._held.timeout_ms()))
+                self._io_asleep = False
+                if self._wake_r in events:
+                    self._drain_wake()
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] is IoCommand.STOP:
+                        return
+                    handlers[cmd[0]](poller, pidfds, *cmd[1:])
+                for fd, info in list(pidfds.items()):
+                    if fd in events:
+                        poller.unregister(fd)
+                        del pidfds[fd]
+                        self._peer_exited(info)
+                self._writer.drain_router()
+                for peer, sock in list(self._dealers.items()):
+                    self._drain_dealer(self._dealer_info[peer], sock, live=True)
+                for info, sock in self._held.drains:
+                    self._drain_dealer(info, sock, live=False)
+                self._held.release_due()
+                self._held.end_drains(poller, pidfds, closing=False)
+        except Exception:
+            log.exception("shm transport I/O thread failed")
+            with self._lock:
+                self._closed = True
+                done = self._finish_locked(list(self._ops.values()),
+                                           "shm transport I/O thread failed")
+            self._deliver(done)
+        finally:
+            self._shutdown(pidfds)
+
+    def _shutdown(self, pidfds: dict[int, ShmPeer]) -> None:
+        with self._lock:
+            running = list(self._running)
+        for job in running:
+            job.cancel()
+        for job in running:
+            if not job.wait(self._bound_s):
+                log.warning("shm: closing while a copy job did not stop within %s s",
+                            self._bound_s)
+        # the receivers whose memory we were allowed to write: nothing writes it any more
+        self._writer.confirm_all()
+        # every op's on_done comes before close() returns (ops of jobs whose end was not
+        # reported yet, receives still held: module comment)
+        with self._lock:
+            owners = [job.owner[0] for job in self._running]
+        with self._lock:
+            for op in owners:
+                if op.job is not None and not op.job.ended_event.is_set():
+                    op.job = None  # (it did not stop: warned above)
+            for info in self._peer_info.values():
+                info.dead = info.dead or "transport closed"
+        self._held.settle(owners)
+        self._held.release(lambda op: True, "the transport closed")
+        self._held.end_drains(None, pidfds, closing=True)
+        with self._lock:
+            for info in self._peer_info.values():
+                try:
+                    os.close(info.pidfd)
+                except OSError:
+                    pass
+        for sock in self._dealers.values():
+            sock.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
+                    endpoint: str, info: ShmPeer) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._ident)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
+        sock.connect(endpoint)
+        old = self._dealers.pop(peer, None)
+        if old is not None:
+            poller.unregister(old)
+            old.close(linger=0)
+        self._dealers[peer] = sock
+        self._dealer_info[peer] = info
+        poller.register(sock, zmq.POLLIN)
+        pidfds[info.pidfd] = info
+        poller.register(info.pidfd, zmq.POLLIN)
+
+    def _on_disconnect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
+                       info: ShmPeer, cut: int) -> None:
+        sock = self._dealers.pop(peer, None)  # (commands run in order: `info`'s socket)
+        self._dealer_info.pop(peer, None)
+        if sock is not None:
+            # while receives of this peer are held, its socket and pidfd stay open (a drain)
+            self._held.drain(info, sock)
+            self._held.end_drains(poller, pidfds, closing=False)
+        else:
+            if pidfds.pop(info.pidfd, None) is not None:
+                poller.unregister(info.pidfd)
+            os.close(info.pidfd)
+        # what this peer exposed to us: forget it, and confirm nothing of it is written
+        self._writer.drop_peer(info, cut)
+
+    def _peer_exited(self, info: ShmPeer) -> None:
+        """`info`'s process exited: its ops fail, and nothing of it writes into our memory
+        any more (its held receives complete)."""
+        peer, pid = info.name, info.pid
+        with self._lock:
+            live = self._peer_info.get(peer) is info  # else disconnected (a drain)
+            ops = [op for op in self._ops.values() if op.peer == peer] if live else []
+            info.dead = f"process {pid} exited"
+            done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
+        log.log(logging.WARNING if done else logging.INFO,
+                "shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
+        for op in ops:
+            if op.job is not None:
+                op.job.cancel()
+        self._deliver(done)
+        self._held.release(lambda op: op.ident == info.ident, None)
+
+    def _dead(self, op: ShmOp) -> bool:
+        """Fails `op` if its peer's process is gone (ops to a dead peer end with an error
+        through on_done, like any failure on the wire); whether it did."""
+        with self._lock:
+            info = self._peer_info.get(op.peer)
+            dead = info.dead if info is not None else None
+        if dead is None:
+            return False
+        self._finish(op, f"peer {op.peer!r}: {dead}")
+        return True
+
+    def _on_send(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
+        if op.finished or self._dead(op):
+            return
+        self._writer.add_send(op)
+
+    def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
+        if self._dead(op):
+            return
+        sock = self._dealers.get(op.peer)
+        with self._lock:
+            if op.finished:
+                return
+            if sock is not None:
+                op.exposed = True
+                op.info = self._peer_info.get(op.peer)
+        if sock is None:
+            self._finish(op, f"peer {op.peer!r} is not connected")
+            return
+        assert op.plan is not None  # a receive has its chunk grid
+        off, nb = op.plan.spans()
+        desc = describe_buffer(op.buf)
+        with self._lock:  # the lane this receive offers (the writer may still fall back to cma)
+            self._lanes.setdefault(op.peer, set()).add("map" if parse_descriptor(desc)[1] >= 0
+                                                       else "cma")
+        sock.send_multipart([EXPOSE.pack(b"R", op.tag, op.total), desc,
+                             off.astype("<i8").tobytes(), nb.astype("<i8").tobytes()])
+
+    def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], ops: list[ShmOp]) -> None:
+        for op in ops:
+            if op.is_send:
+                self._writer.forget_send(op)
+            elif op.exposed:
+                sock = self._dealers.get(op.peer)
+                if sock is not None:
+                    sock.send_multipart([TAGMSG.pack(b"X", op.tag)])
+
+    def _drain_dealer(self, info: ShmPeer, sock: zmq.Socket[bytes], live: bool) -> None:
+        """Messages of writers (to us as receiver): F (landed / failed), A (stopped). A
+        socket kept after disconnect (not `live`) only releases held receives."""
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            parsed = parse_writer_frame(frames)
+            if parsed is None:
+                log.warning("shm: dropping a malformed frame from peer %r", info.name)
+                continue
+            kind, tag, ok, reason = parsed
+            # the writer is done with that tag either way: a held receive of it (one that
+            # ended before) is released first; the F is then not for a live receive
+            if self._held.release_one(info.ident, tag) or kind != b"F" or not live:
+                continue
+            with self._lock:
+                op = self._ops.get((info.name, tag, False))
+                if op is not None:
+                    op.acked = True
+                    if ok:
+                        self._bytes_received += op.total
+            if op is not None:
+                self._finish(op, None if ok else reason)
+
+    def _receive_target(self, op: ShmOp, desc: bytes) -> Target:
+        """(I/O thread) The receive buffer `desc` of `op`'s peer, opened once per peer."""
+        with self._lock:
+            info = self._peer_info.get(op.peer)
+        if info is None:
+            raise TransportError(f"peer {op.peer!r} is not connected")
+        target = info.targets.get(desc)
+        if target is None:
+            pid, fd, seg_n, off, addr, n = parse_descriptor(desc)
+            if pid != info.pid:
+                raise TransportError(f"the receive's buffer is of process {pid}, peer "
+                                     f"{op.peer!r} is process {info.pid}")
+            target = info.targets[desc] = open_target(pid, fd, seg_n, off, addr, n,
+                                                      self._allow_map, info.maps)
+            with self._lock:
+                self._lanes.setdefault(op.peer, set()).add(target.lane)
+        return target
+
+    def _start_copy(self, op: ShmOp, target: Target, doff: np.ndarray, dnb: np.ndarray,
+                    key: Key) -> None:
+        """(I/O thread) A two-sided send meets its exposed receive: the two sides' span lists
+        (each cut by its own process) are paired here, then copied."""
+        assert op.plan is not None
+        try:
+            plan = pair_spans(*op.plan.spans(), doff, dnb)
+        except ConfigError as e:  # a malformed receive (negative spans)
+            self._writer.refuse(key, str(e))
+            self._finish(op, str(e))
+            return
+        self._start_job(op, target, plan, False, key)
+
+    def _start_job(self, op: ShmOp, target: Target, plan: SpanPlan, checksum: bool,
+                   key: Key | None) -> None:
+        """Starts the copy of a two-sided send (`key`: its exposed receive; I/O thread) or of
+        a one-sided write (no key; the poster's thread). A write's job ends on its copy
+        thread (`_write_ended`), a send's on the I/O thread (WRITTEN)."""
+        src = plan.src_offsets + int(op.buf.ctypes.data)
+        dst = plan.dst_offsets + target.base
+        on_end = (self._write_ended if key is None
+                  else lambda j: self._command(IoCommand.WRITTEN, j))
+        job = Job(src, dst, plan.nbytes, target, checksum, on_end, owner=(op, key))
+        with self._lock:
+            cancelled = op.finished
+            if not cancelled:
+                op.job = job
+                self._running.add(job)
+        if cancelled:  # cancelled meanwhile
+            if key is not None:
+                self._writer.refuse(key, "sender cancelled")
+            return
+        if key is not None:
+            self._writer.started(key, job)
+        self._copier.submit(job)
+
+    def _write_ended(self, job: Job) -> None:
+        """(copy thread) A one-sided write's copy ended: the op completes here and its on_done
+        runs on this thread (nothing of the write copies any more), instead of two more
+        hand-offs (to the I/O thread, then to the callback thread)."""
+        op, _ = job.owner
+        ok = job.error is None and not job.cancelled
+        with self._lock:
+            self._running.discard(job)
+            if ok:
+                self._bytes_sent += job.total
+                op.digest = job.digest
+            done = self._finish_locked([op], None if ok else job.error or "cancelled")
+        if done:
+            self._held.deliver(done, here=True)
+        else:  # ended earlier (cancel, disconnect): its on_done waited for this
+            self._held.settle([op], here=True)
+
+    def _on_write(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp,
+                  checksum: bool) -> None:
+        if op.finished or op.remote is None or self._dead(op):
+            return
+        target, plan = op.remote
+        if isinstance(target, DeviceTarget):
+            self._start_device_job(op, target, plan, checksum)
+        else:
+            self._start_job(op, target, plan, checksum, None)
+
+    def _start_device_job(self, op: ShmOp, target: DeviceTarget, plan: SpanPlan,
+                          checksum: bool) -> None:
+        """(I/O thread) A write between CUDA buffers: to the lane's worker (cuda.py). The
+        peer's pidfd is read first: a copy into the IPC memory of a process that exited is
+        never launched (its pidfd event may not have been handled yet)."""
+        if self.peer_exited(op.peer):
+            self._finish(op, f"peer {op.peer!r}: its process exited; no copy into its "
+                             "device memory")
+            return
+        job = DeviceJob(op.buf, target.tensor, plan, checksum,
+                        lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, None))
+        with self._lock:
+            cancelled = op.finished
+            if not cancelled:
+                op.job = job
+        if cancelled:  # cancelled meanwhile: nothing launched
+            return
+        with self._lock:
+            self._running.add(job)
+        try:
+            self._dev_lane.submit(job)
+        except TransportError as e:
+            job._end(str(e))
+
+    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer],
+                    job: Job | DeviceJob) -> None:
+        op, key = job.owner
+        with self._lock:
+            self._running.discard(job)
+        if key is not None:
+            assert isinstance(job, Job)
+            self._writer.ended(key, job)
+        if job.error is None and not job.cancelled:
+            with self._lock:
+                self._bytes_sent += job.total
+            op.digest = job.digest
+            self._finish(op, None)
+        else:
+            self._finish(op, job.error or "cancelled")
+        self._held.settle([op])  # ended earlier (cancel, disconnect): on_done waited for this
+
+
+def _pidfd_ready(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has ended (a stopped one has not)."""
+    ready = select.poll()
+    ready.register(pidfd, select.POLLIN)
+    return bool(ready.poll(0))

@@ -1,0 +1,77 @@
+# One-sided writes of the shm transport: installing a peer's buffer descriptor as a write
+# target (host memory: a mapped kvhandoff segment or process_vm_writev; CUDA memory: the peer's
+# IPC block, opened once), and the completion adapter of post_write.
+#
+# Rules: plain functions over what the caller passes (no transport state): the transport looks
+# the peer up under its lock, calls `open_remote` outside it, and installs the result.
+from __future__ import annotations
+
+from kvhandoff.errors import TransportError
+from kvhandoff.transports.base import OnDone, OnWritten
+from kvhandoff.transports.shm.copy import Target, open_target
+from kvhandoff.transports.shm.cuda import (
+    DeviceLane,
+    DeviceTarget,
+    is_device_descriptor,
+    parse_device_descriptor,
+)
+from kvhandoff.transports.shm.wire import ShmOp, ShmPeer, parse_descriptor
+
+
+def descriptor_pid(descriptor: bytes) -> int:
+    """The process a buffer descriptor (host or CUDA) is of; raises if it is none."""
+    if is_device_descriptor(descriptor):
+        return parse_device_descriptor(descriptor)[0]
+    return parse_descriptor(descriptor)[0]
+
+
+def open_remote(info: ShmPeer, name: str, descriptor: bytes, *, local_device: bool | None,
+                allow_map: bool, dev_lane: DeviceLane) -> Target | DeviceTarget:
+    """Opens peer `info`'s buffer `descriptor` as the target of writes under `name`.
+
+    Args:
+        local_device: whether this side's buffers are CUDA memory (None: none registered).
+        allow_map: whether a host target may be mapped (else process_vm_writev).
+
+    Raises:
+        TransportError: the descriptor is of another process, of the other memory kind than
+            this side's buffers, or cannot be opened.
+    """
+    pid = descriptor_pid(descriptor)
+    if pid != info.pid:
+        raise TransportError(f"register_remote {name!r}: the descriptor is of process {pid}, "
+                             f"peer {info.name!r} is process {info.pid}")
+    device = is_device_descriptor(descriptor)
+    if local_device is not None and local_device != device:
+        kinds = ("CUDA", "host") if device else ("host", "CUDA")
+        raise TransportError(f"register_remote {name!r}: peer {info.name!r}'s buffer is "
+                             f"{kinds[0]} memory and this side's buffers are {kinds[1]} memory; "
+                             "shm writes host to host or device to device, not across")
+    if not device:
+        _, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
+        return open_target(pid, fd, seg_n, off, addr, n, allow_map, info.maps)
+    if local_device is None:
+        raise TransportError(f"register_remote {name!r}: peer {info.name!r}'s buffer is CUDA "
+                             "memory and this side has no buffer registered; shm writes host "
+                             "to host or device to device, not across")
+    _, n, export = parse_device_descriptor(descriptor)
+    try:
+        tensor = dev_lane.open(info.name, export)
+    except Exception as e:  # noqa: BLE001 - a CUDA or torch error opening the handle
+        raise TransportError(f"register_remote {name!r}: opening peer {info.name!r}'s CUDA IPC "
+                             f"handle failed: {e}") from e
+    return DeviceTarget(pid, n, tensor)
+
+
+def ignore(exc: BaseException | None) -> None:
+    """The on_done of a write op until `written_adapter` replaced it."""
+
+
+def written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
+    """post_write's on_written as the op's on_done: the digest rides along on success."""
+    def done(exc: BaseException | None) -> None:
+        on_written(exc, op.digest if exc is None else None)
+    return done
+
+
+__all__ = ["descriptor_pid", "ignore", "open_remote", "written_adapter"]

@@ -1,0 +1,544 @@
+# UCX transport through ucxx's low-level API (ucxx._lib.libucxx), driven by one I/O thread.
+#
+# How it works:
+# - One UCP context + worker per transport, in blocking-progress mode. This transport's address
+#   is the worker address behind a small envelope naming the host (a hash of boot id and host
+#   name). Endpoints to peers on ANOTHER host use UCX peer error handling (RDMA and TCP lanes
+#   support it: a dead peer fails the requests). Endpoints to peers on THIS host are created
+#   with error handling OFF, because that is what enables the shared-memory lanes (sysv/posix +
+#   cma; with it on, UCX picks TCP only: 3 GB/s instead of 10 here); the agent's heartbeats
+#   detect dead peers. The price, a UCX limitation: if a same-host peer dies while this side is
+#   writing into its memory (cma), UCX aborts this process. `ucx_same_host_error_handling`
+#   trades the speed for safety; status() says which peers run unprotected.
+# - A send cuts its stream into the shared chunk grid (_chunks.ChunkPlan); chunk k goes as one
+#   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
+#   or directions. A chunk inside one span is sent straight from the registered buffer; other
+#   chunks are gathered into pooled staging buffers; the send window is the shared one
+#   (_threaded.WINDOW chunks per op in flight).
+# - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
+#   empty mask, remove=True) and matches it against posted receives (_ucx_matcher), receiving
+#   it with its handle straight into destination memory (or a staging buffer + scatter).
+# - Endpoints outlive disconnect() (_ucx_endpoints: why, and when they are closed instead).
+#   While UCX may still touch the peer's memory for us (a rendezvous send in flight, or a
+#   receive in flight unless UCX_RNDV_SCHEME=put_zcopy), disconnect() closes the endpoint,
+#   since closing is what stops that (the peer may be dead: a cma write to a dead same-host
+#   peer aborts this process). Our endpoint made after that is paired with one UCX made on the
+#   peer's side, so what the peer sends us still works; what it sends on its old endpoint does
+#   not (the limitation left: a peer both receiving and sending).
+# - status() names the UCX build (version, library, verbs / rdmacm: _ucx_lanes.ucx_build).
+# - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
+#   commands and wake it with a pipe polled together with the worker's epoll fd.
+#
+# Rules: `_lock` guards the op tables, each op's `finished` flag and every scatter into user
+# memory. cancel() of a receive waits (bounded by settings.stall_timeout_s) for direct receives
+# already in flight into its memory, so after it returns nothing of that tag writes there.
+# Callbacks run on a separate CallbackThread, outside the lock.
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import xxhash
+
+from kvhandoff.buffers.devsum import refuse_device_memory
+from kvhandoff.errors import TransportError
+from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
+from kvhandoff.transports.hostid import host_id
+from kvhandoff.transports.streams import ChunkPlan, check_tag
+from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+
+if TYPE_CHECKING:
+    from kvhandoff.settings import Settings
+
+# Tuning measured on this machine (docs/PERFORMANCE.md); the user's own values win.
+os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
+# ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads; do not warn about it on stdout
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx  # noqa: E402  (loads libucx and sets ucxx's env defaults)
+from ucxx._lib import libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+from kvhandoff.transports.ucx.endpoints import EndpointCache  # noqa: E402
+from kvhandoff.transports.ucx.lanes import (  # noqa: E402
+    ADDR_MAGIC,
+    LOCAL_TLS,
+    UcxBuild,
+    ep_lanes,
+    resources,
+    split_address,
+    tcp_only,
+    ucx_build,
+)
+from kvhandoff.transports.ucx.matcher import ReceiveMatcher  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+UCXX_VERSION = ucxx.__version__
+_DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
+_IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to the same address
+_CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
+
+
+def _tag_base(sender: bytes, tag: int) -> int:
+    return xxhash.xxh3_64_intdigest(sender + tag.to_bytes(8, "little")) & ~((1 << _CHUNK_BITS) - 1)
+
+
+class _Op:
+    __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "base",
+                 "next_chunk", "inflight", "direct_inflight", "landed")
+
+    def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
+                 on_done: OnDone, base: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.is_send = is_send
+        self.buf = buf
+        self.plan = plan
+        self.on_done = on_done
+        self.finished = False
+        self.base = base
+        self.next_chunk = 0
+        self.inflight = 0
+        self.direct_inflight = 0  # receives in flight straight into user memory
+        self.landed = 0
+
+    def __repr__(self) -> str:
+        kind = "send" if self.is_send else "recv"
+        return f"<ucx {kind} peer={self.peer!r} tag={self.tag} {self.plan!r}>"
+
+
+class _Inflight:
+    __slots__ = ("req", "op", "k", "stage", "direct")
+
+    def __init__(self, req: Any, op: _Op | None, k: int, stage: np.ndarray | None,
+                 direct: bool) -> None:
+        self.req = req
+        self.op = op
+        self.k = k
+        self.stage = stage
+        self.direct = direct
+
+
+class UcxTransport(ThreadedTransport):
+    """UCX data transport over ucxx's low-level API (see module comment)."""
+
+    kind: ClassVar[TransportKind] = TransportKind.UCX
+
+    def __init__(self, settings: Settings) -> None:
+        if int(settings.chunk_bytes) >= (1 << 31):
+            raise TransportError("ucx: chunk_bytes must be < 2 GiB")
+        self._require_rdma = bool(settings.require_rdma)
+        self._same_host_err = bool(settings.ucx_same_host_error_handling)
+        self._cancel_bound_s = float(settings.stall_timeout_s)
+        try:
+            self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,
+                                                          ucx_api.Feature.WAKEUP))
+            self._worker = ucx_api.UCXWorker(self._ctx)
+            self._worker.init_blocking_progress_mode()
+            self._host = host_id()
+            self._address = ADDR_MAGIC + self._host + bytes(self._worker.address.tobytes())
+            self._epoll_fd = int(self._worker.epoll_file_descriptor)
+        except ucx_api.UCXError as e:
+            raise TransportError(f"ucx: cannot create a UCP context/worker: {e}") from e
+        self._resources = resources(self._ctx.info)
+        self._rdma = [r for r in self._resources
+                      if r.split("/")[0] not in LOCAL_TLS and not r.startswith("tcp/")]
+        self._tls_config = os.environ.get("UCX_TLS", "all")
+        self.build: UcxBuild = ucx_build()
+        # rendezvous: the sender writes into the receiver's memory; a receiver never reads
+        self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
+
+        self._init_threaded(settings.chunk_bytes, "kvhandoff-ucx-cb")
+        self._cond = threading.Condition(self._lock)
+        self._peer_lanes: dict[str, tuple[str, ...]] = {}
+        self._unprotected: set[str] = set()  # same-host peers without UCX error handling
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        # owned by the I/O thread
+        self._eps = EndpointCache(_IDLE_EPS_MAX)
+        self._matcher: ReceiveMatcher[_Op] = ReceiveMatcher(_DISCARD_MAX)
+        self._inflight: list[_Inflight] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvhandoff-ucx-io")
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        refuse_device_memory("ucx", name, buf)  # CUDA memory: say which transport can
+        super().register(name, buf)
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def connect(self, peer: str, address: bytes) -> None:
+        if not isinstance(address, bytes) or not address:
+            raise TransportError(f"connect {peer!r}: address must be non-empty bytes")
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known == address:
+                return
+            if known is not None:
+                raise TransportError(f"connect {peer!r}: already connected at another address; "
+                                     "disconnect first")
+        result: list[BaseException | tuple[tuple[str, ...], bool]] = []
+        done = threading.Event()
+        self._command(IoCommand.CONNECT, peer, address, result, done)
+        if not done.wait(self._cancel_bound_s):
+            raise TransportError(f"connect {peer!r}: the UCX I/O thread did not answer within "
+                                 f"{self._cancel_bound_s} s")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        lanes, unprotected = result[0]
+        if self._require_rdma and (tcp_only(lanes) or not self._rdma):
+            self._command(IoCommand.DISCONNECT, peer, [])
+            raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
+                                 f"lane (lanes: {', '.join(lanes) or 'unknown'}; resources: "
+                                 f"{', '.join(self._resources)}; {self.build.describe()}); fix "
+                                 "the fabric or the UCX build (docs/TRANSFER.md, RDMA), or "
+                                 "unset KVHANDOFF_REQUIRE_RDMA")
+        with self._lock:
+            self._peers[peer] = address
+            self._peer_lanes[peer] = lanes
+            if unprotected:
+                self._unprotected.add(peer)
+        if unprotected:
+            log.warning("ucx: peer %r is on this host: shared-memory lanes without UCX error "
+                        "handling (if it dies mid-write UCX aborts this process; set "
+                        "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING=true for safety over speed, or "
+                        "use transport=shm for same-host pairs)", peer)
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ops = [op for op in self._ops.values() if op.peer == peer]
+            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
+            self._peers.pop(peer, None)
+            self._peer_lanes.pop(peer, None)
+            self._unprotected.discard(peer)
+        self._deliver(done)
+        self._command(IoCommand.DISCONNECT, peer, ops)
+        self._wait_direct(ops, "disconnect")
+
+    def cancel(self, peer: str, tag: int) -> None:
+        tag = check_tag(tag)
+        with self._lock:
+            ops = [op for k in ((peer, tag, True), (peer, tag, False))
+                   if (op := self._ops.get(k)) is not None]
+            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
+        self._deliver(done)
+        if ops:
+            self._command(IoCommand.FORGET, ops)
+            self._wait_direct(ops, "cancel")
+
+    def status(self) -> TransportStatus:
+        with self._lock:
+            per_peer = dict(self._peer_lanes)
+        lanes = tuple(sorted({lane for ls in per_peer.values() for lane in ls}))
+        tcp_peers = sorted(p for p, ls in per_peer.items() if tcp_only(ls))
+        if tcp_peers:
+            degraded = True
+            why = f"ucx: only TCP lanes to peer(s) {', '.join(tcp_peers)}"
+        elif not per_peer:
+            degraded = not any(not r.startswith(("tcp/", "self/")) for r in self._resources)
+            why = "ucx: no peer connected yet"
+        else:
+            degraded = False
+            why = "ucx: shared-memory/RDMA lanes to every peer"
+        rdma = (f"RDMA devices: {', '.join(self._rdma)}" if self._rdma else
+                "no RDMA device found: peers on other hosts would use TCP")
+        if not self.build.verbs:
+            rdma += " (this UCX build has no verbs: no RDMA lane can appear, docs/TRANSFER.md)"
+        with self._lock:
+            unprotected = sorted(self._unprotected)
+        if unprotected:
+            why += (f"; same-host peer(s) {', '.join(unprotected)} without UCX error handling "
+                    "(shared-memory speed; a peer dying mid-write aborts this process)")
+        reason = (f"{why}; {rdma}; {self.build.describe()}; UCX_TLS={self._tls_config}; "
+                  "resources: "
+                  f"{', '.join(self._resources)}")
+        return TransportStatus(kind=self.kind, lanes=lanes or tuple(self._resources),
+                               degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
+                               bytes_received=self._bytes_received)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = list(self._ops.values())
+            done = self._finish_locked(ops, "ucx transport closed")
+        self._deliver(done)
+        self._shutdown_io()
+
+    def __repr__(self) -> str:
+        return f"<UcxTransport peers={len(self._peers)} lanes={self.status().lanes}>"
+
+    # ---- helpers (any thread) -------------------------------------------------------------
+
+    def _check_plan(self, what: str, plan: ChunkPlan) -> None:
+        if plan.nchunks >= (1 << _CHUNK_BITS):
+            raise TransportError(f"{what}: {plan.total} bytes make {plan.nchunks} chunks, more "
+                                 f"than 2**{_CHUNK_BITS}; raise chunk_bytes")
+
+    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+                 plan: ChunkPlan, on_done: OnDone) -> _Op:
+        base = _tag_base(self._address if is_send else address, tag)
+        return _Op(peer, tag, is_send, buf, plan, on_done, base)
+
+    def _wait_direct(self, ops: list[_Op], what: str) -> None:
+        """Waits until no receive of `ops` is in flight straight into user memory."""
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + self._cancel_bound_s
+        with self._cond:
+            while any(op.direct_inflight for op in ops):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed and not self._thread.is_alive():
+                    busy = sum(op.direct_inflight for op in ops)
+                    raise TransportError(f"{what}: {busy} UCX receive(s) still in flight into "
+                                         f"user memory after {self._cancel_bound_s} s (peer "
+                                         "stalled?); that memory may still be written")
+                self._cond.wait(left)
+
+    # ---- I/O thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        handlers: dict[IoCommand, Callable[..., None]] = {
+            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
+            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
+            IoCommand.FORGET: self._on_forget,
+        }
+        worker = self._worker
+        try:
+            while True:
+                busy = False
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] is IoCommand.STOP:
+                        return
+                    handlers[cmd[0]](*cmd[1:])
+                    busy = True
+                worker.progress()
+                busy |= self._probe()
+                busy |= self._reap()
+                busy |= self._pump_sends()
+                if busy or self._commands:
+                    continue
+                if worker.arm():
+                    ready, _, _ = select.select([self._epoll_fd, self._wake_r], [], [])
+                    if self._wake_r in ready:
+                        self._drain_wake()
+        except Exception:
+            log.exception("ucx transport I/O thread failed")
+            with self._lock:
+                self._closed = True
+                done = self._finish_locked(list(self._ops.values()),
+                                           "ucx transport I/O thread failed")
+            self._deliver(done)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        # consume held message handles (into scratch) so UCX is left with nothing dangling
+        try:
+            for probe in self._matcher.take_held():
+                self._drop(probe)
+            for _ in range(3):
+                self._worker.progress()
+                self._probe()  # every arrived message is now held
+            for probe in self._matcher.take_held():
+                self._drop(probe)
+            for _ in range(1000):
+                if all(item.req.completed for item in self._inflight if item.op is None):
+                    break
+                self._worker.progress()
+        except ucx_api.UCXError:
+            pass
+        with self._cond:
+            for item in self._inflight:
+                if item.op is not None and item.direct:
+                    item.op.direct_inflight = 0
+            self._cond.notify_all()
+        try:
+            self._worker.cancel_inflight_requests()
+        except ucx_api.UCXError:
+            pass
+        self._eps.close_all()
+        self._inflight.clear()
+
+    def _on_connect(self, peer: str, address: bytes, result: list[object],
+                    done: threading.Event) -> None:
+        try:
+            host, worker_address = split_address(address)
+            unprotected = host == self._host and not self._same_host_err
+
+            def create() -> Any:
+                return ucx_api.UCXEndpoint.create_from_worker_address(
+                    self._worker, ucx_api.UCXAddress.create_from_buffer(worker_address),
+                    not unprotected)
+
+            ep = self._eps.attach(peer, address, create, self._touching)
+            result.append((ep_lanes(ep), unprotected))
+        except Exception as e:
+            result.append(TransportError(f"connect {peer!r}: UCX cannot create an endpoint "
+                                         f"from that address: {e}"))
+        done.set()
+
+    def _on_disconnect(self, peer: str, ops: list[_Op]) -> None:
+        self._on_forget(ops)
+        ep = self._eps.get(peer)
+        if ep is not None and not ep.alive:
+            self._abandon_direct(ops)
+        self._eps.park(peer, self._touching(peer))
+
+    def _abandon_direct(self, ops: list[_Op]) -> None:
+        """UCX failed the peer's endpoint (error handling: the peer is gone), so nothing
+        writes into the memory of `ops`' receives any more, but their requests may never
+        complete (ucxx has no per-request cancel, and closing a failed endpoint crashes):
+        stop counting them, so disconnect()'s wait ends."""
+        with self._cond:
+            for item in self._inflight:
+                if item.direct and item.op is not None and item.op in ops:
+                    item.direct = False
+                    item.op.direct_inflight -= 1
+            self._cond.notify_all()
+
+    def _touching(self, peer: str) -> bool:
+        """Whether a UCX request in flight for an op with `peer` may access its memory: a
+        send (rendezvous put or its RTS), or a receive unless the peer puts (put_zcopy)."""
+        return any(item.op is not None and item.op.peer == peer
+                   and (item.op.is_send or not self._peer_puts) for item in self._inflight)
+
+    def _on_forget(self, ops: list[_Op]) -> None:
+        for op in ops:
+            if not op.is_send:
+                for probe in self._matcher.forget(op):
+                    self._drop(probe)
+
+    def _on_send(self, op: _Op) -> None:
+        if not op.finished:
+            self._active_sends.append(op)
+
+    def _on_recv(self, op: _Op) -> None:
+        if op.finished:
+            return
+        for k, probe in self._matcher.post(op):
+            self._start_recv(op, k, probe)
+
+    def _drop(self, probe: Any) -> None:
+        scratch = np.empty(max(int(probe.length), 1), np.uint8)
+        req = self._worker.tag_recv_with_handle(Array(scratch[:probe.length]), probe)
+        self._inflight.append(_Inflight(req, None, 0, scratch, False))
+
+    def _probe(self) -> bool:
+        found = False
+        worker = self._worker
+        while True:
+            probe = worker.tag_probe(ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), True)
+            if not probe.matched:
+                return found
+            found = True
+            match = self._matcher.arrived(int(probe.sender_tag.value), probe)
+            if match is True:
+                self._drop(probe)
+            elif match is not False:
+                self._start_recv(match[0], match[1], probe)
+
+    def _start_recv(self, op: _Op, k: int, probe: Any) -> None:
+        plan = op.plan
+        n = plan.chunk_len(k)
+        if int(probe.length) != n:
+            self._drop(probe)
+            self._on_forget([op])
+            self._finish(op, f"size mismatch on tag {op.tag} chunk {k}: sender's message has "
+                             f"{int(probe.length)} bytes, the receive expects {n} (send and "
+                             "receive totals must agree)")
+            return
+        start = plan.direct(k)
+        if start is not None:
+            with self._lock:
+                if op.finished:  # cancelled since the probe: receive into scratch instead
+                    self._drop(probe)
+                    return
+                op.direct_inflight += 1
+            view = op.buf[start:start + n]
+            req = self._worker.tag_recv_with_handle(Array(view), probe)
+            self._inflight.append(_Inflight(req, op, k, None, True))
+        else:
+            stage = self._stage()
+            req = self._worker.tag_recv_with_handle(Array(stage[:n]), probe)
+            self._inflight.append(_Inflight(req, op, k, stage, False))
+
+    def _reap(self) -> bool:
+        if not self._inflight:
+            return False
+        still: list[_Inflight] = []
+        done_any = False
+        items, self._inflight = self._inflight, []
+        for item in items:
+            if not item.req.completed:
+                still.append(item)
+                continue
+            done_any = True
+            self._complete(item)  # may start receives (drops): they land in self._inflight
+        still.extend(self._inflight)
+        self._inflight = still
+        return done_any
+
+    def _complete(self, item: _Inflight) -> None:
+        op = item.op
+        err: str | None = None
+        try:
+            item.req.check_error()
+        except Exception as e:
+            err = f"UCX {'send' if op is not None and op.is_send else 'receive'} failed: {e}"
+        if op is None:  # a dropped message
+            return
+        n = op.plan.chunk_len(item.k)
+        finished_now = False
+        if op.is_send:
+            op.inflight -= 1
+            if err is None and not op.finished:
+                self._bytes_sent += n
+                op.landed += 1
+                finished_now = op.landed == op.plan.nchunks
+        else:
+            with self._cond:
+                if item.direct:
+                    op.direct_inflight -= 1
+                    if op.finished:
+                        self._cond.notify_all()
+                if err is None and not op.finished:
+                    if item.stage is not None:
+                        op.plan.scatter(op.buf, item.k, item.stage)
+                    self._bytes_received += n
+                    op.landed += 1
+                    finished_now = op.landed == op.plan.nchunks
+        self._unstage(item.stage)
+        if err is not None:
+            if not op.is_send:
+                self._on_forget([op])
+            self._finish(op, err)
+        elif finished_now:
+            self._finish(op, None)
+
+    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+
+    def _channel(self, op: _Op) -> Any:
+        return self._eps.get(op.peer)
+
+    def _emit(self, channel: Any, op: _Op, k: int, view: np.ndarray,
+              stage: np.ndarray | None) -> None:
+        req = channel.tag_send(Array(view), ucx_api.UCXXTag(op.base ^ k))
+        self._inflight.append(_Inflight(req, op, k, stage, False))
+
+
+__all__ = ["UCXX_VERSION", "UcxTransport"]

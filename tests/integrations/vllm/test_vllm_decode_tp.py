@@ -1,0 +1,121 @@
+"""A TP 1 prefill into a TP 2 decode through the connector's worker side: the prefill request
+says its decode's TP size (``kv_transfer_params.decode_tp_size``, carried in the `SendReq`), so
+the one prefill rank opens the room for both decode ranks; each decode rank takes its KV head,
+byte-exact, and the prefill reports the request in ``finished_sending`` once both have read.
+
+Before, the prefill opened every room for one decode rank: the second TP 2 rank was refused
+("room ... already has its 1 decode rank(s) on this prefill rank") and its blocks came back as
+load errors.
+
+All in this process: three KVHandoffConnectors (a TP 1 prefill, decode ranks 0 and 1 of TP 2,
+each with its own agent and vLLM-allocated CPU KV from vLLM's own planner: two KV heads on the
+prefill, one per decode rank), the tcp transport, a real bootstrap server on 127.0.0.1 port 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is installed by `make setup` (requirements/engines-*)")
+
+import torch  # noqa: E402
+import vllm_env as env  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+
+import kvhandoff.integrations.vllm.worker as worker_side  # noqa: E402
+from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
+from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
+from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
+from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
+from kvhandoff.settings import Settings  # noqa: E402
+from kvhandoff.testing.server import run_server  # noqa: E402
+
+try:
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+SEQ = 40  # three 16-token blocks, the last one partial
+DONE_S = 60.0
+SETTINGS = {"transport": "tcp", "heartbeat_interval_s": 1.0}
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[str]:
+    with run_server(Settings(port=0, auth_token=None)) as url:
+        yield url
+
+
+def worker(mdir: Path, role: str, extra: dict[str, Any], *, tp_rank: int, tp_size: int,
+           monkeypatch: pytest.MonkeyPatch) -> tuple[KVHandoffConnector, dict[str, torch.Tensor]]:
+    """A worker of TP rank `tp_rank` of `tp_size`: vLLM's plan for its share of the heads."""
+    engine = env.ENGINE_P if role == "kv_producer" else env.ENGINE_D
+    cfg = env.vllm_config(mdir, role=role, engine_id=engine,
+                          extra={**extra, "settings": SETTINGS})
+    cfg.parallel_config.tensor_parallel_size = tp_size
+    spec = FullAttentionSpec(block_size=env.BLOCK_SIZE, num_kv_heads=env.NUM_KV_HEADS // tp_size,
+                             head_size=env.HEAD_SIZE, dtype=torch.bfloat16)
+    kcc = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(env.layer_names(), spec)],
+                                          env.NUM_BLOCKS * spec.page_size_bytes * env.NUM_LAYERS)
+    views = env.allocate(cfg, kcc)
+    conn = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
+    # the rank vLLM's TP group would give this worker (no process group in one process)
+    monkeypatch.setattr(worker_side, "_tp_rank", lambda: tp_rank)
+    conn.register_kv_caches(views)
+    return conn, views
+
+
+def test_tp1_prefill_rank_serves_both_tp2_decode_ranks(bootstrap: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    mdir = env.model_dir(tmp_path)
+    pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap}, tp_rank=0,
+                         tp_size=1, monkeypatch=monkeypatch)
+    decs = [worker(mdir, "kv_consumer", {"layer_timeout_s": DONE_S}, tp_rank=r, tp_size=2,
+                   monkeypatch=monkeypatch) for r in range(2)]
+    try:
+        assert pre.agent._registration.registered.wait(DONE_S)
+        room = room_of(env.ENGINE_P, "p1")
+        with BootstrapClient(bootstrap) as c:
+            c.bind_room(room, env.ENGINE_P, 0)
+        src = [1, 2, 3]
+        pre.bind_connector_metadata(KVHandoffMetadata(sends={
+            "p1": SendReq(room=room, block_ids=src, num_tokens=SEQ, decode_tp_size=2)}))
+        for layer, name in enumerate(env.layer_names()):  # the forward: write, save per layer
+            u = env.as_u8(pviews[name])
+            for j, b in enumerate(src):
+                u[b] = env.block_pattern(layer, j, tuple(u.shape[1:]))
+            pre.save_kv_layer(name, pviews[name], None)
+        assert pre.get_finished({"p1"}) == (None, None)  # nobody has read it yet
+        pre.clear_connector_metadata()
+
+        host, port = split_addr(bootstrap)
+        dst = [11, 5, 13]
+        for dec, _ in decs:
+            dec.bind_connector_metadata(KVHandoffMetadata(recvs={"d1": RecvReq(
+                room=room, bootstrap_addr=f"{host}:{port}", block_ids=dst, num_tokens=SEQ,
+                local_tokens=0, load_tokens=SEQ - 1, sync=True)}))
+        for name in env.layer_names():
+            for dec, _ in decs:
+                dec.wait_for_layer_load(name)
+        for dec, _ in decs:
+            assert dec.get_block_ids_with_load_errors() == set()
+            dec.clear_connector_metadata()
+
+        for r, (_, dviews) in enumerate(decs):  # decode rank r holds KV head r
+            for layer, name in enumerate(env.layer_names()):
+                got, want = env.as_u8(dviews[name]), env.as_u8(pviews[name])
+                for j, (b, a) in enumerate(zip(dst, src, strict=True)):
+                    n = min(env.BLOCK_SIZE, SEQ - 1 - j * env.BLOCK_SIZE)
+                    assert torch.equal(got[b, 0, :n], want[a, r, :n]), (r, layer, j)
+
+        # released once both decode ranks read it
+        assert env.finished_sending(pre, DONE_S) == {"p1"}
+    finally:
+        pre.shutdown()
+        for dec, _ in decs:
+            dec.shutdown()
