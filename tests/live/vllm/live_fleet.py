@@ -149,6 +149,7 @@ class Engine:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+            _wait_group_gone(self.proc.pid, self.name)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -164,6 +165,7 @@ class Engine:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        _wait_group_gone(self.proc.pid, self.name)
 
     # ---- what the engine says about itself
 
@@ -180,6 +182,33 @@ class Engine:
             if line.startswith(name + "{") and all(w in line for w in want):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Pids of the process group's members that still run (zombies left out: an orphan's
+    exit status waits for whoever reaps it, and its memory is already given back)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _wait_group_gone(pgid: int, name: str, timeout_s: float = 30.0) -> None:
+    """Waits until no process of the engine's session is left. Its engine core and workers are
+    not our children (nobody here waits for them), and their memory (a GB or more each) is given
+    back only once they are gone: the tests after the fleet must not run beside dying engines."""
+    deadline = time.monotonic() + timeout_s
+    while _live_members(pgid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine {name}: processes of its session {pgid} still exist "
+                                 f"{timeout_s:.0f} s after SIGKILL")
+        time.sleep(0.05)  # polling interval of a bounded wait for exits we cannot wait() on
 
 
 def start_all(engines: list[Engine], timeout_s: float | None = None) -> None:
