@@ -1,0 +1,101 @@
+"""The whole run: a watchdog for stalls of the test process itself.
+
+Several loopback tests run real servers as threads of the test process (uvicorn, agents). If
+one thread keeps the GIL in C code for seconds, or the process is not scheduled at all, every
+one of those servers goes silent at once, and a test fails far from the cause (seen once in CI:
+an in-process bootstrap server left a request unanswered for 30 s; in other full runs a 2 s test
+took 120 s). So, for the whole run, a daemon thread re-arms `faulthandler.dump_traceback_later`
+every 0.5 s. If no Python code can run for `STALL_S`, faulthandler's own C thread, which needs
+no GIL, writes every thread's stack to a file: the thread that held the GIL shows where it was.
+When the heartbeat runs again it notes the stall's length and the test that was running; a
+stall that left no stacks means the whole process was not running (stopped, or the machine
+starved it). The run's summary lists the stalls; nothing is printed when there were none.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+
+STALL_S = 4.0
+BEAT_S = 0.5
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile(mode="w+", prefix="kvhandoff-stalls-")
+        self.test = "(between tests)"
+        self.stalls: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-stall-watchdog",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        dumped = 0
+        while not self._stop.is_set():
+            faulthandler.dump_traceback_later(STALL_S, file=self.file)
+            self._stop.wait(BEAT_S)
+            now = time.monotonic()
+            gap, last = now - last, now
+            if gap < STALL_S:
+                continue
+            self.file.flush()
+            size = self.file.seek(0, 2)
+            how = ("every thread's stack below" if size > dumped else
+                   "no stacks: the whole process did not run")
+            dumped = size
+            self.stalls.append(f"{gap:.1f} s without Python running, during {self.test} "
+                               f"({how})")
+        faulthandler.cancel_dump_traceback_later()
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.file.seek(0)
+        stacks = self.file.read()
+        self.file.close()
+        return stacks
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()
+    _WATCHDOG.start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if _WATCHDOG is not None:
+        _WATCHDOG.test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        if _WATCHDOG is not None:
+            _WATCHDOG.test = "(between tests)"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if _WATCHDOG is None:
+        return
+    stacks = _WATCHDOG.stop()
+    if not _WATCHDOG.stalls:
+        return
+    tr = terminalreporter
+    tr.section(f"stalls of the test process (no Python ran for {STALL_S:.0f} s or more)")
+    for line in _WATCHDOG.stalls:
+        tr.write_line(line)
+    if stacks:
+        tr.write_line("stacks faulthandler wrote during the stalls:")
+        tr.write_line(stacks[-20000:])
