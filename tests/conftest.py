@@ -9,12 +9,16 @@ every 0.5 s. If no Python code can run for `STALL_S`, faulthandler's own C threa
 no GIL, writes every thread's stack to a file: the thread that held the GIL shows where it was.
 When the heartbeat runs again it notes the stall's length and the test that was running; a
 stall that left no stacks means the whole process was not running (stopped, or the machine
-starved it). The run's summary lists the stalls; nothing is printed when there were none.
+starved it). Each stall also says what the machine was doing: the process's major page faults
+during it (pages read back from disk), the load average and the memory available. The run's
+summary lists the stalls; nothing is printed when there were none.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import os
+import resource
 import tempfile
 import threading
 import time
@@ -41,11 +45,13 @@ class _Watchdog:
     def _run(self) -> None:
         last = time.monotonic()
         dumped = 0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         while not self._stop.is_set():
             faulthandler.dump_traceback_later(STALL_S, file=self.file)
             self._stop.wait(BEAT_S)
             now = time.monotonic()
             gap, last = now - last, now
+            faults, before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, faults
             if gap < STALL_S:
                 continue
             self.file.flush()
@@ -54,7 +60,7 @@ class _Watchdog:
                    "no stacks: the whole process did not run")
             dumped = size
             self.stalls.append(f"{gap:.1f} s without Python running, during {self.test} "
-                               f"({how})")
+                               f"({how}; {faults - before} major page faults, {_machine()})")
         faulthandler.cancel_dump_traceback_later()
 
     def stop(self) -> str:
@@ -64,6 +70,19 @@ class _Watchdog:
         stacks = self.file.read()
         self.file.close()
         return stacks
+
+
+def _machine() -> str:
+    load = os.getloadavg()
+    avail = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, memory available {avail}"
 
 
 _WATCHDOG: _Watchdog | None = None
