@@ -134,6 +134,20 @@ class TransferAgent:
         except BaseException:  # e.g. CUDA buffers on a host-only transport: no leaked thread
             self.transport.close()
             raise
+        self._registration: Any = None
+        self._route_lookups: Any = None
+        self._metrics_server: Any = None
+        self.metrics_address: str | None = None
+        try:
+            self._start(layout, views, descs, effect_filter)
+        except BaseException:  # e.g. a control host not of this host: nothing left running
+            self._release()
+            raise
+
+    def _start(self, layout: LayoutSpec, views: dict[str, Any], descs: tuple[BufferDesc, ...],
+               effect_filter: EffectFilter | None) -> None:
+        """The rest of the constructor: the control loop and its session, registration with
+        the bootstrap server, the metrics endpoint."""
         self._timelines = RoomTimelines(role=self.role, agent_id=self.agent_id,
                                         transport=self.transport.kind.value)
         self._loop = ControlLoop(transport=self.transport, buffers=views,
@@ -153,8 +167,6 @@ class TransferAgent:
             hmac_secret=secret.get_secret_value().encode() if secret else None),
             settings=self.settings, now=time.monotonic())
         self._loop.start(self._session, self.agent_id)
-        self._registration: Any = None
-        self._route_lookups: Any = None
         if self.role is Role.PREFILL and self.settings.bootstrap_url:
             from kvhandoff.runtime.registration import Registration
 
@@ -165,8 +177,6 @@ class TransferAgent:
         if st.degraded:
             log.warning("agent %s: transport %s is DEGRADED: %s", self.agent_id, st.kind,
                         st.reason)
-        self.metrics_address: str | None = None
-        self._metrics_server: Any = None
         if self.settings.agent_metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -277,6 +287,11 @@ class TransferAgent:
             views = [v for v in self._open.values() if not v.done]
         for v in views:
             self._loop.post(ev.AbortRoom(v.room, v, "agent closed"))
+        self._release()
+
+    def _release(self) -> None:
+        """Stops what the agent runs, in reverse order of start: also for a constructor that
+        failed part way (what it did not start yet is not there)."""
         if self._registration is not None:
             self._registration.close()
         if self._route_lookups is not None:
@@ -284,7 +299,9 @@ class TransferAgent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        self._loop.close()
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.close()
         self.transport.close()
 
     def __enter__(self) -> TransferAgent:

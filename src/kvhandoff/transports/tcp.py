@@ -112,6 +112,7 @@ class TcpTransport(ThreadedTransport):
         except zmq.ZMQError as e:
             self._router.close()
             self._ctx.term()
+            self._abandon_threaded()
             raise TransportError(f"tcp: cannot bind agent_host={settings.agent_host!r}: {e}") from e
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")

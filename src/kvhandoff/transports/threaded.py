@@ -176,6 +176,12 @@ class ThreadedTransport(Transport):
             io_thread.join()
         for worker in also:
             worker.stop()
+        self._abandon_threaded()
+
+    def _abandon_threaded(self) -> None:
+        """Undoes `_init_threaded`: stops the callback thread, closes the wake pipe. For a
+        constructor that fails before its I/O thread started (nothing leaks from a refused
+        transport), and the end of `_shutdown_io`."""
         self._callbacks.stop()
         os.close(self._wake_r)
         os.close(self._wake_w)
