@@ -145,11 +145,14 @@ def test_one_sided_corruption_is_caught_and_rewritten(lane: str) -> None:
             d.assert_no_leak()
 
 
+@pytest.mark.parametrize("region", ["main_kv", "indexer_k"])
 @pytest.mark.parametrize("lane", ONE_SIDED)
-def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str) -> None:
+def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str, region: str
+                                                                  ) -> None:
     """Every write of the layer corrupted (the rewrite too): Failed on both sides naming the
-    layer and region, over one-sided writes; every page comes back."""
-    layer, region = 5, "indexer_k"
+    layer and region, over one-sided writes; every page comes back. Layer 5's regions are one
+    write job: the other region lands intact in the same jobs and is not the one named."""
+    layer = 5
     faults = {"corrupt": [{"layer": layer, "region": region, "times": 2 * TRIALS}]}
     with engine_pair(num_pages=TRIALS * 3 + 4, settings=fast_settings(transport="shm"),
                      prefill_faults=faults, decode_shared_pool=lane == "shm-map") as (p, d):
@@ -167,3 +170,22 @@ def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str) -> 
         assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
         p.assert_no_leak()
         d.assert_no_leak()
+
+
+@pytest.mark.parametrize("lane", ONE_SIDED)
+def test_one_sided_corruption_of_both_regions_of_a_layer_job_is_rewritten_once(lane: str
+                                                                               ) -> None:
+    """A layer's regions are one write job: both of layer 5's (main KV and indexer) corrupted
+    in the same job are caught together, the layer is rewritten once, byte-exact."""
+    faults = {"corrupt": [{"layer": 5, "region": "main_kv"}, {"layer": 5, "region": "indexer_k"}]}
+    with engine_pair(num_pages=8, settings=fast_settings(transport="shm"),
+                     prefill_faults=faults, decode_shared_pool=lane == "shm-map") as (p, d):
+        s, rv = p.send(1, SEQ), d.recv(1, SEQ, p.address)
+        assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+        assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+        assert rv.stats()["retransmits"] == 1 and rv.stats()["one_sided"] is True
+        assert d.agent.status()["counters"]["checksum_failures"] == 1
+        assert _writer_verifies(lane, d.agent.status()["counters"])
+        assert d.bad_bytes(1, SEQ) == 0
+        assert p.wait_all_released([1], WAIT_S) and d.wait_all_released([1], WAIT_S)
+

@@ -36,7 +36,7 @@ from kvhandoff.kv_layout.admission import AllocationPolicy
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.context import Context
-from kvhandoff.protocol.effects import HashSpans, Notify, PostRecv, PostSend, PostWrite
+from kvhandoff.protocol.effects import HashSpans, Notify, PostRecv, PostSend, PostWrite, WritePart
 from kvhandoff.protocol.handshake import (
     Refusal,
     admission_of,
@@ -70,11 +70,11 @@ MAX_ATTEMPTS = 2  # one retransmit after a checksum mismatch, then the room fail
 @dataclass(frozen=True, slots=True)
 class _Op:
     leg: Leg
-    tag: int
+    tags: tuple[int, ...]  # one per region (a one-sided write job: every region of its layer)
     send: bool
     unit: Unit
     attempt: int
-    region: str
+    regions: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,11 +319,12 @@ class DataPath:
         plans = r.plans_of(unit)
         return [name for name in self.ctx.layer_regions.get(unit.layer, ()) if name in plans]
 
-    def _op(self, r: Leg, tag: int, *, send: bool, unit: Unit, attempt: int,
-            region: str) -> int:
+    def _op(self, r: Leg, tags: tuple[int, ...], *, send: bool, unit: Unit, attempt: int,
+            regions: tuple[str, ...]) -> int:
         self._next_op += 1
-        self._ops[self._next_op] = _Op(r, tag, send, unit, attempt, region)
-        r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
+        self._ops[self._next_op] = _Op(r, tags, send, unit, attempt, regions)
+        for tag in tags:  # (a failing leg cancels each: a transport may have split the job)
+            r.inflight_tags[tag] = r.inflight_tags.get(tag, 0) + 1
         return self._next_op
 
     def _hash(self, job: _Job) -> None:
@@ -353,26 +354,25 @@ class DataPath:
         if not regions:  # another leg of the room brings this layer's planes
             r.outstanding[key] = 1
             self._queue_done(r, unit, attempt, (), ())
-            self._sent(r, unit, attempt, "", None)
+            self._sent(r, unit, attempt, (), None)
             return
-        r.outstanding[key] = len(regions)
         plans = r.plans_of(unit)
         want = wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
                               len(ctx.layers))
-        if r.one_sided:  # straight into the decode's pages, hashed while copying
-            r.write_sums[key] = {}
-            for name in regions:
-                plan = plans[name]
-                tag = r.tag(unit, ctx.region_index[name], attempt)
-                op = self._op(r, tag, send=True, unit=unit, attempt=attempt, region=name)
-                ctx.emit(PostWrite(op, r.peer, tag, buffer_name(name, unit.layer),
-                                   plan, want,
-                                   self._checksum_alg(r)))
+        if r.one_sided:  # straight into the decode's pages, hashed while copying: one job
+            r.outstanding[key] = 1  # for the layer's regions, one completion, a sum per region
+            parts = tuple(WritePart(r.tag(unit, ctx.region_index[name], attempt),
+                                    buffer_name(name, unit.layer), plans[name])
+                          for name in regions)
+            op = self._op(r, tuple(x.tag for x in parts), send=True, unit=unit,
+                          attempt=attempt, regions=tuple(regions))
+            ctx.emit(PostWrite(op, r.peer, parts, want, self._checksum_alg(r)))
             return
+        r.outstanding[key] = len(regions)
         for name in regions:
             plan = plans[name]
             tag = r.tag(unit, ctx.region_index[name], attempt)
-            op = self._op(r, tag, send=True, unit=unit, attempt=attempt, region=name)
+            op = self._op(r, (tag,), send=True, unit=unit, attempt=attempt, regions=(name,))
             ctx.emit(PostSend(op, r.peer, tag, buffer_name(name, unit.layer), plan.src_offsets,
                               plan.nbytes))
         if want:
@@ -417,7 +417,7 @@ class DataPath:
         for name in regions:
             plan = plans[name]
             tag = r.tag(unit, self.ctx.region_index[name], attempt)
-            op = self._op(r, tag, send=False, unit=unit, attempt=attempt, region=name)
+            op = self._op(r, (tag,), send=False, unit=unit, attempt=attempt, regions=(name,))
             self.ctx.emit(PostRecv(op, r.peer, tag, buffer_name(name, unit.layer),
                                    plan.dst_offsets, plan.nbytes))
 
@@ -428,61 +428,70 @@ class DataPath:
         if op is None:
             return
         r = op.leg
-        self._op_ended(r, op.tag)
+        self._op_ended(r, op.tags)
         if r.machine.is_terminal:
             self.rooms.maybe_release(r)
         elif op.send:
-            self._sent(r, op.unit, op.attempt, op.region, e.error)
+            self._sent(r, op.unit, op.attempt, op.regions, e.error)
         else:
-            self._received(r, op.unit, op.attempt, op.region, e.error)
+            self._received(r, op.unit, op.attempt, op.regions[0], e.error)
 
     def on_written(self, e: ev.Written) -> None:
-        """Prefill: a one-sided write of (unit, region) landed (or failed). LayerDone leaves
-        once every region of the unit landed, with the sums computed while copying."""
+        """Prefill: the one-sided write job of a unit's regions landed (or failed). Its
+        LayerDone leaves now, with the sums computed while copying (one per region)."""
         op = self._ops.pop(e.op, None)
         if op is None:
             return
         r = op.leg
-        self._op_ended(r, op.tag)
+        self._op_ended(r, op.tags)
         if r.machine.is_terminal:
             self.rooms.maybe_release(r)
             return
         error = e.error
-        key = (op.unit, op.attempt)
-        sums = r.write_sums.get(key)
-        if error is None and sums is not None:
+        if error is None:
             want = wants_checksum(self.ctx.settings.checksum, self.ctx.layer_order[op.unit.layer],
                                   len(self.ctx.layers))
-            if want and e.digest is None:
-                error = "the transport returned no checksum for a write that asked for one"
+            n = len(op.regions)
+            if want and (len(e.digests) != n or any(d is None for d in e.digests)):
+                error = (f"the transport returned {len(e.digests)} checksum(s), some missing, "
+                         f"for a write of {n} region(s) that asked for one each")
+            elif e.landed and len(e.landed) != n:
+                error = (f"the transport read back {len(e.landed)} region(s) of a write of "
+                         f"{n}")
             else:
-                sums[op.region] = e.digest if want else None
-                if want and e.landed is not None:
-                    plan = r.plans_of(op.unit)[op.region]
-                    r.landed.setdefault(key, {})[op.region] = (e.landed, plan.digest())
-                regions = tuple(self._regions_of(r, op.unit))
-                if len(sums) == len(regions):
-                    del r.write_sums[key]
-                    self._queue_done(r, op.unit, op.attempt, regions,
-                                     tuple(sums[n] for n in regions))
-        self._sent(r, op.unit, op.attempt, op.region, error)
+                key = (op.unit, op.attempt)
+                if want and e.landed:
+                    plans = r.plans_of(op.unit)
+                    checked = {name: (got, plans[name].digest())
+                               for name, got in zip(op.regions, e.landed, strict=True)
+                               if got is not None}
+                    if checked:
+                        r.landed.setdefault(key, {}).update(checked)
+                self._queue_done(r, op.unit, op.attempt, op.regions,
+                                 e.digests if want else (None,) * n)
+        self._sent(r, op.unit, op.attempt, op.regions, error)
 
-    def _op_ended(self, r: Leg, tag: int) -> None:
-        left = r.inflight_tags.get(tag, 1) - 1
-        if left:
-            r.inflight_tags[tag] = left
-        else:
-            r.inflight_tags.pop(tag, None)
+    def _op_ended(self, r: Leg, tags: tuple[int, ...]) -> None:
+        for tag in tags:
+            left = r.inflight_tags.get(tag, 1) - 1
+            if left:
+                r.inflight_tags[tag] = left
+            else:
+                r.inflight_tags.pop(tag, None)
 
-    def _sent(self, r: Leg, unit: Unit, attempt: int, region: str, error: str | None) -> None:
+    def _sent(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...],
+              error: str | None) -> None:
+        """One op of `unit` (a send of one region, or the write job of all of them) ended."""
         if error is not None:
-            self._fail_after_grace(r, f"send of layer {unit.layer} {region} failed: {error}")
+            self._fail_after_grace(r, f"send of layer {unit.layer} {', '.join(regions)} "
+                                      f"failed: {error}")
             return
-        plan = r.plans_of(unit)[region] if region else None
-        nbytes = plan.total_bytes if plan is not None else 0
-        r.bytes_moved += nbytes
-        self.ctx.counters["bytes_sent"] += nbytes
-        if plan is not None:
+        plans = r.plans_of(unit) if regions else {}
+        for region in regions:
+            plan = plans[region]
+            nbytes = plan.total_bytes
+            r.bytes_moved += nbytes
+            self.ctx.counters["bytes_sent"] += nbytes
             self.readouts.moved("sent", region, nbytes, plan.count)
         key = (unit, attempt)
         r.outstanding[key] -= 1

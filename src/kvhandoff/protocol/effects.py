@@ -103,19 +103,28 @@ class PostRecv(Effect):
 
 
 @dataclass(frozen=True, slots=True)
-class PostWrite(Effect):
-    """One-sided: write the pieces of `plan` (the region's `SpanPlan` as `build_spans` paired
-    it: src offsets into local buffer `buffer`, dst offsets into `peer`'s buffer of the same
-    name, installed by `RegisterRemote`) as they are, hashing the source stream while copying
-    when `checksum`, with the room's algorithm `alg` ("xxh3" or "devsum",
-    `handshake.checksum_alg`); completion comes back as `events.Written(op)` once the bytes
-    landed."""
+class WritePart:
+    """One region of a `PostWrite`: its data `tag`, its local buffer `buffer` (written into
+    the peer's buffer of the same name) and its `plan` (the region's `SpanPlan` as
+    `build_spans` paired it)."""
 
-    op: int
-    peer: str
     tag: int
     buffer: str
     plan: SpanPlan
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite(Effect):
+    """One-sided: write the pieces of every part's plan (src offsets into local buffer
+    `part.buffer`, dst offsets into `peer`'s buffer of the same name, installed by
+    `RegisterRemote`) as they are, as one job (a layer's regions: one completion), hashing
+    each part's source stream while copying when `checksum`, with the room's algorithm `alg`
+    ("xxh3" or "devsum", `handshake.checksum_alg`); completion comes back as
+    `events.Written(op)` once the bytes of every part landed, with one sum per part."""
+
+    op: int
+    peer: str
+    parts: tuple[WritePart, ...]
     checksum: bool
     alg: str = "xxh3"
 

@@ -117,15 +117,16 @@ class OpDone(Event):
 
 @dataclass(frozen=True, slots=True)
 class Written(Event):
-    """A `PostWrite` ended: `error` why it failed (None: the bytes landed), `digest` the
-    xxh3-64 of the source stream when the write was asked to hash it, `landed` the xxh3-64 of
-    the destination pieces read back by the writer right after the write (None: the
-    transport cannot read the peer's memory, the decode verifies)."""
+    """A `PostWrite` ended: `error` why it failed (None: the bytes of every part landed),
+    `digests` the xxh3-64 of each part's source stream (in part order) when the write was asked
+    to hash them, `landed` each part's xxh3-64 of its destination pieces read back by the
+    writer right after the write (None for a part, or empty: the transport cannot read the
+    peer's memory, the decode verifies)."""
 
     op: int
     error: str | None
-    digest: int | None = None
-    landed: int | None = None
+    digests: tuple[int | None, ...] = ()
+    landed: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

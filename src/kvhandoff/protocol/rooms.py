@@ -140,7 +140,6 @@ class Leg:
     cancelling: set[int] = field(default_factory=set)
     stop_failed: bool = False
     ack_when_stopped: bool = False
-    write_sums: dict[tuple[Unit, int], dict[str, int | None]] = field(default_factory=dict)
     # one-sided writes the writer read back (datapath: the writer's verification), per unit
     # and attempt: region -> (the landed sum, the digest of the plan the writer wrote by);
     # prefill: from its writes' completions, decode: from the LayerDone

@@ -27,7 +27,7 @@ from kvhandoff.buffers.bufferset import view_memory
 from kvhandoff.buffers.devsum import room_checksum
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import HashSpans, PostWrite
-from kvhandoff.transports.base import OneSidedTransport, OnWritten, Transport
+from kvhandoff.transports.base import OneSidedTransport, OnWrittenMany, Transport
 
 HASH_WORKERS = 2
 
@@ -67,16 +67,17 @@ class Hasher:
 
     # ------------------------------------------------------------------ one-sided writes
 
-    def write_plan(self, eff: PostWrite) -> tuple[bool, OnWritten]:
+    def write_plan(self, eff: PostWrite) -> tuple[bool, OnWrittenMany]:
         """(control thread) How to post `eff`: whether the transport hashes it while copying
-        (`checksum=` of `post_write`), and the completion to give it, which posts `Written`
-        with the digest of the room's algorithm."""
-        fused = eff.checksum and self.write_digest_alg(eff.buffer) == eff.alg
+        (`checksum=` of `post_writes`), and the completion to give it, which posts `Written`
+        with one digest of the room's algorithm per part."""
+        fused = eff.checksum and all(self.write_digest_alg(x.buffer) == eff.alg
+                                     for x in eff.parts)
         if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
-            return True, lambda exc, digest: self._written_read_back(eff, exc, digest)
+            return True, lambda exc, digests: self._written_read_back(eff, exc, digests)
         if fused or not eff.checksum:
-            return fused, lambda exc, digest: self._written(eff.op, exc, digest)
-        return False, lambda exc, _digest: self._written_then_hash(eff, exc)
+            return fused, lambda exc, digests: self._written(eff.op, exc, digests)
+        return False, lambda exc, _digests: self._written_then_hash(eff, exc)
 
     def write_digest_alg(self, name: str) -> str | None:
         """The algorithm of the digest `transport.post_write(checksum=True)` gives for buffer
@@ -90,44 +91,48 @@ class Hasher:
         buf = self._buffers.get(name)
         return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
 
-    def _written(self, op: int, exc: BaseException | None, digest: int | None) -> None:
-        """(transport thread) A one-sided write ended."""
-        self._post(ev.Written(op, None if exc is None else str(exc), digest))
+    def _written(self, op: int, exc: BaseException | None,
+                 digests: tuple[int | None, ...]) -> None:
+        """(transport thread) A one-sided write job ended."""
+        self._post(ev.Written(op, None if exc is None else str(exc), digests))
 
     def _written_read_back(self, eff: PostWrite, exc: BaseException | None,
-                           digest: int | None) -> None:
-        """(the write's completion thread: shm's copy thread) A hashed write of host memory
-        ended: where the transport can read the peer's memory (shm's mapped lane) the bytes
-        that landed are read back and hashed now, while in cache, and `Written` carries both
-        sums (the decode compares them: the writer's verification; elsewhere `landed` is None
-        and the decode hashes what landed)."""
+                           digests: tuple[int | None, ...]) -> None:
+        """(the write's completion thread: shm's copy thread) A hashed write job of host
+        memory ended: where the transport can read the peer's memory (shm's mapped lane) the
+        bytes of each part that landed are read back and hashed now, while in cache, and
+        `Written` carries both sums per part (the decode compares them: the writer's
+        verification; a part whose `landed` is None the decode hashes itself)."""
         if exc is not None:
             self._post(ev.Written(eff.op, str(exc)))
             return
         assert isinstance(self._transport, OneSidedTransport)
         try:
-            landed = self._transport.landed_digest(eff.peer, eff.buffer, eff.plan)
+            landed = tuple(self._transport.landed_digest(eff.peer, x.buffer, x.plan)
+                           for x in eff.parts)
         except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
             self._post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
             return
-        self._post(ev.Written(eff.op, None, digest, landed))
+        self._post(ev.Written(eff.op, None, digests,
+                              landed if any(x is not None for x in landed) else ()))
 
     def _written_then_hash(self, eff: PostWrite, exc: BaseException | None) -> None:
-        """(transport thread) A write whose digest the transport could not compute in the
-        room's algorithm ended: hash its source spans on the pool, then post `Written`."""
+        """(transport thread) A write job whose digests the transport could not compute in
+        the room's algorithm ended: hash each part's source spans on the pool, then post
+        `Written`."""
         if exc is not None:
             self._post(ev.Written(eff.op, str(exc)))
             return
 
         def hash_source() -> None:
             try:
-                d = room_checksum(self._buffers[eff.buffer], eff.plan.src_offsets, eff.plan.nbytes,
-                                  eff.alg)
+                sums = tuple(room_checksum(self._buffers[x.buffer], x.plan.src_offsets,
+                                           x.plan.nbytes, eff.alg) for x in eff.parts)
             except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
                 self._post(ev.Written(eff.op, f"checksum ({eff.alg}) of the written source "
                                               f"failed: {e!r}"))
                 return
-            self._post(ev.Written(eff.op, None, d))
+            self._post(ev.Written(eff.op, None, sums))
 
         try:
             self._pool.submit(hash_source)

@@ -230,8 +230,9 @@ class ControlLoop:
                 if not isinstance(tr, OneSidedTransport):
                     raise TransportError(f"post_write: the {tr.kind} transport has no "
                                          "one-sided writes")
-                tr.post_write(eff.peer, eff.tag, eff.buffer, eff.buffer, eff.plan,
-                              written, checksum=fused)
+                # a layer's regions as one job (a transport that cannot, splits it: base.py)
+                tr.post_writes(eff.peer, [(x.tag, x.buffer, x.buffer, x.plan) for x in eff.parts],
+                               written, checksum=fused)
             except KVHandoffError as e:
                 self.post(ev.Written(eff.op, str(e)))
         elif isinstance(eff, RegisterRemote):

@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,10 @@ from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
     OnWritten,
+    OnWrittenMany,
     Transport,
     TransportStatus,
+    WriteSpec,
 )
 
 log = logging.getLogger("kvhandoff.testing.faults")
@@ -254,33 +256,86 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         return self._writer.landed_digest(peer, remote, plan)
 
+    def _corruptions(self, writes: Sequence[WriteSpec]) -> list[_Flip]:
+        """The configured corruptions that match a write of `writes` (its layer and region)."""
+        found = []
+        for tag, name, remote, plan in writes:
+            _, layer, _, _ = P.split_tag(tag)
+            region = name.rsplit("/", 1)[0]
+            spec = next((c for c in self._corrupt if c.layer == layer and c.region == region),
+                        None)
+            if spec is not None and len(plan):
+                found.append(_Flip(spec, tag, name, remote, plan, layer, region))
+        return found
+
+    def _after_landed(self, peer: str, flips: list[_Flip], exc: BaseException | None,
+                      then: Callable[[BaseException | None], None]) -> None:
+        """A write (job) landed: flip one byte of each region in `flips` whose corruption is
+        still due, one 1-byte write after the other, then `then` (before the writer's
+        read-back, which runs in the completion `then` calls)."""
+        with self._lock:
+            due = [f for f in flips if exc is None and f.spec.times > 0]
+            for f in due:
+                f.spec.times -= 1
+        if exc is not None or not due:
+            then(exc)
+            return
+
+        def flip(i: int, err: BaseException | None) -> None:
+            if err is not None or i == len(due):
+                then(err)
+                return
+            f = due[i]
+            src, dst = int(f.plan.src_offsets[0]), int(f.plan.dst_offsets[0])
+            self._scratch[0] = self._bufs[f.name][src] ^ 0xFF
+            self.log.corrupted.append((f.layer, f.region, dst))
+            log.warning("fault injection: flipping byte %d of the peer's %s", dst, f.remote)
+            self._writer.post_write(peer, f.tag, SCRATCH, f.remote, plan_of([0], [dst], [1]),
+                                    lambda e, _d: flip(i + 1, e))
+
+        flip(0, None)
+
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
                    on_done: OnWritten, *, checksum: bool = False) -> None:
         if self._outgoing_fault(peer, tag, lambda exc: on_done(exc, None)):
             return
-        _, layer, _, _ = P.split_tag(tag)
-        region = name.rsplit("/", 1)[0]
-        spec = next((c for c in self._corrupt if c.layer == layer and c.region == region), None)
-        if spec is None or not len(plan):
+        flips = self._corruptions([(tag, name, remote, plan)])
+        if not flips:
             self._writer.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
             return
-        src, dst = int(plan.src_offsets[0]), int(plan.dst_offsets[0])
+        self._writer.post_write(peer, tag, name, remote, plan, lambda exc, digest:
+                                self._after_landed(peer, flips, exc,
+                                                   lambda e: on_done(e, digest)),
+                                checksum=checksum)
 
-        def landed(exc: BaseException | None, digest: int | None) -> None:
-            with self._lock:
-                fire = exc is None and spec.times > 0
-                spec.times -= fire
-            if not fire:
-                on_done(exc, digest)
-                return
-            self._scratch[0] = self._bufs[name][src] ^ 0xFF
-            self.log.corrupted.append((layer, region, dst))
-            log.warning("fault injection: flipping byte %d of the peer's %s", dst, remote)
-            self._writer.post_write(peer, tag, SCRATCH, remote, plan_of([0], [dst], [1]),
-                                  lambda e, _d: on_done(e, digest))
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """Forwarded as one job (the faults of its first write's layer: a stall, failure or
+        crash of the whole job); each corrupted region gets its byte flipped once the job
+        landed."""
+        if writes and self._outgoing_fault(peer, writes[0][0], lambda exc: on_done(exc, ())):
+            return
+        flips = self._corruptions(writes)
+        if not flips:
+            self._writer.post_writes(peer, writes, on_done, checksum=checksum)
+            return
+        self._writer.post_writes(peer, writes, lambda exc, digests:
+                                 self._after_landed(peer, flips, exc, lambda e: on_done(
+                                     e, digests if e is None else ())),
+                                 checksum=checksum)
 
-        self._writer.post_write(peer, tag, name, remote, plan, landed, checksum=checksum)
 
+@dataclass(frozen=True)
+class _Flip:
+    """A corruption due on one write of a job: its spec and the write it flips a byte of."""
+
+    spec: Corrupt
+    tag: int
+    name: str
+    remote: str
+    plan: SpanPlan
+    layer: int
+    region: str
 
 
 class MessageFaults:

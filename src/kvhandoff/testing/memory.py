@@ -275,24 +275,28 @@ class MemoryWire:
             self.completions.append((r.side, ev.OpDone(r.op, None)))
 
     def _write(self, side: Side, eff: PostWrite) -> None:
-        """A one-sided write lands at once (into the peer's buffer of the same name)."""
+        """A one-sided write job lands at once (each part into the peer's buffer of the same
+        name), with one digest per part when hashed."""
         dest = self.sides.get(eff.peer)
         if dest is None or eff.peer in self.exited:
             self.completions.append((side, ev.Written(eff.op, f"peer {eff.peer} is gone")))
             return
-        src, dst = side.buffers[eff.buffer], dest.buffers[eff.buffer]
-        plan = eff.plan
-        for so, do, n in plan:
-            dst[do:do + n] = src[so:so + n]
-        _, layer, _, _ = P.split_tag(eff.tag)
-        region = eff.buffer.rsplit("/", 1)[0]
-        if (layer, region) in self._corrupt and len(plan):
-            self._corrupt.remove((layer, region))
-            dst[int(plan.dst_offsets[0])] ^= 0xFF
-        digest = span_checksum(src, plan.src_offsets, plan.nbytes) if eff.checksum else None
-        done = ev.Written(eff.op, None, digest)
+        digests: list[int | None] = []
+        for part in eff.parts:
+            src, dst = side.buffers[part.buffer], dest.buffers[part.buffer]
+            plan = part.plan
+            for so, do, n in plan:
+                dst[do:do + n] = src[so:so + n]
+            _, layer, _, _ = P.split_tag(part.tag)
+            region = part.buffer.rsplit("/", 1)[0]
+            if (layer, region) in self._corrupt and len(plan):
+                self._corrupt.remove((layer, region))
+                dst[int(plan.dst_offsets[0])] ^= 0xFF
+            if eff.checksum:
+                digests.append(span_checksum(src, plan.src_offsets, plan.nbytes))
+        done = ev.Written(eff.op, None, tuple(digests))
         if self.hold_writes:
-            self._writes_held.append((side, eff.peer, eff.tag, done))
+            self._writes_held.append((side, eff.peer, eff.parts[0].tag, done))
         else:
             self.completions.append((side, done))
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import msgspec
@@ -43,9 +44,11 @@ from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
     OnWritten,
+    OnWrittenMany,
     Transport,
     TransportKind,
     TransportStatus,
+    WriteSpec,
     load_transport,
 )
 from kvhandoff.transports.hostid import host_id
@@ -338,6 +341,16 @@ class AutoTransport(OneSidedTransport):
             raise TransportError(f"post_write: the {self._lane(part)} lane to peer {peer!r} has "
                                  "no one-sided writes; use post_send / post_recv")
         part.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
+
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """To the peer's part as one job (shm copies it as one; a part that cannot splits
+        it, base.split_writes)."""
+        part = self._route(peer, "post_writes")
+        if not isinstance(part, OneSidedTransport):
+            raise TransportError(f"post_writes: the {self._lane(part)} lane to peer {peer!r} "
+                                 "has no one-sided writes; use post_send / post_recv")
+        part.post_writes(peer, writes, on_done, checksum=checksum)
 
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """The part's read-back (shm's mapped lane; None across hosts: the peer verifies)."""

@@ -26,13 +26,20 @@
 #   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
 #   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
 #   re-pairs them. Without the capability the agent uses post_send / post_recv.
+# - post_writes posts several such writes (one layer's regions: (tag, name, remote, plan) each)
+#   as one job with one completion: on_done(err, digests), one digest per write, in order (each
+#   the xxh3-64 of that write's own source stream). A transport that copies them as one job
+#   (shm's host lanes) keeps it under the first write's tag, and cancel of any of the tags ends
+#   it (the others' cancels find nothing); the default posts each write under its own tag and
+#   completes once the last one did (`split_writes`), so every one-sided transport takes it.
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -46,6 +53,12 @@ if TYPE_CHECKING:
 OnDone = Callable[[BaseException | None], None]
 #: Completion of a one-sided write: (error or None, xxh3-64 of the source stream or None).
 OnWritten = Callable[[BaseException | None, int | None], None]
+
+#: Completion of several one-sided writes posted as one job (`post_writes`): (error or None,
+#: one digest per write, in order, None where not asked for; empty when the job failed).
+OnWrittenMany = Callable[[BaseException | None, tuple[int | None, ...]], None]
+#: One write of a `post_writes` job: (tag, local buffer name, remote buffer name, plan).
+WriteSpec = tuple[int, str, str, "SpanPlan"]
 
 #: Tags the agent passes must be below this; the bits above belong to the transport.
 TAG_LIMIT = 1 << 40
@@ -142,6 +155,15 @@ class OneSidedTransport(Transport):
         once they landed, `digest` the xxh3-64 of the source stream (the src pieces in plan
         order) when `checksum`. cancel(peer, tag) ends it."""
 
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """Writes several plans (`writes`: (tag, name, remote, plan) each, distinct tags) as
+        one job: `on_done(err, digests)` once all landed (or the first error once every one
+        ended), `digests` one per write (each write's source stream when `checksum`).
+        cancel(peer, tag) of any of the tags ends it. This default posts them one by one
+        (`split_writes`)."""
+        split_writes(self, peer, writes, on_done, checksum=checksum)
+
     def write_digest_alg(self, name: str) -> str | None:
         """The algorithm of post_write(checksum=True)'s digest for local buffer `name`; None
         when the transport does not say (the caller then takes it for xxh3 of host memory)."""
@@ -153,6 +175,43 @@ class OneSidedTransport(Transport):
         write that just landed (call it from that write's on_done). None when this transport
         cannot read the peer's memory (across hosts; then the peer verifies what landed)."""
         return None
+
+
+def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
+                 on_done: OnWrittenMany, *, checksum: bool = False) -> None:
+    """`post_writes` as one `post_write` per write under its own tag: `on_done` once the last
+    completion came, with the first error (writes already posted when a later one is refused
+    are waited for, and the refusal is the job's error; a refusal of the first raises)."""
+    if not callable(on_done):
+        raise TransportError("post_writes: on_done must be callable")
+    if not writes:
+        raise TransportError("post_writes: writes must name at least one write")
+    digests: list[int | None] = [None] * len(writes)
+    lock = threading.Lock()
+    state: dict[str, Any] = {"left": len(writes), "error": None}
+
+    def one(i: int) -> OnWritten:
+        def done(exc: BaseException | None, digest: int | None) -> None:
+            with lock:
+                digests[i] = digest
+                if exc is not None and state["error"] is None:
+                    state["error"] = exc
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                err = state["error"]
+                on_done(err, () if err is not None else tuple(digests))
+        return done
+
+    for i, (tag, name, remote, plan) in enumerate(writes):
+        try:
+            transport.post_write(peer, tag, name, remote, plan, one(i), checksum=checksum)
+        except TransportError as e:
+            if i == 0:
+                raise
+            for k in range(i, len(writes)):  # never posted: they end now, with the refusal
+                one(k)(e, None)
+            return
 
 
 _BACKENDS = {

@@ -14,6 +14,8 @@
 #   math is vectorised, only the per-piece memcpy is a loop.
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvhandoff.errors import TransportError
@@ -132,6 +134,25 @@ def write_plan(peer: str, name: str, plan: object, size: int, remote: str,
             raise TransportError(f"post_write {name!r}: plan.{field}[{i}]={off[i]} + "
                                  f"nbytes[{i}]={nb[i]} exceeds the {whose} of {limit} bytes")
     return plan.nonempty()  # (not reached: bounds() and the checks above agree)
+
+
+def write_plans(peer: str, writes: Sequence[tuple[int, str, str, object]], on_done: object,
+                sizes: Sequence[int | None], targets: Sequence[int | None], *,
+                connected: bool) -> list[SpanPlan]:
+    """The checks of a `post_writes` job, write by write (its tag, its local buffer registered:
+    `sizes[i]`, None if not, and `write_plan` against `targets[i]`, the installed remote's
+    size); the plans without their empty pieces, in order."""
+    if not callable(on_done):
+        raise TransportError("post_writes: on_done must be callable")
+    if not writes:
+        raise TransportError("post_writes: writes must name at least one write")
+    plans = []
+    for (tag, name, remote, plan), size, target in zip(writes, sizes, targets, strict=True):
+        check_tag(tag)
+        if size is None:
+            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        plans.append(write_plan(peer, name, plan, size, remote, target, connected=connected))
+    return plans
 
 
 class ChunkPlan:

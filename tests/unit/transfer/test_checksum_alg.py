@@ -54,9 +54,9 @@ class AlgWire(MemoryWire):
         done = self.completions[-1]
         assert isinstance(done[1], ev.Written)
         if eff.checksum and done[1].error is None:
-            digest = room_checksum(side.buffers[eff.buffer], eff.plan.src_offsets,
-                                   eff.plan.nbytes, eff.alg)
-            self.completions[-1] = (side, ev.Written(eff.op, None, digest))
+            digests = tuple(room_checksum(side.buffers[x.buffer], x.plan.src_offsets,
+                                          x.plan.nbytes, eff.alg) for x in eff.parts)
+            self.completions[-1] = (side, ev.Written(eff.op, None, digests))
 
 
 def _pair(prefill_memory: str, decode_memory: str, *, writes: bool

@@ -10,7 +10,7 @@ import numpy as np
 from kvhandoff.buffers.devsum import room_checksum
 from kvhandoff.kv_layout import plan_of
 from kvhandoff.protocol import events as ev
-from kvhandoff.protocol.effects import HashSpans, PostWrite
+from kvhandoff.protocol.effects import HashSpans, PostWrite, WritePart
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.settings import Settings
 from kvhandoff.transports.inproc import InprocTransport
@@ -42,8 +42,8 @@ SPANS = (np.array([0, 1024], dtype=np.int64), np.array([512, 256], dtype=np.int6
 
 def write(alg: str, checksum: bool = True) -> PostWrite:
     offsets, nbytes = SPANS
-    return PostWrite(7, "peer:1", 3, "main_kv/0", plan_of(offsets, offsets, nbytes), checksum,
-                     alg)
+    return PostWrite(7, "peer:1", (WritePart(3, "main_kv/0", plan_of(offsets, offsets, nbytes)),),
+                     checksum, alg)
 
 
 def test_an_xxh3_write_of_host_memory_is_hashed_by_the_transport_while_copying() -> None:
@@ -51,8 +51,8 @@ def test_an_xxh3_write_of_host_memory_is_hashed_by_the_transport_while_copying()
     try:
         fused, done = h.write_plan(write("xxh3"))
         assert fused  # what every transport's fused hash gives for host buffers
-        done(None, 1234)
-        assert posted.events == [ev.Written(7, None, 1234)]
+        done(None, (1234,))
+        assert posted.events == [ev.Written(7, None, (1234,))]
     finally:
         h.close()
 
@@ -62,10 +62,10 @@ def test_a_devsum_write_is_hashed_after_it_landed_with_the_rooms_algorithm() -> 
     try:
         fused, done = h.write_plan(write("devsum"))
         assert not fused  # the transport's digest would be xxh3: not the room's
-        done(None, None)
+        done(None, ())
         assert posted.arrived.wait(WAIT_S)
         want = room_checksum(buf, *SPANS, "devsum")
-        assert posted.events == [ev.Written(7, None, want)]
+        assert posted.events == [ev.Written(7, None, (want,))]
     finally:
         h.close()
 
@@ -74,7 +74,7 @@ def test_a_failed_write_is_not_hashed_and_says_why() -> None:
     h, posted, _ = hasher()
     try:
         _, done = h.write_plan(write("devsum"))
-        done(RuntimeError("peer gone"), None)
+        done(RuntimeError("peer gone"), ())
         assert posted.events == [ev.Written(7, "peer gone")]
     finally:
         h.close()

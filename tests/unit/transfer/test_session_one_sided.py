@@ -64,6 +64,12 @@ def test_layers_are_written_into_the_decode_and_verified_there() -> None:
     assert bad_bytes(d) == 0
     writes = [e for s, e in seen if s == "prefill:1" and isinstance(e, PostWrite)]
     assert writes and all(e.checksum for e in writes)
+    # one write job per layer, its parts every region of that layer, each under its own tag
+    lay = p.session.layout
+    want = sorted(tuple(r.name for r in lay.regions if lid in r.layer_ids) for lid in layers(lay))
+    assert sorted(tuple(x.buffer.rsplit("/", 1)[0] for x in e.parts) for e in writes) == want
+    assert any(len(e.parts) > 1 for e in writes)
+    assert all(len({x.tag for x in e.parts}) == len(e.parts) for e in writes)
     # nothing two-sided on either side, and no receive on the decode
     assert not [e for _, e in seen if isinstance(e, PostSend | PostRecv)]
     c = d.session.counters
@@ -213,9 +219,9 @@ def read_back_writes(w: MemoryWire, *, plan_skew: bool = False) -> None:
         write(side, eff)
         side_, done = w.completions.pop()
         assert isinstance(done, ev.Written) and done.op == eff.op
-        dst = w.sides[eff.peer].buffers[eff.buffer]
-        landed = span_checksum(dst, eff.plan.dst_offsets, eff.plan.nbytes)
-        w.completions.append((side_, ev.Written(done.op, done.error, done.digest, landed)))
+        landed = tuple(span_checksum(w.sides[eff.peer].buffers[x.buffer], x.plan.dst_offsets,
+                                     x.plan.nbytes) for x in eff.parts)
+        w.completions.append((side_, ev.Written(done.op, done.error, done.digests, landed)))
 
     w._write = with_read_back  # type: ignore[method-assign]
     if not plan_skew:

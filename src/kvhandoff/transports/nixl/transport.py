@@ -8,8 +8,9 @@
 # - register() also registers the buffer with the agent (DRAM for a numpy array, VRAM for a
 #   CUDA buffer); describe() gives (agent, memory kind, address, length, device) and
 #   register_remote() keeps the peer's region (checking it is of that peer's agent).
-# - post_write() checks its span plan against both buffers, makes one (local, remote)
-#   descriptor pair per piece of the plan (vectorised) and queues the op; the transport's own
+# - post_write() / post_writes() (a layer's regions as ONE WRITE: one request, one completion,
+#   a digest per write) check each span plan against both buffers, make one (local, remote)
+#   descriptor pair per piece of the plan (vectorised) and queue the op; the transport's own
 #   NIXL thread creates and posts one NIXL WRITE per op and polls its state (backing off to
 #   1 ms while writes are in flight, asleep when none are). With checksum=True a hash worker
 #   computes the xxh3-64 of the source stream while the write is in flight. on_done(err,
@@ -31,13 +32,22 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OneSidedTransport, OnWritten, TransportKind, TransportStatus
+from kvhandoff.transports.base import (
+    OneSidedTransport,
+    OnWritten,
+    OnWrittenMany,
+    TransportKind,
+    TransportStatus,
+    WriteSpec,
+    split_writes,
+)
 from kvhandoff.transports.callbacks import CallbackThread
 from kvhandoff.transports.nixl.lib import UcxOffer, nixl_api, nixl_version, ucx_offer
 from kvhandoff.transports.nixl.wire import (
@@ -51,7 +61,7 @@ from kvhandoff.transports.nixl.wire import (
     memory_of,
     write_descs,
 )
-from kvhandoff.transports.streams import check_tag, write_plan
+from kvhandoff.transports.streams import check_tag, write_plans
 from kvhandoff.transports.tcp import TcpTransport
 
 if TYPE_CHECKING:
@@ -65,20 +75,21 @@ _POLL_MAX_S = 0.001
 
 class _Write:
     __slots__ = ("peer", "tag", "total", "mem", "ldesc", "rdesc", "agent", "on_done", "handle",
-                 "finished", "landed", "want_digest", "digest", "err", "seq")
+                 "finished", "landed", "want_digest", "digest", "err", "seq", "parts")
 
     def __init__(self, peer: str, tag: int, total: int, mem: str, ldesc: np.ndarray,
-                 rdesc: np.ndarray, agent: str, on_done: OnWritten, want_digest: bool,
-                 seq: int) -> None:
+                 rdesc: np.ndarray, agent: str, on_done: OnWrittenMany, want_digest: bool,
+                 seq: int, parts: int = 1) -> None:
         self.peer, self.tag, self.total, self.mem = peer, tag, total, mem
         self.ldesc, self.rdesc, self.agent, self.on_done = ldesc, rdesc, agent, on_done
         self.handle: Any = None
         self.finished = False
         self.landed = False
         self.want_digest = want_digest
-        self.digest: int | None = None
+        self.digest: tuple[int | None, ...] | None = None  # one per write of the job
         self.err: str | None = None
         self.seq = seq
+        self.parts = parts  # the writes of the job (one digest each)
 
 
 class NixlTransport(TcpTransport, OneSidedTransport):
@@ -232,25 +243,42 @@ class NixlTransport(TcpTransport, OneSidedTransport):
 
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
                    on_done: OnWritten, *, checksum: bool = False) -> None:
-        tag = check_tag(tag)
         if not callable(on_done):
             raise TransportError("post_write: on_done must be callable")
-        mem = self._mems.get(name)
-        if mem is None:
-            raise TransportError(f"post_write: no buffer registered as {name!r}")
+        self.post_writes(peer, [(tag, name, remote, plan)],
+                         lambda exc, digests: on_done(exc, digests[0] if digests else None),
+                         checksum=checksum)
+
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """The writes' pieces as ONE NIXL WRITE (one request, one completion) under the first
+        write's tag, each write's source hashed on its own; writes of both memory kinds (DRAM
+        and VRAM) in one job: one WRITE each (split_writes)."""
         with self._lock:
             known = self._peer_agents.get(peer)
-            region = self._remotes.get(peer, {}).get(remote)
-        plan = write_plan(peer, name, plan, mem.length, remote,
-                          None if region is None else region.length, connected=known is not None)
-        assert known is not None and region is not None  # write_plan checked both
-        total = plan.total_bytes
-        if checksum and mem.host is None:
-            raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
-                                 "buffer; hash VRAM on the device")
-        ldesc, rdesc = write_descs(mem, plan, region)
-        op = _Write(peer, tag, total, mem.mem, ldesc, rdesc, known[0], on_done, checksum,
-                    next(self._seq))
+            regions = [self._remotes.get(peer, {}).get(w[2]) for w in writes]
+        mems = [self._mems.get(w[1]) for w in writes]
+        plans = write_plans(peer, writes, on_done, [None if m is None else m.length for m in mems],
+                            [None if r is None else r.length for r in regions],
+                            connected=known is not None)
+        parts: list[tuple[Memory, SpanPlan, NixlRegion]] = []
+        for (_, name, _, _), mem, plan, region in zip(writes, mems, plans, regions, strict=True):
+            assert mem is not None and region is not None  # write_plans checked both
+            if checksum and mem.host is None:
+                raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
+                                     "buffer; hash VRAM on the device")
+            parts.append((mem, plan, region))
+        assert known is not None  # write_plan checked it
+        if len({m.mem for m, _, _ in parts}) > 1:  # one NIXL request moves one memory kind
+            split_writes(self, peer, writes, on_done, checksum=checksum)
+            return
+        descs = [write_descs(m, plan, region) for m, plan, region in parts]
+        ldesc = descs[0][0] if len(descs) == 1 else np.concatenate([d[0] for d in descs])
+        rdesc = descs[0][1] if len(descs) == 1 else np.concatenate([d[1] for d in descs])
+        tag = check_tag(writes[0][0])
+        total = sum(plan.total_bytes for _, plan, _ in parts)
+        op = _Write(peer, tag, total, parts[0][0].mem, ldesc, rdesc, known[0], on_done, checksum,
+                    next(self._seq), len(parts))
         with self._lock:
             self._check_open()
             if peer not in self._peers:
@@ -262,9 +290,8 @@ class NixlTransport(TcpTransport, OneSidedTransport):
             if total == 0:
                 op.landed = True
         if checksum:
-            assert mem.host is not None
-            self._hasher.submit(functools.partial(self._hash, op, mem.host, plan.src_offsets,
-                                                  plan.nbytes))
+            self._hasher.submit(functools.partial(
+                self._hash, op, [(m.host, plan.src_offsets, plan.nbytes) for m, plan, _ in parts]))
         if total == 0:
             self._complete(op)
             return
@@ -330,10 +357,11 @@ class NixlTransport(TcpTransport, OneSidedTransport):
 
     # ---- completion (any thread) -----------------------------------------------------------
 
-    def _hash(self, op: _Write, host: np.ndarray, off: np.ndarray, nb: np.ndarray) -> None:
+    def _hash(self, op: _Write, spans: list[tuple[Any, np.ndarray, np.ndarray]]) -> None:
+        """(hash worker) The digest of each write's source stream, while the WRITE flies."""
         if op.finished:
             return
-        op.digest = span_checksum(host, off, nb)
+        op.digest = tuple(span_checksum(host, off, nb) for host, off, nb in spans)
         self._complete(op)
 
     def _complete(self, op: _Write, err: str | None = None) -> None:
@@ -348,10 +376,11 @@ class NixlTransport(TcpTransport, OneSidedTransport):
             self._writes.pop((op.peer, op.tag), None)
             if err is None:
                 self._written += op.total
-                result: tuple[BaseException | None, int | None] = (
-                    None, op.digest if op.want_digest else None)
+                result: tuple[BaseException | None, tuple[int | None, ...]] = (
+                    None, op.digest if op.want_digest and op.digest is not None
+                    else (None,) * op.parts)
             else:
-                result = (TransportError(err), None)
+                result = (TransportError(err), ())
             self._callbacks.submit(functools.partial(op.on_done, *result))
 
     def _end_writes(self, ops: list[_Write], reason: str) -> None:

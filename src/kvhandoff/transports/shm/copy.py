@@ -9,9 +9,11 @@
 # - "cma": any other buffer: process_vm_writev into the peer's address space, 1,024 iovecs per
 #   call (GIL released). A dead peer is an error return (ESRCH), never a signal.
 # A job's pieces (source address, destination address, length) are split by bytes into parts,
-# one per copy thread, so the spans of a layer are copied by a few threads at once. With
-# `checksum` the job runs as one part and hashes each source piece (xxh3-64, stream order) just
-# before copying it, while it is in cache (a fused copy+hash pass).
+# one per copy thread, so the spans of a layer are copied by a few threads at once. A job may
+# carry several regions' pieces back to back (`bounds`: one one-sided write job per layer, one
+# completion); with `checksum` each region runs as one part and hashes each of its source
+# pieces (xxh3-64, stream order) just before copying it, while it is in cache (a fused
+# copy+hash pass), so the job has one digest per region (`digests`).
 #
 # The map lane copies through the native helper when it is built (_native.py: one foreign call
 # per batch of pieces, the hash fused in C); else piece by piece from Python. `read_back` hashes
@@ -101,25 +103,38 @@ class Job:
     """One span-list copy into a Target (see module comment)."""
 
     __slots__ = ("src", "dst", "lens", "target", "checksum", "on_end", "cancelled", "error",
-                 "digest", "_parts_left", "_lock", "_ended", "ended_event", "total", "owner")
+                 "digests", "bounds", "keep", "_parts_left", "_lock", "_ended", "ended_event",
+                 "total", "owner")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, target: Target,
-                 checksum: bool, on_end: Callable[[Job], None], owner: Any = None) -> None:
+                 checksum: bool, on_end: Callable[[Job], None], owner: Any = None, *,
+                 bounds: tuple[int, ...] | None = None, keep: tuple[Target, ...] = ()) -> None:
         self.src = src  # int64 source addresses (this process)
         self.dst = dst  # int64 destination addresses (see Target.base)
         self.lens = lens
         self.total = int(lens.sum()) if lens.size else 0
-        self.target = target
+        self.target = target  # its lane and process (every region's target is on the same)
+        self.keep = keep  # the other regions' targets (their mappings stay alive)
+        # the regions' pieces: region i is pieces bounds[i]:bounds[i + 1] (one region: all)
+        self.bounds = bounds if bounds is not None else (0, int(lens.size))
         self.checksum = checksum
         self.on_end = on_end
         self.owner = owner  # what the caller wants back (its op)
         self.cancelled = False
         self.error: str | None = None
-        self.digest: int | None = None
+        # with checksum: the xxh3-64 of each region's source stream (an empty region's is
+        # that of no bytes; the others are set by their part)
+        empty = int(xxhash.xxh3_64_intdigest(b"")) if checksum else None
+        self.digests: list[int | None] = [empty] * (len(self.bounds) - 1)
         self._parts_left = 0
         self._lock = threading.Lock()
         self._ended = False
         self.ended_event = threading.Event()
+
+    @property
+    def digest(self) -> int | None:
+        """The digest of a one-region job (None: several regions, or not hashed)."""
+        return self.digests[0] if len(self.digests) == 1 else None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -144,7 +159,7 @@ class CopyPool:
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = max(1, int(threads))
-        self._queue: queue.SimpleQueue[tuple[Job, int, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Job, int, int, int] | None] = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(self.threads)]
         for w in self._workers:
@@ -156,16 +171,21 @@ class CopyPool:
             job._parts_left = 1
             job._part_done(None)
             return
-        parts = 1 if job.checksum else max(1, min(self.threads, job.total // _PART_MIN))
-        if parts == 1:
-            bounds = [0, n]
+        if job.checksum:  # one part per region, each hashing its own stream
+            items = [(lo, hi, i) for i, (lo, hi) in
+                     enumerate(zip(job.bounds[:-1], job.bounds[1:], strict=True)) if hi > lo]
         else:
-            ends = np.cumsum(job.lens)
-            cut = np.searchsorted(ends, np.arange(1, parts) * (job.total / parts))
-            bounds = sorted({0, n, *[int(c) + 1 for c in cut if 0 <= int(c) + 1 < n]})
-        job._parts_left = len(bounds) - 1
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            self._queue.put((job, lo, hi))
+            parts = max(1, min(self.threads, job.total // _PART_MIN))
+            if parts == 1:
+                bounds = [0, n]
+            else:
+                ends = np.cumsum(job.lens)
+                cut = np.searchsorted(ends, np.arange(1, parts) * (job.total / parts))
+                bounds = sorted({0, n, *[int(c) + 1 for c in cut if 0 <= int(c) + 1 < n]})
+            items = [(lo, hi, -1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        job._parts_left = len(items)
+        for lo, hi, seg in items:
+            self._queue.put((job, lo, hi, seg))
 
     def stop(self) -> None:
         for _ in self._workers:
@@ -179,26 +199,28 @@ class CopyPool:
             item = self._queue.get()
             if item is None:
                 return
-            job, lo, hi = item
+            job, lo, hi, seg = item
             try:
-                err = _copy_part(job, lo, hi)
+                err = _copy_part(job, lo, hi, seg)
             except Exception as e:  # never lose a part: the job must end
                 err = f"shm copy failed: {e!r}"
             job._part_done(err)
 
 
-def _copy_part(job: Job, lo: int, hi: int) -> str | None:
+def _copy_part(job: Job, lo: int, hi: int, seg: int) -> str | None:
+    """Copies pieces lo:hi of `job`; with checksum they are region `seg`'s, whose digest this
+    sets."""
     if job.cancelled:
         return "cancelled"
     if job.target.lane == "map":
-        return _copy_mapped(job, lo, hi)
-    return _copy_cma(job, lo, hi)
+        return _copy_mapped(job, lo, hi, seg)
+    return _copy_cma(job, lo, hi, seg)
 
 
-def _copy_mapped(job: Job, lo: int, hi: int) -> str | None:
+def _copy_mapped(job: Job, lo: int, hi: int, seg: int) -> str | None:
     helper, _ = native()
     if helper is not None:
-        return _copy_mapped_native(job, lo, hi, helper)
+        return _copy_mapped_native(job, lo, hi, seg, helper)
     src = job.src[lo:hi].tolist()
     dst = job.dst[lo:hi].tolist()
     lens = job.lens[lo:hi].tolist()
@@ -212,11 +234,11 @@ def _copy_mapped(job: Job, lo: int, hi: int) -> str | None:
                 h.update((ctypes.c_char * n).from_address(s))
             _memmove(d, s, n)
     if h is not None:
-        job.digest = int(h.intdigest())
+        job.digests[seg] = int(h.intdigest())
     return None
 
 
-def _copy_mapped_native(job: Job, lo: int, hi: int, helper: Native) -> str | None:
+def _copy_mapped_native(job: Job, lo: int, hi: int, seg: int, helper: Native) -> str | None:
     """Batches of pieces in one foreign call each (GIL released for the batch); with
     `checksum`, XXH3 update is called on each piece right before its copy, in C."""
     src = np.ascontiguousarray(job.src[lo:hi], dtype=np.int64)
@@ -240,9 +262,9 @@ def _copy_mapped_native(job: Job, lo: int, hi: int, helper: Native) -> str | Non
                 return f"shm copy: xxh3 update failed ({rc})"
     finally:
         if state is not None:
-            job.digest = helper.digest(state)
+            job.digests[seg] = helper.digest(state)
     if py_hash is not None:
-        job.digest = int(py_hash.intdigest())
+        job.digests[seg] = int(py_hash.intdigest())
     return None
 
 
@@ -271,7 +293,7 @@ def read_back(target: Target, offsets: np.ndarray, nbytes: np.ndarray) -> int | 
     return digest if rc == 0 else None
 
 
-def _copy_cma(job: Job, lo: int, hi: int) -> str | None:
+def _copy_cma(job: Job, lo: int, hi: int, seg: int) -> str | None:
     pid = job.target.pid
     h = xxhash.xxh3_64() if job.checksum else None
     for b in range(lo, hi, IOV_MAX):
@@ -303,7 +325,7 @@ def _copy_cma(job: Job, lo: int, hi: int) -> str | None:
             if done < want:
                 local, remote = _advance(local, r), _advance(remote, r)
     if h is not None:
-        job.digest = int(h.intdigest())
+        job.digests[seg] = int(h.intdigest())
     return None
 
 

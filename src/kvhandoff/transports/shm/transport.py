@@ -14,7 +14,9 @@
 #   it with register_remote(peer, name, descriptor) and post_write()s span plans into it; the
 #   receiver posts nothing at all. Writes can hash their source while copying (checksum=True),
 #   and landed_digest(peer, remote, plan) reads back what a write left in a mapped target (the
-#   writer's check, from the write's on_done, while the bytes are in cache).
+#   writer's check, from the write's on_done, while the bytes are in cache). post_writes of
+#   host memory copies several plans (a layer's regions) as ONE job: one op under the first
+#   write's tag, one completion, one digest per write (each region hashed by its own part).
 # - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
@@ -56,13 +58,14 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import select
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -75,8 +78,11 @@ from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
     OnWritten,
+    OnWrittenMany,
     TransportKind,
     TransportStatus,
+    WriteSpec,
+    split_writes,
 )
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.shm.copy import CopyPool, Job, Target, open_target, read_back
@@ -101,8 +107,13 @@ from kvhandoff.transports.shm.wire import (
     parse_writer_frame,
     split_address,
 )
-from kvhandoff.transports.shm.writes import ignore, open_remote, written_adapter
-from kvhandoff.transports.streams import ChunkPlan, check_tag, write_plan
+from kvhandoff.transports.shm.writes import (
+    ignore,
+    open_remote,
+    written_adapter,
+    written_many_adapter,
+)
+from kvhandoff.transports.streams import ChunkPlan, check_tag, write_plan, write_plans
 from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
 
 if TYPE_CHECKING:
@@ -261,42 +272,98 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
 
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
                    on_done: OnWritten, *, checksum: bool = False) -> None:
-        tag = check_tag(tag)
         if not callable(on_done):
             raise TransportError("post_write: on_done must be callable")
-        dev = self._dev.get(name)
-        buf: Any = self._buffers.get(name) if dev is None else dev[0]
-        if buf is None:
-            raise TransportError(f"post_write: no buffer registered as {name!r}")
-        size = buf.size if dev is None else dev[1]
+        if name not in self._dev:  # host memory: a job of one region
+            self._post_host([(tag, name, remote, plan)], peer,
+                            lambda exc, digests: on_done(exc, digests[0] if digests else None),
+                            checksum)
+            return
+        tag = check_tag(tag)
+        buf, size = self._dev[name]
         with self._lock:
             info = self._peer_info.get(peer)
             target = info.remotes.get(remote) if info is not None else None
         plan = write_plan(peer, name, plan, size, remote,
                           None if target is None else target.nbytes, connected=info is not None)
         assert info is not None and target is not None  # write_plan checked both
-        if (dev is not None) != isinstance(target, DeviceTarget):
-            kinds = ("CUDA", "host") if dev is not None else ("host", "CUDA")
-            raise TransportError(f"post_write {name!r} -> {remote!r}: a write from {kinds[0]} "
-                                 f"memory into {kinds[1]} memory; shm writes host to host or "
+        if not isinstance(target, DeviceTarget):
+            raise TransportError(f"post_write {name!r} -> {remote!r}: a write from CUDA "
+                                 "memory into host memory; shm writes host to host or "
                                  "device to device, not across")
         op = ShmOp(peer, info.ident, tag, True, buf, None, ignore, total=plan.total_bytes)
         op.is_write = True
         op.remote = (target, plan)  # its pieces are the copy's, as they are
         op.on_done = written_adapter(op, on_done)
+        self._add_write(op)
+        self._command(IoCommand.WRITE, op, checksum)
+
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
+        thread), each write's source hashed on its own (a digest per write). CUDA buffers, or
+        a layer whose targets lie on both host lanes: one job per write (split_writes)."""
+        if any(w[1] in self._dev for w in writes):
+            split_writes(self, peer, writes, on_done, checksum=checksum)
+            return
+        self._post_host(writes, peer, on_done, checksum)
+
+    def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWrittenMany,
+                   checksum: bool) -> None:
+        """(any thread) Host writes as one copy job under the first write's tag, started from
+        here (no I/O-thread hop); its copy thread completes the op."""
+        with self._lock:
+            info = self._peer_info.get(peer)
+            targets = [info.remotes.get(w[2]) if info is not None else None for w in writes]
+        bufs = [self._buffers.get(w[1]) for w in writes]
+        plans = write_plans(peer, writes, on_done, [None if b is None else b.size for b in bufs],
+                            [None if t is None else t.nbytes for t in targets],
+                            connected=info is not None)
+        parts: list[tuple[np.ndarray, Target, SpanPlan]] = []
+        for (_, name, remote, _), buf, target, plan in zip(writes, bufs, targets, plans,
+                                                           strict=True):
+            assert buf is not None  # write_plans checked it
+            if not isinstance(target, Target):
+                raise TransportError(f"post_write {name!r} -> {remote!r}: a write from host "
+                                     "memory into CUDA memory; shm writes host to host or "
+                                     "device to device, not across")
+            parts.append((buf, target, plan))
+        assert info is not None  # write_plans checked it
+        if len({t.lane for _, t, _ in parts}) > 1:  # one job copies on one lane
+            split_writes(self, peer, writes, on_done, checksum=checksum)
+            return
+        op = ShmOp(peer, info.ident, check_tag(writes[0][0]), True, parts[0][0], None, ignore,
+                   total=sum(p.total_bytes for _, _, p in parts))
+        op.is_write = True
+        op.on_done = written_many_adapter(op, on_done)
+        self._add_write(op)
+        if self._dead(op):
+            return
+        if len(parts) == 1:
+            buf, target, plan = parts[0]
+            src = plan.src_offsets + int(buf.ctypes.data)
+            dst = plan.dst_offsets + target.base
+            lens, bounds = plan.nbytes, None
+        else:
+            src = np.concatenate([p.src_offsets + int(b.ctypes.data) for b, _, p in parts])
+            dst = np.concatenate([p.dst_offsets + t.base for _, t, p in parts])
+            lens = np.concatenate([p.nbytes for _, _, p in parts])
+            bounds = (0, *itertools.accumulate(len(p) for _, _, p in parts))
+        self._run_job(op, Job(src, dst, lens, parts[0][1], checksum, self._write_ended,
+                              owner=(op, None), bounds=bounds,
+                              keep=tuple(t for _, t, _ in parts[1:])), None)
+
+    def _add_write(self, op: ShmOp) -> None:
+        """Enters a write op in the op table (its tag must not be pending with the peer)."""
         with self._lock:
             self._check_open()
-            if peer not in self._peers:
-                raise TransportError(f"post_write: peer {peer!r} is not connected")
-            key = (peer, tag, True)
+            if op.peer not in self._peers:
+                raise TransportError(f"post_write: peer {op.peer!r} is not connected")
+            key = (op.peer, op.tag, True)
             if key in self._ops:
-                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
-                                     "pending")
+                raise TransportError(f"post_write: tag {op.tag} with peer {op.peer!r} is "
+                                     "already pending")
             self._ops[key] = op
-        if isinstance(target, DeviceTarget):
-            self._command(IoCommand.WRITE, op, checksum)
-        elif not self._dead(op):  # host memory: to a copy thread from here, no I/O-thread hop
-            self._start_job(op, target, plan, checksum, None)
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -667,18 +734,17 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             self._writer.refuse(key, str(e))
             self._finish(op, str(e))
             return
-        self._start_job(op, target, plan, False, key)
-
-    def _start_job(self, op: ShmOp, target: Target, plan: SpanPlan, checksum: bool,
-                   key: Key | None) -> None:
-        """Starts the copy of a two-sided send (`key`: its exposed receive; I/O thread) or of
-        a one-sided write (no key; the poster's thread). A write's job ends on its copy
-        thread (`_write_ended`), a send's on the I/O thread (WRITTEN)."""
         src = plan.src_offsets + int(op.buf.ctypes.data)
         dst = plan.dst_offsets + target.base
-        on_end = (self._write_ended if key is None
-                  else lambda j: self._command(IoCommand.WRITTEN, j))
-        job = Job(src, dst, plan.nbytes, target, checksum, on_end, owner=(op, key))
+        self._run_job(op, Job(src, dst, plan.nbytes, target, False,
+                              lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, key)),
+                      key)
+
+    def _run_job(self, op: ShmOp, job: Job, key: Key | None) -> None:
+        """Starts `op`'s copy job unless the op ended meanwhile: a two-sided send's (`key`:
+        its exposed receive; I/O thread; it ends on the I/O thread, WRITTEN) or a one-sided
+        write job's (no key; the poster's thread; it ends on its copy thread,
+        `_write_ended`)."""
         with self._lock:
             cancelled = op.finished
             if not cancelled:
@@ -702,7 +768,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             self._running.discard(job)
             if ok:
                 self._bytes_sent += job.total
-                op.digest = job.digest
+                op.digests = tuple(job.digests)
             done = self._finish_locked([op], None if ok else job.error or "cancelled")
         if done:
             self._held.deliver(done, here=True)
@@ -713,11 +779,9 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                   checksum: bool) -> None:
         if op.finished or op.remote is None or self._dead(op):
             return
-        target, plan = op.remote
-        if isinstance(target, DeviceTarget):
-            self._start_device_job(op, target, plan, checksum)
-        else:
-            self._start_job(op, target, plan, checksum, None)
+        target, plan = op.remote  # a CUDA write (host write jobs start on the poster's thread)
+        assert isinstance(target, DeviceTarget)
+        self._start_device_job(op, target, plan, checksum)
 
     def _start_device_job(self, op: ShmOp, target: DeviceTarget, plan: SpanPlan,
                           checksum: bool) -> None:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone, OnWritten
+from kvhandoff.transports.base import OnDone, OnWritten, OnWrittenMany
 from kvhandoff.transports.shm.copy import Target, open_target
 from kvhandoff.transports.shm.cuda import (
     DeviceLane,
@@ -68,10 +68,18 @@ def ignore(exc: BaseException | None) -> None:
 
 
 def written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
-    """post_write's on_written as the op's on_done: the digest rides along on success."""
+    """post_write's on_written as the op's on_done (a CUDA write): the digest rides along on
+    success."""
     def done(exc: BaseException | None) -> None:
         on_written(exc, op.digest if exc is None else None)
     return done
 
 
-__all__ = ["descriptor_pid", "ignore", "open_remote", "written_adapter"]
+def written_many_adapter(op: ShmOp, on_written: OnWrittenMany) -> OnDone:
+    """A host write job's completion as the op's on_done: one digest per write on success."""
+    def done(exc: BaseException | None) -> None:
+        on_written(exc, op.digests if exc is None else ())
+    return done
+
+
+__all__ = ["descriptor_pid", "ignore", "open_remote", "written_adapter", "written_many_adapter"]
