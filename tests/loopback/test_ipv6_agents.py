@@ -2,13 +2,15 @@
 
 Real transports and agents on ``[::1]`` (port 0): the addresses they give are in the bracketed
 form, two of them move bytes over it, and an IPv6 peer is reached from an IPv4 agent. A host
-that is not this machine's is refused at start naming agent_host. The two-process handoffs
+that is not this machine's is refused at start naming agent_host, and the refused transport or
+agent leaves no thread and no file descriptor behind. The two-process handoffs
 over ``::1`` are in tests/loopback/test_handoff.py. Skipped, saying why, without ``::1``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 from collections.abc import Callable
 
@@ -36,6 +38,24 @@ KINDS = ["tcp", "shm", "ucx", "auto",
 WAIT_S = 20.0
 CALM_HB_S = 2.0  # these tests are not about peer death: a loaded 2-core CI machine misses beats
 NOT_HERE = "fd00:6b76:6864::1"  # a unique-local address no interface of a test machine has
+
+
+def _leftovers() -> tuple[set[int], set[str]]:
+    """The idents of this process's live threads, and what its open file descriptors are."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            pass
+    return {t.ident for t in threading.enumerate() if t.ident is not None}, fds
+
+
+def _assert_nothing_left(before: tuple[set[int], set[str]]) -> None:
+    threads, fds = _leftovers()
+    new_threads = [t.name for t in threading.enumerate() if t.ident in threads - before[0]]
+    assert not new_threads, f"threads left by the refused constructor: {new_threads}"
+    assert not fds - before[1], f"file descriptors left: {sorted(fds - before[1])}"
 
 
 def _endpoint(kind: str, address: bytes) -> str | None:
@@ -88,8 +108,11 @@ def test_transport_pair_on_ipv6_loopback_moves_bytes(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_transport_refuses_a_host_that_is_not_here(kind: str) -> None:
+    load_transport(kind, Settings(agent_host="::1")).close()  # imports done, lazy state made
+    before = _leftovers()
     with pytest.raises(TransportError, match=rf"agent_host='{NOT_HERE}'"):
         load_transport(kind, Settings(agent_host=NOT_HERE))
+    _assert_nothing_left(before)
 
 
 def hand_off(pa: TransferAgent, da: TransferAgent, room: int) -> None:
@@ -130,9 +153,12 @@ def test_ipv4_agent_reaches_an_ipv6_peer() -> None:
 
 def test_agent_refuses_a_control_host_that_is_not_here() -> None:
     spec = preset("glm-5.3")
+    TransferAgent("prefill", spec, allocate(spec, 2), Settings(transport="inproc")).close()
+    before = _leftovers()
     with pytest.raises(ConfigError, match=rf"agent_host='{NOT_HERE}'.*cannot bind"):
         TransferAgent("prefill", spec, allocate(spec, 2),
                       Settings(transport="inproc", agent_host=NOT_HERE))
+    _assert_nothing_left(before)
 
 
 @pytest.mark.parametrize("peer", ["::1:7000", "[::1]", "[::1]:0", ""])

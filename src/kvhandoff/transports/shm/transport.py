@@ -154,6 +154,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             self._router.close()
             self._ctx.term()
             self._copier.stop()
+            self._abandon_threaded()
             raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
                 from e
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
