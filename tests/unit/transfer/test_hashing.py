@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -30,11 +32,19 @@ class Posted:
         self.arrived.set()
 
 
-def hasher() -> tuple[Hasher, Posted, np.ndarray]:
+@contextmanager
+def hasher() -> Iterator[tuple[Hasher, Posted, np.ndarray]]:
+    """A hasher over one buffer, and the transport it asks; both closed at the end (the hasher
+    does not own the transport)."""
     buf = np.arange(4096, dtype=np.uint32).view(np.uint8).copy()
     posted = Posted()
     tr = InprocTransport(Settings(transport="inproc"))
-    return Hasher(buffers={"main_kv/0": buf}, transport=tr, post=posted), posted, buf
+    h = Hasher(buffers={"main_kv/0": buf}, transport=tr, post=posted)
+    try:
+        yield h, posted, buf
+    finally:
+        h.close()
+        tr.close()
 
 
 SPANS = (np.array([0, 1024], dtype=np.int64), np.array([512, 256], dtype=np.int64))
@@ -47,42 +57,32 @@ def write(alg: str, checksum: bool = True) -> PostWrite:
 
 
 def test_an_xxh3_write_of_host_memory_is_hashed_by_the_transport_while_copying() -> None:
-    h, posted, _ = hasher()
-    try:
+    with hasher() as (h, posted, _):
         fused, done = h.write_plan(write("xxh3"))
         assert fused  # what every transport's fused hash gives for host buffers
         done(None, (1234,))
         assert posted.events == [ev.Written(7, None, (1234,))]
-    finally:
-        h.close()
 
 
 def test_a_devsum_write_is_hashed_after_it_landed_with_the_rooms_algorithm() -> None:
-    h, posted, buf = hasher()
-    try:
+    with hasher() as (h, posted, buf):
         fused, done = h.write_plan(write("devsum"))
         assert not fused  # the transport's digest would be xxh3: not the room's
         done(None, ())
         assert posted.arrived.wait(WAIT_S)
         want = room_checksum(buf, *SPANS, "devsum")
         assert posted.events == [ev.Written(7, None, (want,))]
-    finally:
-        h.close()
 
 
 def test_a_failed_write_is_not_hashed_and_says_why() -> None:
-    h, posted, _ = hasher()
-    try:
+    with hasher() as (h, posted, _):
         _, done = h.write_plan(write("devsum"))
         done(RuntimeError("peer gone"), ())
         assert posted.events == [ev.Written(7, "peer gone")]
-    finally:
-        h.close()
 
 
 def test_hash_spans_sums_each_list_and_reports_errors_as_events() -> None:
-    h, posted, buf = hasher()
-    try:
+    with hasher() as (h, posted, buf):
         job = HashSpans(5, (("main_kv/0", *SPANS), ("main_kv/0", SPANS[0][:1], SPANS[1][:1])))
         h.submit(job)
         assert posted.arrived.wait(WAIT_S)
@@ -91,5 +91,3 @@ def test_hash_spans_sums_each_list_and_reports_errors_as_events() -> None:
                                                              "xxh3")))]
         bad = h.hashed(HashSpans(6, (("no/such", *SPANS),)))
         assert bad.job == 6 and bad.sums == () and "no/such" in (bad.error or "")
-    finally:
-        h.close()
