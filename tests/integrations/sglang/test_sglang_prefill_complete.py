@@ -83,3 +83,10 @@ def test_prefill_complete_hands_off_after_the_deferred_bootstrap(
             dec.close()
             pre.close()
             srv.close()
+    # SGLang's zmq context of each manager ends with it, every cached socket closed (a context
+    # left to the garbage collector with open sockets blocks the collecting thread for good)
+    for mgr in (pre, dec):
+        assert mgr._zmq_ctx.closed
+        cached = [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]
+        assert all(sock.closed for sock in cached)
+    assert pre._socket_cache, "the prefill sent to the decode through SGLang's cached sockets"

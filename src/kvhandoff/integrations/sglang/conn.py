@@ -404,7 +404,12 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     # ---------------------------------------------------------------- teardown
 
     def close(self) -> None:
-        """Stops the control thread and closes the agents (their open rooms fail)."""
+        """Stops the control thread, closes the agents (their open rooms fail), then SGLang's
+        zmq context of this manager with every socket it made (the rank socket, the cached
+        PUSH sockets to the other side's ranks and their monitors). Left to the garbage
+        collector, that context's finaliser terminates it while those sockets are still open
+        (their weak references are cleared first) and blocks whichever thread collected it,
+        for good: seen in the test suite as a 2 s test taking 120 s."""
         self._stop.set()
         t = getattr(self, "_thread", None)
         if t is not None:
@@ -415,6 +420,9 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         sock = getattr(self, "server_socket", None)
         if sock is not None and not sock.closed:
             sock.close(0)
+        ctx = getattr(self, "_zmq_ctx", None)
+        if ctx is not None and not ctx.closed:
+            ctx.destroy(linger=0)
 
     supports_role_switch = False
 
