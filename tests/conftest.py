@@ -12,11 +12,17 @@ stall that left no stacks means the whole process was not running (stopped, or t
 starved it). Each stall also says what the machine was doing: the process's major page faults
 during it (pages read back from disk), the load average and the memory available. The run's
 summary lists the stalls; nothing is printed when there were none.
+
+Garbage collections are timed too (`gc.callbacks`): one that takes `GC_SLOW_S` or more is
+listed with its test. A finaliser that blocks (a zmq context terminated by the collector while
+its sockets were open blocked the collecting thread until pytest-timeout's alarm broke it, and
+the test still passed) shows up there.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import resource
 import tempfile
@@ -28,6 +34,7 @@ import pytest
 
 STALL_S = 4.0
 BEAT_S = 0.5
+GC_SLOW_S = 1.0
 
 
 class _Watchdog:
@@ -38,9 +45,26 @@ class _Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="test-stall-watchdog",
                                         daemon=True)
+        self._gc_started: dict[int, float] = {}  # by thread: a collection runs in the thread
+        # whose allocation set it off
 
     def start(self) -> None:
         self._thread.start()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            self._gc_started[me] = time.monotonic()
+            return
+        began = self._gc_started.pop(me, None)
+        if began is None:
+            return
+        took = time.monotonic() - began
+        if took >= GC_SLOW_S:
+            self.stalls.append(f"a garbage collection (generation {info.get('generation')}, "
+                               f"{info.get('collected')} collected) took {took:.1f} s in "
+                               f"thread {threading.current_thread().name}, during {self.test}")
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -64,6 +88,8 @@ class _Watchdog:
         faulthandler.cancel_dump_traceback_later()
 
     def stop(self) -> str:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self._stop.set()
         self._thread.join(timeout=5)
         self.file.seek(0)
@@ -112,7 +138,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if not _WATCHDOG.stalls:
         return
     tr = terminalreporter
-    tr.section(f"stalls of the test process (no Python ran for {STALL_S:.0f} s or more)")
+    tr.section(f"stalls of the test process (no Python ran for {STALL_S:.0f} s or more, or a "
+               f"garbage collection took {GC_SLOW_S:.0f} s or more)")
     for line in _WATCHDOG.stalls:
         tr.write_line(line)
     if stacks:
