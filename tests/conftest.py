@@ -2,9 +2,8 @@
 
 Several loopback tests run real servers as threads of the test process (uvicorn, agents). If
 one thread keeps the GIL in C code for seconds, or the process is not scheduled at all, every
-one of those servers goes silent at once, and a test fails far from the cause (seen once in CI:
-an in-process bootstrap server left a request unanswered for 30 s; in other full runs a 2 s test
-took 120 s). So, for the whole run, a daemon thread re-arms `faulthandler.dump_traceback_later`
+one of those servers goes silent at once, and a test fails far from the cause. So, for the
+whole run, a daemon thread re-arms `faulthandler.dump_traceback_later`
 every 0.5 s. If no Python code can run for `STALL_S`, faulthandler's own C thread, which needs
 no GIL, writes every thread's stack to a file: the thread that held the GIL shows where it was.
 When the heartbeat runs again it notes the stall's length and the test that was running; a
@@ -14,9 +13,11 @@ during it (pages read back from disk), the load average and the memory available
 summary lists the stalls; nothing is printed when there were none.
 
 Garbage collections are timed too (`gc.callbacks`): one that takes `GC_SLOW_S` or more is
-listed with its test. A finaliser that blocks (a zmq context terminated by the collector while
-its sockets were open blocked the collecting thread until pytest-timeout's alarm broke it, and
-the test still passed) shows up there.
+listed with its test. A finaliser that blocks shows up there, though the GIL is free meanwhile:
+that was the cause of the stalls seen in full runs (an in-process bootstrap server that left a
+request unanswered for 30 s in CI, 2 s tests that took 120 s): a zmq context of an SGLang
+manager, terminated by the collector while its sockets were open, blocked the collecting
+thread until pytest-timeout's alarm broke it, and the test still passed.
 """
 
 from __future__ import annotations
