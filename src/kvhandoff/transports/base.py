@@ -177,6 +177,11 @@ class OneSidedTransport(Transport):
         return None
 
 
+def one_write(on_done: OnWritten) -> OnWrittenMany:
+    """`post_write`'s completion as that of a `post_writes` job of one write."""
+    return lambda exc, digests: on_done(exc, digests[0] if digests else None)
+
+
 def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
                  on_done: OnWrittenMany, *, checksum: bool = False) -> None:
     """`post_writes` as one `post_write` per write under its own tag: `on_done` once the last

@@ -46,6 +46,7 @@ from kvhandoff.transports.base import (
     TransportKind,
     TransportStatus,
     WriteSpec,
+    one_write,
     split_writes,
 )
 from kvhandoff.transports.callbacks import CallbackThread
@@ -245,9 +246,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
                    on_done: OnWritten, *, checksum: bool = False) -> None:
         if not callable(on_done):
             raise TransportError("post_write: on_done must be callable")
-        self.post_writes(peer, [(tag, name, remote, plan)],
-                         lambda exc, digests: on_done(exc, digests[0] if digests else None),
-                         checksum=checksum)
+        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done), checksum=checksum)
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
@@ -268,7 +267,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
                 raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
                                      "buffer; hash VRAM on the device")
             parts.append((mem, plan, region))
-        assert known is not None  # write_plan checked it
+        assert known is not None  # write_plans checked it
         if len({m.mem for m, _, _ in parts}) > 1:  # one NIXL request moves one memory kind
             split_writes(self, peer, writes, on_done, checksum=checksum)
             return

@@ -41,6 +41,7 @@ from kvhandoff.transports.shm.native import Native, native
 IOV_MAX = 1024  # iovecs per process_vm_writev call
 _BATCH = 64  # pieces between cancellation checks on the map lane
 _PART_MIN = 1 << 20  # no part smaller than this many bytes
+_EMPTY_XXH3 = int(xxhash.xxh3_64_intdigest(b""))  # the digest of a region with no bytes
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _pvw = _libc.process_vm_writev
@@ -124,8 +125,8 @@ class Job:
         self.error: str | None = None
         # with checksum: the xxh3-64 of each region's source stream (an empty region's is
         # that of no bytes; the others are set by their part)
-        empty = int(xxhash.xxh3_64_intdigest(b"")) if checksum else None
-        self.digests: list[int | None] = [empty] * (len(self.bounds) - 1)
+        self.digests: list[int | None] = ([_EMPTY_XXH3 if checksum else None]
+                                          * (len(self.bounds) - 1))
         self._parts_left = 0
         self._lock = threading.Lock()
         self._ended = False

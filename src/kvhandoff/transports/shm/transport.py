@@ -82,6 +82,7 @@ from kvhandoff.transports.base import (
     TransportKind,
     TransportStatus,
     WriteSpec,
+    one_write,
     split_writes,
 )
 from kvhandoff.transports.hostid import host_id
@@ -276,9 +277,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         if not callable(on_done):
             raise TransportError("post_write: on_done must be callable")
         if name not in self._dev:  # host memory: a job of one region
-            self._post_host([(tag, name, remote, plan)], peer,
-                            lambda exc, digests: on_done(exc, digests[0] if digests else None),
-                            checksum)
+            self._post_host([(tag, name, remote, plan)], peer, one_write(on_done), checksum)
             return
         tag = check_tag(tag)
         buf, size = self._dev[name]
