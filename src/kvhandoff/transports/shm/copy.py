@@ -9,7 +9,8 @@
 # - "cma": any other buffer: process_vm_writev into the peer's address space, 1,024 iovecs per
 #   call (GIL released). A dead peer is an error return (ESRCH), never a signal.
 # A job's pieces (source address, destination address, length) are split by bytes into parts,
-# one per copy thread, so the spans of a layer are copied by a few threads at once. A job may
+# one per copy thread, so the spans of a layer are copied by a few threads at once; a small job
+# (`INLINE_MAX`) is copied on the submitting thread instead, and ends there. A job may
 # carry several regions' pieces back to back (`bounds`: one one-sided write job per layer, one
 # completion); with `checksum` each region runs as one part and hashes each of its source
 # pieces (xxh3-64, stream order) just before copying it, while it is in cache (a fused
@@ -41,6 +42,11 @@ from kvhandoff.transports.shm.native import Native, native
 IOV_MAX = 1024  # iovecs per process_vm_writev call
 _BATCH = 64  # pieces between cancellation checks on the map lane
 _PART_MIN = 1 << 20  # no part smaller than this many bytes
+# a job of at most this many bytes (a short prompt's layer) is copied on the thread that submits
+# it (the poster: the agent's control thread), and ends there: a hand-off to a copy thread and
+# back costs more than copying it (tens of microseconds of interpreter time per hand-off, against
+# a few for 256 KiB in cache)
+INLINE_MAX = 256 << 10
 _EMPTY_XXH3 = int(xxhash.xxh3_64_intdigest(b""))  # the digest of a region with no bytes
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -185,6 +191,10 @@ class CopyPool:
                 bounds = sorted({0, n, *[int(c) + 1 for c in cut if 0 <= int(c) + 1 < n]})
             items = [(lo, hi, -1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         job._parts_left = len(items)
+        if job.total <= INLINE_MAX:  # a short prompt's layer: copied here, ended here
+            for lo, hi, seg in items:
+                _run_part(job, lo, hi, seg)
+            return
         for lo, hi, seg in items:
             self._queue.put((job, lo, hi, seg))
 
@@ -200,12 +210,16 @@ class CopyPool:
             item = self._queue.get()
             if item is None:
                 return
-            job, lo, hi, seg = item
-            try:
-                err = _copy_part(job, lo, hi, seg)
-            except Exception as e:  # never lose a part: the job must end
-                err = f"shm copy failed: {e!r}"
-            job._part_done(err)
+            _run_part(*item)
+
+
+def _run_part(job: Job, lo: int, hi: int, seg: int) -> None:
+    """Runs one part of `job` on this thread and ends it (the job ends with its last part)."""
+    try:
+        err = _copy_part(job, lo, hi, seg)
+    except Exception as e:  # never lose a part: the job must end
+        err = f"shm copy failed: {e!r}"
+    job._part_done(err)
 
 
 def _copy_part(job: Job, lo: int, hi: int, seg: int) -> str | None:
