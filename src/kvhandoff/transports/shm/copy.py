@@ -42,11 +42,12 @@ from kvhandoff.transports.shm.native import Native, native
 IOV_MAX = 1024  # iovecs per process_vm_writev call
 _BATCH = 64  # pieces between cancellation checks on the map lane
 _PART_MIN = 1 << 20  # no part smaller than this many bytes
-# a job of at most this many bytes (a short prompt's layer) is copied on the thread that submits
-# it (the poster: the agent's control thread), and ends there: a hand-off to a copy thread and
-# back costs more than copying it (tens of microseconds of interpreter time per hand-off, against
-# a few for 256 KiB in cache)
-INLINE_MAX = 256 << 10
+# a job of at most this many bytes (a layer of a prompt up to ~512 tokens of an 8B model) is
+# copied on the thread that submits it (the poster: the agent's control thread) and ends there.
+# Measured with `kvhandoff bench` on the shm lane (Llama-8B, 2 cores): for 64 KiB to 2 MiB
+# layers that took less wall time and a third less CPU than a hand-off to the copy threads and
+# back; at 4 MiB it was even, at 8 MiB slower (a layer's regions no longer copy in parallel).
+INLINE_MAX = 2 << 20
 _EMPTY_XXH3 = int(xxhash.xxh3_64_intdigest(b""))  # the digest of a region with no bytes
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -301,7 +301,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
         """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
-        thread), each write's source hashed on its own (a digest per write). CUDA buffers, or
+        thread, or on this one for a small job), each write's source hashed on its own (a
+        digest per write). CUDA buffers, or
         a layer whose targets lie on both host lanes: one job per write (split_writes)."""
         if any(w[1] in self._dev for w in writes):
             split_writes(self, peer, writes, on_done, checksum=checksum)
@@ -311,7 +312,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
     def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWrittenMany,
                    checksum: bool) -> None:
         """(any thread) Host writes as one copy job under the first write's tag, started from
-        here (no I/O-thread hop); its copy thread completes the op."""
+        here (no I/O-thread hop); its copy thread completes the op (this thread, for a job of
+        at most copy.INLINE_MAX bytes)."""
         with self._lock:
             info = self._peer_info.get(peer)
             targets = [info.remotes.get(w[2]) if info is not None else None for w in writes]
@@ -743,8 +745,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
     def _run_job(self, op: ShmOp, job: Job, key: Key | None) -> None:
         """Starts `op`'s copy job unless the op ended meanwhile: a two-sided send's (`key`:
         its exposed receive; I/O thread; it ends on the I/O thread, WRITTEN) or a one-sided
-        write job's (no key; the poster's thread; it ends on its copy thread,
-        `_write_ended`)."""
+        write job's (no key; the poster's thread; it ends on its copy thread, `_write_ended`,
+        or, a small one, on this thread before this returns: copy.INLINE_MAX)."""
         with self._lock:
             cancelled = op.finished
             if not cancelled:
@@ -759,9 +761,10 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._copier.submit(job)
 
     def _write_ended(self, job: Job) -> None:
-        """(copy thread) A one-sided write's copy ended: the op completes here and its on_done
-        runs on this thread (nothing of the write copies any more), instead of two more
-        hand-offs (to the I/O thread, then to the callback thread)."""
+        """(copy thread, or the poster's for a small job) A one-sided write's copy ended: the
+        op completes here and its on_done runs on this thread (nothing of the write copies any
+        more), instead of two more hand-offs (to the I/O thread, then to the callback
+        thread)."""
         op, _ = job.owner
         ok = job.error is None and not job.cancelled
         with self._lock:
