@@ -253,3 +253,33 @@ def test_fixed_cost_is_the_intercept_of_the_latency_line() -> None:
     assert got is not None
     assert got["fixed_s"] == pytest.approx(3e-3) and got["per_MB_s"] == pytest.approx(0.5e-3)
     assert fixed_cost(pts[:1]) is None
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of a process (/proc/<pid>/stat): T when stopped."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_bench_nixl_worker_is_stopped_between_its_cases() -> None:
+    """The NIXL worker's agents spin while idle; it must be stopped while other cases run and
+    run for its own, still writing every piece right."""
+    pytest.importorskip("nixl_cu12", reason="the nixl extra (nixl-cu12) is not installed")
+    import numpy as np
+
+    from kvhandoff.bench.nixl_baseline import setup_message
+    from kvhandoff.bench.runner import _Child
+
+    procs: list[subprocess.Popen[str]] = []
+    child = _Child("nixl", procs, frozen_between=True)
+    try:
+        spans = [(np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8),
+                  [(0, 4096, 8192), (16384, 0, 4096)])]
+        assert child.ask(120, **setup_message(spans, seed=3))["descriptors"] == 2
+        assert _proc_state(child.proc.pid) == "T"
+        res = child.ask(120, cmd="write", verify=True)
+        assert res["ok"] is True
+        assert _proc_state(child.proc.pid) == "T"
+    finally:
+        child.close()
+    assert child.proc.wait(30) == 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,12 +74,33 @@ class BenchConfig:
     shared_pool: bool = True  # shm: the decode's pool in a kvhandoff shared segment (map lane)
 
 
+def _until_stopped(pid: int, limit_s: float = 5.0) -> None:
+    """Returns once process `pid` is stopped (or gone, or `limit_s` passed): SIGSTOP is
+    delivered asynchronously, and the next case must not start beside it still running."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+
+
 class _Child:
-    """A bench worker process and its JSON-line replies."""
+    """A bench worker process and its JSON-line replies. With `frozen_between`, the process is
+    stopped (SIGSTOP) whenever it is not answering a command, and continued (SIGCONT) for the
+    next: the NIXL worker, whose agents' progress threads spin (about 1.6 cores on a 2-core
+    host) even with no transfer in flight, would otherwise take the CPU of every other case of
+    the run. Its own case runs with it continued, as NIXL's users run it."""
 
     def __init__(self, role: str, procs: list[subprocess.Popen[str]],
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, *, frozen_between: bool = False) -> None:
         self.role = role  # the name in messages ("prefill1"); `kind` the worker's role
+        self.frozen_between = frozen_between
+        self._stopped = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvhandoff.bench.worker", kind or role], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -121,10 +143,23 @@ class _Child:
         return msg
 
     def ask(self, timeout: float, **msg: Any) -> dict[str, Any]:
+        self._continue()
         self.tell(**msg)
-        return self.get(timeout)
+        try:
+            return self.get(timeout)
+        finally:
+            if self.frozen_between and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGSTOP)
+                self._stopped = True
+                _until_stopped(self.proc.pid)
+
+    def _continue(self) -> None:
+        if self._stopped and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+        self._stopped = False
 
     def close(self) -> None:
+        self._continue()
         try:
             self.tell(cmd="exit")
         except (BrokenPipeError, OSError, ValueError):
@@ -425,7 +460,7 @@ class Bench:
             check_installed()
             if "memcpy" not in cases:
                 self._setup_memcpy()
-            self.nixl = _Child("nixl", self.procs)
+            self.nixl = _Child("nixl", self.procs, frozen_between=True)
             self.nixl_info = self.nixl.ask(self.cfg.timeout_s,
                                            **setup_message(self.mc_spans, self.cfg.seed))
         if "raw" in cases:
