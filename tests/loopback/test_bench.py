@@ -271,7 +271,7 @@ def test_bench_nixl_worker_is_stopped_between_its_cases() -> None:
     from kvhandoff.bench.runner import _Child
 
     procs: list[subprocess.Popen[str]] = []
-    child = _Child("nixl", procs, frozen_between=True)
+    child = _Child("nixl", procs, baseline=True)
     try:
         spans = [(np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8),
                   [(0, 4096, 8192), (16384, 0, 4096)])]
@@ -283,3 +283,18 @@ def test_bench_nixl_worker_is_stopped_between_its_cases() -> None:
     finally:
         child.close()
     assert child.proc.wait(30) == 0
+
+
+def test_nixl_baseline_env_is_the_users_without_our_ucx_settings() -> None:
+    """Importing kvhandoff's ucx transport puts its UCX tuning into the environment; the NIXL
+    baseline must not inherit it (NIXL ran 3-5 x slower with our rendezvous scheme)."""
+    from kvhandoff.bench.runner import _users_env
+    from kvhandoff.transports.ucx import transport as ucx
+
+    if "UCX_RNDV_SCHEME" in ucx.ENV_ADDED:
+        assert os.environ["UCX_RNDV_SCHEME"] == "put_zcopy"  # ours, in this process
+    env = _users_env()
+    for name, before in ucx.ENV_ADDED.items():
+        assert env.get(name) == before, name
+    assert {k: v for k, v in env.items() if k not in ucx.ENV_ADDED} == {
+        k: v for k, v in os.environ.items() if k not in ucx.ENV_ADDED}

@@ -74,6 +74,21 @@ class BenchConfig:
     shared_pool: bool = True  # shm: the decode's pool in a kvhandoff shared segment (map lane)
 
 
+def _users_env() -> dict[str, str]:
+    """This process's environment without the UCX settings kvhandoff's ucx transport (and
+    ucxx) put into it when it was imported here (`ENV_ADDED`): the NIXL baseline runs with the
+    user's UCX settings, not ours. (It ran 3-5 x slower with our UCX_RNDV_SCHEME=put_zcopy,
+    inherited once an earlier case had imported the ucx transport.)"""
+    env = dict(os.environ)
+    ucx = sys.modules.get("kvhandoff.transports.ucx.transport")
+    for k, before in getattr(ucx, "ENV_ADDED", {}).items():
+        if before is None:
+            env.pop(k, None)
+        else:
+            env[k] = before
+    return env
+
+
 def _until_stopped(pid: int, limit_s: float = 5.0) -> None:
     """Returns once process `pid` is stopped (or gone, or `limit_s` passed): SIGSTOP is
     delivered asynchronously, and the next case must not start beside it still running."""
@@ -90,21 +105,24 @@ def _until_stopped(pid: int, limit_s: float = 5.0) -> None:
 
 
 class _Child:
-    """A bench worker process and its JSON-line replies. With `frozen_between`, the process is
-    stopped (SIGSTOP) whenever it is not answering a command, and continued (SIGCONT) for the
-    next: the NIXL worker, whose agents' progress threads spin (about 1.6 cores on a 2-core
-    host) even with no transfer in flight, would otherwise take the CPU of every other case of
-    the run. Its own case runs with it continued, as NIXL's users run it."""
+    """A bench worker process and its JSON-line replies. A `baseline` worker (another
+    library's: NIXL) runs as that library's users run it, and takes nothing from the other
+    cases: its environment is the user's, without the UCX settings of kvhandoff's ucx
+    transport (`_users_env`), and it is stopped (SIGSTOP) whenever it is not answering a
+    command, continued (SIGCONT) for the next. NIXL's agents' progress threads spin (about 1.6
+    cores on a 2-core host) with no transfer in flight, which took the CPU of every other case
+    of the run; its own case runs with it continued."""
 
     def __init__(self, role: str, procs: list[subprocess.Popen[str]],
-                 kind: str | None = None, *, frozen_between: bool = False) -> None:
+                 kind: str | None = None, *, baseline: bool = False) -> None:
         self.role = role  # the name in messages ("prefill1"); `kind` the worker's role
-        self.frozen_between = frozen_between
+        self.baseline = baseline
         self._stopped = False
+        env = _users_env() if baseline else dict(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvhandoff.bench.worker", kind or role], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+            env={**env, "UCX_WARN_UNUSED_ENV_VARS": "n"})
         procs.append(self.proc)
         self.q: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.err: list[str] = []
@@ -148,7 +166,7 @@ class _Child:
         try:
             return self.get(timeout)
         finally:
-            if self.frozen_between and self.proc.poll() is None:
+            if self.baseline and self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGSTOP)
                 self._stopped = True
                 _until_stopped(self.proc.pid)
@@ -460,7 +478,7 @@ class Bench:
             check_installed()
             if "memcpy" not in cases:
                 self._setup_memcpy()
-            self.nixl = _Child("nixl", self.procs, frozen_between=True)
+            self.nixl = _Child("nixl", self.procs, baseline=True)
             self.nixl_info = self.nixl.ask(self.cfg.timeout_s,
                                            **setup_message(self.mc_spans, self.cfg.seed))
         if "raw" in cases:

@@ -56,6 +56,7 @@ from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
 
+_ENV_BEFORE = dict(os.environ)
 # Tuning measured on this machine (docs/PERFORMANCE.md); the user's own values win.
 os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
 os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
@@ -65,6 +66,13 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx  # noqa: E402  (loads libucx and sets ucxx's env defaults)
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
+
+# What importing this module (and ucxx under it) put into this process's environment: each name
+# with the value it had before (None: unset). Child processes inherit it; one that must run with
+# the user's own UCX settings (the bench's NIXL baseline: NIXL as its users run it) takes it out.
+ENV_ADDED: dict[str, str | None] = {k: _ENV_BEFORE.get(k) for k, v in os.environ.items()
+                                    if _ENV_BEFORE.get(k) != v}
+del _ENV_BEFORE
 
 from kvhandoff.transports.ucx.endpoints import EndpointCache  # noqa: E402
 from kvhandoff.transports.ucx.lanes import (  # noqa: E402
