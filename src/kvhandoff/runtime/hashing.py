@@ -9,9 +9,12 @@ The session asks for sums in two ways, and both end here:
   transport says, else xxh3 for host buffers, which every transport's fused hash is); else the
   write goes out unhashed and its source spans are hashed here once it landed (the source does
   not change while its room is open), before `events.Written` is posted. Where the transport
-  can read the peer's memory (shm's mapped lane: `landed_digest`), the write's completion also
-  reads back and hashes what landed, while it is in cache, and `Written` carries that sum too:
-  the writer's verification, which spares the decode its pass over the landed bytes.
+  reads the peer's memory as it writes (shm's mapped lane: each destination piece hashed
+  right after its copy, in cache), the job's completion carries those sums
+  (`transports.base.WriteSums`) and `Written` carries them on as `landed`: the writer's
+  verification, which spares the decode its pass over the landed bytes. A completion without
+  them (a job split across lanes, another transport) is read back here instead
+  (`landed_digest`: a second pass, None where the transport cannot read the peer's memory).
 
 The algorithms themselves are `buffers.devsum.room_checksum` ("xxh3" over host bytes,
 "devsum" where the buffer lives); this module decides where and when they run.
@@ -27,7 +30,7 @@ from kvhandoff.buffers.bufferset import view_memory
 from kvhandoff.buffers.devsum import room_checksum
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import HashSpans, PostWrite
-from kvhandoff.transports.base import OneSidedTransport, OnWrittenMany, Transport
+from kvhandoff.transports.base import OneSidedTransport, OnWrittenMany, Transport, landed_sums
 
 HASH_WORKERS = 2
 
@@ -74,7 +77,7 @@ class Hasher:
         fused = eff.checksum and all(self.write_digest_alg(x.buffer) == eff.alg
                                      for x in eff.parts)
         if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
-            return True, lambda exc, digests: self._written_read_back(eff, exc, digests)
+            return True, lambda exc, digests: self._written_verified(eff, exc, digests)
         if fused or not eff.checksum:
             return fused, lambda exc, digests: self._written(eff.op, exc, digests)
         return False, lambda exc, _digests: self._written_then_hash(eff, exc)
@@ -96,23 +99,26 @@ class Hasher:
         """(transport thread) A one-sided write job ended."""
         self._post(ev.Written(op, None if exc is None else str(exc), digests))
 
-    def _written_read_back(self, eff: PostWrite, exc: BaseException | None,
-                           digests: tuple[int | None, ...]) -> None:
-        """(the write's completion thread: shm's copy thread) A hashed write job of host
-        memory ended: where the transport can read the peer's memory (shm's mapped lane) the
-        bytes of each part that landed are read back and hashed now, while in cache, and
-        `Written` carries both sums per part (the decode compares them: the writer's
-        verification; a part whose `landed` is None the decode hashes itself)."""
+    def _written_verified(self, eff: PostWrite, exc: BaseException | None,
+                          digests: tuple[int | None, ...]) -> None:
+        """(the write's completion thread: shm's copy thread, or its poster) A hashed write
+        job of host memory ended: `Written` carries each part's landed sum, the one the copy
+        computed (`WriteSums`: shm's map lane) or else one read back now where the transport
+        can read the peer's memory (the decode compares them: the writer's verification; a
+        part whose `landed` is None the decode hashes itself)."""
         if exc is not None:
             self._post(ev.Written(eff.op, str(exc)))
             return
-        assert isinstance(self._transport, OneSidedTransport)
-        try:
-            landed = tuple(self._transport.landed_digest(eff.peer, x.buffer, x.plan)
-                           for x in eff.parts)
-        except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
-            self._post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
-            return
+        landed = landed_sums(digests)
+        if not landed:
+            assert isinstance(self._transport, OneSidedTransport)
+            try:
+                landed = tuple(self._transport.landed_digest(eff.peer, x.buffer, x.plan)
+                               for x in eff.parts)
+            except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
+                self._post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
+                return
+        digests = tuple(digests)  # the event holds a plain tuple
         self._post(ev.Written(eff.op, None, digests,
                               landed if any(x is not None for x in landed) else ()))
 

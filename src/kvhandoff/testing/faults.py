@@ -4,8 +4,11 @@
   layer (main KV or indexer, `Corrupt`), stall a layer's sends (never posted; cancel/close
   still complete them), fail a layer's ops with a `TransportError`, or end the process
   (`os._exit(137)`) when a layer is about to be sent. A corruption acts where the bytes land
-  on this side: a receive (two-sided decode) or a one-sided write (the prefill writes one
-  flipped byte after the real write landed, so its checksum is of the true bytes); with
+  on this side: a receive (two-sided decode) or a one-sided write (its checksum is of the true
+  bytes, the peer holds a flipped one: over shm, directly or through auto, the byte is flipped
+  inside the copy job, right after its piece was copied and before the writer hashes what
+  landed, `ShmTransport.post_writes_tampered`, so the writer's own verification sees it; over
+  other one-sided transports one flipped byte is written after the real write landed); with
   one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
   `receive_corruption=True` (what `from_config` sets for a decode with corruptions) makes a
   decode offer no buffers for writes, so its corruptions act on the two-sided receives.
@@ -118,8 +121,9 @@ class FaultyTransport(Transport):
         self._lock = threading.Lock()
         self.log = FaultLog()
         # one-sided writes: forwarded when the inner transport has them; a corruption is a
-        # second 1-byte write of a flipped source byte after the real one landed (so the
-        # writer's checksum is of the true bytes and the landed ones differ)
+        # byte flipped inside shm's copy job, else a second 1-byte write of a flipped source
+        # byte after the real one landed (so the writer's checksum is of the true bytes and
+        # the landed ones differ)
         # (a FaultyOneSidedTransport, see __new__); a decode that corrupts what it receives
         # offers no buffers (receive_corruption: a plain FaultyTransport)
         self._scratch = np.zeros(1, dtype=np.uint8)
@@ -235,9 +239,14 @@ class FaultyTransport(Transport):
 
 
 class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
-    """FaultyTransport over a transport with one-sided writes: they are forwarded, and a
-    corruption is a second 1-byte write of a flipped source byte after the real one landed
-    (so the writer's checksum is of the true bytes and the landed ones differ)."""
+    """FaultyTransport over a transport with one-sided writes: they are forwarded. A
+    corruption of a write job over shm (itself, or auto's same-host lane) flips the first
+    destination byte of the region inside the copy, after that piece's copy and before its
+    landed hash (`ShmTransport.post_writes_tampered`): the writer's fused verification of
+    what landed must catch it. Elsewhere (other transports, a single `post_write`, a job shm
+    splits) it is a second 1-byte write of a flipped source byte after the real one landed,
+    before any read-back. Either way the writer's checksum is of the true bytes and the
+    landed ones differ. A corruption counts as done once its job is posted."""
 
     @property
     def _writer(self) -> OneSidedTransport:
@@ -259,14 +268,53 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
     def _corruptions(self, writes: Sequence[WriteSpec]) -> list[_Flip]:
         """The configured corruptions that match a write of `writes` (its layer and region)."""
         found = []
-        for tag, name, remote, plan in writes:
+        for i, (tag, name, remote, plan) in enumerate(writes):
             _, layer, _, _ = P.split_tag(tag)
             region = name.rsplit("/", 1)[0]
             spec = next((c for c in self._corrupt if c.layer == layer and c.region == region),
                         None)
             if spec is not None and len(plan):
-                found.append(_Flip(spec, tag, name, remote, plan, layer, region))
+                found.append(_Flip(spec, tag, name, remote, plan, layer, region, i))
         return found
+
+    def _shm_writer(self, peer: str) -> Any:
+        """The ShmTransport that writes to `peer` (the inner one, or auto's same-host part),
+        None if none does (its copy job is where a corruption is injected)."""
+        from kvhandoff.transports.auto import AutoTransport
+        from kvhandoff.transports.shm.transport import ShmTransport
+
+        inner: Transport = self._writer
+        if isinstance(inner, AutoTransport) and inner.route(peer) == "shm":
+            inner = inner._shm  # auto has no public accessor of its parts
+        return inner if isinstance(inner, ShmTransport) else None
+
+    def _in_copy(self, peer: str, writes: Sequence[WriteSpec], flips: list[_Flip],
+                 on_done: OnWrittenMany, checksum: bool) -> bool:
+        """Posts `writes` as a shm copy job that flips a byte of each due corruption's region
+        inside the copy; False (nothing posted, nothing counted) where shm does not write
+        them as one host job."""
+        shm = self._shm_writer(peer)
+        if shm is None:
+            return False
+        with self._lock:
+            due = [f for f in flips if f.spec.times > 0]
+            for f in due:
+                f.spec.times -= 1
+        if not due:
+            self._writer.post_writes(peer, writes, on_done, checksum=checksum)
+            return True
+        if not shm.post_writes_tampered(peer, writes, on_done, {f.index: 0 for f in due},
+                                        checksum=checksum):
+            with self._lock:
+                for f in due:
+                    f.spec.times += 1
+            return False
+        for f in due:
+            dst = int(f.plan.dst_offsets[0])
+            self.log.corrupted.append((f.layer, f.region, dst))
+            log.warning("fault injection: flipped byte %d of the peer's %s inside the copy",
+                        dst, f.remote)
+        return True
 
     def _after_landed(self, peer: str, flips: list[_Flip], exc: BaseException | None,
                       then: Callable[[BaseException | None], None]) -> None:
@@ -311,13 +359,15 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
         """Forwarded as one job (the faults of its first write's layer: a stall, failure or
-        crash of the whole job); each corrupted region gets its byte flipped once the job
-        landed."""
+        crash of the whole job); each corrupted region gets its byte flipped inside the copy
+        (shm) or once the job landed (elsewhere)."""
         if writes and self._outgoing_fault(peer, writes[0][0], lambda exc: on_done(exc, ())):
             return
         flips = self._corruptions(writes)
         if not flips:
             self._writer.post_writes(peer, writes, on_done, checksum=checksum)
+            return
+        if self._in_copy(peer, writes, flips, on_done, checksum):
             return
         self._writer.post_writes(peer, writes, lambda exc, digests:
                                  self._after_landed(peer, flips, exc, lambda e: on_done(
@@ -336,6 +386,7 @@ class _Flip:
     plan: SpanPlan
     layer: int
     region: str
+    index: int  # the write's place in its job
 
 
 class MessageFaults:

@@ -32,6 +32,10 @@
 #   (shm's host lanes) keeps it under the first write's tag, and cancel of any of the tags ends
 #   it (the others' cancels find nothing); the default posts each write under its own tag and
 #   completes once the last one did (`split_writes`), so every one-sided transport takes it.
+#   A transport that reads what it wrote while it copies (shm's map lane, with `checksum`)
+#   completes with a `WriteSums`: the same tuple of source digests, and `landed`, one sum per
+#   write of its destination pieces as the writer read them right after copying them (the
+#   writer's verification; the others give a plain tuple: nothing read).
 from __future__ import annotations
 
 import importlib
@@ -57,6 +61,27 @@ OnWritten = Callable[[BaseException | None, int | None], None]
 #: Completion of several one-sided writes posted as one job (`post_writes`): (error or None,
 #: one digest per write, in order, None where not asked for; empty when the job failed).
 OnWrittenMany = Callable[[BaseException | None, tuple[int | None, ...]], None]
+
+
+class WriteSums(tuple):  # type: ignore[type-arg]  # tuple[int | None, ...]
+    """The digests a `post_writes` job completes with (a tuple: one per write, the xxh3-64 of
+    its source stream) carrying `landed` too: one per write, the xxh3-64 of its destination
+    pieces in plan order as the writer read them right after copying each (None for a write
+    it did not read). A plain tuple where the transport read nothing back."""
+
+    landed: tuple[int | None, ...]
+
+    def __new__(cls, digests: Sequence[int | None], landed: Sequence[int | None]) -> WriteSums:
+        self = super().__new__(cls, digests)
+        self.landed = tuple(landed)
+        return self
+
+
+def landed_sums(digests: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The `landed` sums a job's completion carried (`WriteSums`); () if it carried none."""
+    return digests.landed if isinstance(digests, WriteSums) else ()
+
+
 #: One write of a `post_writes` job: (tag, local buffer name, remote buffer name, plan).
 WriteSpec = tuple[int, str, str, "SpanPlan"]
 
@@ -172,8 +197,9 @@ class OneSidedTransport(Transport):
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """The xxh3-64 of what is now in the peer's buffer `remote` at the destination pieces
         of `plan`, in plan order, read where the peer reads them: the writer's check of a
-        write that just landed (call it from that write's on_done). None when this transport
-        cannot read the peer's memory (across hosts; then the peer verifies what landed)."""
+        write that just landed and whose completion carried no landed sums (`WriteSums`; call
+        it from that write's on_done). None when this transport cannot read the peer's memory
+        (across hosts; then the peer verifies what landed)."""
         return None
 
 

@@ -14,11 +14,19 @@
 # carry several regions' pieces back to back (`bounds`: one one-sided write job per layer, one
 # completion); with `checksum` each region runs as one part and hashes each of its source
 # pieces (xxh3-64, stream order) just before copying it, while it is in cache (a fused
-# copy+hash pass), so the job has one digest per region (`digests`).
+# copy+hash pass), so the job has one digest per region (`digests`). On the map lane it also
+# hashes each destination piece right after copying it, read through the mapping at the
+# addresses the peer reads, while still in cache: the writer's verification of what landed,
+# one sum per region (`landed`; None on the cma lane, whose bytes are not mapped here), with
+# no second pass over the job.
 #
-# The map lane copies through the native helper when it is built (_native.py: one foreign call
-# per batch of pieces, the hash fused in C); else piece by piece from Python. `read_back` hashes
-# what a write left in a mapped target (the writer's verification of what landed).
+# The map lane copies through the native helper when it is built (native.py: one foreign call
+# per batch of pieces, both hashes fused in C); else piece by piece from Python, with the same
+# sums. `read_back` hashes what is now in a mapped target (landed_digest: the verification of
+# a write whose job gave no landed sums). `Job.tamper` is the fault-injection seam
+# (testing.faults): a destination byte flipped inside the copy, after its piece was copied and
+# before its landed hash, so the sum is of the byte the peer holds; a job with it copies from
+# Python (a job without it, every real one, runs the fast path).
 #
 # Rules: a job ends exactly once (`_end`), after every part stopped; `cancel()` makes parts stop
 # at their next batch boundary and `wait()` returns once none runs, so after it nothing of that
@@ -111,12 +119,13 @@ class Job:
     """One span-list copy into a Target (see module comment)."""
 
     __slots__ = ("src", "dst", "lens", "target", "checksum", "on_end", "cancelled", "error",
-                 "digests", "bounds", "keep", "_parts_left", "_lock", "_ended", "ended_event",
-                 "total", "owner")
+                 "digests", "landed", "tamper", "bounds", "keep", "_parts_left", "_lock",
+                 "_ended", "ended_event", "total", "owner")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, target: Target,
                  checksum: bool, on_end: Callable[[Job], None], owner: Any = None, *,
-                 bounds: tuple[int, ...] | None = None, keep: tuple[Target, ...] = ()) -> None:
+                 bounds: tuple[int, ...] | None = None, keep: tuple[Target, ...] = (),
+                 tamper: dict[int, int] | None = None) -> None:
         self.src = src  # int64 source addresses (this process)
         self.dst = dst  # int64 destination addresses (see Target.base)
         self.lens = lens
@@ -134,6 +143,13 @@ class Job:
         # that of no bytes; the others are set by their part)
         self.digests: list[int | None] = ([_EMPTY_XXH3 if checksum else None]
                                           * (len(self.bounds) - 1))
+        # with checksum on the map lane: the xxh3-64 of each region's destination pieces as
+        # the copy left them, read right after each piece's copy (None: not read, cma)
+        verify = checksum and target.lane == "map"
+        self.landed: list[int | None] = [_EMPTY_XXH3 if verify else None] * (len(self.bounds) - 1)
+        # fault injection only (see the module comment): piece index -> the byte of that
+        # piece whose copy is flipped right after the piece was copied
+        self.tamper = tamper
         self._parts_left = 0
         self._lock = threading.Lock()
         self._ended = False
@@ -235,23 +251,36 @@ def _copy_part(job: Job, lo: int, hi: int, seg: int) -> str | None:
 
 def _copy_mapped(job: Job, lo: int, hi: int, seg: int) -> str | None:
     helper, _ = native()
-    if helper is not None:
+    if helper is not None and job.tamper is None:
         return _copy_mapped_native(job, lo, hi, seg, helper)
     src = job.src[lo:hi].tolist()
     dst = job.dst[lo:hi].tolist()
     lens = job.lens[lo:hi].tolist()
     h = xxhash.xxh3_64() if job.checksum else None
+    hd = xxhash.xxh3_64() if job.checksum else None
+    tamper = job.tamper or {}
     for b in range(0, len(lens), _BATCH):
         if job.cancelled:
             return "cancelled"
-        for s, d, n in zip(src[b:b + _BATCH], dst[b:b + _BATCH], lens[b:b + _BATCH],
-                           strict=True):
+        for i, (s, d, n) in enumerate(zip(src[b:b + _BATCH], dst[b:b + _BATCH],
+                                          lens[b:b + _BATCH], strict=True), lo + b):
             if h is not None:
                 h.update((ctypes.c_char * n).from_address(s))
             _memmove(d, s, n)
-    if h is not None:
+            if i in tamper:
+                _flip_mapped(d, n, tamper[i])
+            if hd is not None:
+                hd.update((ctypes.c_char * n).from_address(d))
+    if h is not None and hd is not None:
         job.digests[seg] = int(h.intdigest())
+        job.landed[seg] = int(hd.intdigest())
     return None
+
+
+def _flip_mapped(addr: int, nbytes: int, at: int) -> None:
+    """(fault injection) Flips byte `at` (clamped into the piece) of a piece just copied."""
+    byte = ctypes.c_uint8.from_address(addr + min(max(at, 0), nbytes - 1))
+    byte.value ^= 0xFF
 
 
 def _copy_mapped_native(job: Job, lo: int, hi: int, seg: int, helper: Native) -> str | None:
@@ -261,7 +290,9 @@ def _copy_mapped_native(job: Job, lo: int, hi: int, seg: int, helper: Native) ->
     dst = np.ascontiguousarray(job.dst[lo:hi], dtype=np.int64)
     lens = np.ascontiguousarray(job.lens[lo:hi], dtype=np.int64)
     state = helper.new_hash() if job.checksum else None
+    landed = helper.new_hash() if state is not None else None
     py_hash = xxhash.xxh3_64() if job.checksum and state is None else None
+    py_landed = xxhash.xxh3_64() if py_hash is not None else None
     batch = IOV_MAX if py_hash is None else 16  # Python hashing: keep the batch in cache
     sp, dp, lp = src.ctypes.data, dst.ctypes.data, lens.ctypes.data
     try:
@@ -273,14 +304,19 @@ def _copy_mapped_native(job: Job, lo: int, hi: int, seg: int, helper: Native) ->
                 for s, n in zip(src[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
                     py_hash.update((ctypes.c_char * n).from_address(s))
             rc = helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, k,
-                             helper.update_fn if state is not None else None, state)
+                             helper.update_fn if state is not None else None, state, landed)
             if rc != 0:
                 return f"shm copy: xxh3 update failed ({rc})"
+            if py_landed is not None:
+                for d, n in zip(dst[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
+                    py_landed.update((ctypes.c_char * n).from_address(d))
     finally:
-        if state is not None:
+        if state is not None and landed is not None:
             job.digests[seg] = helper.digest(state)
-    if py_hash is not None:
+            job.landed[seg] = helper.digest(landed)
+    if py_hash is not None and py_landed is not None:
         job.digests[seg] = int(py_hash.intdigest())
+        job.landed[seg] = int(py_landed.intdigest())
     return None
 
 
@@ -312,6 +348,7 @@ def read_back(target: Target, offsets: np.ndarray, nbytes: np.ndarray) -> int | 
 def _copy_cma(job: Job, lo: int, hi: int, seg: int) -> str | None:
     pid = job.target.pid
     h = xxhash.xxh3_64() if job.checksum else None
+    tamper = job.tamper or {}
     for b in range(lo, hi, IOV_MAX):
         if job.cancelled:
             return "cancelled"
@@ -340,8 +377,25 @@ def _copy_cma(job: Job, lo: int, hi: int, seg: int) -> str | None:
             done += r
             if done < want:
                 local, remote = _advance(local, r), _advance(remote, r)
+        for i in [i for i in tamper if b <= i < e]:
+            err = _flip_cma(pid, int(job.src[i]), int(job.dst[i]), int(job.lens[i]), tamper[i])
+            if err is not None:
+                return err
     if h is not None:
         job.digests[seg] = int(h.intdigest())
+    return None
+
+
+def _flip_cma(pid: int, src: int, dst: int, nbytes: int, at: int) -> str | None:
+    """(fault injection) Writes the flipped source byte `at` (clamped into the piece) of a
+    piece just copied over its copy in process `pid`."""
+    at = min(max(at, 0), nbytes - 1)
+    buf = ctypes.c_uint8(ctypes.c_uint8.from_address(src + at).value ^ 0xFF)
+    local = (ctypes.c_uint64 * 2)(ctypes.addressof(buf), 1)
+    remote = (ctypes.c_uint64 * 2)(dst + at, 1)
+    if _pvw(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0) != 1:
+        errno = ctypes.get_errno()
+        return f"fault injection: flipping a byte in process {pid} failed: {os.strerror(errno)}"
     return None
 
 

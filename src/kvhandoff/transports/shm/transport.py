@@ -12,11 +12,15 @@
 #   its copy ended. The receiver posts one message per receive, nothing per span or chunk.
 # - One-sided (OneSidedTransport): describe(name) gives a buffer's descriptor, the writer installs
 #   it with register_remote(peer, name, descriptor) and post_write()s span plans into it; the
-#   receiver posts nothing at all. Writes can hash their source while copying (checksum=True),
-#   and landed_digest(peer, remote, plan) reads back what a write left in a mapped target (the
-#   writer's check, from the write's on_done, while the bytes are in cache). post_writes of
-#   host memory copies several plans (a layer's regions) as ONE job: one op under the first
+#   receiver posts nothing at all. Writes can hash their source while copying (checksum=True);
+#   on the map lane the copy also hashes each destination piece right after copying it (the
+#   writer's check of what landed, in cache) and the job completes with a base.WriteSums (a
+#   landed sum per write). landed_digest(peer, remote, plan) reads back what a write left in
+#   a mapped target (for a write whose completion had no landed sums). post_writes of host
+#   memory copies several plans (a layer's regions) as ONE job: one op under the first
 #   write's tag, one completion, one digest per write (each region hashed by its own part).
+#   `post_writes_tampered` is the fault-injection seam (testing.faults): the same job with a
+#   destination byte flipped inside the copy, before its landed hash.
 # - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
@@ -82,6 +86,7 @@ from kvhandoff.transports.base import (
     TransportKind,
     TransportStatus,
     WriteSpec,
+    WriteSums,
     one_write,
     split_writes,
 )
@@ -250,8 +255,10 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
 
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """xxh3-64 of the peer's host buffer `remote` at `plan`'s destination pieces, read
-        through the mapping the write went through (copy.read_back); None on the cma and
-        CUDA lanes (their bytes are not mapped here: the decode verifies them)."""
+        through the mapping the write went through (copy.read_back): a second pass, for a
+        write whose completion had no landed sums (post_write; a job split across lanes);
+        None on the cma and CUDA lanes (their bytes are not mapped here: the decode verifies
+        them)."""
         with self._lock:
             info = self._peer_info.get(peer)
             target = info.remotes.get(remote) if info is not None else None
@@ -309,8 +316,28 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             return
         self._post_host(writes, peer, on_done, checksum)
 
+    def post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
+                             on_done: OnWrittenMany, flips: dict[int, int], *,
+                             checksum: bool = False) -> bool:
+        """Fault injection only (testing.faults): `post_writes` of host memory as one copy job
+        that flips the first destination byte of write i's piece `flips[i]` right after that
+        piece was copied and before it is hashed as landed, so the byte the peer holds is not
+        the source's and the landed sum is of what it holds. The job copies from Python (the
+        fast path never sees this). False, and nothing posted, where the writes are not one
+        host job (CUDA buffers, or targets on both host lanes): the caller corrupts otherwise."""
+        if any(w[1] in self._dev for w in writes):
+            return False
+        with self._lock:
+            info = self._peer_info.get(peer)
+            lanes = {getattr(info.remotes.get(w[2]), "lane", None) if info is not None else None
+                     for w in writes}
+        if len(lanes) != 1:
+            return False
+        self._post_host(writes, peer, on_done, checksum, flips)
+        return True
+
     def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWrittenMany,
-                   checksum: bool) -> None:
+                   checksum: bool, flips: dict[int, int] | None = None) -> None:
         """(any thread) Host writes as one copy job under the first write's tag, started from
         here (no I/O-thread hop); its copy thread completes the op (this thread, for a job of
         at most copy.INLINE_MAX bytes)."""
@@ -341,19 +368,21 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._add_write(op)
         if self._dead(op):
             return
+        bounds: tuple[int, ...]
         if len(parts) == 1:
             buf, target, plan = parts[0]
             src = plan.src_offsets + int(buf.ctypes.data)
             dst = plan.dst_offsets + target.base
-            lens, bounds = plan.nbytes, None
+            lens, bounds = plan.nbytes, (0, len(plan))
         else:
             src = np.concatenate([p.src_offsets + int(b.ctypes.data) for b, _, p in parts])
             dst = np.concatenate([p.dst_offsets + t.base for _, t, p in parts])
             lens = np.concatenate([p.nbytes for _, _, p in parts])
             bounds = (0, *itertools.accumulate(len(p) for _, _, p in parts))
+        tamper = None if flips is None else {bounds[i] + k: 0 for i, k in flips.items()}
         self._run_job(op, Job(src, dst, lens, parts[0][1], checksum, self._write_ended,
                               owner=(op, None), bounds=bounds,
-                              keep=tuple(t for _, t, _ in parts[1:])), None)
+                              keep=tuple(t for _, t, _ in parts[1:]), tamper=tamper), None)
 
     def _add_write(self, op: ShmOp) -> None:
         """Enters a write op in the op table (its tag must not be pending with the peer)."""
@@ -771,7 +800,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             self._running.discard(job)
             if ok:
                 self._bytes_sent += job.total
-                op.digests = tuple(job.digests)
+                op.digests = (WriteSums(job.digests, job.landed) if job.landed[0] is not None
+                              else tuple(job.digests))
             done = self._finish_locked([op], None if ok else job.error or "cancelled")
         if done:
             self._held.deliver(done, here=True)

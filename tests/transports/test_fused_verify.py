@@ -1,0 +1,185 @@
+"""The writer's verification fused into shm's copy: on the map lane a checksummed write job
+hashes each destination piece right after copying it and completes with a `WriteSums` (the
+source sums, and a landed sum per write); the fault seam (`post_writes_tampered`) flips a byte
+inside the copy, before its landed hash. Every copy path (piece by piece from Python, the
+native copy with the hash in Python, both hashes fused in C) gives the same sums. The oracle is
+xxh3 of the peer's buffer as numpy reads it, never the transport's own read-back. Real
+transports, real lanes (as test_write_jobs.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+from test_conformance import WAIT_S, stream
+from test_write_jobs import Two, WrittenMany
+
+from kvhandoff.kv_layout import SpanPlan, plan_of
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol.effects import PostWrite, WritePart
+from kvhandoff.runtime.hashing import Hasher
+from kvhandoff.transports.base import WriteSums, landed_sums
+from kvhandoff.transports.shm import copy as shm_copy
+from kvhandoff.transports.shm import native as shm_native
+
+# a region's pieces, out of order, of odd sizes, one of several of the C loop's 32 KiB steps
+PLAN_A = plan_of([4096, 0, 70_000, 300_000], [100, 9000, 20_000, 1_500_000],
+                 [3000, 1000, 5000, 200_001])
+PLAN_B = plan_of([10, 50_000], [60_000, 0], [40_000, 777])
+WRITES = [(1, "kv", "kv", PLAN_A), (2, "kv2", "kv2", PLAN_B)]
+HELPERS = ["python", "native-without-libxxhash", "native"]
+
+
+@pytest.fixture(params=HELPERS)
+def helper(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The map lane's copy path: Python only, the native copy with the hash in Python, or
+    both hashes fused in C (the native ones skipped where the helper is not built)."""
+    built, _ = shm_native.native()
+    if request.param != "python" and built is None:
+        pytest.skip("the native copy helper is not built here (make setup builds it)")
+    if request.param == "python":
+        monkeypatch.setattr(shm_copy, "native", lambda: (None, "python"))
+    elif request.param == "native-without-libxxhash":
+        plain = shm_native.Native(ctypes.CDLL(str(shm_native._target())), None)
+        monkeypatch.setattr(shm_copy, "native", lambda: (plain, "no libxxhash"))
+    return str(request.param)
+
+
+@pytest.fixture(params=["shm", "shm-map"])
+def two(request: pytest.FixtureRequest) -> Iterator[Two]:
+    t = Two(str(request.param))
+    yield t
+    t.p.close()
+
+
+def xxh3(buf: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(stream(buf, offsets, nbytes).tobytes())
+
+
+def sums(src: np.ndarray, dst: np.ndarray, plan: SpanPlan) -> tuple[int, int]:
+    """(the source stream's xxh3, the peer's destination stream's xxh3 as it is now)."""
+    return xxh3(src, plan.src_offsets, plan.nbytes), xxh3(dst, plan.dst_offsets, plan.nbytes)
+
+
+def bufs(t: Two) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(t.p.src, t.p.dst), (t.src2, t.dst2)]
+
+
+def lane(t: Two) -> str:
+    return t.writer.status().lanes[0]
+
+
+def test_a_map_lane_job_completes_with_the_landed_sums_of_what_the_peer_holds(
+        two: Two, helper: str) -> None:
+    """Each write's landed sum is the xxh3 of the peer's destination pieces as numpy reads
+    them afterwards, and (nothing corrupted) equal to its source sum, on every copy path; the
+    cma lane reads nothing back (a plain tuple: the decode verifies)."""
+    w = WrittenMany()
+    two.writer.post_writes("b", WRITES, w, checksum=True)
+    err, digests = w.wait()
+    assert err is None
+    want = [sums(s, d, plan) for (s, d), (_, _, _, plan) in zip(bufs(two), WRITES, strict=True)]
+    assert tuple(digests) == tuple(src for src, _ in want)
+    if lane(two) == "shm/cma":
+        assert not isinstance(digests, WriteSums) and landed_sums(digests) == ()
+        return
+    assert isinstance(digests, WriteSums)
+    assert digests.landed == tuple(dst for _, dst in want) == tuple(digests)
+
+
+def test_an_in_copy_flip_is_in_the_peers_memory_and_in_the_landed_sum(two: Two,
+                                                                        helper: str) -> None:
+    """The seam flips write 1's first destination byte inside the copy: the peer holds the
+    flipped byte (every other byte is the source's), the source sum is of the true bytes and,
+    on the map lane, the landed sum is of what the peer holds, so the two differ."""
+    w = WrittenMany()
+    assert two.writer.post_writes_tampered("b", WRITES, w, {1: 0}, checksum=True)  # type: ignore[attr-defined]
+    err, digests = w.wait()
+    assert err is None
+    at_src, at_dst = int(PLAN_B.src_offsets[0]), int(PLAN_B.dst_offsets[0])
+    assert two.dst2[at_dst] == two.src2[at_src] ^ 0xFF
+    two.dst2[at_dst] ^= 0xFF  # put it back: then the rest must be the source's
+    assert all(np.array_equal(d[o:o + n], s[i:i + n]) for (s, d), (_, _, _, plan)
+               in zip(bufs(two), WRITES, strict=True) for i, o, n in plan)
+    two.dst2[at_dst] ^= 0xFF
+    (src_a, dst_a), (src_b, dst_b) = (sums(s, d, plan) for (s, d), (_, _, _, plan)
+                                      in zip(bufs(two), WRITES, strict=True))
+    assert tuple(digests) == (src_a, src_b)
+    if lane(two) == "shm/cma":
+        assert landed_sums(digests) == ()
+        return
+    assert landed_sums(digests) == (dst_a, dst_b) and dst_a == src_a and dst_b != src_b
+
+
+def test_only_a_tampered_job_leaves_the_fused_native_path(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A job without a fault runs the native fused copy; the tampered one copies from Python
+    and still gives the same source sums."""
+    if shm_native.native()[0] is None:
+        pytest.skip("the native copy helper is not built here (make setup builds it)")
+    native_parts: list[Any] = []
+    fused = shm_copy._copy_mapped_native
+
+    def counted(job: Any, *a: Any) -> Any:
+        native_parts.append(job)
+        return fused(job, *a)
+
+    monkeypatch.setattr(shm_copy, "_copy_mapped_native", counted)
+    t = Two("shm-map")
+    try:
+        plain, tampered = WrittenMany(), WrittenMany()
+        t.writer.post_writes("b", WRITES, plain, checksum=True)
+        assert plain.wait()[0] is None and len(native_parts) == 2  # a part per region
+        t.writer.post_writes_tampered("b", WRITES, tampered, {0: 0}, checksum=True)  # type: ignore[attr-defined]
+        assert tampered.wait()[0] is None and len(native_parts) == 2
+        assert tuple(tampered.wait()[1]) == tuple(plain.wait()[1])
+        assert landed_sums(tampered.wait()[1])[0] != plain.wait()[1][0]
+    finally:
+        t.p.close()
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_the_hasher_posts_the_copys_landed_sums_without_a_read_back(
+        two: Two, flip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's completion (`Hasher.write_plan`) of a shm write job: on the map lane
+    `Written` carries the copy's landed sums (the transport's second pass, `landed_digest`,
+    is not called; the peer's bytes read by numpy are the oracle), a flipped byte shows in its
+    region's; on the cma lane it asks `landed_digest` (None there) and the decode verifies."""
+    asked: list[str] = []
+    read_back = two.writer.landed_digest
+
+    def counted(peer: str, remote: str, plan: SpanPlan) -> int | None:
+        asked.append(remote)
+        return read_back(peer, remote, plan)
+
+    monkeypatch.setattr(two.writer, "landed_digest", counted)
+    posted: queue.SimpleQueue[ev.Event] = queue.SimpleQueue()
+    h = Hasher(buffers={"kv": two.p.src, "kv2": two.src2}, transport=two.writer, post=posted.put)
+    try:
+        eff = PostWrite(9, "b", tuple(WritePart(tag, name, plan) for tag, name, _, plan in WRITES),
+                        True, "xxh3")
+        fused, done = h.write_plan(eff)
+        assert fused
+        if flip:
+            assert two.writer.post_writes_tampered("b", WRITES, done, {0: 0}, checksum=True)  # type: ignore[attr-defined]
+        else:
+            two.writer.post_writes("b", WRITES, done, checksum=True)
+        written = posted.get(timeout=WAIT_S)
+        assert isinstance(written, ev.Written) and written.error is None
+        want = [sums(s, d, plan) for (s, d), (_, _, _, plan) in zip(bufs(two), WRITES,
+                                                                    strict=True)]
+        assert written.digests == tuple(src for src, _ in want)
+        if lane(two) == "shm/cma":
+            assert written.landed == () and asked == ["kv", "kv2"]
+        else:
+            assert written.landed == tuple(dst for _, dst in want) and asked == []
+            assert (written.landed[0] != written.digests[0]) is flip
+            assert written.landed[1] == written.digests[1]
+        assert posted.empty()  # one Written per job
+    finally:
+        h.close()
