@@ -46,7 +46,7 @@ class RoomView:
     """What the engine side sees of one room (written by the control thread only)."""
 
     __slots__ = ("room", "layers", "on_release", "state", "failure", "landed", "done",
-                 "released", "inited", "_cond", "chunk", "_engine_lock")
+                 "released", "inited", "_cond", "_waiting", "chunk", "_engine_lock")
 
     def __init__(self, room: int, layers: tuple[int, ...],
                  on_release: Callable[[int], None] | None) -> None:
@@ -60,15 +60,20 @@ class RoomView:
         self.released = False
         self.inited = False  # decode: init() was called (engine side only)
         self._cond = threading.Condition(threading.Lock())
+        self._waiting: list[Callable[[], bool]] = []  # the predicates engine threads wait on
         self.chunk: ChunkState | None = None  # prefill, chunked: engine side only
         self._engine_lock = threading.Lock()
 
     def update(self, state: KVPoll, failure: Failure | None, landed: frozenset[int],
                done: bool) -> None:
-        """(control thread) The session's `RoomUpdate`."""
+        """(control thread) The session's `RoomUpdate`. Waiters are woken only when one's
+        predicate now holds: a wake-up is a cross-CPU futex wake and a GIL hand-off (tens of
+        microseconds on a VM), and most updates (a layer landed, Transferring) are not what a
+        waiter waits for."""
         with self._cond:
             self.state, self.failure, self.landed, self.done = state, failure, landed, done
-            self._cond.notify_all()
+            if any(pred() for pred in self._waiting):
+                self._cond.notify_all()
 
     def release(self) -> None:
         """(control thread) The session's `Release`: wake waiters, call `on_release` once."""
@@ -83,15 +88,23 @@ class RoomView:
                 log.exception("on_release callback of room %d raised", self.room)
 
     def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
-        """Waits (bounded) until `pred()` holds; returns its last value."""
+        """Waits (bounded) until `pred()` holds; returns its last value. `pred` reads only
+        the view's fields (the control thread evaluates it, under the view's lock, to decide
+        whether to wake this waiter)."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while not pred():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            if pred():
+                return True
+            self._waiting.append(pred)
+            try:
+                while not pred():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._waiting.remove(pred)
 
 
 class ChunkState:
