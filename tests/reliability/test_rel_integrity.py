@@ -6,9 +6,11 @@ Corruption is injected by wrapping the decode agent's transport
 (`kvhandoff.testing.faults.FaultyTransport`: one byte of the first landed span of a region of
 that layer flipped before the agent verifies it), not by patching internals; main KV and the
 indexer are both corrupted. With one-sided writes the decode posts nothing to wrap, so the
-prefill's transport corrupts instead (a byte flipped in the decode's pages after its write),
-on both one-sided lanes: plain decode memory (the decode verifies what landed) and a shared
-pool the writer maps (the writer reads back what it wrote; the decode checks that sum).
+prefill's transport corrupts instead: a byte of the decode's pages flipped inside shm's copy
+job, right after its piece was copied and before the writer hashes what landed, on both
+one-sided lanes: plain decode memory (the decode verifies what landed) and a shared pool the
+writer maps (the writer's copy hashes each piece it wrote right after writing it; the decode
+checks that sum).
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def test_engine_aborted_prefill_never_lets_decode_succeed(rng: random.Random) ->
 
 # The one-sided lanes: "shm" writes into plain decode memory (process_vm_writev; the decode
 # verifies what landed), "shm-map" into a decode pool in a shared segment, which the writer
-# maps: it reads back what it wrote and the decode checks that sum and the plan's digest
-# instead of reading the bytes again (checksums_writer_verified counts those).
+# maps: its copy hashes each destination piece right after copying it and the decode checks
+# that sum and the plan's digest instead of reading the bytes again
+# (checksums_writer_verified counts those).
 ONE_SIDED = ["shm", "shm-map"]
 
 
@@ -125,9 +128,9 @@ def _writer_verifies(lane: str, counters: dict[str, int]) -> bool:
 @pytest.mark.parametrize("lane", ONE_SIDED)
 def test_one_sided_corruption_is_caught_and_rewritten(lane: str) -> None:
     """One-sided writes: the prefill's faulty transport flips a byte in the decode's pages
-    after its write landed, so the checksum it sends is of the true bytes. Caught (by the
-    decode's pass, or on the map lane by the writer's read-back), rewritten once, byte-exact;
-    every page comes back."""
+    inside the copy (after its piece's copy, before the landed hash), so the checksum it sends
+    is of the true bytes. Caught (by the decode's pass, or on the map lane by the writer's
+    fused hash of what landed), rewritten once, byte-exact; every page comes back."""
     for room, (layer, region) in enumerate([(5, "indexer_k"), (0, "main_kv"), (3, "main_kv")]):
         faults = {"corrupt": [{"layer": layer, "region": region}]}
         with engine_pair(num_pages=8, settings=fast_settings(transport="shm"),
@@ -167,6 +170,8 @@ def test_one_sided_corruption_twice_fails_naming_layer_and_region(lane: str, reg
         c = d.agent.status()["counters"]
         assert c["checksum_failures"] == 2 * TRIALS and c["rooms_one_sided"] == TRIALS
         assert _writer_verifies(lane, c)
+        # each caught corruption was injected once: a byte flipped inside a copy job
+        assert len(p.agent.transport.log.corrupted) == 2 * TRIALS  # type: ignore[attr-defined]
         assert p.wait_all_released(rooms, WAIT_S) and d.wait_all_released(rooms, WAIT_S)
         p.assert_no_leak()
         d.assert_no_leak()
