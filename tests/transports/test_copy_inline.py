@@ -54,3 +54,18 @@ def test_large_job_runs_on_the_copy_threads() -> None:
         assert job.digests[1] == xxhash.xxh3_64_intdigest(bytes(src[half:]))
     finally:
         pool.stop()
+
+
+def test_ended_event_is_set_whether_asked_for_before_or_after_the_end() -> None:
+    pool = CopyPool(2, "kvh-test-copy")
+    try:
+        small, _, _ = _job(4096, [])
+        pool.submit(small)  # ended inline, before anyone asked for its event
+        assert small.ended_event.is_set() and small.wait(0)
+        large, src, dst = _job(INLINE_MAX + 4096, [])
+        event = large.ended_event  # asked for before it ends (as a cancel waits on it)
+        assert not event.is_set()
+        pool.submit(large)
+        assert event.wait(30) and large.wait(0) and bytes(dst) == bytes(src)
+    finally:
+        pool.stop()

@@ -120,7 +120,7 @@ class Job:
 
     __slots__ = ("src", "dst", "lens", "target", "checksum", "on_end", "cancelled", "error",
                  "digests", "landed", "tamper", "bounds", "keep", "_parts_left", "_lock",
-                 "_ended", "ended_event", "total", "owner")
+                 "_ended", "_event", "total", "owner")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, target: Target,
                  checksum: bool, on_end: Callable[[Job], None], owner: Any = None, *,
@@ -153,7 +153,19 @@ class Job:
         self._parts_left = 0
         self._lock = threading.Lock()
         self._ended = False
-        self.ended_event = threading.Event()
+        # made when first asked for (a cancel or close waits on it): an Event per job was a
+        # tenth of the control thread's time for a short prompt's layer jobs
+        self._event: threading.Event | None = None
+
+    @property
+    def ended_event(self) -> threading.Event:
+        """Set once every part stopped."""
+        with self._lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._ended:
+                    self._event.set()
+            return self._event
 
     @property
     def digest(self) -> int | None:
@@ -169,8 +181,12 @@ class Job:
                 self.error = error
             self._parts_left -= 1
             last = self._parts_left == 0
+            if last:
+                self._ended = True
+            event = self._event
         if last:
-            self.ended_event.set()
+            if event is not None:
+                event.set()
             self.on_end(self)
 
     def wait(self, timeout: float) -> bool:
