@@ -16,13 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from test_conformance import WAIT_S, stream
+from test_conformance import BUF, WAIT_S, stream
 from test_write_jobs import Two, WrittenMany
 
+from kvhandoff.buffers.shared import SharedSegment
 from kvhandoff.kv_layout import SpanPlan, plan_of
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import PostWrite, WritePart
+from kvhandoff.protocol.wire import data_tag
 from kvhandoff.runtime.hashing import Hasher
+from kvhandoff.settings import Settings
+from kvhandoff.testing.faults import Corrupt, FaultyTransport
+from kvhandoff.transports import OneSidedTransport, load_transport
 from kvhandoff.transports.base import WriteSums, landed_sums
 from kvhandoff.transports.shm import copy as shm_copy
 from kvhandoff.transports.shm import native as shm_native
@@ -183,3 +188,45 @@ def test_the_hasher_posts_the_copys_landed_sums_without_a_read_back(
         assert posted.empty()  # one Written per job
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "auto"])
+def test_the_fault_wrapper_flips_inside_the_copy_directly_or_through_auto(kind: str) -> None:
+    """`FaultyTransport` over shm, or over auto whose same-host lane is shm, corrupts a layer's
+    region inside the copy job: the peer holds the flipped byte, the source sum is of the true
+    bytes and the landed sum is of what the peer holds (so the writer's fused check is the one
+    that must catch it); once its `times` are used up the next job lands clean."""
+    settings = Settings(transport=kind, stall_timeout_s=WAIT_S)
+    a, b = load_transport(kind, settings), load_transport(kind, settings)
+    faulty = FaultyTransport(a, corrupt=[Corrupt(layer=5, region="indexer_k")])
+    assert isinstance(faulty, OneSidedTransport)
+    names = ["main_kv/5", "indexer_k/5"]
+    src = {n: SharedSegment(BUF).array for n in names}
+    dst = {n: SharedSegment(BUF).array for n in names}
+    try:
+        for i, n in enumerate(names):
+            src[n][:] = np.random.default_rng(i).integers(0, 256, BUF, dtype=np.uint8)
+            faulty.register(n, src[n])
+            b.register(n, dst[n])
+        faulty.connect("b", b.address)
+        b.connect("a", faulty.address)
+        for n in names:
+            faulty.register_remote("b", n, b.describe(n))  # type: ignore[attr-defined]
+        writes = [(data_tag(1, 5, r, 0), n, n, plan) for r, (n, plan)
+                  in enumerate(zip(names, [PLAN_A, PLAN_B], strict=True))]
+        for attempt in range(2):
+            w = WrittenMany()
+            faulty.post_writes("b", writes, w, checksum=True)
+            err, digests = w.wait()
+            assert err is None and "shm/map" in faulty.status().lanes
+            want = [sums(src[n], dst[n], plan) for _, n, _, plan in writes]
+            assert tuple(digests) == tuple(s for s, _ in want)
+            assert landed_sums(digests) == tuple(d for _, d in want)
+            flipped = want[1][0] != want[1][1]
+            assert flipped is (attempt == 0) and want[0][0] == want[0][1]
+        assert len(faulty.log.corrupted) == 1
+        (layer, region, at), = faulty.log.corrupted
+        assert (layer, region) == (5, "indexer_k") and at == int(PLAN_B.dst_offsets[0])
+    finally:
+        faulty.close()
+        b.close()
