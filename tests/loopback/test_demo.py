@@ -73,13 +73,20 @@ def test_demo_fails_loudly_when_the_handoff_cannot_run() -> None:
     assert r["ok"] is False and "no-such-transport" in r["error"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_demo_interrupted_leaves_no_child(sig: int) -> None:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a non-interactive shell's `cmd &`
+
+
+@pytest.mark.parametrize("sig,ignored", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                         (signal.SIGINT, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-inherited-ignored"])
+def test_demo_interrupted_leaves_no_child(sig: int, ignored: bool) -> None:
     # 78 layers x 50 ms of simulated compute: the handoff is still running when we signal
     proc = subprocess.Popen(
         [KVHANDOFF, "demo", "--context", "2048", "--prefix", "0", "--layer-ms", "50",
          "--report-pids"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "COLUMNS": "100"})
+        env={**os.environ, "COLUMNS": "100"},
+        preexec_fn=_ignore_sigint if ignored else None)  # noqa: PLW1509 - only sets a signal
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:

@@ -33,21 +33,35 @@ class DemoError(Exception):
     """The demo could not run to the end (a process failed or timed out)."""
 
 
+# set by SIGINT / SIGTERM while the demo runs (see _signals_as_interrupt)
+_interrupted = threading.Event()
+
+
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the main thread, so one cleanup path serves both."""
+def _signals_as_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, so one cleanup path
+    serves both, also when the demo was started with SIGINT ignored (a background job of a
+    non-interactive shell inherits it so, and Python then installs no handler: the demo ran on
+    after SIGINT and exited 0). They are remembered too (`_interrupted`): an interrupt raised
+    while the main thread happens to run a finaliser is swallowed by the interpreter
+    ("Exception ignored in ..."), so the demo's wait loop and its end check the flag."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
+        _interrupted.set()
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, handler)
+    _interrupted.clear()
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+        if _interrupted.is_set():  # raised where the interpreter swallowed it
+            raise KeyboardInterrupt
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _kill_all(procs: list[Any]) -> None:
@@ -182,6 +196,8 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
                 if left <= 0:
                     raise DemoError(f"no end of the handoff within {timeout_s:g}s (have "
                                     f"{ {s: sorted(g) for s, g in got.items()} })")
+                if _interrupted.is_set():  # an interrupt the interpreter swallowed
+                    raise KeyboardInterrupt
                 try:
                     name, ev = merged.get(timeout=min(left, 1.0))
                 except queue.Empty:
@@ -398,7 +414,7 @@ def register(app: typer.Typer) -> None:
             bars.update(tasks[side], completed=done)
 
         try:
-            with _sigterm_as_interrupt(), bars:
+            with _signals_as_interrupt(), bars:
                 if not as_json:
                     con.print(f"starting a bootstrap server, {prefill_tp} prefill and "
                               f"{decode_tp} decode process(es) ({transport}) ...")
