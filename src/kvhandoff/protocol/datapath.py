@@ -366,7 +366,7 @@ class DataPath:
                           for name in regions)
             op = self._op(r, tuple(x.tag for x in parts), send=True, unit=unit,
                           attempt=attempt, regions=tuple(regions))
-            ctx.emit(PostWrite(op, r.peer, parts, want, self._checksum_alg(r)))
+            ctx.emit(PostWrite(op, r.peer, parts, want, self._checksum_alg(r), r.room))
             return
         r.outstanding[key] = len(regions)
         for name in regions:

@@ -120,13 +120,18 @@ class PostWrite(Effect):
     `RegisterRemote`) as they are, as one job (a layer's regions: one completion), hashing
     each part's source stream while copying when `checksum`, with the room's algorithm `alg`
     ("xxh3" or "devsum", `handshake.checksum_alg`); completion comes back as
-    `events.Written(op)` once the bytes of every part landed, with one sum per part."""
+    `events.Written(op)` once the bytes of every part landed, with one sum per part.
+
+    `room`: the writes of one room to one peer may leave in one transport job with that room's
+    other writes posted in the same pass of the driver (several short layers that were ready
+    together: one job, one completion, still one `Written` per op); None: always alone."""
 
     op: int
     peer: str
     parts: tuple[WritePart, ...]
     checksum: bool
     alg: str = "xxh3"
+    room: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

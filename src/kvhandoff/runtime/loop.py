@@ -56,7 +56,7 @@ from kvhandoff.runtime.handles import RoomView
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings
-from kvhandoff.transports.base import OneSidedTransport, Transport
+from kvhandoff.transports.base import OneSidedTransport, Transport, WriteSums, landed_sums
 
 log = logging.getLogger("kvhandoff.agent")
 
@@ -69,6 +69,12 @@ PEER_CALL_WORKERS = 4  # peers whose blocking transport calls run at once
 # loaded 2-core host cost more than that. Small layers are the short prompts' case, where
 # the hand-offs are most of a layer's verification; larger jobs keep the pool's parallelism.
 HASH_INLINE_BYTES = 2 << 20
+# One-sided writes of one room fed in the same pass (a short prompt's layers, ready together)
+# leave as one transport job while the job stays within this many bytes: one job, one copy
+# call, one completion, instead of one of each per layer, which for a 16-token Llama-8B room was
+# most of the prefill's control-thread time. A larger write leaves alone, so a long prompt's
+# layers still land (and are announced) one by one.
+WRITE_BATCH_BYTES = 2 << 20
 
 
 class ControlLoop:
@@ -86,6 +92,8 @@ class ControlLoop:
         self._queue: deque[tuple[ev.Event | None, _Query | None, Future[Any] | None]] = deque()
         self._ahead: deque[ev.Event] = deque()
         self._outbox: deque[tuple[str, P.Message]] = deque()
+        self._batching = False  # PostWrites wait in _writes until the end of this feeding
+        self._writes: list[PostWrite] = []
         self._to_close: list[zmq.Socket[bytes]] = []
         self._hashing = Hasher(buffers=buffers, transport=transport, post=self.post)
         self._calls = ThreadPoolExecutor(max_workers=PEER_CALL_WORKERS,
@@ -222,19 +230,11 @@ class ControlLoop:
             except KVHandoffError as e:
                 self.post(ev.OpDone(eff.op, str(e)))
         elif isinstance(eff, PostWrite):
-            # the digest must be of the room's algorithm: hashed by the transport while it
-            # copies, or after the write landed (runtime.hashing)
-            fused, written = self._hashing.write_plan(eff)
-            tr = self.transport
-            try:
-                if not isinstance(tr, OneSidedTransport):
-                    raise TransportError(f"post_write: the {tr.kind} transport has no "
-                                         "one-sided writes")
-                # a layer's regions as one job (a transport that cannot, splits it: base.py)
-                tr.post_writes(eff.peer, [(x.tag, x.buffer, x.buffer, x.plan) for x in eff.parts],
-                               written, checksum=fused)
-            except KVHandoffError as e:
-                self.post(ev.Written(eff.op, str(e)))
+            if self._batching and eff.room is not None and _write_bytes(eff) <= WRITE_BATCH_BYTES:
+                self._writes.append(eff)  # with the room's others of this pass: _post_writes
+            else:
+                self._post_writes()  # those before it first: writes leave in the order asked
+                self._post_write_job([eff])
         elif isinstance(eff, RegisterRemote):
             self._call(eff.peer, functools.partial(self._register_remote, eff))
         elif isinstance(eff, RoomUpdate):
@@ -261,6 +261,61 @@ class ControlLoop:
             log.log(eff.level, "%s", eff.message, exc_info=eff.exc)
         else:
             raise TypeError(f"unknown effect {eff!r}")
+
+    # ------------------------------------------------------------------ one-sided writes
+
+    def _post_writes(self) -> None:
+        """(control thread) Posts the writes held back while feeding (WRITE_BATCH_BYTES): those
+        of one (peer, room) and one hashing plan in order as jobs of at most that many bytes."""
+        if not self._writes:
+            return
+        writes, self._writes = self._writes, []
+        jobs: dict[tuple[str, int | None], list[list[PostWrite]]] = {}
+        for eff in writes:
+            runs = jobs.setdefault((eff.peer, eff.room), [[]])
+            run = runs[-1]
+            if run and sum(map(_write_bytes, run)) + _write_bytes(eff) > WRITE_BATCH_BYTES:
+                run = []
+                runs.append(run)
+            run.append(eff)
+        for runs in jobs.values():
+            for run in runs:
+                self._post_write_job(run)
+
+    def _post_write_job(self, effs: list[PostWrite]) -> None:
+        """(control thread) `effs` (one peer's) as one `post_writes` job: every op's parts back
+        to back, one completion that hands each op its own digests (runtime.hashing says how
+        each is hashed: while copying, or after it landed). Ops whose hashing differs go as
+        jobs of their own."""
+        plans = [(eff, *self._hashing.write_plan(eff)) for eff in effs]
+        if len({fused for _, fused, _ in plans}) > 1:
+            for one in plans:
+                self._post_write_job([one[0]])
+            return
+        fused = plans[0][1]
+        if len(plans) == 1:
+            written = plans[0][2]
+        else:
+            def written(exc: BaseException | None, digests: tuple[int | None, ...]) -> None:
+                landed, at = landed_sums(digests), 0
+                for eff, _, done in plans:
+                    n = len(eff.parts)
+                    mine = tuple(digests[at:at + n])
+                    done(exc, WriteSums(mine, landed[at:at + n]) if landed else mine)
+                    at += n
+        tr = self.transport
+        try:
+            if not isinstance(tr, OneSidedTransport):
+                raise TransportError(f"post_write: the {tr.kind} transport has no "
+                                     "one-sided writes")
+            # a layer's regions (or several layers') as one job (a transport that cannot
+            # splits it: base.split_writes)
+            tr.post_writes(effs[0].peer, [(x.tag, x.buffer, x.buffer, x.plan)
+                                          for eff in effs for x in eff.parts],
+                           written, checksum=fused)
+        except KVHandoffError as e:
+            for eff in effs:
+                self.post(ev.Written(eff.op, str(e)))
 
     # ------------------------------------------------------------------ peer calls
     # A transport call that may wait on its peer (connect, register_remote, cancel,
@@ -404,19 +459,26 @@ class ControlLoop:
 
     def _drain_queue(self, until: float) -> None:
         """Feeds queued events until the queue is empty or the clock passes `until` (a burst
-        of engine calls must not hold back heartbeats: the rest waits for the next pass)."""
-        for i in range(len(self._queue)):
-            if i % 64 == 63 and time.monotonic() > until:
-                return
-            event, fn, fut = self._queue.popleft()
-            if event is not None:
-                self._feed(event)
-            elif fn is not None and fut is not None:
-                assert self.session is not None
-                try:
-                    fut.set_result(fn(self.session))
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+        of engine calls must not hold back heartbeats: the rest waits for the next pass). The
+        writes they ask for leave together at the end (WRITE_BATCH_BYTES)."""
+        outer, self._batching = not self._batching, True
+        try:
+            for i in range(len(self._queue)):
+                if i % 64 == 63 and time.monotonic() > until:
+                    return
+                event, fn, fut = self._queue.popleft()
+                if event is not None:
+                    self._feed(event)
+                elif fn is not None and fut is not None:
+                    assert self.session is not None
+                    try:
+                        fut.set_result(fn(self.session))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+        finally:
+            if outer:
+                self._batching = False
+                self._post_writes()
 
     def _read(self, hb: float) -> None:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
@@ -434,10 +496,15 @@ class ControlLoop:
                 self.counters["rejected_messages"] += 1
                 log.warning("rejected a control message: %s", e)
                 continue
-            self._feed(ev.MessageReceived(msg))
-            self._drain_ahead()
-            if self._queue:  # completions and engine events between messages
-                self._drain_queue(batch_end)
+            self._batching = True  # the writes of this message's events leave together
+            try:
+                self._feed(ev.MessageReceived(msg))
+                self._drain_ahead()
+                if self._queue:  # completions and engine events between messages
+                    self._drain_queue(batch_end)
+            finally:
+                self._batching = False
+                self._post_writes()
             if time.monotonic() > batch_end:
                 break
 
@@ -468,6 +535,10 @@ class ControlLoop:
             # instead of finishing rooms this side already failed (a split outcome)
             sock.close(linger=LINGER_DROPPED_MS)
         self._to_close.clear()
+
+
+def _write_bytes(eff: PostWrite) -> int:
+    return sum(x.plan.total_bytes for x in eff.parts)
 
 
 def _outcome(call: Callable[[], None]) -> str | None:

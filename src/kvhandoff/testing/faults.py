@@ -51,6 +51,7 @@ from kvhandoff.transports.base import (
     Transport,
     TransportStatus,
     WriteSpec,
+    post_in_groups,
 )
 
 log = logging.getLogger("kvhandoff.testing.faults")
@@ -174,6 +175,10 @@ class FaultyTransport(Transport):
         self.inner.close()
 
     # --- faults ------------------------------------------------------------------------------
+
+    def _faulty(self, layer: int) -> bool:
+        """Whether an outgoing op of `layer` crashes, stalls or fails."""
+        return layer == self._crash or layer in self._stall or layer in self._fail
 
     def _outgoing_fault(self, peer: str, tag: int, on_done: OnDone) -> bool:
         """Crash, stall or fail an outgoing op of the configured layers (True: handled)."""
@@ -358,9 +363,18 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
-        """Forwarded as one job (the faults of its first write's layer: a stall, failure or
-        crash of the whole job); each corrupted region gets its byte flipped inside the copy
-        (shm) or once the job landed (elsewhere)."""
+        """Forwarded as one job (the faults of its layer: a stall, failure or crash of the
+        whole job); each corrupted region gets its byte flipped inside the copy (shm) or once
+        the job landed (elsewhere). A job of several layers (the agent's batch of short layers
+        ready together) one of which has a stall, failure or crash is posted as one job per
+        layer, so that fault hits its own layer's writes only."""
+        layers = list(dict.fromkeys(P.split_tag(w[0])[1] for w in writes))
+        if len(layers) > 1 and any(self._faulty(layer) for layer in layers):
+            groups = [[i for i, w in enumerate(writes) if P.split_tag(w[0])[1] == layer]
+                      for layer in layers]
+            post_in_groups(lambda idx, done: self.post_writes(
+                peer, [writes[i] for i in idx], done, checksum=checksum), groups, on_done)
+            return
         if writes and self._outgoing_fault(peer, writes[0][0], lambda exc: on_done(exc, ())):
             return
         flips = self._corruptions(writes)

@@ -210,38 +210,67 @@ def one_write(on_done: OnWritten) -> OnWrittenMany:
 
 def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
                  on_done: OnWrittenMany, *, checksum: bool = False) -> None:
-    """`post_writes` as one `post_write` per write under its own tag: `on_done` once the last
-    completion came, with the first error (writes already posted when a later one is refused
-    are waited for, and the refusal is the job's error; a refusal of the first raises)."""
+    """`post_writes` as one `post_write` per write under its own tag (`post_in_groups`)."""
     if not callable(on_done):
         raise TransportError("post_writes: on_done must be callable")
-    if not writes:
-        raise TransportError("post_writes: writes must name at least one write")
-    digests: list[int | None] = [None] * len(writes)
-    lock = threading.Lock()
-    state: dict[str, Any] = {"left": len(writes), "error": None}
 
-    def one(i: int) -> OnWritten:
-        def done(exc: BaseException | None, digest: int | None) -> None:
+    def post(idx: Sequence[int], done: OnWrittenMany) -> None:
+        tag, name, remote, plan = writes[idx[0]]
+        transport.post_write(peer, tag, name, remote, plan,
+                             lambda exc, digest: done(exc, (digest,)), checksum=checksum)
+
+    post_in_groups(post, [[i] for i in range(len(writes))], on_done)
+
+
+def post_in_groups(post: Callable[[Sequence[int], OnWrittenMany], None],
+                   groups: Sequence[Sequence[int]], on_done: OnWrittenMany) -> None:
+    """A `post_writes` job of writes 0..n-1 posted as several jobs, `post(indices, done)` for
+    each group of write indices (every index in one group): `on_done` once the last group's
+    completion came, with the first error, else the digests in write order (a `WriteSums`
+    when every group's carried landed sums). Groups already posted when a later one is
+    refused are waited for, and the refusal is the job's error; a refusal of the first
+    raises."""
+    n = sum(len(g) for g in groups)
+    if not n:
+        raise TransportError("post_writes: writes must name at least one write")
+    digests: list[int | None] = [None] * n
+    landed: list[int | None] | None = [None] * n
+    lock = threading.Lock()
+    state: dict[str, Any] = {"left": len(groups), "error": None}
+
+    def group(idx: Sequence[int]) -> OnWrittenMany:
+        def done(exc: BaseException | None, got: tuple[int | None, ...]) -> None:
+            nonlocal landed
             with lock:
-                digests[i] = digest
+                if exc is None and len(got) == len(idx):
+                    sums = landed_sums(got)
+                    for k, i in enumerate(idx):
+                        digests[i] = got[k]
+                        if landed is not None and sums:
+                            landed[i] = sums[k]
+                    if not sums:
+                        landed = None
                 if exc is not None and state["error"] is None:
                     state["error"] = exc
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
                 err = state["error"]
-                on_done(err, () if err is not None else tuple(digests))
+                if err is not None:
+                    on_done(err, ())
+                else:
+                    on_done(None, WriteSums(digests, landed) if landed is not None
+                            else tuple(digests))
         return done
 
-    for i, (tag, name, remote, plan) in enumerate(writes):
+    for k, idx in enumerate(groups):
         try:
-            transport.post_write(peer, tag, name, remote, plan, one(i), checksum=checksum)
+            post(idx, group(idx))
         except TransportError as e:
-            if i == 0:
+            if k == 0:
                 raise
-            for k in range(i, len(writes)):  # never posted: they end now, with the refusal
-                one(k)(e, None)
+            for rest in groups[k:]:  # never posted: they end now, with the refusal
+                group(rest)(e, ())
             return
 
 
