@@ -1,8 +1,9 @@
 """The writer's verification fused into shm's copy: on the map lane a checksummed write job
 hashes each destination piece right after copying it and completes with a `WriteSums` (the
 source sums, and a landed sum per write); the fault seam (`post_writes_tampered`) flips a byte
-inside the copy, before its landed hash. Every copy path (piece by piece from Python, the
-native copy with the hash in Python, both hashes fused in C) gives the same sums. The oracle is
+inside the copy, before its landed hash. Every copy path (piece by piece from Python, with or
+without the native helper; both hashes fused in C, every region of a job in one call) gives the
+same sums. The oracle is
 xxh3 of the peer's buffer as numpy reads it, never the transport's own read-back. Real
 transports, real lanes (as test_write_jobs.py)."""
 
@@ -42,8 +43,9 @@ HELPERS = ["python", "native-without-libxxhash", "native"]
 
 @pytest.fixture(params=HELPERS)
 def helper(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The map lane's copy path: Python only, the native copy with the hash in Python, or
-    both hashes fused in C (the native ones skipped where the helper is not built)."""
+    """The map lane's copy path: Python only, the native helper without an XXH3 library to
+    call (a checksummed job then copies from Python too), or both hashes fused in C (the
+    native ones skipped where the helper is not built)."""
     built, _ = shm_native.native()
     if request.param != "python" and built is None:
         pytest.skip("the native copy helper is not built here (make setup builds it)")
@@ -139,9 +141,9 @@ def test_only_a_tampered_job_leaves_the_fused_native_path(monkeypatch: pytest.Mo
     try:
         plain, tampered = WrittenMany(), WrittenMany()
         t.writer.post_writes("b", WRITES, plain, checksum=True)
-        assert plain.wait()[0] is None and len(native_parts) == 2  # a part per region
+        assert plain.wait()[0] is None and len(native_parts) == 1  # a small job: one part
         t.writer.post_writes_tampered("b", WRITES, tampered, {0: 0}, checksum=True)  # type: ignore[attr-defined]
-        assert tampered.wait()[0] is None and len(native_parts) == 2
+        assert tampered.wait()[0] is None and len(native_parts) == 1
         assert tuple(tampered.wait()[1]) == tuple(plain.wait()[1])
         assert landed_sums(tampered.wait()[1])[0] != plain.wait()[1][0]
     finally:
@@ -230,3 +232,36 @@ def test_the_fault_wrapper_flips_inside_the_copy_directly_or_through_auto(kind: 
     finally:
         faulty.close()
         b.close()
+
+
+@pytest.mark.parametrize("piece", [64, 1200], ids=["inline", "copy-threads"])
+def test_a_job_of_many_regions_gives_each_region_its_own_sums(helper: str, piece: int) -> None:
+    """A job of 40 writes (a batch of several layers' regions), some of them empty, whose
+    pieces run past the native copy's batch of IOV_MAX pieces inside a region: each write's
+    source and landed sums are the xxh3 of its own source and destination streams as numpy
+    reads them, on every copy path, for a job copied on the posting thread (64-byte pieces)
+    and one copied by the copy threads (1,200-byte pieces)."""
+    t = Two("shm-map")
+    try:
+        rng = np.random.default_rng(3)
+        counts = [0 if i % 7 == 3 else int(rng.integers(1, 60)) for i in range(40)]
+        counts[5] = shm_copy.IOV_MAX + 300  # one region across a batch boundary
+        writes, at = [], 0
+        for i, n in enumerate(counts):
+            offs = np.arange(n, dtype=np.int64) * piece + at
+            order = rng.permutation(n)
+            plan = plan_of(offs, offs[order], np.full(n, piece, dtype=np.int64))
+            writes.append((data_tag(1, i, 0, 0), "kv" if i % 2 else "kv2",
+                           "kv" if i % 2 else "kv2", plan))
+            at += n * piece
+        assert at <= BUF
+        w = WrittenMany()
+        t.writer.post_writes("b", writes, w, checksum=True)
+        err, digests = w.wait()
+        assert err is None
+        pairs = {"kv": (t.p.src, t.p.dst), "kv2": (t.src2, t.dst2)}
+        want = [sums(*pairs[name], plan) for _, name, _, plan in writes]
+        assert tuple(digests) == tuple(src for src, _ in want)
+        assert landed_sums(digests) == tuple(dst for _, dst in want) == tuple(digests)
+    finally:
+        t.p.close()

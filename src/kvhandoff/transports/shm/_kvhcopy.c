@@ -8,6 +8,11 @@
  * to update(landed, ...) while that is in cache: the fused copy + hash + verification pass
  * (one read of the source, one write and one cached read of the destination per piece).
  * Returns 0, or the first nonzero update result.
+ *
+ * kvh_copy_regions does the same for pieces that belong to several regions back to back (a
+ * write job of several layers' regions), each region hashed on its own: one foreign call for
+ * the whole job instead of one per region (which, with its hash states, was most of a short
+ * prompt's copy time).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -42,6 +47,60 @@ int kvh_copy(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t
                 if (rc != 0)
                     return rc;
             }
+        }
+    }
+    return 0;
+}
+
+typedef int (*kvh_reset_fn)(void *state);
+typedef uint64_t (*kvh_digest_fn)(const void *state);
+
+/* Copies pieces lo..hi-1 (indices into src/dst/len) with the fused hashes of kvh_copy, region
+ * by region: region r is pieces bounds[r]..bounds[r+1]-1 (nreg regions, bounds ascending). At
+ * the first piece of a region both states are reset; after its last piece their digests go
+ * to out_src[r] and out_landed[r] (out_landed and landed may be NULL: no read-back). A call
+ * may stop inside a region (hi), and the next call on the same states (lo = the old hi) goes
+ * on with it, so the caller can check for cancellation between calls. Empty regions are not
+ * touched (the caller fills in the digest of no bytes). Returns 0, or the first nonzero
+ * update or reset result. */
+int kvh_copy_regions(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t lo,
+                     int64_t hi, const int64_t *bounds, int64_t nreg, kvh_update_fn update,
+                     kvh_reset_fn reset, kvh_digest_fn digest, void *state, void *landed,
+                     uint64_t *out_src, uint64_t *out_landed)
+{
+    int64_t r = 0;
+    while (r < nreg && bounds[r + 1] <= lo)
+        r++;
+    for (int64_t i = lo; i < hi && r < nreg; i++) {
+        if (i == bounds[r]) {
+            int rc = reset(state);
+            if (rc == 0 && landed != NULL)
+                rc = reset(landed);
+            if (rc != 0)
+                return rc;
+        }
+        const char *s = (const char *)(intptr_t)src[i];
+        char *d = (char *)(intptr_t)dst[i];
+        size_t k = (size_t)len[i];
+        for (size_t at = 0; at < k; at += KVH_STEP) {
+            size_t step = k - at < KVH_STEP ? k - at : KVH_STEP;
+            int rc = update(state, s + at, step);
+            if (rc != 0)
+                return rc;
+            memcpy(d + at, s + at, step);
+            if (landed != NULL) {
+                rc = update(landed, d + at, step);
+                if (rc != 0)
+                    return rc;
+            }
+        }
+        if (i + 1 == bounds[r + 1]) {
+            out_src[r] = digest(state);
+            if (landed != NULL && out_landed != NULL)
+                out_landed[r] = digest(landed);
+            r++;
+            while (r < nreg && bounds[r + 1] == bounds[r])
+                r++;  /* empty regions: nothing to hash */
         }
     }
     return 0;

@@ -199,7 +199,8 @@ class CopyPool:
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = max(1, int(threads))
-        self._queue: queue.SimpleQueue[tuple[Job, int, int, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Job, int, int, int, int] | None] = \
+            queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(self.threads)]
         for w in self._workers:
@@ -211,8 +212,12 @@ class CopyPool:
             job._parts_left = 1
             job._part_done(None)
             return
-        if job.checksum:  # one part per region, each hashing its own stream
-            items = [(lo, hi, i) for i, (lo, hi) in
+        inline = job.total <= INLINE_MAX  # a short prompt's layer(s): copied here, ended here
+        items: list[tuple[int, int, int, int]]
+        if job.checksum and inline:  # every region in one part, each hashing its own stream
+            items = [(job.bounds[0], job.bounds[-1], 0, len(job.bounds) - 1)]
+        elif job.checksum:  # one part per region (on the copy threads at once)
+            items = [(lo, hi, i, i + 1) for i, (lo, hi) in
                      enumerate(zip(job.bounds[:-1], job.bounds[1:], strict=True)) if hi > lo]
         else:
             parts = max(1, min(self.threads, job.total // _PART_MIN))
@@ -222,14 +227,14 @@ class CopyPool:
                 ends = np.cumsum(job.lens)
                 cut = np.searchsorted(ends, np.arange(1, parts) * (job.total / parts))
                 bounds = sorted({0, n, *[int(c) + 1 for c in cut if 0 <= int(c) + 1 < n]})
-            items = [(lo, hi, -1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            items = [(lo, hi, -1, -1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         job._parts_left = len(items)
-        if job.total <= INLINE_MAX:  # a short prompt's layer: copied here, ended here
-            for lo, hi, seg in items:
-                _run_part(job, lo, hi, seg)
+        if inline:
+            for item in items:
+                _run_part(job, *item)
             return
-        for lo, hi, seg in items:
-            self._queue.put((job, lo, hi, seg))
+        for item in items:
+            self._queue.put((job, *item))
 
     def stop(self) -> None:
         for _ in self._workers:
@@ -246,29 +251,38 @@ class CopyPool:
             _run_part(*item)
 
 
-def _run_part(job: Job, lo: int, hi: int, seg: int) -> None:
+def _run_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> None:
     """Runs one part of `job` on this thread and ends it (the job ends with its last part)."""
     try:
-        err = _copy_part(job, lo, hi, seg)
+        err = _copy_part(job, lo, hi, rlo, rhi)
     except Exception as e:  # never lose a part: the job must end
         err = f"shm copy failed: {e!r}"
     job._part_done(err)
 
 
-def _copy_part(job: Job, lo: int, hi: int, seg: int) -> str | None:
-    """Copies pieces lo:hi of `job`; with checksum they are region `seg`'s, whose digest this
-    sets."""
+def _copy_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> str | None:
+    """Copies pieces lo:hi of `job`; with checksum they are those of regions rlo:rhi, whose
+    digests this sets (rlo = rhi = -1 without)."""
     if job.cancelled:
         return "cancelled"
-    if job.target.lane == "map":
-        return _copy_mapped(job, lo, hi, seg)
-    return _copy_cma(job, lo, hi, seg)
-
-
-def _copy_mapped(job: Job, lo: int, hi: int, seg: int) -> str | None:
     helper, _ = native()
-    if helper is not None and job.tamper is None:
-        return _copy_mapped_native(job, lo, hi, seg, helper)
+    if (job.target.lane == "map" and helper is not None and job.tamper is None
+            and (not job.checksum or helper.states() is not None)):
+        return _copy_mapped_native(job, lo, hi, rlo, rhi, helper)
+    one = _copy_mapped_python if job.target.lane == "map" else _copy_cma
+    if rlo < 0:
+        return one(job, lo, hi, -1)
+    for seg in range(rlo, rhi):  # region by region, each hashing its own stream
+        a, b = job.bounds[seg], job.bounds[seg + 1]
+        err = one(job, a, b, seg) if b > a else None
+        if err is not None:
+            return err
+    return None
+
+
+def _copy_mapped_python(job: Job, lo: int, hi: int, seg: int) -> str | None:
+    """The map lane's copy of pieces lo:hi (region `seg`'s with checksum) from Python: without
+    the native helper, without libxxhash, or with a fault to inject (`Job.tamper`)."""
     src = job.src[lo:hi].tolist()
     dst = job.dst[lo:hi].tolist()
     lens = job.lens[lo:hi].tolist()
@@ -299,40 +313,40 @@ def _flip_mapped(addr: int, nbytes: int, at: int) -> None:
     byte.value ^= 0xFF
 
 
-def _copy_mapped_native(job: Job, lo: int, hi: int, seg: int, helper: Native) -> str | None:
-    """Batches of pieces in one foreign call each (GIL released for the batch); with
-    `checksum`, XXH3 update is called on each piece right before its copy, in C."""
-    src = np.ascontiguousarray(job.src[lo:hi], dtype=np.int64)
-    dst = np.ascontiguousarray(job.dst[lo:hi], dtype=np.int64)
-    lens = np.ascontiguousarray(job.lens[lo:hi], dtype=np.int64)
-    state = helper.new_hash() if job.checksum else None
-    landed = helper.new_hash() if state is not None else None
-    py_hash = xxhash.xxh3_64() if job.checksum and state is None else None
-    py_landed = xxhash.xxh3_64() if py_hash is not None else None
-    batch = IOV_MAX if py_hash is None else 16  # Python hashing: keep the batch in cache
+def _copy_mapped_native(job: Job, lo: int, hi: int, rlo: int, rhi: int,
+                        helper: Native) -> str | None:
+    """Pieces lo:hi in batches of IOV_MAX, one foreign call each (GIL released for the batch,
+    cancellation checked between them); with checksum (regions rlo:rhi) every region's
+    source and landed hashes fused into the copy in C (`kvh_copy_regions`), a digest pair
+    per region, however many regions the batch spans."""
+    src = np.ascontiguousarray(job.src, dtype=np.int64)
+    dst = np.ascontiguousarray(job.dst, dtype=np.int64)
+    lens = np.ascontiguousarray(job.lens, dtype=np.int64)
     sp, dp, lp = src.ctypes.data, dst.ctypes.data, lens.ctypes.data
-    try:
-        for b in range(0, lens.size, batch):
+    if not job.checksum:
+        for b in range(lo, hi, IOV_MAX):
             if job.cancelled:
                 return "cancelled"
-            k = min(batch, lens.size - b)
-            if py_hash is not None:
-                for s, n in zip(src[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
-                    py_hash.update((ctypes.c_char * n).from_address(s))
-            rc = helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, k,
-                             helper.update_fn if state is not None else None, state, landed)
-            if rc != 0:
-                return f"shm copy: xxh3 update failed ({rc})"
-            if py_landed is not None:
-                for d, n in zip(dst[b:b + k].tolist(), lens[b:b + k].tolist(), strict=True):
-                    py_landed.update((ctypes.c_char * n).from_address(d))
-    finally:
-        if state is not None and landed is not None:
-            job.digests[seg] = helper.digest(state)
-            job.landed[seg] = helper.digest(landed)
-    if py_hash is not None and py_landed is not None:
-        job.digests[seg] = int(py_hash.intdigest())
-        job.landed[seg] = int(py_landed.intdigest())
+            helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, min(IOV_MAX, hi - b), None, None,
+                        None)
+        return None
+    states = helper.states()
+    assert states is not None  # _copy_part checked it
+    bounds = np.asarray(job.bounds[rlo:rhi + 1], dtype=np.int64)
+    out = np.zeros((2, rhi - rlo), dtype=np.uint64)
+    for b in range(lo, hi, IOV_MAX):
+        if job.cancelled:
+            return "cancelled"
+        rc = helper.copy_regions(sp, dp, lp, b, min(hi, b + IOV_MAX), bounds.ctypes.data,
+                                 rhi - rlo, helper.update_fn, helper.reset_fn, helper.digest_fn,
+                                 states[0], states[1], out.ctypes.data,
+                                 out.ctypes.data + 8 * (rhi - rlo))
+        if rc != 0:
+            return f"shm copy: xxh3 update failed ({rc})"
+    for k, (a, z) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
+        if z > a:  # an empty region keeps the digest of no bytes
+            job.digests[rlo + k] = int(out[0, k])
+            job.landed[rlo + k] = int(out[1, k])
     return None
 
 

@@ -8,7 +8,8 @@ so (`native()` gives the reason). The fused hash calls XXH3's streaming API from
 python-xxhash extension exports (with its SIMD dispatch), else the system's libxxhash.so.0
 (Debian package libxxhash0); without either a checksummed write hashes each piece in Python
 (source before, destination after its copy). `copy` with two states hashes each source piece
-before copying it and the destination piece right after (the writer's verification, fused).
+before copying it and the destination piece right after (the writer's verification, fused);
+`copy_regions` does that for a job of several regions in one call, a digest pair per region.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,15 @@ class Native:
         self.hash.restype = ctypes.c_int
         self.hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                               ctypes.c_void_p]
+        self.copy_regions = lib.kvh_copy_regions
+        self.copy_regions.restype = ctypes.c_int
+        self.copy_regions.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+            ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7
         self.xxh = xxh
         self.update_fn: int | None = None
+        self.reset_fn: int | None = None
+        self.digest_fn: int | None = None
+        self._local = threading.local()
         if xxh is not None:
             xxh.XXH3_createState.restype = ctypes.c_void_p
             xxh.XXH3_freeState.argtypes = [ctypes.c_void_p]
@@ -69,6 +78,8 @@ class Native:
             # python-xxhash's build has the runtime-dispatched (SIMD) update as well
             update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
             self.update_fn = ctypes.cast(update, ctypes.c_void_p).value
+            self.reset_fn = ctypes.cast(xxh.XXH3_64bits_reset, ctypes.c_void_p).value
+            self.digest_fn = ctypes.cast(xxh.XXH3_64bits_digest, ctypes.c_void_p).value
 
     def new_hash(self) -> int | None:
         """A fresh XXH3-64 state (pointer), None without libxxhash."""
@@ -82,6 +93,29 @@ class Native:
         value = int(self.xxh.XXH3_64bits_digest(state))
         self.xxh.XXH3_freeState(state)
         return value
+
+    def states(self) -> tuple[int, int] | None:
+        """This thread's pair of XXH3-64 states for `copy_regions` (which resets them), made
+        on its first use and freed when the thread ends; None without libxxhash."""
+        if self.xxh is None:
+            return None
+        pair: _States | None = getattr(self._local, "pair", None)
+        if pair is None:
+            pair = self._local.pair = _States(self.xxh)
+        return pair.src, pair.landed
+
+
+class _States:
+    """Two XXH3 states of one thread (freed with the thread's local storage)."""
+
+    def __init__(self, xxh: Any) -> None:
+        self._free = xxh.XXH3_freeState
+        self.src = int(xxh.XXH3_createState())
+        self.landed = int(xxh.XXH3_createState())
+
+    def __del__(self) -> None:
+        self._free(self.src)
+        self._free(self.landed)
 
 
 @functools.cache
