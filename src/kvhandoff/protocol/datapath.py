@@ -514,7 +514,7 @@ class DataPath:
         """Prefill: Success once the RoomAck came AND every layer's send completed (LayerDone
         goes out early, so the decode can verify and ack before our completions arrive)."""
         if (r.phase is LegPhase.ACKED and r.machine.state is KVPoll.Transferring
-                and r.machine.layers >= set(r.layers)):
+                and r.machine.has_layers(r.layers)):
             self.rooms.apply(r, AllLayersAcked())
 
     def _fail_after_grace(self, r: Leg, reason: str) -> None:
@@ -618,10 +618,10 @@ class DataPath:
         self.rooms.apply(r, LayerLanded(layer=layer))
         g = r.group
         if g.expected is not None and len(g.legs) == g.expected and all(
-                layer in leg.machine.layers for leg in g.legs):
+                leg.machine.has_layers((layer,)) for leg in g.legs):
             g.landed.add(layer)
             self.rooms.changed(g)
-        if r.machine.layers >= set(r.layers):
+        if r.machine.has_layers(r.layers):
             r.remote_writes = False  # every layer verified: the prefill writes nothing more
             self.rooms.apply(r, AllLayersLanded())
             ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))

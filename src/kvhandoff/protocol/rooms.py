@@ -209,8 +209,10 @@ class Leg:
         """Records `unit` as sent / landed; its layer when every chunk of it is (the last
         chunk is known), else None."""
         self.units_done.add(unit)
-        n = len(self.chunk_ends) or 1
-        if (self.chunk_ends and self.chunk_ends[-1] < self.seq_len) or any(
-                Unit(unit.layer, c) not in self.units_done for c in range(n)):
+        ends = self.chunk_ends
+        if ends and ends[-1] < self.seq_len:
+            return None
+        if len(ends) > 1 and any(Unit(unit.layer, c) not in self.units_done
+                                 for c in range(len(ends))):
             return None
         return unit.layer

@@ -270,16 +270,18 @@ class ControlLoop:
         if not self._writes:
             return
         writes, self._writes = self._writes, []
-        jobs: dict[tuple[str, int | None], list[list[PostWrite]]] = {}
+        jobs: dict[tuple[str, int | None], list[tuple[int, list[PostWrite]]]] = {}
         for eff in writes:
-            runs = jobs.setdefault((eff.peer, eff.room), [[]])
-            run = runs[-1]
-            if run and sum(map(_write_bytes, run)) + _write_bytes(eff) > WRITE_BATCH_BYTES:
-                run = []
-                runs.append(run)
-            run.append(eff)
+            runs = jobs.setdefault((eff.peer, eff.room), [])
+            n = _write_bytes(eff)
+            if runs and runs[-1][0] + n <= WRITE_BATCH_BYTES:
+                total, run = runs[-1]
+                runs[-1] = (total + n, run)
+                run.append(eff)
+            else:
+                runs.append((n, [eff]))
         for runs in jobs.values():
-            for run in runs:
+            for _, run in runs:
                 self._post_write_job(run)
 
     def _post_write_job(self, effs: list[PostWrite]) -> None:

@@ -374,11 +374,15 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             src = plan.src_offsets + int(buf.ctypes.data)
             dst = plan.dst_offsets + target.base
             lens, bounds = plan.nbytes, (0, len(plan))
-        else:
-            src = np.concatenate([p.src_offsets + int(b.ctypes.data) for b, _, p in parts])
-            dst = np.concatenate([p.dst_offsets + t.base for _, t, p in parts])
+        else:  # every write's offsets back to back, each moved by its buffer's address
+            counts = [len(p) for _, _, p in parts]
+            src = np.concatenate([p.src_offsets for _, _, p in parts]) + np.repeat(
+                np.array([b.__array_interface__["data"][0] for b, _, _ in parts], np.int64),
+                counts)
+            dst = np.concatenate([p.dst_offsets for _, _, p in parts]) + np.repeat(
+                np.array([t.base for _, t, _ in parts], np.int64), counts)
             lens = np.concatenate([p.nbytes for _, _, p in parts])
-            bounds = (0, *itertools.accumulate(len(p) for _, _, p in parts))
+            bounds = (0, *itertools.accumulate(counts))
         tamper = None if flips is None else {bounds[i] + k: 0 for i, k in flips.items()}
         self._run_job(op, Job(src, dst, lens, parts[0][1], checksum, self._write_ended,
                               owner=(op, None), bounds=bounds,
