@@ -367,7 +367,9 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
         whole job); each corrupted region gets its byte flipped inside the copy (shm) or once
         the job landed (elsewhere). A job of several layers (the agent's batch of short layers
         ready together) one of which has a stall, failure or crash is posted as one job per
-        layer, so that fault hits its own layer's writes only."""
+        layer, so that fault hits its own layer's writes only (the others are copied); the
+        job still has one completion (`base.post_in_groups`): a stall holds all of it, a
+        failure fails all of it, as a real job's would."""
         layers = list(dict.fromkeys(P.split_tag(w[0])[1] for w in writes))
         if len(layers) > 1 and any(self._faulty(layer) for layer in layers):
             groups = [[i for i, w in enumerate(writes) if P.split_tag(w[0])[1] == layer]

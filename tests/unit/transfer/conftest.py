@@ -77,9 +77,11 @@ class Pair:
     decode: Side
 
     def open(self, room: int, seq_len: int, prefix: int = 0, *, decode_pages: Any = None,
-             ) -> tuple[Sender, Receiver, np.ndarray, np.ndarray]:
+             ready: tuple[int, ...] = ()) -> tuple[Sender, Receiver, np.ndarray, np.ndarray]:
         """Opens `room` on both sides: prefill pages written with the pattern, decode prefix
-        indexer pages marked, receiver initialised with the prefill as its peer."""
+        indexer pages marked, receiver initialised with the prefill as its peer. Layers in
+        `ready` are marked ready on the prefill before the receiver exists (so the prefill
+        has them when the decode's request comes)."""
         p, d = self.prefill, self.decode
         ps_p, ps_d = p.layout.page_size_tokens, d.layout.page_size_tokens
         src = p.pool.alloc(-(-seq_len // ps_p))
@@ -89,6 +91,8 @@ class Pair:
                              seq_len, SEED)
         sender = p.agent.sender(room, pages=src, seq_len=seq_len,
                                 on_release=p.releases.callback(src))
+        for lid in ready:
+            sender.layer_ready(lid)
         dst = d.pool.alloc(-(-seq_len // ps_d)) if decode_pages is None else decode_pages
         cached = page_aligned(prefix, ps_d) // ps_d
         for reg in d.layout.regions:

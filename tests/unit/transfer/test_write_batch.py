@@ -1,0 +1,76 @@
+"""The control loop's batch of one-sided writes (runtime.loop.WRITE_BATCH_BYTES), with real
+agents over shm: the layers of a room that the prefill has when the decode's request comes
+leave as one transport job (a short prompt: one copy call, one completion), while each layer
+still completes, is announced and is verified on its own; a write over the batch's bytes leaves
+alone. A stall of one layer inside such a batch (the fault kit holds that layer's writes only)
+holds the batch's one completion."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvhandoff.protocol.wire import split_tag
+from kvhandoff.runtime import loop
+from kvhandoff.state_machine import KVPoll
+
+from .conftest import WAIT_S, Pair, layers_of
+from .test_agent_driver import wait_until
+from .test_agent_inproc import PREFIX, SEQ, finish
+
+MakePair = Callable[..., Pair]
+
+
+def record_jobs(pr: Pair, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The layers of each write job the prefill's transport is given from now on."""
+    jobs: list[list[int]] = []
+    tr = pr.prefill.agent.transport
+    post = tr.post_writes  # type: ignore[attr-defined]
+
+    def recorded(peer: str, writes: Any, on_done: Any, *, checksum: bool = False) -> None:
+        jobs.append([split_tag(w[0])[1] for w in writes])
+        post(peer, writes, on_done, checksum=checksum)
+
+    monkeypatch.setattr(tr, "post_writes", recorded)
+    return jobs
+
+
+@pytest.mark.parametrize("batch", [loop.WRITE_BATCH_BYTES, 1], ids=["batched", "one-per-layer"])
+def test_layers_ready_at_the_request_leave_as_one_job(
+        pair: MakePair, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """Every layer is ready before the decode asks: one job holding every layer's regions
+    (each layer's writes under its own tag); with a batch of 1 byte one job per layer. Either
+    way both sides end Success, every layer verified (a checksum per region), byte-exact."""
+    monkeypatch.setattr(loop, "WRITE_BATCH_BYTES", batch)
+    pr = pair(transport="shm")
+    jobs = record_jobs(pr, monkeypatch)
+    lids = layers_of(pr.prefill.layout)
+    sender, receiver, _, dst = pr.open(3, SEQ, PREFIX, ready=tuple(lids))
+    assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+    assert pr.verify(dst, SEQ, PREFIX) == (0, 0)
+    if batch == 1:
+        assert sorted(jobs) == [[lid] * len(job) for lid, job in zip(lids, sorted(jobs),
+                                                                    strict=True)]
+    else:
+        assert len(jobs) == 1 and sorted(set(jobs[0])) == lids
+    regions = sum(1 for reg in pr.decode.layout.regions for _ in reg.layer_ids)
+    assert receiver.stats()["checksums_verified"] == regions
+
+
+def test_a_stalled_layer_holds_back_its_batch_until_the_engine_aborts(
+        pair: MakePair) -> None:
+    """Layer 3's write stalls (fault kit) inside the batch of every layer: the other layers'
+    writes are copied, but the job has one completion, so no layer of it is announced (the
+    decode lands none); the engine's abort then fails the room on both sides and both give
+    their pages back."""
+    lids = layers_of(pair().prefill.layout)
+    pr = pair(transport="shm", prefill_faults={"stall_layers": [lids[3]]})
+    sender, receiver, _, _ = pr.open(4, SEQ, PREFIX, ready=tuple(lids))
+    tr = pr.prefill.agent.transport
+    assert wait_until(lambda: tr.log.stalled == 1)  # type: ignore[attr-defined]
+    assert receiver.poll() is KVPoll.WaitingForInput and receiver.stats()["bytes"] == 0
+    sender.abort("engine gave up")
+    assert receiver.wait(WAIT_S) is KVPoll.Failed and sender.wait(WAIT_S) is KVPoll.Failed
+    assert receiver.wait_released(WAIT_S) and sender.wait_released(WAIT_S)
