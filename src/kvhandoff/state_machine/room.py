@@ -76,12 +76,13 @@ class DeadlineConfig:
 
     def duration_s(self, which: Deadline) -> float | None:
         """The configured duration of deadline `which`."""
-        return {
-            Deadline.BOOTSTRAP: self.bootstrap_s,
-            Deadline.WAITING_FOR_INPUT: self.waiting_for_input_s,
-            Deadline.TRANSFER_STALL: self.transfer_stall_s,
-            Deadline.LEASE: self.lease_s,
-        }[which]
+        if which is Deadline.TRANSFER_STALL:  # re-armed by every layer: asked first
+            return self.transfer_stall_s
+        if which is Deadline.BOOTSTRAP:
+            return self.bootstrap_s
+        if which is Deadline.WAITING_FOR_INPUT:
+            return self.waiting_for_input_s
+        return self.lease_s
 
 
 class RoomMachine:

@@ -34,7 +34,7 @@ class KVPoll(enum.IntEnum):
     @property
     def is_terminal(self) -> bool:
         """Success and Failed accept no further event."""
-        return self in (KVPoll.Success, KVPoll.Failed)
+        return self is KVPoll.Success or self is KVPoll.Failed
 
 
 class Role(enum.Enum):
@@ -42,6 +42,10 @@ class Role(enum.Enum):
 
     PREFILL = "prefill"
     DECODE = "decode"
+
+    # members are singletons, equal only to themselves: hashed by identity, in C (Enum's own
+    # hash calls Python; a room's events look roles and deadlines up in dicts per layer)
+    __hash__ = object.__hash__
 
     def __str__(self) -> str:
         return self.value
@@ -61,6 +65,8 @@ class Deadline(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    __hash__ = object.__hash__  # as Role's
 
 
 @dataclass(frozen=True, slots=True)

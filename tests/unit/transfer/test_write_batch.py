@@ -70,7 +70,8 @@ def test_a_stalled_layer_holds_back_its_batch_until_the_engine_aborts(
     sender, receiver, _, _ = pr.open(4, SEQ, PREFIX, ready=tuple(lids))
     tr = pr.prefill.agent.transport
     assert wait_until(lambda: tr.log.stalled == 1)  # type: ignore[attr-defined]
-    assert receiver.poll() is KVPoll.WaitingForInput and receiver.stats()["bytes"] == 0
+    assert wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)  # accepted
+    assert receiver.stats()["bytes"] == 0  # and nothing of the batch announced
     sender.abort("engine gave up")
     assert receiver.wait(WAIT_S) is KVPoll.Failed and sender.wait(WAIT_S) is KVPoll.Failed
     assert receiver.wait_released(WAIT_S) and sender.wait_released(WAIT_S)
