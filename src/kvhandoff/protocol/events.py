@@ -130,6 +130,15 @@ class Written(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Batch(Event):
+    """Several events of one room that the driver feeds as one (the session handles each in
+    order, paying its per-event work once): consecutive `LayerReady`s of a room it drained
+    together, or the `Written`s of one write job of several layers. Nothing else."""
+
+    events: tuple[LayerReady, ...] | tuple[Written, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteRegistered(Event):
     """The answer to a `RegisterRemote` effect (`error`: why the descriptors were refused;
     the prefill then sends to that peer two-sided)."""

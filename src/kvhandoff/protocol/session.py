@@ -91,6 +91,7 @@ class TransferSession:
             ev.Written: self.path.on_written,
             ev.RemoteRegistered: self.peers.on_remote_registered,
             ev.PeerExited: self.peers.on_peer_exited, ev.Cancelled: self.rooms.on_cancelled,
+            ev.Batch: self._on_batch,
         }
 
     # ------------------------------------------------------------------ what others read
@@ -172,6 +173,8 @@ class TransferSession:
     def _room_of(self, event: ev.Event) -> int | None:
         """The room an event is about, when it is about one (before it is handled: a
         completion's op is forgotten while it is)."""
+        if isinstance(event, ev.Batch):
+            return self._room_of(event.events[0]) if event.events else None
         room = getattr(event, "room", None)
         if isinstance(event, ev.MessageReceived):
             room = getattr(event.msg, "room", None)
@@ -242,6 +245,13 @@ class TransferSession:
             self.peers.attach(r, addr)
             self.path.init_leg(r)
         self.rooms.group_update(g)
+
+    def _on_batch(self, e: ev.Batch) -> None:
+        """Each event of one room in order (`events.Batch`: LayerReady or Written only)."""
+        for one in e.events:
+            if not isinstance(one, ev.LayerReady | ev.Written):
+                raise TypeError(f"a Batch holds LayerReady or Written events, not {one!r}")
+            self._handlers[type(one)](one)
 
     def _on_layer_ready(self, e: ev.LayerReady) -> None:
         g = self.rooms.group(e.room, e.token)

@@ -70,17 +70,21 @@ class Hasher:
 
     # ------------------------------------------------------------------ one-sided writes
 
-    def write_plan(self, eff: PostWrite) -> tuple[bool, OnWrittenMany]:
+    def write_plan(self, eff: PostWrite, post: Callable[[ev.Event], None] | None = None
+                   ) -> tuple[bool, OnWrittenMany]:
         """(control thread) How to post `eff`: whether the transport hashes it while copying
         (`checksum=` of `post_writes`), and the completion to give it, which posts `Written`
-        with one digest of the room's algorithm per part."""
+        with one digest of the room's algorithm per part (through `post` when given: the
+        driver's collector of a job of several writes; else the Hasher's)."""
+        to = post or self._post
         fused = eff.checksum and all(self.write_digest_alg(x.buffer) == eff.alg
                                      for x in eff.parts)
         if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
-            return True, lambda exc, digests: self._written_verified(eff, exc, digests)
+            return True, lambda exc, digests: self._written_verified(eff, exc, digests, to)
         if fused or not eff.checksum:
-            return fused, lambda exc, digests: self._written(eff.op, exc, digests)
-        return False, lambda exc, _digests: self._written_then_hash(eff, exc)
+            return fused, lambda exc, digests: to(
+                ev.Written(eff.op, None if exc is None else str(exc), digests))
+        return False, lambda exc, _digests: self._written_then_hash(eff, exc, to)
 
     def write_digest_alg(self, name: str) -> str | None:
         """The algorithm of the digest `transport.post_write(checksum=True)` gives for buffer
@@ -94,20 +98,16 @@ class Hasher:
         buf = self._buffers.get(name)
         return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
 
-    def _written(self, op: int, exc: BaseException | None,
-                 digests: tuple[int | None, ...]) -> None:
-        """(transport thread) A one-sided write job ended."""
-        self._post(ev.Written(op, None if exc is None else str(exc), digests))
-
     def _written_verified(self, eff: PostWrite, exc: BaseException | None,
-                          digests: tuple[int | None, ...]) -> None:
+                          digests: tuple[int | None, ...],
+                          post: Callable[[ev.Event], None]) -> None:
         """(the write's completion thread: shm's copy thread, or its poster) A hashed write
         job of host memory ended: `Written` carries each part's landed sum, the one the copy
         computed (`WriteSums`: shm's map lane) or else one read back now where the transport
         can read the peer's memory (the decode compares them: the writer's verification; a
         part whose `landed` is None the decode hashes itself)."""
         if exc is not None:
-            self._post(ev.Written(eff.op, str(exc)))
+            post(ev.Written(eff.op, str(exc)))
             return
         landed = landed_sums(digests)
         if not landed:
@@ -116,18 +116,19 @@ class Hasher:
                 landed = tuple(self._transport.landed_digest(eff.peer, x.buffer, x.plan)
                                for x in eff.parts)
             except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
-                self._post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
+                post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
                 return
         digests = tuple(digests)  # the event holds a plain tuple
-        self._post(ev.Written(eff.op, None, digests,
-                              landed if any(x is not None for x in landed) else ()))
+        post(ev.Written(eff.op, None, digests,
+                        landed if any(x is not None for x in landed) else ()))
 
-    def _written_then_hash(self, eff: PostWrite, exc: BaseException | None) -> None:
+    def _written_then_hash(self, eff: PostWrite, exc: BaseException | None,
+                           post: Callable[[ev.Event], None]) -> None:
         """(transport thread) A write job whose digests the transport could not compute in
         the room's algorithm ended: hash each part's source spans on the pool, then post
         `Written`."""
         if exc is not None:
-            self._post(ev.Written(eff.op, str(exc)))
+            post(ev.Written(eff.op, str(exc)))
             return
 
         def hash_source() -> None:
@@ -135,12 +136,12 @@ class Hasher:
                 sums = tuple(room_checksum(self._buffers[x.buffer], x.plan.src_offsets,
                                            x.plan.nbytes, eff.alg) for x in eff.parts)
             except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
-                self._post(ev.Written(eff.op, f"checksum ({eff.alg}) of the written source "
-                                              f"failed: {e!r}"))
+                post(ev.Written(eff.op, f"checksum ({eff.alg}) of the written source "
+                                        f"failed: {e!r}"))
                 return
-            self._post(ev.Written(eff.op, None, sums))
+            post(ev.Written(eff.op, None, sums))
 
         try:
             self._pool.submit(hash_source)
         except RuntimeError as e:  # the pool shut down: the agent is closing
-            self._post(ev.Written(eff.op, f"closing: {e}"))
+            post(ev.Written(eff.op, f"closing: {e}"))

@@ -18,6 +18,7 @@ time however busy the engine threads are.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -289,22 +290,25 @@ class ControlLoop:
         to back, one completion that hands each op its own digests (runtime.hashing says how
         each is hashed: while copying, or after it landed). Ops whose hashing differs go as
         jobs of their own."""
-        plans = [(eff, *self._hashing.write_plan(eff)) for eff in effs]
+        collect = _Collect(self.post) if len(effs) > 1 else None
+        plans = [(eff, *self._hashing.write_plan(eff, collect)) for eff in effs]
         if len({fused for _, fused, _ in plans}) > 1:
             for one in plans:
                 self._post_write_job([one[0]])
             return
         fused = plans[0][1]
-        if len(plans) == 1:
+        if collect is None:
             written = plans[0][2]
         else:
             def written(exc: BaseException | None, digests: tuple[int | None, ...]) -> None:
+                assert collect is not None
                 landed, at = landed_sums(digests), 0
                 for eff, _, done in plans:
                     n = len(eff.parts)
                     mine = tuple(digests[at:at + n])
                     done(exc, WriteSums(mine, landed[at:at + n]) if landed else mine)
                     at += n
+                collect.flush()  # the ops' Written events as one Batch
         tr = self.transport
         try:
             if not isinstance(tr, OneSidedTransport):
@@ -318,6 +322,8 @@ class ControlLoop:
         except KVHandoffError as e:
             for eff in effs:
                 self.post(ev.Written(eff.op, str(e)))
+            if collect is not None:
+                collect.flush()
 
     # ------------------------------------------------------------------ peer calls
     # A transport call that may wait on its peer (connect, register_remote, cancel,
@@ -465,10 +471,19 @@ class ControlLoop:
         writes they ask for leave together at the end (WRITE_BATCH_BYTES)."""
         outer, self._batching = not self._batching, True
         try:
-            for i in range(len(self._queue)):
-                if i % 64 == 63 and time.monotonic() > until:
+            left = len(self._queue)
+            for i in itertools.count():
+                if left <= 0 or (i % 64 == 63 and time.monotonic() > until):
                     return
                 event, fn, fut = self._queue.popleft()
+                left -= 1
+                if isinstance(event, ev.LayerReady):  # with the room's next ones: one Batch
+                    ready = [event]
+                    while left > 0 and _same_room_ready(self._queue[0][0], event):
+                        ready.append(self._queue.popleft()[0])  # type: ignore[arg-type]
+                        left -= 1
+                    if len(ready) > 1:
+                        event = ev.Batch(tuple(ready))
                 if event is not None:
                     self._feed(event)
                 elif fn is not None and fut is not None:
@@ -537,6 +552,36 @@ class ControlLoop:
             # instead of finishing rooms this side already failed (a split outcome)
             sock.close(linger=LINGER_DROPPED_MS)
         self._to_close.clear()
+
+
+class _Collect:
+    """The `Written` events of one job of several writes, posted as one `events.Batch` once
+    the job's completion handed each op its digests (`flush`); an event that comes after that
+    (a write hashed on the hasher pool once it landed) is posted on its own."""
+
+    def __init__(self, post: Callable[[ev.Event], None]) -> None:
+        self._post = post
+        self._lock = threading.Lock()
+        self._events: list[ev.Written] | None = []
+
+    def __call__(self, event: ev.Event) -> None:
+        with self._lock:
+            held = self._events
+            if held is not None and isinstance(event, ev.Written):
+                held.append(event)
+                return
+        self._post(event)
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._events = self._events, None
+        if held:
+            self._post(held[0] if len(held) == 1 else ev.Batch(tuple(held)))
+
+
+def _same_room_ready(event: ev.Event | None, first: ev.LayerReady) -> bool:
+    return (isinstance(event, ev.LayerReady) and event.room == first.room
+            and event.token is first.token)
 
 
 def _write_bytes(eff: PostWrite) -> int:

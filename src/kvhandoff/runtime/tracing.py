@@ -161,10 +161,12 @@ class RoomTimelines:
                 tl.lookup[1:] = [now, event.error]
             if tl is not None:
                 tl.peers = tuple(addr for addr, _ in event.peers)
-        elif isinstance(event, ev.LayerReady):
-            tl = self._open.get(event.token)
-            if tl is not None:
-                tl.ready[event.layer] = now
+        elif isinstance(event, ev.LayerReady | ev.Batch):
+            for one in event.events if isinstance(event, ev.Batch) else (event,):
+                if isinstance(one, ev.LayerReady):
+                    tl = self._open.get(one.token)
+                    if tl is not None:
+                        tl.ready[one.layer] = now
         elif isinstance(event, ev.MessageReceived):
             self._received(event.msg, now)
         out = effects

@@ -156,7 +156,11 @@ def _xxhash_library() -> tuple[Any, str]:
         return None, ""
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Builds the helper; with `--if-missing` only when no helper of this source is built."""
+    args = sys.argv[1:] if argv is None else argv
+    if "--if-missing" in args and _target().exists():
+        return 0
     try:
         path = build()
     except (OSError, subprocess.CalledProcessError) as e:
