@@ -242,14 +242,15 @@ def post_in_groups(post: Callable[[Sequence[int], OnWrittenMany], None],
         def done(exc: BaseException | None, got: tuple[int | None, ...]) -> None:
             nonlocal landed
             with lock:
-                if exc is None and len(got) == len(idx):
-                    sums = landed_sums(got)
+                if exc is None:
+                    whole = len(got) == len(idx)  # else: no digests (an unhashed write)
+                    sums = landed_sums(got) if whole else ()
                     for k, i in enumerate(idx):
-                        digests[i] = got[k]
-                        if landed is not None and sums:
+                        digests[i] = got[k] if whole else None
+                        if landed is not None and len(sums) == len(idx):
                             landed[i] = sums[k]
-                    if not sums:
-                        landed = None
+                    if len(sums) != len(idx):
+                        landed = None  # a group that read nothing back: no landed sums
                 if exc is not None and state["error"] is None:
                     state["error"] = exc
                 state["left"] -= 1

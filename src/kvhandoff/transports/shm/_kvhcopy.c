@@ -25,6 +25,26 @@ typedef int (*kvh_update_fn)(void *state, const void *data, size_t len);
  * the same digest however its input is cut) */
 #define KVH_STEP ((size_t)32768)
 
+/* one piece: its source hashed, copied and its destination hashed (landed may be NULL), step
+ * by step; 0, or the first nonzero update result */
+static int copy_hashed(const char *s, char *d, size_t k, kvh_update_fn update, void *state,
+                       void *landed)
+{
+    for (size_t at = 0; at < k; at += KVH_STEP) {
+        size_t step = k - at < KVH_STEP ? k - at : KVH_STEP;
+        int rc = update(state, s + at, step);
+        if (rc != 0)
+            return rc;
+        memcpy(d + at, s + at, step);
+        if (landed != NULL) {
+            rc = update(landed, d + at, step);
+            if (rc != 0)
+                return rc;
+        }
+    }
+    return 0;
+}
+
 int kvh_copy(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
              kvh_update_fn update, void *state, void *landed)
 {
@@ -36,18 +56,9 @@ int kvh_copy(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t
             memcpy(d, s, k);
             continue;
         }
-        for (size_t at = 0; at < k; at += KVH_STEP) {
-            size_t step = k - at < KVH_STEP ? k - at : KVH_STEP;
-            int rc = update(state, s + at, step);
-            if (rc != 0)
-                return rc;
-            memcpy(d + at, s + at, step);
-            if (landed != NULL) {
-                rc = update(landed, d + at, step);
-                if (rc != 0)
-                    return rc;
-            }
-        }
+        int rc = copy_hashed(s, d, k, update, state, landed);
+        if (rc != 0)
+            return rc;
     }
     return 0;
 }
@@ -79,21 +90,10 @@ int kvh_copy_regions(const int64_t *src, const int64_t *dst, const int64_t *len,
             if (rc != 0)
                 return rc;
         }
-        const char *s = (const char *)(intptr_t)src[i];
-        char *d = (char *)(intptr_t)dst[i];
-        size_t k = (size_t)len[i];
-        for (size_t at = 0; at < k; at += KVH_STEP) {
-            size_t step = k - at < KVH_STEP ? k - at : KVH_STEP;
-            int rc = update(state, s + at, step);
-            if (rc != 0)
-                return rc;
-            memcpy(d + at, s + at, step);
-            if (landed != NULL) {
-                rc = update(landed, d + at, step);
-                if (rc != 0)
-                    return rc;
-            }
-        }
+        int rc = copy_hashed((const char *)(intptr_t)src[i], (char *)(intptr_t)dst[i],
+                             (size_t)len[i], update, state, landed);
+        if (rc != 0)
+            return rc;
         if (i + 1 == bounds[r + 1]) {
             out_src[r] = digest(state);
             if (landed != NULL && out_landed != NULL)
