@@ -145,6 +145,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _freeze()
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    gc.unfreeze()  # collectable again at exit (extensions that count their leaks see none)
+
+
 @pytest.hookimpl(trylast=True)  # after the module's own fixtures were torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     module = getattr(item, "module", None)

@@ -81,6 +81,8 @@ class TransferSession:
         self._early_t: dict[int, float] = {}
         self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
         self._next_heartbeat = now
+        self._heartbeat_at = now  # when this session last sent its peers heartbeats
+        self._woke_at = -1.0  # the _heartbeat_at of the silence _woke was last told of
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.MessageReceived: self._on_message, ev.OpenSender: self._on_open_sender,
             ev.OpenReceiver: self._on_open_receiver, ev.PeersResolved: self._on_resolved,
@@ -145,11 +147,17 @@ class TransferSession:
 
     def handle(self, event: ev.Event, now: float) -> list[Effect]:
         """Feeds one event that happened at `now`; returns the effects to execute, in order."""
-        gap, self.ctx.now = now - self.ctx.now, now
+        self.ctx.now = now
         room = self._room_of(event)
         try:
-            if gap > 2 * self.ctx.hb:
-                self._woke(gap)
+            # measured from the last heartbeats sent, not the last event handled: a peer
+            # measures our silence from the last message it got, which may be a heartbeat
+            # older than our last event (a gap of 0.26 s after an event, 0.45 s after the
+            # heartbeat, was a split outcome with a 0.2 s heartbeat)
+            silent = now - self._heartbeat_at
+            if silent > 2 * self.ctx.hb and self._woke_at != self._heartbeat_at:
+                self._woke_at = self._heartbeat_at
+                self._woke(silent)
             self._handlers[type(event)](event)
         except Exception as e:
             # a bug met while handling a room's event must not leave that room half-updated
@@ -448,11 +456,12 @@ class TransferSession:
     # ------------------------------------------------------------------ time
 
     def _woke(self, gap: float) -> None:
-        """Nothing reached this session for `gap` > 2 heartbeats: its driver sent no heartbeat
-        either (the process was stopped, or its control thread starved), so every peer has
-        declared this agent lost and given up our rooms with it. Say so before anything else
-        is read, so that a room a peer already failed never ends Success here from messages
-        queued before (the peer's Failed may come after them, or never)."""
+        """This session sent its peers no heartbeat for `gap` > 2 heartbeats (the process was
+        stopped, or its control thread starved), so a peer may have declared this agent lost
+        and given up our rooms with it (each peer measures from the last message it got from
+        us). Say so before anything else is read, so that a room a peer already failed never
+        ends Success here from messages queued before (the peer's Failed may come after them,
+        or never)."""
         self.peers.woke(gap)
 
     def _on_tick(self, e: ev.Tick) -> None:
@@ -461,6 +470,7 @@ class TransferSession:
         self.path.flush_done()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.ctx.hb
+            self._heartbeat_at = now
             self._heartbeats(now, e.drained_at)
 
     def _heartbeats(self, now: float, drained_at: float) -> None:

@@ -406,3 +406,34 @@ def test_an_agent_unresponsive_for_two_heartbeats_fails_its_rooms_before_reading
     assert d.views[7].state is KVPoll.Failed
     assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
     assert "RoomAck" not in kinds(w, "decode:1")
+
+
+def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> None:
+    """The decode sent its heartbeat, handled one more event 0.9 heartbeat later (a Tick that
+    sent nothing), then was stopped for 1.3 heartbeats while the room's LayerDones reached it:
+    its peers heard nothing from it for 2.2 heartbeats and may have given it up, though its
+    own last event is only 1.3 heartbeats old. Woken, it fails the room before reading (it
+    took the event gap before, read the LayerDones and ended Success while its prefill had
+    failed the room: a split outcome, seen with a real SIGSTOP)."""
+    w, p, d = pair()
+    open_room(w, p, d, 8)
+    w.run()
+    w.hold(lambda f, t, m: t == "decode:1")
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(8, 8, lid))
+    w.run()
+    assert "LayerDone" in kinds(w, "prefill:1")
+    w.clock.advance(HB)
+    heartbeats = kinds(w, "decode:1").count("Heartbeat")
+    w.feed(d, ev.Tick(drained_at=w.clock()))  # its heartbeat is due: sent
+    assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
+    w.clock.advance(0.9 * HB)
+    w.feed(d, ev.Tick(drained_at=w.clock()))  # no heartbeat due: none sent
+    assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
+    w.clock.advance(1.3 * HB)  # stopped
+    w.release_held()
+    w.run()
+    f = d.views[8].failure
+    assert d.views[8].state is KVPoll.Failed
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
+    assert "RoomAck" not in kinds(w, "decode:1")
