@@ -387,25 +387,37 @@ def test_requests_beyond_the_early_limit_are_refused_not_dropped(monkeypatch) ->
     assert d.views[1].state is KVPoll.Success
 
 
+def written_while_decode_holds(room: int) -> tuple[MemoryWire, Side, Side]:
+    """A pair whose prefill wrote every layer of `room` and sent its LayerDones, which wait
+    unread in the decode's socket (held) until the test releases them."""
+    w, p, d = pair()
+    open_room(w, p, d, room)
+    w.run()
+    w.hold(lambda f, t, m: t == "decode:1")  # what the prefill says waits in the socket
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(room, room, lid))
+    w.run()
+    assert "LayerDone" in kinds(w, "prefill:1")
+    return w, p, d
+
+
+def assert_failed_unread(w: MemoryWire, d: Side, room: int) -> None:
+    """The woken decode failed `room` as unresponsive, without acking what it then read."""
+    w.release_held()
+    w.run()
+    f = d.views[room].failure
+    assert d.views[room].state is KVPoll.Failed
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
+    assert "RoomAck" not in kinds(w, "decode:1")
+
+
 def test_an_agent_unresponsive_for_two_heartbeats_fails_its_rooms_before_reading() -> None:
     """A decode frozen while every layer and LayerDone reached it: woken (its next event comes
     more than 2 heartbeats after the last), it fails the room before reading the queued
     messages, as its prefill, which saw no heartbeat, already did: never a split outcome."""
-    w, p, d = pair()
-    open_room(w, p, d, 7)
-    w.run()
-    w.hold(lambda f, t, m: t == "decode:1")  # what the prefill says waits in the socket
-    for lid in layers(p.session.layout):
-        w.feed(p, ev.LayerReady(7, 7, lid))
-    w.run()
-    assert "LayerDone" in kinds(w, "prefill:1")
+    w, _, d = written_while_decode_holds(7)
     w.clock.advance(2.5 * HB)  # the decode process was stopped meanwhile
-    w.release_held()
-    w.run()
-    f = d.views[7].failure
-    assert d.views[7].state is KVPoll.Failed
-    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
-    assert "RoomAck" not in kinds(w, "decode:1")
+    assert_failed_unread(w, d, 7)
 
 
 def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> None:
@@ -415,14 +427,7 @@ def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> Non
     own last event is only 1.3 heartbeats old. Woken, it fails the room before reading (it
     took the event gap before, read the LayerDones and ended Success while its prefill had
     failed the room: a split outcome, seen with a real SIGSTOP)."""
-    w, p, d = pair()
-    open_room(w, p, d, 8)
-    w.run()
-    w.hold(lambda f, t, m: t == "decode:1")
-    for lid in layers(p.session.layout):
-        w.feed(p, ev.LayerReady(8, 8, lid))
-    w.run()
-    assert "LayerDone" in kinds(w, "prefill:1")
+    w, _, d = written_while_decode_holds(8)
     w.clock.advance(HB)
     heartbeats = kinds(w, "decode:1").count("Heartbeat")
     w.feed(d, ev.Tick(drained_at=w.clock()))  # its heartbeat is due: sent
@@ -431,9 +436,4 @@ def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> Non
     w.feed(d, ev.Tick(drained_at=w.clock()))  # no heartbeat due: none sent
     assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
     w.clock.advance(1.3 * HB)  # stopped
-    w.release_held()
-    w.run()
-    f = d.views[8].failure
-    assert d.views[8].state is KVPoll.Failed
-    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
-    assert "RoomAck" not in kinds(w, "decode:1")
+    assert_failed_unread(w, d, 8)

@@ -2,17 +2,15 @@
  *
  * kvh_copy copies n pieces, dst[i] <- src[i] (len[i] bytes each), in one call, so that the
  * caller (ctypes, GIL released for the whole call) pays one foreign call per batch instead of
- * one per piece. With `update` set it feeds each source piece to update(state, ...) (XXH3's
- * streaming update, from python-xxhash or libxxhash, passed in by the caller), copies it while
- * it is still in cache, and, with `landed` set too, feeds the destination piece it just wrote
- * to update(landed, ...) while that is in cache: the fused copy + hash + verification pass
- * (one read of the source, one write and one cached read of the destination per piece).
- * Returns 0, or the first nonzero update result.
+ * one per piece.
  *
- * kvh_copy_regions does the same for pieces that belong to several regions back to back (a
- * write job of several layers' regions), each region hashed on its own: one foreign call for
- * the whole job instead of one per region (which, with its hash states, was most of a short
- * prompt's copy time).
+ * kvh_copy_regions copies pieces that belong to one or several regions back to back (a write
+ * job of one layer's regions, or of several layers'), and hashes each region on its own: it
+ * feeds each source piece to update(state, ...) (XXH3's streaming update, from python-xxhash or
+ * libxxhash, passed in by the caller), copies it while it is still in cache, and feeds the
+ * destination piece it just wrote to update(landed, ...) while that is in cache: the fused
+ * copy + hash + verification pass (one read of the source, one write and one cached read of
+ * the destination per piece), one foreign call for the whole job.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -45,29 +43,16 @@ static int copy_hashed(const char *s, char *d, size_t k, kvh_update_fn update, v
     return 0;
 }
 
-int kvh_copy(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
-             kvh_update_fn update, void *state, void *landed)
+void kvh_copy(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++) {
-        const char *s = (const char *)(intptr_t)src[i];
-        char *d = (char *)(intptr_t)dst[i];
-        size_t k = (size_t)len[i];
-        if (update == NULL) {
-            memcpy(d, s, k);
-            continue;
-        }
-        int rc = copy_hashed(s, d, k, update, state, landed);
-        if (rc != 0)
-            return rc;
-    }
-    return 0;
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], (size_t)len[i]);
 }
 
 typedef int (*kvh_reset_fn)(void *state);
 typedef uint64_t (*kvh_digest_fn)(const void *state);
 
-/* Copies pieces lo..hi-1 (indices into src/dst/len) with the fused hashes of kvh_copy, region
- * by region: region r is pieces bounds[r]..bounds[r+1]-1 (nreg regions, bounds ascending). At
+/* Copies pieces lo..hi-1 (indices into src/dst/len) with the fused hashes, region by region: region r is pieces bounds[r]..bounds[r+1]-1 (nreg regions, bounds ascending). At
  * the first piece of a region both states are reset; after its last piece their digests go
  * to out_src[r] and out_landed[r] (out_landed and landed may be NULL: no read-back). A call
  * may stop inside a region (hi), and the next call on the same states (lo = the old hi) goes

@@ -327,8 +327,7 @@ def _copy_mapped_native(job: Job, lo: int, hi: int, rlo: int, rhi: int,
         for b in range(lo, hi, IOV_MAX):
             if job.cancelled:
                 return "cancelled"
-            helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, min(IOV_MAX, hi - b), None, None,
-                        None)
+            helper.copy(sp + 8 * b, dp + 8 * b, lp + 8 * b, min(IOV_MAX, hi - b))
         return None
     states = helper.states()
     assert states is not None  # _copy_part checked it

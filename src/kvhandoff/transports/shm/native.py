@@ -7,9 +7,10 @@ built yet) the map lane copies piece by piece from Python, and the shm transport
 so (`native()` gives the reason). The fused hash calls XXH3's streaming API from C: the one the
 python-xxhash extension exports (with its SIMD dispatch), else the system's libxxhash.so.0
 (Debian package libxxhash0); without either a checksummed write hashes each piece in Python
-(source before, destination after its copy). `copy` with two states hashes each source piece
-before copying it and the destination piece right after (the writer's verification, fused);
-`copy_regions` does that for a job of several regions in one call, a digest pair per region.
+(source before, destination after its copy). `copy` is the plain batch copy; `copy_regions`
+hashes each source piece before copying it and the destination piece right after (the
+writer's verification, fused), for a job of one or several regions in one call, a digest pair
+per region.
 """
 
 from __future__ import annotations
@@ -47,15 +48,14 @@ def build() -> Path:
 
 
 class Native:
-    """The loaded helper (`copy`: the batch copy, with a source and a landed XXH3 state when
-    hashing; `hash`: a read-back of pieces) and libxxhash's streaming API (`xxh`, None if
-    missing)."""
+    """The loaded helper (`copy`: the batch copy; `copy_regions`: the fused copy and hashes,
+    region by region; `hash`: a read-back of pieces) and libxxhash's streaming API (`xxh`, None
+    if missing)."""
 
     def __init__(self, lib: Any, xxh: Any) -> None:
         self.copy = lib.kvh_copy
-        self.copy.restype = ctypes.c_int
-        self.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.copy.restype = None
+        self.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self.hash = lib.kvh_hash
         self.hash.restype = ctypes.c_int
         self.hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
