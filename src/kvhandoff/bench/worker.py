@@ -204,8 +204,8 @@ class _AgentSide:
         `inflight` engine threads; thread k serves rooms k, k + inflight, ... on page slot k
         (the page set shifted by k pool sizes), opening the next once the last one's pages
         were released. Prefill: sender, wait until the decode's pages are known, every layer
-        ready at once (t0 = the first `layer_ready`). Decode: receiver, init, wait (t_done =
-        the session's Success stamp). Answers {rooms: [[room, t, state, failure, timings],
+        ready at once (t0 = the first `layer_ready`). Decode: receiver, init, wait (t_seen =
+        when the engine could see Success). Answers {rooms: [[room, t, state, failure, timings],
         ...], cpu_s (this process, every thread), wall_s}; timings are the agent's
         `room_timings` (the figures the room's trace spans carry)."""
         from kvhandoff.bench.pageset import PageSet
@@ -237,7 +237,7 @@ class _AgentSide:
                         rv = agent.receiver(room, peer=msg["peer"])
                         rv.init(ps.dst_pages + k * slot, ps.seq_len, ps.prefix)
                         state = rv.wait(to)
-                        t = float(rv.stats().get("t_done") or time.monotonic())
+                        t = float(rv.stats().get("t_seen") or time.monotonic())
                         rv.wait_released(to)
                         records[i] = [room, t, state.name, rv.failure,
                                       agent.room_timings(room)]

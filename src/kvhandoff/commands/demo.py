@@ -240,7 +240,7 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
 
     t_first = first_layer_t.get("prefill")
     lasts = [pd["stats"].get("t_last_ready") for pd in pds if pd["stats"].get("t_last_ready")]
-    dones = [dd["stats"].get("t_done") for dd in dds]
+    dones = [dd["stats"].get("t_seen") for dd in dds]  # when the decode engine could see it
     t_last_ready = max(lasts) if lasts else None
     t_success = max(dones) if all(t is not None for t in dones) else None
     total_bytes = sum(int(dd["stats"].get("bytes", 0)) for dd in dds)

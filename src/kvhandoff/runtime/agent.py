@@ -464,6 +464,7 @@ class TransferAgent:
             f = v.failure
             stats = {"room": v.room, "state": v.state.name, "failure": f and f.reason,
                      "failure_kind": f and f.kind.value}
+        stats["t_seen"] = v.t_seen
         return stats
 
     def _lookups(self) -> Any:

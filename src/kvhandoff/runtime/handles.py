@@ -46,7 +46,7 @@ class RoomView:
     """What the engine side sees of one room (written by the control thread only)."""
 
     __slots__ = ("room", "layers", "on_release", "state", "failure", "landed", "done",
-                 "released", "inited", "_cond", "_waiting", "chunk", "_engine_lock")
+                 "released", "inited", "_cond", "_waiting", "chunk", "_engine_lock", "t_seen")
 
     def __init__(self, room: int, layers: tuple[int, ...],
                  on_release: Callable[[int], None] | None) -> None:
@@ -63,6 +63,9 @@ class RoomView:
         self._waiting: list[Callable[[], bool]] = []  # the predicates engine threads wait on
         self.chunk: ChunkState | None = None  # prefill, chunked: engine side only
         self._engine_lock = threading.Lock()
+        # when the engine could first see a final state (monotonic; the session's own stamp,
+        # `t_done`, is the start of the event that ended the room, before its handling)
+        self.t_seen: float | None = None
 
     def update(self, state: KVPoll, failure: Failure | None, landed: frozenset[int],
                done: bool) -> None:
@@ -72,6 +75,8 @@ class RoomView:
         waiter waits for."""
         with self._cond:
             self.state, self.failure, self.landed, self.done = state, failure, landed, done
+            if self.t_seen is None and state.is_terminal:
+                self.t_seen = time.monotonic()
             if any(pred() for pred in self._waiting):
                 self._cond.notify_all()
 

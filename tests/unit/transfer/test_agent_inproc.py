@@ -78,6 +78,9 @@ def test_handoff_byte_exact_with_suffix_only_indexer(pair: MakePair) -> None:
     want = expected_bytes(pr, SEQ, PREFIX)
     assert receiver.stats()["bytes"] == want
     assert sender.stats()["bytes"] == want
+    for h in (sender, receiver):  # when the engine could see Success: after the session's
+        st = h.stats()            # stamp (taken before it handled the room's last event)
+        assert st["t_seen"] is not None and st["t_seen"] >= st["t_done"], st
     # both regions are suffix-only: 13 pages in all, the 4 cached ones stay
     per_region = receiver.stats()["bytes_per_region"]
     assert per_region["indexer_k"] == (SEQ - 64) * 132 * 3
