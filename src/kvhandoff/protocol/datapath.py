@@ -381,18 +381,26 @@ class DataPath:
             self._queue_done(r, unit, attempt, tuple(regions), (None,) * len(regions))
 
     def _queue_done(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...],
-                    sums: tuple[int | None, ...]) -> None:
+                    sums: tuple[int | None, ...],
+                    landed: tuple[int | None, ...] = ()) -> None:
         """Queues the LayerDone of a posted unit (several layers of a room leave in one
-        message, at the next Tick)."""
+        message, at the next Tick). `landed`: the writer's read-back sum of each region (one
+        per region, None where it has none; empty: none at all), said with the digest of the
+        plan it wrote by."""
         r.sums[(unit, attempt)] = dict(zip(regions, sums, strict=True))
         plans = r.plans_of(unit)
-        landed = r.landed.pop((unit, attempt), {})
-        self._pending_done.setdefault((r.room, r.peer), []).append(P.LayerInfo(
-            layer=unit.layer, attempt=attempt, chunk=unit.chunk, regions=[
-                P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s,
-                             landed=landed[n][0] if n in landed else None,
-                             plan=landed[n][1] if n in landed else None)
-                for n, s in zip(regions, sums, strict=True)]))
+        done = self._pending_done.get((r.room, r.peer))
+        if done is None:
+            done = self._pending_done[(r.room, r.peer)] = []
+        if landed:
+            parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s,
+                                  landed=got, plan=None if got is None else plans[n].digest())
+                     for n, s, got in zip(regions, sums, landed, strict=True)]
+        else:
+            parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s)
+                     for n, s in zip(regions, sums, strict=True)]
+        done.append(P.LayerInfo(layer=unit.layer, attempt=attempt, chunk=unit.chunk,
+                                regions=parts))
 
     def flush_done(self) -> None:
         me = self.ctx.me
@@ -449,26 +457,20 @@ class DataPath:
             return
         error = e.error
         if error is None:
-            want = wants_checksum(self.ctx.settings.checksum, self.ctx.layer_order[op.unit.layer],
-                                  len(self.ctx.layers))
+            ctx = self.ctx
+            want = wants_checksum(ctx.settings.checksum, ctx.layer_order[op.unit.layer],
+                                  len(ctx.layers))
             n = len(op.regions)
-            if want and (len(e.digests) != n or any(d is None for d in e.digests)):
-                error = (f"the transport returned {len(e.digests)} checksum(s), some missing, "
+            digests, landed = e.digests, e.landed
+            if want and (len(digests) != n or None in digests):
+                error = (f"the transport returned {len(digests)} checksum(s), some missing, "
                          f"for a write of {n} region(s) that asked for one each")
-            elif e.landed and len(e.landed) != n:
-                error = (f"the transport read back {len(e.landed)} region(s) of a write of "
-                         f"{n}")
+            elif landed and len(landed) != n:
+                error = f"the transport read back {len(landed)} region(s) of a write of {n}"
+            elif want:
+                self._queue_done(r, op.unit, op.attempt, op.regions, digests, landed)
             else:
-                key = (op.unit, op.attempt)
-                if want and e.landed:
-                    plans = r.plans_of(op.unit)
-                    checked = {name: (got, plans[name].digest())
-                               for name, got in zip(op.regions, e.landed, strict=True)
-                               if got is not None}
-                    if checked:
-                        r.landed.setdefault(key, {}).update(checked)
-                self._queue_done(r, op.unit, op.attempt, op.regions,
-                                 e.digests if want else (None,) * n)
+                self._queue_done(r, op.unit, op.attempt, op.regions, (None,) * n)
         self._sent(r, op.unit, op.attempt, op.regions, error)
 
     def _op_ended(self, r: Leg, tags: tuple[int, ...]) -> None:
@@ -486,16 +488,12 @@ class DataPath:
             self._fail_after_grace(r, f"send of layer {unit.layer} {', '.join(regions)} "
                                       f"failed: {error}")
             return
-        plans = r.plans_of(unit) if regions else {}
-        for region in regions:
-            plan = plans[region]
-            nbytes = plan.total_bytes
-            r.bytes_moved += nbytes
-            self.ctx.counters["bytes_sent"] += nbytes
-            self.readouts.moved("sent", region, nbytes, plan.count)
+        if regions:
+            r.bytes_moved += self._moved(r, unit, regions, "sent")
         key = (unit, attempt)
-        r.outstanding[key] -= 1
-        if r.outstanding[key]:
+        left = r.outstanding[key] - 1
+        if left:
+            r.outstanding[key] = left
             return
         del r.outstanding[key]
         if attempt == 0:
@@ -503,6 +501,19 @@ class DataPath:
             if whole is not None:
                 self.rooms.apply(r, LayerSent(layer=whole))
                 self.maybe_acked(r)
+
+    def _moved(self, r: Leg, unit: Unit, regions: tuple[str, ...], direction: str) -> int:
+        """Counts the bytes of `unit`'s `regions` as sent / received; returns them."""
+        plans = r.plans_of(unit)
+        moved = self.readouts.moved
+        total = 0
+        for region in regions:
+            plan = plans[region]
+            nbytes = plan.total_bytes
+            total += nbytes
+            moved(direction, region, nbytes, plan.count)
+        self.ctx.counters[f"bytes_{direction}"] += total
+        return total
 
     def acked(self, r: Leg) -> None:
         """Prefill: the decode's RoomAck came."""
@@ -540,9 +551,11 @@ class DataPath:
         if r.role is not Role.DECODE or r.machine.is_terminal or r.posted.get(unit) != attempt:
             return
         key = (unit, attempt)
-        regions = tuple(self._regions_of(r, unit))
         sums = r.sums.get(key)
-        if sums is None or len(r.recv_done.get(key, ())) < len(regions) or key in r.verifying:
+        if sums is None or key in r.verifying:
+            return
+        regions = tuple(self._regions_of(r, unit))
+        if len(r.recv_done.get(key, ())) < len(regions):
             return
         hashed = tuple(n for n in regions if sums.get(n) is not None)
         # the writer's verification (one-sided, same host): its read-back must equal the
@@ -605,12 +618,8 @@ class DataPath:
             return
         r.checksums_verified += checked
         ctx.counters["checksums_verified"] += checked
-        plans = r.plans_of(unit)
-        for name in regions:
-            n = plans[name].total_bytes
-            r.bytes_moved += n
-            ctx.counters["bytes_received"] += n
-            self.readouts.moved("received", name, n, plans[name].count)
+        if regions:
+            r.bytes_moved += self._moved(r, unit, regions, "received")
         layer = r.unit_done(unit)
         if layer is None:
             r.machine.progressed(ctx.now)

@@ -140,9 +140,9 @@ class Leg:
     cancelling: set[int] = field(default_factory=set)
     stop_failed: bool = False
     ack_when_stopped: bool = False
-    # one-sided writes the writer read back (datapath: the writer's verification), per unit
-    # and attempt: region -> (the landed sum, the digest of the plan the writer wrote by);
-    # prefill: from its writes' completions, decode: from the LayerDone
+    # decode, one-sided writes the writer read back (datapath: the writer's verification), per
+    # unit and attempt, from the LayerDone: region -> (the landed sum, the digest of the plan
+    # the writer wrote by)
     landed: dict[tuple[Unit, int], dict[str, tuple[int, int]]] = field(default_factory=dict)
     bytes_moved: int = 0
     retransmits: int = 0
