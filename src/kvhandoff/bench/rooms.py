@@ -6,9 +6,10 @@ moves), one pair of bench workers (`bench.worker prefill|decode`, one `TransferA
 checksum mode, pools of `inflight` page slots) runs N rooms with C of them in flight: C engine
 threads per side, thread k serving rooms k, k + C, ... on its own page slot. A prefill thread
 opens its sender, waits until the decode's pages are known (as an engine's bootstrap queue
-does), then marks every layer ready at once; a decode thread opens its receiver, offers its
-pages and waits for Success. Each room's latency runs from its first `layer_ready` (prefill's
-`time.monotonic()`) to the decode session's Success stamp (the same host: one clock).
+does), then marks every layer ready at once (`Sender.layers_ready`); a decode thread opens its
+receiver, offers its pages and waits for Success. Each room's latency runs from that mark
+(prefill's `time.monotonic()`) to when the decode engine could see Success (`t_seen` of its
+room's stats; the same host: one clock).
 
 Baselines from the same run and the same page set (the `Bench` of that context): memcpy of
 the room's spans in one process, one `post_write` of the room's bytes on the raw transport,
@@ -17,7 +18,7 @@ in rooms mode: N WRITE requests of the room's pieces with C in flight, polled as
 poll. The rooms run in `rounds` rounds, the order of the cases (handoff per checksum mode,
 NIXL) rotated per round, so that a change of the machine's load hits every case alike; the
 latencies of all rounds are pooled. Rooms per second = rooms / the summed wall time (first
-`layer_ready` to last Success of each round); CPU seconds per room of each side = that
+mark to last Success of each round); CPU seconds per room of each side = that
 process's CPU time (every thread) over its rooms / the rooms.
 
 The fixed cost per handoff is the intercept of a least-squares line through the p50 latencies

@@ -10,10 +10,12 @@ always follows another):
   where the transport has one-sided writes (shm, nixl, auto), as the agents then use, one
   `post_write` into the receiver's buffer instead, timed until it landed.
 - handoff_full / handoff_off: a prefill process hands the page set to a decode process through
-  `TransferAgent`s (checksums on / off), every layer ready at once: end to end from the first
-  `layer_ready` to decode Success.
-- paced: the same with one layer ready every `layer_ms` (checksums on), for the tail: last
-  `layer_ready` -> decode Success, compared with the time one layer takes on the raw transport.
+  `TransferAgent`s (checksums on / off), every layer ready at once (`Sender.layers_ready`, as
+  an engine that hands a room over after its forward): end to end from that mark to when the
+  decode engine could see Success (`t_seen`).
+- paced: the same with one layer ready every `layer_ms` (`layer_ready`, checksums on), for the
+  tail: the last `layer_ready` -> the decode engine sees Success, compared with the time one
+  layer takes on the raw transport.
 Timed cases never include process start, buffer allocation or the handshake.
 
 Heterogeneous pairs: `prefill_page` / `decode_page` give each side its page size (the plans pair

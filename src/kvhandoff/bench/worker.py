@@ -188,8 +188,10 @@ class _AgentSide:
         layer_s = float(msg.get("layer_ms", 0)) / 1e3
         cpu0 = time.process_time()
         t0 = time.monotonic()
-        for i, lid in enumerate(self.layers):
-            if layer_s and i:
+        if not layer_s:  # every layer written at once (as SGLang hands a room over)
+            s.layers_ready(self.layers)
+        for i, lid in enumerate(self.layers if layer_s else ()):
+            if i:
                 time.sleep(max(0.0, t0 + i * layer_s - time.monotonic()))  # simulated compute
             s.layer_ready(lid)
         t_ready = time.monotonic()
@@ -204,7 +206,7 @@ class _AgentSide:
         `inflight` engine threads; thread k serves rooms k, k + inflight, ... on page slot k
         (the page set shifted by k pool sizes), opening the next once the last one's pages
         were released. Prefill: sender, wait until the decode's pages are known, every layer
-        ready at once (t0 = the first `layer_ready`). Decode: receiver, init, wait (t_seen =
+        ready at once (`layers_ready`; t0 = just before it). Decode: receiver, init, wait (t_seen =
         when the engine could see Success). Answers {rooms: [[room, t, state, failure, timings],
         ...], cpu_s (this process, every thread), wall_s}; timings are the agent's
         `room_timings` (the figures the room's trace spans carry)."""
@@ -228,8 +230,7 @@ class _AgentSide:
                                          seq_len=ps.seq_len)
                         s.wait_bootstrapped(to)
                         t = time.monotonic()
-                        for lid in self.layers:
-                            s.layer_ready(lid)
+                        s.layers_ready(self.layers)
                         state = s.wait(to)
                         s.wait_released(to)
                         records[i] = [room, t, state.name, s.failure, agent.room_timings(room)]

@@ -256,8 +256,8 @@ def _print_rooms(r: dict[str, Any], con: Any) -> None:
 
     cfg = r["config"]
     t = Table(title=f"kvhandoff bench, rooms mode: {cfg['rooms']} rooms per row, transport "
-              f"{cfg['transport']}, every token moved; latency = first layer_ready -> decode "
-              "Success (ms)")
+              f"{cfg['transport']}, every token moved; latency = layers_ready -> the decode "
+              "engine sees Success (ms)")
     modes = cfg["modes"]
     cols = ["model", "tokens", "MB", "in flight"]
     cols += [f"{m} p50 / p99" for m in modes] + ["NIXL p50 / p99", "memcpy", "raw", "NIXL 1x"]

@@ -395,6 +395,20 @@ class TransferAgent:
             raise ConfigError(f"layer_ready({layer}): not a layer of the layout")
         self._events.submit(v, event, ev.LayerReady(v.room, v, layer), layer=layer)
 
+    def layers_ready(self, v: RoomView, layers: tuple[int, ...], event: Any = None) -> None:
+        """Marks `layers` ready at once, in that order (`Sender.layers_ready`): one post, fed
+        to the session as one `events.Batch` (its writes leave together and its layers are
+        announced in one `LayerDone`), instead of one post per layer that the control loop
+        may start on before the engine marked the last one."""
+        bad = [lid for lid in layers if lid not in self._layers]
+        if bad:
+            raise ConfigError(f"layers_ready: {bad[:8]} not layers of the layout")
+        if not layers:
+            return
+        marks = tuple(ev.LayerReady(v.room, v, lid) for lid in layers)
+        self._events.submit(v, event, marks[0] if len(marks) == 1 else ev.Batch(marks),
+                            layer=layers[0])
+
     def init_receiver(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
                        prompt_tokens: Any = None, prefix_tokens: Any = None,
                        free_pages: int | None = None) -> None:

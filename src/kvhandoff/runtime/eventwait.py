@@ -4,10 +4,11 @@ with the same `query()`) happens here, on one thread per agent, never on the eng
 never as a device-wide sync.
 
 Rules:
-- `submit(view, event, then)` queues `then` (a `LayerReady`, or an `AddChunk` behind a
-  chunk's layers) for the room of `view`. With no event and nothing queued for that room it
-  is posted to the control loop at once; else it waits its turn: a room's posts keep the
-  order of its submits, whatever order the events complete in.
+- `submit(view, event, then)` queues `then` (a `LayerReady`, a `Batch` of them from
+  `layers_ready`, or an `AddChunk` behind a chunk's layers) for the room of `view`. With no
+  event and nothing queued for that room it is posted to the control loop at once; else it
+  waits its turn: a room's posts keep the order of its submits, whatever order the events
+  complete in.
 - The thread starts with the first queued entry and ends after `idle_exit_s` with nothing
   queued (a later submit starts it again: at most one per agent). It polls `event.query()`
   of each room's first entry, sleeping with a bounded backoff (`min_sleep_s` doubling up to
@@ -151,7 +152,10 @@ class EventWaiter:
             moved = True
 
     def _fail(self, key: int, view: Any, head: _Entry, err: BaseException) -> None:
-        what = f"layer {head.layer}" if head.layer is not None else "a chunk"
+        marks = head.then.events if isinstance(head.then, ev.Batch) else ()
+        what = (f"layers {', '.join(str(m.layer) for m in marks[:8])}"  # type: ignore[union-attr]
+                f"{', ...' if len(marks) > 8 else ''}" if marks
+                else f"layer {head.layer}" if head.layer is not None else "a chunk")
         reason = (f"{what}: waiting for its device event failed: "
                   f"{type(err).__name__}: {err}")
         log.error("room %s: %s", getattr(view, "room", "?"), reason)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +33,7 @@ class RoomOps(Protocol):
     """What a handle asks of its agent, by room view (`TransferAgent` implements it)."""
 
     def layer_ready(self, v: RoomView, layer: int, event: Any = None) -> None: ...
+    def layers_ready(self, v: RoomView, layers: tuple[int, ...], event: Any = None) -> None: ...
     def init_receiver(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
                       prompt_tokens: Any = None, prefix_tokens: Any = None,
                       free_pages: int | None = None) -> None: ...
@@ -253,6 +254,19 @@ class Sender(_Handle):
         if c is not None:
             with self._v._engine_lock:
                 c.ready.add(layer_id)
+
+    def layers_ready(self, layer_ids: Iterable[int], event: Any = None) -> None:
+        """Several layers written at once (an engine that hands a room over after its whole
+        forward, as SGLang does): `layer_ready` of each, in order, as one mark. The agent
+        gets them together, so it writes them as one job and announces them in one message;
+        a loop of `layer_ready` calls may be started on after the first few. With a CUDA
+        `event`, every layer is sent once it completed. A layer given twice counts once."""
+        ids = tuple(dict.fromkeys(int(x) for x in layer_ids))
+        self._agent.layers_ready(self._v, ids, event)
+        c = self._v.chunk
+        if c is not None:
+            with self._v._engine_lock:
+                c.ready.update(ids)
 
     def add_chunk(self, pages: Any, chunk_end: int) -> None:
         """Chunked prefill (a room opened with `sender(..., chunk_end=)`): the next chunk's

@@ -1,4 +1,5 @@
-"""`Sender.layer_ready(layer, event)` with a device event, on CPU: a fake event whose `query()`
+"""`Sender.layer_ready(layer, event)` (and `layers_ready(layers, event)`) with a device event,
+on CPU: a fake event whose `query()`
 says False until the test completes it (the `torch.cuda.Event` API). The engine thread never
 waits (the fake refuses `synchronize()`); the layer is not sent before its event completed,
 then it is; a room's layers keep their order; a `query()` that raises fails the room naming
@@ -114,6 +115,35 @@ def test_an_event_whose_query_raises_fails_the_room_naming_the_layer(pair: Any) 
     assert p.prefill.agent._events.failed == 1
 
 
+def test_layers_ready_with_one_event_waits_for_it_then_sends_every_layer(pair: Any) -> None:
+    """`layers_ready(layers, event)`: one entry for the waiter; nothing goes before the event
+    completed, then every layer lands, byte-exact."""
+    p = pair()
+    sender, receiver, _, dst = p.open(7, SEQ)
+    layers = layers_of(p.prefill.layout)
+    e = FakeEvent()
+    sender.layers_ready(layers, e)
+    waiter = p.prefill.agent._events
+    assert e.wait_queried(3)
+    assert waiter.pending() == 1 and _landed(p, receiver) == frozenset()
+    e.complete()
+    assert receiver.wait(WAIT_S) is KVPoll.Success and sender.wait(WAIT_S) is KVPoll.Success
+    assert p.verify(dst, SEQ, 0) == (0, 0)
+    assert waiter.posted == 1
+
+
+def test_layers_ready_whose_event_raises_fails_the_room_naming_its_layers(pair: Any) -> None:
+    p = pair()
+    sender, receiver, _, _ = p.open(8, SEQ)
+    layers = layers_of(p.prefill.layout)
+    sender.layers_ready(layers[1:], FakeEvent(error=RuntimeError("CUDA error: launch failed")))
+    assert sender.wait(WAIT_S) is KVPoll.Failed
+    assert sender.failure_kind is FailureKind.ABORTED
+    assert f"layers {', '.join(map(str, layers[1:3]))}" in (sender.failure or "")
+    assert "launch failed" in (sender.failure or "")
+    assert receiver.wait(WAIT_S) is KVPoll.Failed
+
+
 def test_a_room_aborted_while_its_event_is_pending_is_dropped(pair: Any) -> None:
     p = pair()
     sender, receiver, _, _ = p.open(4, SEQ)
@@ -157,6 +187,11 @@ def test_an_event_without_query_is_refused_on_the_engine_thread(pair: Any) -> No
         sender.layer_ready(0, object())
     with pytest.raises(ConfigError, match="not a layer of the layout"):
         sender.layer_ready(99, FakeEvent())
+    with pytest.raises(ConfigError, match=r"layers_ready: \[99\] not layers of the layout"):
+        sender.layers_ready([0, 99])  # nothing of it is marked
+    with pytest.raises(ConfigError, match="event must have a query"):
+        sender.layers_ready([0], object())
+    assert p.prefill.agent._events.pending() == 0 and p.prefill.agent._events.posted == 0
     sender.abort()
 
 

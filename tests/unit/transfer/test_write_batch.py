@@ -59,6 +59,27 @@ def test_layers_ready_at_the_request_leave_as_one_job(
     assert receiver.stats()["checksums_verified"] == regions
 
 
+def test_layers_ready_leaves_as_one_job_and_one_announcement(
+        pair: MakePair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that marks a room's layers at once (`layers_ready`, as SGLang hands a room
+    over after its forward) once the transfer is accepted: one write job of every layer, and
+    every layer announced in the same `LayerDone` (the prefill's room timeline stamps each
+    layer when its LayerDone leaves: one stamp for all); a layer given twice counts once."""
+    pr = pair(transport="shm")
+    jobs = record_jobs(pr, monkeypatch)
+    lids = layers_of(pr.prefill.layout)
+    sender, receiver, _, dst = pr.open(5, SEQ, PREFIX)
+    assert wait_until(lambda: receiver.poll() is KVPoll.WaitingForInput)  # accepted
+    sender.layers_ready([*lids, lids[0]])
+    assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+    assert pr.verify(dst, SEQ, PREFIX) == (0, 0)
+    assert len(jobs) == 1 and sorted(set(jobs[0])) == lids
+    t = pr.prefill.agent.room_timings(5)
+    assert t is not None and t["layers"] == len(lids) and t["layers_ms"] == 0.0, t
+    regions = sum(1 for reg in pr.decode.layout.regions for _ in reg.layer_ids)
+    assert receiver.stats()["checksums_verified"] == regions
+
+
 def test_a_stalled_layer_holds_back_its_batch_until_the_engine_aborts(
         pair: MakePair) -> None:
     """Layer 3's write stalls (fault kit) inside the batch of every layer: the other layers'

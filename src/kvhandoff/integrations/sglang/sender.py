@@ -89,8 +89,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
             else:
                 self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
             self._streamed = len(pages)
-            for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                self._kv.layer_ready(layer, self._event)
+            self._kv.layers_ready(sorted({lid for r in b.kv_layout.regions
+                                          for lid in r.layer_ids}), self._event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
 
@@ -140,8 +140,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     for name in b.kv_regions:
                         table[name] = pages[self._streamed:]
                     h.add_chunk(table, len(pages) * ps)
-                for layer in sorted({lid for r in b.kv_layout.regions for lid in r.layer_ids}):
-                    h.layer_ready(layer, self._event)
+                h.layers_ready(sorted({lid for r in b.kv_layout.regions
+                                       for lid in r.layer_ids}), self._event)
             if mgr.aux_agent is not None:
                 if self.aux_index is None:
                     raise ConfigError("aux_index: the last chunk came without SGLang's "
@@ -151,8 +151,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     room, pages={r.name: [int(self.aux_index)] for r in b.aux_layout.regions},
                     seq_len=1, num_decode_ranks=len(real))
                 self._handles.append(ah)
-                for r in b.aux_layout.regions:
-                    ah.layer_ready(r.layer_ids[0], self._event)
+                ah.layers_ready([r.layer_ids[0] for r in b.aux_layout.regions], self._event)
             self._open_tail(state_indices, real)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
@@ -178,8 +177,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                                                      pages),
             seq_len=len(pages), num_decode_ranks=len(real))
         self._handles.append(th)
-        for layer in sorted({lid for r in b.tail_layout.regions for lid in r.layer_ids}):
-            th.layer_ready(layer, self._event)
+        th.layers_ready(sorted({lid for r in b.tail_layout.regions for lid in r.layer_ids}),
+                        self._event)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
