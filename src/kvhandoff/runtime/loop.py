@@ -218,6 +218,8 @@ class ControlLoop:
             else:
                 for e in self._filter(eff, now):
                     self._execute(e)
+        if self._timelines is not None:
+            self._timelines.settle()  # a room's trace once its engine was told it ended
 
     def _execute(self, eff: Effect) -> None:
         if isinstance(eff, Send):

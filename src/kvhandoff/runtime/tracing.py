@@ -6,7 +6,9 @@ Rules:
   opened, the bootstrap lookup's answer, the handshake messages (TransferRequest, then
   TransferAccepted), layers (the engine's LayerReady, LayerDone messages, the landed layers of
   RoomUpdate), retransmit requests (LayerNack) and the room's end (RoomUpdate done). It never
-  reads the session, and the session does not know it exists.
+  reads the session, and the session does not know it exists. A room's end is stamped when
+  observed; its figures and spans are made by `settle()`, which the loop calls once the
+  event's effects ran (the engine sees the room's end before its trace is written).
 - One `RoomTimeline` per open room, times in ns since the epoch (`time.time_ns`, the clock of
   OpenTelemetry spans); at its end the sink sees it and the last `KEEP` are kept for
   `timings(room)`, the per-request figures of the demo's and bench's JSON. Spans and those
@@ -116,6 +118,7 @@ class RoomTimelines:
         self._by_room: dict[int, RoomTimeline] = {}
         self._opening: dict[object, tuple[str | None, Any]] = {}  # view -> (request id, ctx)
         self._done: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._ending: list[RoomTimeline] = []  # ended, figures not made yet (settle)
         self.errors = 0
         self._otel: _OtelRooms | None = None
         if _otel_installed():
@@ -137,7 +140,7 @@ class RoomTimelines:
 
     def timings(self, room: int) -> dict[str, Any] | None:
         """The figures of `room`: finished (one of the last KEEP), else so far, else None."""
-        tl = self._by_room.get(room)
+        tl = self._by_room.get(room) or next((t for t in self._ending if t.room == room), None)
         return tl.timings() if tl is not None else self._done.get(room)
 
     def observe(self, event: ev.Event, effects: list[Effect]) -> list[Effect]:
@@ -250,12 +253,26 @@ class RoomTimelines:
         del self._open[eff.token]
         if self._by_room.get(tl.room) is tl:
             del self._by_room[tl.room]
-        self._done[tl.room] = tl.timings()
-        self._done.move_to_end(tl.room)
-        while len(self._done) > KEEP:
-            self._done.popitem(last=False)
-        if self._otel is not None:
-            self._otel.finish_room(tl)
+        self._ending.append(tl)  # its figures and spans once the engine was told (settle)
+
+    def settle(self) -> None:
+        """(control thread, after the effects of an observed event were executed) The
+        figures and spans of the rooms that ended in it: made after the engine saw the end
+        (tens of microseconds a room, on the tail of every handoff otherwise). Never
+        raises."""
+        while self._ending:
+            tl = self._ending.pop(0)
+            try:
+                self._done[tl.room] = tl.timings()
+                self._done.move_to_end(tl.room)
+                while len(self._done) > KEEP:
+                    self._done.popitem(last=False)
+                if self._otel is not None:
+                    self._otel.finish_room(tl)
+            except Exception:  # noqa: BLE001 - tracing must never break the control loop
+                self.errors += 1
+                if self.errors <= 3:
+                    log.exception("room tracing: error finishing room %d", tl.room)
 
 
 def _otel_installed() -> bool:
