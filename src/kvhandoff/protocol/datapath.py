@@ -554,25 +554,34 @@ class DataPath:
         sums = r.sums.get(key)
         if sums is None or key in r.verifying:
             return
-        regions = tuple(self._regions_of(r, unit))
+        plans = r.plans_of(unit)
+        regions = tuple(n for n in self.ctx.layer_regions.get(unit.layer, ()) if n in plans)
         if len(r.recv_done.get(key, ())) < len(regions):
             return
-        hashed = tuple(n for n in regions if sums.get(n) is not None)
         # the writer's verification (one-sided, same host): its read-back must equal the
         # source sum, and the plan it wrote by must be this side's; those regions are not
         # read again here. A disagreement is a mismatch like any other (rewrite, then fail).
-        checked = r.landed.get(key, {}) if r.one_sided else {}
-        plans = r.plans_of(unit)
-        bad = next((n for n in hashed if n in checked and (
-            checked[n][0] != sums[n] or checked[n][1] != plans[n].digest())), None)
-        own = tuple(n for n in hashed if n not in checked)
+        checked = r.landed.get(key) if r.one_sided else None
+        hashed: list[str] = []  # the regions with a source sum
+        own: list[str] = []  # those this side hashes (the writer did not verify them)
+        bad = None  # the first region whose writer's verification disagrees
+        for n in regions:
+            want = sums.get(n)
+            if want is None:
+                continue
+            hashed.append(n)
+            got = checked.get(n) if checked else None
+            if got is None:
+                own.append(n)
+            elif bad is None and (got[0] != want or got[1] != plans[n].digest()):
+                bad = n
         if bad is None:
             self.ctx.counters["checksums_writer_verified"] += len(hashed) - len(own)
         if bad is not None or not own:
             self._verified(r, unit, attempt, regions, bad=bad, checked=len(hashed))
             return
         r.verifying.add(key)
-        self._hash(_Job(r, True, unit, attempt, regions, own,
+        self._hash(_Job(r, True, unit, attempt, regions, tuple(own),
                         tuple(sums.get(n) for n in own), trusted=len(hashed) - len(own)))
 
     def on_hashed(self, e: ev.Hashed) -> None:
@@ -642,11 +651,13 @@ class DataPath:
         for info in msg.layers:
             unit = Unit(info.layer, info.chunk)
             key = (unit, info.attempt)
-            r.sums[key] = {x.region: x.checksum for x in info.regions}
+            sums: dict[str, int | None] = {}
             checked: dict[str, tuple[int, int]] = {}
             for x in info.regions:
+                sums[x.region] = x.checksum
                 if x.checksum is not None and x.landed is not None and x.plan is not None:
                     checked[x.region] = (x.landed, x.plan)
+            r.sums[key] = sums
             if checked:
                 r.landed[key] = checked
             self.try_verify(r, unit, info.attempt)
