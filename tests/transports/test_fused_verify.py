@@ -265,3 +265,26 @@ def test_a_job_of_many_regions_gives_each_region_its_own_sums(helper: str, piece
         assert landed_sums(digests) == tuple(dst for _, dst in want) == tuple(digests)
     finally:
         t.p.close()
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_a_job_on_the_copy_threads_goes_as_runs_of_whole_regions(parts: int) -> None:
+    """A checksummed job for the copy threads is cut into at most one run of regions per
+    thread, of about equal bytes: every region with pieces is in exactly one run, in order,
+    none is cut (its hash is one stream), and no run starts with a region without pieces."""
+    rng = np.random.default_rng(parts)
+    counts = [0, 3, 0, 0, 40, 1, 0, 7, 7, 0, 2, 0]
+    lens = np.concatenate([rng.integers(1, 5000, size=n) for n in counts]).astype(np.int64)
+    bounds = (0, *np.cumsum(counts).tolist())
+    job = shm_copy.Job(lens, lens, lens, shm_copy.Target("map", 0, 0, 1, None), True,
+                       lambda _j: None, bounds=bounds)
+    runs = shm_copy._region_runs(job, parts)
+    assert 1 <= len(runs) <= parts
+    covered = [r for lo_r, hi_r in ((r[2], r[3]) for r in runs) for r in range(lo_r, hi_r)]
+    with_pieces = [i for i, n in enumerate(counts) if n]
+    assert [i for i in covered if counts[i]] == with_pieces  # each once, in order
+    for lo, hi, rlo, rhi in runs:
+        assert (lo, hi) == (bounds[rlo], bounds[rhi]) and counts[rlo] > 0  # whole regions
+    sizes = [int(lens[lo:hi].sum()) for lo, hi, _, _ in runs]
+    biggest = max(int(lens[bounds[i]:bounds[i + 1]].sum()) for i in with_pieces)
+    assert max(sizes) <= job.total / min(parts, len(with_pieces)) + biggest  # about equal
