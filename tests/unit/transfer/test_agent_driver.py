@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.settings import Settings
@@ -173,9 +174,12 @@ def test_an_event_that_raises_fails_its_room_on_both_sides(monkeypatch: object) 
 
 
 def test_a_thousand_receivers_looked_up_at_once_use_a_bounded_number_of_threads() -> None:
-    """1,000 rooms whose prefill is not registered yet: every lookup waits at the bootstrap
-    server (the client retries), all on the one lookup thread."""
-    with run_server(Settings()) as url:
+    """1,000 rooms allocated at the bootstrap server but not bound to a prefill yet: every
+    lookup waits there (503, the client retries), all on the one lookup thread. (Rooms never
+    allocated would be a 404 and fail as soon as their lookup is answered, which made the
+    states below depend on how far the lookups got.)"""
+    with run_server(Settings()) as url, BootstrapClient(url) as client:
+        rooms = client.allocate_rooms(1000)
         st = Settings(transport="inproc", heartbeat_interval_s=CALM_HB,
                       bootstrap_timeout_s=60.0)
         layout = tiny_layout()
@@ -185,8 +189,8 @@ def test_a_thousand_receivers_looked_up_at_once_use_a_bounded_number_of_threads(
             started = threading.active_count()
             dst = np.arange(2, dtype=np.int64)
             receivers = []
-            for room in range(1000):
-                r = agent.receiver(room + 1, bootstrap_addr=url)
+            for room in rooms:
+                r = agent.receiver(room, bootstrap_addr=url)
                 r.init(dst, 20, 0)
                 receivers.append(r)
             during = threading.active_count()
