@@ -264,19 +264,18 @@ def _region_runs(job: Job, parts: int) -> list[tuple[int, int, int, int]]:
     runs: list[tuple[int, int, int, int]] = []
     start = 0
     for k in range(1, parts + 1):
+        while start < nreg and bounds[start] == bounds[start + 1]:
+            start += 1  # a run starts at a region with pieces
+        if start >= nreg:
+            break
         goal = job.total * k / parts
-        stop = start
-        while stop < nreg and (region_end[stop] <= goal or stop == start):
+        stop = start + 1  # at least one region
+        while stop < nreg and region_end[stop] <= goal:
             stop += 1
         if k == parts:
             stop = nreg
-        while start < stop and bounds[start] == bounds[start + 1]:
-            start += 1  # leading empty regions
-        if start < stop:
-            runs.append((bounds[start], bounds[stop], start, stop))
+        runs.append((bounds[start], bounds[stop], start, stop))
         start = stop
-        if start >= nreg:
-            break
     return runs
 
 
