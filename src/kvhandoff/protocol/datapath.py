@@ -392,13 +392,10 @@ class DataPath:
         done = self._pending_done.get((r.room, r.peer))
         if done is None:
             done = self._pending_done[(r.room, r.peer)] = []
-        if landed:
-            parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s,
-                                  landed=got, plan=None if got is None else plans[n].digest())
-                     for n, s, got in zip(regions, sums, landed, strict=True)]
-        else:
-            parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s)
-                     for n, s in zip(regions, sums, strict=True)]
+        parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s, landed=got,
+                              plan=None if got is None else plans[n].digest())
+                 for n, s, got in zip(regions, sums, landed or (None,) * len(regions),
+                                      strict=True)]
         done.append(P.LayerInfo(layer=unit.layer, attempt=attempt, chunk=unit.chunk,
                                 regions=parts))
 
@@ -488,8 +485,7 @@ class DataPath:
             self._fail_after_grace(r, f"send of layer {unit.layer} {', '.join(regions)} "
                                       f"failed: {error}")
             return
-        if regions:
-            r.bytes_moved += self._moved(r, unit, regions, "sent")
+        r.bytes_moved += self._moved(r, unit, regions, "sent")
         key = (unit, attempt)
         left = r.outstanding[key] - 1
         if left:
@@ -554,8 +550,7 @@ class DataPath:
         sums = r.sums.get(key)
         if sums is None or key in r.verifying:
             return
-        plans = r.plans_of(unit)
-        regions = tuple(n for n in self.ctx.layer_regions.get(unit.layer, ()) if n in plans)
+        regions = tuple(self._regions_of(r, unit))
         if len(r.recv_done.get(key, ())) < len(regions):
             return
         # the writer's verification (one-sided, same host): its read-back must equal the
@@ -565,6 +560,7 @@ class DataPath:
         hashed: list[str] = []  # the regions with a source sum
         own: list[str] = []  # those this side hashes (the writer did not verify them)
         bad = None  # the first region whose writer's verification disagrees
+        plans = r.plans_of(unit)
         for n in regions:
             want = sums.get(n)
             if want is None:
@@ -627,8 +623,7 @@ class DataPath:
             return
         r.checksums_verified += checked
         ctx.counters["checksums_verified"] += checked
-        if regions:
-            r.bytes_moved += self._moved(r, unit, regions, "received")
+        r.bytes_moved += self._moved(r, unit, regions, "received")
         layer = r.unit_done(unit)
         if layer is None:
             r.machine.progressed(ctx.now)
