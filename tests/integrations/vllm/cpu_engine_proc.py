@@ -164,7 +164,9 @@ def main() -> None:
     for case in args["cases"]:
         case = {"dir": args["dir"], **case}
         out = _pages(case) if case["case"] == "pages" else _register(case)
-        print(json.dumps({"case": case["case"], **out}), flush=True)
+        # the host's AMX tiles decide what vLLM's selector picks for bfloat16 and for MLA
+        print(json.dumps({"case": case["case"], "amx": torch.cpu._is_amx_tile_supported(),
+                          **out}), flush=True)
 
 
 def _connector(case: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -90,7 +90,8 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
         cfg = kv_transfer_config(role, engine_id=name, bootstrap_url=bootstrap_url, **extra)
     # a pair's two engines must serve one model name
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
-                  served=model.removesuffix("-other"))
+                  served=model.removesuffix("-other"),
+                  attention_backend="CPU_MLA" if model.startswith("mla") else None)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

@@ -83,6 +83,10 @@ class Engine:
     tp: int = 1
     kv_config: str | None = None
     served: str | None = None  # --served-model-name (a pair's two engines must agree)
+    # --attention-backend: None lets vLLM pick. The MLA engines name CPU_MLA: on a CPU with AMX
+    # tiles vLLM 0.32 picks AMX_MLA for MLA models, which fails to start in float32 (its
+    # weight packing takes bfloat16 only), with or without kvhandoff
+    attention_backend: str | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
@@ -105,6 +109,8 @@ class Engine:
                 "--disable-uvicorn-access-log"]
         if self.served is not None:
             argv += ["--served-model-name", self.served]
+        if self.attention_backend is not None:
+            argv += ["--attention-backend", self.attention_backend]
         if self.kv_config is not None:
             argv += ["--kv-transfer-config", self.kv_config]
         return argv

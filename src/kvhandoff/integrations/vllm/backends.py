@@ -121,5 +121,6 @@ def resolve(name: str, *, cache_dtype: str, isa: str | None = None) -> Backend:
             raise ConfigError(
                 f"{name} ISA {isa!r}: its cache write stores K and V in tiles of its own that "
                 f"the connector does not describe (known ISAs: {', '.join(CPU_ISAS)}); vLLM "
-                "picks AMX for bfloat16 on CPUs with AMX tiles: run --dtype float16 or float32")
+                "picks AMX for bfloat16 with blocks of a multiple of 32 tokens on CPUs with AMX "
+                "tiles: run --dtype float16 or float32, or --block-size 16")
     return b
