@@ -22,7 +22,8 @@ def test_table_and_refusals() -> None:
         resolve("XFORMERS", cache_dtype="auto")
     with pytest.raises(ConfigError, match=r"cache_dtype: 'fp8'.*--kv-cache-dtype auto"):
         resolve("FLASH_ATTN", cache_dtype="fp8")
-    with pytest.raises(ConfigError, match=r"ISA 'amx'.*--dtype float16 or float32, or --block-size 16"):
+    with pytest.raises(ConfigError,
+                       match=r"ISA 'amx'.*--dtype float16 or float32, or --block-size 16"):
         resolve("CPU_ATTN", cache_dtype="auto", isa="amx")
     with pytest.raises(ConfigError, match="no attention ISA"):
         resolve("CPU_ATTN", cache_dtype="auto")
