@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -291,39 +290,3 @@ def test_a_job_on_the_copy_threads_goes_as_runs_of_whole_regions(parts: int) -> 
     assert max(sizes) <= job.total / min(parts, len(with_pieces)) + biggest  # about equal
     if parts == 2:  # both threads get a run (a leading region without pieces takes none)
         assert len(runs) == 2
-
-
-@pytest.mark.parametrize("checksum", [True, False])
-def test_the_parts_of_a_job_wake_a_thread_each(monkeypatch: pytest.MonkeyPatch,
-                                               checksum: bool) -> None:
-    """A job of two parts on a pool of two copy threads runs its parts at once, one on each
-    thread: each part waits (bounded) for the other to start, so a pool that gave both parts
-    to one thread (one after the other) breaks the barrier here. Twenty jobs in a row."""
-    meet = threading.Barrier(2, timeout=10)
-    ran: list[tuple[str, bool]] = []
-
-    def part(job: shm_copy.Job, *_: int) -> None:
-        try:
-            meet.wait()
-            ran.append((threading.current_thread().name, True))
-        except threading.BrokenBarrierError:
-            ran.append((threading.current_thread().name, False))
-        job._part_done(None)
-
-    monkeypatch.setattr(shm_copy, "_run_part", part)
-    pool = shm_copy.CopyPool(2, "kvh-test-copy")
-    try:
-        for _ in range(20):  # the old race lost most rounds; each round must pass
-            n = (shm_copy.INLINE_MAX // 4096 + 1) * 2  # over INLINE_MAX: for the threads
-            lens = np.full(n, 4096, np.int64)
-            ended = threading.Event()
-            job = shm_copy.Job(lens, lens, lens, shm_copy.Target("map", 0, 0, 1, None),
-                               checksum, lambda _j, e=ended: e.set(), bounds=(0, n // 2, n))
-            ran.clear()
-            meet.reset()
-            pool.submit(job)
-            assert ended.wait(20)
-            assert sorted(ok for _, ok in ran) == [True, True], ran
-            assert len({name for name, _ in ran}) == 2, ran
-    finally:
-        pool.stop()

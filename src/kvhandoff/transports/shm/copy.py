@@ -198,23 +198,14 @@ class Job:
 
 
 class CopyPool:
-    """`threads` daemon threads running parts of jobs (see module comment).
-
-    Each thread has its own queue, and a job's parts (never more than the threads) go to
-    different threads, the first to the thread after the last job's first: each part wakes
-    its own thread. With one queue for all, the second waiting thread is woken only by the
-    first, once that one has taken its part (`queue.SimpleQueue` hands the wake-up on), and
-    on a busy host the first one often came back for the second part before the other woke:
-    in a trace of 22 paced tails (512-token Llama-8B layers, two runs of 1 MiB each) 10 last
-    layers were copied by one thread, part after part; with a queue per thread 1."""
+    """`threads` daemon threads running parts of jobs (see module comment)."""
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = max(1, int(threads))
-        self._queues: list[queue.SimpleQueue[tuple[Job, int, int, int, int] | None]] = [
-            queue.SimpleQueue() for _ in range(self.threads)]
-        self._next = 0  # the thread that takes the next job's first part
-        self._workers = [threading.Thread(target=self._run, args=(q,), name=f"{name}-{i}",
-                                          daemon=True) for i, q in enumerate(self._queues)]
+        self._queue: queue.SimpleQueue[tuple[Job, int, int, int, int] | None] = \
+            queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(self.threads)]
         for w in self._workers:
             w.start()
 
@@ -244,22 +235,19 @@ class CopyPool:
             for item in items:
                 _run_part(job, *item)
             return
-        first, n = self._next, self.threads
-        self._next = (first + 1) % n
-        for k, item in enumerate(items):
-            self._queues[(first + k) % n].put((job, *item))
+        for item in items:
+            self._queue.put((job, *item))
 
     def stop(self) -> None:
-        for q in self._queues:
-            q.put(None)
+        for _ in self._workers:
+            self._queue.put(None)
         for w in self._workers:
             if w is not threading.current_thread():
                 w.join()
 
-    @staticmethod
-    def _run(q: queue.SimpleQueue[tuple[Job, int, int, int, int] | None]) -> None:
+    def _run(self) -> None:
         while True:
-            item = q.get()
+            item = self._queue.get()
             if item is None:
                 return
             _run_part(*item)
