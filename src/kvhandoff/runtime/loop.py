@@ -1,7 +1,8 @@
 """`ControlLoop`: the one thread that drives a `TransferSession` and does its I/O.
 
 It owns every ZMQ socket (a ROUTER bound on the agent's control address; one DEALER per peer),
-the wake pipe and the event queue. Engine threads, transport callbacks, hasher
+the same-host lane's Unix sockets (`runtime.locallane`: peers of this host are sent to there,
+not over ZMQ), the wake pipe and the event queue. Engine threads, transport callbacks, hasher
 workers and the route-lookup threads never touch the session: they `post` an event (a deque
 append plus one byte on the wake pipe) and, when they must wait, wait on a room's view. The
 loop feeds the session one event at a time with the current time and executes the effects it
@@ -55,6 +56,7 @@ from kvhandoff.protocol.effects import (
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.runtime.handles import RoomView
 from kvhandoff.runtime.hashing import Hasher
+from kvhandoff.runtime.locallane import LocalLane, available
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings
 from kvhandoff.transports.base import OneSidedTransport, Transport, WriteSums, landed_sums
@@ -101,7 +103,8 @@ class ControlLoop:
                                          thread_name_prefix="kvh-peer-call")
         self._calls_waiting: dict[str, deque[Callable[[], None]]] = {}  # control thread only
         self._calls_done: deque[str] = deque()  # peers whose call ended (workers append)
-        self.counters = {"messages_out": 0, "rejected_messages": 0, "loop_errors": 0}
+        self.counters = {"messages_out": 0, "messages_out_local": 0, "rejected_messages": 0,
+                         "loop_errors": 0}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -121,6 +124,11 @@ class ControlLoop:
                               f"IPv6 one bare or in brackets)") from e
         self.address = join_host_port(host, port)
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        # same-host peers: control messages over a Unix socket (runtime.locallane)
+        self._lane = LocalLane(self.address, max_message_bytes=settings.max_message_bytes,
+                               counters=self.counters) \
+            if settings.local_control_lane and available() else None
+        self._lane_drops: list[str] = []  # peers whose lane closes once the outbox went out
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -193,6 +201,8 @@ class ControlLoop:
         for s in [*self._dealers.values(), *self._to_close]:
             s.close(0)
         self._router.close(0)
+        if self._lane is not None:
+            self._lane.close()
         w, self._wake_w = self._wake_w, -1  # late posts (transport callbacks) write nothing
         os.close(w)
         os.close(self._wake_r)
@@ -260,6 +270,8 @@ class ControlLoop:
             sock = self._dealers.pop(eff.peer, None)
             if sock is not None:
                 self._to_close.append(sock)  # after the outbox went out
+            if self._lane is not None:
+                self._lane_drops.append(eff.peer)
         elif isinstance(eff, Log):
             log.log(eff.level, "%s", eff.message, exc_info=eff.exc)
         else:
@@ -433,6 +445,9 @@ class ControlLoop:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        lane = self._lane
+        if lane is not None:
+            lane.attach(poller)
         hb = self.settings.heartbeat_interval_s
         while True:
             closing = self._closing
@@ -451,10 +466,16 @@ class ControlLoop:
             self._next_calls()
             self._drain_ahead()
             self._drain_queue(time.monotonic() + hb / 4)
-            if self._router not in events:
-                self._drained_at = time.monotonic()  # polled: nothing waiting to be read
-            else:
-                self._read(hb)
+            # read empty (polled: nothing waiting) on both lanes: the session's peers'
+            # silence is theirs, not a backlog of ours
+            drained = self._router not in events or self._read(hb)
+            if lane is not None:
+                lane.service(events)
+                if lane.inbox:
+                    self._read_lane(lane, hb)
+                drained = drained and not lane.inbox
+            if drained:
+                self._drained_at = time.monotonic()
             if self._filter is not None:  # effects a test filter held until now
                 for eff in self._filter.due(time.monotonic()):
                     self._execute(eff)
@@ -499,36 +520,54 @@ class ControlLoop:
                 self._batching = False
                 self._post_writes()
 
-    def _read(self, hb: float) -> None:
+    def _read(self, hb: float) -> bool:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
-        back heartbeats and answers: after a quarter heartbeat, tick, then read on."""
+        back heartbeats and answers: after a quarter heartbeat, tick, then read on. Whether
+        it read the socket empty."""
         batch_end = time.monotonic() + hb / 4
         for _ in range(1000):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                self._drained_at = time.monotonic()
+                return True
+            self._message(frames[1:], batch_end)
+            if time.monotonic() > batch_end:
                 break
-            try:
-                msg = P.decode(frames[1:], max_bytes=self.settings.max_message_bytes)
-            except ProtocolError as e:
-                self.counters["rejected_messages"] += 1
-                log.warning("rejected a control message: %s", e)
-                continue
-            self._batching = True  # the writes of this message's events leave together
-            try:
-                self._feed(ev.MessageReceived(msg))
-                self._drain_ahead()
-                if self._queue:  # completions and engine events between messages
-                    self._drain_queue(batch_end)
-            finally:
-                self._batching = False
-                self._post_writes()
+        return False
+
+    def _read_lane(self, lane: LocalLane, hb: float) -> None:
+        """The same-host lane's messages read this pass, as `_read` (what a quarter heartbeat
+        does not reach waits for the next pass)."""
+        batch_end = time.monotonic() + hb / 4
+        inbox = lane.inbox
+        for _ in range(1000):
+            if not inbox:
+                break
+            self._message(inbox.popleft(), batch_end)
             if time.monotonic() > batch_end:
                 break
 
+    def _message(self, frames: list[bytes], batch_end: float) -> None:
+        """Feeds one control message (its frames), then what it made due."""
+        try:
+            msg = P.decode(frames, max_bytes=self.settings.max_message_bytes)
+        except ProtocolError as e:
+            self.counters["rejected_messages"] += 1
+            log.warning("rejected a control message: %s", e)
+            return
+        self._batching = True  # the writes of this message's events leave together
+        try:
+            self._feed(ev.MessageReceived(msg))
+            self._drain_ahead()
+            if self._queue:  # completions and engine events between messages
+                self._drain_queue(batch_end)
+        finally:
+            self._batching = False
+            self._post_writes()
+
     def _timeout_ms(self, hb: float) -> int:
-        if self._outbox or self._queue or self._ahead or self._closing or self._calls_done:
+        if (self._outbox or self._queue or self._ahead or self._closing or self._calls_done
+                or (self._lane is not None and self._lane.inbox)):
             return 0
         now = time.monotonic()
         assert self.session is not None
@@ -543,11 +582,18 @@ class ControlLoop:
             addr, msg = self._outbox.popleft()
             if not addr:
                 continue
+            frames = P.encode(msg)
             try:
-                self._dealer(addr).send_multipart(P.encode(msg), zmq.NOBLOCK)
+                if self._lane is None or not self._lane.send(addr, frames):
+                    self._dealer(addr).send_multipart(frames, zmq.NOBLOCK)
                 self.counters["messages_out"] += 1
             except (zmq.ZMQError, ValueError) as e:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)
+        if self._lane_drops:
+            assert self._lane is not None
+            for peer in self._lane_drops:
+                self._lane.drop(peer)  # what was written stays queued for the peer
+            self._lane_drops.clear()
         for sock in self._to_close:
             # a dropped peer's last messages (the Failed of its rooms) still go out in the
             # background for a while: a peer that was only frozen reads them when it wakes,

@@ -30,6 +30,8 @@ class Reporting(Protocol):
 _COUNTER_HELP = {
     "messages_in": "Control messages received.",
     "messages_out": "Control messages sent.",
+    "messages_out_local": "Of messages_out, those sent to a peer of this host over the "
+                          "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
     "retransmits": "Layers sent again after a checksum mismatch.",
