@@ -144,9 +144,10 @@ def test_glm_handoff_byte_exact(handoff: Handoff, transport: str) -> None:
     status = d.expect("status", DONE_S)["status"]
     assert status["transport"]["kind"] == transport
     assert status["address"].startswith(at), status["address"]
-    # two processes of one host: the decode's every control message took the same-host lane
+    # two processes of one host: the decode's Hello, TransferRequest and RoomAck took the
+    # same-host lane (a heartbeat after the prefill exited finds nobody there: ZMQ)
     c = status["counters"]
-    assert c["messages_out_local"] == c["messages_out"] > 0, c
+    assert 3 <= c["messages_out_local"] <= c["messages_out"], c
     # same-host UCX keeps peer error handling on by default (a dying peer must not abort this
     # process), so UCX offers TCP lanes only: degraded, and said so; shm is the fast safe lane
     # nixl: degraded where its UCX finds no RDMA device (this host), with the reason

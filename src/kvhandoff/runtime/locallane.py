@@ -96,7 +96,12 @@ class LocalLane:
         name = lane_name(address)
         if name is None:
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:  # out of file descriptors, ...
+            log.warning("control lane %r: no socket (%s); same-host peers reach this agent "
+                        "over ZMQ", address, e)
+            return
         try:
             sock.bind(name)
             sock.listen(64)
@@ -160,7 +165,11 @@ class LocalLane:
         name = lane_name(address)
         if name is None:
             return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:  # out of file descriptors, ...: ZMQ for this peer
+            log.warning("control lane to %s: no socket (%s); using ZMQ", address, e)
+            return None
         sock.setblocking(False)
         try:
             sock.connect(name)
