@@ -20,6 +20,10 @@ header and body), then the frames. A frame longer than the limits (64 bytes of h
 body's ``max_message_bytes``) ends that connection: the stream cannot be resynchronised; the
 messages before it were taken.
 
+Anyone on the host may connect to a lane, as anyone on the host may connect to the agent's TCP
+port: the messages are the same, checked the same way (`wire.decode`, generations, and
+``hmac_secret`` on Hellos where it is set).
+
 Only the control thread calls this class (no locks). Linux only (abstract names); elsewhere,
 or with ``Settings.local_control_lane`` off, the agent has no lane and every message goes over
 ZMQ.
@@ -148,7 +152,10 @@ class LocalLane:
             n = 0
         except OSError as e:  # the peer closed it (exited): choose again for this message
             self._forget(address, e)
-            return again and self.send(address, frames, again=False)
+            if again:
+                return self.send(address, frames, again=False)
+            self._out[address] = None  # closed at once twice: ZMQ until the peer is dropped
+            return False
         self._counters["messages_out_local"] += 1
         if n < len(data):
             out.pending += memoryview(data)[n:]
