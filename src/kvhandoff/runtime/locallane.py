@@ -267,21 +267,26 @@ class LocalLane:
         buf = conn.buf
         buf += self._scratch[:got]
         at, end = 0, len(buf)
-        while end - at >= _LENGTHS.size:
-            hlen, blen = _LENGTHS.unpack_from(buf, at)
-            if hlen > _MAX_HEADER or blen > self._max_body:
-                self._counters["rejected_messages"] += 1
-                log.warning("control lane: a message of %d + %d bytes exceeds the limits "
-                            "(%d, max_message_bytes=%d); closing that connection", hlen, blen,
-                            _MAX_HEADER, self._max_body)
-                self._close_in(conn)
-                return
-            start = at + _LENGTHS.size
-            stop = start + hlen + blen
-            if stop > end:
-                break
-            self.inbox.append([bytes(buf[start:start + hlen]), bytes(buf[start + hlen:stop])])
-            at = stop
+        with memoryview(buf) as view:  # frames copied once, out of the view
+            while end - at >= _LENGTHS.size:
+                hlen, blen = _LENGTHS.unpack_from(view, at)
+                if hlen > _MAX_HEADER or blen > self._max_body:
+                    self._counters["rejected_messages"] += 1
+                    log.warning("control lane: a message of %d + %d bytes exceeds the limits "
+                                "(%d, max_message_bytes=%d); closing that connection", hlen,
+                                blen, _MAX_HEADER, self._max_body)
+                    at = -1
+                    break
+                start = at + _LENGTHS.size
+                stop = start + hlen + blen
+                if stop > end:
+                    break
+                self.inbox.append([bytes(view[start:start + hlen]),
+                                   bytes(view[start + hlen:stop])])
+                at = stop
+        if at < 0:  # the view is released: the connection may go
+            self._close_in(conn)
+            return
         del buf[:at]
 
     def _close_in(self, conn: _In) -> None:
