@@ -122,12 +122,12 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
     Raises:
         DemoError: a process failed or an event did not come within `timeout_s`.
     """
+    from kvhandoff.bootstrap_server.background import run_server
     from kvhandoff.bootstrap_server.client import BootstrapClient
     from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
     from kvhandoff.kv_layout import SendFrom, TPSplit, handoff_bytes, page_aligned
     from kvhandoff.settings import Settings
     from kvhandoff.sim import spawn
-    from kvhandoff.testing.server import run_server
 
     if prefill_tp < 1 or decode_tp < 1:
         raise DemoError(f"tp: expected >= 1, got prefill={prefill_tp} decode={decode_tp}")
