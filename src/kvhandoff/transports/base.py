@@ -1,4 +1,4 @@
-# The one small interface every data transport implements (ucx, tcp, inproc).
+# The one small interface every data transport implements (tcp, ucx, shm, nixl, auto, inproc).
 #
 # Rules:
 # - A "span list" (offsets, nbytes: int64 arrays of equal length into one registered buffer)
