@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -74,6 +74,12 @@ class Metrics:
             "HTTP request latency by method and route template.",
             ["method", "route"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.collector_registry,
+        )
+        self.unauthenticated = Gauge(
+            _PREFIX + "unauthenticated",
+            "1 when the server listens on a non-loopback host without auth_token (allowed by "
+            "allow_unauthenticated).",
             registry=self.collector_registry,
         )
 

@@ -80,6 +80,12 @@ class AgentCollector(Collector):
                                 "1 when the transport runs degraded (TCP instead of shm/RDMA).")
         deg.add_metric([], 1.0 if tr["degraded"] else 0.0)
         yield deg
+        if "auth" in st:
+            auth = GaugeMetricFamily(
+                "kvhandoff_agent_unauthenticated", "1 when the agent listens on a non-loopback "
+                "address without hmac_secret (allowed by allow_unauthenticated).")
+            auth.add_metric([], 1.0 if st["auth"] == "off" else 0.0)
+            yield auth
         rooms = GaugeMetricFamily("kvhandoff_agent_rooms", "Rooms by KVPoll state.",
                                   labels=["state"])
         for state in ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed"):

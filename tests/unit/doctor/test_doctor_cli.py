@@ -12,7 +12,7 @@ from typing import Any
 from .fakeroot import fake_ucx, limits, put, rdma_node
 
 CHECKS = ["ucx", "ucx_lanes", "nixl", "rdma", "memlock", "shm", "cross_process_memory",
-          "hugepages", "cuda", "cuda_ipc", "bootstrap", "addresses", "layout_probe"]
+          "hugepages", "cuda", "cuda_ipc", "bootstrap", "addresses", "layout_probe", "auth"]
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:
