@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     room_retention_s: float = Field(600.0, gt=0, description="How long finished or aborted rooms "
                                     "stay visible to lookups (server) and in an agent's status "
                                     "before they are forgotten.")
+    max_live_rooms: int = Field(
+        1_000_000, gt=0, description="Most rooms the bootstrap server holds at once (allocated, "
+        "bound or aborted, until room_retention_s after their last change). Every route that "
+        "adds a room (allocate, bind, abort of an unknown room, SGLang's register_dp_rank) is "
+        "refused with 503 past it.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     route_access_log: bool = Field(
         False, description="Write an access-log line for every answered GET /route (SGLang's "

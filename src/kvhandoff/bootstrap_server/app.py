@@ -64,7 +64,8 @@ def create_app(
     auth = listener_auth(settings, what="bootstrap server", host_setting="host",
                          secret_setting="auth_token")
     registry = registry or Registry(
-        clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s
+        clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s,
+        max_live_rooms=settings.max_live_rooms,
     )
     metrics = Metrics(registry)
     app = BootstrapApp(

@@ -35,6 +35,8 @@ class _RegistryCollector(Collector):
             "rooms_allocated": ("Room ids allocated.", st.rooms_allocated),
             "rooms_bound": ("Rooms bound to a prefill dp rank.", st.rooms_bound),
             "rooms_aborted": ("Rooms aborted.", st.rooms_aborted),
+            "rooms_refused": ("Rooms not created (allocate, bind, abort, register_dp_rank): "
+                              "the server held its cap of live rooms.", st.rooms_refused),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(_PREFIX + name, doc)
