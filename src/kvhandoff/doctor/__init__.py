@@ -1,8 +1,8 @@
 """`kvhandoff doctor`: checks a node before it goes live (UCX build and lanes, NIXL, RDMA
-devices, locked memory, /dev/shm, cross-process memory access, hugepages, CUDA and CUDA IPC,
-the bootstrap server, the address family of the agents and the server, whether they
-listen unauthenticated). Each check returns a
-`CheckResult`; only FAIL results are blocking.
+devices, locked memory, /dev/shm, the shm copy helper, cross-process memory access,
+hugepages, CUDA and CUDA IPC, the bootstrap server, the address family of the agents and the
+server, whether they listen unauthenticated). Each check returns a `CheckResult`; only FAIL
+results are blocking.
 
 Checks read system files through a `root` directory (``/`` on a real node) so tests can run
 them against a fake root as well as the real system.
@@ -19,6 +19,7 @@ from .auth import check_auth
 from .bootstrap import check_bootstrap
 from .cuda import check_cuda_devices, check_cuda_ipc
 from .model import CheckResult, Status
+from .native import check_native_copy
 from .network import check_addresses
 from .system import (
     check_hugepages,
@@ -32,8 +33,8 @@ from .ucx import check_nixl, check_ucx_lanes, check_ucx_library, ucx_build
 
 __all__ = [
     "CheckResult", "Status", "check_addresses", "check_auth", "check_bootstrap",
-    "check_cuda_devices", "check_cuda_ipc", "check_hugepages", "check_memlock", "check_nixl",
-    "check_ptrace",
+    "check_cuda_devices", "check_cuda_ipc", "check_hugepages", "check_memlock",
+    "check_native_copy", "check_nixl", "check_ptrace",
     "check_rdma", "check_shm", "check_ucx_lanes", "check_ucx_library", "rdma_inventory",
     "report_json", "run_checks", "ucx_build",
 ]
@@ -61,6 +62,7 @@ def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
         check_rdma(root, require_rdma=require_rdma),
         check_memlock(root, rdma_present=rdma_present, require_rdma=require_rdma),
         check_shm(root),
+        check_native_copy(),
         check_ptrace(root, probe=probes),
         check_hugepages(root),
         check_cuda_devices(root),
