@@ -33,6 +33,11 @@ _COUNTER_HELP = {
     "messages_out_local": "Of messages_out, those sent to a peer of this host over the "
                           "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
+    "lane_refused": "Same-host control lane connections refused because the process at the "
+                    "other end (SO_PEERCRED) is of another user: a squatter on a peer's lane "
+                    "name (the peer is then reached over ZMQ), or a stranger connecting.",
+    "lane_squatted": "1 when this agent's own same-host lane name was already held by another "
+                     "process at start (its peers reach it over ZMQ).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
