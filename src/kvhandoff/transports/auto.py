@@ -128,7 +128,7 @@ def pid_namespace() -> str:
 
 def shm_usable(scope: str | None, cap_eff: int) -> tuple[bool, str]:
     """Whether processes of this host may write into each other's memory (the shm lane's
-    process_vm_writev and /proc/<pid>/fd): `scope` is Yama's ptrace_scope (None: no Yama),
+    process_vm_writev): `scope` is Yama's ptrace_scope (None: no Yama),
     `cap_eff` this process's effective capabilities. (ok, why not)."""
     if scope is None or scope.strip() == "0":
         return True, ""
