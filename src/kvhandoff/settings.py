@@ -3,6 +3,10 @@
 Rules: built in `main()` / `create_app()` / `TransferAgent(...)`, never at import time; every
 field is settable by a `KVHANDOFF_<FIELD>` environment variable and most by a CLI flag. The
 layout is not a setting: it is a value both sides exchange and hash.
+
+`listener_auth` is the one decision every listener takes before it binds (the agents' control
+socket, the bootstrap server; doctor asks it too): a non-loopback address without its secret
+is a refusal naming the setting, unless `allow_unauthenticated` says otherwise out loud.
 """
 
 from __future__ import annotations
