@@ -3,16 +3,26 @@
 Rules: built in `main()` / `create_app()` / `TransferAgent(...)`, never at import time; every
 field is settable by a `KVHANDOFF_<FIELD>` environment variable and most by a CLI flag. The
 layout is not a setting: it is a value both sides exchange and hash.
+
+`listener_auth` is the one decision every listener takes before it binds (the agents' control
+socket, the bootstrap server; doctor asks it too): a non-loopback address without its secret
+is a refusal naming the setting, unless `allow_unauthenticated` says otherwise out loud.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import socket
 from enum import Enum
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout.admission import AllocationPolicy
+
+log = logging.getLogger("kvhandoff.settings")
 
 
 class ChecksumMode(str, Enum):
@@ -55,11 +65,13 @@ class Settings(BaseSettings):
 
     # --- bootstrap server -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the bootstrap server binds. Use 0.0.0.0 "
-                      "(with an auth token) for a real deployment.")
+                      "(with auth_token) for a real deployment.")
     port: int = Field(8998, ge=0, le=65535,
                       description="Port of the bootstrap server (0 = any free).")
-    auth_token: SecretStr | None = Field(None, description="Bearer token required on every write "
-                                         "route (and sent by agents). Unset = no auth.")
+    auth_token: SecretStr | None = Field(
+        None, description="Bearer token required on every write route (and sent by agents). "
+        "Required when host is not a loopback address: a server that would listen there "
+        "without it refuses to start (see allow_unauthenticated).")
     rank_ttl_s: float = Field(30.0, gt=0, description="A rank that sends no heartbeat for this "
                               "long is dropped and readiness falls back to not-ready.")
     max_body_bytes: int = Field(1 << 20, gt=0,
@@ -67,6 +79,11 @@ class Settings(BaseSettings):
     room_retention_s: float = Field(600.0, gt=0, description="How long finished or aborted rooms "
                                     "stay visible to lookups (server) and in an agent's status "
                                     "before they are forgotten.")
+    max_live_rooms: int = Field(
+        1_000_000, gt=0, description="Most rooms the bootstrap server holds at once (allocated, "
+        "bound or aborted, until room_retention_s after their last change). Every route that "
+        "adds a room (allocate, bind, abort of an unknown room, SGLang's register_dp_rank) is "
+        "refused with 503 past it.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     route_access_log: bool = Field(
         False, description="Write an access-log line for every answered GET /route (SGLang's "
@@ -132,8 +149,15 @@ class Settings(BaseSettings):
         "scratch pages through the engine's own cache-write op and read them back through the "
         "layout the adapter built; refuse to start on any difference. Off: the layout is "
         "trusted unchecked (said in the log, the adapter's status and doctor).")
-    hmac_secret: SecretStr | None = Field(None, description="Shared secret authenticating agent "
-                                          "Hello messages (HMAC-SHA256). Unset = no HMAC.")
+    hmac_secret: SecretStr | None = Field(
+        None, description="Shared secret authenticating agent Hello messages (HMAC-SHA256), the "
+        "same on every agent. Required when agent_host is not a loopback address: an agent "
+        "that would listen there without it refuses to start (see allow_unauthenticated).")
+    allow_unauthenticated: bool = Field(
+        False, description="Let an agent listen on a non-loopback agent_host without "
+        "hmac_secret, and the bootstrap server on a non-loopback host without auth_token. Off "
+        "(default): either refuses to start, naming the setting to set. On: they start, warn "
+        "in the log, and say auth off in their status, /ready, metrics and doctor.")
     max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")
     local_control_lane: bool = Field(
         True, description="Agents of one host (one network namespace) send each other control "
@@ -143,3 +167,61 @@ class Settings(BaseSettings):
     agent_metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve the agent's "
                                            "Prometheus metrics on this port (0 = any free; unset "
                                            "= not served).")
+
+
+class AuthMode(str, Enum):
+    """How a listener (an agent's control socket, the bootstrap server) authenticates peers."""
+
+    SECRET = "secret"  # hmac_secret (agents) / auth_token (bootstrap server) is set
+    LOOPBACK = "loopback"  # no secret, but only this host can reach the listener
+    OFF = "off"  # no secret on an address others reach: allowed by allow_unauthenticated
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (an address or a name, IPv6 with or without brackets) reaches this host
+    only: a loopback literal, or a name every address of which is loopback. A wildcard
+    (``0.0.0.0``, ``::``) or a name that does not resolve is not."""
+    h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return ipaddress.ip_address(h.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addrs = {str(info[4][0]).split("%", 1)[0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
+
+
+def listener_auth(settings: Settings, *, what: str, host_setting: str,
+                  secret_setting: str, warn: bool = True) -> AuthMode:
+    """The `AuthMode` of a listener about to bind ``settings.<host_setting>``; refuses one on a
+    non-loopback address without ``settings.<secret_setting>`` unless
+    ``allow_unauthenticated`` is set (then it warns: the caller shows ``auth: off``).
+
+    Raises:
+        ConfigError: naming both settings and how to set them.
+    """
+    if getattr(settings, secret_setting) is not None:
+        return AuthMode.SECRET
+    host = getattr(settings, host_setting)
+    if is_loopback_host(host):
+        return AuthMode.LOOPBACK
+    env = f"KVHANDOFF_{secret_setting.upper()}"
+    if not settings.allow_unauthenticated:
+        raise ConfigError(
+            f"{what}: {host_setting}={host!r} is not a loopback address and {secret_setting} "
+            f"is unset, so anyone who reaches it could talk to it unauthenticated; set "
+            f"{secret_setting} ({env}, a random secret, e.g. `openssl rand -hex 32`, the same "
+            f"on every agent and server of the deployment), or bind a loopback address, or "
+            f"set allow_unauthenticated (KVHANDOFF_ALLOW_UNAUTHENTICATED=true) to run without "
+            f"one")
+    if warn:
+        log.warning("%s: listening on %s=%r WITHOUT authentication (%s unset, "
+                    "allow_unauthenticated set): anyone who reaches it can talk to it; set %s",
+                    what, host_setting, host, secret_setting, env)
+    return AuthMode.OFF

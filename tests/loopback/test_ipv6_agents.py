@@ -165,8 +165,8 @@ def test_agent_refuses_a_control_host_that_is_not_here() -> None:
     TransferAgent("prefill", spec, allocate(spec, 2), Settings(transport="inproc")).close()
     before = _leftovers()
     with pytest.raises(ConfigError, match=rf"agent_host='{NOT_HERE}'.*cannot bind"):
-        TransferAgent("prefill", spec, allocate(spec, 2),
-                      Settings(transport="inproc", agent_host=NOT_HERE))
+        TransferAgent("prefill", spec, allocate(spec, 2),  # a secret: past the auth check
+                      Settings(transport="inproc", agent_host=NOT_HERE, hmac_secret="k" * 32))
     _assert_nothing_left(before)
 
 

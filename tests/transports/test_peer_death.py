@@ -206,7 +206,13 @@ def test_shm_write_cancel_with_frozen_receiver_stops_before_return(
         desc = bytes.fromhex(str(peer.ask("describe")["descriptor"]))
         tr.register_remote("peer", "in", desc)
         pid, fd, seg_n, seg_off, _, nbytes = parse_descriptor(desc)
-        mapping = _shm_copy._map_segment(pid, fd, seg_n)  # the peer's memory, seen from here
+        # the peer's memory, seen from here (the test looks through /proc; the transport maps
+        # the memfd the peer handed it)
+        memfd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mapping = _shm_copy._map_segment(memfd, seg_n)
+        finally:
+            os.close(memfd)
         assert mapping is not None and nbytes == SIZE
         theirs = np.frombuffer(mapping, np.uint8)[seg_off:seg_off + SIZE]
         peer.proc.send_signal(signal.SIGSTOP)

@@ -32,7 +32,7 @@ from kvhandoff.bootstrap_server.routers.route import route
 from kvhandoff.bootstrap_server.routers.sglang import sglang
 from kvhandoff.bootstrap_server.sglang_answers import SglangRoutes
 from kvhandoff.errors import KVHandoffError
-from kvhandoff.settings import Settings
+from kvhandoff.settings import Settings, listener_auth
 
 log = logging.getLogger("kvhandoff.bootstrap_server")
 
@@ -55,10 +55,17 @@ def create_app(
         registry: an existing registry (default: a new one from the settings and clock).
         fast_path: answer SGLang's ``GET /route`` from prepared bytes (`fastpath`); False
             leaves every request to the FastAPI stack (tests compare the two).
+
+    Raises:
+        ConfigError: `settings.host` is not a loopback address and `auth_token` is unset
+            (unless `allow_unauthenticated`; then the app warns and says ``auth: off``).
     """
     settings = settings or Settings()
+    auth = listener_auth(settings, what="bootstrap server", host_setting="host",
+                         secret_setting="auth_token")
     registry = registry or Registry(
-        clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s
+        clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s,
+        max_live_rooms=settings.max_live_rooms,
     )
     metrics = Metrics(registry)
     app = BootstrapApp(
@@ -69,7 +76,8 @@ def create_app(
         "/query_dp_ranks, /health.",
     )
     state = ServerState(settings=settings, registry=registry, metrics=metrics, clock=clock,
-                        sglang_routes=SglangRoutes(registry))
+                        sglang_routes=SglangRoutes(registry), auth=auth)
+    metrics.unauthenticated.set(1 if auth.value == "off" else 0)
     app.state.kvhandoff = state
     # the hot lookup, answered from prepared bytes in front of the stack below (fastpath)
     access = AccessPolicy.from_settings(settings)

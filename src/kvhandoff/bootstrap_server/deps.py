@@ -20,7 +20,7 @@ from kvhandoff.bootstrap_server.metrics import Metrics
 from kvhandoff.bootstrap_server.registry import Registry
 from kvhandoff.bootstrap_server.sglang_answers import SglangRoutes
 from kvhandoff.errors import BootstrapUnauthorized
-from kvhandoff.settings import Settings
+from kvhandoff.settings import AuthMode, Settings
 
 
 @dataclass(slots=True)
@@ -30,6 +30,7 @@ class ServerState:
     metrics: Metrics
     clock: Callable[[], float]
     sglang_routes: SglangRoutes
+    auth: AuthMode = AuthMode.SECRET
 
 
 async def get_state(request: Request) -> ServerState:

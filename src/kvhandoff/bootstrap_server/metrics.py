@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,8 @@ class _RegistryCollector(Collector):
             "rooms_allocated": ("Room ids allocated.", st.rooms_allocated),
             "rooms_bound": ("Rooms bound to a prefill dp rank.", st.rooms_bound),
             "rooms_aborted": ("Rooms aborted.", st.rooms_aborted),
+            "rooms_refused": ("Rooms not created (allocate, bind, abort, register_dp_rank): "
+                              "the server held its cap of live rooms.", st.rooms_refused),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(_PREFIX + name, doc)
@@ -74,6 +76,12 @@ class Metrics:
             "HTTP request latency by method and route template.",
             ["method", "route"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.collector_registry,
+        )
+        self.unauthenticated = Gauge(
+            _PREFIX + "unauthenticated",
+            "1 when the server listens on a non-loopback host without auth_token (allowed by "
+            "allow_unauthenticated).",
             registry=self.collector_registry,
         )
 

@@ -157,3 +157,4 @@ class Stats:
     rooms_bound: int = 0
     rooms_aborted: int = 0
     rooms_forgotten: int = 0
+    rooms_refused: int = 0  # rooms not created: the registry held its cap of live rooms

@@ -79,9 +79,13 @@ class Registry:
         rank_ttl_s: float,
         room_retention_s: float,
         randbits: Callable[[int], int] = _default_randbits,
+        max_live_rooms: int = MAX_LIVE_ROOMS,
     ) -> None:
         if rank_ttl_s <= 0 or room_retention_s <= 0:
             raise ConfigError("rank_ttl_s and room_retention_s must be > 0")
+        if max_live_rooms <= 0:
+            raise ConfigError(f"max_live_rooms: expected > 0, got {max_live_rooms}")
+        self._max_rooms = max_live_rooms
         self._clock = clock
         self._ttl_s = rank_ttl_s
         self._retention_s = room_retention_s
@@ -277,6 +281,20 @@ class Registry:
 
     # -- rooms --------------------------------------------------------------------------------
 
+    def _room_slots(self, count: int) -> None:
+        """Every route that adds rooms asks here first (allocate, bind and abort of an unknown
+        room, SGLang's register_dp_rank): the registry never holds more than its cap.
+
+        Raises:
+            BootstrapUnavailable: `count` more rooms would exceed the cap.
+        """
+        if len(self._rooms) + count > self._max_rooms:
+            self.stats.rooms_refused += count
+            raise BootstrapUnavailable(
+                f"rooms: {len(self._rooms)} rooms are live (limit {self._max_rooms}); retry "
+                f"later (rooms are forgotten room_retention_s after their last change)"
+            )
+
     def allocate_rooms(self, count: int) -> list[int]:
         """``count`` new random 63-bit room ids, none equal to a room still known.
 
@@ -287,10 +305,7 @@ class Registry:
         if not 1 <= count <= MAX_ROOMS_PER_CALL:
             raise ConfigError(f"count: expected 1..{MAX_ROOMS_PER_CALL}, got {count}")
         now = self._now()
-        if len(self._rooms) + count > MAX_LIVE_ROOMS:
-            raise BootstrapUnavailable(
-                f"rooms: {len(self._rooms)} rooms are live (limit {MAX_LIVE_ROOMS}); retry later"
-            )
+        self._room_slots(count)
         out: list[int] = []
         while len(out) < count:
             room = self._randbits(ROOM_BITS)
@@ -305,9 +320,11 @@ class Registry:
         self, room: int, engine_id: str, dp_rank: int, *, rebind: bool = False
     ) -> RoomRecord:
         """Bind a room to a prefill engine's dp rank. A room not allocated here (SGLang's rooms
-        are chosen by its router) is created. Binding again to the same place is a no-op.
+        are chosen by its router) is created, within the cap on live rooms. Binding again to
+        the same place is a no-op.
 
         Raises:
+            BootstrapUnavailable: a new room and the registry holds its cap of live rooms.
             ConfigError: room id out of range, or dp_rank outside the engine's dp_size.
             BootstrapNotFound: unknown engine (unless ``rebind``: SGLang binds before it may
                 have registered).
@@ -340,6 +357,7 @@ class Registry:
                  f"dp_rank: bound={rr.dp_rank} incoming={dp_rank}"],
             )
         if rr is None:
+            self._room_slots(1)
             rr = RoomRecord(room, RoomState.BOUND, engine_id, dp_rank, None, now, now)
             self._rooms[room] = rr
         else:
@@ -351,13 +369,15 @@ class Registry:
 
     def abort_room(self, room: int, reason: str) -> RoomRecord:
         """Record that a room was aborted (an unknown room is recorded too, so a late lookup by
-        the other side still learns why). Aborting twice keeps the first reason."""
+        the other side still learns why, within the cap on live rooms: else
+        `BootstrapUnavailable`). Aborting twice keeps the first reason."""
         check_room_id(room)
         now = self._now()
         rr = self._rooms.get(room)
         if rr is not None and rr.state is RoomState.ABORTED:
             return rr
         if rr is None:
+            self._room_slots(1)
             rr = RoomRecord(room, RoomState.ABORTED, None, None, reason, now, now)
             self._rooms[room] = rr
         else:

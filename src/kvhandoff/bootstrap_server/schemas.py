@@ -239,3 +239,8 @@ class ReadyStatus(BaseModel):
     degraded: list[str] = Field(
         default_factory=list, description="Ranks on a degraded (tcp) transport."
     )
+    auth: str = Field(
+        "secret", description="How this server authenticates writes: secret (auth_token set), "
+        "loopback (no token, loopback host only) or off (no token on a non-loopback host, "
+        "allowed by allow_unauthenticated)."
+    )

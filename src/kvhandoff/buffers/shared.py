@@ -3,10 +3,10 @@
 `allocate_shared(layout, num_pages)` is `buffers.allocate` with every (region, layer) buffer
 placed in one memfd-backed shared mapping owned by kvhandoff: same shape (CPU torch tensors,
 or numpy arrays with `numpy_arrays=True`), but the `shm` transport recognises them (a buffer's
-address lies in a segment of this process) and tells the peer the segment's file descriptor; a
-prefill on the same host then opens `/proc/<pid>/fd/<fd>`, maps the segment and copies each
-span itself (one copy per byte, no staging, no syscall per span; see
-transports/shm.py). A buffer outside any segment still works, through cross-memory writes.
+address lies in a segment of this process) and hands a proved same-host peer the segment's
+memfd over a Unix socket (transports/shm/proof.py); that prefill maps the segment and copies
+each span itself (one copy per byte, no staging, no syscall per span; see
+transports/shm/transport.py). A buffer outside any segment still works, through cross-memory writes.
 
 Rules: a segment lives as long as this process holds a view of it or the segment registry does
 (segments are never unmapped while a view exists: the mapping is a Python `mmap` that numpy

@@ -54,7 +54,8 @@ def register(app: typer.Typer) -> None:
             root, bootstrap_url=bootstrap_url or settings.bootstrap_url,
             require_rdma=settings.require_rdma if require_rdma is None else require_rdma,
             transport=str(settings.transport), auto_cross_host=str(settings.auto_cross_host),
-            probes=probes, layout_probe=settings.layout_probe, agent_host=settings.agent_host)
+            probes=probes, layout_probe=settings.layout_probe, agent_host=settings.agent_host,
+            settings=settings)
         report = report_json(results)
         if as_json:
             typer.echo(json.dumps(report, indent=2, default=str))

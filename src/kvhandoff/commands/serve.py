@@ -19,7 +19,8 @@ from typing import Any
 
 import typer
 
-from kvhandoff.settings import Settings
+from kvhandoff.errors import ConfigError
+from kvhandoff.settings import Settings, listener_auth
 
 
 def _help(name: str) -> str:
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
         from kvhandoff.bootstrap_server.app import create_app
         from kvhandoff.bootstrap_server.fastpath import http_protocol
         from kvhandoff.bootstrap_server.sockets import bind_socket, socket_url
-        from kvhandoff.netaddr import bare_host, join_host_port
+        from kvhandoff.netaddr import join_host_port
 
         given: dict[str, Any] = {
             "host": host, "port": port, "auth_token": auth_token, "rank_ttl_s": rank_ttl_s,
@@ -73,10 +74,11 @@ def register(app: typer.Typer) -> None:
         if level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise typer.BadParameter(f"log_level: expected debug, info, warning or error, "
                                      f"got {settings.log_level!r}")
-        if bare_host(settings.host) not in ("127.0.0.1", "localhost", "::1") \
-                and settings.auth_token is None:
-            typer.echo(f"warning: serving on {settings.host} without an auth token "
-                       "(set KVHANDOFF_AUTH_TOKEN)", err=True)
+        try:  # before binding: create_app refuses the same, but with a traceback
+            listener_auth(settings, what="bootstrap server", host_setting="host",
+                          secret_setting="auth_token", warn=False)
+        except ConfigError as e:
+            raise typer.BadParameter(str(e)) from None
         try:
             sock = bind_socket(settings.host, settings.port)
         except OSError as e:

@@ -1,7 +1,8 @@
 """`kvhandoff doctor`: checks a node before it goes live (UCX build and lanes, NIXL, RDMA
-devices, locked memory, /dev/shm, cross-process memory access, hugepages, CUDA and CUDA IPC,
-the bootstrap server, the address family of the agents and the server). Each check returns a
-`CheckResult`; only FAIL results are blocking.
+devices, locked memory, /dev/shm, the shm copy helper, cross-process memory access,
+hugepages, CUDA and CUDA IPC, the bootstrap server, the address family of the agents and the
+server, whether they listen unauthenticated). Each check returns a `CheckResult`; only FAIL
+results are blocking.
 
 Checks read system files through a `root` directory (``/`` on a real node) so tests can run
 them against a fake root as well as the real system.
@@ -12,9 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvhandoff.settings import Settings
+
+from .auth import check_auth
 from .bootstrap import check_bootstrap
 from .cuda import check_cuda_devices, check_cuda_ipc
 from .model import CheckResult, Status
+from .native import check_native_copy
 from .network import check_addresses
 from .system import (
     check_hugepages,
@@ -27,8 +32,9 @@ from .system import (
 from .ucx import check_nixl, check_ucx_lanes, check_ucx_library, ucx_build
 
 __all__ = [
-    "CheckResult", "Status", "check_addresses", "check_bootstrap", "check_cuda_devices",
-    "check_cuda_ipc", "check_hugepages", "check_memlock", "check_nixl", "check_ptrace",
+    "CheckResult", "Status", "check_addresses", "check_auth", "check_bootstrap",
+    "check_cuda_devices", "check_cuda_ipc", "check_hugepages", "check_memlock",
+    "check_native_copy", "check_nixl", "check_ptrace",
     "check_rdma", "check_shm", "check_ucx_lanes", "check_ucx_library", "rdma_inventory",
     "report_json", "run_checks", "ucx_build",
 ]
@@ -37,9 +43,11 @@ __all__ = [
 def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
                require_rdma: bool = False, transport: str = "ucx",
                auto_cross_host: str = "ucx", probes: bool = True,
-               layout_probe: bool = True, agent_host: str = "127.0.0.1") -> list[CheckResult]:
+               layout_probe: bool = True, agent_host: str = "127.0.0.1",
+               settings: Settings | None = None) -> list[CheckResult]:
     """Runs every check. `probes=False` skips those that start processes or endpoints (the
-    loopback UCX lanes, the cross-process read, CUDA IPC)."""
+    loopback UCX lanes, the cross-process read, CUDA IPC). `settings`: the node's settings,
+    for the checks that read them whole (authentication)."""
     inv = rdma_inventory(root)
     rdma_present = bool(inv.devices or inv.dev_nodes)
     out = [check_ucx_library(root, rdma_present=rdma_present, require_rdma=require_rdma,
@@ -54,6 +62,7 @@ def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
         check_rdma(root, require_rdma=require_rdma),
         check_memlock(root, rdma_present=rdma_present, require_rdma=require_rdma),
         check_shm(root),
+        check_native_copy(),
         check_ptrace(root, probe=probes),
         check_hugepages(root),
         check_cuda_devices(root),
@@ -62,6 +71,8 @@ def run_checks(root: Path = Path("/"), *, bootstrap_url: str | None = None,
         check_addresses(agent_host, bootstrap_url=bootstrap_url, probe=probes),
         _layout_probe(layout_probe),
     ]
+    if settings is not None:
+        out.append(check_auth(settings))
     return out
 
 

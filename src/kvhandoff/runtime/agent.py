@@ -44,7 +44,7 @@ from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.runtime.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.runtime.loop import ControlLoop
 from kvhandoff.runtime.tracing import RoomTimelines
-from kvhandoff.settings import Settings
+from kvhandoff.settings import Settings, listener_auth
 from kvhandoff.state_machine import Role
 from kvhandoff.transports.base import OneSidedTransport, Transport, load_transport
 
@@ -111,6 +111,9 @@ class TransferAgent:
         self.layout = layout
         self.layout_hash = layout_hash(layout)
         self.settings = settings or Settings()
+        # before anything binds: no secret on a non-loopback address is a refusal
+        self.auth = listener_auth(self.settings, what=f"{self.role.value} agent",
+                                  host_setting="agent_host", secret_setting="hmac_secret")
         self.engine_id = engine_id
         self.dp_rank, self.dp_size, self.tp_rank, self.tp_size = dp_rank, dp_size, tp_rank, tp_size
         self.generation = secrets.randbits(62) | 1
@@ -272,6 +275,7 @@ class TransferAgent:
         return {
             "agent_id": self.agent_id, "role": self.role.value, "address": self.address,
             "generation": self.generation, "layout_hash": self.layout_hash,
+            "auth": self.auth.value,
             "transport": {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded,
                           "reason": st.reason, "bytes_sent": st.bytes_sent,
                           "bytes_received": st.bytes_received},

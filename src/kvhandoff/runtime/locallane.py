@@ -20,9 +20,20 @@ header and body), then the frames. A frame longer than the limits (64 bytes of h
 body's ``max_message_bytes``) ends that connection: the stream cannot be resynchronised; the
 messages before it were taken.
 
-Anyone on the host may connect to a lane, as anyone on the host may connect to the agent's TCP
-port: the messages are the same, checked the same way (`wire.decode`, generations, and
-``hmac_secret`` on Hellos where it is set).
+Abstract names have no permissions and this one is predictable, so both ends ask the kernel who
+is at the other end (SO_PEERCRED) and talk only to a process of this user (or root):
+- a connection to a peer's name whose listener is of another user (a process that took the
+  name first: a squatter) is closed before a byte is written, counted (``lane_refused``),
+  logged, and that address is reached over ZMQ until the session drops the peer: the
+  squatter reads nothing;
+- a connection accepted from a process of another user is closed unread, and counted the
+  same way;
+- an agent whose own name is taken says so at start (``lane_squatted``, a warning naming the
+  holder's pid and uid) and takes its peers' messages over ZMQ (they refuse the squatter as
+  above when it is of another user).
+A process of the same user could read this one's memory anyway (ptrace), so the lane trusts
+it as it trusts the TCP port: the messages are checked the same way (`wire.decode`,
+generations, and ``hmac_secret`` on Hellos where it is set).
 
 Only the control thread calls this class (no locks). Linux only (abstract names); elsewhere,
 or with ``Settings.local_control_lane`` off, the agent has no lane and every message goes over
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import struct
 import sys
@@ -48,6 +60,7 @@ _MAX_HEADER = 64  # wire.HEADER is 4 bytes; anything longer is not a kvhandoff m
 # size allocates (and maps) n bytes per call, which took ~0.1 ms of a small message's hop here
 _RECV_BYTES = 1 << 20
 _NAME_PREFIX = b"\0kvhandoff-control/"
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _REFUSED = (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.EADDRNOTAVAIL)
 
 
@@ -58,9 +71,34 @@ def lane_name(address: str) -> bytes | None:
     return name if len(name) <= 107 else None
 
 
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket (the kernel's:
+    a listener's as of its listen(), a connector's as of its connect())."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               _CRED.size))
+    return pid, uid
+
+
+def trusted_uid(uid: int) -> bool:
+    """A process of this user, or root: one that could read this process's memory anyway."""
+    return uid in (os.geteuid(), 0)
+
+
 def available() -> bool:
     """Whether this platform has abstract Unix socket names (Linux)."""
     return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+
+
+def _holder(name: bytes) -> str:
+    """Who holds the abstract name `name` (", held by process P of uid U"), "" if unknown."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.setblocking(False)
+            probe.connect(name)
+            pid, uid = peer_cred(probe)
+    except OSError:
+        return ""
+    return f", held by process {pid} of uid {uid}"
 
 
 class _Out:
@@ -94,6 +132,8 @@ class LocalLane:
         self._max_body = max_message_bytes
         self.inbox: deque[list[bytes]] = deque()  # whole messages, oldest first
         self._counters = counters  # the loop's: messages_out_local, rejected_messages
+        counters.setdefault("lane_refused", 0)  # and these two, ours
+        counters.setdefault("lane_squatted", 0)
         self._poller: zmq.Poller | None = None
         self._out: dict[str, _Out | None] = {}  # address -> connection (None: over ZMQ)
         self._in: dict[int, _In] = {}  # fd -> connection
@@ -112,10 +152,13 @@ class LocalLane:
         try:
             sock.bind(name)
             sock.listen(64)
-        except OSError as e:  # another agent of this namespace holds the name
+        except OSError as e:  # another process of this namespace holds the name
             sock.close()
-            log.warning("control lane %r: cannot listen (%s); same-host peers reach this "
-                        "agent over ZMQ", address, e)
+            holder = _holder(name) if e.errno == errno.EADDRINUSE else ""
+            if holder:
+                self._count("lane_squatted")
+            log.warning("control lane %r: cannot listen (%s)%s; same-host peers reach this "
+                        "agent over ZMQ", address, e, holder)
             return
         sock.setblocking(False)
         self._listener = sock
@@ -188,7 +231,24 @@ class LocalLane:
             if e.errno not in _REFUSED:
                 log.warning("control lane to %s: %s; using ZMQ", address, e)
             return None
+        try:
+            pid, uid = peer_cred(sock)
+        except OSError as e:
+            sock.close()
+            log.warning("control lane to %s: no credentials of the listener (%s); using ZMQ",
+                        address, e)
+            return None
+        if not trusted_uid(uid):  # the name was taken by a process of another user
+            sock.close()
+            self._count("lane_refused")
+            log.warning("control lane to %s REFUSED: its name is held by process %d of uid %d "
+                        "(this agent runs as uid %d), not by a kvhandoff agent of this user; "
+                        "that peer is reached over ZMQ", address, pid, uid, os.geteuid())
+            return None
         return _Out(sock)
+
+    def _count(self, name: str) -> None:
+        self._counters[name] = self._counters.get(name, 0) + 1
 
     def _forget(self, address: str, why: OSError) -> None:
         out = self._out.pop(address, None)
@@ -249,6 +309,16 @@ class LocalLane:
             except OSError as e:  # out of file descriptors, ...: the peer's connect stands
                 log.warning("control lane: accept failed: %s", e)
                 return
+            try:
+                pid, uid = peer_cred(sock)
+            except OSError:
+                pid, uid = -1, -1
+            if not trusted_uid(uid):
+                sock.close()
+                self._count("lane_refused")
+                log.warning("control lane: refused a connection of process %d of uid %d (this "
+                            "agent runs as uid %d)", pid, uid, os.geteuid())
+                continue
             sock.setblocking(False)
             self._in[sock.fileno()] = _In(sock)
             if self._poller is not None:

@@ -33,6 +33,11 @@ _COUNTER_HELP = {
     "messages_out_local": "Of messages_out, those sent to a peer of this host over the "
                           "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
+    "lane_refused": "Same-host control lane connections refused because the process at the "
+                    "other end (SO_PEERCRED) is of another user: a squatter on a peer's lane "
+                    "name (the peer is then reached over ZMQ), or a stranger connecting.",
+    "lane_squatted": "1 when this agent's own same-host lane name was already held by another "
+                     "process at start (its peers reach it over ZMQ).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
@@ -80,6 +85,12 @@ class AgentCollector(Collector):
                                 "1 when the transport runs degraded (TCP instead of shm/RDMA).")
         deg.add_metric([], 1.0 if tr["degraded"] else 0.0)
         yield deg
+        if "auth" in st:
+            auth = GaugeMetricFamily(
+                "kvhandoff_agent_unauthenticated", "1 when the agent listens on a non-loopback "
+                "address without hmac_secret (allowed by allow_unauthenticated).")
+            auth.add_metric([], 1.0 if st["auth"] == "off" else 0.0)
+            yield auth
         rooms = GaugeMetricFamily("kvhandoff_agent_rooms", "Rooms by KVPoll state.",
                                   labels=["state"])
         for state in ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed"):

@@ -9,7 +9,11 @@
 # cross-host is logged and named in status with the reason); the route is remembered per peer
 # until disconnect. (A PID namespace of its own, e.g. a container sharing the host's network
 # and name, would make the shm part's pid point at another process; a Yama ptrace_scope of 1
-# or more refuses process_vm_writev and /proc/<pid>/fd between siblings.)
+# or more refuses process_vm_writev between siblings.) A same-host peer whose process does not
+# prove over the shm part's Unix socket that it is the process its address names
+# (shm/proof.py: a forged address, or a process in another network namespace, where the
+# socket's abstract name is not seen, which is so both ways) goes cross-host too, with that
+# reason.
 # Every per-peer call (post_send, post_recv, cancel, register_remote, post_write,
 # peer_exited) goes to that peer's route only, so the two parts never see the same peer and
 # their tag spaces never meet. Both sides of a pair run auto (the Hello refuses a different
@@ -52,6 +56,7 @@ from kvhandoff.transports.base import (
     load_transport,
 )
 from kvhandoff.transports.hostid import host_id
+from kvhandoff.transports.shm.proof import PeerNotProven
 
 if TYPE_CHECKING:
     from kvhandoff.kv_layout.spans import SpanPlan
@@ -123,7 +128,7 @@ def pid_namespace() -> str:
 
 def shm_usable(scope: str | None, cap_eff: int) -> tuple[bool, str]:
     """Whether processes of this host may write into each other's memory (the shm lane's
-    process_vm_writev and /proc/<pid>/fd): `scope` is Yama's ptrace_scope (None: no Yama),
+    process_vm_writev): `scope` is Yama's ptrace_scope (None: no Yama),
     `cap_eff` this process's effective capabilities. (ok, why not)."""
     if scope is None or scope.strip() == "0":
         return True, ""
@@ -261,7 +266,17 @@ class AutoTransport(OneSidedTransport):
                     f"is {addr.cross_kind}, this side's is {self._cross_kind}; set "
                     "KVHANDOFF_AUTO_CROSS_HOST alike on both sides")
             part, inner = self._cross, addr.cross
-        part.connect(peer, inner)
+        if part is self._shm:
+            try:
+                part.connect(peer, inner)
+            except PeerNotProven as e:  # forged, or a process shm cannot reach: never shm
+                if addr.cross_kind != self._cross_kind:
+                    raise
+                why = f"its process did not prove it is the peer ({e})"
+                part, inner = self._cross, addr.cross
+                part.connect(peer, inner)
+        else:
+            part.connect(peer, inner)
         same_host_cross = addr.host == self._host and bool(why)
         if same_host_cross:
             log.warning("auto: peer %r is on this host but goes over %s, not shm: %s", peer,

@@ -226,3 +226,25 @@ def test_strict_attribute_compared_exactly(registry: Registry) -> None:
     before = registry.rank_version
     registry.register(_sglang_like(1))
     assert registry.rank_version == before + 1
+
+
+def test_every_way_of_adding_a_room_respects_the_cap(clock: FakeClock) -> None:
+    registry = Registry(clock=clock, rank_ttl_s=10.0, room_retention_s=100.0, max_live_rooms=3)
+    registry.register(reg(tp=0))
+    registry.bind_room(101, "p", 0)  # a room SGLang's router chose: created by bind
+    registry.abort_room(102, "gone")  # an unknown room's abort is recorded
+    registry.allocate_rooms(1)
+    assert registry.live_room_count() == 3
+    for add in (lambda: registry.allocate_rooms(1),
+                lambda: registry.bind_room(201, "p", 0),
+                lambda: registry.bind_room(202, "sglang", 0, rebind=True),  # register_dp_rank
+                lambda: registry.abort_room(203, "x")):
+        with pytest.raises(BootstrapUnavailable, match="limit 3"):
+            add()
+    assert registry.live_room_count() == 3 and registry.stats.rooms_refused == 4
+    # rooms already held still change: a bind moves, an abort ends
+    registry.bind_room(101, "p", 0)
+    assert registry.abort_room(101, "done").state is RoomState.ABORTED
+    clock.advance(101)  # forgotten after their retention: room again
+    registry.abort_room(203, "x")
+    assert registry.live_room_count() == 1

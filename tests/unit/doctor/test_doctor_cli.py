@@ -11,8 +11,9 @@ from typing import Any
 
 from .fakeroot import fake_ucx, limits, put, rdma_node
 
-CHECKS = ["ucx", "ucx_lanes", "nixl", "rdma", "memlock", "shm", "cross_process_memory",
-          "hugepages", "cuda", "cuda_ipc", "bootstrap", "addresses", "layout_probe"]
+CHECKS = ["ucx", "ucx_lanes", "nixl", "rdma", "memlock", "shm", "native_copy",
+          "cross_process_memory", "hugepages", "cuda", "cuda_ipc", "bootstrap", "addresses",
+          "layout_probe", "auth"]
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:

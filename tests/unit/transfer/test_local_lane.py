@@ -5,6 +5,11 @@ messages take it (or ZMQ, with the lane off). Every wait is a bounded poll loop.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +18,7 @@ import zmq
 
 from kvhandoff.protocol import wire as P
 from kvhandoff.runtime.locallane import LocalLane, available, lane_name
+from kvhandoff.runtime.metrics import metrics_text
 from kvhandoff.state_machine import KVPoll
 
 from .conftest import Pair, layers_of
@@ -153,3 +159,72 @@ def test_agents_of_one_host_talk_over_the_lane(pair: Callable[..., Pair], on: bo
         c = side.agent.status()["counters"]
         assert c["messages_out"] > 0
         assert c["messages_out_local"] == (c["messages_out"] if on else 0), c
+
+
+_SQUATTER = r"""
+import json, os, select, socket, sys
+os.setgid(65534)  # another user from here on (the interpreter and modules are loaded)
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(bytes.fromhex(sys.argv[1]))
+s.listen(16)
+print(json.dumps({"pid": os.getpid(), "uid": os.geteuid()}), flush=True)
+conns, accepted, got = [], 0, 0
+while True:
+    ready, _, _ = select.select([s, sys.stdin, *conns], [], [])
+    if s in ready:
+        conns.append(s.accept()[0])
+        accepted += 1
+    for c in [c for c in conns if c in ready]:
+        data = c.recv(65536)
+        got += len(data)
+        if not data:
+            conns.remove(c)
+            c.close()
+    if sys.stdin in ready:
+        line = sys.stdin.readline()
+        print(json.dumps({"accepted": accepted, "bytes": got}), flush=True)
+        if not line:
+            break
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a squatter of another user needs root to start")
+def test_a_squatted_lane_name_is_refused_counted_and_the_handoff_goes_over_zmq(
+        pair: Callable[..., Pair]) -> None:
+    """A process of another user takes the decode's lane name before the decode starts: the
+    decode counts its name as squatted, the prefill refuses the squatter (SO_PEERCRED) and
+    counts it, the squatter reads 0 bytes, and the room completes over ZMQ byte-exact."""
+    port = _free_port()
+    name = lane_name(f"127.0.0.1:{port}")
+    assert name is not None
+    squatter = subprocess.Popen([sys.executable, "-c", _SQUATTER, name.hex()],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert squatter.stdin is not None and squatter.stdout is not None
+    try:
+        assert json.loads(squatter.stdout.readline())["uid"] == 65534
+        pr = pair(transport="shm", decode_settings={"agent_port": port})
+        assert pr.decode.agent.address == f"127.0.0.1:{port}"
+        lids = layers_of(pr.prefill.layout)
+        sender, receiver, _, dst = pr.open(3, SEQ, PREFIX, ready=tuple(lids))
+        assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+        assert pr.verify(dst, SEQ, PREFIX) == (0, 0)
+        p, d = (side.agent.status()["counters"] for side in (pr.prefill, pr.decode))
+        assert d["lane_squatted"] == 1
+        assert p["lane_refused"] >= 1
+        assert p["messages_out_local"] == 0 < p["messages_out"]  # all of it over ZMQ
+        squatter.stdin.write("report\n")
+        squatter.stdin.flush()
+        report = json.loads(squatter.stdout.readline())
+        assert report["bytes"] == 0, report  # the squatter read nothing
+        assert report["accepted"] >= 1  # it was reached, and refused
+        assert "kvhandoff_agent_lane_refused_total" in metrics_text(pr.prefill.agent)
+    finally:
+        squatter.stdin.close()
+        squatter.wait(10)

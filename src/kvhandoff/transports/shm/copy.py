@@ -3,8 +3,9 @@
 #
 # Two lanes, chosen per remote buffer:
 # - "map": the peer's buffer lies in a kvhandoff shared segment (kvhandoff.buffers.shared); this
-#   process opens /proc/<pid>/fd/<fd>, maps the whole segment once and copies each piece with
-#   memmove (ctypes releases the GIL for each call). One copy per byte, no syscall per piece.
+#   process maps the whole segment once, through the memfd the peer handed over its socket
+#   (proof.py), and copies each piece with memmove (ctypes releases the GIL for each call).
+#   One copy per byte, no syscall per piece.
 #   The mapping is ours: a peer that dies mid-write leaves it valid, nothing faults.
 # - "cma": any other buffer: process_vm_writev into the peer's address space, 1,024 iovecs per
 #   call (GIL released). A dead peer is an error return (ESRCH), never a signal.
@@ -82,40 +83,37 @@ class Target:
         self.mapping = mapping  # the mmap (map lane); keeps it alive while referenced
 
 
-def open_target(pid: int, fd: int, segment_nbytes: int, offset: int, addr: int, nbytes: int,
-                allow_map: bool, maps: dict[tuple[int, int], Any] | None = None) -> Target:
-    """The lane to a peer buffer: map its shared segment when it has one and it opens, else
-    cross-memory writes to its address. `maps` caches one mapping per (fd, size) of the peer:
-    every buffer of an `allocate_shared` pool lies in the same segment."""
-    if allow_map and fd >= 0:
-        key = (fd, segment_nbytes)
-        mm = maps.get(key) if maps is not None else None
+def open_target(pid: int, memfd: int | None, segment_nbytes: int, offset: int, addr: int,
+                nbytes: int, allow_map: bool, maps: dict[tuple[int, int], Any] | None = None, *,
+                key: int = -1) -> Target:
+    """The lane to a peer buffer: map its shared segment through `memfd` (the segment's memfd
+    the peer handed over its socket; None: it has none) when it opens, else cross-memory
+    writes to `addr` in process `pid` (the pid the peer's socket proved). `maps` caches one
+    mapping per (key, size) of the peer (`key`: the memfd's number in the peer): every buffer
+    of an `allocate_shared` pool lies in the same segment."""
+    if allow_map and memfd is not None:
+        cache = (key, segment_nbytes)
+        mm = maps.get(cache) if maps is not None else None
         if mm is None:
-            mm = _map_segment(pid, fd, segment_nbytes)
+            mm = _map_segment(memfd, segment_nbytes)
             if mm is not None and maps is not None:
-                maps[key] = mm
+                maps[cache] = mm
         if mm is not None and segment_nbytes >= offset + nbytes:
             base = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data) + offset
             return Target("map", pid, base, nbytes, mm)
     return Target("cma", pid, addr, nbytes, None)
 
 
-def _map_segment(pid: int, fd: int, segment_nbytes: int) -> mmap.mmap | None:
-    """A shared mapping of the peer's segment (its fd opened through /proc), None if that
-    is not allowed or it is not the size the peer says."""
+def _map_segment(memfd: int, segment_nbytes: int) -> mmap.mmap | None:
+    """A shared mapping of the peer's segment through the memfd it handed over, None if it is
+    smaller than the peer says or cannot be mapped."""
     try:
-        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if os.fstat(f).st_size < segment_nbytes:
+        if os.fstat(memfd).st_size < segment_nbytes:
             return None
-        return mmap.mmap(f, segment_nbytes, flags=mmap.MAP_SHARED,
+        return mmap.mmap(memfd, segment_nbytes, flags=mmap.MAP_SHARED,
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError:
         return None
-    finally:
-        os.close(f)
 
 
 class Job:

@@ -11,6 +11,15 @@ python-xxhash extension exports (with its SIMD dispatch), else the system's libx
 hashes each source piece before copying it and the destination piece right after (the
 writer's verification, fused), for a job of one or several regions in one call, a digest pair
 per region.
+
+The helper is code this process runs, so it is loaded only from a place no other user could
+have written: the file and the two directories kvhandoff made for it (``kvhandoff/native``
+under the cache directory) must be owned by this user (or root) and writable by nobody else,
+and the cache directory itself owned by this user or root and not world-writable. The file is
+opened without following a symbolic link, checked on that descriptor, and loaded through it
+(``/proc/self/fd``), so what was checked is what is loaded. A helper that fails the check is
+not loaded: the map lane copies from Python, the reason is logged once as a warning and shown
+in the shm transport's status and by ``kvhandoff doctor`` (native_copy).
 """
 
 from __future__ import annotations
@@ -19,26 +28,76 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("kvhandoff.transport")
+
 _SOURCE = Path(__file__).with_name("_kvhcopy.c")
+
+
+def _cache_base() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def _target() -> Path:
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvhandoff" / "native" / f"libkvhcopy-{digest}.so"
+    return _cache_base() / "kvhandoff" / "native" / f"libkvhcopy-{digest}.so"
+
+
+def _unsafe(st: os.stat_result, what: Path, *, strict: bool = True) -> str | None:
+    """Why `what` (its stat `st`) is no safe place for code this process loads, or None."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{what} is owned by uid {st.st_uid}, not this user ({os.geteuid()}) or root"
+    mode = stat.S_IMODE(st.st_mode)
+    if strict and mode & 0o022:
+        return f"{what} is writable by its group or others (mode {mode:o})"
+    if not strict and mode & 0o002 and not mode & stat.S_ISVTX:
+        return f"{what} is world-writable (mode {mode:o})"
+    return None
+
+
+def check_place(path: Path) -> str | None:
+    """Why the helper at `path` may not be loaded (ownership, permissions, a symbolic link), or
+    None when its file and directories are safe. Does not open the file."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a symbolic link is not followed)"
+    return _unsafe(st, path) or _check_dirs(path)
+
+
+def _check_dirs(path: Path) -> str | None:
+    dirs = [(path.parent, True), (path.parent.parent, True), (path.parent.parent.parent, False)]
+    for d, strict in dirs:
+        try:
+            st = os.lstat(d)
+        except OSError as e:
+            return f"{d}: {e.strerror}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{d} is not a directory (a symbolic link is not followed)"
+        why = _unsafe(st, d, strict=strict)
+        if why is not None:
+            return why
+    return None
 
 
 def build() -> Path:
-    """Compiles the helper (cc -O2 -shared); returns its path. Raises OSError/CalledProcessError."""
+    """Compiles the helper (cc -O2 -shared) into a directory only this user may write; returns
+    its path. Raises OSError/CalledProcessError."""
     out = _target()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in (out.parent.parent, out.parent):  # made by an older version, or by a umask
+        if os.lstat(d).st_uid == os.geteuid():
+            os.chmod(d, stat.S_IMODE(os.lstat(d).st_mode) & ~0o022)
     cc = os.environ.get("CC", "cc")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)], check=True,
@@ -125,10 +184,29 @@ def native() -> tuple[Native | None, str]:
     if not path.exists():
         return None, ("native copy helper not built (make setup, or python -m "
                       "kvhandoff.transports.shm.native): per-piece copies from Python")
-    try:
-        lib = ctypes.CDLL(str(path))
+    why = check_place(path)
+    fd = -1
+    if why is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            why = (f"{path} is not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else _unsafe(st, path))
+        except OSError as e:
+            why = f"{path}: {e.strerror}"
+    if why is not None:
+        if fd >= 0:
+            os.close(fd)
+        log.warning("native copy helper NOT loaded: %s; the shm transport copies piece by "
+                    "piece from Python (rebuild it: python -m kvhandoff.transports.shm.native)",
+                    why)
+        return None, f"native copy helper refused ({why}): per-piece copies from Python"
+    try:  # through the descriptor checked above: a file swapped since is not what loads
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
     except OSError as e:
         return None, f"native copy helper failed to load ({e}): per-piece copies from Python"
+    finally:
+        os.close(fd)
     xxh, which = _xxhash_library()
     helper = Native(lib, xxh)
     fused = f"fused xxh3 ({which})" if xxh is not None else "no libxxhash: hash in Python"
@@ -159,7 +237,7 @@ def _xxhash_library() -> tuple[Any, str]:
 def main(argv: list[str] | None = None) -> int:
     """Builds the helper; with `--if-missing` only when no helper of this source is built."""
     args = sys.argv[1:] if argv is None else argv
-    if "--if-missing" in args and _target().exists():
+    if "--if-missing" in args and _target().exists() and check_place(_target()) is None:
         return 0
     try:
         path = build()

@@ -91,16 +91,18 @@ from kvhandoff.transports.base import (
     split_writes,
 )
 from kvhandoff.transports.hostid import host_id
-from kvhandoff.transports.shm.copy import CopyPool, Job, Target, open_target, read_back
+from kvhandoff.transports.shm.copy import CopyPool, Job, Target, read_back
 from kvhandoff.transports.shm.cuda import (
     DeviceJob,
     DeviceLane,
     DeviceTarget,
     encode_device_descriptor,
+    is_device_descriptor,
 )
 from kvhandoff.transports.shm.expose import ExposedWriter, Key
 from kvhandoff.transports.shm.hold import HeldReceives
 from kvhandoff.transports.shm.native import native
+from kvhandoff.transports.shm.proof import PeerNotProven, Proof, Voucher, prove
 from kvhandoff.transports.shm.wire import (
     EXPOSE,
     MAGIC,
@@ -114,7 +116,9 @@ from kvhandoff.transports.shm.wire import (
     split_address,
 )
 from kvhandoff.transports.shm.writes import (
+    check_vouched,
     ignore,
+    open_host,
     open_remote,
     written_adapter,
     written_many_adapter,
@@ -146,6 +150,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._allow_map = lane == "auto"
         self._bound_s = float(settings.stall_timeout_s)
         self._ident = uuid.uuid4().hex.encode("ascii")
+        # peers prove themselves to us, we to them, over this socket (proof.py)
+        self._voucher = Voucher(self._ident, self._vouched)
         self._init_threaded(settings.chunk_bytes, f"kvhandoff-shm-cb-{self._ident[:8].decode()}")
         threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
         self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
@@ -159,6 +165,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         except zmq.ZMQError as e:
             self._router.close()
             self._ctx.term()
+            self._voucher.close()
             self._copier.stop()
             self._abandon_threaded()
             raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
@@ -168,6 +175,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                          + f"{endpoint}/{self._ident.decode()}".encode("ascii"))
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._peers_refused = 0  # connects refused: the peer's process proved nothing
         self._peer_info: dict[str, ShmPeer] = {}  # guarded by _lock
         self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
         self._held = HeldReceives(lock=self._lock, submit=self._callbacks.submit,
@@ -276,6 +284,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             local = bool(self._dev) if (self._dev or self._buffers) else None
         if info is None:
             raise TransportError(f"register_remote: peer {peer!r} is not connected")
+        if not is_device_descriptor(descriptor):  # host memory: the peer must vouch for it
+            self._vouched_by(info, descriptor, f"register_remote {name!r}")
         target = open_remote(info, name, descriptor, local_device=local,
                              allow_map=self._allow_map, dev_lane=self._dev_lane)
         with self._lock:
@@ -402,6 +412,17 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._addrs[name] = (buf, addr)
         return addr
 
+    def _vouched(self) -> list[tuple[bytes, int]]:
+        """(I/O thread) What a proving peer is handed: the descriptor of every registered host
+        buffer, with the memfd of its segment (-1: none)."""
+        with self._lock:
+            bufs = list(self._buffers.values())
+        out = []
+        for buf in bufs:
+            desc = describe_buffer(buf)
+            out.append((desc, parse_descriptor(desc)[1]))
+        return out
+
     def _add_write(self, op: ShmOp) -> None:
         """Enters a write op in the op table (its tag must not be pending with the peer)."""
         with self._lock:
@@ -429,16 +450,65 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             if known is not None:
                 raise TransportError(f"connect {peer!r}: already connected at another address; "
                                      "disconnect first")
+        proof = self._prove(peer, ident, pid)
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as e:
+            proof.close()
             raise TransportError(f"connect {peer!r}: peer process {pid} is not reachable: "
                                  f"{e}") from e
-        info = ShmPeer(peer, address, pid, ident, pidfd)
+        info = ShmPeer(peer, address, pid, ident, pidfd, proof)
         with self._lock:
             self._peers[peer] = address
             self._peer_info[peer] = info
         self._command(IoCommand.CONNECT, peer, endpoint, info)
+
+    def _prove(self, peer: str, ident: bytes, pid: int) -> Proof:
+        """What the process listening as `ident` proves (proof.py); `PeerNotProven` unless it
+        is another transport than this one, in the process whose pid the address declares."""
+        if ident == self._ident:
+            self._count_refused()
+            raise PeerNotProven(f"connect {peer!r}: the address is this transport's own; a "
+                                "transport never writes into itself")
+        try:
+            proof = prove(ident, timeout_s=self._bound_s)
+        except PeerNotProven as e:
+            self._count_refused()
+            raise PeerNotProven(f"connect {peer!r}: {e}") from None
+        if proof.pid != pid:
+            proof.close()
+            self._count_refused()
+            raise PeerNotProven(f"connect {peer!r}: the address declares process {pid}, but "
+                                f"the process listening as the peer is {proof.pid}; refused "
+                                "(shm writes go only to the process that proved it is the "
+                                "peer)")
+        return proof
+
+    def _vouched_by(self, info: ShmPeer, descriptor: bytes, what: str) -> None:
+        """Makes sure `info`'s process vouched for host buffer `descriptor`: one it registered
+        after we connected is asked for again (its process proves itself anew; any thread:
+        the peer answers on its proof thread)."""
+        with self._lock:
+            proof = info.proof
+        if proof is None or descriptor in proof.descriptors:
+            return
+        fresh = prove(info.ident, timeout_s=self._bound_s)
+        if fresh.pid != info.pid:
+            fresh.close()
+            self._count_refused()
+            raise PeerNotProven(f"{what}: the process listening as peer {info.name!r} is now "
+                                f"{fresh.pid}, not {info.pid}")
+        with self._lock:
+            stale, info.proof = info.proof, fresh
+        # the stale memfds: what was mapped through them stays mapped; the fresh ones cover
+        # the same segments
+        if stale is not None:
+            stale.close()
+
+    def _count_refused(self) -> None:
+        with self._lock:
+            self._peers_refused += 1
+        log.warning("shm: a peer that could not prove its process was refused")
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -458,6 +528,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                 for name in [k for k, t in info.remotes.items() if t.lane == "cuda-ipc"]:
                     del info.remotes[name]
             self._dev_lane.close_peer(peer)  # its IPC-opened blocks
+            if info.proof is not None:  # its memfds (what was mapped stays mapped)
+                info.proof.close()
             # what arrived before this call is dropped, not what a reconnected peer sends after
             self._command(IoCommand.DISCONNECT, peer, info, self._writer.cut())
 
@@ -500,6 +572,10 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                   f"abort; map lane: {native()[1]})")
         if dead:
             reason += f"; peer process(es) gone: {', '.join(dead)}"
+        refused = self._peers_refused + self._voucher.refused
+        if refused:
+            reason += (f"; {refused} peer connection(s) refused: the process could not prove "
+                       "it is the peer it claimed (or was of another user)")
         if held:
             reason += (f"; {held} ended receive(s) held until their writer confirms it stopped "
                        f"(at most {self._bound_s} s)")
@@ -627,6 +703,9 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                     os.close(info.pidfd)
                 except OSError:
                     pass
+                if info.proof is not None:
+                    info.proof.close()
+        self._voucher.close()
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._router.close(linger=0)
@@ -762,12 +841,13 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             raise TransportError(f"peer {op.peer!r} is not connected")
         target = info.targets.get(desc)
         if target is None:
-            pid, fd, seg_n, off, addr, n = parse_descriptor(desc)
+            pid = parse_descriptor(desc)[0]
             if pid != info.pid:
                 raise TransportError(f"the receive's buffer is of process {pid}, peer "
                                      f"{op.peer!r} is process {info.pid}")
-            target = info.targets[desc] = open_target(pid, fd, seg_n, off, addr, n,
-                                                      self._allow_map, info.maps)
+            self._vouched_by(info, desc, "receive")
+            check_vouched(info, desc, "receive")
+            target = info.targets[desc] = open_host(info, desc, self._allow_map)
             with self._lock:
                 self._lanes.setdefault(op.peer, set()).add(target.lane)
         return target

@@ -120,9 +120,10 @@ class ShmOp:
 
 class ShmPeer:
     __slots__ = ("name", "address", "pid", "ident", "pidfd", "dead", "remotes", "targets",
-                 "maps")
+                 "maps", "proof")
 
-    def __init__(self, name: str, address: bytes, pid: int, ident: bytes, pidfd: int) -> None:
+    def __init__(self, name: str, address: bytes, pid: int, ident: bytes, pidfd: int,
+                 proof: Any = None) -> None:
         self.name = name
         self.address = address
         self.pid = pid
@@ -132,5 +133,7 @@ class ShmPeer:
         self.remotes: dict[str, Target | Any] = {}  # register_remote name -> target
         self.targets: dict[bytes, Target] = {}  # descriptor -> target (two-sided receives)
         self.maps: dict[tuple[int, int], Any] = {}  # (fd, size) -> the peer segment's mmap
+        # proof.Proof: the pid the peer's socket proved, its buffers' descriptors and memfds
+        self.proof = proof
 
 

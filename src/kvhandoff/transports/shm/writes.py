@@ -34,22 +34,24 @@ def open_remote(info: ShmPeer, name: str, descriptor: bytes, *, local_device: bo
         allow_map: whether a host target may be mapped (else process_vm_writev).
 
     Raises:
-        TransportError: the descriptor is of another process, of the other memory kind than
-            this side's buffers, or cannot be opened.
+        TransportError: the descriptor is of another process, not one of the buffers the
+            peer's process vouched for over its socket (host memory), of the other memory
+            kind than this side's buffers, or cannot be opened.
     """
     pid = descriptor_pid(descriptor)
     if pid != info.pid:
         raise TransportError(f"register_remote {name!r}: the descriptor is of process {pid}, "
                              f"peer {info.name!r} is process {info.pid}")
     device = is_device_descriptor(descriptor)
+    if not device:
+        check_vouched(info, descriptor, f"register_remote {name!r}")
     if local_device is not None and local_device != device:
         kinds = ("CUDA", "host") if device else ("host", "CUDA")
         raise TransportError(f"register_remote {name!r}: peer {info.name!r}'s buffer is "
                              f"{kinds[0]} memory and this side's buffers are {kinds[1]} memory; "
                              "shm writes host to host or device to device, not across")
     if not device:
-        _, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
-        return open_target(pid, fd, seg_n, off, addr, n, allow_map, info.maps)
+        return open_host(info, descriptor, allow_map)
     if local_device is None:
         raise TransportError(f"register_remote {name!r}: peer {info.name!r}'s buffer is CUDA "
                              "memory and this side has no buffer registered; shm writes host "
@@ -61,6 +63,24 @@ def open_remote(info: ShmPeer, name: str, descriptor: bytes, *, local_device: bo
         raise TransportError(f"register_remote {name!r}: opening peer {info.name!r}'s CUDA IPC "
                              f"handle failed: {e}") from e
     return DeviceTarget(pid, n, tensor)
+
+
+def check_vouched(info: ShmPeer, descriptor: bytes, what: str) -> None:
+    """Refuses a host buffer descriptor the peer's process did not hand us over its socket
+    (proof.py): its address, size or segment would be what a message claims."""
+    proof = info.proof
+    if proof is None or descriptor not in proof.descriptors:
+        raise TransportError(f"{what}: peer {info.name!r} (process {info.pid}) did not vouch "
+                             "for this buffer over its socket; nothing is written into memory "
+                             "its process did not offer")
+
+
+def open_host(info: ShmPeer, descriptor: bytes, allow_map: bool) -> Target:
+    """A vouched host descriptor of `info` as a target: its segment mapped through the memfd
+    the peer handed over, else process_vm_writev into the proved pid."""
+    _, fd, seg_n, off, addr, n = parse_descriptor(descriptor)
+    memfd = info.proof.fds.get(fd) if fd >= 0 and info.proof is not None else None
+    return open_target(info.pid, memfd, seg_n, off, addr, n, allow_map, info.maps, key=fd)
 
 
 def ignore(exc: BaseException | None) -> None:
@@ -82,4 +102,5 @@ def written_many_adapter(op: ShmOp, on_written: OnWrittenMany) -> OnDone:
     return done
 
 
-__all__ = ["descriptor_pid", "ignore", "open_remote", "written_adapter", "written_many_adapter"]
+__all__ = ["check_vouched", "descriptor_pid", "ignore", "open_host", "open_remote",
+           "written_adapter", "written_many_adapter"]
