@@ -153,6 +153,11 @@ class DataPath:
         r.planes = planes
         r.advance(LegPhase.REQUESTED)
         r.xfer = self.ctx.next_xfer()
+        # This request carries our buffers' descriptors (offered in our Hello): the prefill
+        # may write into the pages it names from the moment it accepts, which can be before
+        # its TransferAccepted reaches us. The pages are fenced from now on (released only
+        # once its writes stopped, or after the quarantine), cleared by a two-sided accept.
+        r.remote_writes = r.remote_writes or self.ctx.me.writes
         # admission (issue 17): the policy, and what was reserved (early) or is free
         policy = self.ctx.settings.allocation_policy
         early = policy is AllocationPolicy.EARLY
@@ -308,6 +313,8 @@ class DataPath:
         if msg.one_sided:
             r.one_sided = r.remote_writes = True
             self.ctx.counters["rooms_one_sided"] += 1
+        else:  # the prefill sends two-sided: it never writes into our pages
+            r.remote_writes = False
         self.rooms.apply(r, TransferAccepted())
         for layer in r.layers:
             self.post_recv_layer(r, Unit(layer), 0)
