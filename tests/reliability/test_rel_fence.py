@@ -1,0 +1,79 @@
+"""The decode's pages are not reused while a one-sided writer may still write into them
+(issue 35): real processes, the shm lane (the prefill writes straight into the decode's
+pages).
+
+The prefill is a real `kvhandoff.testing.faults` process, the decode an in-process `Engine`
+of the test (its release count and pool are read directly). A frozen (SIGSTOP) prefill is a
+writer that cannot say it stopped: the decode must hold the pages until it does, or until the
+quarantine, never release them at its own abort.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from relkit import WAIT_S, Engine, fast_settings, layers_of
+
+from kvhandoff.kv_layout import preset
+from kvhandoff.sim import SimProcess, spawn
+from kvhandoff.state_machine import KVPoll
+
+OWN_LANES = True  # shm only: the one-sided lane of a host
+HB_S = 0.2
+SEQ = 128
+LAYOUT = preset("glm-5.3", page_size_tokens=64)
+LAYERS = layers_of(LAYOUT)
+ROOM = 301
+PROC_SETTINGS: dict[str, Any] = {"transport": "shm", "heartbeat_interval_s": HB_S,
+                                 "lease_s": 5.0}
+HELD_S = 1.0  # how long the test checks that the pages stay held while the writer is frozen
+
+
+def decode_engine(**settings: Any) -> Engine:
+    return Engine("decode", LAYOUT, num_pages=4,
+                  settings=fast_settings(transport="shm", heartbeat_interval_s=HB_S,
+                                         **settings), pattern="sim")
+
+
+@contextmanager
+def prefill_proc(**cfg: Any) -> Iterator[tuple[SimProcess, str]]:
+    with spawn("prefill", {"rooms": [{"room": ROOM, "seq_len": SEQ}],
+                           "settings": PROC_SETTINGS, "layer_ms": 30, "timeout_s": WAIT_S,
+                           "linger": True, **cfg}, module="kvhandoff.testing.faults") as p:
+        yield p, p.expect("ready", 60)["address"]
+
+
+def freeze(p: SimProcess) -> None:
+    p.signal(signal.SIGSTOP)
+    _, status = os.waitpid(p.proc.pid, os.WUNTRACED)  # every thread of it stopped
+    assert os.WIFSTOPPED(status), status
+
+
+def test_abort_before_transfer_accepted_holds_pages_while_the_writer_is_frozen() -> None:
+    """The prefill accepts and writes at once, but its TransferAccepted never reaches the
+    decode (dropped) and one layer's write stays in flight (stalled). The prefill is frozen,
+    then the decode's engine aborts: the room fails at once but its pages stay held while the
+    writer is frozen (it cannot have stopped); after SIGCONT they come back exactly once."""
+    d = decode_engine(stall_timeout_s=2.0, write_quarantine_s=3.0)
+    try:
+        with prefill_proc(faults={"drop": ["TransferAccepted"],
+                                  "stall_layers": [LAYERS[-1]]}) as (p, addr):
+            rv = d.recv(ROOM, SEQ, addr)
+            p.expect("layer", WAIT_S, layer=LAYERS[3])  # its writes are landing
+            freeze(p)
+            try:
+                rv.abort("engine gave up")
+                assert rv.wait(WAIT_S) is KVPoll.Failed
+                assert not rv.wait_released(HELD_S), "pages released under a frozen writer"
+                assert d.releases[ROOM] == 0
+            finally:
+                p.signal(signal.SIGCONT)
+            assert rv.wait_released(WAIT_S)
+            assert d.wait_all_released([ROOM], WAIT_S)
+            d.assert_no_leak()
+    finally:
+        d.close()
