@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import preset
 from kvhandoff.sim import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
@@ -70,10 +72,16 @@ def test_abort_before_transfer_accepted_holds_pages_while_the_writer_is_frozen()
                 assert rv.wait(WAIT_S) is KVPoll.Failed
                 assert not rv.wait_released(HELD_S), "pages released under a frozen writer"
                 assert d.releases[ROOM] == 0
+                # the id is not opened again before its release (late messages of this use
+                # would reach the new room); the error says why
+                with pytest.raises(ConfigError, match="not released yet"):
+                    d.agent.receiver(ROOM, None, peer=addr)
             finally:
                 p.signal(signal.SIGCONT)
             assert rv.wait_released(WAIT_S)
             assert d.wait_all_released([ROOM], WAIT_S)
             d.assert_no_leak()
+            again = d.agent.receiver(ROOM, None, peer=addr)  # released: the id opens
+            again.abort("done")
     finally:
         d.close()

@@ -12,6 +12,7 @@ Rules:
 - A failed cancel (a copy that did not stop) keeps the leg's pages held until
   `write_quarantine_s`, counted and logged; so does a decode whose one-sided prefill never
   confirmed its writes stopped.
+- A room id is opened again only once its previous use is released (`refuse_reopen`).
 """
 
 from __future__ import annotations
@@ -58,9 +59,26 @@ class RoomTable:
         g = self.groups.get(room)
         return g if g is not None and g.token is token else None
 
+    def refuse_reopen(self, room: int, token: object) -> bool:
+        """A room id is reopened only once its previous use released its pages: until then
+        late messages of that use (an AbortAck, a Failed) would reach the new room, and a
+        one-sided writer may still write into the old pages. Such an open fails at once (its
+        token is told Failed and released: it holds nothing); the old room is left as it is."""
+        old = self.groups.get(room)
+        if old is None or old.released:
+            return False
+        state = "terminal, its pages not yet released" if old.done else "still open"
+        failure = Failure(FailureKind.INVALID_REQUEST,
+                          f"room {room}: opened again while its previous use is {state}; "
+                          "open it again once that one is released")
+        self.ctx.log(WARNING, failure.reason)
+        self.ctx.emit(RoomUpdate(token, KVPoll.Failed, failure, frozenset(), True))
+        self.ctx.emit(Release(token, room))
+        return True
+
     def new_group(self, room: int, token: object, expected: int | None) -> Group:
         old = self.groups.get(room)
-        if old is not None:  # a finished room with the same id: forget it
+        if old is not None:  # a released room with the same id: forget it
             for leg in old.legs:
                 self.legs.pop((room, leg.peer), None)
         g = Group(room=room, role=self.ctx.role, layers=self.ctx.layers, expected=expected,

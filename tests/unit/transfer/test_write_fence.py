@@ -70,3 +70,53 @@ def test_a_two_sided_accept_clears_the_fence() -> None:
     w.run()
     assert d.views[1].state is KVPoll.Failed
     assert d.views[1].releases == 1
+
+
+def test_a_room_id_is_reopened_only_after_its_release() -> None:
+    """The decode aborts; the prefill's AbortAck is still on the wire, so the pages are held.
+    Opening the same room id now fails that open (naming why) and leaves the old room alone:
+    the late AbortAck then reaches the old room and releases it; afterwards the id opens."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    w.hold(lambda frm, to, m: isinstance(m, P.AbortAck))
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].state is KVPoll.Failed and d.views[1].releases == 0
+    token = 1001
+    w.feed(d, ev.OpenReceiver(1, token, (("prefill:1", 0),)))
+    w.run()
+    again = d.views[token]
+    assert again.state is KVPoll.Failed and again.releases == 1
+    assert again.failure is not None and "previous use" in again.failure.reason
+    w.release_held()  # the late AbortAck of the first use
+    w.run()
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 0
+    token2 = 1002
+    w.feed(d, ev.OpenReceiver(1, token2, (("prefill:1", 0),)))
+    w.run()
+    assert d.views[token2].state is not KVPoll.Failed
+
+
+def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
+    """An AbortAck answers the end of a room; one that reaches a room still open (a late one
+    of an earlier use of the id) must not let its pages go while the writer writes."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    leg = d.session.rooms.legs[(1, "prefill:1")]
+    assert leg.remote_writes
+    pgen = p.session.ctx.me.generation
+    w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1)))
+    assert leg.remote_writes
+    w.hold(lambda frm, to, m: frm == "decode:1")
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].releases == 0
