@@ -42,10 +42,12 @@ def decode_engine(**settings: Any) -> Engine:
 
 
 @contextmanager
-def prefill_proc(**cfg: Any) -> Iterator[tuple[SimProcess, str]]:
+def prefill_proc(settings: dict[str, Any] | None = None,
+                 **cfg: Any) -> Iterator[tuple[SimProcess, str]]:
     with spawn("prefill", {"rooms": [{"room": ROOM, "seq_len": SEQ}],
-                           "settings": PROC_SETTINGS, "layer_ms": 30, "timeout_s": WAIT_S,
-                           "linger": True, **cfg}, module="kvhandoff.testing.faults") as p:
+                           "settings": {**PROC_SETTINGS, **(settings or {})}, "layer_ms": 30,
+                           "timeout_s": WAIT_S, "linger": True, "faults": {}, **cfg},
+               module="kvhandoff.testing.faults") as p:
         yield p, p.expect("ready", 60)["address"]
 
 
@@ -83,5 +85,25 @@ def test_abort_before_transfer_accepted_holds_pages_while_the_writer_is_frozen()
             d.assert_no_leak()
             again = d.agent.receiver(ROOM, None, peer=addr)  # released: the id opens
             again.abort("done")
+    finally:
+        d.close()
+
+
+def test_a_decode_that_verifies_refuses_a_prefill_that_does_not_sum() -> None:
+    """checksum=full on the decode, off on the prefill: the decode verifies only what the
+    prefill summed, so this pair used to end in Success with nothing verified. The Hellos now
+    carry both modes: both sides fail the room at the handshake, naming both modes."""
+    d = decode_engine(checksum="full")
+    try:
+        with prefill_proc(settings={"checksum": "off"}) as (p, addr):
+            rv = d.recv(ROOM, SEQ, addr)
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert "decode='full'" in (rv.failure or "") and "prefill='off'" in (
+                rv.failure or ""), rv.failure
+            done = p.expect("done", WAIT_S, room=ROOM)
+            assert done["state"] == "Failed", done
+            assert d.agent.status()["counters"]["checksums_verified"] == 0
+            assert d.wait_all_released([ROOM], WAIT_S)
+            d.assert_no_leak()
     finally:
         d.close()

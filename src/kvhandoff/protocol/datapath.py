@@ -560,6 +560,18 @@ class DataPath:
         regions = tuple(self._regions_of(r, unit))
         if len(r.recv_done.get(key, ())) < len(regions):
             return
+        ctx = self.ctx
+        unsummed = [n for n in regions if sums.get(n) is None]
+        if unsummed and wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
+                                       len(ctx.layers)):
+            # a prefill that did not say its mode in its Hello (older) and sums less than
+            # this decode verifies: never end Success with these bytes unchecked
+            why = (f"checksum: decode={ctx.settings.checksum.value!r} verifies layer "
+                   f"{unit.layer} but the prefill sent no sum of {unsummed[0]!r} (its "
+                   "checksum mode sums fewer layers)")
+            self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
+                            failure=Failure(FailureKind.CHECKSUM, why))
+            return
         # the writer's verification (one-sided, same host): its read-back must equal the
         # source sum, and the plan it wrote by must be this side's; those regions are not
         # read again here. A disagreement is a mismatch like any other (rewrite, then fail).

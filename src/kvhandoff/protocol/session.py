@@ -32,6 +32,7 @@ its transport ops is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,8 @@ class TransferSession:
     `settings` (heartbeats, deadlines, checksums, retention), `now` (the clock at creation)."""
 
     def __init__(self, *, identity: Identity, settings: Settings, now: float) -> None:
+        # the Hello says this side's checksum mode (the peers compare them)
+        identity = dataclasses.replace(identity, checksum=settings.checksum.value)
         self.ctx = ctx = Context(identity=identity, settings=settings, now=now)
         self.readouts = ReadOuts()
         self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)

@@ -4,12 +4,18 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
+from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing.memory import MemoryWire, Side
 
-from .test_session_memory import HB, layers, open_room
-from .test_session_one_sided import QUARANTINE, pair
+from .test_session_memory import HB, bad_bytes, kinds, layers, open_room, settings
+from .test_session_memory import pair as mem_pair
+from .test_session_one_sided import QUARANTINE, all_ready, pair
 
 
 def test_an_abort_before_transfer_accepted_is_read_keeps_the_pages_until_writes_stop() -> None:
@@ -120,3 +126,80 @@ def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
     w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
     w.run()
     assert d.views[1].releases == 0
+
+
+# ---------------------------------------------------------------------------- checksum policy
+
+
+def checksum_pair(prefill: str, decode: str) -> tuple[MemoryWire, Side, Side]:
+    return mem_pair(prefill=settings(checksum=prefill), decode=settings(checksum=decode))
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("off", "full"), ("sampled", "full"),
+                                                 ("off", "sampled")])
+def test_a_decode_refuses_a_prefill_that_sums_less_than_it_verifies(prefill: str,
+                                                                     decode: str) -> None:
+    """The decode verifies only the layers the prefill summed: a weaker prefill would end in
+    Success with layers unchecked. Both sides refuse at the Hello, naming both modes."""
+    w, p, d = checksum_pair(prefill, decode)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert d.views[1].state is KVPoll.Failed
+    f = d.views[1].failure
+    assert f is not None
+    assert f"decode={decode!r}" in str(f) and f"prefill={prefill!r}" in str(f), f
+    assert "TransferRequest" not in kinds(w, "decode:1")
+    assert d.session.counters["checksums_verified"] == 0
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("full", "off"), ("full", "sampled"),
+                                                 ("sampled", "sampled"), ("off", "off")])
+def test_a_prefill_at_least_as_strict_serves_the_decode(prefill: str, decode: str) -> None:
+    w, p, d = checksum_pair(prefill, decode)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0
+    assert (d.session.counters["checksums_verified"] > 0) == (prefill != "off")
+
+
+def test_a_prefill_that_does_not_say_its_mode_is_checked_per_layer() -> None:
+    """An older prefill (its Hello has no `checksum`) set to off, a decode set to full: the
+    first layer that comes without a sum fails the room, naming layer and mode; never
+    Success."""
+    w, p, d = checksum_pair("off", "full")
+    send = w._send
+
+    def older(side: Side, to: str, msg: object) -> None:
+        if isinstance(msg, P.Hello):
+            msg = msgspec.structs.replace(msg, checksum="")
+        send(side, to, msg)
+
+    w._send = older  # type: ignore[method-assign]
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert d.views[1].state is KVPoll.Failed
+    f = d.views[1].failure
+    assert f is not None and f.kind is FailureKind.CHECKSUM
+    assert "decode='full' verifies layer" in f.reason and "no sum" in f.reason
+    assert p.views[1].state is KVPoll.Failed
+
+
+def test_a_hello_with_an_unknown_mode_is_refused_naming_it() -> None:
+    w, p, d = checksum_pair("full", "full")
+    send = w._send
+
+    def bogus(side: Side, to: str, msg: object) -> None:
+        if isinstance(msg, P.Hello) and side is p:
+            msg = msgspec.structs.replace(msg, checksum="most")
+        send(side, to, msg)
+
+    w._send = bogus  # type: ignore[method-assign]
+    open_room(w, p, d, 1)
+    w.run()
+    f = d.views[1].failure
+    assert d.views[1].state is KVPoll.Failed and f is not None
+    assert "checksum: prefill says 'most'" in str(f), f
