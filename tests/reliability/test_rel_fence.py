@@ -107,3 +107,29 @@ def test_a_decode_that_verifies_refuses_a_prefill_that_does_not_sum() -> None:
             d.assert_no_leak()
     finally:
         d.close()
+
+
+def test_a_frozen_writers_pages_are_held_past_write_quarantine_s_to_its_own_bound() -> None:
+    """The prefill is frozen (SIGSTOP) mid-transfer and stays frozen. The decode fails the
+    room within two heartbeats; write_quarantine_s (1 s) is shorter than the writer's own
+    bound on stopping a copy (stall_timeout_s, 4 s here), so the pages stay held past it and
+    come back only after stall_timeout_s + 2 heartbeats, the writer still frozen."""
+    d = decode_engine(write_quarantine_s=1.0, stall_timeout_s=4.0)
+    try:
+        with prefill_proc() as (p, addr):
+            rv = d.recv(ROOM, SEQ, addr)
+            p.expect("layer", WAIT_S, layer=LAYERS[3])  # mid-transfer
+            freeze(p)
+            try:
+                assert rv.wait(WAIT_S) is KVPoll.Failed
+                assert "silent" in (rv.failure or ""), rv.failure
+                # write_quarantine_s passed, the writer's bound has not
+                assert not rv.wait_released(2.5), "pages released before the writer's bound"
+                assert rv.wait_released(WAIT_S)
+                assert d.agent.status()["counters"]["write_quarantines"] == 1
+            finally:
+                p.signal(signal.SIGCONT)
+            assert d.wait_all_released([ROOM], WAIT_S)
+            d.assert_no_leak()
+    finally:
+        d.close()

@@ -10,6 +10,7 @@ import pytest
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.lifecycle import write_quarantine
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.memory import MemoryWire, Side
 
@@ -203,3 +204,31 @@ def test_a_hello_with_an_unknown_mode_is_refused_naming_it() -> None:
     f = d.views[1].failure
     assert d.views[1].state is KVPoll.Failed and f is not None
     assert "checksum: prefill says 'most'" in str(f), f
+
+
+# ---------------------------------------------------------------------------- quarantine bound
+
+
+def test_the_quarantine_is_never_shorter_than_the_writers_own_bound() -> None:
+    """write_quarantine_s (4 s) shorter than the writer's bound on stopping a copy
+    (stall_timeout_s, 30 s): a prefill frozen for 10 s could wake and go on copying into
+    pages released at 4 s. The decode holds them stall_timeout_s + 2 heartbeats."""
+    w, p, d = pair(decode=settings(write_quarantine_s=QUARANTINE, stall_timeout_s=30.0))
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    w.drop(lambda frm, to, m: frm == "prefill:1")  # frozen
+    for _ in range(3):
+        w.tick(HB)
+        w.run()
+    assert d.views[1].state is KVPoll.Failed and d.views[1].releases == 0
+    w.tick(10.0)  # past write_quarantine_s, not past the writer's bound
+    w.run()
+    assert d.views[1].releases == 0
+    assert write_quarantine(d.session.settings) == 30.0 + 2 * HB
+    w.tick(30.0 + 2 * HB - 10.0)
+    w.run()
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 1
+    assert any("stall_timeout_s + 2 heartbeats" in m for m in d.log)
