@@ -469,8 +469,7 @@ class TransferAgent:
     def abort_room(self, v: RoomView, reason: str) -> None:
         """Aborts the room and returns once it is terminal (as the engine expects: `poll()`
         says Failed; the room id may be opened again once it is also released), bounded; from
-        the control thread
-        itself (an `on_release` callback) it only posts."""
+        the control thread itself (an `on_release` callback) it only posts."""
         if v.done:
             return
         self._loop.post_ahead(ev.AbortRoom(v.room, v, reason))  # not behind a backlog
