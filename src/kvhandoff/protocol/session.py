@@ -32,6 +32,7 @@ its transport ops is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,8 @@ class TransferSession:
     `settings` (heartbeats, deadlines, checksums, retention), `now` (the clock at creation)."""
 
     def __init__(self, *, identity: Identity, settings: Settings, now: float) -> None:
+        # the Hello says this side's checksum mode (the peers compare them)
+        identity = dataclasses.replace(identity, checksum=settings.checksum.value)
         self.ctx = ctx = Context(identity=identity, settings=settings, now=now)
         self.readouts = ReadOuts()
         self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)
@@ -213,6 +216,8 @@ class TransferSession:
     # ------------------------------------------------------------------ engine events
 
     def _on_open_sender(self, e: ev.OpenSender) -> None:
+        if self.rooms.refuse_reopen(e.room, e.token):
+            return
         g = self.rooms.new_group(e.room, e.token, e.expected)
         g.seq_len, g.pages = e.seq_len, e.pages
         g.prompt_tokens = e.prompt_tokens
@@ -224,6 +229,8 @@ class TransferSession:
         self._abort_if_asked(g)
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
+        if self.rooms.refuse_reopen(e.room, e.token):
+            return
         g = self.rooms.new_group(e.room, e.token, None)
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
@@ -374,8 +381,11 @@ class TransferSession:
                 told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
                 self.rooms.fail_group(g, remote_failure(told, "peer failed the room: "
                                                               f"{msg.reason}"))
+                self._ack_unwritten(msg)
                 return
         if r is None:
+            if g is None and isinstance(msg, P.Failed | P.Abort):
+                self._ack_unwritten(msg)
             if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
                 self._early.setdefault(msg.room, []).append(msg)
                 self._early_t.setdefault(msg.room, ctx.now)
@@ -383,6 +393,22 @@ class TransferSession:
                 self._early_full(msg)
             return
         self._dispatch_room_msg(r, msg)
+
+    def _ack_unwritten(self, msg: P.Failed | P.Abort) -> None:
+        """Prefill: a decode failed or aborted a room this side holds no leg of (the engine
+        has not opened it, or never took that decode's request): nothing was or will be
+        written into its pages, so say so now (`AbortAck`) instead of leaving the decode to
+        wait out its write quarantine. A request of that decode for the room still held
+        for the engine is dropped, so it is never accepted later. Only to a peer whose
+        Hello we took (never to an arbitrary sender address)."""
+        if self.role is not Role.PREFILL or self.peers.get(msg.src) is None:
+            return
+        held = self._early.get(msg.room)
+        if held:
+            held[:] = [m for m in held
+                       if not (isinstance(m, P.TransferRequest) and m.src == msg.src)]
+        me = self.ctx.me
+        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room))
 
     def _early_full(self, msg: Any) -> None:
         """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
@@ -410,8 +436,9 @@ class TransferSession:
 
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
         rooms, ctx = self.rooms, self.ctx
-        if (isinstance(msg, P.AbortAck) or isinstance(msg, P.Failed | P.Abort)
-                and msg.writes_stopped) and r.remote_writes:
+        if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
+                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes:
+            # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
             # so the pages may be reused

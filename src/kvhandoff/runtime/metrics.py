@@ -55,9 +55,10 @@ _COUNTER_HELP = {
                      "agent already held its limit of such rooms (transfer requests are refused).",
     "rooms_one_sided": "Room legs moved by one-sided writes (the prefill writes straight into "
                        "the decode's pages; the rest are sent two-sided).",
-    "write_quarantines": "Failed one-sided room legs whose pages the decode held for "
-                         "write_quarantine_s because the prefill never confirmed its writes "
-                         "stopped (it died or was cut off).",
+    "write_quarantines": "Failed one-sided room legs whose pages the decode held for the "
+                         "write quarantine (write_quarantine_s, at least stall_timeout_s + 2 "
+                         "heartbeats) because the prefill never confirmed its writes stopped "
+                         "(it died, froze or was cut off).",
     "cancel_failures": "Cancels or disconnects the transport could not confirm (a copy that "
                        "did not stop): the room's pages stayed held until write_quarantine_s.",
     "internal_errors": "Rooms failed (both sides told) because handling one of their events "
