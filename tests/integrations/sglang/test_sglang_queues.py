@@ -1,0 +1,140 @@
+"""Handoffs whose ``KVArgs`` SGLang's own scheduler code builds, on both sides: SGLang's
+``PrefillBootstrapQueue`` and ``DecodePreallocQueue`` (with its ``DecodeTransferQueue``) over
+SGLang's pools on CPU construct the kvhandoff managers in their ``_init_kv_manager``
+(`sglang_sched`); the test sets no field of ``KVArgs``. A request then goes through SGLang's
+sender and receiver of this backend in the order ``prefill.py``/``decode.py`` call them, and
+the decode's pages must equal the prefill's, byte for byte.
+
+Dense models (Llama, Qwen, Mistral: ``MHATokenToKVPool``) are the case SGLang's two sides fill
+differently: its prefill states the KV head counts, its decode does not."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import sglang_env as E
+import sglang_sched as S
+
+pytestmark = pytest.mark.usefixtures("sglang_loaded")
+
+PAGE = 16
+
+
+@pytest.fixture
+def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
+
+    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
+    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
+    # four agents and the test in one process on a loaded 2-core machine: a lenient heartbeat
+    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
+    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def _until(h: Any, done: Any, bound_s: float = 20.0) -> int:
+    end = time.monotonic() + bound_s
+    while not done(int(h.poll())) and time.monotonic() < end:
+        time.sleep(0.005)
+    return int(h.poll())
+
+
+def _u8(t: Any, rows: int) -> Any:
+    import torch
+
+    return t.view(torch.uint8).reshape(rows, -1)
+
+
+def page_views(side: S.Side) -> list[Any]:
+    """uint8 [pages, bytes] views of every main-KV buffer of `side`'s pools (target, draft)."""
+    out = []
+    for pool in (side.pool, side.draft):
+        if pool is None:
+            continue
+        rows = (pool.size + pool.page_size) // pool.page_size
+        bufs = [*pool.k_buffer, *pool.v_buffer] if hasattr(pool, "k_buffer") \
+            else list(pool.kv_buffer)
+        out += [_u8(b, rows) for b in bufs]
+    return out
+
+
+def handoff(pre: S.Side, dec: S.Side, port: int, room: int, src: list[int],
+            dst: list[int]) -> tuple[int, int, str | None]:
+    """One request through SGLang's sender/receiver of this backend: the prefill's pages `src`
+    filled with random bytes, the decode's `dst`; the two final states and the decode's
+    failure."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    rng = np.random.default_rng(room)
+    import torch
+
+    for v in page_views(pre):
+        for p in src:
+            v[p] = torch.from_numpy(rng.integers(0, 256, v.shape[1], dtype=np.uint8))
+    addr = f"127.0.0.1:{port}"
+    s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
+    end = time.monotonic() + 15
+    while not dec.kv_manager.try_ensure_parallel_info(addr):
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+    r.init(0)
+    s_aux, d_aux = 1, 5
+    dsa = dec.kv_manager.built.dsa_slot is not None
+    r.send_metadata(np.asarray(dst, np.int32), d_aux, [np.asarray(dst, np.int32)] if dsa
+                    else None, decode_prefix_len=0)
+    assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+    assert s.pop_decode_prefix_len() == 0
+    s.init(len(src), s_aux)
+    s.send(np.asarray(src, np.int32), [np.asarray(src, np.int32)] if dsa else None)
+    rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
+    reason = None
+    if rs == KVPoll.Failed:
+        try:
+            r.failure_exception()
+        except Exception as e:  # SGLang's KVTransferError
+            reason = str(e)
+    ss = _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed))
+    return rs, ss, reason
+
+
+def assert_pages_equal(pre: S.Side, dec: S.Side, src: list[int], dst: list[int]) -> None:
+    import torch
+
+    views = list(zip(page_views(pre), page_views(dec), strict=True))
+    assert views
+    for i, (a, b) in enumerate(views):
+        for sp, dp in zip(src, dst, strict=True):
+            assert torch.equal(a[sp], b[dp]), (i, sp, dp)
+            assert int(a[sp].sum()) > 0
+
+
+def test_dense_llama_pair_built_by_sglangs_queues_hands_off_byte_exact(bootstrap: Any) -> None:
+    """A Llama-shaped GQA model: SGLang's prefill queue states ``kv_head_num`` 4 of 4, its
+    decode queue states none; the pair must still agree and hand off."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    try:
+        # what SGLang's code gave each side (the reason the identity cannot hold head counts)
+        assert pre.kv_manager.kv_args.kv_head_num == 4
+        assert not hasattr(dec.kv_manager.kv_args, "kv_head_num")
+        assert [r.name for r in dec.kv_manager.built.kv_layout.regions] == ["k", "v"]
+        src, dst = [2, 7, 4], [6, 1, 3]
+        rs, ss, reason = handoff(pre, dec, bootstrap.port, 9301, src, dst)
+        assert rs == KVPoll.Success, reason
+        assert ss == KVPoll.Success
+        assert_pages_equal(pre, dec, src, dst)
+        assert pre.kv_manager.agent.layout_hash == dec.kv_manager.agent.layout_hash
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
