@@ -37,6 +37,47 @@ def model_config(hf_config: dict[str, Any]) -> Any:
     return ModelConfig(str(d))
 
 
+# a DeepSeek-V3-shaped MLA model (latent 512 + rope 64), 6 layers
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 6,
+            "vocab_size": 256, "max_position_embeddings": 4096, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "q_lora_rank": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 6, "torch_dtype": "bfloat16"}
+# a GLM-5-shaped DSA model: DeepSeek's attention plus the DSA indexer
+GLM_DSA = dict(DEEPSEEK, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+               index_topk=64, index_head_dim=128, index_n_heads=4)
+
+
+def mla_pool(mc: Any, *, pages: int, page: int, layers: int | None = None) -> Any:
+    """``MLATokenToKVPool`` (bf16) of `mc` (`layers`: another layer count, e.g. a draft's)."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(size=pages * page, page_size=page, dtype=torch.bfloat16,
+                            kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim,
+                            layer_num=layers or mc.num_hidden_layers, device="cpu",
+                            enable_memory_saver=False)
+
+
+def dsa_pool(mc: Any, *, pages: int, page: int = 64, layers: int | None = None,
+             full: tuple[int, ...] | None = None) -> Any:
+    """``DSATokenToKVPool`` (fp8_ds_mla, 656 B/token) of `mc`; the indexer on the layers
+    `full` only (the others skip-topk 0-row layers; default: all)."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    n = layers or mc.num_hidden_layers
+    return DSATokenToKVPool(
+        size=pages * page, page_size=page, kv_lora_rank=mc.kv_lora_rank,
+        dtype=torch.float8_e4m3fn, qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=n,
+        device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656,
+        index_buf_size=pages * page, index_kpool=1, index_kpool_compress=False,
+        max_running_requests=4,
+        skip_topk_layers=[full is not None and i not in full for i in range(n)])
+
+
 def mha_pool(mc: Any, *, pages: int, page: int, tp_size: int = 1) -> Any:
     """``MHATokenToKVPool`` of `mc` for one attention-TP rank of `tp_size`, as the model
     runner sizes it (``ModelConfig.get_num_kv_heads``)."""

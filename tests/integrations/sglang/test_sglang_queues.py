@@ -21,6 +21,7 @@ import sglang_sched as S
 pytestmark = pytest.mark.usefixtures("sglang_loaded")
 
 PAGE = 16
+S_AUX, D_AUX = 1, 5  # the request's metadata buffer slot on prefill and on decode
 
 
 @pytest.fixture
@@ -61,6 +62,8 @@ def page_views(side: S.Side) -> list[Any]:
         bufs = [*pool.k_buffer, *pool.v_buffer] if hasattr(pool, "k_buffer") \
             else list(pool.kv_buffer)
         out += [_u8(b, rows) for b in bufs]
+        if hasattr(pool, "index_key_cache"):  # the DSA indexer's live layers
+            out += [_u8(b, b.shape[0]) for b in pool.index_key_cache.buffer if b.shape[0]]
     return out
 
 
@@ -77,6 +80,9 @@ def handoff(pre: S.Side, dec: S.Side, port: int, room: int, src: list[int],
     for v in page_views(pre):
         for p in src:
             v[p] = torch.from_numpy(rng.integers(0, 256, v.shape[1], dtype=np.uint8))
+    for t in E._aux_tensors(pre.metadata):  # SGLang's metadata buffers: slot S_AUX
+        _u8(t, t.shape[0])[S_AUX] = torch.from_numpy(
+            rng.integers(0, 256, _u8(t, t.shape[0]).shape[1], dtype=np.uint8))
     addr = f"127.0.0.1:{port}"
     s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
     end = time.monotonic() + 15
@@ -85,13 +91,12 @@ def handoff(pre: S.Side, dec: S.Side, port: int, room: int, src: list[int],
         time.sleep(0.05)
     r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
     r.init(0)
-    s_aux, d_aux = 1, 5
     dsa = dec.kv_manager.built.dsa_slot is not None
-    r.send_metadata(np.asarray(dst, np.int32), d_aux, [np.asarray(dst, np.int32)] if dsa
+    r.send_metadata(np.asarray(dst, np.int32), D_AUX, [np.asarray(dst, np.int32)] if dsa
                     else None, decode_prefix_len=0)
     assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
     assert s.pop_decode_prefix_len() == 0
-    s.init(len(src), s_aux)
+    s.init(len(src), S_AUX)
     s.send(np.asarray(src, np.int32), [np.asarray(src, np.int32)] if dsa else None)
     rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
     reason = None
@@ -113,6 +118,8 @@ def assert_pages_equal(pre: S.Side, dec: S.Side, src: list[int], dst: list[int])
         for sp, dp in zip(src, dst, strict=True):
             assert torch.equal(a[sp], b[dp]), (i, sp, dp)
             assert int(a[sp].sum()) > 0
+    for a, b in zip(E._aux_tensors(pre.metadata), E._aux_tensors(dec.metadata), strict=True):
+        assert torch.equal(_u8(a, a.shape[0])[S_AUX], _u8(b, b.shape[0])[D_AUX])
 
 
 def test_dense_llama_pair_built_by_sglangs_queues_hands_off_byte_exact(bootstrap: Any) -> None:
@@ -135,6 +142,85 @@ def test_dense_llama_pair_built_by_sglangs_queues_hands_off_byte_exact(bootstrap
         assert ss == KVPoll.Success
         assert_pages_equal(pre, dec, src, dst)
         assert pre.kv_manager.agent.layout_hash == dec.kv_manager.agent.layout_hash
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
+
+
+def test_dense_pair_of_different_attention_tp_is_refused_on_both_sides(bootstrap: Any) -> None:
+    """A Llama-shaped prefill of attention TP 1 (4 KV heads a rank) and a decode rank of TP 2
+    (2 heads): SGLang maps the decode rank to the prefill rank; this backend does not split
+    heads, so both sides fail the request with the sizes named, and no agent room opens."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.runtime_context import get_parallel
+
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2):
+        dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE, tp_size=2), sa)
+    try:
+        assert dec.pool.head_num == 2 and pre.pool.head_num == 4
+        addr, room = f"127.0.0.1:{bootstrap.port}", 9302
+        s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
+        end = time.monotonic() + 15
+        while not dec.kv_manager.try_ensure_parallel_info(addr):
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+        r.init(0)
+        r.send_metadata(np.asarray([1, 2], np.int32), 3, None, decode_prefix_len=0)
+        want = "prefill attn_tp_size=1, decode attn_tp_size=2"
+        assert int(r.poll()) == KVPoll.Failed
+        with pytest.raises(Exception, match=want):
+            r.failure_exception()
+        assert _until(s, lambda st: st == KVPoll.Failed) == KVPoll.Failed
+        with pytest.raises(Exception, match=want):
+            s.failure_exception()
+        assert not r._handles
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
+
+
+@pytest.mark.parametrize("family", ["mla", "dsa", "dsa-mtp"])
+def test_mla_and_dsa_pairs_built_by_sglangs_queues_hand_off_byte_exact(
+        bootstrap: Any, family: str) -> None:
+    """DeepSeek-V3-shaped MLA (``MLATokenToKVPool``), GLM-5-shaped DSA (``DSATokenToKVPool``:
+    indexer on layers 0, 2, 5) and DSA with a one-layer MTP draft pool: both managers built by
+    SGLang's queues, every main-KV, draft and live indexer page byte-exact on decode."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sa = E.server_args("prefill", bootstrap.port)
+    if family == "mla":
+        mc = S.model_config(S.DEEPSEEK)
+
+        def pool() -> Any:
+            return S.mla_pool(mc, pages=8, page=PAGE)
+
+        def draft() -> Any:
+            return None
+        dtype = "bfloat16"
+    else:
+        mc = S.model_config(S.GLM_DSA)
+
+        def pool() -> Any:
+            return S.dsa_pool(mc, pages=4, full=(0, 2, 5))
+
+        def draft() -> Any:
+            return S.dsa_pool(mc, pages=4, layers=1) if family == "dsa-mtp" else None
+        dtype = "fp8_e4m3"
+    pre = S.prefill_queue(mc, pool(), sa, draft=draft(), kv_dtype=dtype)
+    dec = S.decode_queues(mc, pool(), sa, draft=draft(), kv_dtype=dtype)
+    try:
+        names = [r.name for r in dec.kv_manager.built.kv_layout.regions]
+        assert names == {"mla": ["kv"], "dsa": ["kv", "indexer"],
+                         "dsa-mtp": ["kv", "draft_kv", "indexer", "draft_indexer"]}[family]
+        src, dst = [3, 1], [2, 4]
+        rs, ss, reason = handoff(pre, dec, bootstrap.port, 9310, src, dst)
+        assert rs == KVPoll.Success, reason
+        assert ss == KVPoll.Success
+        assert_pages_equal(pre, dec, src, dst)
     finally:
         dec.kv_manager.close()
         pre.kv_manager.close()

@@ -98,6 +98,7 @@ class Meta(msgspec.Struct, frozen=True):
     required_dst_info_num: int
     is_dummy: bool
     tail_tokens: int = 0  # live DSA kpool tail tokens of the decode's request (0: none)
+    attn_tp_size: int = 0  # the decode's attention TP size (0: not stated)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -264,7 +265,20 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             v=WIRE_VERSION, room=int(bootstrap_room), decode_ip=self.local_ip,
             decode_port=self.rank_port, decode_prefix_len=int(decode_prefix_len or 0),
             num_pages=len(kv_indices), required_dst_info_num=int(required_dst_info_num or 1),
-            is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices)))]
+            is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices),
+            attn_tp_size=int(self.attn_tp_size)))]
+
+    def tp_refusal(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
+        """Why this pair cannot hand off a non-MLA pool (None: it can). Such a pool holds a
+        rank's share of the KV heads; this backend moves pages rank to rank and does not
+        split or gather heads."""
+        if self.is_mla_backend or not prefill_attn_tp or not decode_attn_tp \
+                or prefill_attn_tp == decode_attn_tp:
+            return None
+        return (f"kvhandoff: an MHA/GQA KV pool needs the same attention TP size on prefill "
+                f"and decode (prefill attn_tp_size={prefill_attn_tp}, decode "
+                f"attn_tp_size={decode_attn_tp}): this backend moves pages rank to rank and "
+                f"does not split KV heads; run both with the same --tp")
 
     def _tail_tokens(self, state_indices: list[Any] | None) -> int:
         slot = self.built.tail_slot
@@ -329,6 +343,15 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         if m.v != WIRE_VERSION:
             log.warning("metadata of wire version %d for room %d (expected %d): dropped", m.v,
                         m.room, WIRE_VERSION)
+            return
+        refused = self.tp_refusal(int(self.attn_tp_size), m.attn_tp_size)
+        if refused is not None:
+            self.update_status(m.room, KVPoll.WaitingForInput)  # opens it if it is new
+            self.record_failure(m.room, refused)
+            self.update_status(m.room, KVPoll.Failed)
+            self.send_kv_status_message(targets=[(m.decode_ip, m.decode_port)],
+                                        bootstrap_room=m.room, status=KVPoll.Failed,
+                                        failure_reason=refused)
             return
         with self._room_lock:
             infos = self.transfer_infos.setdefault(m.room, {})

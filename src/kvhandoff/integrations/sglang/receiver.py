@@ -93,6 +93,12 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
         if self.conclude_state == KVPoll.Failed or self._agent_addrs is None:
             return
+        # after the metadata went out: it states this side's TP, so the prefill refuses the
+        # room too, with the same reason
+        refused = mgr.tp_refusal(int(self.prefill_info.attn_tp_size), int(mgr.attn_tp_size))
+        if refused is not None:
+            self._local_failure(refused)
+            return
         kv_addr, aux_addr, tail_addr = self._agent_addrs
         room = self.bootstrap_room
         assert room is not None
