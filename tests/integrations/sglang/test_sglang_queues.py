@@ -224,3 +224,76 @@ def test_mla_and_dsa_pairs_built_by_sglangs_queues_hand_off_byte_exact(
     finally:
         dec.kv_manager.close()
         pre.kv_manager.close()
+
+
+class ForwardEvent:
+    """Stands for the CUDA event SGLang records on its forward stream for an early send
+    (prefill.py:1496-1498, ``torch.cuda.Event`` with ``query()``): complete only once the test
+    fires it; counts the polls."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.fired = False
+        self.polls = 0
+        self.polled_thrice = threading.Event()
+
+    def query(self) -> bool:
+        self.polls += 1
+        if self.polls >= 3:
+            self.polled_thrice.set()
+        return self.fired
+
+    def synchronize(self) -> None:  # what SGLang's own backends call; never complete here
+        raise AssertionError("the scheduler-side send must not block on the forward")
+
+
+def test_early_send_of_a_cached_prefix_reads_no_page_before_the_forward_event(
+        bootstrap: Any) -> None:
+    """SGLang's early send of a cached prefix under overlap scheduling attaches an event
+    recorded on the forward stream (``_early_send_wait_event``); the previous step's forward
+    may still write those pages. Until the event completes, nothing of them is read: the
+    agent polls it, has sent 0 bytes and the decode's pages are untouched; the pages written
+    afterwards, then the event, are what lands."""
+    import torch
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    try:
+        addr, room = f"127.0.0.1:{bootstrap.port}", 9320
+        src, dst = [2, 7, 4], [6, 1, 3]
+        s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
+        end = time.monotonic() + 15
+        while not dec.kv_manager.try_ensure_parallel_info(addr):
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+        r.init(0)
+        r.send_metadata(np.asarray(dst, np.int32), D_AUX, None, decode_prefix_len=0)
+        assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+        s.init(len(src), S_AUX)
+        for v in page_views(pre):
+            v[src] = 1  # what the pages held before the forward wrote them
+        ev = ForwardEvent()
+        s._early_send_wait_event = ev  # as SGLang's maybe_send_cached_prefix_chunk sets it
+        s.send(np.asarray(src[:2], np.int32))  # the cached prefix, early
+        assert s._early_send_wait_event is None  # taken by this chunk only
+        assert ev.polled_thrice.wait(20), "the agent never waited on the forward's event"
+        assert s._kv.stats()["bytes"] == 0
+        assert all(int(v[dst].sum()) == 0 for v in page_views(dec))
+        rng = np.random.default_rng(room)
+        for v in page_views(pre):  # the forward's writes land, then its event completes
+            for p in src:
+                v[p] = torch.from_numpy(rng.integers(0, 256, v.shape[1], dtype=np.uint8))
+        ev.fired = True
+        s.send(np.asarray(src[2:], np.int32))
+        rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
+        assert rs == KVPoll.Success
+        assert _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        assert_pages_equal(pre, dec, src, dst)
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
