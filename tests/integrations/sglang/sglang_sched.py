@@ -129,7 +129,9 @@ def _decode_scheduler(mc: Any, server_args: Any, kv_dtype: str) -> Any:
         enable_hisparse=False,  # decode.py:623, 631, 634
         hisparse_coordinator=None,  # decode.py:622 (read only with enable_hisparse)
         model_config=mc,  # decode.py:666, 680
-        server_args=server_args)  # decode.py:769
+        server_args=server_args,  # decode.py:769
+        # DecodeTransferQueue's failure and deferred-release figures (decode.py:2826, 3040)
+        metrics_reporter=SimpleNamespace(enable_metrics=False))
 
 
 @dataclass

@@ -297,3 +297,86 @@ def test_early_send_of_a_cached_prefix_reads_no_page_before_the_forward_event(
     finally:
         dec.kv_manager.close()
         pre.kv_manager.close()
+
+
+def test_decode_abort_keeps_pages_held_by_sglang_until_the_rooms_are_released(
+        bootstrap: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's deferred release (``DecodeTransferQueue._defer_release`` /
+    ``resolve_deferred_releases``, on by default) asks the backend whether an aborted
+    request's pages may go back. Shared-memory lane, one-sided: the decode aborts while the
+    prefill has been told to write and has not confirmed it stopped (its control thread is
+    held by the test, after the handshake and its chunk's event fired); SGLang keeps holding
+    the pages, then frees them once the decode's agent room is released."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "shm")
+    if not dist.is_initialized():  # SGLang reduces its hold flags over the TP group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    gate = threading.Event()
+    holder: threading.Thread | None = None
+    try:
+        tq = dec.transfer_queue
+        freed: list[int] = []
+        # the one stand-in: SGLang's release of the request's KV (radix tree + allocator)
+        tq._release_request = lambda d: freed.append(d.req.bootstrap_room)
+        addr, room = f"127.0.0.1:{bootstrap.port}", 9330
+        src, dst = [2, 7, 4], [6, 1, 3]
+        s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
+        end = time.monotonic() + 15
+        while not dec.kv_manager.try_ensure_parallel_info(addr):
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+        r.init(0)
+        slot = tq.req_to_metadata_buffer_idx_allocator.alloc()
+        r.send_metadata(np.asarray(dst, np.int32), slot, None, decode_prefix_len=0)
+        assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+        s.init(len(src), S_AUX)
+        ev = ForwardEvent()  # the chunk's event: the prefill agent waits for it to write
+        s.send(np.asarray(src, np.int32), indices_event=ev)
+        assert ev.polled_thrice.wait(20)
+        assert _until(r, lambda st: st != KVPoll.WaitingForInput) == KVPoll.Transferring
+        entered = threading.Event()
+
+        def hold(_session: Any) -> None:
+            entered.set()
+            gate.wait(60)
+
+        holder = threading.Thread(target=lambda: pre.kv_manager.agent._loop.query(hold, 90))
+        holder.start()
+        assert entered.wait(20)  # the prefill agent's control thread is held from here
+        ev.fired = True  # the forward is done: the prefill is to write the pages (one-sided)
+        r.abort()  # SGLang's AbortReq on the decode
+        assert int(r.poll()) == KVPoll.Failed
+        # what SGLang's pop_transferred reads to hold the pages instead of freeing them
+        assert tq.enable_deferred_kv_release and dec.kv_manager.enable_deferred_decode_kv_release
+        assert r.abort_notified
+        with pytest.raises(Exception, match="Aborted"):
+            r.failure_exception()  # SGLang reads the reason (and clears the receiver) first
+        d = DecodeRequest(req=SimpleNamespace(bootstrap_room=room), kv_receiver=r,
+                          metadata_buffer_index=slot)
+        tq._defer_release(d)
+        tq.resolve_deferred_releases()
+        handle = dec.kv_manager.room_handles[room][0]
+        assert not handle.released  # the prefill may still write into the pages
+        assert freed == [] and len(tq._deferred_releases) == 1
+        gate.set()  # the prefill runs again, stops writing and says so
+        assert handle.wait_released(20)
+        tq.resolve_deferred_releases()
+        assert freed == [room] and not tq._deferred_releases
+        assert room not in dec.kv_manager.room_handles
+    finally:
+        gate.set()
+        if holder is not None:
+            holder.join(30)
+        dec.kv_manager.close()
+        pre.kv_manager.close()

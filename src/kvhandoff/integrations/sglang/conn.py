@@ -175,6 +175,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._agents: list[TransferAgent] = []
         self._room_lock = threading.Lock()
         self._routes: dict[tuple[str, int, int], tuple[str, str | None, str | None]] = {}
+        # decode: the agent rooms of each request, until SGLang forgets it (deferred release)
+        self.room_handles: dict[int, list[Any]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         host = self.bootstrap_host
@@ -182,6 +184,14 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             host = NetworkAddress.parse(self.dist_init_addr).resolved().host
         url = bootstrap_url_for(host, self.bootstrap_port)
         settings = _agent_settings(role, self.local_ip, url)
+        hold_s = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+        if role == "decode" and self.enable_deferred_decode_kv_release \
+                and hold_s < settings.write_quarantine_s:
+            log.warning("kvhandoff SGLang decode: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_"
+                        "RELEASE_TIMEOUT=%ss is shorter than KVHANDOFF_WRITE_QUARANTINE_S=%ss: "
+                        "SGLang may free the pages of a request whose lost prefill could still "
+                        "write into them; raise the former", hold_s,
+                        settings.write_quarantine_s)
         self.probe_report = self._probe(args, settings, device)
         ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
@@ -248,6 +258,35 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             problems.append("SGLANG_DISAGG_STAGING_BUFFER (staging buffers)")
         if problems:
             raise ConfigError("kvhandoff SGLang backend does not support: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------- deferred release
+
+    # SGLang holds the pages of a decode request that failed or was aborted mid-transfer
+    # until `is_abort_release_safe` says no write into them can still land (or its
+    # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed), instead of freeing them
+    # at once.
+    supports_deferred_decode_kv_release = True
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether SGLang may free the decode pages of `bootstrap_room`: every agent room of
+        the request on this rank is *released* (terminal, and the agents know no write into
+        its pages can land any more: a one-sided prefill confirmed its writes stopped, or
+        ``write_quarantine_s`` passed). A request that opened no agent room has nothing that
+        could write. SGLang's count of prefill acknowledgements (`required_acks`) is not
+        used: this backend's prefill ranks send none, the decode's agents know."""
+        handles = self.room_handles.get(int(bootstrap_room))
+        return handles is None or all(h.released for h in handles)
+
+    def forget_released_rooms(self) -> None:
+        """Drops the requests whose agent rooms are all released (safe to free whatever
+        SGLang still holds of them: `is_abort_release_safe` says True without them)."""
+        for room, handles in list(self.room_handles.items()):
+            if all(h.released for h in handles):
+                self.room_handles.pop(room, None)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.room_handles.pop(int(bootstrap_room), None)
 
     # ---------------------------------------------------------------- SGLang control plane
 

@@ -102,6 +102,8 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         kv_addr, aux_addr, tail_addr = self._agent_addrs
         room = self.bootstrap_room
         assert room is not None
+        mgr.forget_released_rooms()
+        mgr.room_handles[int(room)] = self._handles  # SGLang's deferred release asks
         try:
             if len(pages):
                 h = mgr.agent.receiver(room, peer=kv_addr)
@@ -149,6 +151,9 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
 
     def clear(self) -> None:
         release_open(self._handles, "receiver cleared before the transfer ended")
+        # SGLang clears a failed receiver (failure_exception) before it decides to hold the
+        # pages: the rooms stay known to `is_abort_release_safe` until they are released
+        self.kv_mgr.forget_released_rooms()
         super().clear()
 
     def abort(self) -> None:
