@@ -380,3 +380,51 @@ def test_decode_abort_keeps_pages_held_by_sglang_until_the_rooms_are_released(
             holder.join(30)
         dec.kv_manager.close()
         pre.kv_manager.close()
+
+
+def test_a_restarted_prefill_is_found_again_on_its_new_ports(
+        bootstrap: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill process restarts: same bootstrap address, new rank socket and agents on new
+    ports. The decode's heartbeat checker (SGLang's, started by this backend as by SGLang's
+    others) sees it gone and forgets what it cached of it; the next request looks it up again
+    and hands off byte-exact."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")  # SGLang's minimum
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "1")
+    port = bootstrap.port
+    addr = f"127.0.0.1:{port}"
+    sa = E.server_args("prefill", port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    srv2 = None
+    try:
+        rs, ss, reason = handoff(pre, dec, port, 9340, [1, 2], [3, 4])
+        assert rs == KVPoll.Success, reason
+        old_rank_port, old_agent = pre.kv_manager.rank_port, pre.kv_manager.agent.address
+        assert addr in dec.kv_manager.prefill_info_table
+        pre.kv_manager.close()  # the prefill process goes away, its bootstrap server too
+        bootstrap.close()
+        end = time.monotonic() + 30
+        while addr in dec.kv_manager.prefill_info_table and time.monotonic() < end:
+            time.sleep(0.05)
+        assert addr not in dec.kv_manager.prefill_info_table, \
+            "the decode still holds the dead prefill's connection info"
+        assert not [k for k in dec.kv_manager._routes if k[0] == addr]
+        srv2 = KVHandoffKVBootstrapServer("127.0.0.1", port)  # it comes back
+        pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+        assert pre.kv_manager.rank_port != old_rank_port
+        assert pre.kv_manager.agent.address != old_agent
+        src, dst = [5, 6], [1, 7]
+        rs, ss, reason = handoff(pre, dec, port, 9341, src, dst)
+        assert rs == KVPoll.Success, reason
+        assert ss == KVPoll.Success
+        assert_pages_equal(pre, dec, src, dst)
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
+        if srv2 is not None:
+            srv2.close()

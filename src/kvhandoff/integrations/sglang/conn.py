@@ -215,6 +215,13 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._thread = threading.Thread(target=self._control_loop, daemon=True,
                                         name=f"kvh-sglang-{role}-{self.attn_tp_rank}")
         self._thread.start()
+        # decode: SGLang's heartbeat checker (GET /health of every prefill it knows, as its
+        # other backends start it): a prefill that stops answering is forgotten, cached
+        # connection info and agent routes alike (`_handle_node_failure`), so the next request
+        # looks it up again and finds it where it restarted
+        self._heartbeat: threading.Thread | None = None
+        if role == "decode":
+            self._heartbeat = self._start_heartbeat_checker_thread()
         log.info("kvhandoff SGLang %s manager: agents %s, layout %s", role,
                  [a.address for a in self._agents], self.agent.layout_hash)
 
@@ -457,25 +464,33 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._routes[key] = out
         return out
 
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        super()._handle_node_failure(failed_bootstrap_addr)
+        self.forget_routes(failed_bootstrap_addr)
+
     def forget_routes(self, bootstrap_addr: str) -> None:
         """Drops the cached agent addresses of a prefill (after a failure: it may have
         restarted with new ones)."""
-        for k in [k for k in self._routes if k[0] == bootstrap_addr]:
+        for k in [k for k in list(self._routes) if k[0] == bootstrap_addr]:
             self._routes.pop(k, None)
 
     # ---------------------------------------------------------------- teardown
 
     def close(self) -> None:
-        """Stops the control thread, closes the agents (their open rooms fail), then SGLang's
-        zmq context of this manager with every socket it made (the rank socket, the cached
-        PUSH sockets to the other side's ranks and their monitors). Left to the garbage
+        """Stops the control thread (and the decode's heartbeat checker), closes the agents
+        (their open rooms fail), then SGLang's zmq context of this manager with every socket it
+        made (the rank socket, the cached PUSH sockets to the other side's ranks and their
+        monitors). Left to the garbage
         collector, that context's finaliser terminates it while those sockets are still open
         (their weak references are cleared first) and blocks whichever thread collected it,
         for good: seen in the test suite as a 2 s test taking 120 s."""
         self._stop.set()
-        t = getattr(self, "_thread", None)
-        if t is not None:
-            t.join(timeout=5)
+        beat = getattr(self, "_heartbeat_shutdown", None)
+        if beat is not None:
+            beat.set()
+        for t in (getattr(self, "_thread", None), getattr(self, "_heartbeat", None)):
+            if t is not None:
+                t.join(timeout=5)
         for a in self._agents:
             a.close()
         self._agents = []
