@@ -183,23 +183,24 @@ def test_dense_pair_of_different_attention_tp_is_refused_on_both_sides(bootstrap
         pre.kv_manager.close()
 
 
-@pytest.mark.parametrize("family", ["mla", "dsa", "dsa-mtp"])
+@pytest.mark.parametrize("family", ["mla", "mla-mtp", "dsa", "dsa-mtp"])
 def test_mla_and_dsa_pairs_built_by_sglangs_queues_hand_off_byte_exact(
         bootstrap: Any, family: str) -> None:
     """DeepSeek-V3-shaped MLA (``MLATokenToKVPool``), GLM-5-shaped DSA (``DSATokenToKVPool``:
-    indexer on layers 0, 2, 5) and DSA with a one-layer MTP draft pool: both managers built by
-    SGLang's queues, every main-KV, draft and live indexer page byte-exact on decode."""
+    indexer on layers 0, 2, 5), each also with a one-layer MTP draft pool: both managers built
+    by SGLang's queues, every main-KV, draft and live indexer page byte-exact on decode."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     sa = E.server_args("prefill", bootstrap.port)
-    if family == "mla":
+    if family.startswith("mla"):
         mc = S.model_config(S.DEEPSEEK)
 
         def pool() -> Any:
             return S.mla_pool(mc, pages=8, page=PAGE)
 
         def draft() -> Any:
-            return None
+            return S.mla_pool(mc, pages=8, page=PAGE, layers=1) if family == "mla-mtp" \
+                else None
         dtype = "bfloat16"
     else:
         mc = S.model_config(S.GLM_DSA)
@@ -214,8 +215,17 @@ def test_mla_and_dsa_pairs_built_by_sglangs_queues_hand_off_byte_exact(
     dec = S.decode_queues(mc, pool(), sa, draft=draft(), kv_dtype=dtype)
     try:
         names = [r.name for r in dec.kv_manager.built.kv_layout.regions]
-        assert names == {"mla": ["kv"], "dsa": ["kv", "indexer"],
+        assert names == {"mla": ["kv"], "mla-mtp": ["kv", "draft_kv"],
+                         "dsa": ["kv", "indexer"],
                          "dsa-mtp": ["kv", "draft_kv", "indexer", "draft_indexer"]}[family]
+        # the layout probe ran on the target pool, draft or not (a bf16 MLA pool's write op
+        # runs on a CPU; the DSA pool's is a Triton kernel, see test_sglang_probe.py)
+        for side in (pre, dec):
+            report = side.kv_manager.probe_report
+            if family.startswith("mla"):
+                assert report.startswith("layout verified against MLATokenToKVPool"), report
+            else:
+                assert "DSATokenToKVPool's write kernel did not run" in report, report
         src, dst = [3, 1], [2, 4]
         rs, ss, reason = handoff(pre, dec, bootstrap.port, 9310, src, dst)
         assert rs == KVPoll.Success, reason
