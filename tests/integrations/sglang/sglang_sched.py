@@ -165,13 +165,13 @@ def _backend() -> Any:
 
 
 def prefill_queue(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
-                  kv_dtype: str = "bfloat16") -> Side:
-    """SGLang's ``PrefillBootstrapQueue`` over `pool`: its ``_init_kv_manager`` builds the
-    kvhandoff prefill manager."""
+                  kv_dtype: str = "bfloat16", meta: tuple[Any, Any] | None = None) -> Side:
+    """SGLang's ``PrefillBootstrapQueue`` over `pool` (and `meta`, `metadata()`'s pair, or new
+    ones): its ``_init_kv_manager`` builds the kvhandoff prefill manager."""
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
     publish_ranks()
-    meta, alloc = metadata()
+    meta, alloc = meta or metadata()
     q = PrefillBootstrapQueue(
         token_to_kv_pool=pool, draft_token_to_kv_pool=draft,
         req_to_metadata_buffer_idx_allocator=alloc, metadata_buffers=meta, gpu_id=0,

@@ -438,3 +438,46 @@ def test_a_restarted_prefill_is_found_again_on_its_new_ports(
         pre.kv_manager.close()
         if srv2 is not None:
             srv2.close()
+
+
+def test_settings_this_backend_cannot_serve_are_refused_at_start(
+        bootstrap: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refused when SGLang's queue builds the manager, naming the setting and why:
+    ``--disaggregation-ib-device`` (SGLang's ``_init_kv_manager`` puts it in ``KVArgs``),
+    ``prefill_complete`` (which SGLang's own argument checks already refuse for any backend
+    but Mooncake), metadata buffers in CUDA memory (``SGLANG_MOONCAKE_CUSTOM_MEM_POOL=
+    INTRA_NODE_NVLINK``) and ``--enable-hisparse``."""
+    from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
+    from sglang.srt.runtime_context import get_disagg
+    from sglang.srt.server_args import ServerArgs
+
+    from kvhandoff.errors import ConfigError
+
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+
+    def pool() -> Any:
+        return S.mha_pool(mc, pages=2, page=PAGE)
+
+    with get_disagg().override(disaggregation_ib_device="mlx5_0"), \
+            pytest.raises(ConfigError, match=r"--disaggregation-ib-device mlx5_0 \(this backend"):
+        S.prefill_queue(mc, pool(), sa)
+    pc = ServerArgs(model_path="dummy", host="127.0.0.1", device="cpu",
+                    disaggregation_mode="decode", disaggregation_transfer_backend="kvhandoff",
+                    disaggregation_bootstrap_port=bootstrap.port,
+                    disaggregation_decode_allocation_policy="prefill_complete")
+    with pytest.raises(ValueError, match="transfer backends other than Mooncake"):
+        handle_pd_disaggregation(pc)  # SGLang's own check
+    with get_disagg().override(disaggregation_decode_allocation_policy="prefill_complete"), \
+            pytest.raises(ConfigError, match=r"prefill_complete \(only 'early'"):
+        S.decode_queues(mc, pool(), sa)
+    meta = S.metadata()  # (with the setting, SGLang would allocate them on the GPU)
+    monkeypatch.setenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "INTRA_NODE_NVLINK")
+    with pytest.raises(ConfigError, match="INTRA_NODE_NVLINK .it puts SGLang's metadata"):
+        S.prefill_queue(mc, pool(), sa, meta=meta)
+    monkeypatch.delenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+    hs = ServerArgs(model_path="dummy", host="127.0.0.1", device="cpu",
+                    disaggregation_mode="prefill", disaggregation_transfer_backend="kvhandoff",
+                    disaggregation_bootstrap_port=bootstrap.port, enable_hisparse=True)
+    with pytest.raises(ConfigError, match="--enable-hisparse"):
+        S.prefill_queue(mc, pool(), hs)

@@ -36,10 +36,12 @@ What maps to what (see docs/SGLANG.md):
   so a tail moves slot by slot into the decode's ring. No live tail: no tail room on either
   side; the decode states its live tail length in its metadata and a prefill that counts
   another fails the room naming both.
-- ``--disaggregation-decode-allocation-policy prefill_complete``: SGLang's deferred bootstrap
-  (the decode's ``BOOTSTRAP`` registration, the prefill's readiness status once its forward is
-  done) runs through SGLang's own handler on this rank's socket; the decode allocates and sends
-  its metadata after that, so the agents see what they see under ``early``.
+- Decode allocation policy ``early`` only (SGLang's own argument checks allow
+  ``prefill_complete`` with Mooncake only; the manager refuses it too).
+- Decode pages of a failed or aborted request: SGLang holds them (deferred release) until
+  `KVHandoffKVManager.is_abort_release_safe` says every agent room of the request is released.
+- A prefill that stops answering ``/health`` is forgotten by SGLang's heartbeat checker (started
+  on decode), routes included, so a restarted prefill is looked up again.
 - ``poll()``: SGLang's state until the agent room exists, then the agent's (non-terminal ->
   ``Transferring``); a failure is recorded as SGLang's failure record, so ``failure_exception()``
   raises ``KVTransferError`` with kvhandoff's reason.
@@ -164,7 +166,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: Any, is_mla_backend: bool | None = False) -> None:
         is_mla = bool(is_mla_backend)
-        self._check_topology(is_mla)
+        self._check_topology(is_mla, args, server_args)
         device = getattr(server_args, "device", None) or "cuda"
         built = build(args, is_mla=is_mla, device="cpu" if device == "cpu" else
                       f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}",
@@ -243,7 +245,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         return out.report
 
     @staticmethod
-    def _check_topology(is_mla: bool) -> None:
+    def _check_topology(is_mla: bool, args: Any = None, server_args: Any = None) -> None:
         p, d = get_parallel(), get_disagg()
         problems = []
         if p.pp_size != 1:
@@ -257,12 +259,25 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                             "parallelism splits the latent and replicates the indexer per rank)")
         if p.enable_kv_cache_sharding:
             problems.append("--enable-kv-cache-sharding")
-        if d.disaggregation_decode_allocation_policy not in ("early", "prefill_complete"):
+        if d.disaggregation_decode_allocation_policy != "early":
             problems.append("--disaggregation-decode-allocation-policy "
-                            f"{d.disaggregation_decode_allocation_policy} (only 'early' or "
-                            "'prefill_complete')")
+                            f"{d.disaggregation_decode_allocation_policy} (only 'early': "
+                            "SGLang's own argument checks allow 'prefill_complete' with the "
+                            "Mooncake backend only)")
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             problems.append("SGLANG_DISAGG_STAGING_BUFFER (staging buffers)")
+        if envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get() == "INTRA_NODE_NVLINK":
+            problems.append("SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK (it puts "
+                            "SGLang's metadata buffers in CUDA memory; this backend moves them "
+                            "as host memory)")
+        if getattr(server_args, "enable_hisparse", False):
+            problems.append("--enable-hisparse (the decode's KV destination is then "
+                            "HiSparse's host pool, which this backend does not address)")
+        ib = getattr(args, "ib_device", None)
+        if ib:
+            problems.append(f"--disaggregation-ib-device {ib} (this backend does not choose "
+                            "RDMA devices from SGLang's setting; unset it and select them in "
+                            "the transport's own settings, e.g. UCX_NET_DEVICES for UCX)")
         if problems:
             raise ConfigError("kvhandoff SGLang backend does not support: " + "; ".join(problems))
 
@@ -355,8 +370,6 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def _on_message(self, msg: list[bytes]) -> None:
         if not msg:
             return
-        if self._handle_bootstrap_message(msg):
-            return  # prefill_complete: SGLang's deferred bootstrap, handled by SGLang
         tag = msg[0]
         if tag == META_TAG and len(msg) == 2:
             try:
