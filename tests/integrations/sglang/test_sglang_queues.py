@@ -392,18 +392,24 @@ def test_decode_abort_keeps_pages_held_by_sglang_until_the_rooms_are_released(
         pre.kv_manager.close()
 
 
+@pytest.mark.parametrize("seen_by", ["sglang_heartbeat", "failed_request"])
 def test_a_restarted_prefill_is_found_again_on_its_new_ports(
-        bootstrap: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        bootstrap: Any, monkeypatch: pytest.MonkeyPatch, seen_by: str) -> None:
     """A prefill process restarts: same bootstrap address, new rank socket and agents on new
-    ports. The decode's heartbeat checker (SGLang's, started by this backend as by SGLang's
-    others) sees it gone and forgets what it cached of it; the next request looks it up again
+    ports. The decode forgets what it cached of it, seen either by SGLang's heartbeat checker
+    (started by this backend as by SGLang's other backends) or, before any heartbeat missed,
+    by a request open with it failing with the peer lost; the next request looks it up again
     and hands off byte-exact."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
 
-    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")  # SGLang's minimum
-    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "1")
+    if seen_by == "sglang_heartbeat":
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")  # SGLang's minimum
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "1")
+    else:  # SGLang's checker does not look in this test's time; the agents' heartbeats do
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "3600")
+        monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "1")
     port = bootstrap.port
     addr = f"127.0.0.1:{port}"
     sa = E.server_args("prefill", port)
@@ -416,8 +422,18 @@ def test_a_restarted_prefill_is_found_again_on_its_new_ports(
         assert rs == KVPoll.Success, reason
         old_rank_port, old_agent = pre.kv_manager.rank_port, pre.kv_manager.agent.address
         assert addr in dec.kv_manager.prefill_info_table
+        if seen_by == "failed_request":  # a request the decode has open with it
+            s2 = E.kv_class("SENDER")(pre.kv_manager, addr, 9342)
+            r2 = E.kv_class("RECEIVER")(dec.kv_manager, addr, 9342)
+            r2.init(0)
+            r2.send_metadata(np.asarray([5], np.int32), D_AUX, None, decode_prefix_len=0)
+            assert _until(s2, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
         pre.kv_manager.close()  # the prefill process goes away, its bootstrap server too
         bootstrap.close()
+        if seen_by == "failed_request":
+            assert _until(r2, lambda st: st == KVPoll.Failed) == KVPoll.Failed
+            with pytest.raises(Exception, match="silent for"):
+                r2.failure_exception()
         end = time.monotonic() + 30
         while addr in dec.kv_manager.prefill_info_table and time.monotonic() < end:
             time.sleep(0.05)

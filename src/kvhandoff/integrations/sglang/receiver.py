@@ -12,7 +12,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
 )
 
-from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.errors import ConfigError, FailureKind, KVHandoffError
 from kvhandoff.integrations.sglang.conn import (
     KVHandoffKVManager,
     merge_states,
@@ -137,12 +137,18 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             return st
         st, reason = merge_states(self._handles)
         if st == KVPoll.Failed:
+            if any(h.failure_kind == FailureKind.PEER_LOST for h in self._handles):
+                # the prefill's agent is gone (silent, restarted): SGLang forgets that prefill
+                # as its heartbeat checker would (cached rank address, its other open rooms),
+                # and our routes, so the next request finds it where it restarted
+                self.kv_mgr._handle_node_failure(self.bootstrap_addr)
+            else:
+                # its agents may have restarted on new addresses; look them up again
+                self.kv_mgr.forget_routes(self.bootstrap_addr)
             self.kv_mgr.record_failure(self.bootstrap_room, reason or "failed")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             for h in self._handles:
                 h.abort(reason or "failed")
-            # the prefill's agents may be gone (restart: new addresses); look them up again
-            self.kv_mgr.forget_routes(self.bootstrap_addr)
         elif st == KVPoll.Success:
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
         else:
