@@ -111,7 +111,7 @@ def _prefill_scheduler(mc: Any, pool: Any, server_args: Any, kv_dtype: str) -> A
         kv_checksum_computer=None,  # prefill.py:247, 255 (written)
         rust_server=None,  # prefill.py:264-265
         model_config=mc,  # prefill.py:289, 334, 339, 354
-        req_to_token_pool=None,  # prefill.py:345 (getattr; only hybrid state pools use it)
+        req_to_token_pool=None,  # prefill.py:349 (getattr; only hybrid state pools use it)
         server_args=server_args)  # prefill.py:367
 
 
@@ -152,7 +152,7 @@ class Side:
 def publish_ranks() -> None:
     """The ranks the queues read of SGLang's parallel context (rank 0 of TP1, as
     `sglang_env.server_args` states the attention ranks): ``tp_rank``, ``pp_rank``
-    (prefill.py:198-199, decode.py:424, 429) and ``dp_rank`` (prefill.py:262, decode.py:616)."""
+    (prefill.py:198-199, decode.py:424, 428) and ``dp_rank`` (prefill.py:262, decode.py:616)."""
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(tp_rank=0, pp_rank=0, dp_rank=None)
@@ -200,7 +200,7 @@ def decode_queues(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
                                             pool, need_sort=True)
     req_to_token = ReqToTokenPool(size=8, max_context_len=pool.size, device="cpu",
                                   enable_memory_saver=False)
-    # DecodeTransferQueue.__init__ (decode.py:2546) and DecodePreallocQueue.__init__
+    # DecodeTransferQueue.__init__ (decode.py:2545) and DecodePreallocQueue.__init__
     # (decode.py:421) read the attention-TP group's gloo group (used for TP > 1 only)
     with get_parallel().override(attn_tp_group=SimpleNamespace(cpu_group=None)):
         tq = DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=alloc,
@@ -212,5 +212,5 @@ def decode_queues(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
             gpu_id=0, bootstrap_port=server_args.disaggregation_bootstrap_port,
             max_total_num_tokens=pool.size, num_reserved_decode_tokens=0,
             transfer_backend=_backend())
-    sched.disagg_decode_prealloc_queue = q  # decode.py:2578 (DecodeTransferQueue.extend)
+    sched.disagg_decode_prealloc_queue = q  # decode.py:2576 (DecodeTransferQueue.extend)
     return Side(queue=q, pool=pool, draft=draft, metadata=meta, transfer_queue=tq)
