@@ -355,6 +355,7 @@ def test_decode_abort_keeps_pages_held_by_sglang_until_the_rooms_are_released(
         s.send(np.asarray(src, np.int32), indices_event=ev)
         assert ev.polled_thrice.wait(20)
         assert _until(r, lambda st: st != KVPoll.WaitingForInput) == KVPoll.Transferring
+        assert s._handles[0].stats()["one_sided"]  # the prefill writes into the decode's pages
         entered = threading.Event()
 
         def hold(_session: Any) -> None:
