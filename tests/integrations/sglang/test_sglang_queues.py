@@ -339,12 +339,12 @@ def test_decode_abort_keeps_pages_held_by_sglang_until_the_rooms_are_released(
         # the one stand-in: SGLang's release of the request's KV (radix tree + allocator)
         tq._release_request = lambda d: freed.append(d.req.bootstrap_room)
         addr, room = f"127.0.0.1:{bootstrap.port}", 9330
+        # a first request: the agents know each other, the decode's buffers are installed
+        # for the prefill's one-sided writes (a room that starts before that goes two-sided)
+        rs, _, reason = handoff(pre, dec, bootstrap.port, room - 1, [5], [5])
+        assert rs == KVPoll.Success, reason
         src, dst = [2, 7, 4], [6, 1, 3]
         s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
-        end = time.monotonic() + 15
-        while not dec.kv_manager.try_ensure_parallel_info(addr):
-            assert time.monotonic() < end
-            time.sleep(0.05)
         r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
         r.init(0)
         slot = tq.req_to_metadata_buffer_idx_allocator.alloc()
