@@ -130,7 +130,7 @@ def test_layout_maps_kvargs_and_its_hash_covers_sglangs_checks() -> None:
                 setattr(a2, k, v)
         mla = bool(kw.get("is_mla", True))
         if not mla:
-            a2.state_types, a2.kv_head_num, a2.total_kv_head_num = [], 2, 8
+            a2.state_types = []
             a2.kv_data_ptrs, a2.kv_data_lens = a2.kv_data_ptrs[:4], a2.kv_data_lens[:4]
             a2.kv_item_lens, a2.kv_layer_ids = a2.kv_item_lens[:4], [0, 1, 0, 1]
         lay = build(a2, is_mla=mla, parallel=par, device="cpu").kv_layout
@@ -146,7 +146,7 @@ def test_layout_maps_kvargs_and_its_hash_covers_sglangs_checks() -> None:
     a3.page_size = E.PAGE * 2
     lay3 = build(a3, is_mla=True, parallel=Parallel(), device="cpu").kv_layout
     assert layout_diff(base, lay3.with_page_size(1).tp_invariant())  # type: ignore[arg-type]
-    # non-MLA pools move rank to rank: attention TP size and head counts are in it
+    # non-MLA pools move rank to rank: the attention TP size is in it
     gqa = ident(is_mla=False, attn_tp_size=2)
     assert layout_diff(gqa, ident(is_mla=False, attn_tp_size=4))  # type: ignore[arg-type]
     assert layout_hash(lay) != layout_hash(lay3)

@@ -36,10 +36,12 @@ What maps to what (see docs/SGLANG.md):
   so a tail moves slot by slot into the decode's ring. No live tail: no tail room on either
   side; the decode states its live tail length in its metadata and a prefill that counts
   another fails the room naming both.
-- ``--disaggregation-decode-allocation-policy prefill_complete``: SGLang's deferred bootstrap
-  (the decode's ``BOOTSTRAP`` registration, the prefill's readiness status once its forward is
-  done) runs through SGLang's own handler on this rank's socket; the decode allocates and sends
-  its metadata after that, so the agents see what they see under ``early``.
+- Decode allocation policy ``early`` only (SGLang's own argument checks allow
+  ``prefill_complete`` with Mooncake only; the manager refuses it too).
+- Decode pages of a failed or aborted request: SGLang holds them (deferred release) until
+  `KVHandoffKVManager.is_abort_release_safe` says every agent room of the request is released.
+- A prefill that stops answering ``/health`` is forgotten by SGLang's heartbeat checker (started
+  on decode), routes included, so a restarted prefill is looked up again.
 - ``poll()``: SGLang's state until the agent room exists, then the agent's (non-terminal ->
   ``Transferring``); a failure is recorded as SGLang's failure record, so ``failure_exception()``
   raises ``KVTransferError`` with kvhandoff's reason.
@@ -98,6 +100,7 @@ class Meta(msgspec.Struct, frozen=True):
     required_dst_info_num: int
     is_dummy: bool
     tail_tokens: int = 0  # live DSA kpool tail tokens of the decode's request (0: none)
+    attn_tp_size: int = 0  # the decode's attention TP size (0: not stated)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -163,7 +166,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: Any, is_mla_backend: bool | None = False) -> None:
         is_mla = bool(is_mla_backend)
-        self._check_topology(is_mla)
+        self._check_topology(is_mla, args, server_args)
         device = getattr(server_args, "device", None) or "cuda"
         built = build(args, is_mla=is_mla, device="cpu" if device == "cpu" else
                       f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}",
@@ -174,6 +177,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._agents: list[TransferAgent] = []
         self._room_lock = threading.Lock()
         self._routes: dict[tuple[str, int, int], tuple[str, str | None, str | None]] = {}
+        # decode: the agent rooms of each request, until SGLang forgets it (deferred release)
+        self.room_handles: dict[int, list[Any]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         host = self.bootstrap_host
@@ -181,6 +186,14 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             host = NetworkAddress.parse(self.dist_init_addr).resolved().host
         url = bootstrap_url_for(host, self.bootstrap_port)
         settings = _agent_settings(role, self.local_ip, url)
+        hold_s = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+        if role == "decode" and self.enable_deferred_decode_kv_release \
+                and hold_s < settings.write_quarantine_s:
+            log.warning("kvhandoff SGLang decode: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_"
+                        "RELEASE_TIMEOUT=%ss is shorter than KVHANDOFF_WRITE_QUARANTINE_S=%ss: "
+                        "SGLang may free the pages of a request whose lost prefill could still "
+                        "write into them; raise the former", hold_s,
+                        settings.write_quarantine_s)
         self.probe_report = self._probe(args, settings, device)
         ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
@@ -204,6 +217,13 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._thread = threading.Thread(target=self._control_loop, daemon=True,
                                         name=f"kvh-sglang-{role}-{self.attn_tp_rank}")
         self._thread.start()
+        # decode: SGLang's heartbeat checker (GET /health of every prefill it knows, as its
+        # other backends start it): a prefill that stops answering is forgotten, cached
+        # connection info and agent routes alike (`_handle_node_failure`), so the next request
+        # looks it up again and finds it where it restarted
+        self._heartbeat: threading.Thread | None = None
+        if role == "decode":
+            self._heartbeat = self._start_heartbeat_checker_thread()
         log.info("kvhandoff SGLang %s manager: agents %s, layout %s", role,
                  [a.address for a in self._agents], self.agent.layout_hash)
 
@@ -225,7 +245,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         return out.report
 
     @staticmethod
-    def _check_topology(is_mla: bool) -> None:
+    def _check_topology(is_mla: bool, args: Any = None, server_args: Any = None) -> None:
         p, d = get_parallel(), get_disagg()
         problems = []
         if p.pp_size != 1:
@@ -239,14 +259,56 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                             "parallelism splits the latent and replicates the indexer per rank)")
         if p.enable_kv_cache_sharding:
             problems.append("--enable-kv-cache-sharding")
-        if d.disaggregation_decode_allocation_policy not in ("early", "prefill_complete"):
+        if d.disaggregation_decode_allocation_policy != "early":
             problems.append("--disaggregation-decode-allocation-policy "
-                            f"{d.disaggregation_decode_allocation_policy} (only 'early' or "
-                            "'prefill_complete')")
+                            f"{d.disaggregation_decode_allocation_policy} (only 'early': "
+                            "SGLang's own argument checks allow 'prefill_complete' with the "
+                            "Mooncake backend only)")
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             problems.append("SGLANG_DISAGG_STAGING_BUFFER (staging buffers)")
+        if envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get() == "INTRA_NODE_NVLINK":
+            problems.append("SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK (it puts "
+                            "SGLang's metadata buffers in CUDA memory; this backend moves them "
+                            "as host memory)")
+        if getattr(server_args, "enable_hisparse", False):
+            problems.append("--enable-hisparse (the decode's KV destination is then "
+                            "HiSparse's host pool, which this backend does not address)")
+        ib = getattr(args, "ib_device", None)
+        if ib:
+            problems.append(f"--disaggregation-ib-device {ib} (this backend does not choose "
+                            "RDMA devices from SGLang's setting; unset it and select them in "
+                            "the transport's own settings, e.g. UCX_NET_DEVICES for UCX)")
         if problems:
             raise ConfigError("kvhandoff SGLang backend does not support: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------- deferred release
+
+    # SGLang holds the pages of a decode request that failed or was aborted mid-transfer
+    # until `is_abort_release_safe` says no write into them can still land (or its
+    # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT passed), instead of freeing them
+    # at once.
+    supports_deferred_decode_kv_release = True
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether SGLang may free the decode pages of `bootstrap_room`: every agent room of
+        the request on this rank is *released* (terminal, and the agents know no write into
+        its pages can land any more: a one-sided prefill confirmed its writes stopped, or
+        ``write_quarantine_s`` passed). A request that opened no agent room has nothing that
+        could write. SGLang's count of prefill acknowledgements (`required_acks`) is not
+        used: this backend's prefill ranks send none, the decode's agents know."""
+        handles = self.room_handles.get(int(bootstrap_room))
+        return handles is None or all(h.released for h in handles)
+
+    def forget_released_rooms(self) -> None:
+        """Drops the requests whose agent rooms are all released (safe to free whatever
+        SGLang still holds of them: `is_abort_release_safe` says True without them)."""
+        for room, handles in list(self.room_handles.items()):
+            if all(h.released for h in handles):
+                self.room_handles.pop(room, None)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.room_handles.pop(int(bootstrap_room), None)
 
     # ---------------------------------------------------------------- SGLang control plane
 
@@ -264,7 +326,20 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             v=WIRE_VERSION, room=int(bootstrap_room), decode_ip=self.local_ip,
             decode_port=self.rank_port, decode_prefix_len=int(decode_prefix_len or 0),
             num_pages=len(kv_indices), required_dst_info_num=int(required_dst_info_num or 1),
-            is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices)))]
+            is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices),
+            attn_tp_size=int(self.attn_tp_size)))]
+
+    def tp_refusal(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
+        """Why this pair cannot hand off a non-MLA pool (None: it can). Such a pool holds a
+        rank's share of the KV heads; this backend moves pages rank to rank and does not
+        split or gather heads."""
+        if self.is_mla_backend or not prefill_attn_tp or not decode_attn_tp \
+                or prefill_attn_tp == decode_attn_tp:
+            return None
+        return (f"kvhandoff: an MHA/GQA KV pool needs the same attention TP size on prefill "
+                f"and decode (prefill attn_tp_size={prefill_attn_tp}, decode "
+                f"attn_tp_size={decode_attn_tp}): this backend moves pages rank to rank and "
+                f"does not split KV heads; run both with the same --tp")
 
     def _tail_tokens(self, state_indices: list[Any] | None) -> int:
         slot = self.built.tail_slot
@@ -295,8 +370,6 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def _on_message(self, msg: list[bytes]) -> None:
         if not msg:
             return
-        if self._handle_bootstrap_message(msg):
-            return  # prefill_complete: SGLang's deferred bootstrap, handled by SGLang
         tag = msg[0]
         if tag == META_TAG and len(msg) == 2:
             try:
@@ -329,6 +402,15 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         if m.v != WIRE_VERSION:
             log.warning("metadata of wire version %d for room %d (expected %d): dropped", m.v,
                         m.room, WIRE_VERSION)
+            return
+        refused = self.tp_refusal(int(self.attn_tp_size), m.attn_tp_size)
+        if refused is not None:
+            self.update_status(m.room, KVPoll.WaitingForInput)  # opens it if it is new
+            self.record_failure(m.room, refused)
+            self.update_status(m.room, KVPoll.Failed)
+            self.send_kv_status_message(targets=[(m.decode_ip, m.decode_port)],
+                                        bootstrap_room=m.room, status=KVPoll.Failed,
+                                        failure_reason=refused)
             return
         with self._room_lock:
             infos = self.transfer_infos.setdefault(m.room, {})
@@ -395,25 +477,33 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._routes[key] = out
         return out
 
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        super()._handle_node_failure(failed_bootstrap_addr)
+        self.forget_routes(failed_bootstrap_addr)
+
     def forget_routes(self, bootstrap_addr: str) -> None:
         """Drops the cached agent addresses of a prefill (after a failure: it may have
         restarted with new ones)."""
-        for k in [k for k in self._routes if k[0] == bootstrap_addr]:
+        for k in [k for k in list(self._routes) if k[0] == bootstrap_addr]:
             self._routes.pop(k, None)
 
     # ---------------------------------------------------------------- teardown
 
     def close(self) -> None:
-        """Stops the control thread, closes the agents (their open rooms fail), then SGLang's
-        zmq context of this manager with every socket it made (the rank socket, the cached
-        PUSH sockets to the other side's ranks and their monitors). Left to the garbage
+        """Stops the control thread (and the decode's heartbeat checker), closes the agents
+        (their open rooms fail), then SGLang's zmq context of this manager with every socket it
+        made (the rank socket, the cached PUSH sockets to the other side's ranks and their
+        monitors). Left to the garbage
         collector, that context's finaliser terminates it while those sockets are still open
         (their weak references are cleared first) and blocks whichever thread collected it,
         for good: seen in the test suite as a 2 s test taking 120 s."""
         self._stop.set()
-        t = getattr(self, "_thread", None)
-        if t is not None:
-            t.join(timeout=5)
+        beat = getattr(self, "_heartbeat_shutdown", None)
+        if beat is not None:
+            beat.set()
+        for t in (getattr(self, "_thread", None), getattr(self, "_heartbeat", None)):
+            if t is not None:
+                t.join(timeout=5)
         for a in self._agents:
             a.close()
         self._agents = []

@@ -32,10 +32,10 @@ a draft cache can only land in the peer's draft regions. An entry of item length
 its region (`RegionSpec.empty_layers`): no view, nothing moves for it.
 
 The layout's ``model`` field carries what SGLang itself requires to be equal on both sides (page
-size, KV dtype, KV head counts, PP size; the attention TP size for non-MLA pools, which this
-backend moves rank to rank): it is part of the layout hash both agents compare at the
-handshake, so a mismatch (another layer set, a draft cache on one side only, another kpool)
-fails the handshake with the differing field named.
+size, KV dtype, PP size; the attention TP size for non-MLA pools, which this backend moves rank
+to rank; a rank's KV heads are in its regions' bytes per token): it is part of the layout
+hash both agents compare at the handshake, so a mismatch (another layer set, a draft cache on
+one side only, another kpool) fails the handshake with the differing field named.
 
 Buffers are zero-copy views of SGLang's memory: numpy views of host pointers, or CUDA tensors
 built through ``__cuda_array_interface__`` for device pointers (the KV pool and DSA state on a
@@ -290,10 +290,11 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
             if built is not None:
                 regions.append(built[0])
                 buffers[g.name] = built[1]
-    head_num = getattr(kv_args, "kv_head_num", None) if not is_mla else 1
-    total_heads = getattr(kv_args, "total_kv_head_num", None) if not is_mla else 1
-    ident = (f"sglang;mla={int(is_mla)};dtype={dtype};page_size={ps};pp={parallel.pp_size};"
-             f"kv_heads={head_num}/{total_heads}")
+    # Only what both sides are given: SGLang's decode fills ``kv_head_num`` and
+    # ``total_kv_head_num`` only for its staging buffers (refused here), its prefill always for
+    # a non-MLA pool, so the head counts cannot be part of it. A rank's heads are in its bytes
+    # per token (the regions' planes) and, with the attention TP size, the model's.
+    ident = f"sglang;mla={int(is_mla)};dtype={dtype};page_size={ps};pp={parallel.pp_size}"
     if not is_mla:
         ident += f";attn_tp={parallel.attn_tp_size}"
     kv_layout = LayoutSpec(page_size_tokens=ps, kv_dtype=dtype, regions=tuple(regions),

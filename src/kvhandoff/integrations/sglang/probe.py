@@ -71,10 +71,11 @@ def scratch_pool(kv_args: Any, built: Built, device: str) -> Any:
     import torch
 
     ps = int(kv_args.page_size)
-    kv = built.kv_layout.region(built.kv_regions[0])
-    bpt = kv.bytes_per_token
-    if len(built.kv_regions) != 1:
+    # the target's main-KV regions (a draft pool's follow as draft_*: not probed)
+    if [n for n in built.kv_regions if not built.kv_layout.region(n).draft] != ["kv"]:
         raise NotProbed("an MHA pool (K and V buffers): the probe drives MLA pools only")
+    kv = built.kv_layout.region("kv")
+    bpt = kv.bytes_per_token
     if bpt == FP8_DS_MLA_BYTES:
         dtype, dim = torch.float8_e4m3fn, FP8_DS_MLA_BYTES
     elif bpt == (KV_LORA_RANK + ROPE_DIM) * 2:
@@ -216,7 +217,8 @@ def verify(kv_args: Any, built: Built, device: str) -> Outcome:
     """The probe at manager start: `Outcome` (verified, or not probed and why), or
     `LayoutProbeError` / `ConfigError` (refuse to start)."""
     has_dsa = built.dsa_slot is not None
-    cls = "DSATokenToKVPool" if has_dsa else "MLATokenToKVPool"
+    cls = "DSATokenToKVPool" if has_dsa else "MLATokenToKVPool" \
+        if "kv" in built.kv_regions else "an MHA pool"
     try:
         pool = scratch_pool(kv_args, built, device)
         cls = type(pool).__name__

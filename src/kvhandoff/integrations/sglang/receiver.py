@@ -12,7 +12,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
 )
 
-from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.errors import ConfigError, FailureKind, KVHandoffError
 from kvhandoff.integrations.sglang.conn import (
     KVHandoffKVManager,
     merge_states,
@@ -93,9 +93,17 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
         if self.conclude_state == KVPoll.Failed or self._agent_addrs is None:
             return
+        # after the metadata went out: it states this side's TP, so the prefill refuses the
+        # room too, with the same reason
+        refused = mgr.tp_refusal(int(self.prefill_info.attn_tp_size), int(mgr.attn_tp_size))
+        if refused is not None:
+            self._local_failure(refused)
+            return
         kv_addr, aux_addr, tail_addr = self._agent_addrs
         room = self.bootstrap_room
         assert room is not None
+        mgr.forget_released_rooms()
+        mgr.room_handles[int(room)] = self._handles  # SGLang's deferred release asks
         try:
             if len(pages):
                 h = mgr.agent.receiver(room, peer=kv_addr)
@@ -129,12 +137,18 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             return st
         st, reason = merge_states(self._handles)
         if st == KVPoll.Failed:
+            if any(h.failure_kind == FailureKind.PEER_LOST for h in self._handles):
+                # the prefill's agent is gone (silent, restarted): SGLang forgets that prefill
+                # as its heartbeat checker would (cached rank address, its other open rooms),
+                # and our routes, so the next request finds it where it restarted
+                self.kv_mgr._handle_node_failure(self.bootstrap_addr)
+            else:
+                # its agents may have restarted on new addresses; look them up again
+                self.kv_mgr.forget_routes(self.bootstrap_addr)
             self.kv_mgr.record_failure(self.bootstrap_room, reason or "failed")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             for h in self._handles:
                 h.abort(reason or "failed")
-            # the prefill's agents may be gone (restart: new addresses); look them up again
-            self.kv_mgr.forget_routes(self.bootstrap_addr)
         elif st == KVPoll.Success:
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
         else:
@@ -143,6 +157,9 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
 
     def clear(self) -> None:
         release_open(self._handles, "receiver cleared before the transfer ended")
+        # SGLang clears a failed receiver (failure_exception) before it decides to hold the
+        # pages: the rooms stay known to `is_abort_release_safe` until they are released
+        self.kv_mgr.forget_released_rooms()
         super().clear()
 
     def abort(self) -> None:

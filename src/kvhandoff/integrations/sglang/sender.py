@@ -25,11 +25,35 @@ from kvhandoff.integrations.sglang.layout import tail_pages
 log = logging.getLogger("kvhandoff.sglang")
 
 
+class AllOf:
+    """Complete when every one of its events is (``query()``): what the agent's event waiter
+    polls for a chunk that must wait on several (the chunk's own event and SGLang's early-send
+    event); it never synchronises."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = tuple(events)
+
+    def query(self) -> bool:
+        return all(bool(e.query()) for e in self.events)
+
+    def __repr__(self) -> str:
+        return f"AllOf({list(self.events)!r})"
+
+
+def all_of(events: list[Any]) -> Any:
+    """None, the one event, or `AllOf` them."""
+    evs = [e for e in events if e is not None]
+    return None if not evs else evs[0] if len(evs) == 1 else AllOf(evs)
+
+
 class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
     """Prefill side of one request."""
 
     kv_mgr: KVHandoffKVManager
     _transfer_start_time: float | None
+    _early_send_wait_event: Any  # set by SGLang's scheduler before an early send()
 
     def __init__(self, mgr: KVHandoffKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
@@ -39,10 +63,12 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         self._kv: Any = None  # the KV agent room's sender, once the first chunk opened it
         self._streamed = 0  # pages of `_chunks` the KV agent room has
         self._opened = False  # the last chunk came
-        # SGLang's event behind the chunk's KV writes: the agent waits for it on its own
-        # thread before reading the pages (layer_ready(layer, event)); the scheduler never
-        # blocks on it
-        self._event: Any = None
+        # The events the pages not yet marked ready wait on: each send()'s ``indices_event``
+        # and, for SGLang's early send of a cached prefix under overlap scheduling, the event
+        # it records on the forward stream (``_early_send_wait_event``: the previous step's
+        # forward may still write those pages). The agent waits for all of them on its own
+        # thread before reading (layers_ready(..., event)); the scheduler never blocks on them.
+        self._events: list[Any] = []
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None) -> None:
@@ -52,7 +78,9 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                                                                         state_indices)
         if skip:
             return
-        self._event = indices_event
+        # SGLang's event belongs to this one chunk (its common sender takes it the same way)
+        early, self._early_send_wait_event = self._early_send_wait_event, None
+        self._events += [e for e in (early, indices_event) if e is not None]
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -90,9 +118,14 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                 self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
             self._streamed = len(pages)
             self._kv.layers_ready(sorted({lid for r in b.kv_layout.regions
-                                          for lid in r.layer_ids}), self._event)
+                                          for lid in r.layer_ids}), self._take_event())
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
+
+    def _take_event(self) -> Any:
+        """The event guarding every page handed to the agent so far (and clears the list)."""
+        ev, self._events = all_of(self._events), []
+        return ev
 
     def _fail(self, reason: str) -> None:
         """Records `reason`, marks the room Failed and tells the decode ranks."""
@@ -118,6 +151,9 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                        f"{sorted(want)}")
             return
         b = mgr.built
+        # every room of the request reads pages the pending events guard (the aux slot and
+        # the tail are written by the same forward)
+        event = self._take_event()
         try:
             if len(pages):
                 table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
@@ -141,7 +177,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                         table[name] = pages[self._streamed:]
                     h.add_chunk(table, len(pages) * ps)
                 h.layers_ready(sorted({lid for r in b.kv_layout.regions
-                                       for lid in r.layer_ids}), self._event)
+                                       for lid in r.layer_ids}), event)
             if mgr.aux_agent is not None:
                 if self.aux_index is None:
                     raise ConfigError("aux_index: the last chunk came without SGLang's "
@@ -151,12 +187,13 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     room, pages={r.name: [int(self.aux_index)] for r in b.aux_layout.regions},
                     seq_len=1, num_decode_ranks=len(real))
                 self._handles.append(ah)
-                ah.layers_ready([r.layer_ids[0] for r in b.aux_layout.regions], self._event)
-            self._open_tail(state_indices, real)
+                ah.layers_ready([r.layer_ids[0] for r in b.aux_layout.regions], event)
+            self._open_tail(state_indices, real, event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
 
-    def _open_tail(self, state_indices: list[Any] | None, real: list[DecodeInfo]) -> None:
+    def _open_tail(self, state_indices: list[Any] | None, real: list[DecodeInfo],
+                   event: Any) -> None:
         """The kpool tail room: its live ring slots, when there are any (on both sides)."""
         mgr, b = self.kv_mgr, self.kv_mgr.built
         if mgr.tail_agent is None or b.tail_slot is None or b.tail_layout is None:
@@ -178,7 +215,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
             seq_len=len(pages), num_decode_ranks=len(real))
         self._handles.append(th)
         th.layers_ready(sorted({lid for r in b.tail_layout.regions for lid in r.layer_ids}),
-                        self._event)
+                        event)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
