@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                         v = again
                 print("\n".join(v.trace))
             print(f"FAIL seed {seed}: {v.invariant}: {v.detail}")
+            if v.cause:
+                print(f"  likely cause: {v.cause}")
             print(f"  replay: {replay_command(seed)}")
             if args.stop:
                 break

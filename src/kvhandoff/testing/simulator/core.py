@@ -51,6 +51,7 @@ from kvhandoff.testing.patterns import check_tokens, write_tokens
 PAGE_TOKENS = 16
 DECODE_FILL = 0xFF  # a decode page the engine takes (never a pattern byte: those are < 251)
 PREFILL_SCRIBBLE = 0xFE  # a prefill page handed back to its engine, which reuses it
+TICK_SLACK_S = 0.1  # how late a running agent's due tick may come (its loop is busy)
 REPLAY = "python -m kvhandoff.testing.simulator --seed {seed} --trace"
 
 
@@ -69,11 +70,12 @@ class Violation(AssertionError):
     """An invariant failed: which one, what was seen, at which step of which seed."""
 
     def __init__(self, invariant: str, detail: str, *, seed: int, step: int, now: float,
-                 trace: list[str]) -> None:
+                 trace: list[str], cause: str = "") -> None:
         self.invariant, self.detail, self.seed, self.step = invariant, detail, seed, step
-        self.now, self.trace = now, trace
+        self.now, self.trace, self.cause = now, trace, cause
+        why = f"\nlikely cause: {cause}" if cause else ""
         super().__init__(f"seed {seed}: invariant {invariant} broken at step {step} "
-                         f"(t={now:.3f}): {detail}\nreplay: {replay_command(seed)}")
+                         f"(t={now:.3f}): {detail}{why}\nreplay: {replay_command(seed)}")
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,10 @@ class Token:
     """The engine's handle identity of one room instance on one side (the session compares
     tokens by identity; a reused room id gets a new token)."""
 
-    __slots__ = ("inst", "room", "side")
+    __slots__ = ("inst", "opened_at", "room", "side")
 
-    def __init__(self, inst: int, room: int, side: str) -> None:
-        self.inst, self.room, self.side = inst, room, side
+    def __init__(self, inst: int, room: int, side: str, opened_at: float) -> None:
+        self.inst, self.room, self.side, self.opened_at = inst, room, side, opened_at
 
     def __repr__(self) -> str:
         return f"room {self.room}#{self.inst}@{self.side}"
@@ -234,6 +236,11 @@ class Simulation(MemoryWire):
         self.last_fault = 0.0
         self.flip_next = False
         self._fid = 0
+        # what the causes of a violation are read from (`_release_cause`)
+        self.accepted: dict[Token, bool] = {}  # decode rooms that read a TransferAccepted
+        self.quarantined: set[tuple[str, int]] = set()  # (decode, room) freed by quarantine
+        self.release_cause: dict[Token, str] = {}
+        self._delivering: tuple[Any, float] | None = None
         self._build()
 
     # ------------------------------------------------------------------ the scenario
@@ -317,16 +324,35 @@ class Simulation(MemoryWire):
         if self.tracing:
             self.trace.append(f"{self.steps:5d} t={self.clock():9.3f} {text}")
 
-    def violation(self, invariant: str, detail: str) -> Violation:
+    def violation(self, invariant: str, detail: str, cause: str = "") -> Violation:
         self.note(f"VIOLATION {invariant}: {detail}")
         return Violation(invariant, detail, seed=self.seed, step=self.steps, now=self.clock(),
-                         trace=self.trace)
+                         trace=self.trace, cause=cause)
+
+    def _release_cause(self, tok: Token) -> str:
+        """Which known defect a decode release that broke an invariant looks like."""
+        if not self.accepted.get(tok):
+            return ("(a) the decode gave back the pages of a room whose TransferAccepted it "
+                    "never read, while the prefill had accepted and writes")
+        if (tok.side, tok.room) in self.quarantined:
+            return ("(b) the decode's write_quarantine_s passed while the prefill could still "
+                    "write")
+        msg = self._delivering
+        if msg is not None and isinstance(msg[0], P.AbortAck | P.Failed | P.Abort) \
+                and msg[1] < tok.opened_at:
+            return (f"(c) a {type(msg[0]).__name__} of an earlier room with id {tok.room} "
+                    "released this one")
+        return ""
 
     # ------------------------------------------------------------------ executing effects
 
     def feed(self, side: Side, event: ev.Event) -> None:
         if self.tracing:
             self.note(f"{side.name} <- {_short(event)}")
+        if isinstance(event, ev.MessageReceived) and isinstance(event.msg, P.TransferAccepted):
+            g = side.session.rooms.groups.get(event.msg.room)
+            if g is not None and isinstance(g.token, Token):
+                self.accepted[g.token] = True
         for eff in side.session.handle(event, self.clock()):
             self._execute(side, eff)
 
@@ -358,6 +384,8 @@ class Simulation(MemoryWire):
         elif isinstance(eff, Release):
             self._release(a, eff)
         elif isinstance(eff, Log):
+            if "never confirmed that its writes" in eff.message:
+                self.quarantined.add((side.name, int(eff.message.split()[1].rstrip(":"))))
             if self.tracing:
                 self.note(f"{side.name} log: {eff.message}")
         else:  # pragma: no cover - a new effect the simulator does not know
@@ -385,7 +413,7 @@ class Simulation(MemoryWire):
         q = self.channels.get((side.name, to))
         if q is None:
             q = self.channels[(side.name, to)] = deque()
-        q.append(wire)
+        q.append((wire, self.clock()))
 
     def _match(self, key: tuple[str, str, int]) -> None:
         """Two-sided: a send and a receive of one (sender, receiver, tag) become a transfer in
@@ -497,7 +525,8 @@ class Simulation(MemoryWire):
                     "landed-outside-room",
                     f"a write of {fl.writer.name} for {fl.dst_token} landed in page {page} of "
                     f"{dest.name} ({part.dst_buf}), which "
-                    + ("the engine got back (free)" if owner is None else f"{owner} holds"))
+                    + ("the engine got back (free)" if owner is None else f"{owner} holds"),
+                    self.release_cause.get(fl.dst_token, "") if fl.dst_token else "")
             if page not in offered:
                 raise self.violation(
                     "landed-outside-room",
@@ -590,7 +619,10 @@ class Simulation(MemoryWire):
                 f"{tok} ended Success with {bad} byte(s) that differ from the prefill's "
                 f"(checksum {a.checksum} here, "
                 f"{'/'.join(self.agents[p].checksum for p in inst.prefills)} on the prefill; "
-                f"a byte was {'flipped' if inst.flipped else 'not flipped'})")
+                f"a byte was {'flipped' if inst.flipped else 'not flipped'})",
+                "(d) the decode checks checksums (full) but the prefill sent none (off)"
+                if a.checksum == "full" and any(self.agents[p].checksum == "off"
+                                                for p in inst.prefills) else "")
 
     def _release(self, a: Agent, eff: Release) -> None:
         tok = eff.token
@@ -602,6 +634,7 @@ class Simulation(MemoryWire):
         inst = self._instance(tok)
         pages = inst.pages.get(a.name)
         if a.role is Role.DECODE:
+            cause = self.release_cause[tok] = self._release_cause(tok)
             for fl in self.flights.values():
                 if fl.dest is a and self._can_land(fl) and pages is not None and any(
                         p in pages for part in fl.parts[fl.landed:] for p in part.pages):
@@ -610,7 +643,7 @@ class Simulation(MemoryWire):
                         f"{a.name} released {tok} (pages {sorted(pages.tolist())}) while a "
                         f"write of {fl.writer.name} for {fl.dst_token} into pages "
                         f"{sorted({p for x in fl.parts for p in x.pages})} can still land "
-                        f"(flight {fl.fid}, posted t={fl.posted_at:.3f})")
+                        f"(flight {fl.fid}, posted t={fl.posted_at:.3f})", cause)
         else:
             for fl in self.flights.values():
                 if fl.writer is a and fl.src_token is tok and self._can_land(fl):
@@ -646,14 +679,16 @@ class Simulation(MemoryWire):
         what, _ = s.actions[0]
         if what != "open":
             return True
-        # the engine reopens a room id once it saw its previous room there end
+        # a room id is reused (by the router, for a new request) once every engine of the
+        # previous room with that id saw it end: terminal, its pages possibly not yet back
         for other in self.instances[:s.inst.serial]:
-            if other.room == s.inst.room:
-                tok = other.tokens.get(s.agent.name)
-                if tok is not None and not self.views.get(tok, View(0)).done:
-                    return False
-                if tok is None and any(x.inst is other and x.agent is s.agent and x.actions
-                                       for x in self.scripts):
+            if other.room != s.inst.room:
+                continue
+            for name in other.prefills + other.decodes:
+                if not self.agents[name].alive:
+                    continue
+                tok = other.tokens.get(name)
+                if tok is None or not self.views.get(tok, View(0)).done:
                     return False
         n = -(-s.inst.seq_len // PAGE_TOKENS)
         return s.agent.role is Role.DECODE or len(s.agent.free) >= n
@@ -664,7 +699,7 @@ class Simulation(MemoryWire):
         lay = a.side.session.layout
         n = -(-inst.seq_len // PAGE_TOKENS)
         if what == "open":
-            tok = inst.tokens[a.name] = Token(inst.serial, inst.room, a.name)
+            tok = inst.tokens[a.name] = Token(inst.serial, inst.room, a.name, self.clock())
             if a.role is Role.PREFILL:
                 pages = self._alloc(a, n, tok)
                 assert pages is not None
@@ -732,6 +767,7 @@ class Simulation(MemoryWire):
             tok = rng.choice(open_)
             reason = "engine abort" if kind == "abort" else "engine timeout"
             desc = f"{reason} of {tok}"
+            self.note(f"FAULT {desc}")
             self.feed(self.agents[tok.side].side, ev.AbortRoom(tok.room, tok, reason))
         elif kind == "flip":
             self.flip_next = True
@@ -742,7 +778,8 @@ class Simulation(MemoryWire):
             desc = f"clock jumps {dt:.2f}s"
         self.faults.append(desc)
         self.last_fault = max(self.last_fault, self.clock())
-        self.note(f"FAULT {desc}")
+        if kind not in ("abort", "timeout"):
+            self.note(f"FAULT {desc}")
 
     def _died(self, a: Agent) -> None:
         """`a`'s process ended: its writes stop, its queued work is gone, transports that
@@ -795,8 +832,11 @@ class Simulation(MemoryWire):
         return out
 
     def _deliver(self, key: tuple[str, str]) -> None:
-        msg = self.channels[key].popleft()
-        self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
+        msg, _ = self._delivering = self.channels[key].popleft()
+        try:
+            self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
+        finally:
+            self._delivering = None
 
     def _complete(self) -> None:
         ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
@@ -827,6 +867,16 @@ class Simulation(MemoryWire):
             if fl.writer.running and self.clock() > fl.bound_at:
                 self._end(fl, "the transport gave up the write (its bound passed)")
 
+    def _step_dt(self) -> float:
+        """How far the clock moves in one step: a little, and never more than
+        `TICK_SLACK_S` past the time a running agent's tick is due (a control loop runs on
+        time unless a fault stops it: a pause, a clock jump)."""
+        dt = min(self.rng.expovariate(8.0), 0.6)
+        due = [a.side.session.next_wakeup() for a in self.agents.values() if a.running]
+        if due:
+            dt = min(dt, max(0.0, min(due) + TICK_SLACK_S - self.clock()))
+        return dt
+
     def _pick(self, choices: list[tuple[float, Callable[[], None]]]) -> Callable[[], None]:
         total = sum(w for w, _ in choices)
         x = self.rng.random() * total
@@ -855,7 +905,7 @@ class Simulation(MemoryWire):
             self.steps += 1
             choices = self._choices(True)
             if self.rng.random() < 0.08 or not choices:
-                self._advance(min(self.rng.expovariate(8.0), 0.6))
+                self._advance(self._step_dt())
                 continue
             self._pick(choices)()
         self.faults_left = 0
@@ -893,6 +943,10 @@ class Simulation(MemoryWire):
 
     def _final_checks(self) -> None:
         for inst in self.instances:
+            if len(inst.prefills) > 1:
+                # TP fan-in: one prefill rank's leg may end Success before another rank's
+                # failure fails the decode's room (the first rank delivered all it had to)
+                continue
             for p in inst.prefills:
                 tp = inst.tokens.get(p)
                 if tp is None or not self.agents[p].alive:
