@@ -235,11 +235,14 @@ class Simulation(MemoryWire):
         self.faults_left = 0
         self.last_fault = 0.0
         self.flip_next = False
+        #: scripted runs: what every cancel does (< 0.7: stops the write, < 0.95: the write
+        #: lands first and the cancel is confirmed after, else the cancel fails); None: the PRNG
+        self.cancel_roll: float | None = None
         self._fid = 0
         # what the causes of a violation are read from (`_release_cause`)
-        self.accepted: dict[Token, bool] = {}  # decode rooms that read a TransferAccepted
         self.quarantined: set[tuple[str, int]] = set()  # (decode, room) freed by quarantine
         self.release_cause: dict[Token, str] = {}
+        self.stale_stop: dict[Token, str] = {}  # rooms a message of an earlier room reached
         self._delivering: tuple[Any, float] | None = None
         self._build()
 
@@ -331,17 +334,19 @@ class Simulation(MemoryWire):
 
     def _release_cause(self, tok: Token) -> str:
         """Which known defect a decode release that broke an invariant looks like."""
-        if not self.accepted.get(tok):
+        g = self.agents[tok.side].side.session.rooms.groups.get(tok.room)
+        # (a leg's phase is RELEASED by now; one_sided is set when its TransferAccepted is read)
+        if g is not None and g.token is tok and not any(leg.one_sided for leg in g.legs):
             return ("(a) the decode gave back the pages of a room whose TransferAccepted it "
                     "never read, while the prefill had accepted and writes")
         if (tok.side, tok.room) in self.quarantined:
             return ("(b) the decode's write_quarantine_s passed while the prefill could still "
                     "write")
-        msg = self._delivering
-        if msg is not None and isinstance(msg[0], P.AbortAck | P.Failed | P.Abort) \
-                and msg[1] < tok.opened_at:
-            return (f"(c) a {type(msg[0]).__name__} of an earlier room with id {tok.room} "
-                    "released this one")
+        stale = self.stale_stop.get(tok)
+        if stale is not None:
+            return (f"(c) the prefill's {stale} said its writes stopped while this room's "
+                    "were in flight: a message of an earlier room with this id (reopened "
+                    "before that room's pages came back)")
         return ""
 
     # ------------------------------------------------------------------ executing effects
@@ -349,10 +354,6 @@ class Simulation(MemoryWire):
     def feed(self, side: Side, event: ev.Event) -> None:
         if self.tracing:
             self.note(f"{side.name} <- {_short(event)}")
-        if isinstance(event, ev.MessageReceived) and isinstance(event.msg, P.TransferAccepted):
-            g = side.session.rooms.groups.get(event.msg.room)
-            if g is not None and isinstance(g.token, Token):
-                self.accepted[g.token] = True
         for eff in side.session.handle(event, self.clock()):
             self._execute(side, eff)
 
@@ -575,7 +576,7 @@ class Simulation(MemoryWire):
                 continue
             if tag is not None and tag not in fl.tags:
                 continue
-            roll = self.rng.random()
+            roll = self.rng.random() if self.cancel_roll is None else self.cancel_roll
             if roll < 0.7:
                 self._end(fl, "cancelled")
             elif roll < 0.95 or not fl.writer.alive:
@@ -805,6 +806,81 @@ class Simulation(MemoryWire):
             if s.agent is a:
                 s.actions.clear()
 
+    # ------------------------------------------------------------------ scripted schedules
+
+    def add_instance(self, room: int, prefills: list[str], decodes: list[str],
+                     seq_len: int = 40) -> Instance:
+        """A room instance the test drives (`engine`), besides the seed's own."""
+        inst = Instance(len(self.instances), room, pattern=200 + len(self.instances),
+                        seq_len=seq_len, prefills=list(prefills), decodes=list(decodes))
+        self.instances.append(inst)
+        layers = self.agents[prefills[0]].side.session.ctx.layers
+        for p in prefills:
+            self.scripts.append(Script(inst, self.agents[p], deque(
+                [("open", 0)] + [("ready", lid) for lid in layers])))
+        for d in decodes:
+            self.scripts.append(Script(inst, self.agents[d], deque([("open", 0), ("init", 0)])))
+        return inst
+
+    def engine(self, inst: Instance, side: str) -> None:
+        """Runs every engine call `side` has left for `inst` now (open, pages, layers)."""
+        for s in self.scripts:
+            if s.inst is inst and s.agent.name == side:
+                while s.actions and self._script_ready(s):
+                    self._engine(s)
+
+    def abort(self, inst: Instance, side: str, reason: str = "engine abort") -> None:
+        """The engine of `side` aborts its room of `inst`."""
+        tok = inst.tokens[side]
+        self.note(f"FAULT {reason} of {tok}")
+        self.faults.append(f"{reason} of {tok}")
+        self.last_fault = self.clock()
+        self.feed(self.agents[side].side, ev.AbortRoom(tok.room, tok, reason))
+
+    def pause(self, side: str, seconds: float) -> None:
+        """Stops `side` (SIGSTOP) for `seconds` of simulated time."""
+        self.agents[side].paused_until = self.clock() + seconds
+        self.last_fault = self.clock() + seconds
+        self.note(f"FAULT {side} paused for {seconds:.2f}s")
+
+    def queued(self, src: str, dst: str) -> list[Any]:
+        """The control messages in flight from `src` to `dst`, oldest first."""
+        return [m for m, _ in self.channels.get((src, dst), ())]
+
+    def deliver(self, src: str, dst: str, n: int = 1) -> None:
+        """Delivers the next `n` control messages from `src` to `dst`."""
+        for _ in range(n):
+            self._deliver((src, dst))
+
+    def drain(self, *, land: bool = True, until: Callable[[], bool] | None = None) -> None:
+        """Runs every pending message, completion and peer-call answer (and lands every
+        write when `land`) until none is left or `until()` holds, without moving the clock.
+
+        Raises:
+            AssertionError: `until` was given and never held.
+        """
+        while until is None or not until():
+            if land and self.flights:
+                self._land(next(iter(self.flights.values())))
+                continue
+            key = next((k for k, q in self.channels.items() if q
+                        and self.agents[k[1]].running), None)
+            if key is not None:
+                self._deliver(key)
+                continue
+            ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
+            if ready:
+                a, make = self.pending.pop(ready[0])
+                self.feed(a.side, make())
+                continue
+            key = next((k for k, q in self.calls.items() if q
+                        and self.agents[k[0]].running), None)
+            if key is None:
+                if until is not None:
+                    raise AssertionError("nothing left to run and the condition never held")
+                return
+            self._answer_call(key)
+
     # ------------------------------------------------------------------ the scheduler
 
     def _choices(self, faults: bool) -> list[tuple[float, Callable[[], None]]]:
@@ -832,7 +908,18 @@ class Simulation(MemoryWire):
         return out
 
     def _deliver(self, key: tuple[str, str]) -> None:
-        msg, _ = self._delivering = self.channels[key].popleft()
+        msg, sent_at = self._delivering = self.channels[key].popleft()
+        dest = self.agents[key[1]]
+        if dest.role is Role.DECODE and (isinstance(msg, P.AbortAck) or isinstance(
+                msg, P.Failed | P.Abort) and msg.writes_stopped):
+            # "my writes stopped" while the shadow model holds writes of this room in flight:
+            # a message of an earlier room with the same id (or a lie)
+            g = dest.side.session.rooms.groups.get(msg.room)
+            tok = g.token if g is not None else None
+            if isinstance(tok, Token) and any(fl.dst_token is tok and self._can_land(fl)
+                                              for fl in self.flights.values()):
+                self.stale_stop[tok] = (f"{type(msg).__name__} sent at t={sent_at:.3f} "
+                                        f"(this room opened at t={tok.opened_at:.3f})")
         try:
             self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
         finally:
