@@ -53,7 +53,7 @@ def open_until_accepted(sim: Simulation, room: int = 7) -> Instance:
 
 def run(sim: Simulation) -> None:
     try:
-        sim.run()
+        sim.play()
     except AssertionError:
         print("\n".join(sim.trace[-60:]))
         raise

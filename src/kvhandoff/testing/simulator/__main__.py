@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def _trace_of(seed: int) -> list[str]:
     from kvhandoff.testing.simulator.core import Simulation
     sim = Simulation(seed, trace=True)
-    sim.run()
+    sim.play()
     return sim.trace
 
 

@@ -209,8 +209,9 @@ class Script:
 
 
 class Simulation(MemoryWire):
-    """One seeded run (see the package doc). `run()` raises `Violation` or returns an
-    `Outcome`."""
+    """One seeded run (see the package doc). `play()` raises `Violation` or returns an
+    `Outcome`. A test may script the start of a schedule (`add_instance`, `engine`,
+    `deliver`, `drain`, `pause`, `abort`) and `play()` the rest."""
 
     def __init__(self, seed: int, config: SimConfig | None = None, *,
                  trace: bool = False) -> None:
@@ -372,12 +373,12 @@ class Simulation(MemoryWire):
             error = None if peer is not None and peer.alive else f"no process at {eff.peer}"
             self._call(a, eff.peer, ev.Connected(eff.peer, error, eff.gen))
         elif isinstance(eff, Cancel):
-            self._cancel(a, eff.peer, eff.tag)
+            self._stop_ops(a, eff.peer, eff.tag)
         elif isinstance(eff, DropPeer):
             peer = self.agents.get(eff.peer)
             if peer is not None and not peer.alive and peer.exit_known:
                 self._call(a, eff.peer, ev.PeerExited(eff.peer, eff.gen))
-            self._cancel(a, eff.peer, None)
+            self._stop_ops(a, eff.peer, None)
         elif isinstance(eff, HashSpans):
             self.pending.append((a, _hasher(side, eff)))
         elif isinstance(eff, RoomUpdate):
@@ -556,7 +557,7 @@ class Simulation(MemoryWire):
             if w.agent.alive:
                 self._call(w.agent, w.peer, ev.Cancelled(w.peer, w.tag, error))
 
-    def _cancel(self, a: Agent, peer: str, tag: int | None) -> None:
+    def _stop_ops(self, a: Agent, peer: str, tag: int | None) -> None:
         """`Cancel` (a tag) or `DropPeer` (tag None) of `a`'s ops with `peer`: ops not yet
         matched end at once; a flight is stopped before it lands, or lands first (the answer
         waits for it), or the cancel fails (answered with an error; the flight may land)."""
@@ -798,10 +799,10 @@ class Simulation(MemoryWire):
                         self.pending.append((self.agents[op.side.name],
                                              _op_done(op.op, f"peer {a.name} is gone")))
         self.pending = [(x, f) for x, f in self.pending if x is not a]
-        for key in [k for k in self.channels if k[1] == a.name]:
-            del self.channels[key]
-        for key in [k for k in self.calls if k[0] == a.name]:
-            del self.calls[key]
+        for pair in [k for k in self.channels if k[1] == a.name]:
+            del self.channels[pair]
+        for pair in [k for k in self.calls if k[0] == a.name]:
+            del self.calls[pair]
         for s in self.scripts:
             if s.agent is a:
                 s.actions.clear()
@@ -983,7 +984,7 @@ class Simulation(MemoryWire):
         return all(v.done and v.releases == 1 for t, v in self.views.items()
                    if self.agents[t.side].alive)
 
-    def run(self) -> Outcome:
+    def play(self) -> Outcome:
         """Runs the seed to its end; raises `Violation` when an invariant breaks."""
         cfg = self.config
         while self.steps < cfg.max_steps:
@@ -1112,7 +1113,7 @@ def _short(x: object) -> str:
 
 def run_seed(seed: int, config: SimConfig | None = None, *, trace: bool = False) -> Outcome:
     """Runs one seed; raises `Violation` (with the trace when `trace`)."""
-    return Simulation(seed, config, trace=trace).run()
+    return Simulation(seed, config, trace=trace).play()
 
 
 def run_seeds(seeds: Iterable[int], config: SimConfig | None = None
