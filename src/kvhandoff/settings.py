@@ -119,8 +119,9 @@ class Settings(BaseSettings):
     write_quarantine_s: float = Field(
         10.0, gt=0, description="One-sided writes: when the prefill of a room is lost mid-"
         "transfer, the decode fails the room at once but holds its pages this long before "
-        "releasing them (a stopped, not dead, prefill could still write into them). A Failed, "
-        "Abort or AbortAck from the prefill releases them at once.")
+        "releasing them (a stopped, not dead, prefill could still write into them), and never "
+        "less than stall_timeout_s + 2 heartbeats (the writer's own bound on stopping a "
+        "copy). A Failed, Abort or AbortAck from the prefill releases them at once.")
     allocation_policy: AllocationPolicy = Field(
         AllocationPolicy.EARLY, description="When the decode reserves a request's pages "
         "(SGLang's --disaggregation-decode-allocation-policy): early (the transfer request "

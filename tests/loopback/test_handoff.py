@@ -97,8 +97,10 @@ def handoff(bootstrap_server: Callable[..., str], request: pytest.FixtureRequest
 
 def settings(transport: str, **extra: Any) -> dict[str, Any]:
     st = {"transport": transport, "heartbeat_interval_s": CALM_HB_S, **extra}
-    if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait this long
+    if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait the
+        # write quarantine (at least stall_timeout_s + 2 heartbeats: 4 s here)
         st.setdefault("write_quarantine_s", 2.0)
+        st.setdefault("stall_timeout_s", 2.0)
     return st
 
 

@@ -153,6 +153,11 @@ class DataPath:
         r.planes = planes
         r.advance(LegPhase.REQUESTED)
         r.xfer = self.ctx.next_xfer()
+        # This request carries our buffers' descriptors (offered in our Hello): the prefill
+        # may write into the pages it names from the moment it accepts, which can be before
+        # its TransferAccepted reaches us. The pages are fenced from now on (released only
+        # once its writes stopped, or after the quarantine), cleared by a two-sided accept.
+        r.remote_writes = r.remote_writes or self.ctx.me.writes
         # admission (issue 17): the policy, and what was reserved (early) or is free
         policy = self.ctx.settings.allocation_policy
         early = policy is AllocationPolicy.EARLY
@@ -308,6 +313,8 @@ class DataPath:
         if msg.one_sided:
             r.one_sided = r.remote_writes = True
             self.ctx.counters["rooms_one_sided"] += 1
+        else:  # the prefill sends two-sided: it never writes into our pages
+            r.remote_writes = False
         self.rooms.apply(r, TransferAccepted())
         for layer in r.layers:
             self.post_recv_layer(r, Unit(layer), 0)
@@ -552,6 +559,18 @@ class DataPath:
             return
         regions = tuple(self._regions_of(r, unit))
         if len(r.recv_done.get(key, ())) < len(regions):
+            return
+        ctx = self.ctx
+        unsummed = [n for n in regions if sums.get(n) is None]
+        if unsummed and wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
+                                       len(ctx.layers)):
+            # a prefill that did not say its mode in its Hello (older) and sums less than
+            # this decode verifies: never end Success with these bytes unchecked
+            why = (f"checksum: decode={ctx.settings.checksum.value!r} verifies layer "
+                   f"{unit.layer} but the prefill sent no sum of {unsummed[0]!r} (its "
+                   "checksum mode sums fewer layers)")
+            self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
+                            failure=Failure(FailureKind.CHECKSUM, why))
             return
         # the writer's verification (one-sided, same host): its read-back must equal the
         # source sum, and the plan it wrote by must be this side's; those regions are not

@@ -1,5 +1,5 @@
 """The peer handshake, sans-IO: a peer's record (`Peer`, its state an enum) and the checks of a
-`Hello` (HMAC, transport kind, role, layout compatibility).
+`Hello` (HMAC, transport kind, role, checksum modes, layout compatibility).
 
 A peer goes NEW -> HELLO_SENT (we said Hello first) -> CONNECTING (its Hello/HelloAck passed
 the checks; the transport connects) -> MATCHED, or to REJECTED from any of them (its layout
@@ -42,6 +42,27 @@ class PeerState(enum.Enum):
 
 
 MEMORY_KINDS = ("host", "cuda")
+#: checksum modes from the weakest to the strictest (the layers each sums: none, every 4th
+#: and the last, all; each one's layers include the previous one's)
+CHECKSUM_MODES = ("off", "sampled", "full")
+
+
+def checksum_problem(prefill: str, decode: str) -> str | None:
+    """Why a prefill summing by mode `prefill` cannot serve a decode verifying by mode
+    `decode` (None: it can): the decode checks landed bytes only against the sums the
+    prefill sends, so a prefill that sums fewer layers than the decode requires would leave
+    layers unverified while the decode believes them checked. Both sides compute the same
+    answer and refuse each other, naming both modes. An empty mode (an older peer that does
+    not say) is not refused here; its layers are checked as their sums come."""
+    for side, mode in (("prefill", prefill), ("decode", decode)):
+        if mode and mode not in CHECKSUM_MODES:
+            return (f"checksum: {side} says {mode!r}; expected one of "
+                    f"{', '.join(CHECKSUM_MODES)}")
+    if prefill and decode and CHECKSUM_MODES.index(prefill) < CHECKSUM_MODES.index(decode):
+        return (f"checksum: decode={decode!r} verifies more layers than prefill={prefill!r} "
+                f"sums; set the prefill's checksum to {decode!r} (or the decode's to "
+                f"{prefill!r})")
+    return None
 
 
 def buffer_name(region: str, layer: int) -> str:
@@ -117,6 +138,8 @@ class Identity:
     writes: bool = False
     #: where this agent's KV buffers live, "host" or "cuda" (`BufferSet.memory`)
     memory: str = "host"
+    #: its checksum mode, as its Hello says it (the session sets it from `Settings.checksum`)
+    checksum: str = ""
 
     def hello(self, cls: type[P.Hello]) -> P.Hello:
         """This agent's Hello (or HelloAck), signed when a shared secret is set."""
@@ -124,7 +147,7 @@ class Identity:
                   role=self.role.value, transport=self.transport_kind,
                   transport_address=self.transport_address, layout=self.layout.to_dict(),
                   layout_hash=self.layout_hash, buffers=list(self.buffers),
-                  memory=self.memory)
+                  memory=self.memory, checksum=self.checksum)
         return P.sign_hello(msg, self.hmac_secret) if self.hmac_secret else msg
 
     def verifies(self, msg: P.Hello) -> bool:
@@ -145,6 +168,11 @@ class Identity:
         if msg.memory not in MEMORY_KINDS:
             return [f"memory: peer says {msg.memory!r}; expected one of "
                     f"{', '.join(MEMORY_KINDS)}"], None
+        modes = ((self.checksum, msg.checksum) if self.role is Role.PREFILL
+                 else (msg.checksum, self.checksum))
+        ck = checksum_problem(*modes)
+        if ck is not None:
+            return [ck], None
         try:
             theirs = LayoutSpec.from_dict(msg.layout)
         except KVHandoffError as e:

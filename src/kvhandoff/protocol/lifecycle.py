@@ -11,7 +11,10 @@ Rules:
 - One leg failing fails its room: every other leg of the room is failed with the reason.
 - A failed cancel (a copy that did not stop) keeps the leg's pages held until
   `write_quarantine_s`, counted and logged; so does a decode whose one-sided prefill never
-  confirmed its writes stopped.
+  confirmed its writes stopped (`write_quarantine`: never shorter than the writer's own bound
+  on stopping a copy, stall_timeout_s, plus two heartbeats). A decode leg counts as written
+  into from the TransferRequest that offered its buffers on (`Leg.remote_writes`).
+- A room id is opened again only once its previous use is released (`refuse_reopen`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvhandoff.protocol.effects import INFO, WARNING, Cancel, Notify, Release, R
 from kvhandoff.protocol.failures import failure_of
 from kvhandoff.protocol.reports import ReadOuts
 from kvhandoff.protocol.rooms import Group, Leg, LegPhase
+from kvhandoff.settings import Settings
 from kvhandoff.state_machine import (
     DeadlineConfig,
     FailureEvent,
@@ -34,6 +38,16 @@ from kvhandoff.state_machine import (
     Role,
     RoomMachine,
 )
+
+
+def write_quarantine(st: Settings) -> float:
+    """How long a decode holds a failed one-sided room's pages when its prefill never says
+    its writes stopped: `write_quarantine_s`, but never shorter than the writer's own bound on
+    stopping a copy (its transport waits `stall_timeout_s` for a cancelled copy to stop
+    before it calls it failed) plus two heartbeats (its word that it gave up, or its loss,
+    takes that long to be seen). Derived from this side's settings: both sides are expected
+    to run the same `stall_timeout_s` (docs/RELIABILITY.md)."""
+    return max(st.write_quarantine_s, st.stall_timeout_s + 2 * st.heartbeat_interval_s)
 
 
 class RoomTable:
@@ -58,9 +72,26 @@ class RoomTable:
         g = self.groups.get(room)
         return g if g is not None and g.token is token else None
 
+    def refuse_reopen(self, room: int, token: object) -> bool:
+        """A room id is reopened only once its previous use released its pages: until then
+        late messages of that use (an AbortAck, a Failed) would reach the new room, and a
+        one-sided writer may still write into the old pages. Such an open fails at once (its
+        token is told Failed and released: it holds nothing); the old room is left as it is."""
+        old = self.groups.get(room)
+        if old is None or old.released:
+            return False
+        state = "terminal, its pages not yet released" if old.done else "still open"
+        failure = Failure(FailureKind.INVALID_REQUEST,
+                          f"room {room}: opened again while its previous use is {state}; "
+                          "open it again once that one is released")
+        self.ctx.log(WARNING, failure.reason)
+        self.ctx.emit(RoomUpdate(token, KVPoll.Failed, failure, frozenset(), True))
+        self.ctx.emit(Release(token, room))
+        return True
+
     def new_group(self, room: int, token: object, expected: int | None) -> Group:
         old = self.groups.get(room)
-        if old is not None:  # a finished room with the same id: forget it
+        if old is not None:  # a released room with the same id: forget it
             for leg in old.legs:
                 self.legs.pop((room, leg.peer), None)
         g = Group(room=room, role=self.ctx.role, layers=self.ctx.layers, expected=expected,
@@ -124,7 +155,7 @@ class RoomTable:
                     r.cancelling.add(tag)
                     self.ctx.emit(Cancel(r.peer, tag))
             if r.remote_writes:  # the prefill may still write into our pages: see quarantine
-                self.ctx.later(self.ctx.settings.write_quarantine_s,
+                self.ctx.later(write_quarantine(self.ctx.settings),
                                lambda: self._quarantined(r))
         g = r.group
         if not ok and g.failure is None:
@@ -231,14 +262,15 @@ class RoomTable:
 
     def _quarantined(self, r: Leg) -> None:
         """Decode, one-sided: a failed leg's prefill never confirmed that its writes stopped
-        (it died, or is stopped or cut off): after `write_quarantine_s` the pages go back."""
+        (it died, or is stopped or cut off): after `write_quarantine` the pages go back."""
         if not r.remote_writes:
             return
         r.remote_writes = False
         self.ctx.counters["write_quarantines"] += 1
         self.ctx.log(WARNING, f"room {r.room}: prefill {r.peer} never confirmed that its "
                               f"writes into this room's pages stopped; releasing them after "
-                              f"write_quarantine_s={self.ctx.settings.write_quarantine_s:g}s")
+                              f"the write quarantine ({write_quarantine(self.ctx.settings):g}s: "
+                              "write_quarantine_s, at least stall_timeout_s + 2 heartbeats)")
         self.maybe_release(r)
 
     # ------------------------------------------------------------------ views and collection

@@ -32,6 +32,7 @@ its transport ops is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,8 @@ class TransferSession:
     `settings` (heartbeats, deadlines, checksums, retention), `now` (the clock at creation)."""
 
     def __init__(self, *, identity: Identity, settings: Settings, now: float) -> None:
+        # the Hello says this side's checksum mode (the peers compare them)
+        identity = dataclasses.replace(identity, checksum=settings.checksum.value)
         self.ctx = ctx = Context(identity=identity, settings=settings, now=now)
         self.readouts = ReadOuts()
         self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)
@@ -213,6 +216,8 @@ class TransferSession:
     # ------------------------------------------------------------------ engine events
 
     def _on_open_sender(self, e: ev.OpenSender) -> None:
+        if self.rooms.refuse_reopen(e.room, e.token):
+            return
         g = self.rooms.new_group(e.room, e.token, e.expected)
         g.seq_len, g.pages = e.seq_len, e.pages
         g.prompt_tokens = e.prompt_tokens
@@ -224,6 +229,8 @@ class TransferSession:
         self._abort_if_asked(g)
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
+        if self.rooms.refuse_reopen(e.room, e.token):
+            return
         g = self.rooms.new_group(e.room, e.token, None)
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
@@ -410,8 +417,9 @@ class TransferSession:
 
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
         rooms, ctx = self.rooms, self.ctx
-        if (isinstance(msg, P.AbortAck) or isinstance(msg, P.Failed | P.Abort)
-                and msg.writes_stopped) and r.remote_writes:
+        if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
+                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes:
+            # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
             # so the pages may be reused

@@ -77,6 +77,10 @@ class Hello(_Msg, tag="hello", frozen=True):
     # where the agent's KV buffers live: "host" or "cuda" (`BufferSet.memory`); it decides
     # the room's checksum algorithm (`handshake.checksum_alg`). Absent (an older peer): host.
     memory: str = "host"
+    # the sender's checksum mode (`Settings.checksum`: "full", "sampled" or "off"); a decode
+    # refuses a prefill that sums fewer layers than it verifies (`handshake.checksum_problem`).
+    # Absent (an older peer): unknown, checked per layer as its sums come.
+    checksum: str = ""
 
 
 class HelloAck(Hello, tag="hello_ack", frozen=True):
@@ -264,10 +268,13 @@ def _hello_body(msg: Hello) -> bytes:
     field order. `memory` is left out when it is "host" (its default), so the body of a host
     agent's Hello is byte for byte what a peer that predates the field signs and checks; a
     "cuda" Hello carries it (an older peer's check then fails: it cannot hand off device
-    memory anyway)."""
+    memory anyway). `checksum` is left out when "" or "full" (its default) for the same
+    reason."""
     m = msgspec.to_builtins(msgspec.structs.replace(msg, mac=b""), builtin_types=(bytes,))
     if m.get("memory") == "host":
         del m["memory"]
+    if m.get("checksum") in ("", "full"):
+        del m["checksum"]
     return _ENCODER.encode(m)
 
 

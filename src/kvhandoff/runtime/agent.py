@@ -331,11 +331,23 @@ class TransferAgent:
         v = RoomView(room, tuple(sorted(self._layers)), on_release)
         with self._open_lock:
             old = self._open.get(room)
+        if old is not None and old.done and not old.released and self._loop.running_elsewhere():
+            # its release usually follows the end at once (cancels confirmed, the peer's
+            # AbortAck): wait for it, bounded, rather than refuse
+            prev = old
+            prev.wait_until(lambda: prev.released, self.settings.heartbeat_interval_s)
+        with self._open_lock:
+            old = self._open.get(room)
             if old is not None and not old.done:
                 raise ConfigError(f"room {room}: already open on this agent")
+            if old is not None and not old.released:
+                raise ConfigError(
+                    f"room {room}: its previous use ended ({old.state.name}) but its pages are "
+                    "not released yet (a one-sided writer may still write into them); open "
+                    "the id again once that handle's `released` is true (`wait_released()`)")
             self._open[room] = v
-            if len(self._open) > self._open_high:  # forget finished rooms' views
-                self._open = {k: o for k, o in self._open.items() if not o.done}
+            if len(self._open) > self._open_high:  # forget released rooms' views
+                self._open = {k: o for k, o in self._open.items() if not o.released}
                 self._open_high = max(256, 2 * len(self._open))
         return v
 
@@ -456,7 +468,8 @@ class TransferAgent:
 
     def abort_room(self, v: RoomView, reason: str) -> None:
         """Aborts the room and returns once it is terminal (as the engine expects: `poll()`
-        says Failed, the room id may be opened again), bounded; from the control thread
+        says Failed; the room id may be opened again once it is also released), bounded; from
+        the control thread
         itself (an `on_release` callback) it only posts."""
         if v.done:
             return

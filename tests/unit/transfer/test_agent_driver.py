@@ -111,13 +111,15 @@ def test_a_failed_cancel_keeps_the_pages_held_until_the_quarantine() -> None:
     """One-sided over shm: a layer's write is in flight (stalled) when the prefill's engine
     aborts; the cancel raises. The prefill counts and logs it and tells the decode that its
     writes are not known stopped; the decode fails the room at once but frees its pages only
-    write_quarantine_s later (counted as a quarantine), the prefill likewise. The prefill's
-    bound is the longer one: its AbortAck, sent once its own bound passed, must not race the
+    after its write quarantine (counted as one: write_quarantine_s, at least stall_timeout_s
+    + 2 heartbeats, here 3 s), the prefill after its write_quarantine_s. The prefill's bound
+    is the longer one: its AbortAck, sent once its own bound passed, must not race the
     decode's quarantine (with equal bounds a decode slow to read the Abort got the AbortAck
     first under load and, rightly, released without a quarantine)."""
     lid = layers_of(tiny_layout())[1]
-    st = Settings(transport="shm", heartbeat_interval_s=CALM_HB, write_quarantine_s=1.0)
-    p = side("prefill", st.model_copy(update={"write_quarantine_s": 2.0}), 1,
+    st = Settings(transport="shm", heartbeat_interval_s=CALM_HB, write_quarantine_s=1.0,
+                  stall_timeout_s=1.0)
+    p = side("prefill", st.model_copy(update={"write_quarantine_s": 4.0}), 1,
              stall_layers=[lid], fail_cancel="the copy did not stop")
     d = side("decode", st, 2)
     try:

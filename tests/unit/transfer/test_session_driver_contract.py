@@ -78,11 +78,15 @@ def test_a_late_connect_answer_reads_the_messages_that_came_meanwhile() -> None:
 
 
 def test_a_failed_cancel_keeps_both_sides_pages_until_the_quarantine() -> None:
+    # (stall_timeout_s + 2 heartbeats under write_quarantine_s: the decode's quarantine is
+    # write_quarantine_s itself)
     w = MemoryWire()
     p = w.add("prefill:1", Role.PREFILL, layout(),
-              settings=settings(write_quarantine_s=QUARANTINE), writes=True)
+              settings=settings(write_quarantine_s=QUARANTINE, stall_timeout_s=1.0),
+              writes=True)
     d = w.add("decode:1", Role.DECODE, layout(),
-              settings=settings(write_quarantine_s=QUARANTINE), writes=True)
+              settings=settings(write_quarantine_s=QUARANTINE, stall_timeout_s=1.0),
+              writes=True)
     open_room(w, p, d, 1)
     w.run()
     w.hold_writes = True  # the first layer's write stays in flight

@@ -21,6 +21,7 @@ from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.lifecycle import write_quarantine
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
@@ -251,9 +252,9 @@ def test_silent_peer_is_lost_after_two_heartbeats(one_sided: bool) -> None:
         w.run()
     f = d.views[9].failure
     assert f is not None and f.kind is FailureKind.PEER_LOST and "silent" in f.reason
-    if one_sided:  # the frozen prefill could still write: held for write_quarantine_s
+    if one_sided:  # the frozen prefill could still write: held for the write quarantine
         assert d.views[9].releases == 0
-        w.tick(d.session.settings.write_quarantine_s)
+        w.tick(write_quarantine(d.session.settings))
         w.run()
     assert d.views[9].releases == 1  # its posted receives were cancelled, then released
     assert d.session.counters["peers_lost"] == 1

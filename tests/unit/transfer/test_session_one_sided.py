@@ -21,6 +21,7 @@ from kvhandoff.testing.memory import MemoryWire, Side
 from .test_session_memory import HB, bad_bytes, kinds, layers, layout, open_room, settings
 
 QUARANTINE = 4.0
+STALL = 2.0  # the writer's bound on stopping a copy: the quarantine may not be shorter
 
 
 def pair(*, prefill_writes: bool = True, decode_writes: bool = True,
@@ -29,7 +30,8 @@ def pair(*, prefill_writes: bool = True, decode_writes: bool = True,
     p = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(),
               writes=prefill_writes)
     d = w.add("decode:1", Role.DECODE, layout(),
-              settings=decode or settings(write_quarantine_s=QUARANTINE), writes=decode_writes)
+              settings=decode or settings(write_quarantine_s=QUARANTINE, stall_timeout_s=STALL),
+              writes=decode_writes)
     return w, p, d
 
 

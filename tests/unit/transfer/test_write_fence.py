@@ -1,0 +1,234 @@
+"""The decode's pages are not released while a one-sided writer may still write into them
+(issue 35), in memory (`MemoryWire`, fake clock): from the moment the decode sent a
+`TransferRequest` carrying its buffers, whatever it has or has not read since."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvhandoff.errors import FailureKind
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.lifecycle import write_quarantine
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing.memory import MemoryWire, Side
+
+from .test_session_memory import HB, bad_bytes, kinds, layers, open_room, settings
+from .test_session_memory import pair as mem_pair
+from .test_session_one_sided import QUARANTINE, all_ready, pair
+
+
+def test_an_abort_before_transfer_accepted_is_read_keeps_the_pages_until_writes_stop() -> None:
+    """The prefill accepts and writes at once; the decode aborts while the TransferAccepted
+    is still on the wire. Its pages stay held until the prefill's writes stopped (AbortAck),
+    never at the abort."""
+    w, p, d = pair()
+    w.hold(lambda frm, to, m: isinstance(m, P.TransferAccepted))
+    w.hold_writes = True  # the writes stay in flight until release_writes()
+    open_room(w, p, d, 1)
+    w.run()
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(1, 1, lid))
+    w.run()
+    assert len(w._writes_held) == len(layers(p.session.layout))  # in flight, unread
+    w.hold(lambda frm, to, m: frm == "decode:1")  # the Abort is on its way too
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].state is KVPoll.Failed
+    assert w._writes_held  # still writing
+    assert d.views[1].releases == 0  # writes are landing in these pages
+    w.release_held()  # the TransferAccepted, then the prefill reads the Abort and cancels
+    w.run()
+    assert p.views[1].state is KVPoll.Failed
+    assert not w._writes_held
+    assert d.views[1].releases == 1 and p.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 0
+
+
+def test_a_lost_prefill_before_transfer_accepted_holds_the_pages_for_the_quarantine() -> None:
+    w, p, d = pair()
+    w.drop(lambda frm, to, m: frm == "prefill:1" and not isinstance(m, P.Hello))
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(1, 1, lid))
+    w.run()
+    for _ in range(3):
+        w.tick(HB)
+        w.run()
+    assert d.views[1].state is KVPoll.Failed
+    assert d.views[1].releases == 0
+    w.tick(QUARANTINE)
+    w.run()
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 1
+
+
+def test_a_two_sided_accept_clears_the_fence() -> None:
+    """A prefill that answers two-sided never writes: an abort after its accept releases at
+    once (nothing to wait for)."""
+    w, p, d = pair(prefill_writes=False)
+    open_room(w, p, d, 1)
+    w.run()
+    w.drop(lambda frm, to, m: frm == "prefill:1")
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].state is KVPoll.Failed
+    assert d.views[1].releases == 1
+
+
+def test_a_room_id_is_reopened_only_after_its_release() -> None:
+    """The decode aborts; the prefill's AbortAck is still on the wire, so the pages are held.
+    Opening the same room id now fails that open (naming why) and leaves the old room alone:
+    the late AbortAck then reaches the old room and releases it; afterwards the id opens."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    w.hold(lambda frm, to, m: isinstance(m, P.AbortAck))
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].state is KVPoll.Failed and d.views[1].releases == 0
+    token = 1001
+    w.feed(d, ev.OpenReceiver(1, token, (("prefill:1", 0),)))
+    w.run()
+    again = d.views[token]
+    assert again.state is KVPoll.Failed and again.releases == 1
+    assert again.failure is not None and "previous use" in again.failure.reason
+    w.release_held()  # the late AbortAck of the first use
+    w.run()
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 0
+    token2 = 1002
+    w.feed(d, ev.OpenReceiver(1, token2, (("prefill:1", 0),)))
+    w.run()
+    assert d.views[token2].state is not KVPoll.Failed
+
+
+def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
+    """An AbortAck answers the end of a room; one that reaches a room still open (a late one
+    of an earlier use of the id) must not let its pages go while the writer writes."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    leg = d.session.rooms.legs[(1, "prefill:1")]
+    assert leg.remote_writes
+    pgen = p.session.ctx.me.generation
+    w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1)))
+    assert leg.remote_writes
+    w.hold(lambda frm, to, m: frm == "decode:1")
+    w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
+    w.run()
+    assert d.views[1].releases == 0
+
+
+# ---------------------------------------------------------------------------- checksum policy
+
+
+def checksum_pair(prefill: str, decode: str) -> tuple[MemoryWire, Side, Side]:
+    return mem_pair(prefill=settings(checksum=prefill), decode=settings(checksum=decode))
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("off", "full"), ("sampled", "full"),
+                                                 ("off", "sampled")])
+def test_a_decode_refuses_a_prefill_that_sums_less_than_it_verifies(prefill: str,
+                                                                     decode: str) -> None:
+    """The decode verifies only the layers the prefill summed: a weaker prefill would end in
+    Success with layers unchecked. Both sides refuse at the Hello, naming both modes."""
+    w, p, d = checksum_pair(prefill, decode)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert d.views[1].state is KVPoll.Failed
+    f = d.views[1].failure
+    assert f is not None
+    assert f"decode={decode!r}" in str(f) and f"prefill={prefill!r}" in str(f), f
+    assert "TransferRequest" not in kinds(w, "decode:1")
+    assert d.session.counters["checksums_verified"] == 0
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("full", "off"), ("full", "sampled"),
+                                                 ("sampled", "sampled"), ("off", "off")])
+def test_a_prefill_at_least_as_strict_serves_the_decode(prefill: str, decode: str) -> None:
+    w, p, d = checksum_pair(prefill, decode)
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0
+    assert (d.session.counters["checksums_verified"] > 0) == (prefill != "off")
+
+
+def test_a_prefill_that_does_not_say_its_mode_is_checked_per_layer() -> None:
+    """An older prefill (its Hello has no `checksum`) set to off, a decode set to full: the
+    first layer that comes without a sum fails the room, naming layer and mode; never
+    Success."""
+    w, p, d = checksum_pair("off", "full")
+    send = w._send
+
+    def older(side: Side, to: str, msg: object) -> None:
+        if isinstance(msg, P.Hello):
+            msg = msgspec.structs.replace(msg, checksum="")
+        send(side, to, msg)
+
+    w._send = older  # type: ignore[method-assign]
+    open_room(w, p, d, 1)
+    w.run()
+    all_ready(w, p, 1)
+    assert d.views[1].state is KVPoll.Failed
+    f = d.views[1].failure
+    assert f is not None and f.kind is FailureKind.CHECKSUM
+    assert "decode='full' verifies layer" in f.reason and "no sum" in f.reason
+    assert p.views[1].state is KVPoll.Failed
+
+
+def test_a_hello_with_an_unknown_mode_is_refused_naming_it() -> None:
+    w, p, d = checksum_pair("full", "full")
+    send = w._send
+
+    def bogus(side: Side, to: str, msg: object) -> None:
+        if isinstance(msg, P.Hello) and side is p:
+            msg = msgspec.structs.replace(msg, checksum="most")
+        send(side, to, msg)
+
+    w._send = bogus  # type: ignore[method-assign]
+    open_room(w, p, d, 1)
+    w.run()
+    f = d.views[1].failure
+    assert d.views[1].state is KVPoll.Failed and f is not None
+    assert "checksum: prefill says 'most'" in str(f), f
+
+
+# ---------------------------------------------------------------------------- quarantine bound
+
+
+def test_the_quarantine_is_never_shorter_than_the_writers_own_bound() -> None:
+    """write_quarantine_s (4 s) shorter than the writer's bound on stopping a copy
+    (stall_timeout_s, 30 s): a prefill frozen for 10 s could wake and go on copying into
+    pages released at 4 s. The decode holds them stall_timeout_s + 2 heartbeats."""
+    w, p, d = pair(decode=settings(write_quarantine_s=QUARANTINE, stall_timeout_s=30.0))
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    w.drop(lambda frm, to, m: frm == "prefill:1")  # frozen
+    for _ in range(3):
+        w.tick(HB)
+        w.run()
+    assert d.views[1].state is KVPoll.Failed and d.views[1].releases == 0
+    w.tick(10.0)  # past write_quarantine_s, not past the writer's bound
+    w.run()
+    assert d.views[1].releases == 0
+    assert write_quarantine(d.session.settings) == 30.0 + 2 * HB
+    w.tick(30.0 + 2 * HB - 10.0)
+    w.run()
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 1
+    assert any("stall_timeout_s + 2 heartbeats" in m for m in d.log)
