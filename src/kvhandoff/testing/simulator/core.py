@@ -853,6 +853,13 @@ class Simulation(MemoryWire):
         for _ in range(n):
             self._deliver((src, dst))
 
+    def busy(self) -> bool:
+        """Whether a message, completion or peer-call answer of a running agent is waiting
+        (what `drain` runs)."""
+        return (any(q and self.agents[k[1]].running for k, q in self.channels.items())
+                or any(a.running for a, _ in self.pending)
+                or any(q and self.agents[k[0]].running for k, q in self.calls.items()))
+
     def drain(self, *, land: bool = True, until: Callable[[], bool] | None = None) -> None:
         """Runs every pending message, completion and peer-call answer (and lands every
         write when `land`) until none is left or `until()` holds, without moving the clock.
