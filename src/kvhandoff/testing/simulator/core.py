@@ -335,6 +335,11 @@ class Simulation(MemoryWire):
 
     def _release_cause(self, tok: Token) -> str:
         """Which known defect a decode release that broke an invariant looks like."""
+        stale = self.stale_stop.get(tok)
+        if stale is not None:
+            return (f"(c) the prefill's {stale} said its writes stopped while this room's "
+                    "were in flight: a message of an earlier room with this id (reopened "
+                    "before that room's pages came back)")
         g = self.agents[tok.side].side.session.rooms.groups.get(tok.room)
         # (a leg's phase is RELEASED by now; one_sided is set when its TransferAccepted is read)
         if g is not None and g.token is tok and not any(leg.one_sided for leg in g.legs):
@@ -343,11 +348,6 @@ class Simulation(MemoryWire):
         if (tok.side, tok.room) in self.quarantined:
             return ("(b) the decode's write_quarantine_s passed while the prefill could still "
                     "write")
-        stale = self.stale_stop.get(tok)
-        if stale is not None:
-            return (f"(c) the prefill's {stale} said its writes stopped while this room's "
-                    "were in flight: a message of an earlier room with this id (reopened "
-                    "before that room's pages came back)")
         return ""
 
     # ------------------------------------------------------------------ executing effects
@@ -920,12 +920,13 @@ class Simulation(MemoryWire):
         dest = self.agents[key[1]]
         if dest.role is Role.DECODE and (isinstance(msg, P.AbortAck) or isinstance(
                 msg, P.Failed | P.Abort) and msg.writes_stopped):
-            # "my writes stopped" while the shadow model holds writes of this room in flight:
-            # a message of an earlier room with the same id (or a lie)
+            # "my writes stopped" sent before this room was opened, or while the shadow model
+            # holds writes of this room in flight: a message of an earlier room with the same
+            # id (or a transport's lie)
             g = dest.side.session.rooms.groups.get(msg.room)
             tok = g.token if g is not None else None
-            if isinstance(tok, Token) and any(fl.dst_token is tok and self._can_land(fl)
-                                              for fl in self.flights.values()):
+            if isinstance(tok, Token) and (sent_at < tok.opened_at or any(
+                    fl.dst_token is tok and self._can_land(fl) for fl in self.flights.values())):
                 self.stale_stop[tok] = (f"{type(msg).__name__} sent at t={sent_at:.3f} "
                                         f"(this room opened at t={tok.opened_at:.3f})")
         try:
