@@ -13,7 +13,13 @@ import sys
 import time
 from collections import Counter
 
-from kvhandoff.testing.simulator.core import Violation, replay_command, run_seed
+from kvhandoff.testing.simulator.core import (
+    SimConfig,
+    Simulation,
+    Violation,
+    replay_command,
+    run_seed,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,22 +35,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="print the step trace of --seed (or of each failing seed)")
     ap.add_argument("--stop", action="store_true", help="stop at the first failing seed")
+    ap.add_argument("--frozen-writer-resumes", action="store_true",
+                    help="a write whose writer was paused may land whenever it wakes, past "
+                    "its bound (as the shm writer's copy does today)")
     args = ap.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else range(args.first,
                                                             args.first + args.seeds)
+    cfg = SimConfig(frozen_writer_resumes=args.frozen_writer_resumes)
     failed: Counter[str] = Counter()
     t0 = time.perf_counter()
     n = 0
     for seed in seeds:
         n += 1
         try:
-            out = run_seed(seed, trace=args.trace and args.seed is not None)
+            out = run_seed(seed, cfg, trace=args.trace and args.seed is not None)
         except Violation as v:
             failed[v.invariant] += 1
             if args.trace:
                 if args.seed is None:
                     try:
-                        run_seed(seed, trace=True)
+                        run_seed(seed, cfg, trace=True)
                     except Violation as again:
                         v = again
                 print("\n".join(v.trace))
@@ -57,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.seed is not None:
             if args.trace:
-                print("\n".join(_trace_of(seed)))
+                print("\n".join(_trace_of(seed, cfg)))
             print(f"ok seed {seed}: {out.steps} steps, {out.sim_time_s:.1f}s simulated, "
                   f"{out.instances} room instance(s), faults {list(out.faults)}")
             print("  " + ", ".join(out.states))
@@ -67,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _trace_of(seed: int) -> list[str]:
-    from kvhandoff.testing.simulator.core import Simulation
-    sim = Simulation(seed, trace=True)
+def _trace_of(seed: int, cfg: SimConfig) -> list[str]:
+    sim = Simulation(seed, cfg, trace=True)
     sim.play()
     return sim.trace
 

@@ -88,6 +88,10 @@ class SimConfig:
     max_faults: int = 4
     max_steps: int = 5000  # steps of the main phase; then no new fault, and the run settles
     settings: tuple[tuple[str, Any], ...] = ()
+    #: a write whose writer was stopped (paused) while it was in flight may land whenever the
+    #: writer wakes, past its bound (the shm writer's copy does: docs/RELIABILITY.md, open);
+    #: False: the transport gives up every write `stall_timeout_s` after its post
+    frozen_writer_resumes: bool = False
     #: force these per-seed choices (tests that script one defect): e.g. ("checksum", ...)
     force: tuple[tuple[str, Any], ...] = ()
 
@@ -187,6 +191,7 @@ class Flight:
     src_token: Token | None = None
     dst_token: Token | None = None
     landed: int = 0
+    frozen: bool = False  # its writer was stopped while it was in flight
     digests: list[int | None] = field(default_factory=list)
     waiters: list[CancelWait] = field(default_factory=list)
 
@@ -482,7 +487,9 @@ class Simulation(MemoryWire):
     # ------------------------------------------------------------------ landing and ending
 
     def _can_land(self, fl: Flight) -> bool:
-        return fl.writer.alive and self.clock() <= fl.bound_at
+        if not fl.writer.alive:
+            return False
+        return self.clock() <= fl.bound_at or (fl.frozen and self.config.frozen_writer_resumes)
 
     def _land(self, fl: Flight) -> None:
         """Lands the flight's next part into the destination's memory (checking where)."""
@@ -759,7 +766,7 @@ class Simulation(MemoryWire):
                 r = rng.random()
                 dt = rng.uniform(0.05, 1.5) if r < 0.4 else rng.uniform(1.5, 12.0) \
                     if r < 0.75 else rng.uniform(12.0, 45.0)
-                a.paused_until = now + dt
+                self._stop(a, now + dt)
                 desc = f"{a.name} paused for {dt:.2f}s"
         elif kind in ("abort", "timeout"):
             open_ = [t for t, v in self.views.items() if not v.done
@@ -782,6 +789,12 @@ class Simulation(MemoryWire):
         self.last_fault = max(self.last_fault, self.clock())
         if kind not in ("abort", "timeout"):
             self.note(f"FAULT {desc}")
+
+    def _stop(self, a: Agent, until: float) -> None:
+        a.paused_until = until
+        for fl in self.flights.values():
+            if fl.writer is a:
+                fl.frozen = True
 
     def _died(self, a: Agent) -> None:
         """`a`'s process ended: its writes stop, its queued work is gone, transports that
@@ -840,7 +853,7 @@ class Simulation(MemoryWire):
 
     def pause(self, side: str, seconds: float) -> None:
         """Stops `side` (SIGSTOP) for `seconds` of simulated time."""
-        self.agents[side].paused_until = self.clock() + seconds
+        self._stop(self.agents[side], self.clock() + seconds)
         self.last_fault = self.clock() + seconds
         self.note(f"FAULT {side} paused for {seconds:.2f}s")
 
@@ -960,7 +973,7 @@ class Simulation(MemoryWire):
         self.clock.advance(dt)
         self._resume()
         for fl in list(self.flights.values()):  # the transport's bound, where it runs
-            if fl.writer.running and self.clock() > fl.bound_at:
+            if fl.writer.running and not self._can_land(fl):
                 self._end(fl, "the transport gave up the write (its bound passed)")
 
     def _step_dt(self) -> float:
