@@ -17,7 +17,6 @@ from kvhandoff.testing.simulator.core import (
     SimConfig,
     Simulation,
     Violation,
-    replay_command,
     run_seed,
 )
 
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAIL seed {seed}: {v.invariant}: {v.detail}")
             if v.cause:
                 print(f"  likely cause: {v.cause}")
-            print(f"  replay: {replay_command(seed)}")
+            print(f"  replay: {v.replay}")
             if args.stop:
                 break
             continue

@@ -61,21 +61,24 @@ def sim_layout() -> LayoutSpec:
                           page_size_tokens=PAGE_TOKENS).without_page_rules()
 
 
-def replay_command(seed: int) -> str:
-    """The one command that replays `seed` with its step trace."""
-    return REPLAY.format(seed=seed)
+def replay_command(seed: int, config: SimConfig | None = None) -> str:
+    """The one command that replays `seed` (run with `config`) with its step trace."""
+    extra = " --frozen-writer-resumes" if config is not None and \
+        config.frozen_writer_resumes else ""
+    return REPLAY.format(seed=seed) + extra
 
 
 class Violation(AssertionError):
     """An invariant failed: which one, what was seen, at which step of which seed."""
 
     def __init__(self, invariant: str, detail: str, *, seed: int, step: int, now: float,
-                 trace: list[str], cause: str = "") -> None:
+                 trace: list[str], cause: str = "", replay: str = "") -> None:
         self.invariant, self.detail, self.seed, self.step = invariant, detail, seed, step
         self.now, self.trace, self.cause = now, trace, cause
+        self.replay = replay or replay_command(seed)
         why = f"\nlikely cause: {cause}" if cause else ""
         super().__init__(f"seed {seed}: invariant {invariant} broken at step {step} "
-                         f"(t={now:.3f}): {detail}{why}\nreplay: {replay_command(seed)}")
+                         f"(t={now:.3f}): {detail}{why}\nreplay: {self.replay}")
 
 
 @dataclass(frozen=True)
@@ -336,7 +339,8 @@ class Simulation(MemoryWire):
     def violation(self, invariant: str, detail: str, cause: str = "") -> Violation:
         self.note(f"VIOLATION {invariant}: {detail}")
         return Violation(invariant, detail, seed=self.seed, step=self.steps, now=self.clock(),
-                         trace=self.trace, cause=cause)
+                         trace=self.trace, cause=cause,
+                         replay=replay_command(self.seed, self.config))
 
     def _release_cause(self, tok: Token) -> str:
         """Which known defect a decode release that broke an invariant looks like."""
