@@ -119,3 +119,35 @@ def test_defect_d_a_decode_with_full_checksums_never_ends_success_unverified() -
     run(sim)
     view = sim.views[inst.tokens[DECODE]]
     assert view.done and view.releases == 1
+
+
+def test_open_a_late_failed_of_an_ended_fan_out_room_does_not_unfence_its_reopened_id() -> None:
+    """Found by the simulator with the fixes of (a)-(d) in (seeds 169, 1488, 1551 of `make
+    test`'s range); open. A prefill serving one room to two decode ranks fails it when one
+    rank aborts, and tells the other rank, whose own room had already ended Success and been
+    released. That rank's engine has reopened the id meanwhile (allowed: the old use is
+    released); the late `Failed` (writes_stopped=True) names only the room id, so it fails the
+    new room and lets its pages go while the new room's TransferRequest is on its way, and
+    the prefill then accepts and writes into them."""
+    other = "decode:1"
+    sim = scripted(decodes=2)
+    inst = sim.add_instance(7, [PREFILL], [DECODE, other])
+    for side in (PREFILL, DECODE, other):
+        sim.engine(inst, side)
+    sim.pause(DECODE, 1.0)  # decode:0 lags (nothing is delivered to it while it is stopped)
+    # decode:1 gets every layer and ends Success; its RoomAck is still on its way
+    sim.drain(until=lambda: inst.tokens[other] in sim.views
+              and sim.views[inst.tokens[other]].done)
+    assert sim.views[inst.tokens[other]].state is KVPoll.Success
+    assert sim.views[inst.tokens[other]].releases == 1
+    sim.agents[DECODE].paused_until = None
+    sim.abort(inst, DECODE)
+    sim.deliver(DECODE, PREFILL, len(sim.queued(DECODE, PREFILL)))  # the prefill fails it
+    assert any(isinstance(m, P.Failed) for m in sim.queued(PREFILL, other))
+    new = sim.add_instance(inst.room, [PREFILL], [other])  # a new request, the same id
+    sim.engine(new, other)
+    sim.deliver(PREFILL, other, len(sim.queued(PREFILL, other)))  # the late Failed
+    sim.engine(new, PREFILL)  # the prefill's engine reopens the id too (its old use released)
+    sim.deliver(other, PREFILL, len(sim.queued(other, PREFILL)))  # RoomAck, TransferRequest
+    run(sim)
+    assert sim.views[new.tokens[other]].releases == 1

@@ -115,10 +115,11 @@ class Token:
     """The engine's handle identity of one room instance on one side (the session compares
     tokens by identity; a reused room id gets a new token)."""
 
-    __slots__ = ("inst", "opened_at", "room", "side")
+    __slots__ = ("inst", "opened", "room", "side")
 
-    def __init__(self, inst: int, room: int, side: str, opened_at: float) -> None:
-        self.inst, self.room, self.side, self.opened_at = inst, room, side, opened_at
+    def __init__(self, inst: int, room: int, side: str, opened: int) -> None:
+        # opened: how many control messages had been sent when the engine opened it
+        self.inst, self.room, self.side, self.opened = inst, room, side, opened
 
     def __repr__(self) -> str:
         return f"room {self.room}#{self.inst}@{self.side}"
@@ -234,7 +235,7 @@ class Simulation(MemoryWire):
         self.instances: list[Instance] = []
         self.scripts: list[Script] = []
         self.views: dict[Token, View] = {}
-        self.channels: dict[tuple[str, str], deque[Any]] = {}
+        self.channels: dict[tuple[str, str], deque[tuple[Any, int]]] = {}
         self.pending: list[tuple[Agent, Callable[[], ev.Event]]] = []
         self.calls: dict[tuple[str, str], deque[ev.Event]] = {}
         self.flights: dict[int, Flight] = {}
@@ -252,7 +253,8 @@ class Simulation(MemoryWire):
         self.quarantined: set[tuple[str, int]] = set()  # (decode, room) freed by quarantine
         self.release_cause: dict[Token, str] = {}
         self.stale_stop: dict[Token, str] = {}  # rooms a message of an earlier room reached
-        self._delivering: tuple[Any, float] | None = None
+        self._delivering: tuple[Any, int] | None = None
+        self._sent = 0  # control messages sent so far (their order, for `_release_cause`)
         self._build()
 
     # ------------------------------------------------------------------ the scenario
@@ -424,7 +426,8 @@ class Simulation(MemoryWire):
         q = self.channels.get((side.name, to))
         if q is None:
             q = self.channels[(side.name, to)] = deque()
-        q.append((wire, self.clock()))
+        self._sent += 1
+        q.append((wire, self._sent))
 
     def _match(self, key: tuple[str, str, int]) -> None:
         """Two-sided: a send and a receive of one (sender, receiver, tag) become a transfer in
@@ -712,7 +715,7 @@ class Simulation(MemoryWire):
         lay = a.side.session.layout
         n = -(-inst.seq_len // PAGE_TOKENS)
         if what == "open":
-            tok = inst.tokens[a.name] = Token(inst.serial, inst.room, a.name, self.clock())
+            tok = inst.tokens[a.name] = Token(inst.serial, inst.room, a.name, self._sent)
             if a.role is Role.PREFILL:
                 pages = self._alloc(a, n, tok)
                 assert pages is not None
@@ -878,8 +881,9 @@ class Simulation(MemoryWire):
                 or any(q and self.agents[k[0]].running for k, q in self.calls.items()))
 
     def drain(self, *, land: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Runs every pending message, completion and peer-call answer (and lands every
-        write when `land`) until none is left or `until()` holds, without moving the clock.
+        """Runs every pending message, completion, peer-call answer and due tick (and lands
+        every write when `land`) until none is left or `until()` holds, without moving the
+        clock.
 
         Raises:
             AssertionError: `until` was given and never held.
@@ -900,6 +904,11 @@ class Simulation(MemoryWire):
                 continue
             key = next((k for k, q in self.calls.items() if q
                         and self.agents[k[0]].running), None)
+            due = next((a for a in self.agents.values() if a.running
+                        and self.clock() >= a.side.session.next_wakeup()), None)
+            if key is None and due is not None:  # LayerDones out, timers due now
+                self._tick(due)
+                continue
             if key is None:
                 if until is not None:
                     raise AssertionError("nothing left to run and the condition never held")
@@ -916,8 +925,8 @@ class Simulation(MemoryWire):
                 out.append((4.0, _bind(self._deliver, key)))
         if any(a.running for a, _ in self.pending):
             out.append((3.0 * min(3, len(self.pending)), self._complete))
-        for key, q in self.calls.items():
-            if q and self.agents[key[0]].running:
+        for key, calls in self.calls.items():
+            if calls and self.agents[key[0]].running:
                 out.append((3.0, _bind(self._answer_call, key)))
         for fl in self.flights.values():
             if fl.writer.running:
@@ -933,7 +942,7 @@ class Simulation(MemoryWire):
         return out
 
     def _deliver(self, key: tuple[str, str]) -> None:
-        msg, sent_at = self._delivering = self.channels[key].popleft()
+        msg, sent = self._delivering = self.channels[key].popleft()
         dest = self.agents[key[1]]
         if dest.role is Role.DECODE and (isinstance(msg, P.AbortAck) or isinstance(
                 msg, P.Failed | P.Abort) and msg.writes_stopped):
@@ -942,10 +951,10 @@ class Simulation(MemoryWire):
             # id (or a transport's lie)
             g = dest.side.session.rooms.groups.get(msg.room)
             tok = g.token if g is not None else None
-            if isinstance(tok, Token) and (sent_at < tok.opened_at or any(
+            if isinstance(tok, Token) and (sent <= tok.opened or any(
                     fl.dst_token is tok and self._can_land(fl) for fl in self.flights.values())):
-                self.stale_stop[tok] = (f"{type(msg).__name__} sent at t={sent_at:.3f} "
-                                        f"(this room opened at t={tok.opened_at:.3f})")
+                self.stale_stop[tok] = type(msg).__name__ + (
+                    " sent before this room was opened" if sent <= tok.opened else "")
         try:
             self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
         finally:
