@@ -24,17 +24,20 @@ What is simulated, and how the real system is followed:
   first and confirms after, or (rarely) fails: `Cancelled(error)` at once and the write may
   still land. Two-sided sends and receives are matched by (sender, receiver, tag) and land the
   same way. The transport gives up a write that did not land within the writer's
-  `stall_timeout_s` of its post (the bound a real copy job is held to); a write from a
+  `stall_timeout_s` of its post (`SimConfig.frozen_writer_resumes`: a write whose writer was
+  stopped meanwhile may land whenever it wakes, as shm's copy does today); a write from a
   stopped (paused) writer does not progress until it resumes; a dead writer's writes never
   land; writes into a stopped decode do land (stopping a process does not stop writes into
-  its memory).
+  its memory). A running agent is ticked within 0.1 s of when its session asked.
 - Faults, at any step and for any length: a paused agent (SIGSTOP: it handles nothing, its
   writes stop, its peers go on), an agent's death (its process ends; sometimes its peers'
   transport knows, as shm's pidfd does: `PeerExited`), an engine abort or engine timeout
   (`AbortRoom`), a room id reopened once the engine saw its previous room end (possibly before
   that room's pages came back), a byte flipped in a landing write, clock jumps.
 
-Invariants, checked after every step (`Violation` names the first that fails):
+Invariants, checked at every step that could break them and once the run settled
+(`Violation` names the first that fails, the known defect it looks like, and the command that
+replays it):
 - `released-while-in-flight`: a decode room's pages go back to the engine (`Release`) while a
   write or receive into them is still in flight (the shadow model: the transport's own table of
   what can still land).
@@ -51,12 +54,19 @@ Invariants, checked after every step (`Violation` names the first that fails):
   retention periods, a session still holds rooms, legs, early messages, ops, jobs or
   cancels).
 
+A test may also script the start of a schedule (`Simulation.add_instance`, `engine`,
+`deliver`, `drain`, `pause`, `abort`) and `play()` the rest under the PRNG
+(`tests/unit/sim/test_defects.py`).
+
 Left out (real transport semantics the simulator does not model): partial pieces of one
 region's write (a part lands whole), the driver's batching of several layers into one write
-job (`runtime.loop.WRITE_BATCH_BYTES`), shm's writer read-back (`Written.landed`), chunked
-prefill (`AddChunk`), a decode's cached prefix, route lookups (`PeersResolved`: the decode
-names its prefill ranks), HMAC, peers restarting under a new generation, message loss other
-than by death, `Reject` / `HelloReject` paths of mismatched layouts, and CUDA memory.
+job (`runtime.loop.WRITE_BATCH_BYTES`) and of events (`Batch`), shm's writer read-back
+(`Written.landed`), chunked prefill (`AddChunk`), a decode's cached prefix, route lookups
+(`PeersResolved`: the decode names its prefill ranks), HMAC, peers restarting under a new
+generation, message loss other than by death, `Reject` / `HelloReject` paths of mismatched
+layouts, and CUDA memory. A replay is exact within one Python build and process layout: the
+session iterates one set of legs (re-handshaking after a peer's `Reject`) in the order of
+their addresses.
 """
 
 from kvhandoff.testing.simulator.core import (
