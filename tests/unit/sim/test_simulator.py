@@ -27,8 +27,8 @@ from kvhandoff.testing.simulator.core import Agent
 
 from .test_defects import DECODE, PREFILL, open_until_accepted, scripted
 
-SEEDS = 2000
-LONG_SEEDS = 30000
+SEEDS = 4000
+LONG_SEEDS = 40000
 
 
 def report(found: list[Violation], ran: int) -> str:

@@ -932,7 +932,7 @@ class Simulation(MemoryWire):
             if fl.writer.running:
                 out.append((3.0, _bind(self._land, fl)))
         for s in self.scripts:
-            if self._script_ready(s):
+            if s.actions and s.agent.running and self._script_ready(s):
                 out.append((2.0, _bind(self._engine, s)))
         for a in self.agents.values():
             if a.running and now >= a.side.session.next_wakeup():
