@@ -51,6 +51,7 @@ def check(seeds: range) -> None:
     assert not found, report(found, ran)
 
 
+@pytest.mark.timeout(900)  # ~40 s of CPU; more on a shared host
 def test_every_seed_holds_every_invariant() -> None:
     """No page goes back while a write can land, Success means every byte is the prefill's,
     both sides end and agree, nothing grows: over SEEDS schedules with faults."""
@@ -58,6 +59,7 @@ def test_every_seed_holds_every_invariant() -> None:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(7200)
 def test_many_more_seeds_hold_every_invariant() -> None:
     check(range(SEEDS, SEEDS + LONG_SEEDS))
 
