@@ -309,10 +309,13 @@ class Simulation(MemoryWire):
                 self.scripts.append(Script(inst, self.agents[d], deque([("open", 0),
                                                                         ("init", 0)])))
         self.faults_left = self._force("faults", rng.randint(0, cfg.max_faults))
-        self.settle_bound_s = max(
-            self._settings().bootstrap_timeout_s + self._settings().waiting_timeout_s,
-            self._settings().stall_timeout_s) + self._settings().write_quarantine_s + \
-            self._settings().lease_s + 10.0
+        st = self._settings()
+        # every deadline one after the other, the quarantine as long as a decode may make it
+        # (at least the writer's stall bound and two heartbeats), and 10 s more
+        self.settle_bound_s = (st.bootstrap_timeout_s + st.waiting_timeout_s
+                               + st.stall_timeout_s + st.lease_s + 10.0
+                               + max(st.write_quarantine_s,
+                                     st.stall_timeout_s + 2 * st.heartbeat_interval_s))
         self.note(f"agents: {', '.join(self._describe(a) for a in self.agents.values())}")
         for inst in self.instances:
             self.note(f"instance {inst.serial}: room {inst.room} seq {inst.seq_len} "
