@@ -32,6 +32,11 @@
 # Rules: `_lock` guards the op tables, each op's `finished` flag and every scatter into user
 # memory. cancel() of a receive waits (bounded by settings.stall_timeout_s) for direct receives
 # already in flight into its memory, so after it returns nothing of that tag writes there.
+# A receive's on_done comes only once none of its direct receives is in flight: one that ends
+# while some are (a chunk's error or size mismatch, a cancel, a disconnect) is held (`held`)
+# and delivered when the last of them completes (or UCX gave up the peer's endpoint, or the
+# transport closed and cancelled what was left), so the caller never reuses memory UCX may
+# still be writing.
 # Callbacks run on a separate CallbackThread, outside the lock.
 from __future__ import annotations
 
@@ -101,7 +106,7 @@ def _tag_base(sender: bytes, tag: int) -> int:
 
 class _Op:
     __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "base",
-                 "next_chunk", "inflight", "direct_inflight", "landed")
+                 "next_chunk", "inflight", "direct_inflight", "landed", "held")
 
     def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
                  on_done: OnDone, base: int) -> None:
@@ -117,6 +122,9 @@ class _Op:
         self.inflight = 0
         self.direct_inflight = 0  # receives in flight straight into user memory
         self.landed = 0
+        # finished while direct receives were in flight: its on_done result, delivered once
+        # the last of them ended (a 1-tuple; None: nothing held)
+        self.held: tuple[BaseException | None] | None = None
 
     def __repr__(self) -> str:
         kind = "send" if self.is_send else "recv"
@@ -301,6 +309,28 @@ class UcxTransport(ThreadedTransport):
         base = _tag_base(self._address if is_send else address, tag)
         return _Op(peer, tag, is_send, buf, plan, on_done, base)
 
+    def _finish_locked(self, ops: list[Any], reason: str | None
+                       ) -> list[tuple[Any, BaseException | None]]:
+        """As the base class, but a receive with direct receives still in flight into its
+        memory is only marked finished: its on_done is held until they ended."""
+        out = []
+        for op, exc in super()._finish_locked(ops, reason):
+            if not op.is_send and op.direct_inflight:
+                op.held = (exc,)
+            else:
+                out.append((op, exc))
+        return out
+
+    @staticmethod
+    def _held_ready_locked(ops: list[_Op]) -> list[tuple[Any, BaseException | None]]:
+        """The held on_done results of `ops` whose direct receives all ended (taken)."""
+        out: list[tuple[Any, BaseException | None]] = []
+        for op in ops:
+            if op.held is not None and not op.direct_inflight:
+                out.append((op, op.held[0]))
+                op.held = None
+        return out
+
     def _wait_direct(self, ops: list[_Op], what: str) -> None:
         """Waits until no receive of `ops` is in flight straight into user memory."""
         if threading.current_thread() is self._thread:
@@ -370,15 +400,19 @@ class UcxTransport(ThreadedTransport):
                 self._worker.progress()
         except ucx_api.UCXError:
             pass
-        with self._cond:
-            for item in self._inflight:
-                if item.op is not None and item.direct:
-                    item.op.direct_inflight = 0
-            self._cond.notify_all()
         try:
             self._worker.cancel_inflight_requests()
         except ucx_api.UCXError:
             pass
+        with self._cond:
+            held = []
+            for item in self._inflight:
+                if item.op is not None and item.direct:
+                    item.op.direct_inflight = 0
+                    held.append(item.op)
+            ready = self._held_ready_locked(held)
+            self._cond.notify_all()
+        self._deliver(ready)
         self._eps.close_all()
         self._inflight.clear()
 
@@ -417,7 +451,9 @@ class UcxTransport(ThreadedTransport):
                 if item.direct and item.op is not None and item.op in ops:
                     item.direct = False
                     item.op.direct_inflight -= 1
+            ready = self._held_ready_locked(ops)
             self._cond.notify_all()
+        self._deliver(ready)
 
     def _touching(self, peer: str) -> bool:
         """Whether a UCX request in flight for an op with `peer` may access its memory: a
@@ -512,6 +548,7 @@ class UcxTransport(ThreadedTransport):
             return
         n = op.plan.chunk_len(item.k)
         finished_now = False
+        ready: list[tuple[Any, BaseException | None]] = []
         if op.is_send:
             op.inflight -= 1
             if err is None and not op.finished:
@@ -523,6 +560,7 @@ class UcxTransport(ThreadedTransport):
                 if item.direct:
                     op.direct_inflight -= 1
                     if op.finished:
+                        ready = self._held_ready_locked([op])
                         self._cond.notify_all()
                 if err is None and not op.finished:
                     if item.stage is not None:
@@ -531,6 +569,7 @@ class UcxTransport(ThreadedTransport):
                     op.landed += 1
                     finished_now = op.landed == op.plan.nchunks
         self._unstage(item.stage)
+        self._deliver(ready)  # a receive that ended earlier: its last direct chunk landed
         if err is not None:
             if not op.is_send:
                 self._on_forget([op])
