@@ -151,3 +151,43 @@ def test_open_a_late_failed_of_an_ended_fan_out_room_does_not_unfence_its_reopen
     sim.deliver(other, PREFILL, len(sim.queued(other, PREFILL)))  # RoomAck, TransferRequest
     run(sim)
     assert sim.views[new.tokens[other]].releases == 1
+
+
+def test_open_a_layer_done_of_an_earlier_use_of_the_id_never_lands_a_layer_of_the_new() -> None:
+    """Found by the simulator with the fixes of (a)-(d) in (seed 10128, in the long range);
+    open. In a TP fan-in room the prefill rank that brings no planes announces each layer
+    with an empty LayerDone, flushed at its next tick, so after its AbortAck when the room was
+    aborted. The decode reopens the id meanwhile (its old use is released) and asks that rank
+    for every plane this time; the old empty LayerDone reaches the new leg before its
+    TransferAccepted, and each layer it names counts as landed: the decode ends Success with
+    pages the prefill never wrote. (A decode running checksum=full fails the room instead,
+    since h-fence: no sum for a layer it verifies; one running checksum=off, a supported mode,
+    ends Success.)"""
+    other = "prefill:1"
+    sim = scripted(prefills=2, checksum_decode="off")
+    warm = sim.add_instance(5, [PREFILL, other], [DECODE])  # both handshakes done
+    for side in (PREFILL, other, DECODE):
+        sim.engine(warm, side)
+    sim.drain()
+    assert sim.views[warm.tokens[DECODE]].state is KVPoll.Success
+    # room 7: prefill:1 is asked first (it brings every plane), prefill:0 brings none
+    old = sim.add_instance(7, [other, PREFILL], [DECODE])
+    sim.engine(old, other)
+    sim.engine(old, PREFILL, calls=1)  # opened; its layers are marked ready later
+    sim.engine(old, DECODE)
+    sim.drain()
+    sim.engine(old, PREFILL)  # its layers: empty LayerDones wait for its next tick
+    sim.abort(old, DECODE)
+    for src in (PREFILL, other):
+        sim.deliver(DECODE, src, len(sim.queued(DECODE, src)))  # AbortAcks out
+        sim.deliver(src, DECODE, len(sim.queued(src, DECODE)))
+    assert sim.views[old.tokens[DECODE]].releases == 1
+    # the same id for a new request: prefill:0 is asked first now, it brings every plane
+    new = sim.add_instance(7, [PREFILL, other], [DECODE])
+    sim.engine(new, DECODE)
+    sim._tick(sim.agents[PREFILL])  # the old room's empty LayerDones go out
+    assert any(isinstance(m, P.LayerDone) for m in sim.queued(PREFILL, DECODE))
+    sim.engine(new, PREFILL)
+    sim.engine(new, other)
+    run(sim)
+    assert sim.views[new.tokens[DECODE]].releases == 1

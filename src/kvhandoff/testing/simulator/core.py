@@ -253,6 +253,7 @@ class Simulation(MemoryWire):
         self.quarantined: set[tuple[str, int]] = set()  # (decode, room) freed by quarantine
         self.release_cause: dict[Token, str] = {}
         self.stale_stop: dict[Token, str] = {}  # rooms a message of an earlier room reached
+        self.stale_done: dict[Token, str] = {}  # rooms a LayerDone came to before the accept
         self._delivering: tuple[Any, int] | None = None
         self._sent = 0  # control messages sent so far (their order, for `_release_cause`)
         self._build()
@@ -349,6 +350,10 @@ class Simulation(MemoryWire):
 
     def _release_cause(self, tok: Token) -> str:
         """Which known defect a decode release that broke an invariant looks like."""
+        if tok in self.stale_done:
+            return (f"a LayerDone from {self.stale_done[tok]} reached this room before its "
+                    "TransferAccepted: a message of an earlier use of the room id, which "
+                    "counted layers of this one landed")
         stale = self.stale_stop.get(tok)
         if stale is not None:
             return (f"(c) the prefill's {stale} said its writes stopped while this room's "
@@ -639,6 +644,9 @@ class Simulation(MemoryWire):
                 f"(checksum {a.checksum} here, "
                 f"{'/'.join(self.agents[p].checksum for p in inst.prefills)} on the prefill; "
                 f"a byte was {'flipped' if inst.flipped else 'not flipped'})",
+                f"a LayerDone from {self.stale_done[tok]} reached this room before its "
+                "TransferAccepted: a message of an earlier use of the room id, which counted "
+                "layers of this one landed" if tok in self.stale_done else
                 "(d) the decode checks checksums (full) but the prefill sent none (off)"
                 if a.checksum == "full" and any(self.agents[p].checksum == "off"
                                                 for p in inst.prefills) else "")
@@ -846,12 +854,15 @@ class Simulation(MemoryWire):
             self.scripts.append(Script(inst, self.agents[d], deque([("open", 0), ("init", 0)])))
         return inst
 
-    def engine(self, inst: Instance, side: str) -> None:
-        """Runs every engine call `side` has left for `inst` now (open, pages, layers)."""
+    def engine(self, inst: Instance, side: str, calls: int | None = None) -> None:
+        """Runs the engine calls `side` has left for `inst` now (open, pages, layers): all of
+        them, or the next `calls`."""
         for s in self.scripts:
             if s.inst is inst and s.agent.name == side:
-                while s.actions and self._script_ready(s):
+                n = 0
+                while s.actions and self._script_ready(s) and (calls is None or n < calls):
                     self._engine(s)
+                    n += 1
 
     def abort(self, inst: Instance, side: str, reason: str = "engine abort") -> None:
         """The engine of `side` aborts its room of `inst`."""
@@ -958,6 +969,13 @@ class Simulation(MemoryWire):
                     fl.dst_token is tok and self._can_land(fl) for fl in self.flights.values())):
                 self.stale_stop[tok] = type(msg).__name__ + (
                     " sent before this room was opened" if sent <= tok.opened else "")
+        if dest.role is Role.DECODE and isinstance(msg, P.LayerDone):
+            # FIFO per connection: a LayerDone of this use of the room comes after its
+            # TransferAccepted; one before it is from an earlier use of the id
+            leg = dest.side.session.rooms.legs.get((msg.room, msg.src))
+            if leg is not None and not leg.accepted and not leg.machine.is_terminal \
+                    and isinstance(leg.group.token, Token):
+                self.stale_done[leg.group.token] = msg.src
         try:
             self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
         finally:
