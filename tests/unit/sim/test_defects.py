@@ -27,12 +27,12 @@ SEED = 11  # the PRNG only schedules what follows the scripted part
 PREFILL, DECODE = "prefill:0", "decode:0"
 
 
-def scripted(**force: Any) -> Simulation:
+def scripted(cls: type[Simulation] = Simulation, **force: Any) -> Simulation:
     """One prefill, one decode, one-sided writes, checksums full, no room or fault of the
     seed's own: the test opens its rooms."""
     base = {"prefills": 1, "decodes": 1, "writes": True, "checksum_prefill": "full",
             "checksum_decode": "full", "instances": 0, "faults": 0}
-    return Simulation(SEED, SimConfig(force=tuple({**base, **force}.items())), trace=True)
+    return cls(SEED, SimConfig(force=tuple({**base, **force}.items())), trace=True)
 
 
 def accepted_queued(sim: Simulation) -> bool:

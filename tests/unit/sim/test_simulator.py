@@ -135,8 +135,7 @@ def _written(op: int) -> Callable[[], ev.Event]:
 
 
 def test_a_transport_that_confirms_a_cancel_it_did_not_do_is_caught() -> None:
-    sim = scripted()
-    sim.__class__ = LyingTransport
+    sim = scripted(LyingTransport)
     inst = open_until_accepted(sim)
     sim.deliver(PREFILL, DECODE, len(sim.queued(PREFILL, DECODE)))  # the decode accepted
     sim.abort(inst, DECODE)  # the decode holds its pages until the prefill says it stopped
