@@ -112,9 +112,9 @@ def test_a_decode_that_verifies_refuses_a_prefill_that_does_not_sum() -> None:
 def test_a_frozen_writers_pages_are_held_past_write_quarantine_s_to_its_own_bound() -> None:
     """The prefill is frozen (SIGSTOP) mid-transfer and stays frozen. The decode fails the
     room within two heartbeats; write_quarantine_s (1 s) is shorter than the writer's own
-    bound on stopping a copy (stall_timeout_s, 4 s here), so the pages stay held past it and
+    bound on stopping a copy (stall_timeout_s, 6 s here), so the pages stay held past it and
     come back only after stall_timeout_s + 2 heartbeats, the writer still frozen."""
-    d = decode_engine(write_quarantine_s=1.0, stall_timeout_s=4.0)
+    d = decode_engine(write_quarantine_s=1.0, stall_timeout_s=6.0)
     try:
         with prefill_proc() as (p, addr):
             rv = d.recv(ROOM, SEQ, addr)

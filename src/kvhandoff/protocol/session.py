@@ -381,8 +381,11 @@ class TransferSession:
                 told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
                 self.rooms.fail_group(g, remote_failure(told, "peer failed the room: "
                                                               f"{msg.reason}"))
+                self._ack_unwritten(msg)
                 return
         if r is None:
+            if g is None and isinstance(msg, P.Failed | P.Abort):
+                self._ack_unwritten(msg)
             if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
                 self._early.setdefault(msg.room, []).append(msg)
                 self._early_t.setdefault(msg.room, ctx.now)
@@ -390,6 +393,22 @@ class TransferSession:
                 self._early_full(msg)
             return
         self._dispatch_room_msg(r, msg)
+
+    def _ack_unwritten(self, msg: P.Failed | P.Abort) -> None:
+        """Prefill: a decode failed or aborted a room this side holds no leg of (the engine
+        has not opened it, or never took that decode's request): nothing was or will be
+        written into its pages, so say so now (`AbortAck`) instead of leaving the decode to
+        wait out its write quarantine. A request of that decode for the room still held
+        for the engine is dropped, so it is never accepted later. Only to a peer whose
+        Hello we took (never to an arbitrary sender address)."""
+        if self.role is not Role.PREFILL or self.peers.get(msg.src) is None:
+            return
+        held = self._early.get(msg.room)
+        if held:
+            held[:] = [m for m in held
+                       if not (isinstance(m, P.TransferRequest) and m.src == msg.src)]
+        me = self.ctx.me
+        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room))
 
     def _early_full(self, msg: Any) -> None:
         """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already

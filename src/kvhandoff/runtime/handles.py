@@ -194,7 +194,11 @@ class _Handle:
 
     @property
     def released(self) -> bool:
-        """Whether the room's pages may be reused (terminal, nothing in flight)."""
+        """Whether the room's pages may be reused: terminal AND nothing can write into them
+        any more (no op in flight, no cancel unanswered, a one-sided writer that said it
+        stopped or the write quarantine passed). A terminal `poll()` is not enough: hand
+        pages back to the engine's allocator, or open the room id again, only once this is
+        true (`wait_released`, or the `on_release` callback)."""
         return self._v.released
 
     def wait(self, timeout: float) -> KVPoll:
@@ -204,7 +208,8 @@ class _Handle:
         return self._v.state
 
     def wait_released(self, timeout: float) -> bool:
-        """Blocks until the pages are released (bounded by `timeout`); whether they are."""
+        """Blocks until the pages are released (`released`; bounded by `timeout`); whether
+        they are."""
         return self._v.wait_until(lambda: self._v.released, timeout)
 
     def wait_bootstrapped(self, timeout: float) -> KVPoll:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvhandoff.errors import FailureKind
@@ -232,3 +233,35 @@ def test_the_quarantine_is_never_shorter_than_the_writers_own_bound() -> None:
     assert d.views[1].releases == 1
     assert d.session.counters["write_quarantines"] == 1
     assert any("stall_timeout_s + 2 heartbeats" in m for m in d.log)
+
+
+def test_an_abort_before_the_prefill_opened_the_room_releases_at_once_and_is_never_written(
+) -> None:
+    """The decode's request and then its Abort reach the prefill before its engine opened
+    the room: the prefill holds no leg, so it writes nothing and says so (AbortAck) at once;
+    the decode's pages go back without the quarantine; when the prefill's engine opens the
+    room later, the held request is not accepted (nothing is written) and the room fails
+    with the abort's reason."""
+    w, p, d = pair()
+    lay = d.session.layout
+    dst = np.arange(3, dtype=np.int64) + 5
+    w.feed(d, ev.OpenReceiver(8, 8, (("prefill:1", 0),)))
+    w.feed(d, ev.ReceiverInit(8, 8, {r.name: dst for r in lay.regions}, 40, 0))
+    w.run()
+    assert "TransferRequest" in kinds(w, "decode:1")
+    w.feed(d, ev.AbortRoom(8, 8, "request cancelled"))
+    w.run()
+    assert d.views[8].state is KVPoll.Failed
+    assert d.views[8].releases == 1  # at once, not after the quarantine
+    assert d.session.counters["write_quarantines"] == 0
+    src = np.arange(3, dtype=np.int64)
+    w.feed(p, ev.OpenSender(8, 8, {r.name: src for r in lay.regions}, 40, 1))
+    w.run()
+    for lid in layers(lay):
+        w.feed(p, ev.LayerReady(8, 8, lid))
+    w.run()
+    assert "TransferAccepted" not in kinds(w, "prefill:1")
+    assert p.session.counters["rooms_one_sided"] == 0  # never accepted, never written
+    fp = p.views[8].failure
+    assert fp is not None and "request cancelled" in fp.reason
+    assert p.views[8].releases == 1
