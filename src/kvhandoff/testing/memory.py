@@ -122,7 +122,7 @@ class MemoryWire:
         prefill writes into decodes that do)."""
         st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
         writes = self.writes if writes is None else writes
-        bufs = BufferSet(layout, allocate(layout, num_pages))
+        bufs = BufferSet(layout, self._allocate(layout, num_pages))
         descs = tuple(bufs.descs())
         if writes and role is Role.DECODE:
             descs = tuple(msgspec.structs.replace(d, descriptor=f"{name}:{d.region}".encode())
@@ -135,6 +135,10 @@ class MemoryWire:
                     dict(bufs.views()))
         self.sides[name] = side
         return side
+
+    def _allocate(self, layout: LayoutSpec, num_pages: int) -> dict[str, Any]:
+        """The buffers of a side (`buffers.allocate`'s; a subclass may give its own)."""
+        return allocate(layout, num_pages)
 
     # ------------------------------------------------------------------ engine calls
 

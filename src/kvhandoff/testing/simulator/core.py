@@ -1,0 +1,1185 @@
+"""The simulator's world: agents, the simulated network and transport, the engines, the faults,
+and the invariants (see the package doc for what each models and what it leaves out).
+
+Rules:
+- One PRNG (`random.Random(seed)`) makes every choice, and nothing iterates a set of objects
+  or reads a real clock, so a seed replays exactly.
+- The shadow model of what can still land is the simulated transport's own table of writes and
+  transfers in flight (`Flight`): a write can land while its writer is alive and its bound
+  (the writer's `stall_timeout_s` after its post) has not passed.
+- An invariant is checked where the step that could break it happens (a release, a landing, a
+  room's end), and the settled state once the run ends; the first one broken raises
+  `Violation` with the step and, when asked for, the trace.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvhandoff.buffers.checksum import span_checksum
+from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.effects import (
+    Cancel,
+    Connect,
+    DropPeer,
+    Effect,
+    HashSpans,
+    Log,
+    PostRecv,
+    PostSend,
+    PostWrite,
+    RegisterRemote,
+    Release,
+    RoomUpdate,
+    Send,
+)
+from kvhandoff.protocol.peers import FORGOTTEN_KEEP_S
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll, Role
+from kvhandoff.testing.memory import MemoryWire, Side, View
+from kvhandoff.testing.patterns import check_tokens, write_tokens
+
+PAGE_TOKENS = 16
+DECODE_FILL = 0xFF  # a decode page the engine takes (never a pattern byte: those are < 251)
+PREFILL_SCRIBBLE = 0xFE  # a prefill page handed back to its engine, which reuses it
+TICK_SLACK_S = 0.1  # how late a running agent's due tick may come (its loop is busy)
+REPLAY = "python -m kvhandoff.testing.simulator --seed {seed} --trace"
+
+
+def sim_layout() -> LayoutSpec:
+    """Four layers of MLA main KV and a suffix-only indexer on two of them, 16-token pages."""
+    return mla_dsa_layout(model="sim", num_layers=4, indexer_layer_ids=(1, 3),
+                          page_size_tokens=PAGE_TOKENS).without_page_rules()
+
+
+def replay_command(seed: int, config: SimConfig | None = None) -> str:
+    """The one command that replays `seed` (run with `config`) with its step trace."""
+    extra = " --frozen-writer-resumes" if config is not None and \
+        config.frozen_writer_resumes else ""
+    return REPLAY.format(seed=seed) + extra
+
+
+class Violation(AssertionError):
+    """An invariant failed: which one, what was seen, at which step of which seed."""
+
+    def __init__(self, invariant: str, detail: str, *, seed: int, step: int, now: float,
+                 trace: list[str], cause: str = "", replay: str = "") -> None:
+        self.invariant, self.detail, self.seed, self.step = invariant, detail, seed, step
+        self.now, self.trace, self.cause = now, trace, cause
+        self.replay = replay or replay_command(seed)
+        why = f"\nlikely cause: {cause}" if cause else ""
+        super().__init__(f"seed {seed}: invariant {invariant} broken at step {step} "
+                         f"(t={now:.3f}): {detail}{why}\nreplay: {self.replay}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What a run may do. `settings`: overrides for every agent's `Settings` (the defaults of
+    the simulated agents are the product's, but shorter bootstrap / waiting deadlines)."""
+
+    max_instances: int = 5  # room instances opened per run (a reused id is a new instance)
+    pages: int = 10  # pages per agent's pool
+    max_faults: int = 4
+    max_steps: int = 5000  # steps of the main phase; then no new fault, and the run settles
+    settings: tuple[tuple[str, Any], ...] = ()
+    #: a write whose writer was stopped (paused) while it was in flight may land whenever the
+    #: writer wakes, past its bound (the shm writer's copy does: docs/RELIABILITY.md, open);
+    #: False: the transport gives up every write `stall_timeout_s` after its post
+    frozen_writer_resumes: bool = False
+    #: force these per-seed choices (tests that script one defect): e.g. ("checksum", ...)
+    force: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one seed's run did (for the CLI and the tests' counts)."""
+
+    seed: int
+    steps: int
+    sim_time_s: float
+    instances: int
+    faults: tuple[str, ...]
+    states: tuple[str, ...]  # per instance and side: "room@side=Success"
+
+
+class Token:
+    """The engine's handle identity of one room instance on one side (the session compares
+    tokens by identity; a reused room id gets a new token)."""
+
+    __slots__ = ("inst", "opened", "room", "side")
+
+    def __init__(self, inst: int, room: int, side: str, opened: int) -> None:
+        # opened: how many control messages had been sent when the engine opened it
+        self.inst, self.room, self.side, self.opened = inst, room, side, opened
+
+    def __repr__(self) -> str:
+        return f"room {self.room}#{self.inst}@{self.side}"
+
+
+@dataclass(eq=False)
+class Instance:
+    """One room opened by the engines: its id, prefill and decode ranks, pattern, length."""
+
+    serial: int
+    room: int
+    pattern: int
+    seq_len: int
+    prefills: list[str]
+    decodes: list[str]
+    tokens: dict[str, Token] = field(default_factory=dict)
+    pages: dict[str, np.ndarray] = field(default_factory=dict)
+    flipped: bool = False  # a byte of one of its writes was flipped
+
+
+@dataclass(eq=False)
+class Agent:
+    """One simulated process: its `MemoryWire` side plus what the simulator knows of it."""
+
+    side: Side
+    role: Role
+    writes: bool
+    checksum: str
+    free: list[int]
+    owner: list[Token | None]
+    alive: bool = True
+    paused_until: float | None = None
+    exit_known: bool = False  # its peers' transport learns that its process ended
+    drained_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.side.name
+
+    @property
+    def running(self) -> bool:
+        return self.alive and self.paused_until is None
+
+
+@dataclass(eq=False)
+class Part:
+    src_buf: str
+    src_off: np.ndarray
+    src_len: np.ndarray
+    dst_buf: str
+    dst_off: np.ndarray
+    dst_len: np.ndarray
+    pages: tuple[int, ...]  # destination pages it touches
+    region: str
+
+
+@dataclass(eq=False)
+class Flight:
+    """A one-sided write job, or a matched two-sided send/receive, not yet ended."""
+
+    fid: int
+    writer: Agent
+    dest: Agent
+    parts: list[Part]
+    tags: tuple[int, ...]
+    posted_at: float
+    bound_at: float
+    write_op: int | None  # one-sided: the writer's op
+    checksum: bool
+    send_op: int | None = None  # two-sided: the sender's and the receiver's ops
+    recv_op: int | None = None
+    xfer: int = 0
+    src_token: Token | None = None
+    dst_token: Token | None = None
+    landed: int = 0
+    frozen: bool = False  # its writer was stopped while it was in flight
+    digests: list[int | None] = field(default_factory=list)
+    waiters: list[CancelWait] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class CancelWait:
+    agent: Agent
+    peer: str
+    tag: int | None
+    left: set[int]  # flight ids still to end
+
+
+@dataclass(eq=False)
+class Script:
+    """What one engine does for one room instance, in order."""
+
+    inst: Instance
+    agent: Agent
+    actions: deque[tuple[str, int]]
+
+
+class Simulation(MemoryWire):
+    """One seeded run (see the package doc). `play()` raises `Violation` or returns an
+    `Outcome`. A test may script the start of a schedule (`add_instance`, `engine`,
+    `deliver`, `drain`, `pause`, `abort`) and `play()` the rest."""
+
+    def __init__(self, seed: int, config: SimConfig | None = None, *,
+                 trace: bool = False) -> None:
+        super().__init__()
+        self.seed = seed
+        self.config = config or SimConfig()
+        self.rng = random.Random(seed)
+        self.tracing = trace
+        self.trace: list[str] = []
+        self.steps = 0
+        self.agents: dict[str, Agent] = {}
+        self.instances: list[Instance] = []
+        self.scripts: list[Script] = []
+        self.views: dict[Token, View] = {}
+        self.channels: dict[tuple[str, str], deque[tuple[Any, int]]] = {}
+        self.pending: list[tuple[Agent, Callable[[], ev.Event]]] = []
+        self.calls: dict[tuple[str, str], deque[ev.Event]] = {}
+        self.flights: dict[int, Flight] = {}
+        self.waits: list[CancelWait] = []
+        self.xfers: dict[tuple[str, int], tuple[Token | None, dict[str, set[int]]]] = {}
+        self.faults: list[str] = []
+        self.faults_left = 0
+        self.last_fault = 0.0
+        self.flip_next = False
+        #: scripted runs: what every cancel does (< 0.7: stops the write, < 0.95: the write
+        #: lands first and the cancel is confirmed after, else the cancel fails); None: the PRNG
+        self.cancel_roll: float | None = None
+        self._fid = 0
+        # what the causes of a violation are read from (`_release_cause`)
+        self.quarantined: set[tuple[str, int]] = set()  # (decode, room) freed by quarantine
+        self.release_cause: dict[Token, str] = {}
+        self.stale_stop: dict[Token, str] = {}  # rooms a message of an earlier room reached
+        self.stale_done: dict[Token, str] = {}  # rooms a LayerDone came to before the accept
+        self._delivering: tuple[Any, int] | None = None
+        self._sent = 0  # control messages sent so far (their order, for `_release_cause`)
+        self._build()
+
+    # ------------------------------------------------------------------ the scenario
+
+    def _force(self, key: str, default: Any) -> Any:
+        return dict(self.config.force).get(key, default)
+
+    def _build(self) -> None:
+        rng, cfg = self.rng, self.config
+        lay = sim_layout()
+        n_p = self._force("prefills", rng.choice((1, 1, 2)))
+        n_d = self._force("decodes", rng.choice((1, 1, 2)))
+        base = {"transport": "inproc", "heartbeat_interval_s": 0.5, "lease_s": 5.0,
+                "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, **dict(cfg.settings)}
+        for role, n in ((Role.PREFILL, n_p), (Role.DECODE, n_d)):
+            for i in range(n):
+                name = f"{role.value}:{i}"
+                writes = self._force("writes", rng.random() < 0.8)
+                checksum = self._force(f"checksum_{role.value}",
+                                       "full" if rng.random() < 0.8 else "off")
+                st = _make_settings({**base, "checksum": checksum})
+                side = self.add(name, role, lay, num_pages=cfg.pages, settings=st,
+                                writes=writes)
+                self.agents[name] = Agent(side, role, writes, checksum, list(range(cfg.pages)),
+                                          [None] * cfg.pages,
+                                          exit_known=rng.random() < 0.5)
+        prefills = [a for a in self.agents if a.startswith("prefill")]
+        decodes = [a for a in self.agents if a.startswith("decode")]
+        n_inst = self._force("instances", rng.randint(1, cfg.max_instances))
+        for k in range(n_inst):
+            reuse = [i for i in self.instances if rng.random() < 0.35]
+            if reuse:  # a room id reopened by the same ranks
+                old = reuse[0]
+                ps, ds, room = list(old.prefills), list(old.decodes), old.room
+            else:
+                shape = rng.random()
+                if shape < 0.2 and len(prefills) > 1:  # TP fan-in: one decode, two prefills
+                    ps, ds = list(prefills), [rng.choice(decodes)]
+                elif shape < 0.4 and len(decodes) > 1:  # TP fan-out: one prefill, two decodes
+                    ps, ds = [rng.choice(prefills)], list(decodes)
+                else:
+                    ps, ds = [rng.choice(prefills)], [rng.choice(decodes)]
+                room = 100 + k
+            inst = Instance(k, room, pattern=1 + (k * 37 + seed_salt(self.seed)) % 240,
+                            seq_len=rng.randint(1, 3 * PAGE_TOKENS), prefills=ps, decodes=ds)
+            self.instances.append(inst)
+            layers = self.agents[ps[0]].side.session.ctx.layers
+            for p in ps:
+                self.scripts.append(Script(inst, self.agents[p], deque(
+                    [("open", 0)] + [("ready", lid) for lid in layers])))
+            for d in ds:
+                self.scripts.append(Script(inst, self.agents[d], deque([("open", 0),
+                                                                        ("init", 0)])))
+        self.faults_left = self._force("faults", rng.randint(0, cfg.max_faults))
+        st = self._settings()
+        # every deadline one after the other, the quarantine as long as a decode may make it
+        # (at least the writer's stall bound and two heartbeats), and 10 s more
+        self.settle_bound_s = (st.bootstrap_timeout_s + st.waiting_timeout_s
+                               + st.stall_timeout_s + st.lease_s + 10.0
+                               + max(st.write_quarantine_s,
+                                     st.stall_timeout_s + 2 * st.heartbeat_interval_s))
+        self.note(f"agents: {', '.join(self._describe(a) for a in self.agents.values())}")
+        for inst in self.instances:
+            self.note(f"instance {inst.serial}: room {inst.room} seq {inst.seq_len} "
+                      f"prefill {inst.prefills} -> decode {inst.decodes}")
+
+    def _allocate(self, layout: LayoutSpec, num_pages: int) -> dict[str, Any]:
+        """Zeroed numpy buffers in `buffers.allocate`'s shape (a torch allocation per agent
+        costs more than a whole run)."""
+        ps = layout.page_size_tokens
+        return {reg.name: {lid: np.zeros(0 if reg.is_empty(lid) else reg.page_nbytes(ps)
+                                         * num_pages, dtype=np.uint8)
+                           for lid in reg.layer_ids} for reg in layout.regions}
+
+    def _settings(self) -> Settings:
+        return next(iter(self.agents.values())).side.session.settings
+
+    @staticmethod
+    def _describe(a: Agent) -> str:
+        return (f"{a.name}(writes={a.writes}, checksum={a.checksum}, "
+                f"exit_known={a.exit_known})")
+
+    def note(self, text: str) -> None:
+        if self.tracing:
+            self.trace.append(f"{self.steps:5d} t={self.clock():9.3f} {text}")
+
+    def violation(self, invariant: str, detail: str, cause: str = "") -> Violation:
+        self.note(f"VIOLATION {invariant}: {detail}")
+        return Violation(invariant, detail, seed=self.seed, step=self.steps, now=self.clock(),
+                         trace=self.trace, cause=cause,
+                         replay=replay_command(self.seed, self.config))
+
+    def _release_cause(self, tok: Token) -> str:
+        """Which known defect a decode release that broke an invariant looks like."""
+        if tok in self.stale_done:
+            return (f"a LayerDone from {self.stale_done[tok]} reached this room before its "
+                    "TransferAccepted: a message of an earlier use of the room id, which "
+                    "counted layers of this one landed")
+        stale = self.stale_stop.get(tok)
+        if stale is not None:
+            return (f"(c) the prefill's {stale} said its writes stopped while this room's "
+                    "were in flight: a message of an earlier room with this id (reopened "
+                    "before that room's pages came back)")
+        g = self.agents[tok.side].side.session.rooms.groups.get(tok.room)
+        # (a leg's phase is RELEASED by now; one_sided is set when its TransferAccepted is read)
+        if g is not None and g.token is tok and not any(leg.one_sided for leg in g.legs):
+            return ("(a) the decode gave back the pages of a room whose TransferAccepted it "
+                    "never read, while the prefill had accepted and writes")
+        if (tok.side, tok.room) in self.quarantined:
+            return ("(b) the decode's write_quarantine_s passed while the prefill could still "
+                    "write")
+        return ""
+
+    # ------------------------------------------------------------------ executing effects
+
+    def feed(self, side: Side, event: ev.Event) -> None:
+        if self.tracing:
+            self.note(f"{side.name} <- {_short(event)}")
+        for eff in side.session.handle(event, self.clock()):
+            self._execute(side, eff)
+
+    def _execute(self, side: Side, eff: Effect) -> None:
+        a = self.agents[side.name]
+        if isinstance(eff, Send):
+            self._send(side, eff.addr, eff.msg)
+        elif isinstance(eff, PostWrite):
+            self._post_write(a, eff)
+        elif isinstance(eff, PostSend | PostRecv):
+            super()._execute(side, eff)
+        elif isinstance(eff, RegisterRemote):
+            self._call(a, eff.peer, ev.RemoteRegistered(eff.peer, None))
+        elif isinstance(eff, Connect):
+            peer = self.agents.get(eff.peer)
+            error = None if peer is not None and peer.alive else f"no process at {eff.peer}"
+            self._call(a, eff.peer, ev.Connected(eff.peer, error, eff.gen))
+        elif isinstance(eff, Cancel):
+            self._stop_ops(a, eff.peer, eff.tag)
+        elif isinstance(eff, DropPeer):
+            peer = self.agents.get(eff.peer)
+            if peer is not None and not peer.alive and peer.exit_known:
+                self._call(a, eff.peer, ev.PeerExited(eff.peer, eff.gen))
+            self._stop_ops(a, eff.peer, None)
+        elif isinstance(eff, HashSpans):
+            self.pending.append((a, _hasher(side, eff)))
+        elif isinstance(eff, RoomUpdate):
+            self._room_update(a, eff)
+        elif isinstance(eff, Release):
+            self._release(a, eff)
+        elif isinstance(eff, Log):
+            if "never confirmed that its writes" in eff.message:
+                self.quarantined.add((side.name, int(eff.message.split()[1].rstrip(":"))))
+            if self.tracing:
+                self.note(f"{side.name} log: {eff.message}")
+        else:  # pragma: no cover - a new effect the simulator does not know
+            raise TypeError(f"the simulator does not execute {type(eff).__name__}")
+        if self.tracing and not isinstance(eff, Log | HashSpans):
+            self.note(f"{side.name} -> {_short(eff)}")
+
+    def _call(self, a: Agent, peer: str, event: ev.Event) -> None:
+        """A peer-call answer: each (agent, peer)'s calls run one at a time, in order."""
+        q = self.calls.get((a.name, peer))
+        if q is None:
+            q = self.calls[(a.name, peer)] = deque()
+        q.append(event)
+
+    def _send(self, side: Side, to: str, msg: Any) -> None:
+        wire = P.decode(P.encode(msg), max_bytes=1 << 24)  # through the real wire format
+        if isinstance(wire, P.TransferRequest):
+            g = side.session.rooms.groups.get(wire.room)
+            token = g.token if g is not None and isinstance(g.token, Token) else None
+            self.xfers[(side.name, wire.xfer % (1 << P.XFER_BITS))] = (
+                token, {k: set(v) for k, v in wire.dst_pages.items()})
+        dest = self.agents.get(to)
+        if dest is None or not dest.alive:
+            return
+        q = self.channels.get((side.name, to))
+        if q is None:
+            q = self.channels[(side.name, to)] = deque()
+        self._sent += 1
+        q.append((wire, self._sent))
+
+    def _match(self, key: tuple[str, str, int]) -> None:
+        """Two-sided: a send and a receive of one (sender, receiver, tag) become a transfer in
+        flight (it lands later)."""
+        sends, recvs = self._sends.get(key), self._recvs.get(key)
+        while sends and recvs:
+            s, r = sends.popleft(), recvs.popleft()
+            writer, dest = self.agents[s.side.name], self.agents[r.side.name]
+            region = r.buffer.rsplit("/", 1)[0]
+            part = Part(s.buffer, s.offsets, s.nbytes, r.buffer, r.offsets, r.nbytes,
+                        self._pages(dest, region, r.offsets, r.nbytes), region)
+            fl = self._flight(writer, dest, [part], (key[2],), None, False)
+            fl.send_op, fl.recv_op = s.op, r.op
+
+    def _flight(self, writer: Agent, dest: Agent, parts: list[Part], tags: tuple[int, ...],
+                op: int | None, checksum: bool, room: int | None = None) -> Flight:
+        self._fid += 1
+        now = self.clock()
+        xfer = P.split_tag(tags[0])[0]
+        dst_token = self.xfers.get((dest.name, xfer), (None, {}))[0]
+        g = writer.side.session.rooms.groups.get(room if room is not None else -1)
+        src = g.token if g is not None and isinstance(g.token, Token) else None
+        if src is None:  # two-sided: the writer's room of that transfer id
+            src = self._src_token(writer, dest.name, xfer)
+        fl = Flight(self._fid, writer, dest, parts, tags, now,
+                    now + writer.side.session.settings.stall_timeout_s, op, checksum,
+                    xfer=xfer, src_token=src, dst_token=dst_token)
+        self.flights[fl.fid] = fl
+        return fl
+
+    @staticmethod
+    def _src_token(writer: Agent, peer: str, xfer: int) -> Token | None:
+        for leg in writer.side.session.rooms.legs.values():
+            if leg.peer == peer and leg.xfer % (1 << P.XFER_BITS) == xfer:
+                tok = leg.group.token
+                return tok if isinstance(tok, Token) else None
+        return None
+
+    def _pages(self, dest: Agent, region: str, offsets: np.ndarray,
+               nbytes: np.ndarray) -> tuple[int, ...]:
+        pn = dest.side.session.layout.region(region).page_nbytes(PAGE_TOKENS)
+        pages: list[int] = []
+        for o, n in zip(offsets.tolist(), nbytes.tolist(), strict=True):
+            if n:
+                pages.extend(range(o // pn, (o + n - 1) // pn + 1))
+        return tuple(sorted(set(pages)))
+
+    def _post_write(self, a: Agent, eff: PostWrite) -> None:
+        dest = self.agents.get(eff.peer)
+        if dest is None or not dest.alive:
+            op = eff.op
+            self.pending.append((a, lambda: ev.Written(op, f"peer {eff.peer} is gone")))
+            return
+        parts = []
+        for part in eff.parts:
+            plan = part.plan
+            region = part.buffer.rsplit("/", 1)[0]
+            parts.append(Part(part.buffer, plan.src_offsets, plan.nbytes, part.buffer,
+                              plan.dst_offsets, plan.nbytes,
+                              self._pages(dest, region, plan.dst_offsets, plan.nbytes), region))
+        self._flight(a, dest, parts, tuple(x.tag for x in eff.parts), eff.op, eff.checksum,
+                     eff.room)
+
+    # ------------------------------------------------------------------ landing and ending
+
+    def _can_land(self, fl: Flight) -> bool:
+        if not fl.writer.alive:
+            return False
+        return self.clock() <= fl.bound_at or (fl.frozen and self.config.frozen_writer_resumes)
+
+    def _land(self, fl: Flight) -> None:
+        """Lands the flight's next part into the destination's memory (checking where)."""
+        if not self._can_land(fl):
+            self._end(fl, "the transport gave up the write (its bound passed)")
+            return
+        part = fl.parts[fl.landed]
+        src = fl.writer.side.buffers[part.src_buf]
+        dst = fl.dest.side.buffers[part.dst_buf]
+        data = np.concatenate([src[o:o + n] for o, n in
+                               zip(part.src_off.tolist(), part.src_len.tolist(), strict=True)])
+        self._check_landing(fl, part)
+        pos = 0
+        for o, n in zip(part.dst_off.tolist(), part.dst_len.tolist(), strict=True):
+            dst[o:o + n] = data[pos:pos + n]
+            pos += n
+        if self.flip_next and len(part.dst_off):
+            self.flip_next = False
+            dst[int(part.dst_off[0])] ^= 0x5A
+            if fl.dst_token is not None:
+                for inst in self.instances:
+                    if fl.dst_token in inst.tokens.values():
+                        inst.flipped = True
+            self.note(f"flipped a byte of {part.dst_buf} in {fl.dest.name}")
+        if fl.checksum:
+            fl.digests.append(span_checksum(src, part.src_off, part.src_len))
+        fl.landed += 1
+        self.note(f"landed {part.dst_buf} pages {list(part.pages)} of flight {fl.fid} "
+                  f"({fl.writer.name} -> {fl.dest.name}, {fl.dst_token})")
+        if fl.landed == len(fl.parts):
+            self._end(fl, None)
+
+    def _check_landing(self, fl: Flight, part: Part) -> None:
+        dest = fl.dest
+        if dest.role is not Role.DECODE:
+            return
+        offered = self.xfers.get((dest.name, fl.xfer), (None, {}))[1].get(part.region, set())
+        for page in part.pages:
+            owner = dest.owner[page]
+            if owner is None or owner is not fl.dst_token:
+                raise self.violation(
+                    "landed-outside-room",
+                    f"a write of {fl.writer.name} for {fl.dst_token} landed in page {page} of "
+                    f"{dest.name} ({part.dst_buf}), which "
+                    + ("the engine got back (free)" if owner is None else f"{owner} holds"),
+                    self.release_cause.get(fl.dst_token, "") if fl.dst_token else "")
+            if page not in offered:
+                raise self.violation(
+                    "landed-outside-room",
+                    f"a write of {fl.writer.name} landed in page {page} of {dest.name}, which "
+                    f"the TransferRequest of {fl.dst_token} never offered")
+
+    def _end(self, fl: Flight, error: str | None) -> None:
+        """The flight ends: its completions are queued (in any order with others)."""
+        self.flights.pop(fl.fid, None)
+        if fl.write_op is not None:
+            op, digests = fl.write_op, tuple(fl.digests) if error is None else ()
+            if fl.writer.alive:
+                self.pending.append((fl.writer, lambda: ev.Written(op, error, digests)))
+        else:
+            for agent, opn in ((fl.writer, fl.send_op), (fl.dest, fl.recv_op)):
+                if agent.alive and opn is not None:
+                    self.pending.append((agent, _op_done(opn, error)))
+        for w in fl.waiters:
+            w.left.discard(fl.fid)
+            if not w.left:
+                self._answer(w, None)
+
+    def _answer(self, w: CancelWait, error: str | None) -> None:
+        if w in self.waits:
+            self.waits.remove(w)
+            if w.agent.alive:
+                self._call(w.agent, w.peer, ev.Cancelled(w.peer, w.tag, error))
+
+    def _stop_ops(self, a: Agent, peer: str, tag: int | None) -> None:
+        """`Cancel` (a tag) or `DropPeer` (tag None) of `a`'s ops with `peer`: ops not yet
+        matched end at once; a flight is stopped before it lands, or lands first (the answer
+        waits for it), or the cancel fails (answered with an error; the flight may land)."""
+        for table, mine in ((self._sends, 0), (self._recvs, 1)):
+            for key, ops in table.items():
+                if key[1 - mine] != peer or (tag is not None and key[2] != tag):
+                    continue
+                for op in [o for o in ops if o.side is a.side]:
+                    ops.remove(op)
+                    self.pending.append((a, _op_done(op.op, "cancelled")))
+        w = CancelWait(a, peer, tag, set())
+        self.waits.append(w)
+        failed = False
+        for fl in list(self.flights.values()):
+            if not ((fl.writer is a and fl.dest.name == peer)
+                    or (fl.dest is a and fl.writer.name == peer)):
+                continue
+            if tag is not None and tag not in fl.tags:
+                continue
+            roll = self.rng.random() if self.cancel_roll is None else self.cancel_roll
+            if roll < 0.7:
+                self._end(fl, "cancelled")
+            elif roll < 0.95 or not fl.writer.alive:
+                w.left.add(fl.fid)
+                fl.waiters.append(w)
+            else:
+                failed = True
+        if failed:
+            self._answer(w, "the copy did not stop within its bound")
+        elif not w.left:
+            self._answer(w, None)
+
+    # ------------------------------------------------------------------ engine views
+
+    def _room_update(self, a: Agent, eff: RoomUpdate) -> None:
+        tok = eff.token
+        assert isinstance(tok, Token)
+        v = self.views.setdefault(tok, View(tok.room))
+        was = v.state
+        v.state, v.failure, v.landed, v.done = eff.state, eff.failure, eff.landed, eff.done
+        if a.role is Role.DECODE and eff.state is KVPoll.Success and was is not KVPoll.Success:
+            self._check_success(a, tok)
+
+    def _instance(self, tok: Token) -> Instance:
+        return self.instances[tok.inst]
+
+    def _check_success(self, a: Agent, tok: Token) -> None:
+        inst = self._instance(tok)
+        if inst.flipped and a.checksum == "off":
+            return  # this decode runs without checksums: a flipped byte is its choice
+        lay = a.side.session.layout
+        pages = inst.pages[a.name]
+        bad = 0
+        for ri, reg in enumerate(lay.regions):
+            for lid in reg.layer_ids:
+                bad += check_tokens(a.side.buffers[f"{reg.name}/{lid}"], lay, ri, lid, pages,
+                                    0, inst.seq_len, inst.pattern)
+        if bad:
+            raise self.violation(
+                "success-wrong-bytes",
+                f"{tok} ended Success with {bad} byte(s) that differ from the prefill's "
+                f"(checksum {a.checksum} here, "
+                f"{'/'.join(self.agents[p].checksum for p in inst.prefills)} on the prefill; "
+                f"a byte was {'flipped' if inst.flipped else 'not flipped'})",
+                f"a LayerDone from {self.stale_done[tok]} reached this room before its "
+                "TransferAccepted: a message of an earlier use of the room id, which counted "
+                "layers of this one landed" if tok in self.stale_done else
+                "(d) the decode checks checksums (full) but the prefill sent none (off)"
+                if a.checksum == "full" and any(self.agents[p].checksum == "off"
+                                                for p in inst.prefills) else "")
+
+    def _release(self, a: Agent, eff: Release) -> None:
+        tok = eff.token
+        assert isinstance(tok, Token)
+        v = self.views.setdefault(tok, View(tok.room))
+        v.releases += 1
+        if v.releases > 1:
+            raise self.violation("double-release", f"{tok} released {v.releases} times")
+        inst = self._instance(tok)
+        pages = inst.pages.get(a.name)
+        if a.role is Role.DECODE:
+            cause = self.release_cause[tok] = self._release_cause(tok)
+            for fl in self.flights.values():
+                if fl.dest is a and self._can_land(fl) and pages is not None and any(
+                        p in pages for part in fl.parts[fl.landed:] for p in part.pages):
+                    raise self.violation(
+                        "released-while-in-flight",
+                        f"{a.name} released {tok} (pages {sorted(pages.tolist())}) while a "
+                        f"write of {fl.writer.name} for {fl.dst_token} into pages "
+                        f"{sorted({p for x in fl.parts for p in x.pages})} can still land "
+                        f"(flight {fl.fid}, posted t={fl.posted_at:.3f})", cause)
+        else:
+            for fl in self.flights.values():
+                if fl.writer is a and fl.src_token is tok and self._can_land(fl):
+                    raise self.violation(
+                        "source-released-in-flight",
+                        f"{a.name} released {tok} while flight {fl.fid} still reads its pages")
+        if pages is None:
+            return
+        if a.role is Role.PREFILL:
+            for reg in a.side.session.layout.regions:
+                for lid in reg.layer_ids:
+                    view = a.side.buffers[f"{reg.name}/{lid}"].reshape(
+                        -1, reg.page_nbytes(PAGE_TOKENS))
+                    view[pages] = PREFILL_SCRIBBLE
+        for p in pages.tolist():
+            a.owner[p] = None
+            a.free.append(p)
+
+    # ------------------------------------------------------------------ engine calls
+
+    def _alloc(self, a: Agent, n: int, tok: Token) -> np.ndarray | None:
+        if len(a.free) < n:
+            return None
+        got = sorted(self.rng.sample(a.free, n)) if self.rng.random() < 0.5 else a.free[:n]
+        for p in got:
+            a.free.remove(p)
+            a.owner[p] = tok
+        return np.asarray(got, dtype=np.int64)
+
+    def _script_ready(self, s: Script) -> bool:
+        if not s.actions or not s.agent.running:
+            return False
+        what, _ = s.actions[0]
+        if what != "open":
+            return True
+        # a room id is reused (by the router, for a new request) once every engine of the
+        # previous room with that id saw it end: terminal, its pages possibly not yet back
+        for other in self.instances[:s.inst.serial]:
+            if other.room != s.inst.room:
+                continue
+            for name in other.prefills + other.decodes:
+                if not self.agents[name].alive:
+                    continue
+                tok = other.tokens.get(name)
+                if tok is None or not self.views.get(tok, View(0)).done:
+                    return False
+        n = -(-s.inst.seq_len // PAGE_TOKENS)
+        return s.agent.role is Role.DECODE or len(s.agent.free) >= n
+
+    def _engine(self, s: Script) -> None:
+        what, arg = s.actions.popleft()
+        inst, a = s.inst, s.agent
+        lay = a.side.session.layout
+        n = -(-inst.seq_len // PAGE_TOKENS)
+        if what == "open":
+            tok = inst.tokens[a.name] = Token(inst.serial, inst.room, a.name, self._sent)
+            if a.role is Role.PREFILL:
+                pages = self._alloc(a, n, tok)
+                assert pages is not None
+                inst.pages[a.name] = pages
+                for ri, reg in enumerate(lay.regions):
+                    for lid in reg.layer_ids:
+                        write_tokens(a.side.buffers[f"{reg.name}/{lid}"], lay, ri, lid, pages,
+                                     0, inst.seq_len, inst.pattern)
+                self.feed(a.side, ev.OpenSender(inst.room, tok, {r.name: pages
+                                                                 for r in lay.regions},
+                                                inst.seq_len, len(inst.decodes)))
+            else:
+                self.feed(a.side, ev.OpenReceiver(inst.room, tok,
+                                                  tuple((p, 0) for p in inst.prefills)))
+            return
+        tok = inst.tokens[a.name]
+        if self.views.get(tok, View(0)).done:
+            s.actions.clear()  # the engine stops calling a room that ended
+            return
+        if what == "ready":
+            self.feed(a.side, ev.LayerReady(inst.room, tok, arg))
+        elif what == "init":
+            pages = self._alloc(a, n, tok)
+            if pages is None:
+                s.actions.appendleft((what, arg))  # waits for pages
+                return
+            inst.pages[a.name] = pages
+            for reg in lay.regions:
+                for lid in reg.layer_ids:
+                    view = a.side.buffers[f"{reg.name}/{lid}"].reshape(
+                        -1, reg.page_nbytes(PAGE_TOKENS))
+                    view[pages] = DECODE_FILL
+            self.feed(a.side, ev.ReceiverInit(inst.room, tok, {r.name: pages
+                                                               for r in lay.regions},
+                                              inst.seq_len, 0))
+
+    # ------------------------------------------------------------------ faults
+
+    def _fault(self) -> None:
+        rng = self.rng
+        live = [a for a in self.agents.values() if a.running]
+        kinds = ["pause", "abort", "abort", "timeout", "flip", "jump"]
+        if len(live) > 1:
+            kinds.append("kill")
+        kind = rng.choice(kinds)
+        now = self.clock()
+        self.faults_left -= 1
+        if kind in ("pause", "kill") and live:
+            a = rng.choice(live)
+            if kind == "kill":
+                a.alive = False
+                self._died(a)
+                desc = f"{a.name} died"
+            else:
+                r = rng.random()
+                dt = rng.uniform(0.05, 1.5) if r < 0.4 else rng.uniform(1.5, 12.0) \
+                    if r < 0.75 else rng.uniform(12.0, 45.0)
+                self._stop(a, now + dt)
+                desc = f"{a.name} paused for {dt:.2f}s"
+        elif kind in ("abort", "timeout"):
+            open_ = [t for t, v in self.views.items() if not v.done
+                     and self.agents[t.side].running]
+            if not open_:
+                return
+            tok = rng.choice(open_)
+            reason = "engine abort" if kind == "abort" else "engine timeout"
+            desc = f"{reason} of {tok}"
+            self.note(f"FAULT {desc}")
+            self.feed(self.agents[tok.side].side, ev.AbortRoom(tok.room, tok, reason))
+        elif kind == "flip":
+            self.flip_next = True
+            desc = "the next landing flips a byte"
+        else:
+            dt = rng.uniform(0.6, 8.0)
+            self.clock.advance(dt)
+            desc = f"clock jumps {dt:.2f}s"
+        self.faults.append(desc)
+        self.last_fault = max(self.last_fault, self.clock())
+        if kind not in ("abort", "timeout"):
+            self.note(f"FAULT {desc}")
+
+    def _stop(self, a: Agent, until: float) -> None:
+        a.paused_until = until
+        for fl in self.flights.values():
+            if fl.writer is a:
+                fl.frozen = True
+
+    def _died(self, a: Agent) -> None:
+        """`a`'s process ended: its writes stop, its queued work is gone, transports that
+        talk to it fail their ops."""
+        for fl in list(self.flights.values()):
+            if fl.writer is a or fl.dest is a:
+                self._end(fl, f"peer {a.name} is gone")
+        for table in (self._sends, self._recvs):
+            for key, ops in table.items():
+                for op in list(ops):
+                    if op.side is a.side:
+                        ops.remove(op)
+                    elif a.name in key[:2]:
+                        ops.remove(op)
+                        self.pending.append((self.agents[op.side.name],
+                                             _op_done(op.op, f"peer {a.name} is gone")))
+        self.pending = [(x, f) for x, f in self.pending if x is not a]
+        for pair in [k for k in self.channels if k[1] == a.name]:
+            del self.channels[pair]
+        for pair in [k for k in self.calls if k[0] == a.name]:
+            del self.calls[pair]
+        for s in self.scripts:
+            if s.agent is a:
+                s.actions.clear()
+
+    # ------------------------------------------------------------------ scripted schedules
+
+    def add_instance(self, room: int, prefills: list[str], decodes: list[str],
+                     seq_len: int = 40) -> Instance:
+        """A room instance the test drives (`engine`), besides the seed's own."""
+        inst = Instance(len(self.instances), room, pattern=200 + len(self.instances),
+                        seq_len=seq_len, prefills=list(prefills), decodes=list(decodes))
+        self.instances.append(inst)
+        layers = self.agents[prefills[0]].side.session.ctx.layers
+        for p in prefills:
+            self.scripts.append(Script(inst, self.agents[p], deque(
+                [("open", 0)] + [("ready", lid) for lid in layers])))
+        for d in decodes:
+            self.scripts.append(Script(inst, self.agents[d], deque([("open", 0), ("init", 0)])))
+        return inst
+
+    def engine(self, inst: Instance, side: str, calls: int | None = None) -> None:
+        """Runs the engine calls `side` has left for `inst` now (open, pages, layers): all of
+        them, or the next `calls`."""
+        for s in self.scripts:
+            if s.inst is inst and s.agent.name == side:
+                n = 0
+                while s.actions and self._script_ready(s) and (calls is None or n < calls):
+                    self._engine(s)
+                    n += 1
+
+    def abort(self, inst: Instance, side: str, reason: str = "engine abort") -> None:
+        """The engine of `side` aborts its room of `inst`."""
+        tok = inst.tokens[side]
+        self.note(f"FAULT {reason} of {tok}")
+        self.faults.append(f"{reason} of {tok}")
+        self.last_fault = self.clock()
+        self.feed(self.agents[side].side, ev.AbortRoom(tok.room, tok, reason))
+
+    def pause(self, side: str, seconds: float) -> None:
+        """Stops `side` (SIGSTOP) for `seconds` of simulated time."""
+        self._stop(self.agents[side], self.clock() + seconds)
+        self.last_fault = self.clock() + seconds
+        self.note(f"FAULT {side} paused for {seconds:.2f}s")
+
+    def queued(self, src: str, dst: str) -> list[Any]:
+        """The control messages in flight from `src` to `dst`, oldest first."""
+        return [m for m, _ in self.channels.get((src, dst), ())]
+
+    def deliver(self, src: str, dst: str, n: int = 1) -> None:
+        """Delivers the next `n` control messages from `src` to `dst`."""
+        for _ in range(n):
+            self._deliver((src, dst))
+
+    def busy(self) -> bool:
+        """Whether a message, completion or peer-call answer of a running agent is waiting
+        (what `drain` runs)."""
+        return (any(q and self.agents[k[1]].running for k, q in self.channels.items())
+                or any(a.running for a, _ in self.pending)
+                or any(q and self.agents[k[0]].running for k, q in self.calls.items()))
+
+    def drain(self, *, land: bool = True, until: Callable[[], bool] | None = None) -> None:
+        """Runs every pending message, completion, peer-call answer and due tick (and lands
+        every write when `land`) until none is left or `until()` holds, without moving the
+        clock.
+
+        Raises:
+            AssertionError: `until` was given and never held.
+        """
+        while until is None or not until():
+            if land and self.flights:
+                self._land(next(iter(self.flights.values())))
+                continue
+            key = next((k for k, q in self.channels.items() if q
+                        and self.agents[k[1]].running), None)
+            if key is not None:
+                self._deliver(key)
+                continue
+            ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
+            if ready:
+                a, make = self.pending.pop(ready[0])
+                self.feed(a.side, make())
+                continue
+            key = next((k for k, q in self.calls.items() if q
+                        and self.agents[k[0]].running), None)
+            due = next((a for a in self.agents.values() if a.running
+                        and self.clock() >= a.side.session.next_wakeup()), None)
+            if key is None and due is not None:  # LayerDones out, timers due now
+                self._tick(due)
+                continue
+            if key is None:
+                if until is not None:
+                    raise AssertionError("nothing left to run and the condition never held")
+                return
+            self._answer_call(key)
+
+    # ------------------------------------------------------------------ the scheduler
+
+    def _choices(self, faults: bool) -> list[tuple[float, Callable[[], None]]]:
+        now = self.clock()
+        out: list[tuple[float, Callable[[], None]]] = []
+        for key, q in self.channels.items():
+            if q and self.agents[key[1]].running:
+                out.append((4.0, _bind(self._deliver, key)))
+        if any(a.running for a, _ in self.pending):
+            out.append((3.0 * min(3, len(self.pending)), self._complete))
+        for key, calls in self.calls.items():
+            if calls and self.agents[key[0]].running:
+                out.append((3.0, _bind(self._answer_call, key)))
+        for fl in self.flights.values():
+            if fl.writer.running:
+                out.append((3.0, _bind(self._land, fl)))
+        for s in self.scripts:
+            if s.actions and s.agent.running and self._script_ready(s):
+                out.append((2.0, _bind(self._engine, s)))
+        for a in self.agents.values():
+            if a.running and now >= a.side.session.next_wakeup():
+                out.append((3.0, _bind(self._tick, a)))
+        if faults and self.faults_left > 0:
+            out.append((0.15, self._fault))
+        return out
+
+    def _deliver(self, key: tuple[str, str]) -> None:
+        msg, sent = self._delivering = self.channels[key].popleft()
+        dest = self.agents[key[1]]
+        if dest.role is Role.DECODE and (isinstance(msg, P.AbortAck) or isinstance(
+                msg, P.Failed | P.Abort) and msg.writes_stopped):
+            # "my writes stopped" sent before this room was opened, or while the shadow model
+            # holds writes of this room in flight: a message of an earlier room with the same
+            # id (or a transport's lie)
+            g = dest.side.session.rooms.groups.get(msg.room)
+            tok = g.token if g is not None else None
+            if isinstance(tok, Token) and (sent <= tok.opened or any(
+                    fl.dst_token is tok and self._can_land(fl) for fl in self.flights.values())):
+                self.stale_stop[tok] = type(msg).__name__ + (
+                    " sent before this room was opened" if sent <= tok.opened else "")
+        if dest.role is Role.DECODE and isinstance(msg, P.LayerDone):
+            # FIFO per connection: a LayerDone of this use of the room comes after its
+            # TransferAccepted; one before it is from an earlier use of the id
+            leg = dest.side.session.rooms.legs.get((msg.room, msg.src))
+            if leg is not None and not leg.accepted and not leg.machine.is_terminal \
+                    and isinstance(leg.group.token, Token):
+                self.stale_done[leg.group.token] = msg.src
+        try:
+            self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
+        finally:
+            self._delivering = None
+
+    def _complete(self) -> None:
+        ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
+        i = self.rng.choice(ready)
+        a, make = self.pending.pop(i)
+        self.feed(a.side, make())
+
+    def _answer_call(self, key: tuple[str, str]) -> None:
+        self.feed(self.agents[key[0]].side, self.calls[key].popleft())
+
+    def _tick(self, a: Agent) -> None:
+        if not any(q for k, q in self.channels.items() if k[1] == a.name):
+            a.drained_at = self.clock()
+        self.feed(a.side, ev.Tick(drained_at=a.drained_at))
+
+    def _resume(self) -> None:
+        now = self.clock()
+        for a in self.agents.values():
+            if a.paused_until is not None and now >= a.paused_until:
+                a.paused_until = None
+                self.last_fault = max(self.last_fault, now)
+                self.note(f"{a.name} resumed")
+
+    def _advance(self, dt: float) -> None:
+        self.clock.advance(dt)
+        self._resume()
+        for fl in list(self.flights.values()):  # the transport's bound, where it runs
+            if fl.writer.running and not self._can_land(fl):
+                self._end(fl, "the transport gave up the write (its bound passed)")
+
+    def _step_dt(self) -> float:
+        """How far the clock moves in one step: a little, and never more than
+        `TICK_SLACK_S` past the time a running agent's tick is due (a control loop runs on
+        time unless a fault stops it: a pause, a clock jump)."""
+        dt = min(self.rng.expovariate(8.0), 0.6)
+        due = [a.side.session.next_wakeup() for a in self.agents.values() if a.running]
+        if due:
+            dt = min(dt, max(0.0, min(due) + TICK_SLACK_S - self.clock()))
+        return dt
+
+    def _pick(self, choices: list[tuple[float, Callable[[], None]]]) -> Callable[[], None]:
+        total = sum(w for w, _ in choices)
+        x = self.rng.random() * total
+        for w, fn in choices:
+            x -= w
+            if x < 0:
+                return fn
+        return choices[-1][1]
+
+    def _settled(self) -> bool:
+        if self.flights or any(s.actions for s in self.scripts):
+            return False
+        if any(q for k, q in self.channels.items() if self.agents[k[1]].alive):
+            return False
+        if self.pending or any(q for q in self.calls.values()):
+            return False
+        return all(v.done and v.releases == 1 for t, v in self.views.items()
+                   if self.agents[t.side].alive)
+
+    def play(self) -> Outcome:
+        """Runs the seed to its end; raises `Violation` when an invariant breaks."""
+        cfg = self.config
+        while self.steps < cfg.max_steps:
+            if not any(s.actions for s in self.scripts) and self.faults_left <= 0:
+                break
+            self.steps += 1
+            choices = self._choices(True)
+            if self.rng.random() < 0.08 or not choices:
+                self._advance(self._step_dt())
+                continue
+            self._pick(choices)()
+        self.faults_left = 0
+        deadline = max(self.clock(), self.last_fault) + self.settle_bound_s
+        while True:
+            self.steps += 1
+            self._resume()
+            choices = self._choices(False)
+            if choices:
+                self._pick(choices)()
+                continue
+            if self._settled():
+                break
+            nxt = [a.side.session.next_wakeup() for a in self.agents.values() if a.running]
+            nxt += [a.paused_until for a in self.agents.values()
+                    if a.alive and a.paused_until is not None]
+            nxt += [fl.bound_at + 1e-6 for fl in self.flights.values()]
+            at = max(min(nxt), self.clock() + 1e-3) if nxt else self.clock() + 0.5
+            if at > deadline:
+                raise self.violation("not-terminal", self._unsettled())
+            self._advance(at - self.clock())
+        self._final_checks()
+        states = tuple(f"{t}={v.state.name}" for t, v in self.views.items())
+        return Outcome(self.seed, self.steps, self.clock() - 1000.0, len(self.instances),
+                       tuple(self.faults), states)
+
+    def _unsettled(self) -> str:
+        what = [f"{t}: {v.state.name}{' done' if v.done else ''}, released {v.releases}"
+                for t, v in self.views.items()
+                if self.agents[t.side].alive and not (v.done and v.releases == 1)]
+        stuck = [f"{s.agent.name} {s.inst.room}#{s.inst.serial} waits to {s.actions[0][0]}"
+                 for s in self.scripts if s.actions]
+        return (f"{self.settle_bound_s:g}s after the last fault: "
+                + "; ".join(what + stuck + [f"{len(self.flights)} flight(s)"]))
+
+    def _final_checks(self) -> None:
+        for inst in self.instances:
+            if len(inst.prefills) > 1:
+                # TP fan-in: one prefill rank's leg may end Success before another rank's
+                # failure fails the decode's room (the first rank delivered all it had to)
+                continue
+            for p in inst.prefills:
+                tp = inst.tokens.get(p)
+                if tp is None or not self.agents[p].alive:
+                    continue
+                if self.views[tp].state is not KVPoll.Success:
+                    continue
+                for d in inst.decodes:
+                    td = inst.tokens.get(d)
+                    if td is not None and self.agents[d].alive and \
+                            self.views[td].state is KVPoll.Failed:
+                        raise self.violation(
+                            "prefill-success-decode-failed",
+                            f"{tp} ended Success while {td} ended Failed "
+                            f"({self.views[td].failure})")
+        st = self._settings()
+        # twice: the first tick after the gap drops the peers (the agent takes itself for
+        # unresponsive), the second forgets them
+        for _ in range(2):
+            self._advance(max(st.room_retention_s, FORGOTTEN_KEEP_S, st.bootstrap_timeout_s)
+                          + 1)
+            for a in self.agents.values():
+                if a.alive:
+                    self.feed(a.side, ev.Tick(drained_at=self.clock()))
+        for a in self.agents.values():
+            if not a.alive:
+                continue
+            s = a.side.session
+            held = {"rooms": len(s.rooms.groups), "legs": len(s.rooms.legs),
+                    "early messages": len(s._early), "aborts ahead": len(s._aborts_ahead),
+                    "ops": len(s.path._ops), "hash jobs": len(s.path._jobs),
+                    "cancels": len(s.rooms._cancelling), "lost peers": len(s.peers._forgotten)}
+            grown = {k: v for k, v in held.items() if v}
+            if grown:
+                raise self.violation("unbounded", f"{a.name} still holds {grown} after the "
+                                                  "retention periods")
+
+
+_SETTINGS: dict[tuple[tuple[str, Any], ...], Settings] = {}
+
+
+def _make_settings(values: dict[str, Any]) -> Settings:
+    """Settings built once per distinct value set (building one reads the environment)."""
+    key = tuple(sorted((k, str(v)) for k, v in values.items()))
+    st = _SETTINGS.get(key)
+    if st is None:
+        st = _SETTINGS[key] = Settings(**values)
+    return st
+
+
+def seed_salt(seed: int) -> int:
+    return (seed * 2654435761) % 251
+
+
+def _bind(fn: Callable[[Any], None], arg: Any) -> Callable[[], None]:
+    return lambda: fn(arg)
+
+
+def _op_done(op: int, error: str | None) -> Callable[[], ev.Event]:
+    return lambda: ev.OpDone(op, error)
+
+
+def _hasher(side: Side, eff: HashSpans) -> Callable[[], ev.Event]:
+    """The hasher reads the buffers when it runs (later), not when it is asked."""
+    def run() -> ev.Event:
+        sums = tuple(span_checksum(side.buffers[b], o, n) for b, o, n in eff.spans)
+        return ev.Hashed(eff.job, sums)
+    return run
+
+
+def _short(x: object) -> str:
+    if isinstance(x, ev.MessageReceived):
+        x = x.msg
+    text = repr(x)
+    return text if len(text) < 240 else text[:237] + "..."
+
+
+def run_seed(seed: int, config: SimConfig | None = None, *, trace: bool = False) -> Outcome:
+    """Runs one seed; raises `Violation` (with the trace when `trace`)."""
+    return Simulation(seed, config, trace=trace).play()
+
+
+def run_seeds(seeds: Iterable[int], config: SimConfig | None = None
+              ) -> tuple[int, list[Violation]]:
+    """Runs every seed; returns (how many ran, the violations met, in seed order)."""
+    found: list[Violation] = []
+    n = 0
+    for seed in seeds:
+        n += 1
+        try:
+            run_seed(seed, config)
+        except Violation as v:
+            found.append(v)
+    return n, found
