@@ -6,7 +6,13 @@ Rules:
   decoded, so a peer of another protocol version gets a `Reject` naming both versions instead of
   a confusing decode error.
 - `decode` raises `ProtocolError` for anything unexpected (truncated, oversized, unknown kind,
-  wrong field types); the agent answers with `Reject` and keeps serving.
+  wrong field types); the agent counts it and keeps serving.
+- Every field is typed, so what a frame can make the decoder build is bounded by the types, not
+  by the sender: no field takes an arbitrary msgpack value (a Hello's layout is a map of at
+  most three levels of scalars and lists, `LayoutMap`), so nesting is bounded (a frame of ten
+  thousand nested maps is a `ProtocolError` at the first level the type does not allow), and
+  the body's size (``max_message_bytes``, checked before decoding) bounds every string, list
+  and map.
 - Every message names its sender (`src`, the sender's control address) and the sender's
   `gen` (a nonce per process start), so a restarted peer's stale messages are recognised.
 - Rooms are 63-bit ids chosen by the bootstrap server / router; data tags use a small per-decode
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from kvhandoff.errors import ProtocolError
 
@@ -51,6 +59,20 @@ def split_tag(tag: int) -> tuple[int, int, int, int]:
     return tag >> LAYER_BITS, layer, region, attempt
 
 
+# A Hello's layout (`LayoutSpec.to_dict`): a map whose values are scalars or lists of scalars
+# and maps (regions, rows), whose values are scalars or lists of scalars and maps (planes), whose
+# values are scalars. Three levels, few keys, short lists: deeper or larger is not a layout.
+_Key = Annotated[str, Meta(max_length=256)]
+_Scalar = _Key | int | float | bool | None
+_PlaneMap = Annotated[dict[_Key, _Scalar], Meta(max_length=64)]
+_RegionMap = Annotated[dict[_Key, _Scalar | Annotated[list[_Key | int | _PlaneMap],
+                                                      Meta(max_length=4096)]],
+                       Meta(max_length=64)]
+LayoutMap = Annotated[dict[_Key, _Scalar | Annotated[list[_Key | int | _RegionMap],
+                                                     Meta(max_length=4096)]],
+                      Meta(max_length=64)]
+
+
 class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=False, frozen=True):
     src: str  # the sender's control address (host:port)
     gen: int  # the sender's generation (a nonce per process start)
@@ -70,7 +92,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     role: str
     transport: str
     transport_address: bytes
-    layout: dict[str, object]
+    layout: LayoutMap  # LayoutSpec.to_dict()
     layout_hash: str
     buffers: list[BufferDesc]
     mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"" when a shared secret is set
@@ -257,6 +279,8 @@ def decode(frames: list[bytes], *, max_bytes: int) -> Message:
         return msg
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from e
+    except RecursionError as e:  # the types bound nesting; never let it escape regardless
+        raise ProtocolError("malformed message: nested too deep") from e
 
 
 def _hello_body(msg: Hello) -> bytes:

@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 
 from kvhandoff.buffers.bufferset import view_memory
-from kvhandoff.errors import ConfigError, KVHandoffError, ProtocolError, TransportError
+from kvhandoff.errors import ConfigError, KVHandoffError, TransportError
 from kvhandoff.netaddr import join_host_port, split_host_port, zmq_endpoint, zmq_ipv6
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
@@ -133,6 +133,8 @@ class ControlLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._drained_at = time.monotonic()  # when the control socket was last read empty
+        self._rejects_log = RateLog(log, logging.WARNING)
+        self._errors_log = RateLog(log, logging.ERROR)
         self._closing = False
         self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
@@ -218,7 +220,8 @@ class ControlLoop:
             # the session fails the room of a room's event itself (both sides told); this is
             # an event of no room (a tick, a peer's message): counted and logged
             self.counters["loop_errors"] += 1
-            log.exception("agent: error handling %s", type(event).__name__)
+            self._errors_log.log(now, "agent: error handling %s", type(event).__name__,
+                                 exc_info=True)
             return
         if self._timelines is not None:
             effects = self._timelines.observe(event, effects)
@@ -457,32 +460,41 @@ class ControlLoop:
             except zmq.ZMQError:
                 break
             self._asleep = False
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except (BlockingIOError, OSError):
-                    pass
-            self._next_calls()
-            self._drain_ahead()
-            self._drain_queue(time.monotonic() + hb / 4)
-            # read empty (polled: nothing waiting) on both lanes: the session's peers'
-            # silence is theirs, not a backlog of ours
-            drained = self._router not in events or self._read(hb)
-            if lane is not None:
-                lane.service(events)
-                if lane.inbox:
-                    self._read_lane(lane, hb)
-                drained = drained and not lane.inbox
-            if drained:
-                self._drained_at = time.monotonic()
-            if self._filter is not None:  # effects a test filter held until now
-                for eff in self._filter.due(time.monotonic()):
-                    self._execute(eff)
-            self._feed(ev.Tick(drained_at=self._drained_at))
-            self._flush()
+            try:
+                self._pass(events, lane, hb)
+            except Exception as e:  # noqa: BLE001 - the thread serves every room: never dies
+                self.counters["loop_errors"] += 1
+                self._errors_log.log(time.monotonic(), "agent: error in the control loop: %r",
+                                     e, exc_info=True)
             if closing and not self._queue and not self._ahead:
                 break
+
+    def _pass(self, events: dict[Any, int], lane: LocalLane | None, hb: float) -> None:
+        """One pass of the loop (see the module doc), once `poll` returned `events`."""
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        self._next_calls()
+        self._drain_ahead()
+        self._drain_queue(time.monotonic() + hb / 4)
+        # read empty (polled: nothing waiting) on both lanes: the session's peers'
+        # silence is theirs, not a backlog of ours
+        drained = self._router not in events or self._read(hb)
+        if lane is not None:
+            lane.service(events)
+            if lane.inbox:
+                self._read_lane(lane, hb)
+            drained = drained and not lane.inbox
+        if drained:
+            self._drained_at = time.monotonic()
+        if self._filter is not None:  # effects a test filter held until now
+            for eff in self._filter.due(time.monotonic()):
+                self._execute(eff)
+        self._feed(ev.Tick(drained_at=self._drained_at))
+        self._flush()
 
     def _drain_ahead(self) -> None:
         while self._ahead:
@@ -548,12 +560,14 @@ class ControlLoop:
                 break
 
     def _message(self, frames: list[bytes], batch_end: float) -> None:
-        """Feeds one control message (its frames), then what it made due."""
+        """Feeds one control message (its frames), then what it made due. Nothing a sender
+        puts in a frame ends the loop: a frame that does not decode is counted in
+        ``rejected_messages`` and logged at a bounded rate (a flood must not fill the log)."""
         try:
             msg = P.decode(frames, max_bytes=self.settings.max_message_bytes)
-        except ProtocolError as e:
+        except Exception as e:  # noqa: BLE001 - ProtocolError, or anything a decoder bug raises
             self.counters["rejected_messages"] += 1
-            log.warning("rejected a control message: %s", e)
+            self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)
             return
         self._batching = True  # the writes of this message's events leave together
         try:
@@ -600,6 +614,29 @@ class ControlLoop:
             # instead of finishing rooms this side already failed (a split outcome)
             sock.close(linger=LINGER_DROPPED_MS)
         self._to_close.clear()
+
+
+class RateLog:
+    """Logs at most `burst` records per `window_s` (what comes from outside can be a flood);
+    the next record after a window says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, level: int, *, burst: int = 10,
+                 window_s: float = 10.0) -> None:
+        self._log, self._level = logger, level
+        self._burst, self._window_s = burst, window_s
+        self._start, self._count, self._left_out = -1e18, 0, 0
+
+    def log(self, now: float, fmt: str, *args: Any, exc_info: bool = False) -> None:
+        if now - self._start > self._window_s:
+            if self._left_out:
+                self._log.log(self._level, "... %d more like these in %.0f s left out",
+                              self._left_out, self._window_s)
+            self._start, self._count, self._left_out = now, 0, 0
+        if self._count >= self._burst:
+            self._left_out += 1
+            return
+        self._count += 1
+        self._log.log(self._level, fmt, *args, exc_info=exc_info)
 
 
 class _Collect:
