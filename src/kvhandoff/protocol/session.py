@@ -310,13 +310,15 @@ class TransferSession:
         if isinstance(msg, P.Hello):  # Hello and HelloAck
             self.peers.on_hello(msg)
             return
-        p = self.peers.get(msg.src)
-        if (ctx.me.hmac_secret and (p is None or not p.authenticated)
-                and not isinstance(msg, P.HelloReject)):
-            # with a shared secret, only a peer whose Hello verified may touch rooms (an
-            # unknown process must not fail or abort a room it could not join)
-            ctx.counters["stale_messages"] += 1
+        if isinstance(msg, P.HelloReject):
+            self.peers.on_hello_reject(msg)
             return
+        if ctx.me.hmac_secret and not self.peers.admit(msg, e.seal):
+            # with a shared secret, a message counts only sealed under the session with its
+            # sender (`peers`: an unknown process must not fail or abort a room, nor renew a
+            # dead peer's leases; a replay is refused)
+            return
+        p = self.peers.get(msg.src)
         if p is None or (p.gen and msg.gen != p.gen):
             # no handshake with this sender (or an older generation of it)
             ctx.counters["stale_messages"] += 1
@@ -326,9 +328,7 @@ class TransferSession:
                 self.peers.tell_forgotten(msg.src)
             return
         p.last_seen = ctx.now
-        if isinstance(msg, P.HelloReject):
-            self.peers.on_hello_reject(p, msg)
-        elif isinstance(msg, P.Heartbeat):
+        if isinstance(msg, P.Heartbeat):
             for room in msg.rooms:
                 r = self.rooms.legs.get((room, p.addr))
                 if r is not None and not r.machine.is_terminal:

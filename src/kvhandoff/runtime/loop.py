@@ -564,14 +564,14 @@ class ControlLoop:
         puts in a frame ends the loop: a frame that does not decode is counted in
         ``rejected_messages`` and logged at a bounded rate (a flood must not fill the log)."""
         try:
-            msg = P.decode(frames, max_bytes=self.settings.max_message_bytes)
+            msg, seal = P.decode_sealed(frames, max_bytes=self.settings.max_message_bytes)
         except Exception as e:  # noqa: BLE001 - ProtocolError, or anything a decoder bug raises
             self.counters["rejected_messages"] += 1
             self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)
             return
         self._batching = True  # the writes of this message's events leave together
         try:
-            self._feed(ev.MessageReceived(msg))
+            self._feed(ev.MessageReceived(msg, seal))
             self._drain_ahead()
             if self._queue:  # completions and engine events between messages
                 self._drain_queue(batch_end)
@@ -596,8 +596,9 @@ class ControlLoop:
             addr, msg = self._outbox.popleft()
             if not addr:
                 continue
-            frames = P.encode(msg)
             try:
+                assert self.session is not None
+                frames = self.session.peers.frames(addr, msg)  # sealed with a secret
                 if self._lane is None or not self._lane.send(addr, frames):
                     self._dealer(addr).send_multipart(frames, zmq.NOBLOCK)
                 self.counters["messages_out"] += 1

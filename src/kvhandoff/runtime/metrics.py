@@ -34,6 +34,12 @@ _COUNTER_HELP = {
                           "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
+    "unauthenticated_messages": "With hmac_secret set: messages dropped because they did "
+                                "not authenticate (a Hello or HelloReject whose MAC does not "
+                                "verify, a message not sealed under its sender's session).",
+    "replayed_messages": "With hmac_secret set: messages dropped as replays (a sequence number "
+                         "not above the last one taken, a HelloAck that echoes no Hello of "
+                         "ours).",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
     "checksums_verified": "Landed (layer, region) checksums that matched.",
