@@ -5,11 +5,23 @@ outsider sends ends an agent's control thread; it counts what it refused and sti
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 
 import pytest
-from relkit import WAIT_S, Engine, Prober, engine_pair, fast_settings, handoff, wait_until
+from relkit import (
+    WAIT_S,
+    Engine,
+    Prober,
+    engine_pair,
+    fast_settings,
+    handoff,
+    layers_of,
+    wait_until,
+)
 
 from kvhandoff.runtime.locallane import available
+from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing import hostile
 
 OWN_LANES = True  # the control surfaces do not depend on the data transport
@@ -42,6 +54,66 @@ def test_deeply_nested_frame_leaves_the_agent_serving(surface: str) -> None:
             pr.barrier("prefill")
         assert alive(p)
         assert counters(p)["rejected_messages"] - before == 3
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)
+        assert d.bad_bytes(r, 40) == 0
+
+
+def test_a_garbage_flood_does_not_suspend_dead_peer_detection() -> None:
+    """While an outsider floods the decode's control socket with frames that do not decode,
+    the prefill falls silent mid-room (its control thread frozen for 20 heartbeats): the
+    decode's room still fails as silent. Before: the socket was never read empty, and silence
+    was measured only up to the last time it was, so the dead peer stayed alive."""
+    with engine_pair(settings=fast_settings(), num_pages=8) as (p, d):
+        r = secrets.randbits(63)
+        s = p.send(r, 40, ready=2)
+        rv = d.recv(r, 40, p.address)
+        assert rv.wait_for_layer(layers_of(p.layout)[1], WAIT_S)
+        stop = threading.Event()
+        junk = [[hostile.P.HEADER, b"\xc1" * 8]] * 200
+
+        def flood() -> None:
+            while not stop.is_set():
+                hostile.send_control(d.address, junk)
+
+        floods = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+        for t in floods:
+            t.start()
+        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
+            lambda _: time.sleep(20 * 0.2), timeout=WAIT_S))
+        try:
+            assert wait_until(lambda: counters(d)["rejected_messages"] > 1000, WAIT_S)
+            frozen.start()
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert "silent" in (rv.failure or ""), rv.failure
+        finally:
+            stop.set()
+            for t in floods:
+                t.join(WAIT_S)
+            frozen.join(WAIT_S)
+        s.abort("test over")
+
+
+def test_strangers_cost_a_bounded_number_of_sockets() -> None:
+    """Each refused Hello (no valid MAC) from another made-up address is answered over a ZMQ
+    DEALER of its own: those sockets are capped (the least recently used closed) and closed
+    once idle, and no peer record is kept for any of them."""
+    from kvhandoff.runtime import loop as loop_mod
+
+    with engine_pair(settings=fast_settings(hmac_secret="s3cret"), num_pages=8) as (p, d):
+        n = loop_mod.MAX_STRANGER_DEALERS + 100
+        hellos = []
+        for i in range(n):
+            h = hostile.P.Hello(src=f"127.0.0.1:{20000 + i}", gen=i + 1, agent_id="x",
+                                role="decode", transport="tcp", transport_address=b"",
+                                layout={}, layout_hash="", buffers=[], mac=b"\0" * 32)
+            hellos.append(hostile.P.encode(h))
+        hostile.send_control(p.address, hellos)
+        assert wait_until(lambda: counters(p)["unauthenticated_messages"] >= n, WAIT_S)
+        loop = p.agent._loop
+        assert wait_until(lambda: loop.query(lambda _: len(loop._dealers))
+                          <= loop_mod.MAX_STRANGER_DEALERS + 1, WAIT_S)
+        assert p.agent._loop.query(lambda s: sum(1 for _ in s.peers)) <= 1
         r = secrets.randbits(63)
         handoff(p, d, r, 40)
         assert d.bad_bytes(r, 40) == 0

@@ -59,7 +59,8 @@ from kvhandoff.state_machine import (
     RoomAborted,
 )
 
-EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
+EARLY_LIMIT = 4096  # rooms the engine has not opened yet whose messages are kept
+EARLY_PER_ROOM = 16  # messages kept per such room (a request, an abort: a few at most)
 
 
 class TransferSession:
@@ -376,7 +377,9 @@ class TransferSession:
                                                               f"{msg.reason}"))
                 return
         if r is None:
-            if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
+            held = self._early.get(msg.room)
+            if g is None and (len(held) < EARLY_PER_ROOM if held is not None
+                              else len(self._early) < EARLY_LIMIT):
                 self._early.setdefault(msg.room, []).append(msg)
                 self._early_t.setdefault(msg.room, ctx.now)
             elif g is None:
@@ -391,7 +394,8 @@ class TransferSession:
         ctx = self.ctx
         ctx.counters["early_dropped"] += 1
         ctx.log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: "
-                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held")
+                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held, or "
+                         f"{EARLY_PER_ROOM} messages for this one")
         if isinstance(msg, P.TransferRequest):
             ctx.send(msg.src, P.Failed(
                 src=ctx.me.address, gen=ctx.me.generation, room=msg.room,

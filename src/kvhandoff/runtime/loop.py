@@ -78,6 +78,17 @@ HASH_INLINE_BYTES = 2 << 20
 # most of the prefill's control-thread time. A larger write leaves alone, so a long prompt's
 # layers still land (and are announced) one by one.
 WRITE_BATCH_BYTES = 2 << 20
+# A batch of this many messages read from the control socket of which the session took none
+# (see _read) counts as having read every peer's messages
+MIN_IDLE_BATCH = 64
+# Senders' connections that cost this agent nothing once idle: a ZMQ DEALER to an address the
+# session has no peer record for (it only answered a stranger's Hello, or told a forgotten peer)
+# is closed after DEALER_IDLE_S, and the least recently used go beyond MAX_STRANGER_DEALERS
+DEALER_IDLE_S = 30.0
+MAX_STRANGER_DEALERS = 256
+# Messages one connection may have queued for this agent before ZMQ stops reading it (TCP flow
+# control then holds the sender back; nothing is dropped)
+CONTROL_RCVHWM = 10_000
 
 
 class ControlLoop:
@@ -109,7 +120,7 @@ class ControlLoop:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes + 64)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
         host, port = settings.agent_host, settings.agent_port
         self._router.setsockopt(zmq.IPV6, zmq_ipv6(host))
         try:
@@ -124,6 +135,8 @@ class ControlLoop:
                               f"IPv6 one bare or in brackets)") from e
         self.address = join_host_port(host, port)
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealer_used: dict[str, float] = {}  # address -> when last sent to
+        self._dealers_collected = time.monotonic()
         # same-host peers: control messages over a Unix socket (runtime.locallane)
         self._lane = LocalLane(self.address, max_message_bytes=settings.max_message_bytes,
                                counters=self.counters) \
@@ -271,6 +284,7 @@ class ControlLoop:
         elif isinstance(eff, DropPeer):
             self._call(eff.peer, functools.partial(self._drop, eff))
             sock = self._dealers.pop(eff.peer, None)
+            self._dealer_used.pop(eff.peer, None)
             if sock is not None:
                 self._to_close.append(sock)  # after the outbox went out
             if self._lane is not None:
@@ -495,6 +509,24 @@ class ControlLoop:
                 self._execute(eff)
         self._feed(ev.Tick(drained_at=self._drained_at))
         self._flush()
+        now = time.monotonic()
+        if now - self._dealers_collected > hb:
+            self._dealers_collected = now
+            self._collect_dealers(now)
+
+    def _collect_dealers(self, now: float) -> None:
+        """Closes the DEALERs of addresses the session has no peer record for once idle for
+        DEALER_IDLE_S, and the least recently used beyond MAX_STRANGER_DEALERS: a stranger
+        (whose Hello was refused, say) costs a socket for a while, not for good."""
+        assert self.session is not None
+        peers = self.session.peers
+        strangers = sorted((self._dealer_used.get(a, 0.0), a) for a in self._dealers
+                           if peers.get(a) is None)
+        extra = len(strangers) - MAX_STRANGER_DEALERS
+        for i, (used, addr) in enumerate(strangers):
+            if i < extra or now - used > DEALER_IDLE_S:
+                self._dealers.pop(addr).close(linger=0)
+                self._dealer_used.pop(addr, None)
 
     def _drain_ahead(self) -> None:
         while self._ahead:
@@ -535,9 +567,16 @@ class ControlLoop:
     def _read(self, hb: float) -> bool:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
         back heartbeats and answers: after a quarter heartbeat, tick, then read on. Whether
-        it read the socket empty."""
+        it read every message a peer sent: the socket read empty, or a batch of messages none
+        of which the session took (garbage, forgeries, strangers). ZMQ's ROUTER reads its
+        connections in turn, so a batch of those has no peer's message waiting behind it: a
+        flood from outside must not stop this agent from seeing a peer's silence."""
         batch_end = time.monotonic() + hb / 4
-        for _ in range(1000):
+        assert self.session is not None
+        c = self.session.counters
+        taken0 = c["messages_in"] - c["stale_messages"]
+        n = 0
+        for n in range(1, 1001):  # noqa: B007 - n counts the batch
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -545,7 +584,7 @@ class ControlLoop:
             self._message(frames[1:], batch_end)
             if time.monotonic() > batch_end:
                 break
-        return False
+        return n >= MIN_IDLE_BATCH and c["messages_in"] - c["stale_messages"] == taken0
 
     def _read_lane(self, lane: LocalLane, hb: float) -> None:
         """The same-host lane's messages read this pass, as `_read` (what a quarter heartbeat
@@ -601,6 +640,7 @@ class ControlLoop:
                 frames = self.session.peers.frames(addr, msg)  # sealed with a secret
                 if self._lane is None or not self._lane.send(addr, frames):
                     self._dealer(addr).send_multipart(frames, zmq.NOBLOCK)
+                    self._dealer_used[addr] = time.monotonic()
                 self.counters["messages_out"] += 1
             except (zmq.ZMQError, ValueError) as e:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)

@@ -100,3 +100,15 @@ def test_a_restarted_decode_is_taken_once_a_sealed_message_confirms_it() -> None
         w.feed(p, ev.LayerReady(3, 3, lid))
     w.run()
     assert d2.views[3].state is KVPoll.Success, d2.views[3].failure
+
+
+def test_early_messages_per_unopened_room_are_capped() -> None:
+    """A sender that floods a room the engine has not opened yet holds EARLY_PER_ROOM of its
+    messages there, not all of them (each one more is counted and dropped)."""
+    from kvhandoff.protocol.session import EARLY_PER_ROOM
+
+    w, p, d = pair()
+    for i in range(EARLY_PER_ROOM + 40):
+        w.feed(p, ev.MessageReceived(P.Failed(src="x:1", gen=5, room=77, reason=f"{i}")))
+    assert len(p.session._early[77]) == EARLY_PER_ROOM
+    assert p.session.counters["early_dropped"] == 40
