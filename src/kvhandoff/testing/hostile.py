@@ -18,6 +18,20 @@ still completes real handoffs beside the attack, byte-exact.
   `send_http(base_url, requests)`: raw HTTP requests to a bootstrap server.
 - `nested_maps(depth)`: the one frame that used to end an agent's control thread (a Hello whose
   layout nests `depth` maps).
+- `attack_control`, `attack_lane`, `attack_tcp_data`, `attack_http`: a seeded corpus thrown
+  at one surface; `beside(attack, work)` runs an attack on a thread while `work` (a real
+  handoff) runs on the caller's, and re-raises what either raised. `beside_process` runs it as
+  a process of its own (`attack_argv`; ``python -m kvhandoff.testing.hostile``), as a real
+  attacker is: one in the agents' process would share their interpreter lock.
+
+Example (two agents of one host, `p` the prefill; the handoff must still end byte-exact)::
+
+    from kvhandoff.testing import hostile
+
+    sent = hostile.beside(
+        lambda: hostile.attack_control(p.address, seed=1, count=5000,
+                                       known_peers=[(d.address, d.generation)]),
+        lambda: run_one_handoff())
 
 Nothing here is used by kvhandoff itself (it is under `kvhandoff.testing`).
 """
@@ -28,8 +42,10 @@ import os
 import random
 import socket
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -196,7 +212,10 @@ def _valid(c: _Ctx) -> P.Message:
 
 
 def _forged(c: _Ctx) -> list[bytes]:
-    return P.encode(_valid(c))
+    frames = P.encode(_valid(c))
+    if c.rng.random() < 0.3:  # with a made-up seal (as if sent within a session)
+        frames = [P.SEALED_HEADER, frames[1] + os.urandom(P.SEAL_BYTES)]
+    return frames
 
 
 def _truncated(c: _Ctx) -> list[bytes]:
@@ -249,15 +268,19 @@ def send_control(address: str, frame_sets: Iterable[list[bytes]]) -> int:
 def send_lane(address: str, frame_sets: Iterable[list[bytes]]) -> int:
     """Sends each frame set (its first two frames; a lane message has two) over the same-host
     control lane of the agent at `address`; returns how many were written. Raises
-    `ConnectionRefusedError` when the agent has no lane (another host, or the lane is off)."""
+    `ConnectionRefusedError` when the agent has no lane (another host, or the lane is off).
+    Stops early when the agent closes the connection (a frame over its limits)."""
     n = 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(_LANE_PREFIX + address.encode())
-        for frames in frame_sets:
-            head, body = (list(frames) + [b"", b""])[:2]
-            sock.sendall(_LENGTHS.pack(len(head), len(body)) + head + body)
-            n += 1
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            for frames in frame_sets:
+                head, body = (list(frames) + [b"", b""])[:2]
+                sock.sendall(_LENGTHS.pack(len(head), len(body)) + head + body)
+                n += 1
+            sock.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):  # the agent closed it: a frame over
+            return n  # its limits ends a lane connection
         try:  # until the agent closed its side: it read everything
             while sock.recv(4096):
                 pass
@@ -341,3 +364,188 @@ def send_http(host: str, port: int, requests: Iterable[bytes]) -> list[int]:
             except (IndexError, ValueError):
                 statuses.append(0)
     return statuses
+
+
+# ---------------------------------------------------------------------------- attacks
+
+_T = TypeVar("_T")
+
+
+def attack_control(address: str, *, seed: int, count: int, **corpus_kw: Any) -> int:
+    """`count` frame sets of `corpus(seed, ...)` sent to the control socket at `address`;
+    returns how many were sent."""
+    return send_control(address, (c.frames for c in corpus(seed, count, **corpus_kw)))
+
+
+def attack_lane(address: str, *, seed: int, count: int, **corpus_kw: Any) -> int:
+    """The same over the same-host control lane of the agent at `address`. The agent closes a
+    lane connection at a frame over its limits (the stream cannot be resynchronised), so each
+    frame set goes over a connection of its own when it must; returns how many were sent."""
+    n = 0
+    batch: list[list[bytes]] = []
+    for c in corpus(seed, count, **corpus_kw):
+        batch.append(c.frames)
+        if len(batch) == 64:
+            n += _lane_batch(address, batch)
+            batch = []
+    if batch:
+        n += _lane_batch(address, batch)
+    return n
+
+
+def _lane_batch(address: str, batch: list[list[bytes]]) -> int:
+    n = 0
+    while n < len(batch):  # after a closed connection, on with the next frame set
+        took = send_lane(address, batch[n:])
+        n += max(took, 1)
+    return n
+
+
+def attack_tcp_data(transport_address: bytes, *, seed: int, count: int) -> int:
+    """Garbage at a tcp transport's data port (its `Transport.address`,
+    ``tcp://host:port/<id>``): raw bytes on plain TCP connections (not ZMTP), then chunk
+    frames with random tags from a ZMQ DEALER that claims an identity of its own. Returns the
+    frames and chunks sent."""
+    import zmq
+
+    from kvhandoff.netaddr import split_zmq_endpoint
+
+    endpoint = transport_address.decode().rsplit("/", 1)[0]
+    host, port = split_zmq_endpoint(endpoint)
+    rng = random.Random(seed)
+    n = 0
+    for i in range(max(1, count // 100)):
+        n += 1 if send_tcp(host, port, tcp_chunks(seed + i, 20)) else 0
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
+    sock.connect(endpoint)
+    try:
+        for _ in range(count):
+            head = b"D" + struct.pack("<QIIQ", rng.getrandbits(40), rng.randrange(4),
+                                      rng.randrange(1, 4), rng.randrange(1, 1 << 20))
+            frames = [head, os.urandom(rng.randrange(0, 256))]
+            if rng.random() < 0.2:
+                frames = [os.urandom(rng.randrange(0, 32)) for _ in range(rng.randrange(1, 4))]
+            sock.send_multipart(frames)
+            n += 1
+    finally:
+        sock.close()
+    return n
+
+
+#: the bootstrap server's write endpoints `attack_http` posts to
+HTTP_PATHS = ("/v1/ranks", "/v1/ranks/heartbeat", "/v1/ranks/deregister", "/v1/rooms",
+              "/v1/rooms/1/bind", "/v1/rooms/1/abort", "/register_dp_rank", "/query_dp_ranks")
+
+
+def attack_http(base_url: str, *, seed: int, count: int,
+                paths: Sequence[str] = HTTP_PATHS) -> list[int]:
+    """`count` raw hostile requests to the bootstrap server at `base_url`
+    (``http://host:port``); returns the HTTP status of each (0: no answer)."""
+    rest = base_url.split("://", 1)[-1].rstrip("/")
+    host, _, port = rest.rpartition(":")
+    return send_http(host.strip("[]"), int(port), http_requests(seed, count, paths=paths))
+
+
+def attack_argv(surface: str, target: str, *, seed: int, count: int,
+                known_peers: Sequence[tuple[str, int]] = (),
+                known_rooms: Sequence[int] = ()) -> list[str]:
+    """The command line that runs an attack in a process of its own (`main`): an attacker in
+    the agents' process would share its interpreter lock with them and starve them, which a
+    real attacker cannot. `target`: the control address (control, lane), the transport
+    address (tcp_data) or the base URL (http)."""
+    import json
+    import sys
+
+    return [sys.executable, "-m", "kvhandoff.testing.hostile", surface, target,
+            "--seed", str(seed), "--count", str(count),
+            "--known-peers", json.dumps([list(x) for x in known_peers]),
+            "--known-rooms", json.dumps(list(known_rooms))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvhandoff.testing.hostile SURFACE TARGET [--seed N] [--count N]
+    [--known-peers JSON] [--known-rooms JSON]``: runs one attack, prints what it sent as one
+    JSON line."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kvhandoff.testing.hostile",
+                                 description="Throws a seeded hostile corpus at one surface "
+                                             "of a kvhandoff agent or bootstrap server.")
+    ap.add_argument("surface", choices=["control", "lane", "tcp_data", "http"])
+    ap.add_argument("target", help="control address host:port (control, lane), transport "
+                                   "address (tcp_data) or base URL (http)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--known-peers", default="[]",
+                    help='JSON list of ["host:port", generation] to impersonate')
+    ap.add_argument("--known-rooms", default="[]", help="JSON list of room ids")
+    a = ap.parse_args(argv)
+    kw: dict[str, Any] = {"known_peers": [(str(x), int(g)) for x, g in
+                                          json.loads(a.known_peers)],
+                          "known_rooms": [int(r) for r in json.loads(a.known_rooms)]}
+    if a.surface == "control":
+        out: Any = attack_control(a.target, seed=a.seed, count=a.count, **kw)
+    elif a.surface == "lane":
+        out = attack_lane(a.target, seed=a.seed, count=a.count, **kw)
+    elif a.surface == "tcp_data":
+        out = attack_tcp_data(a.target.encode(), seed=a.seed, count=a.count)
+    else:
+        statuses = attack_http(a.target, seed=a.seed, count=a.count)
+        out = {"statuses": statuses}
+    print(json.dumps({"surface": a.surface, "sent": out}))
+    return 0
+
+
+def beside_process(argv: Sequence[str], work: Callable[[], None], *,
+                   timeout_s: float = 300.0) -> Any:
+    """Runs the attack `argv` (`attack_argv`) as a process while `work` runs here; returns
+    what it printed (parsed), once both ended; raises if it failed."""
+    import json
+    import subprocess
+
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        work()
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the attack exited {proc.returncode}: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def beside(attack: Callable[[], _T], work: Callable[[], None], *,
+           timeout_s: float = 120.0) -> _T:
+    """Runs `attack` on a thread while `work` runs on this one; returns what `attack`
+    returned once both ended; re-raises an exception of either (`work`'s first)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = attack()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="kvhandoff-hostile", daemon=True)
+    t.start()
+    try:
+        work()
+    finally:
+        t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"the attack did not end within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    result: _T = box["value"]
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
