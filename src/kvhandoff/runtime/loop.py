@@ -15,8 +15,9 @@ heartbeat's worth, so a burst cannot hold back heartbeats), feed a `Tick`, and
 send the outbox (each message as the session's peer table frames it: sealed under the session
 with its recipient when ``hmac_secret`` is set, `PeerTable.frames`). Nothing a sender puts in a
 frame ends the thread: every error of a message or a pass is caught, counted and logged at a
-bounded rate (`RateLog`), and a stranger's socket is closed once idle (`_collect_dealers`). Nothing here takes a lock another kind of thread holds, so heartbeats leave on
-time however busy the engine threads are.
+bounded rate (`RateLog`), and a stranger's socket is closed once idle (`_collect_dealers`).
+Nothing here takes a lock another kind of thread holds, so heartbeats leave on time however
+busy the engine threads are.
 """
 
 from __future__ import annotations
