@@ -13,7 +13,7 @@ once per heartbeat to say Hello again.
 With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
 `wire`'s module doc): nothing a sender says is acted on before it is authenticated.
 - A Hello whose MAC does not verify changes nothing here (no record, no generation change);
-  it is answered with a HelloReject.
+  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat).
 - A HelloAck is taken only when it echoes the nonce of the Hello we have out (a replayed one
   does not); a HelloReject likewise. A HelloReject whose MAC verifies rejects the peer for
   REJECTED_KEEP_S; one that does not (the peer's secret differs, or whoever saw our Hello made
@@ -50,6 +50,10 @@ from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerMatched, 
 NO_HANDSHAKE = "no handshake"
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
 REJECTED_KEEP_S = 10.0  # how long a rejected peer's rejection fails new rooms at once
+PENDING_KEEP_S = 60.0  # how long a Hello waiting for its confirmation is kept
+# refused Hellos answered per heartbeat at most: each answer goes to the address the Hello
+# names, so an outsider could otherwise make this agent send one message per Hello it sends
+REFUSALS_PER_HEARTBEAT = 64
 BAD_HMAC = "hello: HMAC does not verify (wrong or missing shared secret)"
 
 
@@ -93,6 +97,7 @@ class PeerTable:
         self._keys: dict[str, _Keys] = {}
         self._forgotten_keys: dict[str, _Keys] = {}  # of peers declared lost (to tell them)
         self._rejected_at: dict[str, float] = {}
+        self._refusals = (0.0, 0)  # (start of this heartbeat's window, answers sent in it)
         #: where handshake nonces come from (a simulator may give a seeded source)
         self.new_nonce: Callable[[], bytes] = functools.partial(secrets.token_bytes,
                                                                 P.NONCE_BYTES)
@@ -122,6 +127,9 @@ class PeerTable:
             self._forgotten.pop(addr, None)
             self._forgotten_told.pop(addr, None)
             self._forgotten_keys.pop(addr, None)
+        for k in self._keys.values():
+            if k.pending is not None and now - k.pending.t > PENDING_KEEP_S:
+                k.pending = None
         for addr in [a for a, t in self._rejected_at.items() if now - t > REJECTED_KEEP_S]:
             del self._rejected_at[addr]
             p = self._peers.get(addr)
@@ -248,7 +256,13 @@ class PeerTable:
                 k.nonce = b""
                 p.state = PeerState.NEW
                 self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
-            self._reject(msg.src, BAD_HMAC, echo=msg.nonce)
+            start, sent = self._refusals
+            if ctx.now - start > ctx.hb:
+                start, sent = ctx.now, 0
+            if sent < REFUSALS_PER_HEARTBEAT:
+                self._reject(msg.src, BAD_HMAC, echo=msg.nonce)
+                sent += 1
+            self._refusals = (start, sent)
             return
         if isinstance(msg, P.HelloAck):
             if secret and (k is None or not k.nonce or msg.echo != k.nonce):

@@ -142,7 +142,9 @@ class ControlLoop:
         self._dealer_used: dict[str, float] = {}  # address -> when last sent to
         self._dealers_collected = time.monotonic()
         # same-host peers: control messages over a Unix socket (runtime.locallane)
-        self._lane = LocalLane(self.address, max_message_bytes=settings.max_message_bytes,
+        # a sealed message's body carries its seal (wire.SEAL_BYTES) beyond the limit
+        self._lane = LocalLane(self.address,
+                               max_message_bytes=settings.max_message_bytes + P.SEAL_BYTES,
                                counters=self.counters) \
             if settings.local_control_lane and available() else None
         self._lane_drops: list[str] = []  # peers whose lane closes once the outbox went out

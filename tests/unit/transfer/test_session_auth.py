@@ -112,3 +112,28 @@ def test_early_messages_per_unopened_room_are_capped() -> None:
         w.feed(p, ev.MessageReceived(P.Failed(src="x:1", gen=5, room=77, reason=f"{i}")))
     assert len(p.session._early[77]) == EARLY_PER_ROOM
     assert p.session.counters["early_dropped"] == 40
+
+
+def test_hkdf_matches_rfc_5869_test_case_1() -> None:
+    okm = P.hkdf_sha256(bytes([0x0B] * 22), salt=bytes(range(13)),
+                        info=bytes(range(0xF0, 0xFA)), length=42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+
+
+def test_refused_hellos_are_answered_at_a_bounded_rate() -> None:
+    """Each refused Hello is answered to the address it names; an outsider sending many gets
+    at most REFUSALS_PER_HEARTBEAT answers per heartbeat, and no peer record."""
+    from kvhandoff.protocol.peers import REFUSALS_PER_HEARTBEAT
+
+    w, p, d = secured()
+    n0 = len(w.sent)
+    for i in range(REFUSALS_PER_HEARTBEAT + 50):
+        w.feed(p, ev.MessageReceived(P.Hello(
+            src=f"x:{i}", gen=i + 1, agent_id="x", role="decode", transport="memory",
+            transport_address=b"", layout={}, layout_hash="", buffers=[], mac=b"\0" * 32)))
+    # (to addresses the memory wire does not know: recorded as dropped)
+    answers = [m[1] for _, _, m in w.sent[n0:] if isinstance(m[1], P.HelloReject)]
+    assert len(answers) == REFUSALS_PER_HEARTBEAT
+    assert p.session.counters["unauthenticated_messages"] == REFUSALS_PER_HEARTBEAT + 50
+    assert list(p.session.peers) == []
