@@ -20,6 +20,7 @@ from relkit import (
     Prober,
     engine_pair,
     fast_settings,
+    free_port,
     handoff,
     layers_of,
 )
@@ -162,3 +163,27 @@ def test_forged_heartbeats_do_not_keep_a_dead_prefill_alive() -> None:
             stop.set()
             t.join(5)
             frozen.join(WAIT_S)
+
+
+def test_a_restarted_decode_on_the_same_address_hands_off_with_the_secret() -> None:
+    """The decode process is replaced by a new one on the same control address (a new
+    generation) right after a handoff: the prefill, which may still hold the old generation,
+    takes the new one once its sealed messages prove it, and rooms hand off byte-exact."""
+    port = free_port()
+    st = fast_settings(hmac_secret=SECRET)
+    with engine_pair(settings=st, num_pages=8) as (p, d0):
+        d0.close()
+        d1 = Engine("decode", p.layout, 8, fast_settings(hmac_secret=SECRET, agent_port=port))
+        try:
+            handoff(p, d1, room(), SEQ)
+        finally:
+            d1.close()
+        d2 = Engine("decode", p.layout, 8, fast_settings(hmac_secret=SECRET, agent_port=port))
+        try:
+            assert gen(d2) != gen(d1)
+            for _ in range(2):
+                r = room()
+                handoff(p, d2, r, SEQ)
+                assert d2.bad_bytes(r, SEQ) == 0
+        finally:
+            d2.close()
