@@ -2,6 +2,6 @@
 
 Fault injection (a fault-injecting transport wrapper, a session effect filter), a fake clock,
 a real bootstrap server in a thread, the byte-pattern helpers, and a hostile peer (`hostile`:
-a seeded corpus of bad and forged frames thrown at an agent's or a bootstrap server's surfaces). Product code never imports
-this package.
+a seeded corpus of bad and forged frames thrown at an agent's or a bootstrap server's
+surfaces). Product code never imports this package.
 """
