@@ -93,9 +93,10 @@ class Side:
             s.layer_ready(lid)
             emit("layer", room=room, layer=lid)
         state = s.wait(self.timeout_s)
+        stats = s.stats()  # before the room can be forgotten
         released = s.wait_released(self.timeout_s)
         emit("done", room=room, state=state.name, failure=s.failure, released=released,
-             stats=s.stats())
+             t_released=time.monotonic(), stats=stats)
 
     def recv(self, room: int, seq_len: int, prefix: int) -> None:
         from kvhandoff.errors import KVHandoffError
@@ -111,8 +112,9 @@ class Side:
                 break  # failed or timed out: "done" says which
             emit("layer", room=room, layer=lid)
         state = rv.wait(self.timeout_s)
-        t_done = rv.stats().get("t_done")
+        stats = rv.stats()  # before the room can be forgotten
         released = rv.wait_released(self.timeout_s)
+        t_released = time.monotonic()
         bad = None
         if state.name == "Success":
             first_cached = page_aligned(prefix, PAGE)
@@ -123,7 +125,7 @@ class Side:
                     bad += check_tokens(self.agent.buffers.array(reg.name, lid), self.spec, ri,
                                         lid, pages[first // PAGE:], first, seq_len, self.seed)
         emit("done", room=room, state=state.name, failure=rv.failure, released=released,
-             bad_bytes=bad, t_done=t_done, stats=rv.stats())
+             bad_bytes=bad, t_released=t_released, stats=stats)
 
     def rooms(self, count: int) -> None:
         """Allocates `count` rooms at the bootstrap server and binds them to this engine."""

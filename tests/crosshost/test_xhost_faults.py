@@ -1,0 +1,128 @@
+"""The faults a network gives, between two hosts (two network namespaces joined by a veth
+pair; conftest, xhost.py): the link taken down mid-transfer, loss and delay, a partition that
+heals. After each: every room ended on both sides in states that agree, within the bound of
+docs/RELIABILITY.md (a peer silent for 2 heartbeats is lost; time to Failed < 2 x heartbeat +
+1.5 s); nothing is left (rooms forgotten, pages back in the pools, the peer dropped where it
+was lost, no stray process); and the same two processes hand the next room over byte-exact.
+
+The prefill paces its layers (`LAYER_MS` each, a layer's compute), so a fault lands between
+the first layer and the last. Each fault is acted on host A's end of the veth.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from typing import Any
+
+import pytest
+from xhost import (
+    DONE_S,
+    HB_S,
+    RETENTION_S,
+    Agent,
+    AgentPair,
+    Net,
+    assert_quiet,
+    handoff,
+    open_room,
+)
+
+SEQ = 1000
+LAYER_MS = 250  # 8 layers: the transfer spans ~2 s
+DETECT_S = 2 * HB_S + 1.5  # docs/RELIABILITY.md: silent 2 heartbeats -> lost, + slack
+QUIET_S = 2 * HB_S + RETENTION_S + 10.0
+NIXL = pytest.param("nixl", marks=[pytest.mark.long, pytest.mark.skipif(
+    importlib.util.find_spec("nixl_cu12") is None,
+    reason="nixl_cu12 is not installed (the nixl extra)")])
+LONG = pytest.mark.long
+
+
+def _both_done(p: Agent, d: Agent, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    dd = d.expect("done", DONE_S, room=room)
+    pd = p.expect("done", DONE_S, room=room)
+    assert pd["released"] and dd["released"], (pd, dd)
+    return pd, dd
+
+
+def _next_room_byte_exact(p: Agent, d: Agent) -> None:
+    """The survivors serve the next room: byte-exact, both sides Success."""
+    handoff(p, d, SEQ, prefix=200)
+
+
+@pytest.mark.parametrize("transport", ["auto", pytest.param("tcp", marks=LONG),
+                                       pytest.param("ucx", marks=LONG), NIXL])
+def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> None:
+    p, d = pair(transport)
+    room = open_room(p, d, SEQ, layer_ms=LAYER_MS)
+    d.expect("layer", DONE_S, room=room, layer=1)  # layers 0 and 1 landed and verified
+    net.down()
+    t_down = time.monotonic()  # CLOCK_MONOTONIC is one clock for every namespace
+    pd, dd = _both_done(p, d, room)
+    assert (pd["state"], dd["state"]) == ("Failed", "Failed"), (pd, dd)
+    for side in (pd, dd):
+        assert "silent" in side["failure"] or "lost" in side["failure"], side["failure"]
+        took = side["stats"]["t_done"] - t_down
+        freed = side["t_released"] - t_down
+        print(f"{transport}: the side of {side['stats']['peers']} Failed {took:.2f}s and "
+              f"released its pages {freed:.2f}s after link down")
+        assert took < DETECT_S, f"Failed {took:.2f}s after the link went down"
+    # pages: at once, but a one-sided (nixl) decode's, which its prefill could still write
+    # into: they wait write_quarantine_s (the prefill cannot say it stopped across the cut)
+    assert pd["t_released"] - t_down < DETECT_S
+    quarantine = 2.0 if transport == "nixl" else 0.0
+    assert dd["t_released"] - t_down < DETECT_S + quarantine
+    landed = [e["layer"] for e in d.sp.seen if e["event"] == "layer" and e["room"] == room]
+    assert 7 not in landed, "the link went down after the last layer: not mid-transfer"
+    # with the link still down: both sides dropped the other, forgot the room, freed pages
+    assert_quiet(p, peers=True, timeout=QUIET_S)
+    assert_quiet(d, peers=True, timeout=QUIET_S)
+    net.up()
+    _next_room_byte_exact(p, d)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("transport", ["auto", "tcp", "ucx", NIXL])
+def test_loss_and_delay(pair: AgentPair, net: Net, transport: str) -> None:
+    """5 % loss and 50 ms delay on the prefill's side of the link (the KV bytes' direction
+    and the prefill's control messages): TCP retransmits, the room is Success on both sides
+    and byte-exact."""
+    p, d = pair(transport)
+    net.netem("loss", "5%", "delay", "50ms")
+    t0 = time.monotonic()
+    pd, dd = handoff(p, d, 256)
+    print(f"{transport}: 256 tokens ({pd['stats']['bytes']} bytes) under loss+delay in "
+          f"{time.monotonic() - t0:.1f}s")
+    net.clear()
+    assert_quiet(p, peers=False, timeout=QUIET_S)
+    assert_quiet(d, peers=False, timeout=QUIET_S)
+    _next_room_byte_exact(p, d)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("transport", ["auto", "tcp", "ucx", NIXL])
+def test_partition_that_heals(pair: AgentPair, net: Net, transport: str) -> None:
+    """The link goes down for one heartbeat interval mid-transfer, then comes back: the
+    room ends in the same state on both sides (Success once TCP retransmitted what the
+    partition held, or Failed on both sides where the silence, counted to the first
+    message after the heal, passed 2 heartbeats), and the next room is byte-exact."""
+    p, d = pair(transport)
+    room = open_room(p, d, SEQ, layer_ms=LAYER_MS)
+    d.expect("layer", DONE_S, room=room, layer=1)
+    net.down()
+    t_down = time.monotonic()
+    threading.Event().wait(HB_S)  # the partition's length (the fault itself, not a wait)
+    net.up()
+    pd, dd = _both_done(p, d, room)
+    print(f"{transport}: after a {HB_S}s partition: prefill {pd['state']} ({pd['failure']}), "
+          f"decode {dd['state']} ({dd['failure']})")
+    assert pd["state"] == dd["state"], (pd, dd)
+    if dd["state"] == "Success":
+        assert dd["bad_bytes"] == 0
+    else:
+        for side in (pd, dd):
+            assert side["stats"]["t_done"] - t_down < DETECT_S + HB_S
+    assert_quiet(p, peers=dd["state"] == "Failed", timeout=QUIET_S)
+    assert_quiet(d, peers=dd["state"] == "Failed", timeout=QUIET_S)
+    _next_room_byte_exact(p, d)
