@@ -10,8 +10,9 @@ so two namespaces that kept this machine's name would be one host to it (`auto` 
 same-host shm lane between them: `test_one_host_name_is_one_host`).
 
 `Agent` is one `xagent.py` process (a long-lived prefill or decode agent driven over stdin);
-`Net` acts on the link from host A's end (``ip link set … down/up``; ``tc qdisc … netem``
-on the direction the KV bytes take).
+`Net` acts on the link from host A's end (``ip link set … down/up``; ``tc qdisc … netem``,
+or for loss alone an nftables rule where the kernel has no netem, on the direction the KV
+bytes take).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,7 +52,7 @@ def _tool(name: str) -> str | None:
         (p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)), None)
 
 
-IP, TC, UNSHARE = _tool("ip"), _tool("tc"), _tool("unshare")
+IP, TC, UNSHARE, NFT = _tool("ip"), _tool("tc"), _tool("unshare"), _tool("nft")
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -208,12 +210,50 @@ class Net:
     def up(self) -> None:
         self._ns(IP or "ip", "link", "set", self.hosts.dev[0], "up")
 
-    def netem(self, *spec: str) -> None:
+    def impair(self, *, loss_pct: int, delay_ms: int = 0) -> None:
+        """Random loss (and a fixed delay) of every packet host A sends over the link: tc
+        netem, where the kernel has it (sch_netem); loss alone falls back to an nftables
+        rule on the device's egress hook. Raises `Skip` where neither can do it."""
+        spec = ["loss", f"{loss_pct}%"] + (["delay", f"{delay_ms}ms"] if delay_ms else [])
         self.changed.append("qdisc")
-        self._ns(TC or "tc", "qdisc", "add", "dev", self.hosts.dev[0], "root", "netem", *spec)
+        assert IP is not None and TC is not None
+        got = sh(IP, "netns", "exec", self.hosts.ns[0], TC, "qdisc", "add", "dev",
+                 self.hosts.dev[0], "root", "netem", *spec, check=False)
+        if got.returncode == 0:
+            return
+        why = f"tc netem: {got.stderr.strip()} (a kernel without sch_netem)"
+        if delay_ms:
+            raise Skip(f"{why}; a delay needs netem")
+        if NFT is None:
+            raise Skip(f"{why}; the loss fallback needs nft (nftables), not installed")
+        self.changed.append("nft")
+        dev = self.hosts.dev[0]
+        for rule in ("add table netdev kvhx",
+                     f"add chain netdev kvhx egress {{ type filter hook egress device {dev} "
+                     "priority 0; }",
+                     "add rule netdev kvhx egress numgen random mod 100 "
+                     f"< {loss_pct} counter drop"):
+            self._ns(NFT, rule)
+
+    def dropped(self) -> int:
+        """Packets the impairment dropped so far (netem's or the nftables rule's count)."""
+        assert IP is not None
+        if "nft" in self.changed and NFT is not None:
+            out = sh(IP, "netns", "exec", self.hosts.ns[0], NFT, "list", "table", "netdev",
+                     "kvhx").stdout
+            m = re.search(r"counter packets (\d+)", out)
+        else:
+            out = sh(IP, "netns", "exec", self.hosts.ns[0], TC or "tc", "-s", "qdisc", "show",
+                     "dev", self.hosts.dev[0]).stdout
+            m = re.search(r"dropped (\d+)", out)
+        assert m, out
+        return int(m[1])
 
     def clear(self) -> None:
+        """Removes the impairment (netem qdisc or nftables rule)."""
         self._ns(TC or "tc", "qdisc", "del", "dev", self.hosts.dev[0], "root", check=False)
+        if NFT is not None and "nft" in self.changed:
+            self._ns(NFT, "delete table netdev kvhx", check=False)
 
     def restore(self) -> None:
         if "link" in self.changed:
