@@ -175,6 +175,10 @@ def make_hosts(*, own_names: bool = True) -> Iterator[Hosts]:
             sh(IP, "-n", ns, "addr", "add", f"{h.ip[side]}/30", "dev", h.dev[side])
             sh(IP, "-n", ns, "link", "set", "lo", "up")
             sh(IP, "-n", ns, "link", "set", h.dev[side], "up")
+            # one wire-sized packet at a time (no 64 KB GSO super-packets): a packet lost to
+            # an impairment is one segment, as on a real link
+            sh(IP, "-n", ns, "link", "set", "dev", h.dev[side], "gso_max_size", "1514",
+               check=False)
         if sh(*h.exec_prefix(1), "true", check=False).returncode != 0:
             raise Skip("unshare --uts failed: a host name per namespace needs CAP_SYS_ADMIN")
         server = start_process(
