@@ -139,3 +139,27 @@ def test_partition_that_heals(pair: AgentPair, net: Net, transport: str, beats: 
     assert_quiet(p, peers=lost, timeout=QUIET_S)
     assert_quiet(d, peers=lost, timeout=QUIET_S)
     _next_room_byte_exact(p, d)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_partition_after_the_last_layer(pair: AgentPair, net: Net, transport: str) -> None:
+    """The link goes down for 3 heartbeats just after the decode verified the last layer,
+    while its RoomAck may still be on the way. The decode is Success (every byte landed and
+    was verified). The prefill is Success where the ack got through before the cut, else it
+    declares the decode lost and fails the room: a split outcome (decode Success, prefill
+    Failed) that docs/RELIABILITY.md lists as open. What must hold either way: a Success is
+    byte-exact, the prefill is never Success where the decode is not, and both sides end."""
+    p, d = pair(transport)
+    room = open_room(p, d, SEQ, layer_ms=100)
+    d.expect("layer", DONE_S, room=room, layer=7)
+    net.down()
+    threading.Event().wait(3 * HB_S)  # the partition's length (the fault itself)
+    net.up()
+    pd, dd = _both_done(p, d, room)
+    print(f"{transport}: prefill {pd['state']} ({pd['failure']}), decode {dd['state']}")
+    assert dd["state"] == "Success" and dd["bad_bytes"] == 0, dd
+    assert pd["state"] in ("Success", "Failed")
+    if pd["state"] == "Failed":
+        assert "silent" in pd["failure"], pd["failure"]
+    _next_room_byte_exact(p, d)
