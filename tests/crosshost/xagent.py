@@ -31,11 +31,13 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
 from kvhandoff.sim import check_tokens, write_tokens
-from kvhandoff.transfer import PagePool, TransferAgent, allocate
+from kvhandoff.transfer import PagePool, TransferAgent
 
 LAYERS = 8
 INDEXER_LAYERS = (1, 4, 7)
@@ -67,8 +69,12 @@ class Side:
         self.seed = int(cfg.get("seed", 7))
         self.pool = PagePool(POOL_PAGES, seed=self.seed + (role == "decode"))
         self.pool_lock = threading.Lock()
-        self.agent = TransferAgent(role, self.spec, allocate(self.spec, POOL_PAGES, fill=0xFF),
-                                   self.settings, engine_id=cfg.get("engine_id", role))
+        # numpy buffers (the agent takes them as it takes torch tensors): no torch import,
+        # which is half of a process start; filled with 0xFF, a byte the pattern never has
+        bufs = {reg.name: {lid: np.full(reg.page_nbytes(PAGE) * POOL_PAGES, 0xFF, np.uint8)
+                           for lid in reg.layer_ids} for reg in self.spec.regions}
+        self.agent = TransferAgent(role, self.spec, bufs, self.settings,
+                                   engine_id=cfg.get("engine_id", role))
 
     def _alloc(self, seq_len: int) -> Any:
         with self.pool_lock:
@@ -158,6 +164,8 @@ def main() -> int:
     emit("ready", address=side.agent.address, host=__import__("socket").gethostname())
     workers: list[threading.Thread] = []
     for line in sys.stdin:
+        if not line.strip():
+            continue
         msg = json.loads(line)
         cmd = msg["cmd"]
         if cmd == "status":
