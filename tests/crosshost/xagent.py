@@ -13,7 +13,8 @@ Commands (one JSON object a line on stdin), answered by events (one a line on st
   handed over) and ``done`` (state, failure, released, stats).
 - ``{"cmd": "recv", "room": r, "seq_len": n, "prefix": p}`` (decode): opens the receiver
   through the bootstrap server, offers pages; events ``layer`` (landed and verified) and
-  ``done`` (state, failure, released, bad_bytes of the landed tokens).
+  ``done`` (state, failure, released, bad_bytes of the landed tokens, prefix_touched: bytes
+  of the cached prefix's pages, marked before, that changed).
 - ``{"cmd": "rooms", "count": n}`` (prefill, which shares the bootstrap server's network):
   allocates n rooms and binds them to this engine, ``rooms`` (their ids).
 - ``{"cmd": "status"}``: ``status`` (the agent's rooms by state, peers, transport lanes,
@@ -36,7 +37,7 @@ import numpy as np
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim import check_tokens, write_tokens
+from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.transfer import PagePool, TransferAgent
 
 LAYERS = 8
@@ -108,6 +109,13 @@ class Side:
         from kvhandoff.errors import KVHandoffError
 
         pages = self._alloc(seq_len)
+        cached = page_aligned(prefix, PAGE) // PAGE  # pages of the prefix this side holds
+        for reg in self.spec.regions:
+            if reg.send_from is SendFrom.DECODE_PREFIX:
+                for lid in reg.layer_ids:
+                    view = self.agent.buffers.array(reg.name, lid).reshape(
+                        -1, reg.page_nbytes(PAGE))
+                    view[pages[:cached]] = PREFIX_MARKER
         rv = self.agent.receiver(room, self.settings.bootstrap_url,
                                  on_release=functools.partial(self._free, pages))
         rv.init(pages, seq_len, prefix)
@@ -121,17 +129,23 @@ class Side:
         stats = rv.stats()  # before the room can be forgotten
         released = rv.wait_released(self.timeout_s)
         t_released = time.monotonic()
-        bad = None
+        bad = touched = None
         if state.name == "Success":
+            # (one room at a time per test: nothing reuses the pages before this check)
             first_cached = page_aligned(prefix, PAGE)
-            bad = 0
+            bad = touched = 0
             for ri, reg in enumerate(self.spec.regions):
                 first = first_cached if reg.send_from is SendFrom.DECODE_PREFIX else 0
                 for lid in reg.layer_ids:
                     bad += check_tokens(self.agent.buffers.array(reg.name, lid), self.spec, ri,
                                         lid, pages[first // PAGE:], first, seq_len, self.seed)
+                    if first:  # the cached prefix must keep its marker
+                        view = self.agent.buffers.array(reg.name, lid).reshape(
+                            -1, reg.page_nbytes(PAGE))
+                        touched += int(np.count_nonzero(
+                            view[pages[:cached]] != PREFIX_MARKER))
         emit("done", room=room, state=state.name, failure=rv.failure, released=released,
-             bad_bytes=bad, t_released=t_released, stats=stats)
+             bad_bytes=bad, prefix_touched=touched, t_released=t_released, stats=stats)
 
     def rooms(self, count: int) -> None:
         """Allocates `count` rooms at the bootstrap server and binds them to this engine."""

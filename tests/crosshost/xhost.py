@@ -349,6 +349,7 @@ def handoff(p: Agent, d: Agent, seq_len: int, *, prefix: int = 0
     pd = p.expect("done", DONE_S, room=room)
     assert (pd["state"], dd["state"]) == ("Success", "Success"), (pd["failure"], dd["failure"])
     assert dd["bad_bytes"] == 0, f"{dd['bad_bytes']} bytes differ from the prefill's"
+    assert not dd["prefix_touched"], f"{dd['prefix_touched']} bytes of the cached prefix written"
     assert pd["released"] and dd["released"]
     return pd, dd
 
