@@ -32,6 +32,7 @@ from xhost import (
 
 SEQ = 1000
 LAYER_MS = 250  # 8 layers: the transfer spans ~2 s
+ROOMS = 3  # in flight together when the link goes down
 DETECT_S = 2 * HB_S + 1.5  # docs/RELIABILITY.md: silent 2 heartbeats -> lost, + slack
 QUIET_S = 2 * HB_S + RETENTION_S + 10.0
 NIXL = pytest.param("nixl", marks=[pytest.mark.long, pytest.mark.skipif(
@@ -52,14 +53,8 @@ def _next_room_byte_exact(p: Agent, d: Agent) -> None:
     handoff(p, d, SEQ, prefix=200)
 
 
-@pytest.mark.parametrize("transport", ["auto", pytest.param("tcp", marks=LONG),
-                                       pytest.param("ucx", marks=LONG), NIXL])
-def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> None:
-    p, d = pair(transport)
-    room = open_room(p, d, SEQ, layer_ms=LAYER_MS)
-    d.expect("layer", DONE_S, room=room, layer=1)  # layers 0 and 1 landed and verified
-    net.down()
-    t_down = time.monotonic()  # CLOCK_MONOTONIC is one clock for every namespace
+def _link_down_room_failed(p: Agent, d: Agent, room: int, t_down: float, transport: str
+                           ) -> None:
     pd, dd = _both_done(p, d, room)
     assert (pd["state"], dd["state"]) == ("Failed", "Failed"), (pd, dd)
     for side in (pd, dd):
@@ -76,6 +71,22 @@ def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> No
     assert dd["t_released"] - t_down < DETECT_S + quarantine
     landed = [e["layer"] for e in d.sp.seen if e["event"] == "layer" and e["room"] == room]
     assert 7 not in landed, "the link went down after the last layer: not mid-transfer"
+
+
+@pytest.mark.parametrize("transport", ["auto", pytest.param("tcp", marks=LONG),
+                                       pytest.param("ucx", marks=LONG), NIXL])
+def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> None:
+    """3 rooms in flight, the link goes down and stays down: every room Failed on both
+    sides within the bound, pages back, each side drops the other and forgets the rooms
+    while the link is still down; link up, the next room is byte-exact."""
+    p, d = pair(transport)
+    rooms = [open_room(p, d, SEQ, layer_ms=LAYER_MS) for _ in range(ROOMS)]
+    for room in rooms:  # layers 0 and 1 of every room landed and verified
+        d.expect("layer", DONE_S, room=room, layer=1)
+    net.down()
+    t_down = time.monotonic()  # CLOCK_MONOTONIC is one clock for every namespace
+    for room in rooms:
+        _link_down_room_failed(p, d, room, t_down, transport)
     # with the link still down: both sides dropped the other, forgot the room, freed pages
     assert_quiet(p, peers=True, timeout=QUIET_S)
     assert_quiet(d, peers=True, timeout=QUIET_S)
