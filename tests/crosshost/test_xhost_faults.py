@@ -95,18 +95,20 @@ def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> No
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("hb_s", [HB_S, 1.0], ids=lambda s: f"hb{s}")
 @pytest.mark.parametrize(("loss_pct", "delay_ms"), [(5, 50), (5, 0)], ids=["loss+delay", "loss"])
 @pytest.mark.parametrize("transport", ["auto", "tcp", "ucx", NIXL])
 def test_loss_and_delay(pair: AgentPair, net: Net, transport: str, loss_pct: int,
-                        delay_ms: int) -> None:
+                        delay_ms: int, hb_s: float) -> None:
     """5 % loss (and 50 ms delay) of what the prefill's host sends over the link (the KV
     bytes and the prefill's control messages). TCP retransmits; mostly the room is Success
     on both sides and byte-exact. A control message that TCP retransmits twice or more can
     reach the peer later than 2 heartbeats after the one before it, and the peer is then
     declared lost: the room is Failed on both sides (it was in 2 of 4 lanes of one loaded
     run, with the default 0.5 s heartbeat). Either way the two sides agree, and once the
-    loss stops the next room is byte-exact."""
-    p, d = pair(transport)
+    loss stops the next room is byte-exact. With 1 s heartbeats (2 s before a peer is lost)
+    a couple of retransmits fit: the room must be Success and no peer lost."""
+    p, d = pair(transport, heartbeat_interval_s=hb_s)
     try:
         net.impair(loss_pct=loss_pct, delay_ms=delay_ms)
     except Skip as e:
@@ -123,6 +125,8 @@ def test_loss_and_delay(pair: AgentPair, net: Net, transport: str, loss_pct: int
           f"{time.monotonic() - t0:.1f}s, {dropped} packets dropped, peers lost {lost}")
     assert dropped > 0, "the impairment dropped nothing: the test proved nothing"
     assert pd["state"] == dd["state"], (pd, dd)
+    if hb_s >= 1.0:
+        assert dd["state"] == "Success" and lost == [0, 0], (pd["failure"], lost)
     if dd["state"] == "Success":
         assert dd["bad_bytes"] == 0 and not dd["prefix_touched"]
     else:
