@@ -168,8 +168,11 @@ def make_hosts(*, own_names: bool = True) -> Iterator[Hosts]:
             if made.returncode != 0:
                 raise Skip(f"ip netns add failed (no CAP_NET_ADMIN?): {made.stderr.strip()}")
             stack.callback(_delete, ns)
-        sh(IP, "link", "add", h.dev[0], "netns", h.ns[0], "type", "veth", "peer", "name",
-           h.dev[1], "netns", h.ns[1])
+        veth = sh(IP, "link", "add", h.dev[0], "netns", h.ns[0], "type", "veth", "peer",
+                  "name", h.dev[1], "netns", h.ns[1], check=False)
+        if veth.returncode != 0:
+            raise Skip(f"cannot make a veth pair (a kernel without veth?): "
+                       f"{veth.stderr.strip()}")
         for side in (0, 1):
             ns = h.ns[side]
             sh(IP, "-n", ns, "addr", "add", f"{h.ip[side]}/30", "dev", h.dev[side])
