@@ -20,6 +20,7 @@ import pytest
 from xhost import (
     DONE_S,
     HB_S,
+    QUARANTINE_S,
     RETENTION_S,
     Agent,
     AgentPair,
@@ -65,9 +66,10 @@ def _link_down_room_failed(p: Agent, d: Agent, room: int, t_down: float, transpo
               f"released its pages {freed:.2f}s after link down")
         assert took < DETECT_S, f"Failed {took:.2f}s after the link went down"
     # pages: at once, but a one-sided (nixl) decode's, which its prefill could still write
-    # into: they wait write_quarantine_s (the prefill cannot say it stopped across the cut)
+    # into: they wait out the write quarantine (the prefill cannot say it stopped across the
+    # cut)
     assert pd["t_released"] - t_down < DETECT_S
-    quarantine = 2.0 if transport == "nixl" else 0.0
+    quarantine = QUARANTINE_S if transport == "nixl" else 0.0
     assert dd["t_released"] - t_down < DETECT_S + quarantine
     landed = [e["layer"] for e in d.sp.seen if e["event"] == "layer" and e["room"] == room]
     assert 7 not in landed, "the link went down after the last layer: not mid-transfer"

@@ -6,8 +6,9 @@ and starts a real bootstrap server (`kvhandoff serve`, with an auth token) on ho
 process runs in its namespace (``ip netns exec``) and in a UTS namespace of its own named
 after its host (``unshare --uts``: ``kvh-host-a``, ``kvh-host-b``), as a container or a pod
 has: kvhandoff tells hosts apart by boot id and host name (`kvhandoff.transports.hostid`),
-so two namespaces that kept this machine's name would be one host to it (`auto` takes its
-same-host shm lane between them: `test_one_host_name_is_one_host`).
+so two namespaces that kept this machine's name would have one host id (`auto` then finds
+that its shm lane cannot reach the peer and goes cross-host, saying why in its status:
+`test_namespaces_sharing_the_machine_name`).
 
 `Agent` is one `xagent.py` process (a long-lived prefill or decode agent driven over stdin);
 `Net` acts on the link from host A's end (``ip link set … down/up``; ``tc qdisc … netem``,
@@ -44,6 +45,10 @@ SECRET = "crosshost-hmac-secret"
 HOST_NAMES = ("kvh-host-a", "kvh-host-b")
 HB_S = 0.5  # the agents' heartbeat (the default): a peer silent for 2 of them is lost
 RETENTION_S = 2.0  # finished rooms are forgotten after this (so the room count goes to zero)
+# the one-sided (nixl) decode's write quarantine in these tests: 3 s (the defaults give 31 s)
+WRITE_QUARANTINE = {"write_quarantine_s": 2.0, "stall_timeout_s": 2.0}
+QUARANTINE_S = max(WRITE_QUARANTINE["write_quarantine_s"],
+                   WRITE_QUARANTINE["stall_timeout_s"] + 2 * HB_S)
 _count = itertools.count()
 
 
@@ -308,8 +313,8 @@ def agent_settings(hosts: Hosts, side: int, transport: str, **extra: Any) -> dic
         "transport": transport, "agent_host": hosts.ip[side],
         "bootstrap_url": hosts.bootstrap_url, "auth_token": TOKEN, "hmac_secret": SECRET,
         "heartbeat_interval_s": HB_S, "room_retention_s": RETENTION_S}
-    if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait this long
-        st["write_quarantine_s"] = 2.0
+    if transport == "nixl":  # across hosts a lost prefill's pages wait out the quarantine:
+        st.update(WRITE_QUARANTINE)  # max(write_quarantine_s, stall_timeout_s + 2 heartbeats)
     st.update(extra)
     return st
 
