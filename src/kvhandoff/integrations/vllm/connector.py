@@ -98,6 +98,17 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # head-major pages (LBHNC): a KV head is a plane of its own, so a decode of another TP
+        # size takes its heads from the prefill ranks that hold them (token-major pages are
+        # refused across TP sizes at the handshake); MLA's one latent row per token is the
+        # same either way, so vLLM's default stands
+        mc = vllm_config.model_config
+        if mc is None or mc.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # save_kv_layer / wait_for_layer_load run per layer, between graph pieces
         return True

@@ -23,6 +23,7 @@ from kvhandoff.integrations.vllm.params import (
     room_of,
     split_addr,
 )
+from kvhandoff.settings import Settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -154,8 +155,11 @@ class SchedulerSide:
         from kvhandoff.bootstrap_server.client import BootstrapClient
 
         if self._client is None:
+            # the settings' auth_token (extra config or KVHANDOFF_AUTH_TOKEN): binding is a
+            # write, refused without the server's token
             url = self.cfg.bootstrap_url or ""
-            self._client = BootstrapClient(url if "://" in url else f"http://{url}")
+            self._client = BootstrapClient.from_settings(Settings(**{
+                **self.cfg.settings, "bootstrap_url": url if "://" in url else f"http://{url}"}))
         self._client.bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -21,6 +21,7 @@ from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.integrations.vllm.backends import Backend, resolve
 from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
+from kvhandoff.integrations.vllm.lanes import choose_lane
 from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
@@ -184,7 +185,8 @@ class WorkerSide:
         kw: dict[str, Any] = dict(self.cfg.settings)
         if self.cfg.role == "prefill":
             kw["bootstrap_url"] = self.cfg.bootstrap_url
-        settings = Settings(**kw)
+        settings, lane = choose_lane(Settings(**kw), self._memory(mine))
+        log.info("KVHandoffConnector %s: %s", self.cfg.role, lane)
         self.probe_report = self._probe(settings, layers, mine, total, tp_rank, tp_size)
         if settings.layout_probe and "not probed" not in self.probe_report:
             log.info("KVHandoffConnector %s: %s", self.cfg.role, self.probe_report)
@@ -199,6 +201,17 @@ class WorkerSide:
                  "where both sides use this size), agent %s", self.cfg.role, backend.name,
                  self.vl.order, len(self.vl.layer_ids), self.vl.layout.page_size_tokens,
                  self.agent.address)
+
+    @staticmethod
+    def _memory(kv_caches: dict[str, Any]) -> str:
+        """Where the caches live ("host" or "cuda"; one kind for all, else refused)."""
+        from kvhandoff.buffers.devsum import memory_kind
+
+        kinds = {memory_kind(t).kind for t in kv_caches.values()}
+        if len(kinds) > 1:
+            raise ConfigError(f"KV caches: some in {sorted(kinds)[0]} memory, some in "
+                              f"{sorted(kinds)[1]} memory; KVHandoffConnector moves one kind")
+        return kinds.pop() if kinds else "host"
 
     # ---- per step
 
