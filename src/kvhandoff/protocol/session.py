@@ -59,6 +59,7 @@ from kvhandoff.state_machine import (
     RoomAborted,
 )
 
+MAX_READERS = 1 << 16  # decode ranks per room and prefill rank (a TP size)
 EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
 
 
@@ -225,6 +226,7 @@ class TransferSession:
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
         g = self.rooms.new_group(e.room, e.token, None)
+        g.readers = e.readers
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
         self._abort_if_asked(g)
@@ -361,7 +363,7 @@ class TransferSession:
         g = self.rooms.groups.get(msg.room)
         if r is None and g is not None and self.role is Role.PREFILL:
             if isinstance(msg, P.TransferRequest):
-                refusal = self._refuse_request(g)
+                refusal = self._refuse_request(g, msg.readers)
                 if refusal is not None:
                     ctx.send(msg.src, P.Failed(
                         src=ctx.me.address, gen=ctx.me.generation, room=g.room,
@@ -399,9 +401,27 @@ class TransferSession:
                        "engine has not opened yet; this one was refused (retry later)",
                 failure_kind=FailureKind.ADMISSION.value))
 
-    def _refuse_request(self, g: Group) -> Failure | None:
+    def _refuse_request(self, g: Group, readers: int) -> Failure | None:
         if g.failure is not None:
             return g.failure
+        if g.expected is None or g.readers_told:
+            # the engine left the count to the readers: the first one's stands, and every
+            # other must say the same
+            if not 1 <= readers <= MAX_READERS:
+                return Failure(FailureKind.INVALID_REQUEST,
+                               f"room {g.room}: the prefill expects the decode ranks to say "
+                               f"how many read it from this rank (readers 1..{MAX_READERS}), "
+                               f"this request says {readers}")
+            if g.expected is None:
+                g.expected, g.readers_told = readers, True
+            elif readers != g.expected:
+                return Failure(FailureKind.INVALID_REQUEST,
+                               f"room {g.room}: a decode rank said {g.expected} read it from "
+                               f"this prefill rank, this one says {readers}")
+        elif readers and readers != g.expected:
+            return Failure(FailureKind.INVALID_REQUEST,
+                           f"room {g.room}: the prefill opened it for {g.expected} decode "
+                           f"rank(s) on this prefill rank, the decode says {readers}")
         if g.expected is not None and len(g.legs) >= g.expected:
             return Failure(FailureKind.INVALID_REQUEST,
                            f"room {g.room} already has its {g.expected} decode rank(s) on this "

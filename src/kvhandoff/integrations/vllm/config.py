@@ -35,7 +35,9 @@ class SendReq:
     room: int
     block_ids: list[int]
     num_tokens: int
-    decode_tp_size: int = 1  # the decode's TP size: how many of its ranks read this room
+    # the decode's TP size, where the request or the settings give it (the readers per prefill
+    # rank follow); None: each decode rank tells the prefill how many read it
+    decode_tp_size: int | None = None
 
 
 @dataclass
@@ -50,6 +52,7 @@ class RecvReq:
     local_tokens: int
     load_tokens: int  # local_tokens + announced external tokens
     sync: bool  # layerwise: waited on inside this step's forward
+    prefill_tp_size: int = 1  # the prefill's TP size (kv_transfer_params.tp_size)
 
 
 @dataclass
@@ -77,7 +80,7 @@ class ConnectorConfig:
     # the backend's name where vLLM's layers cannot tell (no attention layers registered: tools
     # and tests driving the worker side without a model); must agree with the layers if any
     attention_backend: str | None = None
-    # prefill: the decode TP size of a request that does not say (None: the prefill's own)
+    # prefill: the decode TP size of a request that does not say (None: the readers say)
     decode_tp_size: int | None = None
 
     @classmethod

@@ -39,7 +39,7 @@ class _PrefillReq:
     request: Any
     room: int
     bind: Future[None] | None
-    decode_tp: int = 1  # the decode TP size the room is opened for
+    decode_tp: int | None = None  # the decode TP size the room is opened for (None: readers say)
     sent: bool = False  # a SendReq went out: the workers hold a sender
 
 
@@ -115,8 +115,8 @@ class SchedulerSide:
         if self.cfg.role == "prefill":
             if params.get("do_remote_decode") and rid not in self._prefills:
                 try:
-                    dtp = decode_tp_size_of(params, default=self.cfg.decode_tp_size
-                                            or self.tp_size, prefill_tp_size=self.tp_size)
+                    dtp = decode_tp_size_of(params, default=self.cfg.decode_tp_size,
+                                            prefill_tp_size=self.tp_size)
                 except ConfigError as e:
                     log.warning("request %s: no handoff (computed here, no kv_transfer_params "
                                 "returned): %s", rid, e)
@@ -137,7 +137,8 @@ class SchedulerSide:
         self._meta.recvs[rid] = RecvReq(
             room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=list(ids),
             num_tokens=rp.num_tokens, local_tokens=local,
-            load_tokens=local + num_external_tokens, sync=sync)
+            load_tokens=local + num_external_tokens, sync=sync,
+            prefill_tp_size=rp.prefill_tp_size)
         if not sync:
             self._async_loads.add(rid)
 
@@ -214,7 +215,7 @@ class SchedulerSide:
             log.warning("request %s (room %d): no handoff: %s", rid, p.room, reason)
             self._meta.aborts[rid] = reason
             return True, None  # freed once the workers' rooms are released
-        return True, {
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.cfg.engine_id,
@@ -226,8 +227,10 @@ class SchedulerSide:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": int(request.num_prompt_tokens),
             "tp_size": self.tp_size,
-            "decode_tp_size": p.decode_tp,
         }
+        if p.decode_tp is not None:
+            out["decode_tp_size"] = p.decode_tp
+        return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:
         if p.bind is None:

@@ -25,6 +25,7 @@ from kvhandoff.integrations.vllm.lanes import choose_lane
 from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
+    readers_of,
 )
 from kvhandoff.integrations.vllm.probe import probe_layer
 from kvhandoff.integrations.vllm.stats import StatsRecorder
@@ -239,8 +240,8 @@ class WorkerSide:
                 ld.receiver.abort(reason)
         for rid, s in meta.sends.items():
             try:
-                readers = decode_readers(self.tp_rank, self.tp_size, s.decode_tp_size,
-                                         replicated=self.replicated)
+                readers = None if s.decode_tp_size is None else decode_readers(
+                    self.tp_rank, self.tp_size, s.decode_tp_size, replicated=self.replicated)
                 if readers == 0:  # a replicated cache read from another prefill rank
                     self._unsent.add(rid)
                     continue
@@ -270,7 +271,10 @@ class WorkerSide:
         bs = self.vllm_config.cache_config.block_size
         loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
         try:
-            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid)
+            readers = readers_of(self.tp_rank, self.tp_size, r.prefill_tp_size,
+                                 replicated=self.replicated)
+            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid,
+                                           readers=readers)
         except KVHandoffError as e:
             receiver = _NoRoom(r.room, f"cannot open the receiver: {e}")
         ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
