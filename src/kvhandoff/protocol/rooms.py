@@ -96,6 +96,9 @@ class Group:
     # from the first reader (the engine opened the room without a count)
     readers: int = 0
     readers_told: bool = False
+    # decode: aborted before its prefill ranks were known; they are told once found (the
+    # prefill's room then fails at once instead of holding its pages until a deadline)
+    tell_abort: str | None = None
 
     @property
     def state(self) -> KVPoll:

@@ -208,7 +208,14 @@ class TransferSession:
         self.rooms.fail_group(g, failure)
 
     def _matched(self, r: Leg) -> None:
-        """A leg's peer is matched: a decode leg may now send its request."""
+        """A leg's peer is matched: a decode leg may now send its request (or, for a room the
+        engine aborted before its prefill ranks were known, the abort)."""
+        reason = r.group.tell_abort
+        if reason is not None:
+            if not r.machine.is_terminal:
+                self.rooms.fail(r, RoomAborted(reason=reason, by=self.role),
+                                notify=Notify.ABORT)
+            return
         self.path.maybe_request(r)
 
     # ------------------------------------------------------------------ engine events
@@ -244,6 +251,9 @@ class TransferSession:
     def _attach_peers(self, g: Group, sources: list[tuple[str, int]]) -> None:
         """Decode: one leg per prefill rank to read from; starts the handshakes."""
         if g.failure is not None:
+            if g.tell_abort is not None:  # each prefill rank hears of the abort once matched
+                for addr, _gen in sources:
+                    self.peers.attach(self.rooms.new_leg(g, addr), addr)
             return
         if not sources:
             self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
@@ -298,6 +308,8 @@ class TransferSession:
             self._abort(g, reason)
 
     def _abort(self, g: Group, reason: str) -> None:
+        if self.role is Role.DECODE and g.expected is None and g.failure is None:
+            g.tell_abort = reason  # its prefill ranks are not known yet (`_attach_peers`)
         for r in g.legs:
             self.rooms.fail(r, RoomAborted(reason=reason, by=self.role), notify=Notify.ABORT)
         self.rooms.fail_group(g, Failure(FailureKind.ABORTED,

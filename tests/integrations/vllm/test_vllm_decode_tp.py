@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 import kvhandoff.integrations.vllm.worker as worker_side  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
+from kvhandoff.integrations.vllm.config import DeclineReq  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
@@ -137,5 +138,43 @@ def test_prefill_ranks_serve_every_decode_rank(bootstrap: str, tmp_path: Path,
     finally:
         for pre, _ in pres:
             pre.shutdown()
+        for dec, _ in decs:
+            dec.shutdown()
+
+
+def test_declined_room_is_aborted_at_the_prefill(bootstrap: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode that does not load a remote prefill (here: its scheduler found the prompt in
+    its prefix cache) aborts the room: the prefill's room fails with the decode's reason and the
+    request is reported in ``finished_sending`` (its blocks go back to vLLM). Before, nothing
+    told the prefill, and its room held the blocks until its deadline."""
+    mdir = env.model_dir(tmp_path)
+    pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap}, tp_rank=0,
+                         tp_size=1, monkeypatch=monkeypatch)
+    decs = [worker(mdir, "kv_consumer", {}, tp_rank=r, tp_size=2, monkeypatch=monkeypatch)
+            for r in range(2)]
+    try:
+        assert pre.agent._registration.registered.wait(DONE_S)
+        room = room_of(env.ENGINE_P, "p2")
+        with BootstrapClient(bootstrap) as c:
+            c.bind_room(room, env.ENGINE_P, 0)
+        pre.bind_connector_metadata(KVHandoffMetadata(sends={
+            "p2": SendReq(room=room, block_ids=[1, 2, 3], num_tokens=SEQ)}))
+        for name in env.layer_names():
+            pre.save_kv_layer(name, pviews[name], None)
+        sender = pre._worker._senders["p2"]  # type: ignore[union-attr]
+        assert pre.get_finished({"p2"}) == (None, None)  # vLLM finished it; nobody read it
+        pre.clear_connector_metadata()
+        host, port = split_addr(bootstrap)
+        reason = "the decode holds the prompt in its prefix cache"
+        for dec, _ in decs:
+            dec.bind_connector_metadata(KVHandoffMetadata(declines={"d2": DeclineReq(
+                room=room, bootstrap_addr=f"{host}:{port}", prefill_tp_size=1,
+                reason=reason)}))
+            dec.clear_connector_metadata()
+        assert env.finished_sending(pre, DONE_S) == {"p2"}
+        assert reason in (sender.failure or ""), sender.failure
+    finally:
+        pre.shutdown()
         for dec, _ in decs:
             dec.shutdown()

@@ -369,6 +369,10 @@ def test_decode_of_another_tp_size_computes_locally(model: Path, bootstrap: str,
     assert out.num_scheduled_tokens == {"d6": PROMPT}
     assert not out.kv_connector_metadata.recvs
     assert "opened room" in caplog.text and "decode of TP 2" in caplog.text
+    # ... and has the workers abort the room, so the prefill frees its blocks now
+    declined = out.kv_connector_metadata.declines["d6"]
+    assert (declined.room, declined.bootstrap_addr) == (params["remote_room"],
+                                                        params["remote_bootstrap_addr"])
 
 
 def test_bad_params_compute_locally(model: Path, bootstrap: str) -> None:

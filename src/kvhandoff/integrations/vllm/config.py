@@ -56,6 +56,17 @@ class RecvReq:
 
 
 @dataclass
+class DeclineReq:
+    """A remote prefill this decode does not load (it computes the prompt itself): its room
+    is aborted at the prefill ranks, which free the request's blocks at once."""
+
+    room: int
+    bootstrap_addr: str
+    prefill_tp_size: int
+    reason: str
+
+
+@dataclass
 class KVHandoffMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
@@ -64,6 +75,7 @@ class KVHandoffMetadata(KVConnectorMetadata):
     aborts: dict[str, str] = field(default_factory=dict)  # finished request id -> reason
     # preempted prefills: their blocks were freed, the room restarts at the next last chunk
     resets: dict[str, str] = field(default_factory=dict)
+    declines: dict[str, DeclineReq] = field(default_factory=dict)
 
 
 @dataclass

@@ -15,7 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq, SendReq
+from kvhandoff.integrations.vllm.config import (
+    ConnectorConfig,
+    DeclineReq,
+    KVHandoffMetadata,
+    RecvReq,
+    SendReq,
+)
 from kvhandoff.integrations.vllm.params import (
     RemotePrefill,
     decode_tp_size_of,
@@ -66,7 +72,19 @@ class SchedulerSide:
 
     # decode
 
+    @staticmethod
+    def _parsed(request: Request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemotePrefill.parse(params)
+        except ConfigError:
+            return None
+
     def _remote(self, request: Request) -> RemotePrefill | None:
+        """The remote prefill to load, None when there is none or this decode declines it
+        (said in the log)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
@@ -126,11 +144,19 @@ class SchedulerSide:
                                                   bind=self._bind(room), decode_tp=dtp)
             return
         rp = self._remote(request)
-        if rp is None:
+        if rp is None or num_external_tokens <= 0:
+            # declined (bad or mismatched params, or the whole prompt is cached here): the
+            # prefill's room is aborted now, so its blocks are not held until a deadline
+            told = rp or self._parsed(request)
+            if told is not None:
+                why = ("the decode holds the prompt in its prefix cache" if rp is not None
+                       else "the decode declined the handoff and computes the prompt itself")
+                self._meta.declines[rid] = DeclineReq(
+                    room=told.room, bootstrap_addr=told.bootstrap_addr,
+                    prefill_tp_size=told.prefill_tp_size, reason=why)
+            params["do_remote_prefill"] = False  # one transfer per request
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        if num_external_tokens <= 0:
-            return
         sync = self.cfg.load_mode == "layerwise"
         local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
         (ids,) = blocks.get_block_ids()

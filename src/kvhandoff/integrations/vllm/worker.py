@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.integrations.vllm.backends import Backend, resolve
-from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq
+from kvhandoff.integrations.vllm.config import (
+    ConnectorConfig,
+    DeclineReq,
+    KVHandoffMetadata,
+    RecvReq,
+)
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
 from kvhandoff.integrations.vllm.lanes import choose_lane
 from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
@@ -69,6 +74,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}  # async loads
         self._sync: list[_Load] = []  # this step's layerwise loads
         self._errors: set[int] = set()
+        self._declined: list[Any] = []  # aborted receivers of declined rooms, until released
         self.probe_report: str | None = None
         self.stats = StatsRecorder(cfg.role)
         self.tp_rank, self.tp_size = 0, 1
@@ -257,6 +263,8 @@ class WorkerSide:
             self._senders[rid] = sender
             self.stats.watch(sender)
             self._step_senders.append(sender)
+        for rid, d in meta.declines.items():
+            self._decline(rid, d)
         self._sync = []
         for rid, r in meta.recvs.items():
             ld = self._open_load(rid, r)
@@ -264,6 +272,23 @@ class WorkerSide:
                 self._sync.append(ld)
             else:
                 self._loads[rid] = ld
+
+    def _decline(self, rid: str, d: DeclineReq) -> None:
+        """Aborts a room this decode does not load: the receiver tells each prefill rank it
+        would have read, once found and handshaken (the prefill frees the blocks then)."""
+        try:
+            readers = readers_of(self.tp_rank, self.tp_size, d.prefill_tp_size,
+                                 replicated=self.replicated)
+            rcv = self.agent.receiver(d.room, d.bootstrap_addr, request_id=rid,
+                                      readers=readers)
+        except KVHandoffError as e:
+            log.warning("request %s (room %d): declined, but the prefill cannot be told: %s",
+                        rid, d.room, e)
+            return
+        rcv.abort(d.reason)
+        self._declined = [r for r in self._declined if not r.released] + [rcv]
+        log.info("request %s (room %d): not loaded (%s); the prefill's room is aborted", rid,
+                 d.room, d.reason)
 
     def _open_load(self, rid: str, r: RecvReq) -> _Load:
         vl = self.vl
