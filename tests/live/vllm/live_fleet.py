@@ -119,9 +119,10 @@ class Engine:
         env = {**os.environ, **ENGINE_ENV}
         env.pop("VIRTUAL_ENV", None)
         # another kvhandoff source tree for the engines only (to compare before/after a fix)
-        other_src = os.environ.get("KVHANDOFF_LIVE_ENGINE_SRC")
-        if other_src:
-            env["PYTHONPATH"] = other_src
+        # the engines import kvhandoff from this tree (the venv's editable install may point at
+        # another checkout), or from another source tree (to compare before/after a fix)
+        src = os.environ.get("KVHANDOFF_LIVE_ENGINE_SRC") or str(REPO / "src")
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         self.started_at = time.monotonic()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
@@ -276,9 +277,8 @@ class Fleet:
         key = (prefill, decode)
         if key not in self.proxies:
             self.proxies[key] = self.stack.enter_context(
-                run_proxy(self[prefill].url, self[decode].url, decode_tp=(
-                    # vLLM's toy proxy flow; the decode's TP size where it differs
-                    self[decode].tp if self[decode].tp != self[prefill].tp else None)))
+                # vLLM's toy proxy flow: nothing about the decode's TP size
+                run_proxy(self[prefill].url, self[decode].url))
         return self.proxies[key]
 
 
