@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvhandoff.vllm")
 
 LOAD_MODES = ("layerwise", "async")
+DEFAULT_LOAD_MODE = "async"
 _EXTRA_KEYS = {"bootstrap_url", "load_mode", "layer_timeout_s", "bind_timeout_s", "settings",
                "attention_backend", "decode_tp_size"}
 
@@ -117,7 +118,7 @@ class ConnectorConfig:
                 raise ConfigError("kv_connector_extra_config.bootstrap_url: a prefill engine "
                                   "needs its bootstrap server (e.g. http://127.0.0.1:8998)")
             split_addr(url)
-        mode = extra.get("load_mode", "layerwise")
+        mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
         if mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode: expected one of "
                               f"{LOAD_MODES}, got {mode!r}")
@@ -138,6 +139,11 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.decode_tp_size: expected the decode "
                               f"engines' TP size (an integer >= 1), got {dtp!r}")
         pc = vllm_config.parallel_config
+        if int(pc.pipeline_parallel_size) > 1:
+            raise ConfigError(f"parallel_config.pipeline_parallel_size="
+                              f"{pc.pipeline_parallel_size}: KVHandoffConnector hands over the "
+                              "KV of every layer from one TP group; run pipeline parallel size "
+                              "1 (--pipeline-parallel-size 1) on both sides")
         return cls(attention_backend=backend, role=role, engine_id=str(kt.engine_id),
                    decode_tp_size=dtp,
                    dp_rank=int(pc.data_parallel_rank),

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhandoff.integrations.vllm.config import (
+    DEFAULT_LOAD_MODE,
     LOAD_MODES,
     ConnectorConfig,
     KVHandoffMetadata,
@@ -110,8 +111,15 @@ class KVHandoffConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # save_kv_layer / wait_for_layer_load run per layer, between graph pieces
-        return True
+        # only a layerwise decode needs its per-layer hook (wait_for_layer_load) inside the
+        # forward; a prefill hands over at wait_for_save what save_kv_layer did not report (a
+        # full CUDA graph skips it), an async decode loads between steps
+        return bool(extra_config.get("load_mode", DEFAULT_LOAD_MODE) == "layerwise")
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # the agent registered the KV caches' memory at start; sleep mode frees and remaps it
+        return False
 
     # ---- scheduler side
 

@@ -378,11 +378,11 @@ class WorkerSide:
         self._ready(lid, getattr(kv_layer, "device", None))
 
     def finish_forward(self) -> None:
-        """``wait_for_save`` of a DSA layout: the forward wrote every layer; hand over those no
-        ``save_kv_layer`` reported (vLLM's DSA attention calls none, module docstring). Other
-        layouts keep per-layer hand-over only: a layer vLLM did not report (a step whose
-        forward never ran) is not sent."""
-        if not self._step_senders or self.vl is None or not self.vl.indexer_regions:
+        """``wait_for_save``: the forward wrote every layer; hand over those no
+        ``save_kv_layer`` reported (vLLM's DSA attention calls none, module docstring; a full
+        CUDA graph replays without the per-layer hooks, as vLLM runs an engine whose connector
+        does not ask for piecewise graphs)."""
+        if not self._step_senders or self.vl is None:
             return
         for lid in self._all_layers():
             if lid not in self._readied:
