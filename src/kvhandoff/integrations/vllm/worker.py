@@ -174,7 +174,7 @@ class WorkerSide:
         pc = vc.parallel_config
         tp_rank = _tp_rank()
         kv_dtype = f"{vc.cache_config.cache_dtype}:{plan.dtype}"
-        model = f"vllm:{getattr(mc.hf_config, 'model_type', '') or 'model'}"
+        model = model_label(vc)
         layers = self.layers(plan.main_layers)
         backend = self._backend(layers, mla)
         self._check_indexers(self.layers(plan.indexer_layers))
@@ -467,6 +467,32 @@ class _NoRoom:
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
         raise KVHandoffError(self.failure)
+
+
+# keys of a model's config that name where it was read from or what wrote it, not what it is
+_NOT_ARCHITECTURE = frozenset({"_name_or_path", "name_or_path", "_commit_hash",
+                               "transformers_version", "_attn_implementation_autoset"})
+
+
+def model_label(vllm_config: Any) -> str:
+    """The model both sides of a handoff must serve, as the layout's ``model``: the served
+    model name (``--served-model-name``, else the model as given to vLLM) and a digest of the
+    architecture config (the model's config.json without where it was read from, plus the
+    dtype vLLM runs it in). A prefill serving another model or another architecture is refused
+    at the handshake with both labels. Weights are not compared (two checkpoints of one
+    architecture under one name pass; ``kvhandoff verify`` compares the outputs)."""
+    import hashlib
+    import json
+
+    mc = vllm_config.model_config
+    name = mc.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0] if name else None
+    name = str(name or mc.model)
+    cfg = {k: v for k, v in mc.hf_config.to_dict().items() if k not in _NOT_ARCHITECTURE}
+    cfg["vllm_dtype"] = str(mc.dtype)
+    canon = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
+    return f"vllm:{name} config:{hashlib.sha256(canon.encode()).hexdigest()[:16]}"
 
 
 def _tp_rank() -> int:
