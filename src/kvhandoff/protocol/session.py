@@ -60,6 +60,7 @@ from kvhandoff.state_machine import (
     RoomAborted,
 )
 
+MAX_READERS = 1 << 16  # decode ranks per room and prefill rank (a TP size)
 EARLY_LIMIT = 4096  # rooms the engine has not opened yet whose messages are kept
 EARLY_PER_ROOM = 16  # messages kept per such room (a request, an abort: a few at most)
 
@@ -211,7 +212,14 @@ class TransferSession:
         self.rooms.fail_group(g, failure)
 
     def _matched(self, r: Leg) -> None:
-        """A leg's peer is matched: a decode leg may now send its request."""
+        """A leg's peer is matched: a decode leg may now send its request (or, for a room the
+        engine aborted before its prefill ranks were known, the abort)."""
+        reason = r.group.tell_abort
+        if reason is not None:
+            if not r.machine.is_terminal:
+                self.rooms.fail(r, RoomAborted(reason=reason, by=self.role),
+                                notify=Notify.ABORT)
+            return
         self.path.maybe_request(r)
 
     # ------------------------------------------------------------------ engine events
@@ -233,6 +241,7 @@ class TransferSession:
         if self.rooms.refuse_reopen(e.room, e.token):
             return
         g = self.rooms.new_group(e.room, e.token, None)
+        g.readers = e.readers
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
         self._abort_if_asked(g)
@@ -250,6 +259,9 @@ class TransferSession:
     def _attach_peers(self, g: Group, sources: list[tuple[str, int]]) -> None:
         """Decode: one leg per prefill rank to read from; starts the handshakes."""
         if g.failure is not None:
+            if g.tell_abort is not None:  # each prefill rank hears of the abort once matched
+                for addr, _gen in sources:
+                    self.peers.attach(self.rooms.new_leg(g, addr), addr)
             return
         if not sources:
             self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
@@ -304,6 +316,8 @@ class TransferSession:
             self._abort(g, reason)
 
     def _abort(self, g: Group, reason: str) -> None:
+        if self.role is Role.DECODE and g.expected is None and g.failure is None:
+            g.tell_abort = reason  # its prefill ranks are not known yet (`_attach_peers`)
         for r in g.legs:
             self.rooms.fail(r, RoomAborted(reason=reason, by=self.role), notify=Notify.ABORT)
         self.rooms.fail_group(g, Failure(FailureKind.ABORTED,
@@ -369,7 +383,7 @@ class TransferSession:
         g = self.rooms.groups.get(msg.room)
         if r is None and g is not None and self.role is Role.PREFILL:
             if isinstance(msg, P.TransferRequest):
-                refusal = self._refuse_request(g)
+                refusal = self._refuse_request(g, msg.readers)
                 if refusal is not None:
                     ctx.send(msg.src, P.Failed(
                         src=ctx.me.address, gen=ctx.me.generation, room=g.room,
@@ -429,9 +443,27 @@ class TransferSession:
                        "engine has not opened yet; this one was refused (retry later)",
                 failure_kind=FailureKind.ADMISSION.value))
 
-    def _refuse_request(self, g: Group) -> Failure | None:
+    def _refuse_request(self, g: Group, readers: int) -> Failure | None:
         if g.failure is not None:
             return g.failure
+        if g.expected is None or g.readers_told:
+            # the engine left the count to the readers: the first one's stands, and every
+            # other must say the same
+            if not 1 <= readers <= MAX_READERS:
+                return Failure(FailureKind.INVALID_REQUEST,
+                               f"room {g.room}: the prefill expects the decode ranks to say "
+                               f"how many read it from this rank (readers 1..{MAX_READERS}), "
+                               f"this request says {readers}")
+            if g.expected is None:
+                g.expected, g.readers_told = readers, True
+            elif readers != g.expected:
+                return Failure(FailureKind.INVALID_REQUEST,
+                               f"room {g.room}: a decode rank said {g.expected} read it from "
+                               f"this prefill rank, this one says {readers}")
+        elif readers and readers != g.expected:
+            return Failure(FailureKind.INVALID_REQUEST,
+                           f"room {g.room}: the prefill opened it for {g.expected} decode "
+                           f"rank(s) on this prefill rank, the decode says {readers}")
         if g.expected is not None and len(g.legs) >= g.expected:
             return Failure(FailureKind.INVALID_REQUEST,
                            f"room {g.room} already has its {g.expected} decode rank(s) on this "

@@ -163,6 +163,9 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     free_pages: int | None = None  # prefill_complete: the decode's free pages when it asks
     prompt: Digest | None = None  # the decode's digest of the prompt token ids
     cached_prefix: Digest | None = None  # ... and of its page-aligned cached prefix
+    # how many decode ranks read this room from the prefill rank asked (each reader says; a
+    # prefill that opened the room without a count takes it from the first; 0: not said)
+    readers: int = 0
 
 
 class TraceContext(msgspec.Struct, frozen=True):

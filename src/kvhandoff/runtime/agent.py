@@ -201,14 +201,15 @@ class TransferAgent:
         pages: np.ndarray | list[int] | Mapping[str, np.ndarray | list[int]],
         seq_len: int,
         on_release: Callable[[int], None] | None = None,
-        num_decode_ranks: int = 1,
+        num_decode_ranks: int | None = 1,
         chunk_end: int | None = None,
         prompt_tokens: Any = None,
         request_id: str | None = None,
     ) -> Sender:
         """Opens the prefill side of `room`: `pages` is the page table of the sequence (token 0
         on; or a dict per region), `seq_len` its length in tokens. `num_decode_ranks` decode
-        ranks will read this room from this rank (decode TP > prefill TP: several; 0: none).
+        ranks will read this room from this rank (decode TP > prefill TP: several; 0: none; None:
+        the readers say, the first decode rank's count stands and the others must agree).
         Chunked prefill: `chunk_end` < `seq_len` opens the room with the first chunk, `pages`
         covering (at most) its `chunk_end` tokens; `Sender.add_chunk` gives the next ones.
         `prompt_tokens` (the `seq_len` prompt token ids, optional): when the decode gives its
@@ -217,7 +218,7 @@ class TransferAgent:
         self._need(Role.PREFILL, "sender")
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
-        if num_decode_ranks < 0:
+        if num_decode_ranks is not None and num_decode_ranks < 0:
             raise ConfigError(f"num_decode_ranks: expected >= 0, got {num_decode_ranks}")
         if chunk_end is None:
             table = self._page_table(pages, seq_len, 0, side="pages")
@@ -241,12 +242,17 @@ class TransferAgent:
         peer: str | list[str] | None = None,
         on_release: Callable[[int], None] | None = None,
         request_id: str | None = None,
+        readers: int = 0,
     ) -> Receiver:
         """Opens the decode side of `room`. The prefill rank(s) are found through the bootstrap
         server at `bootstrap_addr` (host:port or URL), or given directly as agent `peer`
         address(es) (several when this rank gathers heads from several prefill ranks).
-        `request_id`: the engine's id of the request (the room's trace attribute)."""
+        `request_id`: the engine's id of the request (the room's trace attribute).
+        `readers`: how many decode ranks read each prefill rank this rank reads (told to the
+        prefill, which needs it when it opened the room without a count; 0: not said)."""
         self._need(Role.DECODE, "receiver")
+        if readers < 0:
+            raise ConfigError(f"readers: expected >= 0, got {readers}")
         if peer is None and bootstrap_addr is None:
             raise ConfigError("receiver: give bootstrap_addr (the prefill's bootstrap server) "
                               "or peer (the prefill agent's control address)")
@@ -260,10 +266,10 @@ class TransferAgent:
         v = self._new_view(room, on_release)
         self._timelines.engine_opened(v, request_id)
         if peer is not None:
-            self._loop.post(ev.OpenReceiver(room, v, tuple((a, 0) for a in peers)))
+            self._loop.post(ev.OpenReceiver(room, v, tuple((a, 0) for a in peers), readers))
         else:
             assert bootstrap_addr is not None
-            self._loop.post(ev.OpenReceiver(room, v, None))
+            self._loop.post(ev.OpenReceiver(room, v, None, readers))
             self._lookups().submit(room, bootstrap_addr, functools.partial(self._resolved, v))
         return Receiver(self, v)
 

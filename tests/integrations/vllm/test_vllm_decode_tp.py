@@ -1,11 +1,13 @@
-"""A TP 1 prefill into a TP 2 decode through the connector's worker side: the prefill request
-says its decode's TP size (``kv_transfer_params.decode_tp_size``, carried in the `SendReq`), so
-the one prefill rank opens the room for both decode ranks; each decode rank takes its KV head,
-byte-exact, and the prefill reports the request in ``finished_sending`` once both have read.
+"""Prefill and decode of other TP sizes through the connector's worker side (TP 1 -> 2 and
+2 -> 1): a prefill request that says its decode's TP size (``kv_transfer_params.decode_tp_size``,
+carried in the `SendReq`) has its room opened for that many readers; one that says nothing
+(vLLM's own proxy) has it opened without a count, and each decode rank's transfer request tells
+the prefill rank how many decode ranks read it. Each decode rank takes its KV heads, byte-exact,
+and each prefill rank reports the request in ``finished_sending`` once its readers are done.
 
-Before, the prefill opened every room for one decode rank: the second TP 2 rank was refused
-("room ... already has its 1 decode rank(s) on this prefill rank") and its blocks came back as
-load errors.
+Before, a room without the hint was opened for the prefill's own TP size: TP 1 -> 2 took one
+reader, the second was refused (or the decode, seeing the size differ, computed the prompt
+itself and the room held its blocks until its deadline).
 
 All in this process: three KVHandoffConnectors (a TP 1 prefill, decode ranks 0 and 1 of TP 2,
 each with its own agent and vLLM-allocated CPU KV from vLLM's own planner: two KV heads on the
@@ -30,6 +32,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 import kvhandoff.integrations.vllm.worker as worker_side  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
+from kvhandoff.integrations.vllm.config import DeclineReq  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
@@ -70,35 +73,48 @@ def worker(mdir: Path, role: str, extra: dict[str, Any], *, tp_rank: int, tp_siz
     return conn, views
 
 
-def test_tp1_prefill_rank_serves_both_tp2_decode_ranks(bootstrap: str, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("p_tp", "d_tp", "hint"), [
+    (1, 2, 2),  # the proxy says the decode's TP size
+    (1, 2, None),  # vLLM's own proxy: nothing said, each decode rank tells the prefill
+    (2, 1, None),
+])
+def test_prefill_ranks_serve_every_decode_rank(bootstrap: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch, p_tp: int,
+                                               d_tp: int, hint: int | None) -> None:
+    """Prefill TP `p_tp` into decode TP `d_tp`; `hint`: the SendReq's decode TP size (None: the
+    room is opened without a reader count, which the decode ranks' requests then give). Each
+    decode rank lands its KV heads byte-exact from the prefill ranks holding them; every
+    prefill rank reports the request in ``finished_sending`` once its readers are done."""
     mdir = env.model_dir(tmp_path)
-    pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap}, tp_rank=0,
-                         tp_size=1, monkeypatch=monkeypatch)
-    decs = [worker(mdir, "kv_consumer", {"layer_timeout_s": DONE_S}, tp_rank=r, tp_size=2,
-                   monkeypatch=monkeypatch) for r in range(2)]
+    pres = [worker(mdir, "kv_producer", {"bootstrap_url": bootstrap}, tp_rank=r, tp_size=p_tp,
+                   monkeypatch=monkeypatch) for r in range(p_tp)]
+    decs = [worker(mdir, "kv_consumer", {"layer_timeout_s": DONE_S}, tp_rank=r, tp_size=d_tp,
+                   monkeypatch=monkeypatch) for r in range(d_tp)]
+    heads_p, heads_d = env.NUM_KV_HEADS // p_tp, env.NUM_KV_HEADS // d_tp
     try:
-        assert pre.agent._registration.registered.wait(DONE_S)
+        for pre, _ in pres:
+            assert pre.agent._registration.registered.wait(DONE_S)
         room = room_of(env.ENGINE_P, "p1")
         with BootstrapClient(bootstrap) as c:
             c.bind_room(room, env.ENGINE_P, 0)
         src = [1, 2, 3]
-        pre.bind_connector_metadata(KVHandoffMetadata(sends={
-            "p1": SendReq(room=room, block_ids=src, num_tokens=SEQ, decode_tp_size=2)}))
-        for layer, name in enumerate(env.layer_names()):  # the forward: write, save per layer
-            u = env.as_u8(pviews[name])
-            for j, b in enumerate(src):
-                u[b] = env.block_pattern(layer, j, tuple(u.shape[1:]))
-            pre.save_kv_layer(name, pviews[name], None)
-        assert pre.get_finished({"p1"}) == (None, None)  # nobody has read it yet
-        pre.clear_connector_metadata()
+        for pre, pviews in pres:
+            pre.bind_connector_metadata(KVHandoffMetadata(sends={
+                "p1": SendReq(room=room, block_ids=src, num_tokens=SEQ, decode_tp_size=hint)}))
+            for layer, name in enumerate(env.layer_names()):  # the forward: write, save
+                u = env.as_u8(pviews[name])
+                for j, b in enumerate(src):
+                    u[b] = env.block_pattern(layer, j, tuple(u.shape[1:]))
+                pre.save_kv_layer(name, pviews[name], None)
+            assert pre.get_finished({"p1"}) == (None, None)  # nobody has read it yet
+            pre.clear_connector_metadata()
 
         host, port = split_addr(bootstrap)
         dst = [11, 5, 13]
         for dec, _ in decs:
             dec.bind_connector_metadata(KVHandoffMetadata(recvs={"d1": RecvReq(
                 room=room, bootstrap_addr=f"{host}:{port}", block_ids=dst, num_tokens=SEQ,
-                local_tokens=0, load_tokens=SEQ - 1, sync=True)}))
+                local_tokens=0, load_tokens=SEQ - 1, sync=True, prefill_tp_size=p_tp)}))
         for name in env.layer_names():
             for dec, _ in decs:
                 dec.wait_for_layer_load(name)
@@ -106,15 +122,58 @@ def test_tp1_prefill_rank_serves_both_tp2_decode_ranks(bootstrap: str, tmp_path:
             assert dec.get_block_ids_with_load_errors() == set()
             dec.clear_connector_metadata()
 
-        for r, (_, dviews) in enumerate(decs):  # decode rank r holds KV head r
-            for layer, name in enumerate(env.layer_names()):
-                got, want = env.as_u8(dviews[name]), env.as_u8(pviews[name])
-                for j, (b, a) in enumerate(zip(dst, src, strict=True)):
-                    n = min(env.BLOCK_SIZE, SEQ - 1 - j * env.BLOCK_SIZE)
-                    assert torch.equal(got[b, 0, :n], want[a, r, :n]), (r, layer, j)
+        for r, (_, dviews) in enumerate(decs):  # decode rank r holds heads_d heads from r on
+            for h in range(heads_d):
+                head = r * heads_d + h
+                _, pviews = pres[head // heads_p]
+                for layer, name in enumerate(env.layer_names()):
+                    got, want = env.as_u8(dviews[name]), env.as_u8(pviews[name])
+                    for j, (b, a) in enumerate(zip(dst, src, strict=True)):
+                        n = min(env.BLOCK_SIZE, SEQ - 1 - j * env.BLOCK_SIZE)
+                        assert torch.equal(got[b, h, :n], want[a, head % heads_p, :n]), (
+                            r, head, layer, j)
 
-        # released once both decode ranks read it
-        assert env.finished_sending(pre, DONE_S) == {"p1"}
+        for pre, _ in pres:  # released once its readers are done
+            assert env.finished_sending(pre, DONE_S) == {"p1"}
+    finally:
+        for pre, _ in pres:
+            pre.shutdown()
+        for dec, _ in decs:
+            dec.shutdown()
+
+
+def test_declined_room_is_aborted_at_the_prefill(bootstrap: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode that does not load a remote prefill (here: its scheduler found the prompt in
+    its prefix cache) aborts the room: the prefill's room fails with the decode's reason and the
+    request is reported in ``finished_sending`` (its blocks go back to vLLM). Before, nothing
+    told the prefill, and its room held the blocks until its deadline."""
+    mdir = env.model_dir(tmp_path)
+    pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap}, tp_rank=0,
+                         tp_size=1, monkeypatch=monkeypatch)
+    decs = [worker(mdir, "kv_consumer", {}, tp_rank=r, tp_size=2, monkeypatch=monkeypatch)
+            for r in range(2)]
+    try:
+        assert pre.agent._registration.registered.wait(DONE_S)
+        room = room_of(env.ENGINE_P, "p2")
+        with BootstrapClient(bootstrap) as c:
+            c.bind_room(room, env.ENGINE_P, 0)
+        pre.bind_connector_metadata(KVHandoffMetadata(sends={
+            "p2": SendReq(room=room, block_ids=[1, 2, 3], num_tokens=SEQ)}))
+        for name in env.layer_names():
+            pre.save_kv_layer(name, pviews[name], None)
+        sender = pre._worker._senders["p2"]  # type: ignore[union-attr]
+        assert pre.get_finished({"p2"}) == (None, None)  # vLLM finished it; nobody read it
+        pre.clear_connector_metadata()
+        host, port = split_addr(bootstrap)
+        reason = "the decode holds the prompt in its prefix cache"
+        for dec, _ in decs:
+            dec.bind_connector_metadata(KVHandoffMetadata(declines={"d2": DeclineReq(
+                room=room, bootstrap_addr=f"{host}:{port}", prefill_tp_size=1,
+                reason=reason)}))
+            dec.clear_connector_metadata()
+        assert env.finished_sending(pre, DONE_S) == {"p2"}
+        assert reason in (sender.failure or ""), sender.failure
     finally:
         pre.shutdown()
         for dec, _ in decs:

@@ -134,8 +134,9 @@ def test_prefill_request_binds_room_sends_table_and_delays_free(model: Path, boo
         "remote_engine_id": env.ENGINE_P, "remote_request_id": "p1", "remote_room": room,
         "remote_bootstrap_addr": f"{host}:{port}", "remote_host": host, "remote_port": port,
         "remote_block_ids": table, "remote_num_tokens": PROMPT, "tp_size": 1,
-        "decode_tp_size": 1,  # a request that does not say: the prefill's own TP size
+        # no decode_tp_size: a request that does not say leaves the count to the readers
     }
+    assert meta.sends["p1"].decode_tp_size is None
     with BootstrapClient(bootstrap) as c:
         bound = c.room(room)
     assert (bound.state, bound.engine_id, bound.dp_rank) == ("bound", env.ENGINE_P, 0)
@@ -317,10 +318,11 @@ def test_load_errors_follow_the_failure_policy(model: Path, bootstrap: str, poli
     (2, None, 2),  # kv_transfer_params.decode_tp_size: the proxy knows its decode
     (None, 4, 4),  # the prefill's decode_tp_size setting, for requests that do not say
     (2, 4, 2),  # the request wins
+    (None, None, None),  # nothing said: opened without a count, the decode ranks give it
 ])
 def test_prefill_opens_the_room_for_the_decode_tp_size(model: Path, bootstrap: str,
                                                        asked: int | None, setting: int | None,
-                                                       opened: int) -> None:
+                                                       opened: int | None) -> None:
     extra: dict[str, Any] = {"bootstrap_url": bootstrap}
     if setting is not None:
         extra["decode_tp_size"] = setting
@@ -332,7 +334,7 @@ def test_prefill_opens_the_room_for_the_decode_tp_size(model: Path, bootstrap: s
     out = s.schedule()
     assert out.kv_connector_metadata.sends["t1"].decode_tp_size == opened
     params = params_of(s.update_from_output(out, step_output(out, {"t1": 7})), "t1")
-    assert params is not None and params["decode_tp_size"] == opened
+    assert params is not None and params.get("decode_tp_size") == opened
     assert params["tp_size"] == 1
 
 
@@ -367,6 +369,10 @@ def test_decode_of_another_tp_size_computes_locally(model: Path, bootstrap: str,
     assert out.num_scheduled_tokens == {"d6": PROMPT}
     assert not out.kv_connector_metadata.recvs
     assert "opened room" in caplog.text and "decode of TP 2" in caplog.text
+    # ... and has the workers abort the room, so the prefill frees its blocks now
+    declined = out.kv_connector_metadata.declines["d6"]
+    assert (declined.room, declined.bootstrap_addr) == (params["remote_room"],
+                                                        params["remote_bootstrap_addr"])
 
 
 def test_bad_params_compute_locally(model: Path, bootstrap: str) -> None:

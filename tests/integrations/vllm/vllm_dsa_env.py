@@ -91,6 +91,8 @@ def vllm_config(model: Path, *, role: str, engine_id: str, layout: str = "BLHNC"
     )
 
     extra = dict(extra or {})
+    if role == "kv_consumer":  # these tests drive the layerwise load unless they name async
+        extra.setdefault("load_mode", "layerwise")
     extra["settings"] = {"layout_probe": False, **extra.get("settings", {})}
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16",
                      max_model_len=1024, seed=0)

@@ -53,6 +53,8 @@ def vllm_config(model: Path, *, role: str, engine_id: str, extra: dict[str, Any]
     real layers and ops in test_vllm_cpu_probe.py."""
     extra = dict(extra or {})
     extra.setdefault("attention_backend", "FLASH_ATTN")
+    if role == "kv_consumer":  # these tests drive the layerwise load unless they name async
+        extra.setdefault("load_mode", "layerwise")
     extra["settings"] = {"layout_probe": False, **extra.get("settings", {})}
     from vllm.config import (
         CacheConfig,

@@ -80,18 +80,29 @@ CATALOG: dict[str, EngineDef] = {
     "gqa-prefill-tp2": ("gqa", 32, 2, "prefill", {}),
     "gqa-prefill-b64": ("gqa", 64, 1, "prefill", {}),
     "gqa-decode-tp2": ("gqa", 32, 2, "decode", LAYERWISE_FAIL),
+    # test_live_stall: a prefill to stop (SIGSTOP) and a decode with the default load mode
+    "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
+    "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
+    # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
+    "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
+    "gqa-prefill-1k": ("gqa", 32, 1, "prefill", {"max_model_len": 1100}),
+    "gqa-decode-1k": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail",
+                                               "max_model_len": 1100}),
 }
 
 
 def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url: str) -> Engine:
     model, block, tp, role, extra = d
+    extra = dict(extra)
+    max_model_len = int(extra.pop("max_model_len", 512))
     cfg = None
     if role is not None:
         cfg = kv_transfer_config(role, engine_id=name, bootstrap_url=bootstrap_url, **extra)
     # a pair's two engines must serve one model name
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
-                  attention_backend="CPU_MLA" if model.startswith("mla") else None)
+                  attention_backend="CPU_MLA" if model.startswith("mla") else None,
+                  max_model_len=max_model_len)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

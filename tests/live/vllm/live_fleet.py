@@ -50,7 +50,7 @@ def free_port() -> int:
 
 
 def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None = None,
-                       load_mode: str = "layerwise", policy: str = "fail",
+                       load_mode: str | None = "layerwise", policy: str = "fail",
                        layer_timeout_s: float = 10.0) -> str:
     """The ``--kv-transfer-config`` docs/VLLM.md gives for a prefill or a decode."""
     cfg: dict[str, Any] = {"kv_connector": "KVHandoffConnector",
@@ -67,8 +67,10 @@ def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None =
     else:
         cfg["kv_role"] = "kv_consumer"
         cfg["kv_load_failure_policy"] = policy
-        cfg["kv_connector_extra_config"] = {"load_mode": load_mode, "settings": settings,
+        cfg["kv_connector_extra_config"] = {"settings": settings,
                                             "layer_timeout_s": layer_timeout_s}
+        if load_mode is not None:  # None: the connector's default
+            cfg["kv_connector_extra_config"]["load_mode"] = load_mode
     return json.dumps(cfg)
 
 
@@ -87,6 +89,7 @@ class Engine:
     # tiles vLLM 0.32 picks AMX_MLA for MLA models, which fails to start in float32 (its
     # weight packing takes bfloat16 only), with or without kvhandoff
     attention_backend: str | None = None
+    max_model_len: int = 512
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
@@ -104,7 +107,7 @@ class Engine:
         argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--enforce-eager", "--block-size", str(self.block_size),
-                "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                "--max-model-len", str(self.max_model_len), "--num-gpu-blocks-override", "64",
                 "--max-num-seqs", "8", "--seed", "0", "--tensor-parallel-size", str(self.tp),
                 "--disable-uvicorn-access-log"]
         if self.served is not None:
@@ -119,9 +122,10 @@ class Engine:
         env = {**os.environ, **ENGINE_ENV}
         env.pop("VIRTUAL_ENV", None)
         # another kvhandoff source tree for the engines only (to compare before/after a fix)
-        other_src = os.environ.get("KVHANDOFF_LIVE_ENGINE_SRC")
-        if other_src:
-            env["PYTHONPATH"] = other_src
+        # the engines import kvhandoff from this tree (the venv's editable install may point at
+        # another checkout), or from another source tree (to compare before/after a fix)
+        src = os.environ.get("KVHANDOFF_LIVE_ENGINE_SRC") or str(REPO / "src")
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         self.started_at = time.monotonic()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
@@ -276,9 +280,8 @@ class Fleet:
         key = (prefill, decode)
         if key not in self.proxies:
             self.proxies[key] = self.stack.enter_context(
-                run_proxy(self[prefill].url, self[decode].url, decode_tp=(
-                    # vLLM's toy proxy flow; the decode's TP size where it differs
-                    self[decode].tp if self[decode].tp != self[prefill].tp else None)))
+                # vLLM's toy proxy flow: nothing about the decode's TP size
+                run_proxy(self[prefill].url, self[decode].url))
         return self.proxies[key]
 
 

@@ -30,6 +30,7 @@ SENTENCES = [
 ]
 VOCAB_SIZE = 384
 MAX_POSITIONS = 512
+GQA_MAX_POSITIONS = 2048  # the TTFT bench's prompts reach 1,024 tokens (plain RoPE: no effect)
 MLA_ATTN_OUT_SCALE = 4.0
 
 
@@ -52,7 +53,7 @@ def _gqa(out: Path, seed: int, vocab: int) -> None:
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=MAX_POSITIONS, bos_token_id=0,
+                      head_dim=32, max_position_embeddings=GQA_MAX_POSITIONS, bos_token_id=0,
                       eos_token_id=1, tie_word_embeddings=False, initializer_range=0.05)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.float32)

@@ -1,6 +1,6 @@
 """Live GQA pairs that need engines of their own (`make test-long`; the fleet starts them with
 the default ones when a long test is selected): another page size on either side and the async
-load mode, TP 2 on either side, the other-weights prefill (the negative control: the same
+load mode, the other-weights prefill (the negative control: the same
 layout, another model's KV) and `kvhandoff verify`'s FAIL, TTFT medians, the prefill SIGKILLed
 with requests in flight. Same model, reference and checks as test_live_gqa.py.
 """
@@ -13,16 +13,15 @@ from typing import Any
 import httpx
 import pytest
 from live_fleet import Fleet
-from live_outputs import body, generate, max_diff, prompt_of
+from live_outputs import body, generate, prompt_of
 from live_pairs import check_pair, idle
 from test_live_gqa import D32, MODEL, P32, REF, bit_equal, prefill_only, verify
 
 pytestmark = [pytest.mark.live, pytest.mark.long, pytest.mark.timeout(900)]
 
 D64, POTHER = "gqa-decode-b64", "gqa-other-prefill"
-PTP2, P64, DTP2 = "gqa-prefill-tp2", "gqa-prefill-b64", "gqa-decode-tp2"
-ENGINES = (REF, P32, D32, D64, POTHER, PTP2, P64, DTP2)  # what this module needs of the fleet
-TP_TOL = 1e-4  # nats; TP 2 alone vs TP 1 alone: ~2e-6 (the all-reduce sums in another order)
+P64 = "gqa-prefill-b64"
+ENGINES = (REF, P32, D32, D64, POTHER, P64)  # what this module needs of the fleet
 
 
 def check(fleet: Fleet, http: httpx.Client, figures: list[str], prefill: str, decode: str,
@@ -43,33 +42,6 @@ def test_page_64_to_32_bit_equal(fleet: Fleet, http: httpx.Client,
                                  figures: list[str]) -> None:
     check(fleet, http, figures, P64, D32, lengths=(33, 40, 64, 65, 100), seed=21,
           label="GQA b64 -> b32 layerwise")
-
-
-def tp_alone(fleet: Fleet, http: httpx.Client, figures: list[str], tp2: str) -> None:
-    """The TP 2 engine alone against the TP 1 reference: the size of an all-reduce
-    difference, which the cross-TP pair may show too."""
-    prompt = prompt_of(3000, 40)
-    alone = max_diff(generate(http, fleet[REF].url, body(MODEL, prompt)),
-                     generate(http, fleet[tp2].url, body(MODEL, prompt)))
-    figures.append(f"GQA {tp2} alone vs TP 1 alone: {alone:.3g} nats (tolerance {TP_TOL:g})")
-    assert alone < TP_TOL
-
-
-def test_tp2_prefill_to_tp1_decode(fleet: Fleet, http: httpx.Client,
-                                   figures: list[str]) -> None:
-    tp_alone(fleet, http, figures, PTP2)
-    check(fleet, http, figures, PTP2, D32, lengths=(33, 40), seed=3,
-          label="GQA prefill TP2 -> decode TP1", tol=TP_TOL)
-
-
-def test_tp1_prefill_to_tp2_decode(fleet: Fleet, http: httpx.Client,
-                                   figures: list[str]) -> None:
-    # the proxy tells the prefill the decode's TP size (kv_transfer_params.decode_tp_size):
-    # the TP 1 prefill rank opens each room for both decode ranks, each takes its KV head
-    tp_alone(fleet, http, figures, DTP2)
-    check(fleet, http, figures, P32, DTP2, lengths=(33, 40, 64), seed=22,
-          label="GQA prefill TP1 -> decode TP2", tol=TP_TOL)
-    idle(http, fleet[P32], fleet[DTP2])
 
 
 def test_negative_control_other_weights_fail(fleet: Fleet, http: httpx.Client,

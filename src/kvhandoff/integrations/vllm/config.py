@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvhandoff.vllm")
 
 LOAD_MODES = ("layerwise", "async")
+DEFAULT_LOAD_MODE = "async"
 _EXTRA_KEYS = {"bootstrap_url", "load_mode", "layer_timeout_s", "bind_timeout_s", "settings",
                "attention_backend", "decode_tp_size"}
 
@@ -35,7 +36,9 @@ class SendReq:
     room: int
     block_ids: list[int]
     num_tokens: int
-    decode_tp_size: int = 1  # the decode's TP size: how many of its ranks read this room
+    # the decode's TP size, where the request or the settings give it (the readers per prefill
+    # rank follow); None: each decode rank tells the prefill how many read it
+    decode_tp_size: int | None = None
 
 
 @dataclass
@@ -50,6 +53,18 @@ class RecvReq:
     local_tokens: int
     load_tokens: int  # local_tokens + announced external tokens
     sync: bool  # layerwise: waited on inside this step's forward
+    prefill_tp_size: int = 1  # the prefill's TP size (kv_transfer_params.tp_size)
+
+
+@dataclass
+class DeclineReq:
+    """A remote prefill this decode does not load (it computes the prompt itself): its room
+    is aborted at the prefill ranks, which free the request's blocks at once."""
+
+    room: int
+    bootstrap_addr: str
+    prefill_tp_size: int
+    reason: str
 
 
 @dataclass
@@ -61,6 +76,7 @@ class KVHandoffMetadata(KVConnectorMetadata):
     aborts: dict[str, str] = field(default_factory=dict)  # finished request id -> reason
     # preempted prefills: their blocks were freed, the room restarts at the next last chunk
     resets: dict[str, str] = field(default_factory=dict)
+    declines: dict[str, DeclineReq] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,7 +93,7 @@ class ConnectorConfig:
     # the backend's name where vLLM's layers cannot tell (no attention layers registered: tools
     # and tests driving the worker side without a model); must agree with the layers if any
     attention_backend: str | None = None
-    # prefill: the decode TP size of a request that does not say (None: the prefill's own)
+    # prefill: the decode TP size of a request that does not say (None: the readers say)
     decode_tp_size: int | None = None
 
     @classmethod
@@ -102,7 +118,7 @@ class ConnectorConfig:
                 raise ConfigError("kv_connector_extra_config.bootstrap_url: a prefill engine "
                                   "needs its bootstrap server (e.g. http://127.0.0.1:8998)")
             split_addr(url)
-        mode = extra.get("load_mode", "layerwise")
+        mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
         if mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode: expected one of "
                               f"{LOAD_MODES}, got {mode!r}")
@@ -123,6 +139,11 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.decode_tp_size: expected the decode "
                               f"engines' TP size (an integer >= 1), got {dtp!r}")
         pc = vllm_config.parallel_config
+        if int(pc.pipeline_parallel_size) > 1:
+            raise ConfigError(f"parallel_config.pipeline_parallel_size="
+                              f"{pc.pipeline_parallel_size}: KVHandoffConnector hands over the "
+                              "KV of every layer from one TP group; run pipeline parallel size "
+                              "1 (--pipeline-parallel-size 1) on both sides")
         return cls(attention_backend=backend, role=role, engine_id=str(kt.engine_id),
                    decode_tp_size=dtp,
                    dp_rank=int(pc.data_parallel_rank),

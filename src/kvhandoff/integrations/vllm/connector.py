@@ -11,23 +11,27 @@ What maps to what (docs/VLLM.md has the whole flow):
 
 - a prefill request (``do_remote_decode``) is a room: ``room_of(engine_id, request_id)``, bound
   to this engine's dp rank at the bootstrap server when the request gets its blocks; each rank
-  opens it for the decode ranks that read it from that rank (the decode's TP size: `params`);
+  opens it without a reader count (each decode rank's request says how many read that prefill
+  rank), or, where the request gives the decode's TP size, for those readers (`params`);
 - its block ids are the page table; at the step that schedules its last prompt chunk the
   workers open a `Sender`; each attention layer's ``save_kv_layer`` is that layer's
-  ``layer_ready`` (the layer goes out while the next ones compute); for a DSA layout
-  ``wait_for_save`` readies the layers no ``save_kv_layer`` reported (vLLM's DSA attention
-  calls none: `worker`);
+  ``layer_ready`` (the layer goes out while the next ones compute); ``wait_for_save`` readies
+  the layers no ``save_kv_layer`` reported (vLLM's DSA attention calls none, a full CUDA graph
+  skips it: `worker`);
 - ``request_finished`` keeps the blocks (returns True) and hands the decode the params it needs;
   the workers report the request in ``finished_sending`` once the room is terminal and its pages
   released (Success, or Failed after the decode gave up), and only then does vLLM free them;
 - a decode request (``do_remote_prefill``) announces the prompt tokens beyond its local prefix
   hit in ``get_num_new_matched_tokens``; ``update_state_after_alloc`` records its blocks; the
   workers open a `Receiver` (``decode_prefix_len`` = the local hit, so only the suffix moves);
-- ``load_mode = "layerwise"`` (default): a synchronous load: each attention layer's
-  ``wait_for_layer_load`` is that layer's ``wait_for_layer`` (per-layer streaming into the
-  step that computes the last prompt token; a DSA layout's is waited for whole in
-  ``start_load_kv``); ``"async"``: the load runs between steps and the request comes back
-  through ``finished_recving``;
+  a remote prefill the decode declines (bad params, its whole prompt cached) is aborted at the
+  prefill, which frees the blocks at once;
+- ``load_mode = "async"`` (default): the load runs between steps and the request comes back
+  through ``finished_recving``, so a slow prefill holds only its own request;
+  ``"layerwise"``: a synchronous load: each attention layer's ``wait_for_layer_load`` is that
+  layer's ``wait_for_layer`` (per-layer streaming into the step that computes the last prompt
+  token; a DSA layout's is waited for whole in ``start_load_kv``); only this mode asks vLLM for
+  piecewise CUDA graphs;
 - a failed load (any typed kvhandoff failure: peer lost, checksum, layout, timeout ...) reports
   exactly the request's loaded blocks through ``get_block_ids_with_load_errors``, so vLLM's
   ``kv_load_failure_policy`` (``fail`` / ``recompute``) applies;
@@ -57,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhandoff.integrations.vllm.config import (
+    DEFAULT_LOAD_MODE,
     LOAD_MODES,
     ConnectorConfig,
     KVHandoffMetadata,
@@ -98,9 +103,27 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # head-major pages (LBHNC): a KV head is a plane of its own, so a decode of another TP
+        # size takes its heads from the prefill ranks that hold them (token-major pages are
+        # refused across TP sizes at the handshake); MLA's one latent row per token is the
+        # same either way, so vLLM's default stands
+        mc = vllm_config.model_config
+        if mc is None or mc.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # save_kv_layer / wait_for_layer_load run per layer, between graph pieces
-        return True
+        # only a layerwise decode needs its per-layer hook (wait_for_layer_load) inside the
+        # forward; a prefill hands over at wait_for_save what save_kv_layer did not report (a
+        # full CUDA graph skips it), an async decode loads between steps
+        return bool(extra_config.get("load_mode", DEFAULT_LOAD_MODE) == "layerwise")
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # the agent registered the KV caches' memory at start; sleep mode frees and remaps it
+        return False
 
     # ---- scheduler side
 

@@ -77,11 +77,15 @@ class RemotePrefill:
                    prefill_tp_size=ptp, decode_tp_size=dtp)
 
 
-def decode_tp_size_of(params: Mapping[str, Any], *, default: int, prefill_tp_size: int) -> int:
-    """The decode TP size a prefill request asks for (``decode_tp_size``, else `default`);
-    raises `ConfigError` naming the field when it is not a TP size this prefill can serve."""
+def decode_tp_size_of(params: Mapping[str, Any], *, default: int | None,
+                      prefill_tp_size: int) -> int | None:
+    """The decode TP size a prefill request asks for (``decode_tp_size``, else `default`; None:
+    not said, the decode ranks tell the prefill how many read it); raises `ConfigError` naming
+    the field when it is not a TP size this prefill can serve."""
     n = _int(params, "decode_tp_size", lo=1, hi=1 << 16) if "decode_tp_size" in params \
         else default
+    if n is None:
+        return None
     if n % prefill_tp_size and prefill_tp_size % n:
         raise ConfigError(f"kv_transfer_params.decode_tp_size: {n} and the prefill's TP size "
                           f"{prefill_tp_size} must divide one another")
@@ -98,6 +102,18 @@ def decode_readers(prefill_tp_rank: int, prefill_tp_size: int, decode_tp_size: i
     return sum(prefill_tp_rank in prefill_tp_ranks(d, decode_tp_size, prefill_tp_size,
                                                    replicated=replicated)
                for d in range(decode_tp_size))
+
+
+def readers_of(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int, *,
+                replicated: bool) -> int:
+    """What decode rank `decode_tp_rank` tells each prefill rank it reads: how many decode
+    ranks of its TP size read that prefill rank (the same for every prefill rank it reads;
+    `ConfigError` when the sizes do not divide one another)."""
+    from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+
+    first = prefill_tp_ranks(decode_tp_rank, decode_tp_size, prefill_tp_size,
+                             replicated=replicated)[0]
+    return decode_readers(first, prefill_tp_size, decode_tp_size, replicated=replicated)
 
 
 def readers_agree(prefill_tp_size: int, room_decode_tp: int, decode_tp: int, *,

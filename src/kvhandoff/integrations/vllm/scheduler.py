@@ -15,7 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq, SendReq
+from kvhandoff.integrations.vllm.config import (
+    ConnectorConfig,
+    DeclineReq,
+    KVHandoffMetadata,
+    RecvReq,
+    SendReq,
+)
 from kvhandoff.integrations.vllm.params import (
     RemotePrefill,
     decode_tp_size_of,
@@ -23,6 +29,7 @@ from kvhandoff.integrations.vllm.params import (
     room_of,
     split_addr,
 )
+from kvhandoff.settings import Settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,7 +45,7 @@ class _PrefillReq:
     request: Any
     room: int
     bind: Future[None] | None
-    decode_tp: int = 1  # the decode TP size the room is opened for
+    decode_tp: int | None = None  # the decode TP size the room is opened for (None: readers say)
     sent: bool = False  # a SendReq went out: the workers hold a sender
 
 
@@ -65,7 +72,19 @@ class SchedulerSide:
 
     # decode
 
+    @staticmethod
+    def _parsed(request: Request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemotePrefill.parse(params)
+        except ConfigError:
+            return None
+
     def _remote(self, request: Request) -> RemotePrefill | None:
+        """The remote prefill to load, None when there is none or this decode declines it
+        (said in the log)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
@@ -114,8 +133,8 @@ class SchedulerSide:
         if self.cfg.role == "prefill":
             if params.get("do_remote_decode") and rid not in self._prefills:
                 try:
-                    dtp = decode_tp_size_of(params, default=self.cfg.decode_tp_size
-                                            or self.tp_size, prefill_tp_size=self.tp_size)
+                    dtp = decode_tp_size_of(params, default=self.cfg.decode_tp_size,
+                                            prefill_tp_size=self.tp_size)
                 except ConfigError as e:
                     log.warning("request %s: no handoff (computed here, no kv_transfer_params "
                                 "returned): %s", rid, e)
@@ -125,18 +144,27 @@ class SchedulerSide:
                                                   bind=self._bind(room), decode_tp=dtp)
             return
         rp = self._remote(request)
-        if rp is None:
+        if rp is None or num_external_tokens <= 0:
+            # declined (bad or mismatched params, or the whole prompt is cached here): the
+            # prefill's room is aborted now, so its blocks are not held until a deadline
+            told = rp or self._parsed(request)
+            if told is not None:
+                why = ("the decode holds the prompt in its prefix cache" if rp is not None
+                       else "the decode declined the handoff and computes the prompt itself")
+                self._meta.declines[rid] = DeclineReq(
+                    room=told.room, bootstrap_addr=told.bootstrap_addr,
+                    prefill_tp_size=told.prefill_tp_size, reason=why)
+            params["do_remote_prefill"] = False  # one transfer per request
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        if num_external_tokens <= 0:
-            return
         sync = self.cfg.load_mode == "layerwise"
         local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
         (ids,) = blocks.get_block_ids()
         self._meta.recvs[rid] = RecvReq(
             room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=list(ids),
             num_tokens=rp.num_tokens, local_tokens=local,
-            load_tokens=local + num_external_tokens, sync=sync)
+            load_tokens=local + num_external_tokens, sync=sync,
+            prefill_tp_size=rp.prefill_tp_size)
         if not sync:
             self._async_loads.add(rid)
 
@@ -154,8 +182,11 @@ class SchedulerSide:
         from kvhandoff.bootstrap_server.client import BootstrapClient
 
         if self._client is None:
+            # the settings' auth_token (extra config or KVHANDOFF_AUTH_TOKEN): binding is a
+            # write, refused without the server's token
             url = self.cfg.bootstrap_url or ""
-            self._client = BootstrapClient(url if "://" in url else f"http://{url}")
+            self._client = BootstrapClient.from_settings(Settings(**{
+                **self.cfg.settings, "bootstrap_url": url if "://" in url else f"http://{url}"}))
         self._client.bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -210,7 +241,7 @@ class SchedulerSide:
             log.warning("request %s (room %d): no handoff: %s", rid, p.room, reason)
             self._meta.aborts[rid] = reason
             return True, None  # freed once the workers' rooms are released
-        return True, {
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.cfg.engine_id,
@@ -222,8 +253,10 @@ class SchedulerSide:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": int(request.num_prompt_tokens),
             "tp_size": self.tp_size,
-            "decode_tp_size": p.decode_tp,
         }
+        if p.decode_tp is not None:
+            out["decode_tp_size"] = p.decode_tp
+        return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:
         if p.bind is None:

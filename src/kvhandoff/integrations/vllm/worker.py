@@ -19,11 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.integrations.vllm.backends import Backend, resolve
-from kvhandoff.integrations.vllm.config import ConnectorConfig, KVHandoffMetadata, RecvReq
+from kvhandoff.integrations.vllm.config import (
+    ConnectorConfig,
+    DeclineReq,
+    KVHandoffMetadata,
+    RecvReq,
+)
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
+from kvhandoff.integrations.vllm.lanes import choose_lane
 from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
+    readers_of,
 )
 from kvhandoff.integrations.vllm.probe import probe_layer
 from kvhandoff.integrations.vllm.stats import StatsRecorder
@@ -67,6 +74,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}  # async loads
         self._sync: list[_Load] = []  # this step's layerwise loads
         self._errors: set[int] = set()
+        self._declined: list[Any] = []  # aborted receivers of declined rooms, until released
         self.probe_report: str | None = None
         self.stats = StatsRecorder(cfg.role)
         self.tp_rank, self.tp_size = 0, 1
@@ -166,7 +174,7 @@ class WorkerSide:
         pc = vc.parallel_config
         tp_rank = _tp_rank()
         kv_dtype = f"{vc.cache_config.cache_dtype}:{plan.dtype}"
-        model = f"vllm:{getattr(mc.hf_config, 'model_type', '') or 'model'}"
+        model = model_label(vc)
         layers = self.layers(plan.main_layers)
         backend = self._backend(layers, mla)
         self._check_indexers(self.layers(plan.indexer_layers))
@@ -184,7 +192,8 @@ class WorkerSide:
         kw: dict[str, Any] = dict(self.cfg.settings)
         if self.cfg.role == "prefill":
             kw["bootstrap_url"] = self.cfg.bootstrap_url
-        settings = Settings(**kw)
+        settings, lane = choose_lane(Settings(**kw), self._memory(mine))
+        log.info("KVHandoffConnector %s: %s", self.cfg.role, lane)
         self.probe_report = self._probe(settings, layers, mine, total, tp_rank, tp_size)
         if settings.layout_probe and "not probed" not in self.probe_report:
             log.info("KVHandoffConnector %s: %s", self.cfg.role, self.probe_report)
@@ -199,6 +208,17 @@ class WorkerSide:
                  "where both sides use this size), agent %s", self.cfg.role, backend.name,
                  self.vl.order, len(self.vl.layer_ids), self.vl.layout.page_size_tokens,
                  self.agent.address)
+
+    @staticmethod
+    def _memory(kv_caches: dict[str, Any]) -> str:
+        """Where the caches live ("host" or "cuda"; one kind for all, else refused)."""
+        from kvhandoff.buffers.devsum import memory_kind
+
+        kinds = {memory_kind(t).kind for t in kv_caches.values()}
+        if len(kinds) > 1:
+            raise ConfigError(f"KV caches: some in {sorted(kinds)[0]} memory, some in "
+                              f"{sorted(kinds)[1]} memory; KVHandoffConnector moves one kind")
+        return kinds.pop() if kinds else "host"
 
     # ---- per step
 
@@ -226,8 +246,8 @@ class WorkerSide:
                 ld.receiver.abort(reason)
         for rid, s in meta.sends.items():
             try:
-                readers = decode_readers(self.tp_rank, self.tp_size, s.decode_tp_size,
-                                         replicated=self.replicated)
+                readers = None if s.decode_tp_size is None else decode_readers(
+                    self.tp_rank, self.tp_size, s.decode_tp_size, replicated=self.replicated)
                 if readers == 0:  # a replicated cache read from another prefill rank
                     self._unsent.add(rid)
                     continue
@@ -243,6 +263,8 @@ class WorkerSide:
             self._senders[rid] = sender
             self.stats.watch(sender)
             self._step_senders.append(sender)
+        for rid, d in meta.declines.items():
+            self._decline(rid, d)
         self._sync = []
         for rid, r in meta.recvs.items():
             ld = self._open_load(rid, r)
@@ -251,13 +273,33 @@ class WorkerSide:
             else:
                 self._loads[rid] = ld
 
+    def _decline(self, rid: str, d: DeclineReq) -> None:
+        """Aborts a room this decode does not load: the receiver tells each prefill rank it
+        would have read, once found and handshaken (the prefill frees the blocks then)."""
+        try:
+            readers = readers_of(self.tp_rank, self.tp_size, d.prefill_tp_size,
+                                 replicated=self.replicated)
+            rcv = self.agent.receiver(d.room, d.bootstrap_addr, request_id=rid,
+                                      readers=readers)
+        except KVHandoffError as e:
+            log.warning("request %s (room %d): declined, but the prefill cannot be told: %s",
+                        rid, d.room, e)
+            return
+        rcv.abort(d.reason)
+        self._declined = [r for r in self._declined if not r.released] + [rcv]
+        log.info("request %s (room %d): not loaded (%s); the prefill's room is aborted", rid,
+                 d.room, d.reason)
+
     def _open_load(self, rid: str, r: RecvReq) -> _Load:
         vl = self.vl
         assert vl is not None
         bs = self.vllm_config.cache_config.block_size
         loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
         try:
-            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid)
+            readers = readers_of(self.tp_rank, self.tp_size, r.prefill_tp_size,
+                                 replicated=self.replicated)
+            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid,
+                                           readers=readers)
         except KVHandoffError as e:
             receiver = _NoRoom(r.room, f"cannot open the receiver: {e}")
         ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
@@ -336,11 +378,11 @@ class WorkerSide:
         self._ready(lid, getattr(kv_layer, "device", None))
 
     def finish_forward(self) -> None:
-        """``wait_for_save`` of a DSA layout: the forward wrote every layer; hand over those no
-        ``save_kv_layer`` reported (vLLM's DSA attention calls none, module docstring). Other
-        layouts keep per-layer hand-over only: a layer vLLM did not report (a step whose
-        forward never ran) is not sent."""
-        if not self._step_senders or self.vl is None or not self.vl.indexer_regions:
+        """``wait_for_save``: the forward wrote every layer; hand over those no
+        ``save_kv_layer`` reported (vLLM's DSA attention calls none, module docstring; a full
+        CUDA graph replays without the per-layer hooks, as vLLM runs an engine whose connector
+        does not ask for piecewise graphs)."""
+        if not self._step_senders or self.vl is None:
             return
         for lid in self._all_layers():
             if lid not in self._readied:
@@ -425,6 +467,32 @@ class _NoRoom:
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
         raise KVHandoffError(self.failure)
+
+
+# keys of a model's config that name where it was read from or what wrote it, not what it is
+_NOT_ARCHITECTURE = frozenset({"_name_or_path", "name_or_path", "_commit_hash",
+                               "transformers_version", "_attn_implementation_autoset"})
+
+
+def model_label(vllm_config: Any) -> str:
+    """The model both sides of a handoff must serve, as the layout's ``model``: the served
+    model name (``--served-model-name``, else the model as given to vLLM) and a digest of the
+    architecture config (the model's config.json without where it was read from, plus the
+    dtype vLLM runs it in). A prefill serving another model or another architecture is refused
+    at the handshake with both labels. Weights are not compared (two checkpoints of one
+    architecture under one name pass; ``kvhandoff verify`` compares the outputs)."""
+    import hashlib
+    import json
+
+    mc = vllm_config.model_config
+    name = mc.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0] if name else None
+    name = str(name or mc.model)
+    cfg = {k: v for k, v in mc.hf_config.to_dict().items() if k not in _NOT_ARCHITECTURE}
+    cfg["vllm_dtype"] = str(mc.dtype)
+    canon = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
+    return f"vllm:{name} config:{hashlib.sha256(canon.encode()).hexdigest()[:16]}"
 
 
 def _tp_rank() -> int:
