@@ -140,7 +140,7 @@ class RoomTable:
             stopped = not self.writes_in_flight(r)
             ctx.send(r.peer, cls(src=ctx.me.address, gen=ctx.me.generation, room=r.room,
                                  reason=f.reason, failure_kind=f.kind.value,
-                                 writes_stopped=stopped))
+                                 writes_stopped=stopped, xfer=r.xfer))
             if not stopped:
                 r.ack_when_stopped = True  # the AbortAck follows once the cancels confirm
         self._terminal(r)
@@ -215,7 +215,8 @@ class RoomTable:
             return
         r.ack_when_stopped = False
         me = self.ctx.me
-        self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room))
+        self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room,
+                                         xfer=r.xfer))
 
     def writes_stopped(self, r: Leg) -> None:
         """Decode, one-sided: the prefill says its writes into this leg's pages stopped."""

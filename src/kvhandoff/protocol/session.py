@@ -61,6 +61,8 @@ from kvhandoff.state_machine import (
 )
 
 EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
+# the messages a prefill sends about a leg, each naming its request's transfer id (`xfer`)
+_FROM_PREFILL = (P.TransferAccepted, P.Failed, P.Abort, P.AbortAck, P.LayerDone, P.ChunkAdded)
 
 
 class TransferSession:
@@ -372,7 +374,7 @@ class TransferSession:
                 if refusal is not None:
                     ctx.send(msg.src, P.Failed(
                         src=ctx.me.address, gen=ctx.me.generation, room=g.room,
-                        reason=refusal.reason, failure_kind=refusal.kind.value))
+                        reason=refusal.reason, failure_kind=refusal.kind.value, xfer=msg.xfer))
                     return
                 r = self.rooms.new_leg(g, msg.src)
                 r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
@@ -408,7 +410,8 @@ class TransferSession:
             held[:] = [m for m in held
                        if not (isinstance(m, P.TransferRequest) and m.src == msg.src)]
         me = self.ctx.me
-        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room))
+        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room,
+                                          xfer=msg.xfer))
 
     def _early_full(self, msg: Any) -> None:
         """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
@@ -423,7 +426,7 @@ class TransferSession:
                 src=ctx.me.address, gen=ctx.me.generation, room=msg.room,
                 reason=f"the {self.role.value} agent holds {EARLY_LIMIT} requests for rooms its "
                        "engine has not opened yet; this one was refused (retry later)",
-                failure_kind=FailureKind.ADMISSION.value))
+                failure_kind=FailureKind.ADMISSION.value, xfer=msg.xfer))
 
     def _refuse_request(self, g: Group) -> Failure | None:
         if g.failure is not None:
@@ -434,14 +437,33 @@ class TransferSession:
                            "prefill rank")
         return None
 
+    def _stale_for_decode(self, r: Leg, msg: Any) -> bool:
+        """Decode: whether a prefill's message is about another use of this room id than
+        this leg (issue 35: room messages name the id; `xfer` names the use). It is when it
+        names another transfer id than the leg's current request (0: the sender named none),
+        and for a `LayerDone` also when the leg is not accepted yet: on one connection a
+        `LayerDone` of this use never precedes its `TransferAccepted`."""
+        if not isinstance(msg, _FROM_PREFILL):
+            return False
+        if msg.xfer and msg.xfer != r.xfer:
+            return True
+        return isinstance(msg, P.LayerDone) and not r.accepted
+
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
         rooms, ctx = self.rooms, self.ctx
+        if r.role is Role.DECODE and self._stale_for_decode(r, msg):
+            ctx.counters["stale_messages"] += 1
+            return
         if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
-                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes:
+                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes \
+                and msg.xfer:
             # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
-            # so the pages may be reused
+            # so the pages may be reused. Only when it names this leg's request (`xfer`, equal
+            # once past the check above): one that names none (an older prefill) may be a late
+            # word about an earlier use of the id, so the pages stay fenced until one that
+            # names it comes, or the write quarantine.
             rooms.writes_stopped(r)
         if isinstance(msg, P.Failed):
             reason = f"peer failed the room: {msg.reason}"
@@ -461,7 +483,7 @@ class TransferSession:
                 f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
                 ctx.send(msg.src, P.Failed(src=ctx.me.address, gen=ctx.me.generation,
                                            room=r.room, reason=f.reason,
-                                           failure_kind=f.kind.value))
+                                           failure_kind=f.kind.value, xfer=msg.xfer))
         elif isinstance(msg, P.TransferRequest):
             self.path.on_request(r, msg)
         elif isinstance(msg, P.TransferAccepted):
