@@ -347,9 +347,10 @@ class TransferSession:
             if msg.reason.startswith(NO_HANDSHAKE):
                 # It dropped us (took us for dead): rooms it had accepted are gone on its
                 # side; requests it never accepted are handshaken and sent again.
-                retry = frozenset(r for r in self.rooms.open_legs()
-                                  if r.peer == p.addr and not r.accepted
-                                  and r.role is Role.DECODE)
+                # a list in the rooms' own order (a set of legs iterates by object address,
+                # so a replay in another process would re-handshake them in another order)
+                retry = [r for r in self.rooms.open_legs()
+                         if r.peer == p.addr and not r.accepted and r.role is Role.DECODE]
                 self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent "
                                    "(it took this agent for dead)", keep=retry)
                 for r in retry:
