@@ -15,6 +15,10 @@ Rules:
   on stopping a copy, stall_timeout_s, plus two heartbeats). A decode leg counts as written
   into from the TransferRequest that offered its buffers on (`Leg.remote_writes`).
 - A room id is opened again only once its previous use is released (`refuse_reopen`).
+- A prefill's messages about a leg name the request they answer (`xfer`); a decode drops
+  those of another request (a late word about an earlier use of the id) and lets a stop
+  (`Failed`/`Abort` with writes_stopped, `AbortAck`) unfence its pages only when it names the
+  leg's request (`session.TransferSession._dispatch_room_msg`).
 """
 
 from __future__ import annotations
