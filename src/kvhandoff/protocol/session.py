@@ -481,10 +481,13 @@ class TransferSession:
             pass
         elif r.machine.is_terminal:
             if isinstance(msg, P.TransferRequest) and r.machine.state is KVPoll.Failed:
+                # (a request sent again after a Reject names the same pages as the one this
+                # leg took: its writes into them may not have stopped yet)
                 f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
                 ctx.send(msg.src, P.Failed(src=ctx.me.address, gen=ctx.me.generation,
                                            room=r.room, reason=f.reason,
-                                           failure_kind=f.kind.value, xfer=msg.xfer))
+                                           failure_kind=f.kind.value, xfer=msg.xfer,
+                                           writes_stopped=not rooms.writes_in_flight(r)))
         elif isinstance(msg, P.TransferRequest):
             self.path.on_request(r, msg)
         elif isinstance(msg, P.TransferAccepted):
