@@ -45,6 +45,12 @@ $(STAMP): pyproject.toml requirements/engines-nodeps.txt requirements/engines-de
 	  && command -v apt-get >/dev/null 2>&1 && apt-get update -qq \
 	  && apt-get install -y -qq --no-install-recommends systemd >/dev/null; } \
 	  || echo "note: systemd-analyze not installed; tests/deploy skips its systemd-analyze checks"
+	@# nft (Debian package nftables) makes packet loss for tests/crosshost on kernels without
+	@# tc netem; installed only as root with apt, else that case skips with a stated reason
+	@command -v nft >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null 2>&1 && apt-get update -qq \
+	  && apt-get install -y -qq --no-install-recommends nftables >/dev/null; } \
+	  || echo "note: nft not installed; tests/crosshost skips its packet-loss case without netem"
 	@touch $(STAMP)
 
 $(VLLM_CPU_STAMP): pyproject.toml

@@ -298,3 +298,23 @@ def test_nixl_baseline_env_is_the_users_without_our_ucx_settings() -> None:
         assert env.get(name) == before, name
     assert {k: v for k, v in env.items() if k not in ucx.ENV_ADDED} == {
         k: v for k, v in os.environ.items() if k not in ucx.ENV_ADDED}
+
+
+def test_bench_rooms_mode_with_a_secret(tmp_path: Path) -> None:
+    """`--modes full+hmac`: the agents of that case share a secret (every control message
+    sealed) and its rooms succeed beside the case without one; a mode it does not know is a
+    usage error naming the choices."""
+    out = tmp_path / "rooms.json"
+    p = subprocess.run([KVHANDOFF, "bench", "--rooms", "2", "--models", "llama-3.1-8b",
+                        "--contexts", "32", "--inflight", "1", "--reps", "1", "--rounds",
+                        "1", "--modes", "off,off+hmac", "--timeout", "120", "--out", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["config"]["modes"] == ["off", "off+hmac"]
+    for row in r["rows"]:
+        assert row["cases"]["handoff_off+hmac"]["rooms"] == 2
+        assert row["lanes"]["off+hmac"]["rooms"] == row["lanes"]["off"]["rooms"]
+    bad = subprocess.run([KVHANDOFF, "bench", "--rooms", "2", "--modes", "full+tls"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "full+hmac" in bad.stderr

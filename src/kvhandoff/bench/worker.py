@@ -33,6 +33,8 @@ import xxhash
 
 _out_lock = threading.Lock()
 
+BENCH_SECRET = "kvhandoff-bench-secret"  # the "+hmac" modes' shared secret
+
 
 def say(**obj: Any) -> None:
     with _out_lock:
@@ -135,8 +137,12 @@ class _AgentSide:
                     t.numpy()[:] = rng.integers(0, 256, t.numel(), dtype=np.uint8)
         self.agents: dict[str, Any] = {}
         for mode in msg["modes"]:
-            st = Settings(transport=msg["transport"], checksum=mode,
-                          chunk_bytes=int(msg["chunk_bytes"]), stall_timeout_s=self.timeout_s)
+            # "<checksum>" or "<checksum>+hmac": the latter's agents share a secret (every
+            # control message after the Hello sealed; docs/SECURITY.md)
+            checksum, _, auth = mode.partition("+")
+            st = Settings(transport=msg["transport"], checksum=checksum,
+                          chunk_bytes=int(msg["chunk_bytes"]), stall_timeout_s=self.timeout_s,
+                          hmac_secret=BENCH_SECRET if auth == "hmac" else None)
             if msg.get("heartbeat_s"):  # rooms mode (bench/rooms.py says why)
                 st = st.model_copy(update={"heartbeat_interval_s": float(msg["heartbeat_s"])})
             self.agents[mode] = TransferAgent(role, self.spec, bufs, st,

@@ -155,6 +155,10 @@ def register(app: typer.Typer) -> None:
                                      "threads per side), comma-separated."),
         rounds: int = typer.Option(3, min=1, help="Rooms mode: the rooms are split in this "
                                    "many rounds, the cases' order rotated per round."),
+        modes: str = typer.Option("full,off", help="Rooms mode: the handoff cases, each a "
+                                  "checksum mode (full, sampled, off), with '+hmac' for agents "
+                                  "that share a secret (every control message sealed), "
+                                  "comma-separated; e.g. full,full+hmac."),
         out: str | None = typer.Option(None, "--out", help="Write the JSON result here."),
         as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
     ) -> None:
@@ -175,6 +179,7 @@ def register(app: typer.Typer) -> None:
                          contexts=tuple(int(c) for c in _names(contexts, "contexts")),
                          inflight=tuple(int(c) for c in _names(inflight, "inflight")),
                          transport=transport, rounds=rounds, baseline_reps=reps,
+                         modes=_modes(modes),
                          chunk_bytes=int(chunk_mib * (1 << 20)), slack=slack, seed=seed,
                          timeout_s=timeout, shared_pool=shm_pool)
             return
@@ -200,6 +205,15 @@ def _names(text: str, what: str) -> tuple[str, ...]:
         raise typer.BadParameter(f"{what}: expected a comma-separated list, got {text!r}")
     if what != "models" and not all(x.isdigit() and int(x) > 0 for x in items):
         raise typer.BadParameter(f"{what}: expected positive integers, got {text!r}")
+    return items
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    ok = {c + a for c in ("full", "sampled", "off") for a in ("", "+hmac")}
+    if not items or not set(items) <= ok:
+        raise typer.BadParameter(f"modes: expected some of {', '.join(sorted(ok))}, "
+                                 f"got {text!r}")
     return items
 
 

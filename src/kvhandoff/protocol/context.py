@@ -29,7 +29,8 @@ COUNTERS = ("messages_in", "stale_messages", "retransmits",
             "checksum_failures", "checksums_verified", "checksums_writer_verified",
             "bytes_sent", "bytes_received",
             "rooms_success", "rooms_failed", "peers_lost", "early_dropped", "rooms_one_sided",
-            "write_quarantines", "cancel_failures", "internal_errors")
+            "write_quarantines", "cancel_failures", "internal_errors",
+            "unauthenticated_messages", "replayed_messages")
 
 
 class Context:

@@ -24,6 +24,7 @@ class MessageReceived(Event):
     """A decoded control message arrived."""
 
     msg: Any  # a `protocol.Message`
+    seal: Any = None  # its `wire.Seal` when it came sealed (the session checks it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,32 @@ handed to `on_matched` (the data path sends their `TransferRequest`) and the roo
 sent meanwhile to `replay`. A peer declared lost (silent, restarted, or it told us it dropped
 us) fails its open legs and is remembered for a while, so that if it keeps talking it is told
 once per heartbeat to say Hello again.
+
+With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
+`wire`'s module doc): nothing a sender says is acted on before it is authenticated.
+- A Hello whose MAC does not verify changes nothing here (no record, no generation change);
+  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat).
+- A HelloAck is taken only when it echoes the nonce of the Hello we have out (a replayed one
+  does not); a HelloReject likewise. A HelloReject whose MAC verifies rejects the peer for
+  REJECTED_KEEP_S; one that does not (the peer's secret differs, or whoever saw our Hello made
+  it up) fails only the rooms waiting on that attempt.
+- A verified Hello from a peer whose record is in use (matched, connecting, or with open
+  rooms) may be a replay, of this generation or an older one: it is answered (HelloAck) but
+  acted on (a changed generation declares the old one lost) only once a message sealed under
+  the new session key proves the sender holds it (`admit`).
+- Every other message must come sealed under the session with its sender, with a sequence
+  number above the last one taken (`admit`); what does not is counted and dropped.
 """
 
 from __future__ import annotations
 
+import functools
+import secrets
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
@@ -29,6 +49,35 @@ from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerMatched, 
 
 NO_HANDSHAKE = "no handshake"
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
+REJECTED_KEEP_S = 10.0  # how long a rejected peer's rejection fails new rooms at once
+PENDING_KEEP_S = 60.0  # how long a Hello waiting for its confirmation is kept
+# refused Hellos answered per heartbeat at most: each answer goes to the address the Hello
+# names, so an outsider could otherwise make this agent send one message per Hello it sends
+REFUSALS_PER_HEARTBEAT = 64
+BAD_HMAC = "hello: HMAC does not verify (wrong or missing shared secret)"
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A verified Hello from a peer whose record is in use, not acted on yet."""
+
+    hello: P.Hello
+    key: bytes  # the session key its HelloAck's nonce gave
+    nonce: bytes  # that HelloAck's nonce
+    t: float
+
+
+@dataclass(eq=False, slots=True)
+class _Keys:
+    """The handshake nonces and, with a shared secret, the session with one peer."""
+
+    gen: int = 0  # the peer generation `key` is for
+    key: bytes = b""  # the session key (b"": none)
+    sent: int = 0  # the last sequence number sealed under `key`
+    seen: int = 0  # the last sequence number taken under `key`
+    nonce: bytes = b""  # of our Hello / HelloAck a reply must echo (b"": none out)
+    their_nonce: bytes = b""  # of the peer's last Hello taken (our HelloReject echoes it)
+    pending: _Pending | None = field(default=None)
 
 
 class PeerTable:
@@ -45,6 +94,13 @@ class PeerTable:
         self._peers: dict[str, Peer] = {}
         self._forgotten: dict[str, float] = {}  # peers declared lost -> when
         self._forgotten_told: dict[str, float] = {}
+        self._keys: dict[str, _Keys] = {}
+        self._forgotten_keys: dict[str, _Keys] = {}  # of peers declared lost (to tell them)
+        self._rejected_at: dict[str, float] = {}
+        self._refusals = (0.0, 0)  # (start of this heartbeat's window, answers sent in it)
+        #: where handshake nonces come from (a simulator may give a seeded source)
+        self.new_nonce: Callable[[], bytes] = functools.partial(secrets.token_bytes,
+                                                                P.NONCE_BYTES)
 
     # ------------------------------------------------------------------ the table
 
@@ -65,10 +121,97 @@ class PeerTable:
         return p
 
     def collect(self, now: float) -> None:
-        """Forgets the peers declared lost more than FORGOTTEN_KEEP_S ago."""
+        """Forgets the peers declared lost more than FORGOTTEN_KEEP_S ago, and rejections
+        older than REJECTED_KEEP_S (the next room says Hello again)."""
         for addr in [a for a, t in self._forgotten.items() if now - t > FORGOTTEN_KEEP_S]:
             self._forgotten.pop(addr, None)
             self._forgotten_told.pop(addr, None)
+            self._forgotten_keys.pop(addr, None)
+        for k in self._keys.values():
+            if k.pending is not None and now - k.pending.t > PENDING_KEEP_S:
+                k.pending = None
+        for addr in [a for a, t in self._rejected_at.items() if now - t > REJECTED_KEEP_S]:
+            del self._rejected_at[addr]
+            p = self._peers.get(addr)
+            if p is not None and p.state is PeerState.REJECTED and not p.waiting:
+                del self._peers[addr]
+                self._keys.pop(addr, None)
+
+    def _rejected(self, p: Peer, failure: Any) -> None:
+        p.state, p.rejected = PeerState.REJECTED, failure
+        self._rejected_at[p.addr] = self.ctx.now
+
+    # ------------------------------------------------------------------ authentication
+
+    def frames(self, addr: str, msg: P.Message) -> list[bytes]:
+        """The frames of `msg` to `addr`: sealed under the session with it when a shared
+        secret is set (a Hello and a HelloReject carry their own MAC; a message to a peer
+        with no session yet goes unsealed, and the peer refuses it)."""
+        if not self.ctx.me.hmac_secret or isinstance(msg, P.Hello | P.HelloReject):
+            return P.encode(msg)
+        k = self._keys.get(addr)
+        if k is None or not k.key:
+            k = self._forgotten_keys.get(addr)
+        if k is None or not k.key:
+            return P.encode(msg)
+        k.sent += 1
+        return P.seal(msg, key=k.key, recipient=addr, seq=k.sent)
+
+    def admit(self, msg: Any, seal: P.Seal | None) -> bool:
+        """(with a shared secret) Whether `msg` (not a Hello or HelloReject) is sealed under
+        the session with its sender for its generation, with a sequence number above the last
+        one taken. A seal under a pending handshake's key confirms it first."""
+        ctx = self.ctx
+        me = ctx.me.address
+        k = self._keys.get(msg.src) if seal is not None else None
+        if k is not None and seal is not None:
+            if k.key and msg.gen == k.gen and P.verify_seal(seal, key=k.key, recipient=me):
+                return self._take(k, seal)
+            pend = k.pending
+            if (pend is not None and msg.gen == pend.hello.gen
+                    and P.verify_seal(seal, key=pend.key, recipient=me)):
+                self._confirm(msg.src, pend)
+                return self._take(self._keys[msg.src], seal)
+        f = self._forgotten_keys.get(msg.src) if seal is not None else None
+        if (f is not None and seal is not None and msg.gen == f.gen
+                and P.verify_seal(seal, key=f.key, recipient=me)):
+            return self._take(f, seal)
+        ctx.counters["unauthenticated_messages"] += 1
+        ctx.counters["stale_messages"] += 1
+        return False
+
+    def _take(self, k: _Keys, seal: P.Seal) -> bool:
+        if seal.seq <= k.seen:
+            self.ctx.counters["replayed_messages"] += 1
+            self.ctx.counters["stale_messages"] += 1
+            return False
+        k.seen = seal.seq
+        return True
+
+    def _confirm(self, addr: str, pend: _Pending) -> None:
+        """The sender of a pending Hello holds its session key: act on that Hello now."""
+        self.ctx.log(INFO, f"peer {addr}: new handshake (generation {pend.hello.gen}) "
+                           "confirmed by a sealed message")
+        self._accept(pend.hello, pend.key, pend.nonce, acked=True)
+
+    def _in_use(self, p: Peer) -> bool:
+        return (p.state in (PeerState.CONNECTING, PeerState.MATCHED) or p.registering
+                or bool(p.waiting) or any(r.peer == p.addr for r in self.rooms.open_legs()))
+
+    def _hello(self, cls: type[P.Hello], addr: str, *, nonce: bytes, echo: bytes = b""
+               ) -> P.Hello:
+        me = self.ctx.me
+        msg = msgspec.structs.replace(me.hello(cls), nonce=nonce, echo=echo, mac=b"")
+        return P.sign_hello(msg, me.hmac_secret) if me.hmac_secret else msg
+
+    def _reject(self, addr: str, reason: str, *, echo: bytes, diff: list[str] | None = None
+                ) -> None:
+        ctx = self.ctx
+        msg = P.HelloReject(src=ctx.me.address, gen=ctx.me.generation, reason=reason,
+                            diff=diff or [], echo=echo)
+        if ctx.me.hmac_secret:
+            msg = P.sign_hello_reject(msg, ctx.me.hmac_secret)
+        ctx.send(addr, msg)
 
     # ------------------------------------------------------------------ the handshake
 
@@ -88,7 +231,9 @@ class PeerTable:
         if p.state is PeerState.NEW:
             p.state, p.initiated = PeerState.HELLO_SENT, True
             p.last_seen = self.ctx.now  # a peer that never answers dies in 2 heartbeats
-            self.ctx.send(addr, self.ctx.me.hello(P.Hello))
+            k = self._keys.setdefault(addr, _Keys())
+            k.nonce = self.new_nonce()
+            self.ctx.send(addr, self._hello(P.Hello, addr, nonce=k.nonce))
 
     def _matched(self, r: Leg, p: Peer) -> None:
         r.peer_gen = p.gen
@@ -97,21 +242,75 @@ class PeerTable:
         self._on_matched(r)
 
     def on_hello(self, msg: P.Hello) -> None:
+        """A Hello or HelloAck (see the module doc for what is checked before it counts)."""
+        ctx = self.ctx
+        me = ctx.me
+        secret = me.hmac_secret
+        k = self._keys.get(msg.src)
+        if secret and not me.verifies(msg):
+            ctx.counters["unauthenticated_messages"] += 1
+            p = self._peers.get(msg.src)
+            if (isinstance(msg, P.HelloAck) and p is not None and k is not None and k.nonce
+                    and msg.echo == k.nonce and p.waiting):
+                # the answer to our Hello from a peer keyed otherwise: this attempt failed
+                k.nonce = b""
+                p.state = PeerState.NEW
+                self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
+            start, sent = self._refusals
+            if ctx.now - start > ctx.hb:
+                start, sent = ctx.now, 0
+            if sent < REFUSALS_PER_HEARTBEAT:
+                self._reject(msg.src, BAD_HMAC, echo=msg.nonce)
+                sent += 1
+            self._refusals = (start, sent)
+            return
+        if isinstance(msg, P.HelloAck):
+            if secret and (k is None or not k.nonce or msg.echo != k.nonce):
+                # not the answer to a Hello we have out (a replay, or one we gave up on)
+                ctx.counters["replayed_messages"] += 1
+                ctx.counters["stale_messages"] += 1
+                return
+            key = None if not secret or k is None else P.session_key(
+                secret, initiator=(me.address, me.generation, k.nonce),
+                responder=(msg.src, msg.gen, msg.nonce))
+            self._accept(msg, key, b"")
+            return
+        nonce = self.new_nonce()
+        key = None if not secret else P.session_key(
+            secret, initiator=(msg.src, msg.gen, msg.nonce),
+            responder=(me.address, me.generation, nonce))
+        p = self._peers.get(msg.src)
+        if key is not None and p is not None and self._in_use(p):
+            # perhaps a replay: answered, acted on once a sealed message confirms it
+            k = self._keys.setdefault(msg.src, _Keys())
+            k.pending = _Pending(hello=msg, key=key, nonce=nonce, t=ctx.now)
+            ctx.send(msg.src, self._hello(P.HelloAck, msg.src, nonce=nonce, echo=msg.nonce))
+            return
+        self._accept(msg, key, nonce)
+
+    def _accept(self, msg: P.Hello, key: bytes | None, nonce: bytes, *,
+                acked: bool = False) -> None:
+        """Acts on an authenticated (or, without a secret, any) Hello / HelloAck: `key` its
+        session key, `nonce` the one of our HelloAck (b"" for a HelloAck); `acked`: that
+        HelloAck went out already."""
         ctx = self.ctx
         self._forgotten.pop(msg.src, None)
+        self._forgotten_keys.pop(msg.src, None)
+        self._rejected_at.pop(msg.src, None)
         p = self.peer(msg.src)
         if p.gen and p.gen != msg.gen:
             self.lost(p, f"peer {msg.src} restarted (generation changed)")
             p = self.peer(msg.src)
+        self._keys[msg.src] = _Keys(gen=msg.gen, key=key or b"", nonce=nonce,
+                                    their_nonce=msg.nonce)
         problems, layout = ctx.me.check_hello(msg)
         p.gen, p.agent_id, p.last_seen = msg.gen, msg.agent_id, ctx.now
-        p.authenticated = ctx.me.verifies(msg)
+        p.authenticated = True
         if problems:
             lm = LayoutsDiffered(diff=tuple(problems))
-            p.state, p.rejected = PeerState.REJECTED, failure_of(lm)
+            self._rejected(p, failure_of(lm))
             if not isinstance(msg, P.HelloAck):
-                ctx.send(msg.src, P.HelloReject(src=ctx.me.address, gen=ctx.me.generation,
-                                                reason=lm.reason, diff=problems))
+                self._reject(msg.src, lm.reason, echo=msg.nonce, diff=problems)
             self.fail_waiting(p, lm)
             return
         p.layout = layout
@@ -120,13 +319,30 @@ class PeerTable:
         p.memory = msg.memory
         p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
                          if b.descriptor}
-        p.ack_hello = not isinstance(msg, P.HelloAck)
+        p.ack_hello = not isinstance(msg, P.HelloAck) and not acked
         # answered by Connected, later: room messages from the peer wait in its backlog
         ctx.emit(Connect(msg.src, msg.transport_address, p.gen))
 
-    def on_hello_reject(self, p: Peer, msg: P.HelloReject) -> None:
+    def on_hello_reject(self, msg: P.HelloReject) -> None:
+        """Taken only when it echoes the nonce of our Hello / HelloAck out; rejects the peer
+        for a while when its MAC verifies (or no secret is set), else fails only the rooms
+        waiting on this attempt."""
+        ctx = self.ctx
+        k, p = self._keys.get(msg.src), self._peers.get(msg.src)
+        if p is None or k is None or not k.nonce or msg.echo != k.nonce:
+            ctx.counters["stale_messages"] += 1
+            return
+        k.nonce = b""
+        p.last_seen = ctx.now
         lm = LayoutsDiffered(diff=tuple(msg.diff or [msg.reason]))
-        p.state, p.rejected = PeerState.REJECTED, failure_of(lm)
+        secret = ctx.me.hmac_secret
+        if secret and not P.verify_hello_reject(msg, secret):
+            ctx.counters["unauthenticated_messages"] += 1
+            if not p.matched:
+                p.state = PeerState.NEW
+            self.fail_waiting(p, lm)
+            return
+        self._rejected(p, failure_of(lm))
         self.fail_waiting(p, lm)
 
     def on_connected(self, e: ev.Connected) -> None:
@@ -136,9 +352,9 @@ class PeerTable:
             return  # an answer for a generation forgotten since
         if e.error is not None:
             lost = PeerWasLost(reason=f"transport connect to {e.peer} failed: {e.error}")
-            p.state, p.rejected = PeerState.REJECTED, failure_of(lost, FailureKind.TRANSPORT)
-            ctx.send(e.peer, P.HelloReject(src=ctx.me.address, gen=ctx.me.generation,
-                                           reason=lost.reason))
+            self._rejected(p, failure_of(lost, FailureKind.TRANSPORT))
+            k = self._keys.get(e.peer)
+            self._reject(e.peer, lost.reason, echo=k.their_nonce if k is not None else b"")
             self.fail_waiting(p, lost, FailureKind.TRANSPORT)
             return
         if ctx.me.writes and ctx.role is Role.PREFILL and p.descriptors:
@@ -154,7 +370,10 @@ class PeerTable:
         p.state, p.rejected = PeerState.MATCHED, None
         if p.ack_hello:
             p.ack_hello = False
-            self.ctx.send(p.addr, self.ctx.me.hello(P.HelloAck))
+            k = self._keys.get(p.addr)
+            self.ctx.send(p.addr, self._hello(
+                P.HelloAck, p.addr, nonce=k.nonce if k is not None else b"",
+                echo=k.their_nonce if k is not None else b""))
         waiting, p.waiting = p.waiting, []
         for r in waiting:
             self._matched(r, p)
@@ -218,6 +437,10 @@ class PeerTable:
             self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.NONE)
         p.waiting = []
         self._peers.pop(p.addr, None)
+        self._rejected_at.pop(p.addr, None)
+        k = self._keys.pop(p.addr, None)
+        if k is not None and k.key:
+            self._forgotten_keys[p.addr] = k  # to tell it, sealed, that we dropped it
         self._forgotten[p.addr] = self.ctx.now
         self.ctx.emit(DropPeer(p.addr, p.gen))
 

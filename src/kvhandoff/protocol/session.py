@@ -60,7 +60,8 @@ from kvhandoff.state_machine import (
     RoomAborted,
 )
 
-EARLY_LIMIT = 4096  # messages kept for rooms the engine has not opened yet
+EARLY_LIMIT = 4096  # rooms the engine has not opened yet whose messages are kept
+EARLY_PER_ROOM = 16  # messages kept per such room (a request, an abort: a few at most)
 # the messages a prefill sends about a leg, each naming its request's transfer id (`xfer`)
 _FROM_PREFILL = (P.TransferAccepted, P.Failed, P.Abort, P.AbortAck, P.LayerDone, P.ChunkAdded)
 
@@ -319,13 +320,15 @@ class TransferSession:
         if isinstance(msg, P.Hello):  # Hello and HelloAck
             self.peers.on_hello(msg)
             return
-        p = self.peers.get(msg.src)
-        if (ctx.me.hmac_secret and (p is None or not p.authenticated)
-                and not isinstance(msg, P.HelloReject)):
-            # with a shared secret, only a peer whose Hello verified may touch rooms (an
-            # unknown process must not fail or abort a room it could not join)
-            ctx.counters["stale_messages"] += 1
+        if isinstance(msg, P.HelloReject):
+            self.peers.on_hello_reject(msg)
             return
+        if ctx.me.hmac_secret and not self.peers.admit(msg, e.seal):
+            # with a shared secret, a message counts only sealed under the session with its
+            # sender (`peers`: an unknown process must not fail or abort a room, nor renew a
+            # dead peer's leases; a replay is refused)
+            return
+        p = self.peers.get(msg.src)
         if p is None or (p.gen and msg.gen != p.gen):
             # no handshake with this sender (or an older generation of it)
             ctx.counters["stale_messages"] += 1
@@ -335,9 +338,7 @@ class TransferSession:
                 self.peers.tell_forgotten(msg.src)
             return
         p.last_seen = ctx.now
-        if isinstance(msg, P.HelloReject):
-            self.peers.on_hello_reject(p, msg)
-        elif isinstance(msg, P.Heartbeat):
+        if isinstance(msg, P.Heartbeat):
             for room in msg.rooms:
                 r = self.rooms.legs.get((room, p.addr))
                 if r is not None and not r.machine.is_terminal:
@@ -389,7 +390,9 @@ class TransferSession:
         if r is None:
             if g is None and isinstance(msg, P.Failed | P.Abort):
                 self._ack_unwritten(msg)
-            if g is None and (msg.room in self._early or len(self._early) < EARLY_LIMIT):
+            held = self._early.get(msg.room)
+            if g is None and (len(held) < EARLY_PER_ROOM if held is not None
+                              else len(self._early) < EARLY_LIMIT):
                 self._early.setdefault(msg.room, []).append(msg)
                 self._early_t.setdefault(msg.room, ctx.now)
             elif g is None:
@@ -421,7 +424,8 @@ class TransferSession:
         ctx = self.ctx
         ctx.counters["early_dropped"] += 1
         ctx.log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: "
-                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held")
+                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held, or "
+                         f"{EARLY_PER_ROOM} messages for this one")
         if isinstance(msg, P.TransferRequest):
             ctx.send(msg.src, P.Failed(
                 src=ctx.me.address, gen=ctx.me.generation, room=msg.room,

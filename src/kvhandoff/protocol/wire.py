@@ -6,9 +6,25 @@ Rules:
   decoded, so a peer of another protocol version gets a `Reject` naming both versions instead of
   a confusing decode error.
 - `decode` raises `ProtocolError` for anything unexpected (truncated, oversized, unknown kind,
-  wrong field types); the agent answers with `Reject` and keeps serving.
+  wrong field types); the agent counts it and keeps serving.
+- Every field is typed, so what a frame can make the decoder build is bounded by the types, not
+  by the sender: no field takes an arbitrary msgpack value (a Hello's layout is a map of at
+  most three levels of scalars and lists, `LayoutMap`), so nesting is bounded (a frame of ten
+  thousand nested maps is a `ProtocolError` at the first level the type does not allow), and
+  the body's size (``max_message_bytes``, checked before decoding) bounds every string, list
+  and map.
 - Every message names its sender (`src`, the sender's control address) and the sender's
   `gen` (a nonce per process start), so a restarted peer's stale messages are recognised.
+- With a shared secret (``hmac_secret``) every message is authenticated. A Hello / HelloAck
+  carries a fresh random `nonce` and an HMAC under the secret (`sign_hello`); the HelloAck
+  echoes the Hello's nonce (`echo`), so it cannot be replayed to the agent that said Hello, and
+  a HelloReject echoes the nonce of the Hello it refuses (it is MAC'd too). Both nonces and both
+  (address, generation) pairs derive a per-session key (`session_key`: HKDF-SHA256, RFC 5869).
+  Every other message is *sealed* under that key (`seal`): header ``b"KVA" + version``, then
+  the msgpack body followed by an 8-byte sequence number and an HMAC-SHA256 over the header,
+  the recipient's address, the sequence number and the body. The receiver refuses a seal that
+  does not verify, and a sequence number not above the last one it took (replays, reordering).
+  Sender and generation are in the body (`src`, `gen`) and must match the session's.
 - Rooms are 63-bit ids chosen by the bootstrap server / router; data tags use a small per-decode
   `xfer` id instead (see `data_tag`), because transport tags are limited to 40 bits.
 """
@@ -17,13 +33,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from kvhandoff.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 HEADER = b"KVH" + bytes([PROTOCOL_VERSION])
+SEALED_HEADER = b"KVA" + bytes([PROTOCOL_VERSION])  # body + seq + HMAC (see `seal`)
+NONCE_BYTES = 16
+_SEQ = 8
+_MAC = 32
+SEAL_BYTES = _SEQ + _MAC
 
 XFER_BITS = 24
 LAYER_BITS = 10
@@ -51,6 +74,20 @@ def split_tag(tag: int) -> tuple[int, int, int, int]:
     return tag >> LAYER_BITS, layer, region, attempt
 
 
+# A Hello's layout (`LayoutSpec.to_dict`): a map whose values are scalars or lists of scalars
+# and maps (regions, rows), whose values are scalars or lists of scalars and maps (planes), whose
+# values are scalars. Three levels, few keys, short lists: deeper or larger is not a layout.
+_Key = Annotated[str, Meta(max_length=256)]
+_Scalar = _Key | int | float | bool | None
+_PlaneMap = Annotated[dict[_Key, _Scalar], Meta(max_length=64)]
+_RegionMap = Annotated[dict[_Key, _Scalar | Annotated[list[_Scalar | _PlaneMap],
+                                                      Meta(max_length=4096)]],
+                       Meta(max_length=64)]
+LayoutMap = Annotated[dict[_Key, _Scalar | Annotated[list[_Scalar | _RegionMap],
+                                                     Meta(max_length=4096)]],
+                      Meta(max_length=64)]
+
+
 class _Msg(msgspec.Struct, tag_field="kind", forbid_unknown_fields=False, frozen=True):
     src: str  # the sender's control address (host:port)
     gen: int  # the sender's generation (a nonce per process start)
@@ -70,7 +107,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     role: str
     transport: str
     transport_address: bytes
-    layout: dict[str, object]
+    layout: LayoutMap  # LayoutSpec.to_dict()
     layout_hash: str
     buffers: list[BufferDesc]
     mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"" when a shared secret is set
@@ -81,6 +118,11 @@ class Hello(_Msg, tag="hello", frozen=True):
     # refuses a prefill that sums fewer layers than it verifies (`handshake.checksum_problem`).
     # Absent (an older peer): unknown, checked per layer as its sums come.
     checksum: str = ""
+    # a fresh random value per Hello said (with a shared secret: it keys the session and a
+    # HelloAck / HelloReject must echo it); `echo`: in a HelloAck, the nonce of the Hello it
+    # answers. Absent (an older peer, or an agent without a secret): b"".
+    nonce: bytes = b""
+    echo: bytes = b""
 
 
 class HelloAck(Hello, tag="hello_ack", frozen=True):
@@ -90,6 +132,8 @@ class HelloAck(Hello, tag="hello_ack", frozen=True):
 class HelloReject(_Msg, tag="hello_reject", frozen=True):
     reason: str
     diff: list[str] = []
+    echo: bytes = b""  # the nonce of the Hello (or HelloAck) refused
+    mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"", when the sender has a secret
 
 
 class Digest(msgspec.Struct, frozen=True):
@@ -261,24 +305,51 @@ def encode(msg: Message) -> list[bytes]:
     return [HEADER, _ENCODER.encode(msg)]
 
 
+class Seal(msgspec.Struct, frozen=True):
+    """What authenticates a sealed message (`seal`): its sequence number, its MAC, and the
+    bytes the MAC covers but the recipient's address (`signed`: header, seq, body)."""
+
+    seq: int
+    mac: bytes
+    signed: bytes
+
+
 def decode(frames: list[bytes], *, max_bytes: int) -> Message:
-    """The message in `frames`; `ProtocolError` for anything else."""
+    """The message in `frames` (sealed or not); `ProtocolError` for anything else."""
+    return decode_sealed(frames, max_bytes=max_bytes)[0]
+
+
+def decode_sealed(frames: list[bytes], *, max_bytes: int) -> tuple[Message, Seal | None]:
+    """The message in `frames` and its `Seal` (None: the message is not sealed; whether it
+    verifies is the session's to check, it holds the keys); `ProtocolError` for anything
+    else."""
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames (header, body), got {len(frames)}")
-    header, body = bytes(frames[0]), frames[1]
-    if len(header) != 4 or header[:3] != b"KVH":
+    header, body = bytes(frames[0]), memoryview(frames[1])
+    sealed = header == SEALED_HEADER
+    if len(header) != 4 or header[:3] not in (b"KVH", b"KVA"):
         raise ProtocolError(f"not a kvhandoff message (header {header[:8]!r})")
     if header[3] != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {header[3]} not supported (this agent speaks {PROTOCOL_VERSION})"
         )
-    if len(body) > max_bytes:
+    if len(body) > max_bytes + (SEAL_BYTES if sealed else 0):
         raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {max_bytes}")
+    seal = None
+    if sealed:
+        if len(body) < SEAL_BYTES:
+            raise ProtocolError(f"sealed message of {len(body)} bytes: shorter than its seal")
+        tail = bytes(body[len(body) - SEAL_BYTES:])
+        body = body[:len(body) - SEAL_BYTES]
+        seal = Seal(seq=int.from_bytes(tail[:_SEQ], "big"), mac=tail[_SEQ:],
+                    signed=header + tail[:_SEQ] + bytes(body))
     try:
         msg: Message = _DECODER.decode(body)
-        return msg
+        return msg, seal
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from e
+    except RecursionError as e:  # the types bound nesting; never let it escape regardless
+        raise ProtocolError("malformed message: nested too deep") from e
 
 
 def _hello_body(msg: Hello) -> bytes:
@@ -293,6 +364,9 @@ def _hello_body(msg: Hello) -> bytes:
         del m["memory"]
     if m.get("checksum") in ("", "full"):
         del m["checksum"]
+    for name in ("nonce", "echo"):  # likewise when empty (an agent without a secret)
+        if not m.get(name):
+            m.pop(name, None)
     return _ENCODER.encode(m)
 
 
@@ -307,3 +381,55 @@ def verify_hello(msg: Hello, secret: bytes) -> bool:
     body = _hello_body(msg)
     want = hmac.new(secret, body, hashlib.sha256).digest()
     return hmac.compare_digest(want, msg.mac)
+
+
+def sign_hello_reject(msg: HelloReject, secret: bytes) -> HelloReject:
+    """`msg` with its `mac` set (HMAC-SHA256 over the body with an empty mac)."""
+    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    return msgspec.structs.replace(msg, mac=hmac.new(secret, body, hashlib.sha256).digest())
+
+
+def verify_hello_reject(msg: HelloReject, secret: bytes) -> bool:
+    """Whether `msg.mac` authenticates it with `secret` (constant-time compare)."""
+    body = _ENCODER.encode(msgspec.structs.replace(msg, mac=b""))
+    return hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).digest(), msg.mac)
+
+
+def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF with SHA-256 (RFC 5869): extract with `salt`, expand with `info` to `length`
+    bytes."""
+    prk = hmac.new(salt or bytes(32), ikm, hashlib.sha256).digest()
+    out, block, i = b"", b"", 1
+    while len(out) < length:
+        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
+        out += block
+        i += 1
+    return out[:length]
+
+
+def session_key(secret: bytes, *, initiator: tuple[str, int, bytes],
+                responder: tuple[str, int, bytes]) -> bytes:
+    """The key of the session between the agent that said Hello (`initiator`: its address,
+    generation and Hello nonce) and the one that answered (`responder`: the same of its
+    HelloAck): both sides compute it from what the handshake carried."""
+    (ia, ig, inonce), (ra, rg, rnonce) = initiator, responder
+    info = _ENCODER.encode([b"kvhandoff session", PROTOCOL_VERSION, ia, ig, ra, rg])
+    return hkdf_sha256(secret, salt=inonce + rnonce, info=info)
+
+
+def _seal_mac(key: bytes, recipient: str, signed: bytes) -> bytes:
+    return hmac.new(key, recipient.encode() + b"\0" + signed, hashlib.sha256).digest()
+
+
+def seal(msg: Message, *, key: bytes, recipient: str, seq: int) -> list[bytes]:
+    """The two frames of `msg` sealed under the session `key` for `recipient` (its control
+    address) with sequence number `seq`."""
+    body = _ENCODER.encode(msg)
+    seq_b = seq.to_bytes(_SEQ, "big")
+    return [SEALED_HEADER, body + seq_b + _seal_mac(key, recipient, SEALED_HEADER + seq_b + body)]
+
+
+def verify_seal(s: Seal, *, key: bytes, recipient: str) -> bool:
+    """Whether seal `s` verifies under `key` for `recipient` (this agent's control address);
+    constant-time compare."""
+    return hmac.compare_digest(_seal_mac(key, recipient, s.signed), s.mac)

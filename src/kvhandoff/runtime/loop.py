@@ -12,8 +12,12 @@ is hashed right here: see HASH_INLINE_BYTES), room updates to the views.
 
 Each pass: read the wake pipe, feed the queued events, read control messages (at most a quarter
 heartbeat's worth, so a burst cannot hold back heartbeats), feed a `Tick`, and
-send the outbox. Nothing here takes a lock another kind of thread holds, so heartbeats leave on
-time however busy the engine threads are.
+send the outbox (each message as the session's peer table frames it: sealed under the session
+with its recipient when ``hmac_secret`` is set, `PeerTable.frames`). Nothing a sender puts in a
+frame ends the thread: every error of a message or a pass is caught, counted and logged at a
+bounded rate (`RateLog`), and a stranger's socket is closed once idle (`_collect_dealers`).
+Nothing here takes a lock another kind of thread holds, so heartbeats leave on time however
+busy the engine threads are.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 import zmq
 
 from kvhandoff.buffers.bufferset import view_memory
-from kvhandoff.errors import ConfigError, KVHandoffError, ProtocolError, TransportError
+from kvhandoff.errors import ConfigError, KVHandoffError, TransportError
 from kvhandoff.netaddr import join_host_port, split_host_port, zmq_endpoint, zmq_ipv6
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
@@ -78,6 +82,17 @@ HASH_INLINE_BYTES = 2 << 20
 # most of the prefill's control-thread time. A larger write leaves alone, so a long prompt's
 # layers still land (and are announced) one by one.
 WRITE_BATCH_BYTES = 2 << 20
+# A batch of this many messages read from the control socket of which the session took none
+# (see _read) counts as having read every peer's messages
+MIN_IDLE_BATCH = 64
+# Senders' connections that cost this agent nothing once idle: a ZMQ DEALER to an address the
+# session has no peer record for (it only answered a stranger's Hello, or told a forgotten peer)
+# is closed after DEALER_IDLE_S, and the least recently used go beyond MAX_STRANGER_DEALERS
+DEALER_IDLE_S = 30.0
+MAX_STRANGER_DEALERS = 256
+# Messages one connection may have queued for this agent before ZMQ stops reading it (TCP flow
+# control then holds the sender back; nothing is dropped)
+CONTROL_RCVHWM = 10_000
 
 
 class ControlLoop:
@@ -109,7 +124,7 @@ class ControlLoop:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes + 64)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
         host, port = settings.agent_host, settings.agent_port
         self._router.setsockopt(zmq.IPV6, zmq_ipv6(host))
         try:
@@ -124,8 +139,12 @@ class ControlLoop:
                               f"IPv6 one bare or in brackets)") from e
         self.address = join_host_port(host, port)
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealer_used: dict[str, float] = {}  # address -> when last sent to
+        self._dealers_collected = time.monotonic()
         # same-host peers: control messages over a Unix socket (runtime.locallane)
-        self._lane = LocalLane(self.address, max_message_bytes=settings.max_message_bytes,
+        # a sealed message's body carries its seal (wire.SEAL_BYTES) beyond the limit
+        self._lane = LocalLane(self.address,
+                               max_message_bytes=settings.max_message_bytes + P.SEAL_BYTES,
                                counters=self.counters) \
             if settings.local_control_lane and available() else None
         self._lane_drops: list[str] = []  # peers whose lane closes once the outbox went out
@@ -133,6 +152,8 @@ class ControlLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._drained_at = time.monotonic()  # when the control socket was last read empty
+        self._rejects_log = RateLog(log, logging.WARNING)
+        self._errors_log = RateLog(log, logging.ERROR)
         self._closing = False
         self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
@@ -218,7 +239,8 @@ class ControlLoop:
             # the session fails the room of a room's event itself (both sides told); this is
             # an event of no room (a tick, a peer's message): counted and logged
             self.counters["loop_errors"] += 1
-            log.exception("agent: error handling %s", type(event).__name__)
+            self._errors_log.log(now, "agent: error handling %s", type(event).__name__,
+                                 exc_info=True)
             return
         if self._timelines is not None:
             effects = self._timelines.observe(event, effects)
@@ -268,6 +290,7 @@ class ControlLoop:
         elif isinstance(eff, DropPeer):
             self._call(eff.peer, functools.partial(self._drop, eff))
             sock = self._dealers.pop(eff.peer, None)
+            self._dealer_used.pop(eff.peer, None)
             if sock is not None:
                 self._to_close.append(sock)  # after the outbox went out
             if self._lane is not None:
@@ -457,32 +480,59 @@ class ControlLoop:
             except zmq.ZMQError:
                 break
             self._asleep = False
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except (BlockingIOError, OSError):
-                    pass
-            self._next_calls()
-            self._drain_ahead()
-            self._drain_queue(time.monotonic() + hb / 4)
-            # read empty (polled: nothing waiting) on both lanes: the session's peers'
-            # silence is theirs, not a backlog of ours
-            drained = self._router not in events or self._read(hb)
-            if lane is not None:
-                lane.service(events)
-                if lane.inbox:
-                    self._read_lane(lane, hb)
-                drained = drained and not lane.inbox
-            if drained:
-                self._drained_at = time.monotonic()
-            if self._filter is not None:  # effects a test filter held until now
-                for eff in self._filter.due(time.monotonic()):
-                    self._execute(eff)
-            self._feed(ev.Tick(drained_at=self._drained_at))
-            self._flush()
+            try:
+                self._pass(events, lane, hb)
+            except Exception as e:  # noqa: BLE001 - the thread serves every room: never dies
+                self.counters["loop_errors"] += 1
+                self._errors_log.log(time.monotonic(), "agent: error in the control loop: %r",
+                                     e, exc_info=True)
             if closing and not self._queue and not self._ahead:
                 break
+
+    def _pass(self, events: dict[Any, int], lane: LocalLane | None, hb: float) -> None:
+        """One pass of the loop (see the module doc), once `poll` returned `events`."""
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        self._next_calls()
+        self._drain_ahead()
+        self._drain_queue(time.monotonic() + hb / 4)
+        # read empty (polled: nothing waiting) on both lanes: the session's peers'
+        # silence is theirs, not a backlog of ours
+        drained = self._router not in events or self._read(hb)
+        if lane is not None:
+            lane.service(events)
+            if lane.inbox:
+                self._read_lane(lane, hb)
+            drained = drained and not lane.inbox
+        if drained:
+            self._drained_at = time.monotonic()
+        if self._filter is not None:  # effects a test filter held until now
+            for eff in self._filter.due(time.monotonic()):
+                self._execute(eff)
+        self._feed(ev.Tick(drained_at=self._drained_at))
+        self._flush()
+        now = time.monotonic()
+        if now - self._dealers_collected > hb:
+            self._dealers_collected = now
+            self._collect_dealers(now)
+
+    def _collect_dealers(self, now: float) -> None:
+        """Closes the DEALERs of addresses the session has no peer record for once idle for
+        DEALER_IDLE_S, and the least recently used beyond MAX_STRANGER_DEALERS: a stranger
+        (whose Hello was refused, say) costs a socket for a while, not for good."""
+        assert self.session is not None
+        peers = self.session.peers
+        strangers = sorted((self._dealer_used.get(a, 0.0), a) for a in self._dealers
+                           if peers.get(a) is None)
+        extra = len(strangers) - MAX_STRANGER_DEALERS
+        for i, (used, addr) in enumerate(strangers):
+            if i < extra or now - used > DEALER_IDLE_S:
+                self._dealers.pop(addr).close(linger=0)
+                self._dealer_used.pop(addr, None)
 
     def _drain_ahead(self) -> None:
         while self._ahead:
@@ -523,9 +573,16 @@ class ControlLoop:
     def _read(self, hb: float) -> bool:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
         back heartbeats and answers: after a quarter heartbeat, tick, then read on. Whether
-        it read the socket empty."""
+        it read every message a peer sent: the socket read empty, or a batch of messages none
+        of which the session took (garbage, forgeries, strangers). ZMQ's ROUTER reads its
+        connections in turn, so a batch of those has no peer's message waiting behind it: a
+        flood from outside must not stop this agent from seeing a peer's silence."""
         batch_end = time.monotonic() + hb / 4
-        for _ in range(1000):
+        assert self.session is not None
+        c = self.session.counters
+        taken0 = c["messages_in"] - c["stale_messages"]
+        n = 0
+        for n in range(1, 1001):  # noqa: B007 - n counts the batch
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -533,7 +590,7 @@ class ControlLoop:
             self._message(frames[1:], batch_end)
             if time.monotonic() > batch_end:
                 break
-        return False
+        return n >= MIN_IDLE_BATCH and c["messages_in"] - c["stale_messages"] == taken0
 
     def _read_lane(self, lane: LocalLane, hb: float) -> None:
         """The same-host lane's messages read this pass, as `_read` (what a quarter heartbeat
@@ -548,16 +605,18 @@ class ControlLoop:
                 break
 
     def _message(self, frames: list[bytes], batch_end: float) -> None:
-        """Feeds one control message (its frames), then what it made due."""
+        """Feeds one control message (its frames), then what it made due. Nothing a sender
+        puts in a frame ends the loop: a frame that does not decode is counted in
+        ``rejected_messages`` and logged at a bounded rate (a flood must not fill the log)."""
         try:
-            msg = P.decode(frames, max_bytes=self.settings.max_message_bytes)
-        except ProtocolError as e:
+            msg, seal = P.decode_sealed(frames, max_bytes=self.settings.max_message_bytes)
+        except Exception as e:  # noqa: BLE001 - ProtocolError, or anything a decoder bug raises
             self.counters["rejected_messages"] += 1
-            log.warning("rejected a control message: %s", e)
+            self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)
             return
         self._batching = True  # the writes of this message's events leave together
         try:
-            self._feed(ev.MessageReceived(msg))
+            self._feed(ev.MessageReceived(msg, seal))
             self._drain_ahead()
             if self._queue:  # completions and engine events between messages
                 self._drain_queue(batch_end)
@@ -582,10 +641,12 @@ class ControlLoop:
             addr, msg = self._outbox.popleft()
             if not addr:
                 continue
-            frames = P.encode(msg)
             try:
+                assert self.session is not None
+                frames = self.session.peers.frames(addr, msg)  # sealed with a secret
                 if self._lane is None or not self._lane.send(addr, frames):
                     self._dealer(addr).send_multipart(frames, zmq.NOBLOCK)
+                    self._dealer_used[addr] = time.monotonic()
                 self.counters["messages_out"] += 1
             except (zmq.ZMQError, ValueError) as e:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)
@@ -600,6 +661,29 @@ class ControlLoop:
             # instead of finishing rooms this side already failed (a split outcome)
             sock.close(linger=LINGER_DROPPED_MS)
         self._to_close.clear()
+
+
+class RateLog:
+    """Logs at most `burst` records per `window_s` (what comes from outside can be a flood);
+    the next record after a window says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, level: int, *, burst: int = 10,
+                 window_s: float = 10.0) -> None:
+        self._log, self._level = logger, level
+        self._burst, self._window_s = burst, window_s
+        self._start, self._count, self._left_out = -1e18, 0, 0
+
+    def log(self, now: float, fmt: str, *args: Any, exc_info: bool = False) -> None:
+        if now - self._start > self._window_s:
+            if self._left_out:
+                self._log.log(self._level, "... %d more like these in %.0f s left out",
+                              self._left_out, self._window_s)
+            self._start, self._count, self._left_out = now, 0, 0
+        if self._count >= self._burst:
+            self._left_out += 1
+            return
+        self._count += 1
+        self._log.log(self._level, fmt, *args, exc_info=exc_info)
 
 
 class _Collect:

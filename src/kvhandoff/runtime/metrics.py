@@ -39,6 +39,12 @@ _COUNTER_HELP = {
     "lane_squatted": "1 when this agent's own same-host lane name was already held by another "
                      "process at start (its peers reach it over ZMQ).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
+    "unauthenticated_messages": "With hmac_secret set: messages dropped because they did "
+                                "not authenticate (a Hello or HelloReject whose MAC does not "
+                                "verify, a message not sealed under its sender's session).",
+    "replayed_messages": "With hmac_secret set: messages dropped as replays (a sequence number "
+                         "not above the last one taken, a HelloAck that echoes no Hello of "
+                         "ours).",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
     "checksums_verified": "Landed (layer, region) checksums that matched.",

@@ -95,6 +95,7 @@ class MemoryWire:
         self.completions: deque[tuple[Side, ev.Event]] = deque()
         self.held: list[tuple[Side, Any]] = []
         self.sent: list[tuple[str, str, Any]] = []  # (from, to, msg) as delivered or dropped
+        self.seals: dict[int, P.Seal] = {}  # id(msg) -> its seal (with a shared secret)
         self._sends: dict[tuple[str, str, int], deque[_Op]] = {}
         self._recvs: dict[tuple[str, str, int], deque[_Op]] = {}
         self._drop: list[Callable[[str, str, Any], bool]] = []
@@ -130,7 +131,8 @@ class MemoryWire:
         ident = Identity(address=name, generation=len(self.sides) + 11, agent_id=name,
                          role=role, transport_kind="memory", transport_address=name.encode(),
                          layout=layout, layout_hash=layout_hash(layout), buffers=descs,
-                         writes=writes)
+                         writes=writes, hmac_secret=st.hmac_secret.get_secret_value().encode()
+                         if st.hmac_secret else None)
         side = Side(name, TransferSession(identity=ident, settings=st, now=self.clock()),
                     dict(bufs.views()))
         self.sides[name] = side
@@ -163,7 +165,7 @@ class MemoryWire:
             return True
         if self.messages:
             to, msg = self.messages.popleft()
-            self.feed(to, ev.MessageReceived(msg))
+            self.feed(to, ev.MessageReceived(msg, self.seals.get(id(msg))))
             return True
         return False
 
@@ -248,7 +250,10 @@ class MemoryWire:
         return side.views.setdefault(token, View(token))
 
     def _send(self, side: Side, to: str, msg: Any) -> None:
-        wire = P.decode(P.encode(msg), max_bytes=1 << 24)  # through the real wire format
+        # through the real wire format, sealed as the agent's driver seals it
+        wire, seal = P.decode_sealed(side.session.peers.frames(to, msg), max_bytes=1 << 24)
+        if seal is not None:
+            self.seals[id(wire)] = seal  # (the message stays in `sent`: its id is not reused)
         dest = self.sides.get(to)
         if dest is None or any(p(side.name, to, wire) for p in self._drop):
             self.sent.append((side.name, to, ("dropped", wire)))

@@ -1,0 +1,551 @@
+"""A hostile peer: frames an outsider may send an agent, and functions that send them.
+
+An agent's surfaces take bytes from anyone who can reach them: its control socket (ZMQ, the
+agent's ``host:port``), its same-host control lane (an abstract Unix socket named after that
+address, Linux), its data transport's port (tcp) and the bootstrap server's HTTP API. This module
+builds what a hostile or broken sender would put there and throws it at a surface, so a test (or
+a user rehearsing a deployment) can check that the agent stays up, counts what it refused, and
+still completes real handoffs beside the attack, byte-exact.
+
+- `corpus(seed, count, ...)`: frame sets for the control surfaces, by category (`KINDS`): deep
+  nesting, huge array/map/string headers, wrong types, truncated and random frames, valid
+  messages with forged fields (another agent's address, a made-up generation, a known room),
+  replays of frames seen on the wire, and a flood of small garbage. Seeded: the same seed gives
+  the same frames.
+- `send_control(address, frame_sets)`: sends them to an agent's control socket from a raw ZMQ
+  DEALER (no agent code on this side). `send_lane(address, frame_sets)`: the same over the
+  agent's same-host lane. `send_tcp(host, port, chunks)`: raw bytes to a data port.
+  `send_http(base_url, requests)`: raw HTTP requests to a bootstrap server.
+- `nested_maps(depth)`: the one frame that used to end an agent's control thread (a Hello whose
+  layout nests `depth` maps).
+- `attack_control`, `attack_lane`, `attack_tcp_data`, `attack_http`: a seeded corpus thrown
+  at one surface; `beside(attack, work)` runs an attack on a thread while `work` (a real
+  handoff) runs on the caller's, and re-raises what either raised. `beside_process` runs it as
+  a process of its own (`attack_argv`; ``python -m kvhandoff.testing.hostile``), as a real
+  attacker is: one in the agents' process would share their interpreter lock.
+
+Example (two agents of one host, `p` the prefill; the handoff must still end byte-exact)::
+
+    from kvhandoff.testing import hostile
+
+    sent = hostile.beside(
+        lambda: hostile.attack_control(p.address, seed=1, count=5000,
+                                       known_peers=[(d.address, d.generation)]),
+        lambda: run_one_handoff())
+
+Nothing here is used by kvhandoff itself (it is under `kvhandoff.testing`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from kvhandoff.protocol import wire as P
+
+#: the categories `corpus` draws from
+KINDS = ("nested", "huge_header", "wrong_types", "truncated", "random", "forged", "replay",
+         "flood")
+
+_LANE_PREFIX = b"\0kvhandoff-control/"  # runtime.locallane's abstract names
+_LENGTHS = struct.Struct("<II")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One frame set of the corpus and the category it was drawn from."""
+
+    kind: str
+    frames: list[bytes]
+
+
+def nested_maps(depth: int = 10_000) -> list[bytes]:
+    """A Hello frame set whose layout is `depth` maps nested in one another (about 3 bytes a
+    level: 10,000 levels are a 30 KB frame)."""
+    head = msgspec.msgpack.encode({"kind": "hello", "src": "127.0.0.1:1", "gen": 1,
+                                   "agent_id": "x", "role": "decode", "transport": "tcp",
+                                   "transport_address": b"", "layout_hash": "",
+                                   "buffers": []})
+    # the map header of `head` counts its keys: one more for "layout"
+    n = head[0] & 0x0F
+    body = bytes([0x80 | (n + 1)]) + head[1:] + b"\xa6layout" + b"\x81\xa1a" * depth + b"\xc0"
+    return [P.HEADER, body]
+
+
+def _nested_arrays(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"
+
+
+def corpus(seed: int, count: int, *, src: str = "127.0.0.1:1", known_rooms: Sequence[int] = (),
+           known_peers: Sequence[tuple[str, int]] = (), seen: Sequence[list[bytes]] = (),
+           kinds: Sequence[str] = KINDS) -> Iterator[Case]:
+    """`count` frame sets drawn from `kinds` with a PRNG seeded by `seed`.
+
+    Args:
+        seed: the PRNG seed (the same seed, the same frames).
+        count: how many frame sets.
+        src: the control address the forged messages name as their own when they do not
+            impersonate a known peer.
+        known_rooms: room ids an outsider may have learnt (the bootstrap server shows them).
+        known_peers: (control address, generation) of agents an outsider may impersonate
+            (the bootstrap server shows both).
+        seen: frame sets captured on the wire, replayed as they are ("replay").
+        kinds: the categories to draw from (`KINDS`).
+    """
+    rng = random.Random(seed)
+    makers = {"nested": _nested, "huge_header": _huge_header, "wrong_types": _wrong_types,
+              "truncated": _truncated, "random": _random, "forged": _forged,
+              "replay": _replay, "flood": _flood}
+    kinds = [k for k in kinds if k != "replay" or seen]
+    ctx = _Ctx(rng, src, list(known_rooms) or [rng.getrandbits(63)],
+               list(known_peers) or [(src, rng.getrandbits(62))], list(seen))
+    for _ in range(count):
+        kind = rng.choice(kinds)
+        yield Case(kind, makers[kind](ctx))
+
+
+@dataclass(slots=True)
+class _Ctx:
+    rng: random.Random
+    src: str
+    rooms: list[int]
+    peers: list[tuple[str, int]]
+    seen: list[list[bytes]]
+
+
+def _nested(c: _Ctx) -> list[bytes]:
+    depth = c.rng.choice([100, 1_000, 10_000, 50_000])
+    if c.rng.random() < 0.5:
+        return nested_maps(depth)
+    body = msgspec.msgpack.encode({"kind": "transfer_request", "src": c.src, "gen": 1})
+    n = body[0] & 0x0F
+    return [P.HEADER, bytes([0x80 | (n + 1)]) + body[1:] + b"\xaadst_pages\x81\xa1a"
+            + _nested_arrays(depth)]
+
+
+def _huge_header(c: _Ctx) -> list[bytes]:
+    # a container or string header that claims far more than the frame holds
+    marker = c.rng.choice([b"\xdd", b"\xdf", b"\xdb", b"\xc6"])  # array32 map32 str32 bin32
+    claim = c.rng.choice([0xFFFFFFFF, 1 << 30, 1 << 24])
+    field = c.rng.choice(["rooms", "dst_pages", "reason", "layout", "buffers", "src"])
+    body = msgspec.msgpack.encode({"kind": "heartbeat", "src": c.src, "gen": 1})
+    n = body[0] & 0x0F
+    name = msgspec.msgpack.encode(field)
+    return [P.HEADER, bytes([0x80 | (n + 1)]) + body[1:] + name + marker
+            + claim.to_bytes(4, "big") + os.urandom(c.rng.randrange(0, 64))]
+
+
+_TAGS = ("hello", "hello_ack", "hello_reject", "transfer_request", "transfer_accepted",
+         "failed", "layer_done", "layer_nack", "room_ack", "abort", "abort_ack", "heartbeat",
+         "reject", "chunk_added", "chunk_accepted")
+_FIELDS = ("room", "xfer", "peer_gen", "seq_len", "decode_prefix_len", "page_size",
+           "dst_pages", "src_pages", "lease_s", "layers", "layer", "attempt", "reason", "rooms",
+           "layout", "buffers", "mac", "nonce", "echo", "planes", "diff", "agent_id", "role",
+           "transport", "chunk", "chunk_end", "writes_stopped", "failure_kind")
+
+
+def _value(rng: random.Random, depth: int = 0) -> object:
+    pick = rng.randrange(10 if depth < 3 else 7)
+    if pick == 0:
+        return None
+    if pick == 1:
+        return rng.random() < 0.5
+    if pick == 2:
+        return rng.choice([-1, 0, 1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1])
+    if pick == 3:
+        return rng.choice([float("nan"), float("inf"), -0.0, 1e308])
+    if pick == 4:
+        return "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 40)))
+    if pick == 5:
+        return os.urandom(rng.randrange(0, 40))
+    if pick == 6:
+        return rng.getrandbits(63)
+    if pick == 7:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
+    if pick == 8:
+        return {str(_value(rng, 3)): _value(rng, depth + 1) for _ in range(rng.randrange(0, 5))}
+    return {rng.choice(_FIELDS): _value(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
+
+
+def _wrong_types(c: _Ctx) -> list[bytes]:
+    msg: dict[str, object] = {"kind": c.rng.choice(_TAGS), "src": c.src,
+                              "gen": c.rng.getrandbits(62)}
+    for f in c.rng.sample(_FIELDS, c.rng.randrange(1, 8)):
+        msg[f] = _value(c.rng)
+    return [P.HEADER, msgspec.msgpack.encode(msg)]
+
+
+def _valid(c: _Ctx) -> P.Message:
+    """A well-formed message with forged fields: another agent's address and generation (as
+    the bootstrap server shows them), a known room."""
+    addr, gen = c.rng.choice(c.peers)
+    room = c.rng.choice(c.rooms)
+    pick = c.rng.randrange(9)
+    if pick == 0:
+        return P.Failed(src=addr, gen=gen, room=room, reason="forged",
+                        failure_kind="remote_failed")
+    if pick == 1:
+        return P.AbortAck(src=addr, gen=gen, room=room)
+    if pick == 2:
+        return P.Heartbeat(src=addr, gen=gen, rooms=list(c.rooms))
+    if pick == 3:
+        return P.Abort(src=addr, gen=gen, room=room, reason="forged")
+    if pick == 4:
+        return P.HelloReject(src=addr, gen=gen, reason="forged", diff=["forged"])
+    if pick == 5:
+        return P.Reject(src=addr, gen=gen, reason="no handshake: forged")
+    if pick == 6:
+        return P.RoomAck(src=addr, gen=gen, room=room)
+    if pick == 7:
+        return P.LayerNack(src=addr, gen=gen, room=room, layer=0, attempt=0, reason="forged")
+    return P.Hello(src=addr, gen=c.rng.getrandbits(62), agent_id="forged", role="decode",
+                   transport="tcp", transport_address=b"127.0.0.1:1", layout={},
+                   layout_hash="", buffers=[], mac=os.urandom(32))
+
+
+def _forged(c: _Ctx) -> list[bytes]:
+    frames = P.encode(_valid(c))
+    if c.rng.random() < 0.3:  # with a made-up seal (as if sent within a session)
+        frames = [P.SEALED_HEADER, frames[1] + os.urandom(P.SEAL_BYTES)]
+    return frames
+
+
+def _truncated(c: _Ctx) -> list[bytes]:
+    body = P.encode(_valid(c))[1]
+    return [P.HEADER, body[:c.rng.randrange(0, max(1, len(body)))]]
+
+
+def _random(c: _Ctx) -> list[bytes]:
+    n = c.rng.randrange(1, 4)
+    return [os.urandom(c.rng.randrange(0, 200)) for _ in range(n)]
+
+
+def _replay(c: _Ctx) -> list[bytes]:
+    return list(c.rng.choice(c.seen))
+
+
+def _flood(c: _Ctx) -> list[bytes]:
+    return [P.HEADER, os.urandom(c.rng.randrange(1, 16))]
+
+
+# ---------------------------------------------------------------------------- senders
+
+
+def send_control(address: str, frame_sets: Iterable[list[bytes]]) -> int:
+    """Sends each frame set to the agent whose control address is `address` (``host:port``)
+    from a fresh ZMQ DEALER; returns how many were sent. The sends are queued by ZMQ: to know
+    the agent read them, follow with something it answers (see the reliability tests'
+    ``Prober.barrier``)."""
+    import zmq
+
+    from kvhandoff.netaddr import split_host_port, zmq_endpoint, zmq_ipv6
+
+    host, port = split_host_port(address)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 5000)  # the frames leave before close returns
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.IPV6, zmq_ipv6(host))
+    sock.connect(zmq_endpoint(host, port))
+    n = 0
+    try:
+        for frames in frame_sets:
+            sock.send_multipart(frames)
+            n += 1
+    finally:
+        sock.close()
+    return n
+
+
+def send_lane(address: str, frame_sets: Iterable[list[bytes]]) -> int:
+    """Sends each frame set (its first two frames; a lane message has two) over the same-host
+    control lane of the agent at `address`; returns how many were written. Raises
+    `ConnectionRefusedError` when the agent has no lane (another host, or the lane is off).
+    Stops early when the agent closes the connection (a frame over its limits)."""
+    n = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(_LANE_PREFIX + address.encode())
+        try:
+            for frames in frame_sets:
+                head, body = (list(frames) + [b"", b""])[:2]
+                sock.sendall(_LENGTHS.pack(len(head), len(body)) + head + body)
+                n += 1
+            sock.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):  # the agent closed it: a frame over
+            return n  # its limits ends a lane connection
+        try:  # until the agent closed its side: it read everything
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+    return n
+
+
+def send_tcp(host: str, port: int, chunks: Iterable[bytes]) -> int:
+    """Writes `chunks` to a TCP port (a tcp transport's data port) and closes; returns the
+    bytes written (a peer that closes early ends the write: what it took is counted)."""
+    sent = 0
+    with socket.create_connection((host, port), timeout=10) as sock:
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+    return sent
+
+
+def tcp_chunks(seed: int, count: int) -> Iterator[bytes]:
+    """Garbage for a data port: random bytes, length prefixes that claim gigabytes, zeros."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        pick = rng.randrange(4)
+        if pick == 0:
+            yield os.urandom(rng.randrange(1, 512))
+        elif pick == 1:
+            yield struct.pack("<QQ", rng.getrandbits(64), rng.getrandbits(64))
+        elif pick == 2:
+            yield b"\xff" * rng.randrange(1, 64)
+        else:
+            yield bytes(rng.randrange(1, 256))
+
+
+def http_requests(seed: int, count: int, *, paths: Sequence[str] = ("/",)) -> Iterator[bytes]:
+    """Raw HTTP/1.1 requests a hostile client may send a bootstrap server: bodies that are not
+    JSON, JSON of the wrong shape, deep nesting, huge numbers, oversized headers."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        path = rng.choice(list(paths))
+        pick = rng.randrange(5)
+        if pick == 0:
+            body = os.urandom(rng.randrange(0, 256))
+        elif pick == 1:
+            body = b"[" * 5000 + b"]" * 5000
+        elif pick == 2:
+            body = msgspec.json.encode(_value(rng))
+        elif pick == 3:
+            body = b'{"rank": 1e999999, "room": -1, "port": 99999999999999999999}'
+        else:
+            body = b'{"a":' * 3000 + b"1" + b"}" * 3000
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        yield head + body
+
+
+def send_http(host: str, port: int, requests: Iterable[bytes]) -> list[int]:
+    """Sends each raw request on its own connection; returns the HTTP status of each answer
+    (0: the server closed without one)."""
+    statuses = []
+    for req in requests:
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(req)
+            got = b""
+            try:
+                while b"\r\n" not in got:
+                    part = sock.recv(4096)
+                    if not part:
+                        break
+                    got += part
+            except OSError:
+                pass
+            try:
+                statuses.append(int(got.split(b" ", 2)[1]))
+            except (IndexError, ValueError):
+                statuses.append(0)
+    return statuses
+
+
+# ---------------------------------------------------------------------------- attacks
+
+_T = TypeVar("_T")
+
+
+def attack_control(address: str, *, seed: int, count: int, **corpus_kw: Any) -> int:
+    """`count` frame sets of `corpus(seed, ...)` sent to the control socket at `address`;
+    returns how many were sent."""
+    return send_control(address, (c.frames for c in corpus(seed, count, **corpus_kw)))
+
+
+def attack_lane(address: str, *, seed: int, count: int, **corpus_kw: Any) -> int:
+    """The same over the same-host control lane of the agent at `address`. The agent closes a
+    lane connection at a frame over its limits (the stream cannot be resynchronised), so each
+    frame set goes over a connection of its own when it must; returns how many were sent."""
+    n = 0
+    batch: list[list[bytes]] = []
+    for c in corpus(seed, count, **corpus_kw):
+        batch.append(c.frames)
+        if len(batch) == 64:
+            n += _lane_batch(address, batch)
+            batch = []
+    if batch:
+        n += _lane_batch(address, batch)
+    return n
+
+
+def _lane_batch(address: str, batch: list[list[bytes]]) -> int:
+    n = 0
+    while n < len(batch):  # after a closed connection, on with the next frame set
+        took = send_lane(address, batch[n:])
+        n += max(took, 1)
+    return n
+
+
+def attack_tcp_data(transport_address: bytes, *, seed: int, count: int) -> int:
+    """Garbage at a tcp transport's data port (its `Transport.address`,
+    ``tcp://host:port/<id>``): raw bytes on plain TCP connections (not ZMTP), then chunk
+    frames with random tags from a ZMQ DEALER that claims an identity of its own. Returns the
+    frames and chunks sent."""
+    import zmq
+
+    from kvhandoff.netaddr import split_zmq_endpoint
+
+    endpoint = transport_address.decode().rsplit("/", 1)[0]
+    host, port = split_zmq_endpoint(endpoint)
+    rng = random.Random(seed)
+    n = 0
+    for i in range(max(1, count // 100)):
+        n += 1 if send_tcp(host, port, tcp_chunks(seed + i, 20)) else 0
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
+    sock.connect(endpoint)
+    try:
+        for _ in range(count):
+            head = b"D" + struct.pack("<QIIQ", rng.getrandbits(40), rng.randrange(4),
+                                      rng.randrange(1, 4), rng.randrange(1, 1 << 20))
+            frames = [head, os.urandom(rng.randrange(0, 256))]
+            if rng.random() < 0.2:
+                frames = [os.urandom(rng.randrange(0, 32)) for _ in range(rng.randrange(1, 4))]
+            sock.send_multipart(frames)
+            n += 1
+    finally:
+        sock.close()
+    return n
+
+
+#: the bootstrap server's write endpoints `attack_http` posts to
+HTTP_PATHS = ("/v1/ranks", "/v1/ranks/heartbeat", "/v1/ranks/deregister", "/v1/rooms",
+              "/v1/rooms/1/bind", "/v1/rooms/1/abort", "/register_dp_rank", "/query_dp_ranks")
+
+
+def attack_http(base_url: str, *, seed: int, count: int,
+                paths: Sequence[str] = HTTP_PATHS) -> list[int]:
+    """`count` raw hostile requests to the bootstrap server at `base_url`
+    (``http://host:port``); returns the HTTP status of each (0: no answer)."""
+    rest = base_url.split("://", 1)[-1].rstrip("/")
+    host, _, port = rest.rpartition(":")
+    return send_http(host.strip("[]"), int(port), http_requests(seed, count, paths=paths))
+
+
+def attack_argv(surface: str, target: str, *, seed: int, count: int,
+                known_peers: Sequence[tuple[str, int]] = (),
+                known_rooms: Sequence[int] = ()) -> list[str]:
+    """The command line that runs an attack in a process of its own (`main`): an attacker in
+    the agents' process would share its interpreter lock with them and starve them, which a
+    real attacker cannot. `target`: the control address (control, lane), the transport
+    address (tcp_data) or the base URL (http)."""
+    import json
+    import sys
+
+    return [sys.executable, "-m", "kvhandoff.testing.hostile", surface, target,
+            "--seed", str(seed), "--count", str(count),
+            "--known-peers", json.dumps([list(x) for x in known_peers]),
+            "--known-rooms", json.dumps(list(known_rooms))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvhandoff.testing.hostile SURFACE TARGET [--seed N] [--count N]
+    [--known-peers JSON] [--known-rooms JSON]``: runs one attack, prints what it sent as one
+    JSON line."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kvhandoff.testing.hostile",
+                                 description="Throws a seeded hostile corpus at one surface "
+                                             "of a kvhandoff agent or bootstrap server.")
+    ap.add_argument("surface", choices=["control", "lane", "tcp_data", "http"])
+    ap.add_argument("target", help="control address host:port (control, lane), transport "
+                                   "address (tcp_data) or base URL (http)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--known-peers", default="[]",
+                    help='JSON list of ["host:port", generation] to impersonate')
+    ap.add_argument("--known-rooms", default="[]", help="JSON list of room ids")
+    a = ap.parse_args(argv)
+    kw: dict[str, Any] = {"known_peers": [(str(x), int(g)) for x, g in
+                                          json.loads(a.known_peers)],
+                          "known_rooms": [int(r) for r in json.loads(a.known_rooms)]}
+    if a.surface == "control":
+        out: Any = attack_control(a.target, seed=a.seed, count=a.count, **kw)
+    elif a.surface == "lane":
+        out = attack_lane(a.target, seed=a.seed, count=a.count, **kw)
+    elif a.surface == "tcp_data":
+        out = attack_tcp_data(a.target.encode(), seed=a.seed, count=a.count)
+    else:
+        statuses = attack_http(a.target, seed=a.seed, count=a.count)
+        out = {"statuses": statuses}
+    print(json.dumps({"surface": a.surface, "sent": out}))
+    return 0
+
+
+def beside_process(argv: Sequence[str], work: Callable[[], None], *,
+                   timeout_s: float = 300.0) -> Any:
+    """Runs the attack `argv` (`attack_argv`) as a process while `work` runs here; returns
+    what it printed (parsed), once both ended; raises if it failed."""
+    import json
+    import subprocess
+
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        work()
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the attack exited {proc.returncode}: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def beside(attack: Callable[[], _T], work: Callable[[], None], *,
+           timeout_s: float = 120.0) -> _T:
+    """Runs `attack` on a thread while `work` runs on this one; returns what `attack`
+    returned once both ended; re-raises an exception of either (`work`'s first)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = attack()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="kvhandoff-hostile", daemon=True)
+    t.start()
+    try:
+        work()
+    finally:
+        t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"the attack did not end within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    result: _T = box["value"]
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
