@@ -92,7 +92,7 @@ class ChunkedPrefill:
         r.machine.progressed(self.ctx.now)
         self.ctx.send(r.peer, P.ChunkAdded(src=self.ctx.me.address, gen=self.ctx.me.generation,
                                         room=r.room, chunk=len(r.chunk_ends) - 1,
-                                        chunk_end=g.chunk_end, src_pages=delta))
+                                        chunk_end=g.chunk_end, src_pages=delta, xfer=r.xfer))
 
     def on_chunk_added(self, r: Leg, msg: P.ChunkAdded) -> None:
         """Decode: plan the chunk, post its receives, answer `ChunkAccepted`."""

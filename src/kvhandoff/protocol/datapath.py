@@ -101,7 +101,8 @@ class DataPath:
         self._ops: dict[int, _Op] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_op = 0
-        self._pending_done: dict[tuple[int, str], list[P.LayerInfo]] = {}
+        # (room, peer, xfer) -> the layers to announce (xfer: the request they answer)
+        self._pending_done: dict[tuple[int, str, int], list[P.LayerInfo]] = {}
 
     def leg_of(self, e: ev.OpDone | ev.Written | ev.Hashed) -> Leg | None:
         """The leg a completion is about (None: forgotten, its room ended)."""
@@ -188,11 +189,13 @@ class DataPath:
     def on_request(self, r: Leg, msg: P.TransferRequest) -> None:
         """Prefill: validate the request, plan, accept, and send the layers already ready."""
         p = self.peers.get(msg.src)
+        if not r.accepted:  # every message about this leg names this request from now on
+            r.xfer = msg.xfer
         if msg.peer_gen != self.ctx.me.generation:
             self.ctx.send(msg.src, P.Failed(
                 src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room,
                 reason="stale request: it names a previous generation of this prefill agent",
-                failure_kind=FailureKind.PEER_LOST.value))
+                failure_kind=FailureKind.PEER_LOST.value, xfer=msg.xfer))
             return
         if r.accepted:
             return
@@ -205,7 +208,7 @@ class DataPath:
             if msg.page_size <= 0 or msg.decode_prefix_len % msg.page_size:
                 raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} is not aligned "
                                   f"to the decode page size {msg.page_size}")
-            r.xfer, r.prefix_len, r.peer_gen = msg.xfer, msg.decode_prefix_len, msg.gen
+            r.prefix_len, r.peer_gen = msg.decode_prefix_len, msg.gen
             r.pages = self.suffix_pages(r)
             if p is None or p.layout is None:
                 raise ConfigError("transfer request before the decode's Hello")
@@ -242,7 +245,7 @@ class DataPath:
         self.ctx.send(msg.src, P.TransferAccepted(
             src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room, page_size=r.page_size,
             src_pages={k: v.tolist() for k, v in r.pages.items()},
-            chunk_end=-1 if end >= r.seq_len else end, one_sided=r.one_sided))
+            chunk_end=-1 if end >= r.seq_len else end, one_sided=r.one_sided, xfer=r.xfer))
         for layer in r.group.ready:
             self.post_layer(r, Unit(layer), 0)
 
@@ -397,9 +400,9 @@ class DataPath:
         plan it wrote by."""
         r.sums[(unit, attempt)] = dict(zip(regions, sums, strict=True))
         plans = r.plans_of(unit)
-        done = self._pending_done.get((r.room, r.peer))
+        done = self._pending_done.get((r.room, r.peer, r.xfer))
         if done is None:
-            done = self._pending_done[(r.room, r.peer)] = []
+            done = self._pending_done[(r.room, r.peer, r.xfer)] = []
         parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s, landed=got,
                               plan=None if got is None else plans[n].digest())
                  for n, s, got in zip(regions, sums, landed or (None,) * len(regions),
@@ -409,9 +412,9 @@ class DataPath:
 
     def flush_done(self) -> None:
         me = self.ctx.me
-        for (room, peer), infos in self._pending_done.items():
+        for (room, peer, xfer), infos in self._pending_done.items():
             self.ctx.send(peer, P.LayerDone(src=me.address, gen=me.generation, room=room,
-                                            layers=infos))
+                                            layers=infos, xfer=xfer))
         self._pending_done.clear()
 
     def post_recv_layer(self, r: Leg, unit: Unit, attempt: int) -> None:

@@ -15,6 +15,10 @@ Rules:
   on stopping a copy, stall_timeout_s, plus two heartbeats). A decode leg counts as written
   into from the TransferRequest that offered its buffers on (`Leg.remote_writes`).
 - A room id is opened again only once its previous use is released (`refuse_reopen`).
+- A prefill's messages about a leg name the request they answer (`xfer`); a decode drops
+  those of another request (a late word about an earlier use of the id) and lets a stop
+  (`Failed`/`Abort` with writes_stopped, `AbortAck`) unfence its pages only when it names the
+  leg's request (`session.TransferSession._dispatch_room_msg`).
 """
 
 from __future__ import annotations
@@ -140,7 +144,7 @@ class RoomTable:
             stopped = not self.writes_in_flight(r)
             ctx.send(r.peer, cls(src=ctx.me.address, gen=ctx.me.generation, room=r.room,
                                  reason=f.reason, failure_kind=f.kind.value,
-                                 writes_stopped=stopped))
+                                 writes_stopped=stopped, xfer=r.xfer))
             if not stopped:
                 r.ack_when_stopped = True  # the AbortAck follows once the cancels confirm
         self._terminal(r)
@@ -215,7 +219,8 @@ class RoomTable:
             return
         r.ack_when_stopped = False
         me = self.ctx.me
-        self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room))
+        self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room,
+                                         xfer=r.xfer))
 
     def writes_stopped(self, r: Leg) -> None:
         """Decode, one-sided: the prefill says its writes into this leg's pages stopped."""

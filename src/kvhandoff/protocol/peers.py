@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,7 +426,7 @@ class PeerTable:
         for r in waiting:
             self.rooms.fail(r, fe, notify=Notify.FAILED, kind=kind)
 
-    def lost(self, p: Peer, reason: str, *, keep: frozenset[Leg] = frozenset()) -> None:
+    def lost(self, p: Peer, reason: str, *, keep: Collection[Leg] = ()) -> None:
         """Declares `p` lost: fails every open room with it (but `keep`), forgets the
         handshake, and drops the transport's connection to it."""
         self.ctx.counters["peers_lost"] += 1

@@ -63,6 +63,8 @@ from kvhandoff.state_machine import (
 MAX_READERS = 1 << 16  # decode ranks per room and prefill rank (a TP size)
 EARLY_LIMIT = 4096  # rooms the engine has not opened yet whose messages are kept
 EARLY_PER_ROOM = 16  # messages kept per such room (a request, an abort: a few at most)
+# the messages a prefill sends about a leg, each naming its request's transfer id (`xfer`)
+_FROM_PREFILL = (P.TransferAccepted, P.Failed, P.Abort, P.AbortAck, P.LayerDone, P.ChunkAdded)
 
 
 class TransferSession:
@@ -360,9 +362,10 @@ class TransferSession:
             if msg.reason.startswith(NO_HANDSHAKE):
                 # It dropped us (took us for dead): rooms it had accepted are gone on its
                 # side; requests it never accepted are handshaken and sent again.
-                retry = frozenset(r for r in self.rooms.open_legs()
-                                  if r.peer == p.addr and not r.accepted
-                                  and r.role is Role.DECODE)
+                # a list in the rooms' own order (a set of legs iterates by object address,
+                # so a replay in another process would re-handshake them in another order)
+                retry = [r for r in self.rooms.open_legs()
+                         if r.peer == p.addr and not r.accepted and r.role is Role.DECODE]
                 self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent "
                                    "(it took this agent for dead)", keep=retry)
                 for r in retry:
@@ -387,7 +390,7 @@ class TransferSession:
                 if refusal is not None:
                     ctx.send(msg.src, P.Failed(
                         src=ctx.me.address, gen=ctx.me.generation, room=g.room,
-                        reason=refusal.reason, failure_kind=refusal.kind.value))
+                        reason=refusal.reason, failure_kind=refusal.kind.value, xfer=msg.xfer))
                     return
                 r = self.rooms.new_leg(g, msg.src)
                 r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
@@ -425,7 +428,8 @@ class TransferSession:
             held[:] = [m for m in held
                        if not (isinstance(m, P.TransferRequest) and m.src == msg.src)]
         me = self.ctx.me
-        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room))
+        self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room,
+                                          xfer=msg.xfer))
 
     def _early_full(self, msg: Any) -> None:
         """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
@@ -441,7 +445,7 @@ class TransferSession:
                 src=ctx.me.address, gen=ctx.me.generation, room=msg.room,
                 reason=f"the {self.role.value} agent holds {EARLY_LIMIT} requests for rooms its "
                        "engine has not opened yet; this one was refused (retry later)",
-                failure_kind=FailureKind.ADMISSION.value))
+                failure_kind=FailureKind.ADMISSION.value, xfer=msg.xfer))
 
     def _refuse_request(self, g: Group, readers: int) -> Failure | None:
         if g.failure is not None:
@@ -470,14 +474,33 @@ class TransferSession:
                            "prefill rank")
         return None
 
+    def _stale_for_decode(self, r: Leg, msg: Any) -> bool:
+        """Decode: whether a prefill's message is about another use of this room id than
+        this leg (issue 35: room messages name the id; `xfer` names the use). It is when it
+        names another transfer id than the leg's current request (0: the sender named none),
+        and for a `LayerDone` also when the leg is not accepted yet: on one connection a
+        `LayerDone` of this use never precedes its `TransferAccepted`."""
+        if not isinstance(msg, _FROM_PREFILL):
+            return False
+        if msg.xfer and msg.xfer != r.xfer:
+            return True
+        return isinstance(msg, P.LayerDone) and not r.accepted
+
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
         rooms, ctx = self.rooms, self.ctx
+        if r.role is Role.DECODE and self._stale_for_decode(r, msg):
+            ctx.counters["stale_messages"] += 1
+            return
         if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
-                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes:
+                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes \
+                and msg.xfer:
             # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
-            # so the pages may be reused
+            # so the pages may be reused. Only when it names this leg's request (`xfer`, equal
+            # once past the check above): one that names none (an older prefill) may be a late
+            # word about an earlier use of the id, so the pages stay fenced until one that
+            # names it comes, or the write quarantine.
             rooms.writes_stopped(r)
         if isinstance(msg, P.Failed):
             reason = f"peer failed the room: {msg.reason}"
@@ -494,10 +517,13 @@ class TransferSession:
             pass
         elif r.machine.is_terminal:
             if isinstance(msg, P.TransferRequest) and r.machine.state is KVPoll.Failed:
+                # (a request sent again after a Reject names the same pages as the one this
+                # leg took: its writes into them may not have stopped yet)
                 f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
                 ctx.send(msg.src, P.Failed(src=ctx.me.address, gen=ctx.me.generation,
                                            room=r.room, reason=f.reason,
-                                           failure_kind=f.kind.value))
+                                           failure_kind=f.kind.value, xfer=msg.xfer,
+                                           writes_stopped=not rooms.writes_in_flight(r)))
         elif isinstance(msg, P.TransferRequest):
             self.path.on_request(r, msg)
         elif isinstance(msg, P.TransferAccepted):

@@ -189,6 +189,9 @@ class TransferAccepted(_Msg, tag="transfer_accepted", frozen=True):
     # set by a prefill that traces the room (the otel extra); an older peer sends none and
     # ignores it (unknown fields are skipped)
     trace: TraceContext | None = None
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class Failed(_Msg, tag="failed", frozen=True):
@@ -199,6 +202,9 @@ class Failed(_Msg, tag="failed", frozen=True):
     # (its cancel has not confirmed, or failed): the decode keeps the pages until an AbortAck
     # says they stopped, or write_quarantine_s
     writes_stopped: bool = True
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class RegionDone(msgspec.Struct, frozen=True):
@@ -225,6 +231,9 @@ class LayerInfo(msgspec.Struct, frozen=True):
 class LayerDone(_Msg, tag="layer_done", frozen=True):
     room: int
     layers: list[LayerInfo]  # several layers in one message when they finish together
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class LayerNack(_Msg, tag="layer_nack", frozen=True):
@@ -244,10 +253,16 @@ class Abort(_Msg, tag="abort", frozen=True):
     reason: str
     failure_kind: str = ""  # "aborted", or why the sender's agent gave the room up
     writes_stopped: bool = True  # as in `Failed`
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):
     room: int
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class ChunkAdded(_Msg, tag="chunk_added", frozen=True):
@@ -258,6 +273,9 @@ class ChunkAdded(_Msg, tag="chunk_added", frozen=True):
     chunk: int  # 1, 2, ... (chunk 0 is the TransferAccepted)
     chunk_end: int  # the tokens covered after this chunk (the room's seq_len: the last one)
     src_pages: dict[str, list[int]]
+    # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
+    # about; 0: none known (an older peer, or a prefill that never saw a request)
+    xfer: int = 0
 
 
 class ChunkAccepted(_Msg, tag="chunk_accepted", frozen=True):

@@ -11,7 +11,9 @@ names is in the code and passes once the fix is in. The defects (issue 35):
 (c) a room id reopened before its pages came back: a late AbortAck of the old room reaches
     the new one and lets its pages go while its writes are in flight;
 (d) a decode with checksum=full paired with a prefill with checksum=off ends Success without
-    verifying a byte.
+    verifying a byte;
+and two found with those fixed: a late Failed, and a late LayerDone, of an earlier use of a
+reopened room id reaching the new one (room messages now name their request, `xfer`).
 """
 
 from __future__ import annotations
@@ -121,14 +123,15 @@ def test_defect_d_a_decode_with_full_checksums_never_ends_success_unverified() -
     assert view.done and view.releases == 1
 
 
-def test_open_a_late_failed_of_an_ended_fan_out_room_does_not_unfence_its_reopened_id() -> None:
-    """Found by the simulator with the fixes of (a)-(d) in (seeds 169, 1488, 1551 of `make
-    test`'s range); open. A prefill serving one room to two decode ranks fails it when one
+def test_a_late_failed_of_an_ended_fan_out_room_does_not_unfence_its_reopened_id() -> None:
+    """Found by the simulator with the fixes of (a)-(d) in (seeds 169, 1488, 1551, 2197 of
+    `make test`'s range). A prefill serving one room to two decode ranks fails it when one
     rank aborts, and tells the other rank, whose own room had already ended Success and been
     released. That rank's engine has reopened the id meanwhile (allowed: the old use is
-    released); the late `Failed` (writes_stopped=True) names only the room id, so it fails the
-    new room and lets its pages go while the new room's TransferRequest is on its way, and
-    the prefill then accepts and writes into them."""
+    released); the late `Failed` (writes_stopped=True) named only the room id, so it failed
+    the new room and let its pages go while the new room's TransferRequest was on its way,
+    and the prefill then accepted and wrote into them. Fixed: it names the old request
+    (`xfer`), which the new leg ignores as stale."""
     other = "decode:1"
     sim = scripted(decodes=2)
     inst = sim.add_instance(7, [PREFILL], [DECODE, other])
@@ -153,16 +156,17 @@ def test_open_a_late_failed_of_an_ended_fan_out_room_does_not_unfence_its_reopen
     assert sim.views[new.tokens[other]].releases == 1
 
 
-def test_open_a_layer_done_of_an_earlier_use_of_the_id_never_lands_a_layer_of_the_new() -> None:
-    """Found by the simulator with the fixes of (a)-(d) in (seed 10128, in the long range);
-    open. In a TP fan-in room the prefill rank that brings no planes announces each layer
+def test_a_layer_done_of_an_earlier_use_of_the_id_never_lands_a_layer_of_the_new() -> None:
+    """Found by the simulator with the fixes of (a)-(d) in (seed 10128, in the long range).
+    In a TP fan-in room the prefill rank that brings no planes announces each layer
     with an empty LayerDone, flushed at its next tick, so after its AbortAck when the room was
     aborted. The decode reopens the id meanwhile (its old use is released) and asks that rank
     for every plane this time; the old empty LayerDone reaches the new leg before its
     TransferAccepted, and each layer it names counts as landed: the decode ends Success with
     pages the prefill never wrote. (A decode running checksum=full fails the room instead,
     since h-fence: no sum for a layer it verifies; one running checksum=off, a supported mode,
-    ends Success.)"""
+    ends Success.) Fixed: a decode ignores a LayerDone of another request (`xfer`) or one that
+    reaches a leg not yet accepted."""
     other = "prefill:1"
     sim = scripted(prefills=2, checksum_decode="off")
     warm = sim.add_instance(5, [PREFILL, other], [DECODE])  # both handshakes done

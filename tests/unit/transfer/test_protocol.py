@@ -44,8 +44,9 @@ SAMPLES: list[P.Message] = [
                       cached_prefix=P.Digest(page_size=32, num_tokens=32, pages=b"\x01" * 8,
                                              whole=b"\x03" * 16)),
     P.TransferAccepted(src=ADDR, gen=GEN, room=42, page_size=64,
-                       src_pages={"main_kv": [1, 0], "indexer_k": [0]}),
-    P.Failed(src=ADDR, gen=GEN, room=42, reason="checksum mismatch on layer 3, region 'main_kv'"),
+                       src_pages={"main_kv": [1, 0], "indexer_k": [0]}, xfer=7),
+    P.Failed(src=ADDR, gen=GEN, room=42, reason="checksum mismatch on layer 3, region 'main_kv'",
+             xfer=7),
     P.LayerDone(src=ADDR, gen=GEN, room=42, layers=[
         P.LayerInfo(layer=0, attempt=0, regions=[
             P.RegionDone(region="main_kv", nbytes=1000, checksum=(1 << 64) - 1),
@@ -54,16 +55,16 @@ SAMPLES: list[P.Message] = [
             P.RegionDone(region="main_kv", nbytes=1000, checksum=0)]),
         P.LayerInfo(layer=2, attempt=0, regions=[  # verified by the writer (shm map lane)
             P.RegionDone(region="main_kv", nbytes=1000, checksum=7, landed=7,
-                         plan=(1 << 64) - 2)])]),
+                         plan=(1 << 64) - 2)])], xfer=7),
     P.LayerNack(src=ADDR, gen=GEN, room=42, layer=5, attempt=0,
                 reason="checksum mismatch in main_kv"),
     P.RoomAck(src=ADDR, gen=GEN, room=42),
-    P.Abort(src=ADDR, gen=GEN, room=42, reason="decode aborted the request"),
-    P.AbortAck(src=ADDR, gen=GEN, room=42),
+    P.Abort(src=ADDR, gen=GEN, room=42, reason="decode aborted the request", xfer=7),
+    P.AbortAck(src=ADDR, gen=GEN, room=42, xfer=7),
     P.Heartbeat(src=ADDR, gen=GEN, rooms=[1, 2, (1 << 63) - 1]),
     P.Reject(src=ADDR, gen=GEN, reason="protocol version 2 not supported"),
     P.ChunkAdded(src=ADDR, gen=GEN, room=42, chunk=2, chunk_end=12_288,
-                 src_pages={"main_kv": [7, 8], "indexer_k": []}),
+                 src_pages={"main_kv": [7, 8], "indexer_k": []}, xfer=7),
     P.ChunkAccepted(src=ADDR, gen=GEN, room=42, chunk=2, xfer=(1 << 24) + 3),
 ]
 
@@ -146,6 +147,17 @@ def test_a_layer_done_without_the_writers_read_back_decodes_as_unverified() -> N
     assert isinstance(msg, P.LayerDone)
     done = msg.layers[0].regions[0]
     assert (done.checksum, done.landed, done.plan) == (5, None, None)
+
+
+@pytest.mark.parametrize("kind", ["transfer_accepted", "failed", "layer_done", "abort",
+                                  "abort_ack", "chunk_added"])
+def test_a_room_message_of_an_older_peer_names_no_request(kind: str) -> None:
+    # an older peer sends no `xfer`: 0, which a decode never takes as its request's word
+    sample = next(m for m in SAMPLES if type(m).__struct_config__.tag == kind)
+    raw = msgspec.msgpack.decode(P.encode(sample)[1])
+    del raw["xfer"]
+    back = P.decode([P.HEADER, msgspec.msgpack.encode(raw)], max_bytes=MAX)
+    assert back == msgspec.structs.replace(sample, xfer=0)
 
 
 def test_unknown_extra_fields_are_tolerated() -> None:

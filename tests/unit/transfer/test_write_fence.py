@@ -130,6 +130,61 @@ def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
     assert d.views[1].releases == 0
 
 
+def test_stop_messages_unfence_a_requested_room_only_when_they_name_its_request() -> None:
+    """A decode's pages are fenced from its TransferRequest on. A prefill's Failed that names
+    another request (`xfer`: an earlier use of the id) is ignored altogether; one that names
+    none (an older prefill) fails the room but leaves the pages fenced; the AbortAck that
+    names this request lets them go, without the quarantine."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
+    w.run()
+    leg = d.session.rooms.legs[(1, "prefill:1")]
+    assert leg.remote_writes and leg.xfer
+    pgen = p.session.ctx.me.generation
+    stale = d.session.counters["stale_messages"]
+    w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="old",
+                                          xfer=leg.xfer + 1)))
+    assert d.session.counters["stale_messages"] == stale + 1
+    assert not leg.machine.is_terminal and leg.remote_writes
+    w.hold(lambda frm, to, m: True)  # nothing more reaches either side on its own
+    w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="older")))
+    assert d.views[1].state is KVPoll.Failed
+    assert leg.remote_writes and d.views[1].releases == 0
+    w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1, xfer=leg.xfer)))
+    assert d.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 0
+
+
+def test_a_layer_done_before_the_accept_or_of_another_request_lands_nothing() -> None:
+    """On one connection a LayerDone of this use of the room never precedes its
+    TransferAccepted: one that does, or one that names another request, is an earlier use's
+    (counted stale) and lands no layer."""
+    w, p, d = pair()
+    w.hold(lambda frm, to, m: isinstance(m, P.TransferAccepted))
+    open_room(w, p, d, 1)
+    w.run()
+    leg = d.session.rooms.legs[(1, "prefill:1")]
+    assert leg.requested and not leg.accepted
+    pgen = p.session.ctx.me.generation
+    empty = [P.LayerInfo(layer=lid, attempt=0, regions=[]) for lid in layers(d.session.layout)]
+    stale = d.session.counters["stale_messages"]
+    for xfer in (0, leg.xfer, leg.xfer + 1):
+        w.feed(d, ev.MessageReceived(P.LayerDone(src="prefill:1", gen=pgen, room=1,
+                                                 layers=empty, xfer=xfer)))
+    assert d.session.counters["stale_messages"] == stale + 3
+    assert not leg.sums and not leg.units_done
+    w.release_held()
+    w.run()
+    assert leg.accepted
+    w.feed(d, ev.MessageReceived(P.LayerDone(src="prefill:1", gen=pgen, room=1,
+                                             layers=empty, xfer=leg.xfer + 1)))
+    assert d.session.counters["stale_messages"] == stale + 4
+    assert not leg.units_done and d.views[1].state is not KVPoll.Success
+
+
 # ---------------------------------------------------------------------------- checksum policy
 
 
