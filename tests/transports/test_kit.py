@@ -55,3 +55,27 @@ def test_the_kit_catches_a_transport_that_corrupts() -> None:
 
     with pytest.raises(ConformanceError, match="two_sided"):
         run_check("two_sided", make, Options(buffer_bytes=BUF, wait_s=WAIT_S))
+
+
+def test_ucx_runs_in_a_process_with_over_1024_descriptors_open() -> None:
+    """An engine process holds many sockets and files: the UCX I/O thread's descriptors then
+    lie past select()'s range (1,024), where it raised ValueError and the thread died (seen
+    when a long test session had opened that many). It waits with poll()."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1400")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    fd = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(fd) for _ in range(1100)]
+    try:
+        assert max(held) >= 1024
+        make, opts = factory(need("ucx"))
+        assert run_check("two_sided", make, opts) == "passed"  # type: ignore[arg-type]
+    finally:
+        for d in held:
+            os.close(d)
+        os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

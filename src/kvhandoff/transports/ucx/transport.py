@@ -355,6 +355,9 @@ class UcxTransport(ThreadedTransport):
             IoCommand.FORGET: self._on_forget,
         }
         worker = self._worker
+        waiter = select.poll()
+        waiter.register(self._epoll_fd, select.POLLIN)
+        waiter.register(self._wake_r, select.POLLIN)
         try:
             while True:
                 busy = False
@@ -371,8 +374,10 @@ class UcxTransport(ThreadedTransport):
                 if busy or self._commands:
                     continue
                 if worker.arm():
-                    ready, _, _ = select.select([self._epoll_fd, self._wake_r], [], [])
-                    if self._wake_r in ready:
+                    # poll, not select: a process with over 1,024 descriptors open (an
+                    # engine's sockets and pools) gives these numbers past select()'s range
+                    fds = {fd for fd, _ in waiter.poll()}
+                    if self._wake_r in fds:
                         self._drain_wake()
         except Exception:
             log.exception("ucx transport I/O thread failed")
