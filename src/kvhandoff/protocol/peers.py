@@ -433,8 +433,9 @@ class PeerTable:
         for r in self.rooms.open_legs():
             if r.peer == p.addr and r not in keep:
                 self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.FAILED)
-        for r in p.waiting:
-            self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.NONE)
+        for r in p.waiting:  # waiting for this handshake; those in `keep` wait for the next
+            if r not in keep:
+                self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.NONE)
         p.waiting = []
         self._peers.pop(p.addr, None)
         self._rejected_at.pop(p.addr, None)
