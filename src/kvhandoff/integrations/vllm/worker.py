@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvhandoff.runtime.handles import Receiver
+
 log = logging.getLogger("kvhandoff.vllm")
 
 INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"  # vLLM's DSA indexer (DeepseekV32IndexerBackend)
@@ -277,10 +279,7 @@ class WorkerSide:
         """Aborts a room this decode does not load: the receiver tells each prefill rank it
         would have read, once found and handshaken (the prefill frees the blocks then)."""
         try:
-            readers = readers_of(self.tp_rank, self.tp_size, d.prefill_tp_size,
-                                 replicated=self.replicated)
-            rcv = self.agent.receiver(d.room, d.bootstrap_addr, request_id=rid,
-                                      readers=readers)
+            rcv = self._receiver(rid, d.room, d.bootstrap_addr, d.prefill_tp_size)
         except KVHandoffError as e:
             log.warning("request %s (room %d): declined, but the prefill cannot be told: %s",
                         rid, d.room, e)
@@ -290,16 +289,23 @@ class WorkerSide:
         log.info("request %s (room %d): not loaded (%s); the prefill's room is aborted", rid,
                  d.room, d.reason)
 
+    def _receiver(self, rid: str, room: int, bootstrap_addr: str, prefill_tp_size: int
+                  ) -> Receiver:
+        """The agent's receiver of `room`, telling each prefill rank it reads how many decode
+        ranks read that rank (`readers_of`)."""
+        readers = readers_of(self.tp_rank, self.tp_size, prefill_tp_size,
+                             replicated=self.replicated)
+        rcv: Receiver = self.agent.receiver(room, bootstrap_addr, request_id=rid,
+                                            readers=readers)
+        return rcv
+
     def _open_load(self, rid: str, r: RecvReq) -> _Load:
         vl = self.vl
         assert vl is not None
         bs = self.vllm_config.cache_config.block_size
         loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
         try:
-            readers = readers_of(self.tp_rank, self.tp_size, r.prefill_tp_size,
-                                 replicated=self.replicated)
-            receiver = self.agent.receiver(r.room, r.bootstrap_addr, request_id=rid,
-                                           readers=readers)
+            receiver: Any = self._receiver(rid, r.room, r.bootstrap_addr, r.prefill_tp_size)
         except KVHandoffError as e:
             receiver = _NoRoom(r.room, f"cannot open the receiver: {e}")
         ld = _Load(rid=rid, spec=r, receiver=receiver, pages=list(loaded))
