@@ -147,6 +147,65 @@ def test_dense_llama_pair_built_by_sglangs_queues_hands_off_byte_exact(bootstrap
         pre.kv_manager.close()
 
 
+def test_a_token_protected_bootstrap_server_takes_sglangs_own_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVHANDOFF_AUTH_TOKEN set: the server SGLang starts refuses tokenless writes, and the
+    writes SGLang's own code makes (the prefill queue's ``PUT /route`` registration, a
+    sender's ``POST /register_dp_rank``) carry the process's token, so the pair hands off. A
+    process with another token is refused at start, naming the setting."""
+    import httpx
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+    from kvhandoff.errors import ConfigError
+    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
+
+    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
+    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
+    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
+    monkeypatch.setenv("KVHANDOFF_AUTH_TOKEN", "s3cret-token")
+    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+    pre = dec = None
+    try:
+        # the server enforces the token: SGLang's own (tokenless) registration is refused
+        body = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+                "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+                "rank_port": 1, "page_size": PAGE}
+        assert httpx.put(f"{srv.url}/route", json=body).status_code == 401
+        assert httpx.post(f"{srv.url}/register_dp_rank",
+                          json={"bootstrap_room": 1, "dp_rank": 0}).status_code == 401
+        sa = E.server_args("prefill", srv.port)
+        mc = S.model_config(S.LLAMA)
+        pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+        dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+        rs, ss, reason = handoff(pre, dec, srv.port, 9311, [1, 5], [4, 2])
+        assert (rs, ss) == (KVPoll.Success, KVPoll.Success), reason
+        assert_pages_equal(pre, dec, [1, 5], [4, 2])
+        # the per-request write SGLang makes when the decode must look the dp rank up
+        s = E.kv_class("SENDER")(pre.kv_manager, f"127.0.0.1:{srv.port}", 9312)
+        s._register_prefill_dp_rank()
+        r = httpx.post(f"{srv.url}/query_dp_ranks", json={"bootstrap_rooms": [9312]})
+        assert r.json() == {"9312": pre.kv_manager.attn_dp_rank}
+        # SGLang's own method, on the same sender, is what the server would refuse
+        monkeypatch.setenv("KVHANDOFF_AUTH_TOKEN", "another-token")
+        s2 = E.kv_class("SENDER")(pre.kv_manager, f"127.0.0.1:{srv.port}", 9313)
+        s2._register_prefill_dp_rank()
+        assert int(s2.poll()) == KVPoll.Failed
+        with pytest.raises(Exception, match="KVHANDOFF_AUTH_TOKEN"):
+            s2.failure_exception()
+        CommonKVSender._register_prefill_dp_rank(s2)  # tokenless: logged by SGLang, unbound
+        assert httpx.post(f"{srv.url}/query_dp_ranks",
+                          json={"bootstrap_rooms": [9313]}).json() == {}
+        with pytest.raises(ConfigError, match="KVHANDOFF_AUTH_TOKEN.*refused this prefill"):
+            S.prefill_queue(mc, S.mha_pool(mc, pages=2, page=PAGE), sa)
+    finally:
+        for side in (dec, pre):
+            if side is not None:
+                side.kv_manager.close()
+        srv.close()
+
+
 def test_dense_pair_of_different_attention_tp_is_refused_on_both_sides(bootstrap: Any) -> None:
     """A Llama-shaped prefill of attention TP 1 (4 KV heads a rank) and a decode rank of TP 2
     (2 heads): SGLang maps the decode rank to the prefill rank; this backend does not split

@@ -14,6 +14,11 @@ SGLang constructs it with ``(host, port)`` = ``--host`` and ``--disaggregation-b
 
 It subclasses SGLang's ``BaseKVBootstrapServer`` only, not ``CommonKVBootstrapServer``: SGLang's
 Rust server stands in for ``Common*`` bootstrap servers, and this one must not be replaced.
+
+``KVHANDOFF_AUTH_TOKEN`` protects both servers' write routes. SGLang's own writes to its
+bootstrap server (the prefill rank's ``PUT /route``, a request's ``POST /register_dp_rank``)
+carry no token, so this backend makes them itself (`write`), with the token of the process's
+``KVHANDOFF_*`` environment; reads (``GET /route``, ``/query_dp_ranks``) need none.
 """
 
 from __future__ import annotations
@@ -32,6 +37,48 @@ from kvhandoff.errors import ConfigError
 log = logging.getLogger("kvhandoff.sglang")
 
 STARTUP_TIMEOUT_S = 30.0
+WRITE_ATTEMPTS = 5  # as SGLang's prefill registration: up to 5 tries, backing off 0.5 s .. 4 s
+WRITE_TIMEOUT_S = 5.0
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer <KVHANDOFF_AUTH_TOKEN>`` when the token is set, else nothing."""
+    from kvhandoff.settings import Settings
+
+    token = Settings().auth_token
+    return {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+
+
+def write(method: str, url: str, payload: dict[str, Any], *, attempts: int = WRITE_ATTEMPTS,
+          what: str) -> None:
+    """One of SGLang's writes to its bootstrap server, with this process's token. Retried
+    (bounded) while the server is unreachable or answers 5xx; a 4xx is not retried: 401/403
+    is a `ConfigError` naming KVHANDOFF_AUTH_TOKEN, another 4xx names the route and the
+    server's answer. `what` says what the write is for, in errors."""
+    import httpx
+
+    last = ""
+    for attempt in range(attempts):
+        try:
+            r = httpx.request(method, url, json=payload, headers=auth_headers(),
+                              timeout=WRITE_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        else:
+            if r.status_code == 200:
+                return
+            if r.status_code in (401, 403):
+                have = "is set" if auth_headers() else "is not set"
+                raise ConfigError(
+                    f"KVHANDOFF_AUTH_TOKEN: the kvhandoff bootstrap server at {url} refused "
+                    f"{what} ({r.status_code}); KVHANDOFF_AUTH_TOKEN {have} in this SGLang "
+                    f"process: give it the server's token")
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code < 500:
+                raise ConfigError(f"{method} {url} ({what}) refused: {last}")
+        if attempt + 1 < attempts:
+            time.sleep(min(0.5 * 2 ** attempt, 4.0))
+    raise ConfigError(f"{method} {url} ({what}) failed {attempts} times, last: {last}")
 
 
 class KVHandoffKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
@@ -81,10 +128,6 @@ class KVHandoffKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
         from kvhandoff.settings import Settings
 
         settings = Settings().model_copy(update={"host": self.host, "port": self.port})
-        if settings.auth_token is not None:
-            raise ConfigError("KVHANDOFF_AUTH_TOKEN: SGLang's own requests to its bootstrap "
-                              "server (PUT /route, /register_dp_rank) carry no token and would "
-                              "be refused; unset it for the server SGLang starts")
         sock = bind_socket(self.host, self.port)
         url = socket_url(sock)
         config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on")

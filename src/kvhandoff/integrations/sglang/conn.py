@@ -227,6 +227,16 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         log.info("kvhandoff SGLang %s manager: agents %s, layout %s", role,
                  [a.address for a in self._agents], self.agent.layout_hash)
 
+    def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
+        """SGLang's registration of this prefill rank (``PUT /route``, from its
+        ``register_to_bootstrap``), made with this process's KVHANDOFF_AUTH_TOKEN (SGLang's own
+        sends none, which a token-protected server refuses). Retried while the server is not
+        up; a refusal or a server that never answers stops the start with the reason (SGLang's
+        own logs an error and serves a prefill no decode can find)."""
+        from kvhandoff.integrations.sglang.bootstrap import write
+
+        write("PUT", url, payload, what="this prefill rank's registration (PUT /route)")
+
     def _probe(self, args: KVArgs, settings: Settings, device: str) -> str:
         """The layout probe (`probe.verify`) on a scratch pool of the live pool's class; its
         report (logged), or `LayoutProbeError` (refuse to start)."""

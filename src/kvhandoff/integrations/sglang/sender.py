@@ -70,6 +70,22 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         # thread before reading (layers_ready(..., event)); the scheduler never blocks on them.
         self._events: list[Any] = []
 
+    def _register_prefill_dp_rank(self) -> None:
+        """SGLang's ``POST /register_dp_rank`` of this request (SGLang calls it from its
+        constructor when the decode must look the prefill's dp rank up), made with this
+        process's KVHANDOFF_AUTH_TOKEN (SGLang's own sends none). One try, as SGLang's; a
+        refusal fails the request with the reason (SGLang's logs it and lets the decode wait)."""
+        from kvhandoff.integrations.sglang.bootstrap import write
+
+        try:
+            write("POST", f"http://{self.bootstrap_server_url}/register_dp_rank",
+                  {"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.attn_dp_rank},
+                  attempts=1, what=f"room {self.bootstrap_room}'s prefill dp rank")
+        except ConfigError as e:
+            log.error("kvhandoff SGLang prefill: %s", e)
+            self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room,
+                                         failure_reason=str(e))
+
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None) -> None:
         if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or self._opened:
