@@ -156,6 +156,13 @@ class RouteLookups:
         except RuntimeError:  # the loop stopped meanwhile: the agent is closing
             done((), "agent is closed")
 
+    def warm(self) -> None:
+        """Starts the lookup thread and imports the client there now, not in the first room's
+        lookup (never blocks)."""
+        loop = self._started()
+        if loop is not None:
+            loop.call_soon_threadsafe(_import_client)
+
     def _started(self) -> asyncio.AbstractEventLoop | None:
         with self._start_lock:
             if self._closed:
@@ -220,6 +227,10 @@ class RouteLookups:
             self._thread.join(timeout=5)
         if not loop.is_running():
             loop.close()
+
+
+def _import_client() -> None:
+    import kvhandoff.bootstrap_server.client  # noqa: F401 - imported ahead of the first lookup
 
 
 def _replicated(agent: AgentIdentity) -> bool:
