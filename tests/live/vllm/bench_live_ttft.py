@@ -160,6 +160,8 @@ def test_ttft_alone_kvhandoff_nixl(fleet: Fleet, http: httpx.Client,
                        f"{label} (ms since the client sent the prefill request, ms since the "
                        f"step before):")
         figures += timeline_table(stamps)
+        figures.append("  where its time went (ms):")
+        figures += phases_table(stamps)
     assert not bad, "a pair's output is not the engine's: " + "; ".join(bad[:4])
     want_moved = RUNS * sum(LENGTHS) + len(warm)
     assert moved == (want_moved, want_moved if NIXL else 0), \
@@ -257,6 +259,38 @@ def timeline_table(stamps: dict[str, int]) -> list[str]:
                     f"{STEPS.get(what, what)}")
         prev = t
     return rows
+
+
+# where a request's time goes: (label, from step, to step), each the time between two steps
+PHASES = (
+    ("prefill request, client to client (the prefill engine's own work and HTTP)",
+     "client.prefill_sent", "client.prefill_done"),
+    ("  of which request_finished waited for the room's bind", "prefill.finished",
+     "prefill.bound"),
+    ("the proxy hop", "client.prefill_done", "client.decode_sent"),
+    ("decode request to its receiver opened (HTTP, scheduling, the worker's step)",
+     "client.decode_sent", "decode.receiver"),
+    ("receiver opened to the load reported (orchestration and the copy)", "decode.receiver",
+     "decode.loaded"),
+    ("  of which the control thread picking up the room", "decode.receiver",
+     "decode.room.opened"),
+    ("  of which the route lookup (bootstrap server)", "decode.room.opened",
+     "decode.room.lookup1"),
+    ("  of which the handshake (TransferRequest to TransferAccepted)", "decode.room.hs0",
+     "decode.room.hs1"),
+    ("  of which the layers (first written to last landed)", "prefill.room.layers0",
+     "decode.room.layers1"),
+    ("load reported to the decode's first step scheduled", "decode.loaded", "decode.step"),
+    ("first step to the first token at the client (the decode's own work and HTTP)",
+     "decode.step", "client.first_token"),
+)
+
+
+def phases_table(stamps: dict[str, int]) -> list[str]:
+    """`PHASES` in ms (a phase whose end came before its start, e.g. a bind done before
+    request_finished, counts 0)."""
+    return [f"  {max(0, stamps[b] - stamps[a]) / 1e6:8.1f}  {label}"
+            for label, a, b in PHASES if a in stamps and b in stamps]
 
 
 def traced_request(http: httpx.Client, fleet: Fleet, prompt: list[int]) -> dict[str, Any]:
