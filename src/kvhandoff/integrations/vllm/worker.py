@@ -35,7 +35,7 @@ from kvhandoff.integrations.vllm.params import (
 from kvhandoff.integrations.vllm.probe import probe_layer
 from kvhandoff.integrations.vllm.stats import StatsRecorder
 from kvhandoff.kv_layout import TPSplit
-from kvhandoff.runtime.tracing import mark
+from kvhandoff.runtime.tracing import mark, marks_enabled
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 
@@ -50,10 +50,10 @@ log = logging.getLogger("kvhandoff.vllm")
 INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"  # vLLM's DSA indexer (DeepseekV32IndexerBackend)
 # A step with no token scheduled while loads run (every request waits for its KV): vLLM steps
 # again at once, a busy loop of the engine core and this worker that holds this process's GIL
-# and a core, so the agent's control thread (same process) waited for both: tens to hundreds
-# of ms per handshake on a loaded 2-core host. Such a step's get_finished waits this long for
-# a load to end instead (woken at once when one does); a request arriving at an engine that
-# only waits for loads is scheduled at most this much later.
+# and a core, which the agent's control thread (same process) needs too (on a loaded 2-core
+# host a handshake's answer waited tens to hundreds of ms to be read). Such a step's
+# get_finished waits this long for a load to end instead (woken at once when one does); a
+# request arriving at an engine that only waits for loads is scheduled at most this much later.
 IDLE_LOAD_WAIT_S = 0.005
 
 
@@ -402,7 +402,8 @@ class WorkerSide:
         does not ask for piecewise graphs)."""
         if not self._step_senders or self.vl is None:
             return
-        mark("prefill.forward_end", rooms=[s.room for s in self._step_senders])
+        if marks_enabled():
+            mark("prefill.forward_end", rooms=[s.room for s in self._step_senders])
         for lid in self._all_layers():
             if lid not in self._readied:
                 self._ready(lid, self._device)
