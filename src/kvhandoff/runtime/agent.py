@@ -174,6 +174,8 @@ class TransferAgent:
             from kvhandoff.runtime.registration import Registration
 
             self._registration = Registration(self)
+        if self.role is Role.DECODE:  # its lookup thread and client ready before a room needs
+            self._lookups().warm()  # them (they took ~2 s of a first room on a loaded host)
         st = self.transport.status()
         log.info("agent %s (%s) on %s, transport %s", self.agent_id, self.role.value,
                  self.address, st)

@@ -142,6 +142,7 @@ class RouteLookups:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._clients: dict[str, AsyncBootstrapClient] = {}  # lookup thread only
+        self._transport: Any = None  # lookup thread only: one HTTP transport for all clients
         self._start_lock = threading.Lock()
         self._closed = False
 
@@ -155,6 +156,14 @@ class RouteLookups:
             asyncio.run_coroutine_threadsafe(self._lookup(room, bootstrap_addr, done), loop)
         except RuntimeError:  # the loop stopped meanwhile: the agent is closing
             done((), "agent is closed")
+
+    def warm(self) -> None:
+        """Starts the lookup thread and makes there what a first lookup would (the client's
+        imports, the HTTP transport and its TLS context: 1 s of a first room on a loaded
+        host), now; never blocks."""
+        loop = self._started()
+        if loop is not None:
+            loop.call_soon_threadsafe(self._http_transport)
 
     def _started(self) -> asyncio.AbstractEventLoop | None:
         with self._start_lock:
@@ -191,8 +200,21 @@ class RouteLookups:
             token = self._agent.settings.auth_token
             c = self._clients[bootstrap_addr] = AsyncBootstrapClient(
                 url, token=token.get_secret_value() if token else None,
-                total_wait_s=self._agent.settings.bootstrap_timeout_s)
+                total_wait_s=self._agent.settings.bootstrap_timeout_s,
+                transport=self._http_transport())
         return c
+
+    def _http_transport(self) -> Any:
+        """(lookup thread) The HTTP transport every client here shares (its pool keys
+        connections by server): its TLS context is built once, not per bootstrap server."""
+        if self._transport is None:
+            import anyio  # noqa: F401 - httpcore's async backend, imported on a first request
+            import httpx
+
+            import kvhandoff.bootstrap_server.client  # noqa: F401 - `_client`'s import
+
+            self._transport = httpx.AsyncHTTPTransport()
+        return self._transport
 
     def close(self) -> None:
         """Cancels the open lookups (their rooms are failed by the agent's close), closes the
@@ -210,6 +232,8 @@ class RouteLookups:
             for c in self._clients.values():
                 await c.close()
             self._clients.clear()
+            if self._transport is not None:  # closed by its first client's close; again: no-op
+                await self._transport.aclose()
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=5)

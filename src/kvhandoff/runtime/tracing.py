@@ -28,6 +28,12 @@ Rules:
   first rank's in the route's order and links to the others' (each rank's span roots its own
   trace, unless a span was current on the engine thread). The engine's request id is the
   attribute ``kvhandoff.request_id``.
+- Request timelines in the log, off unless `enable_marks()` was called (an engine integration
+  does it when its config asks: vLLM's ``kv_connector_extra_config.timeline``): `mark(what,
+  ...)` writes one line ``kvhandoff timeline {json}`` with ``time.time_ns()`` (one clock for
+  every process of a host), and each room's timeline is one such line when it ends (``room``:
+  its stamps, absolute). `make bench-live` reads them from the engines' logs and lays one
+  request out across both engines. Off, `mark` is one flag test.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -51,6 +58,27 @@ log = logging.getLogger("kvhandoff.agent")
 KEEP = 1024  # finished rooms whose timings `timings(room)` still answers
 LAYER_EVENTS = 16  # up to this many layers: one span event each; more: one summary event
 _NS_PER_MS = 1e6
+
+_timeline_log = logging.getLogger("kvhandoff.timeline")
+_marks = False  # set once by enable_marks(), read by every mark()
+
+
+def enable_marks(on: bool = True) -> None:
+    """Turns the request timeline lines on (or off) in this process (see the module rules)."""
+    global _marks
+    _marks = on
+
+
+def marks_enabled() -> bool:
+    return _marks
+
+
+def mark(what: str, **fields: Any) -> None:
+    """One timestamped step of a request (``what``: ``<side>.<step>``), when enabled."""
+    if not _marks:
+        return
+    line = {"t_ns": time.time_ns(), "what": what, "pid": os.getpid(), **fields}
+    _timeline_log.info("kvhandoff timeline %s", msgspec.json.encode(line).decode())
 
 
 class RoomTimeline:
@@ -263,6 +291,8 @@ class RoomTimelines:
         while self._ending:
             tl = self._ending.pop(0)
             try:
+                if _marks:
+                    _mark_room(tl)
                 self._done[tl.room] = tl.timings()
                 self._done.move_to_end(tl.room)
                 while len(self._done) > KEEP:
@@ -273,6 +303,17 @@ class RoomTimelines:
                 self.errors += 1
                 if self.errors <= 3:
                     log.exception("room tracing: error finishing room %d", tl.room)
+
+
+def _mark_room(tl: RoomTimeline) -> None:
+    """A room's stamps (ns since the epoch) as one timeline line."""
+    def span(marks: dict[int, int]) -> list[int] | None:
+        return [min(marks.values()), max(marks.values())] if marks else None
+
+    mark(f"{tl.role.value}.room", room=tl.room, rid=tl.request_id, state=tl.state.name,
+         opened=tl.opened_ns, lookup=tl.lookup[:2] or None,
+         handshakes=list(tl.handshakes.values()), ready=span(tl.ready),
+         layers=span(tl.layers), done=tl.done_ns, bytes=tl.bytes)
 
 
 def _otel_installed() -> bool:

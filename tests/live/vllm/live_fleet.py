@@ -51,7 +51,7 @@ def free_port() -> int:
 
 def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None = None,
                        load_mode: str | None = "layerwise", policy: str = "fail",
-                       layer_timeout_s: float = 10.0) -> str:
+                       layer_timeout_s: float = 10.0, timeline: bool = False) -> str:
     """The ``--kv-transfer-config`` docs/VLLM.md gives for a prefill or a decode."""
     cfg: dict[str, Any] = {"kv_connector": "KVHandoffConnector",
                            "kv_connector_module_path": "kvhandoff.integrations.vllm",
@@ -71,7 +71,17 @@ def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None =
                                             "layer_timeout_s": layer_timeout_s}
         if load_mode is not None:  # None: the connector's default
             cfg["kv_connector_extra_config"]["load_mode"] = load_mode
+    if timeline:  # a timestamped log line at each step of a handoff (bench_live_ttft.py)
+        cfg["kv_connector_extra_config"]["timeline"] = True
     return json.dumps(cfg)
+
+
+def nixl_transfer_config() -> str:
+    """vLLM's own NixlConnector on the CPU build (``kv_buffer_device: cpu``; both roles, as
+    vLLM's examples run it): the baseline of `make bench-live`. Each engine needs its own
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (`Engine.env`)."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                       "kv_buffer_device": "cpu"})
 
 
 @dataclass
@@ -90,6 +100,7 @@ class Engine:
     # weight packing takes bfloat16 only), with or without kvhandoff
     attention_backend: str | None = None
     max_model_len: int = 512
+    env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
@@ -119,7 +130,7 @@ class Engine:
         return argv
 
     def start(self) -> None:
-        env = {**os.environ, **ENGINE_ENV}
+        env = {**os.environ, **ENGINE_ENV, **self.env}
         env.pop("VIRTUAL_ENV", None)
         # another kvhandoff source tree for the engines only (to compare before/after a fix)
         # the engines import kvhandoff from this tree (the venv's editable install may point at
@@ -248,8 +259,8 @@ def start_fleet(stack: ExitStack, engines: dict[str, Engine], figures: list[str]
         stack.callback(e.stop)
     t0 = time.monotonic()
     start_all(list(engines.values()))
-    for e in engines.values():  # the layout probe ran at start on every connector engine
-        if e.kv_config is not None:
+    for e in engines.values():  # the layout probe ran at start on every kvhandoff engine
+        if e.kv_config is not None and "KVHandoffConnector" in e.kv_config:
             verified = [ln for ln in e.log.read_text(errors="replace").splitlines()
                         if "layout verified against" in ln]
             assert verified, f"{e.name}: no 'layout verified against' line at start:\n{e.tail()}"

@@ -44,3 +44,35 @@ def test_a_rooms_figures_are_made_once_its_end_was_executed(
     assert made == [7]  # kept: asking again makes nothing
     tls.settle()
     assert made == [7]
+
+
+def test_timeline_lines_only_when_enabled_and_a_rooms_stamps_when_it_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import json
+
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(r.getMessage().removeprefix("kvhandoff timeline "))
+                for r in caplog.records if r.name == "kvhandoff.timeline"]
+
+    caplog.set_level("INFO", logger="kvhandoff.timeline")
+    tracing.mark("decode.alloc", rid="r1", room=7)
+    assert lines() == []  # off by default: nothing written
+    tracing.enable_marks()
+    try:
+        tracing.mark("decode.alloc", rid="r1", room=7)
+        tls = RoomTimelines(role=Role.DECODE, agent_id="d", transport="inproc")
+        token = object()
+        tls.engine_opened(token, "r1")
+        tls.observe(ev.OpenReceiver(7, token, None), [])
+        tls.observe(ev.PeersResolved(7, token, (("prefill:1", 1),)), [])
+        tls.observe(ev.Tick(drained_at=0.0),
+                    [RoomUpdate(token, KVPoll.Success, None, frozenset({0, 1}), True)])
+        assert [x["what"] for x in lines()] == ["decode.alloc"]  # the room's: at settle
+        tls.settle()
+    finally:
+        tracing.enable_marks(False)
+    alloc, room = lines()
+    assert alloc["rid"] == "r1" and alloc["room"] == 7 and alloc["t_ns"] > 0
+    assert room["what"] == "decode.room" and room["rid"] == "r1" and room["state"] == "Success"
+    assert room["opened"] <= room["lookup"][0] <= room["lookup"][1] <= room["done"]
+    assert room["layers"][0] <= room["layers"][1] == room["done"]

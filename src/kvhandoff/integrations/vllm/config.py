@@ -26,7 +26,7 @@ log = logging.getLogger("kvhandoff.vllm")
 LOAD_MODES = ("layerwise", "async")
 DEFAULT_LOAD_MODE = "async"
 _EXTRA_KEYS = {"bootstrap_url", "load_mode", "layer_timeout_s", "bind_timeout_s", "settings",
-               "attention_backend", "decode_tp_size"}
+               "attention_backend", "decode_tp_size", "timeline"}
 
 
 @dataclass
@@ -77,6 +77,9 @@ class KVHandoffMetadata(KVConnectorMetadata):
     # preempted prefills: their blocks were freed, the room restarts at the next last chunk
     resets: dict[str, str] = field(default_factory=dict)
     declines: dict[str, DeclineReq] = field(default_factory=dict)
+    # no token scheduled in this step: the engine only polls (a decode whose requests all wait
+    # for their KV), so the workers may wait a moment for a load instead of returning at once
+    idle: bool = False
 
 
 @dataclass
@@ -95,6 +98,8 @@ class ConnectorConfig:
     attention_backend: str | None = None
     # prefill: the decode TP size of a request that does not say (None: the readers say)
     decode_tp_size: int | None = None
+    # a timestamped log line at each step of a handoff (`runtime.tracing.mark`; make bench-live)
+    timeline: bool = False
 
     @classmethod
     def of(cls, vllm_config: VllmConfig) -> ConnectorConfig:
@@ -138,6 +143,10 @@ class ConnectorConfig:
         if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
             raise ConfigError(f"kv_connector_extra_config.decode_tp_size: expected the decode "
                               f"engines' TP size (an integer >= 1), got {dtp!r}")
+        timeline = extra.get("timeline", False)
+        if not isinstance(timeline, bool):
+            raise ConfigError(f"kv_connector_extra_config.timeline: expected true or false, got "
+                              f"{timeline!r}")
         pc = vllm_config.parallel_config
         if int(pc.pipeline_parallel_size) > 1:
             raise ConfigError(f"parallel_config.pipeline_parallel_size="
@@ -145,7 +154,7 @@ class ConnectorConfig:
                               "KV of every layer from one TP group; run pipeline parallel size "
                               "1 (--pipeline-parallel-size 1) on both sides")
         return cls(attention_backend=backend, role=role, engine_id=str(kt.engine_id),
-                   decode_tp_size=dtp,
+                   decode_tp_size=dtp, timeline=timeline,
                    dp_rank=int(pc.data_parallel_rank),
                    dp_size=int(pc.data_parallel_size), bootstrap_url=url, load_mode=mode,
                    layer_timeout_s=_pos(extra, "layer_timeout_s", 30.0),

@@ -73,6 +73,7 @@ from kvhandoff.integrations.vllm.layout import VllmLayout
 from kvhandoff.integrations.vllm.scheduler import SchedulerSide
 from kvhandoff.integrations.vllm.stats import KVHandoffPromMetrics, KVHandoffStats
 from kvhandoff.integrations.vllm.worker import WorkerSide
+from kvhandoff.runtime.tracing import enable_marks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,6 +96,8 @@ class KVHandoffConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         log_through_vllm()
         self._cfg = ConnectorConfig.of(vllm_config)
+        if self._cfg.timeline:
+            enable_marks()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -29,6 +29,7 @@ from kvhandoff.integrations.vllm.params import (
     room_of,
     split_addr,
 )
+from kvhandoff.runtime.tracing import mark, marks_enabled
 from kvhandoff.settings import Settings
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class SchedulerSide:
         self.mla = bool(vllm_config.model_config.use_mla)
         self._prefills: dict[str, _PrefillReq] = {}
         self._async_loads: set[str] = set()  # decode requests loading between steps
+        self._loaded: set[str] = set()  # timeline only: loaded, their first step not seen yet
         self.kv_manager: Any = None
         self._meta = KVHandoffMetadata()
         self._binder: ThreadPoolExecutor | None = None
@@ -69,6 +71,9 @@ class SchedulerSide:
             self.bootstrap_addr = (f"[{self.host}]:{self.port}" if ":" in self.host
                                    else f"{self.host}:{self.port}")
             self._binder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvh-bind")
+            # the client made now, not on the first request's bind (importing and building it
+            # took 0.6 s of the first request on a loaded host)
+            self._binder.submit(self._warm)
 
     # decode
 
@@ -117,6 +122,7 @@ class SchedulerSide:
         rp = self._remote(request)
         if rp is None:
             return 0, False
+        mark("decode.matched", rid=request.request_id, room=rp.room)
         if self.cfg.load_mode == "async":
             count = rp.num_tokens - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
@@ -140,6 +146,7 @@ class SchedulerSide:
                                 "returned): %s", rid, e)
                     return
                 room = room_of(self.cfg.engine_id, rid)
+                mark("prefill.alloc", rid=rid, room=room)
                 self._prefills[rid] = _PrefillReq(request=request, room=room,
                                                   bind=self._bind(room), decode_tp=dtp)
             return
@@ -165,12 +172,16 @@ class SchedulerSide:
             num_tokens=rp.num_tokens, local_tokens=local,
             load_tokens=local + num_external_tokens, sync=sync,
             prefill_tp_size=rp.prefill_tp_size)
+        mark("decode.alloc", rid=rid, room=rp.room)
         if not sync:
             self._async_loads.add(rid)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             self._async_loads.discard(rid)
+            mark("decode.recvd", rid=rid)
+            if marks_enabled():
+                self._loaded.add(rid)
 
     # prefill
 
@@ -178,7 +189,20 @@ class SchedulerSide:
         assert self._binder is not None and self.cfg.bootstrap_url
         return self._binder.submit(self._bind_now, room)
 
+    def _warm(self) -> None:
+        """(bind thread) The bootstrap client built ahead of the first bind (not a call: one
+        to a server not up yet would hold the thread, and the first bind, in its retries)."""
+        try:
+            self._bootstrap_client()
+        except Exception as e:  # noqa: BLE001 - only a warm-up: the first bind says what failed
+            log.debug("bootstrap client warm-up: %r", e)
+
     def _bind_now(self, room: int) -> None:
+        mark("prefill.bind", room=room)
+        self._bootstrap_client().bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
+        mark("prefill.bound", room=room)
+
+    def _bootstrap_client(self) -> Any:
         from kvhandoff.bootstrap_server.client import BootstrapClient
 
         if self._client is None:
@@ -187,9 +211,14 @@ class SchedulerSide:
             url = self.cfg.bootstrap_url or ""
             self._client = BootstrapClient.from_settings(Settings(**{
                 **self.cfg.settings, "bootstrap_url": url if "://" in url else f"http://{url}"}))
-        self._client.bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
+        return self._client
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._loaded:  # timeline: the first step of a loaded request
+            for rid in self._loaded & set(scheduler_output.num_scheduled_tokens):
+                mark("decode.step", rid=rid,
+                     tokens=scheduler_output.num_scheduled_tokens[rid])
+                self._loaded.discard(rid)
         if self.cfg.role == "prefill":
             for rid in scheduler_output.preempted_req_ids or ():
                 p = self._prefills.get(rid)
@@ -205,9 +234,11 @@ class SchedulerSide:
                     continue  # not the last prompt chunk yet
                 ids = self._block_ids(rid)
                 p.sent = True
+                mark("prefill.step", rid=rid, room=p.room)
                 self._meta.sends[rid] = SendReq(room=p.room, block_ids=ids,
                                                 num_tokens=int(req.num_prompt_tokens),
                                                 decode_tp_size=p.decode_tp)
+        self._meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta, self._meta = self._meta, KVHandoffMetadata()
         return meta
 
@@ -222,6 +253,7 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        mark("scheduler.finished", rid=rid)
         if rid in self._async_loads:
             # finished (aborted) while its KV is loading: vLLM keeps the blocks until
             # finished_recving; abort the room so that comes now
@@ -256,6 +288,7 @@ class SchedulerSide:
         }
         if p.decode_tp is not None:
             out["decode_tp_size"] = p.decode_tp
+        mark("prefill.params", rid=rid, room=p.room)
         return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:

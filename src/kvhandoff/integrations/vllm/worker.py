@@ -35,6 +35,7 @@ from kvhandoff.integrations.vllm.params import (
 from kvhandoff.integrations.vllm.probe import probe_layer
 from kvhandoff.integrations.vllm.stats import StatsRecorder
 from kvhandoff.kv_layout import TPSplit
+from kvhandoff.runtime.tracing import mark, marks_enabled
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 
@@ -47,6 +48,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvhandoff.vllm")
 
 INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"  # vLLM's DSA indexer (DeepseekV32IndexerBackend)
+# A step with no token scheduled while loads run (every request waits for its KV): vLLM steps
+# again at once, a busy loop of the engine core and this worker that holds this process's GIL
+# and a core, which the agent's control thread (same process) needs too (on a loaded 2-core
+# host a handshake's answer waited tens to hundreds of ms to be read). Such a step's
+# get_finished waits this long for a load to end instead (woken at once when one does); a
+# request arriving at an engine that only waits for loads is scheduled at most this much later.
+IDLE_LOAD_WAIT_S = 0.005
 
 
 @dataclass
@@ -84,6 +92,7 @@ class WorkerSide:
         self.plan: GroupPlan | None = None
         self._device: Any = None  # of the KV caches (CUDA events of wait_for_save)
         self._warned_whole = False
+        self._idle_step = False  # this step schedules no token (`IDLE_LOAD_WAIT_S`)
 
     def layers(self, names: Any = None) -> dict[str, Any]:
         """vLLM's attention layers of the (one) KV cache group (or of `names`), from the forward
@@ -231,6 +240,7 @@ class WorkerSide:
         assert vl is not None
         self._step_senders = []
         self._readied = set()
+        self._idle_step = meta.idle
         for rid, reason in meta.resets.items():
             snd = self._senders.pop(rid, None)
             if snd is not None:  # not reported: the request runs on and sends again
@@ -263,6 +273,7 @@ class WorkerSide:
                 self.stats.refused()
                 continue
             self._senders[rid] = sender
+            mark("prefill.sender", rid=rid, room=s.room)
             self.stats.watch(sender)
             self._step_senders.append(sender)
         for rid, d in meta.declines.items():
@@ -270,6 +281,7 @@ class WorkerSide:
         self._sync = []
         for rid, r in meta.recvs.items():
             ld = self._open_load(rid, r)
+            mark("decode.receiver", rid=rid, room=r.room)
             if r.sync:
                 self._sync.append(ld)
             else:
@@ -390,6 +402,8 @@ class WorkerSide:
         does not ask for piecewise graphs)."""
         if not self._step_senders or self.vl is None:
             return
+        if marks_enabled():
+            mark("prefill.forward_end", rooms=[s.room for s in self._step_senders])
         for lid in self._all_layers():
             if lid not in self._readied:
                 self._ready(lid, self._device)
@@ -429,11 +443,16 @@ class WorkerSide:
                                 s.failure)
                 del self._senders[rid]
                 sent.add(rid)
+                mark("prefill.released", rid=rid, room=s.room)
         for rid in self._unsent & self._finished:
             self._unsent.discard(rid)
             sent.add(rid)
         self._finished = {r for r in self._finished if r in self._senders or r in self._unsent}
         self._stale = [s for s in self._stale if not s.released]
+        if self._idle_step and self._loads and not sent:
+            self._idle_step = False
+            first = next(iter(self._loads.values()))
+            first.receiver.wait_released(IDLE_LOAD_WAIT_S)
         recvd: set[str] = set()
         for rid, ld in list(self._loads.items()):
             st = ld.receiver.poll()
@@ -442,6 +461,7 @@ class WorkerSide:
             if st in (KVPoll.Success, KVPoll.Failed) and ld.receiver.released:
                 del self._loads[rid]
                 recvd.add(rid)
+                mark("decode.loaded", rid=rid, room=ld.spec.room)
         return (sent or None), (recvd or None)
 
     def take_load_errors(self) -> set[int]:
