@@ -83,6 +83,11 @@ CATALOG: dict[str, EngineDef] = {
     # test_live_stall: a prefill to stop (SIGSTOP) and a decode with the default load mode
     "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
     "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
+    # test_live_swa: a sliding-window (Mistral-like) pair, the async (default) decode in the
+    # default run, a layerwise decode in `make test-long`; the prefill is its own reference
+    "swa-prefill": ("swa", 32, 1, "prefill", {}),
+    "swa-decode": ("swa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
+    "swa-decode-layerwise": ("swa", 32, 1, "decode", LAYERWISE_FAIL),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
     "gqa-prefill-1k": ("gqa", 32, 1, "prefill", {"max_model_len": 1100}),

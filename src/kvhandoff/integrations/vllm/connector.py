@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvhandoff.integrations.vllm.config import (
@@ -69,6 +70,7 @@ from kvhandoff.integrations.vllm.config import (
     SendReq,
     log_through_vllm,
 )
+from kvhandoff.integrations.vllm.groups import plan_group
 from kvhandoff.integrations.vllm.layout import VllmLayout
 from kvhandoff.integrations.vllm.scheduler import SchedulerSide
 from kvhandoff.integrations.vllm.stats import KVHandoffPromMetrics, KVHandoffStats
@@ -87,7 +89,7 @@ if TYPE_CHECKING:
 __all__ = ["LOAD_MODES", "KVHandoffConnector", "KVHandoffMetadata", "RecvReq", "SendReq"]
 
 
-class KVHandoffConnector(KVConnectorBase_V1):
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     """kvhandoff's vLLM v1 KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -95,10 +97,16 @@ class KVHandoffConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         log_through_vllm()
         self._cfg = ConnectorConfig.of(vllm_config)
+        # what cannot be moved (several groups, SSM state ...) is refused here, in the
+        # scheduler process too, before the engine serves a request
+        mc = vllm_config.model_config
+        plan = plan_group(kv_cache_config, model=str(mc.model) if mc is not None else "")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, vllm_config)
+            self._sched = SchedulerSide(self._cfg, vllm_config,
+                                        sliding_window=plan.sliding_window,
+                                        group_block_size=plan.block_size)
         else:
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
@@ -152,6 +160,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM keeps its hybrid allocator on (a sliding-window group frees the
+        # blocks out of the window); one group is all this connector accepts (`groups`)
+        (ids,) = block_ids
+        return self._s().request_finished(request, ids)
 
     # ---- worker side
 

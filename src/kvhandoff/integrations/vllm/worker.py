@@ -253,7 +253,7 @@ class WorkerSide:
                 if readers == 0:  # a replicated cache read from another prefill rank
                     self._unsent.add(rid)
                     continue
-                sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
+                sender = self.agent.sender(s.room, pages=vl.expand_blocks(self._send_table(s)),
                                            seq_len=s.num_tokens, num_decode_ranks=readers,
                                            request_id=rid)
             except KVHandoffError as e:
@@ -274,6 +274,17 @@ class WorkerSide:
                 self._sync.append(ld)
             else:
                 self._loads[rid] = ld
+
+    def _send_table(self, s: Any) -> list[int]:
+        """The sender's table from token 0: the blocks a sliding window dropped (vLLM's null
+        block, repeated) stand as distinct blocks the request does not hold. They are never
+        read: every decode's load starts after them (`scheduler`: a decode whose window starts
+        earlier declines the room), and the agent reads only from the decode's prefix on."""
+        if not s.dropped_blocks:
+            return list(s.block_ids)
+        held = set(s.block_ids[s.dropped_blocks:])
+        spare = (b for b in range(int(self.kv_cache_config.num_blocks)) if b not in held)
+        return [next(spare) for _ in range(s.dropped_blocks)] + list(s.block_ids[s.dropped_blocks:])
 
     def _decline(self, rid: str, d: DeclineReq) -> None:
         """Aborts a room this decode does not load: the receiver tells each prefill rank it
@@ -314,6 +325,9 @@ class WorkerSide:
             self._fail(ld, receiver.failure)
             return ld
         self.stats.watch(receiver)
+        if r.refuse is not None:
+            self._fail(ld, r.refuse)
+            return ld
         try:
             receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
                           decode_prefix_len=r.local_tokens)
