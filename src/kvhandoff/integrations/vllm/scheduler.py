@@ -290,6 +290,7 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        self._declined.pop(rid, None)
         if rid in self._async_loads:
             # finished (aborted) while its KV is loading: vLLM keeps the blocks until
             # finished_recving; abort the room so that comes now

@@ -27,7 +27,12 @@ from kvhandoff.integrations.vllm.config import (
 )
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
 from kvhandoff.integrations.vllm.lanes import choose_lane
-from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
+from kvhandoff.integrations.vllm.layout import (
+    INDEXER_SCALE_FP32,
+    INDEXER_SCALE_UE8M0X4,
+    VllmLayout,
+    build_layout,
+)
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
     readers_of,
@@ -187,7 +192,8 @@ class WorkerSide:
         self.vl = build_layout(mine, backend=backend, block_size=plan.block_size,
                                kv_dtype=kv_dtype, model=model, total_kv_heads=total,
                                tp_rank=tp_rank, tp_size=tp_size, roles=plan.roles,
-                               num_layers=plan.num_layers)
+                               num_layers=plan.num_layers,
+                               indexer_scale=indexer_scale_format())
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # as the bootstrap server maps decode ranks to prefill ranks for this layout
         self.replicated = all(r.tp_split is TPSplit.REPLICATED for r in self.vl.layout.regions)
@@ -513,6 +519,18 @@ def model_label(vllm_config: Any) -> str:
     cfg["vllm_dtype"] = str(mc.dtype)
     canon = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
     return f"vllm:{name} config:{hashlib.sha256(canon.encode()).hexdigest()[:16]}"
+
+
+def indexer_scale_format() -> str:
+    """What the 4 scale bytes of a DSA indexer row mean on this machine: the format vLLM's
+    indexer write is told to use (``mqa_logits_use_mx_scales``: packed UE8M0 on SM100, where
+    the MQA logits kernels take MX scales; fp32 elsewhere). Same bytes, another meaning: it is
+    part of the layout both sides compare (`layout`)."""
+    try:
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:  # a vLLM without it writes fp32 scales
+        return INDEXER_SCALE_FP32
+    return INDEXER_SCALE_UE8M0X4 if mqa_logits_use_mx_scales() else INDEXER_SCALE_FP32
 
 
 def _tp_rank() -> int:
