@@ -35,8 +35,12 @@ What maps to what (docs/VLLM.md has the whole flow):
 - a failed load (any typed kvhandoff failure: peer lost, checksum, layout, timeout ...) reports
   exactly the request's loaded blocks through ``get_block_ids_with_load_errors``, so vLLM's
   ``kv_load_failure_policy`` (``fail`` / ``recompute``) applies;
-- ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention or
-  MLA layers, or of a DSA model's MLA + indexer layers, else refused), takes the attention
+- hybrid models: the connector is ``SupportsHMA`` (vLLM keeps its hybrid allocator on and calls
+  ``request_finished_all_groups``); a model whose every layer has one sliding window moves only
+  the pages in the window (`scheduler`); several groups and Mamba / SSM state are refused when
+  the connector is built, naming the model, the specs and the flag that helps (`groups`);
+- ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention,
+  sliding-window or MLA layers, or of a DSA model's MLA + indexer layers), takes the attention
   backend from vLLM's own layers (one backend of the `backends` table, else refused), builds
   the layout that backend's kernels write, and runs the
   layout probe (`probe`) on scratch pages before the agent starts: "layout verified against
