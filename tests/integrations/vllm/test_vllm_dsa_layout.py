@@ -91,7 +91,7 @@ def test_dsa_layout_matches_vllm_memory(built: dict[str, Any], layout: str) -> N
     idx, kv = lay.region("indexer"), lay.region("kv")
     assert idx.layer_ids == kv.layer_ids == tuple(range(dsa.NUM_LAYERS))
     assert [(p.name, p.bytes_per_token) for p in kv.planes] == [("latent", 576 * 2)]
-    assert [(p.name, p.bytes_per_token) for p in idx.planes] == [("key", 128), ("scale_fp32", 4)]
+    assert [(p.name, p.bytes_per_token) for p in idx.planes] == [("key", 128), ("scale", 4)]
     # suffix-only past a decode prefix hit, both caches; whole pages where sizes match
     assert kv.send_from is SendFrom.DECODE_PREFIX and idx.send_from is SendFrom.DECODE_PREFIX
     assert kv.whole_pages and idx.whole_pages
@@ -309,4 +309,4 @@ def test_indexer_scale_format_in_the_layout(built: dict[str, Any]) -> None:
     assert [p.name for p in ue8m0.layout.region("indexer").planes] == ["key", "scale_ue8m0x4"]
     assert layout_compat_diff(fp32.layout, fp32.layout) == []
     diff = layout_compat_diff(fp32.layout, ue8m0.layout)
-    assert diff and any("scale_fp32" in d and "scale_ue8m0x4" in d for d in diff), diff
+    assert diff and any("'scale'" in d and "scale_ue8m0x4" in d for d in diff), diff

@@ -288,14 +288,16 @@ def _check_indexer(where: str, nh: int, nc: int, elem: int) -> None:
 def _indexer_planes(content: int, scale: str) -> tuple[Plane, ...]:
     """Keys then scales: the indexer's write keeps, per page, every token's fp8 key bytes and
     then every token's 4 scale bytes (vLLM's ``indexer_k_quant_and_cache``). The scale plane is
-    named by what those bytes mean (`INDEXER_SCALE_FORMATS`): two sides that read them
-    differently have different planes, and the handshake refuses the pair naming both."""
+    named by what those bytes mean: ``scale`` (fp32, as before and as kvhandoff's presets
+    name it), ``scale_ue8m0x4`` (packed UE8M0); two sides that read them differently have
+    different planes, and the handshake refuses the pair naming both."""
     if scale not in INDEXER_SCALE_FORMATS:
         raise ConfigError(f"indexer_scale: expected one of {INDEXER_SCALE_FORMATS}, got "
                           f"{scale!r}")
     blocks = content // (INDEXER_QUANT_BLOCK + INDEXER_SCALE_BYTES)
     return (Plane("key", blocks * INDEXER_QUANT_BLOCK),
-            Plane(f"scale_{scale}", blocks * INDEXER_SCALE_BYTES))
+            Plane("scale" if scale == INDEXER_SCALE_FP32 else f"scale_{scale}",
+                  blocks * INDEXER_SCALE_BYTES))
 
 
 def _packed_row(layout: LayoutSpec, members: Mapping[str, list[tuple[int, str, Any]]],
