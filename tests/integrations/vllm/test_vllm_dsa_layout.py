@@ -47,7 +47,8 @@ def target_specs(built: dict[str, Any]) -> dict[str, Any]:
             if not n.startswith(f"model.layers.{dsa.MTP_LAYER}.")}
 
 
-def layout_of(built: dict[str, Any], layout: str, specs: dict[str, Any]) -> tuple[Any, Any, Any]:
+def layout_of(built: dict[str, Any], layout: str, specs: dict[str, Any],
+              indexer_scale: str = "fp32") -> tuple[Any, Any, Any]:
     cfg = built["cfg"]
     cfg.cache_config.kv_cache_layout = layout
     kcc = dsa.kv_cache_config(cfg, specs, num_blocks=6)
@@ -55,7 +56,8 @@ def layout_of(built: dict[str, Any], layout: str, specs: dict[str, Any]) -> tupl
     plan = plan_group(kcc)
     vl = build_layout(views, backend=SPARSE, block_size=plan.block_size,
                       kv_dtype=f"auto:{plan.dtype}", model="vllm:glm_moe_dsa", total_kv_heads=1,
-                      roles=plan.roles, num_layers=plan.num_layers)
+                      roles=plan.roles, num_layers=plan.num_layers,
+                      indexer_scale=indexer_scale)
     return kcc, views, vl
 
 
@@ -292,3 +294,19 @@ def test_rocm_shuffled_indexer_is_refused(tmp_path: Path) -> None:
         assert conn.agent is None
     finally:
         conn.shutdown()
+
+
+def test_indexer_scale_format_in_the_layout(built: dict[str, Any]) -> None:
+    """The indexer's 4 scale bytes per 128 keys are an fp32, or (vLLM on SM100, where the MQA
+    logits kernels take MX scales) four packed UE8M0 bytes: same size, another meaning. The
+    format names the scale plane, so a pair that differs is refused at the handshake, the
+    difference named; this machine's vLLM writes fp32."""
+    from kvhandoff.integrations.vllm.worker import indexer_scale_format
+
+    assert indexer_scale_format() == "fp32"  # no SM100 GPU here
+    _, _, fp32 = layout_of(built, "LBHNC", target_specs(built))
+    _, _, ue8m0 = layout_of(built, "LBHNC", target_specs(built), indexer_scale="ue8m0x4")
+    assert [p.name for p in ue8m0.layout.region("indexer").planes] == ["key", "scale_ue8m0x4"]
+    assert layout_compat_diff(fp32.layout, fp32.layout) == []
+    diff = layout_compat_diff(fp32.layout, ue8m0.layout)
+    assert diff and any("'scale'" in d and "scale_ue8m0x4" in d for d in diff), diff

@@ -170,21 +170,20 @@ def test_layer_names() -> None:
 
 
 def test_connector_refuses_caches_it_cannot_move(model: Path) -> None:
-    """A sliding-window group is not a full-attention or MLA cache: register_kv_caches says so
-    (vLLM's worker fails at start, not at the first transfer)."""
+    """A chunked-local-attention group is not a cache this connector moves: building the
+    connector says so, naming the spec (vLLM's engine fails at start, not at the first
+    transfer). (A sliding-window group was refused here too; it is moved now:
+    test_vllm_hybrid.py, tests/live/vllm/test_live_swa.py.)"""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     from kvhandoff.integrations.vllm import KVHandoffConnector
 
-    spec = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
-                             sliding_window=64)
+    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=16,
+                                     dtype=torch.bfloat16, attention_chunk_size=64)
     cfg = env.vllm_config(model, role="kv_consumer", engine_id="x")
     kcc = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(env.layer_names(), spec)],
                                           8 * spec.page_size_bytes * env.NUM_LAYERS)
-    kv = allocate_kv_cache(kcc, torch.device("cpu"),
-                           cfg.cache_config.get_resolved_kv_cache_layout())
-    conn = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
-    with pytest.raises(ConfigError, match="got SlidingWindowSpec"):
-        conn.register_kv_caches(kv)
-    assert conn.agent is None
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="got ChunkedLocalAttentionSpec"):
+            KVHandoffConnector(cfg, role, kcc)

@@ -9,7 +9,8 @@ Engine starts are what a live run costs (each `vllm serve` is three Python proce
 torch and vLLM), so every engine is started once per run, all together, and shared by the
 modules: each test module names the engines it uses (its ``ENGINES``, names of `CATALOG`), and
 `fleet` starts those of every module with a selected test in one wave, never a second one
-(`make test`: the six of test_live_gqa and test_live_mla; `make test-long` adds five). The fleet
+(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa; `make
+test-long` adds five, and more). The fleet
 stops right after the last test that uses it, not at the end of the run: six idle engines hold
 gigabytes and wake up now and then, and the rest of the suite (real servers, heartbeats of
 0.2 s) must not run beside them.
@@ -93,6 +94,11 @@ CATALOG: dict[str, EngineDef] = {
     # test_live_stall: a prefill to stop (SIGSTOP) and a decode with the default load mode
     "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
     "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
+    # test_live_swa: a sliding-window (Mistral-like) pair, the async (default) decode in the
+    # default run, a layerwise decode in `make test-long`; the prefill is its own reference
+    "swa-prefill": ("swa", 32, 1, "prefill", {}),
+    "swa-decode": ("swa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
+    "swa-decode-layerwise": ("swa", 32, 1, "decode", LAYERWISE_FAIL),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),

@@ -12,7 +12,9 @@ ignores the context. Models (all float32):
 - ``gqa-other``: the same config, other weights (the negative control: same layout, other KV);
 - ``mla``: DeepSeek-V2-like, 3 dense layers, kv_lora_rank 512, qk_rope_head_dim 64; weights
   drawn with std 0.02, the attention output projections then scaled by 4;
-- ``mla-other``: the same config, other weights.
+- ``mla-other``: the same config, other weights;
+- ``swa``: Mistral-like, the ``gqa`` shapes with a 48-token sliding window on every layer
+  (vLLM gives it one `SlidingWindowSpec` group and frees the blocks out of the window).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ VOCAB_SIZE = 384
 MAX_POSITIONS = 512
 GQA_MAX_POSITIONS = 2048  # the TTFT bench's prompts reach 1,024 tokens (plain RoPE: no effect)
 MLA_ATTN_OUT_SCALE = 4.0
+SWA_WINDOW_TOKENS = 48
 
 
 def _tokenizer(out: Path) -> int:
@@ -60,6 +63,20 @@ def _gqa(out: Path, seed: int, vocab: int) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
+def _swa(out: Path, seed: int, vocab: int) -> None:
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=32, max_position_embeddings=MAX_POSITIONS, bos_token_id=0,
+                        eos_token_id=1, tie_word_embeddings=False, initializer_range=0.05,
+                        sliding_window=SWA_WINDOW_TOKENS)
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
 def _mla(out: Path, seed: int, vocab: int) -> None:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -84,7 +101,8 @@ def _mla(out: Path, seed: int, vocab: int) -> None:
 
 def make_models(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    made = {"gqa": (_gqa, 1), "gqa-other": (_gqa, 2), "mla": (_mla, 3), "mla-other": (_mla, 4)}
+    made = {"gqa": (_gqa, 1), "gqa-other": (_gqa, 2), "mla": (_mla, 3), "mla-other": (_mla, 4),
+            "swa": (_swa, 5)}
     for name, (make, seed) in made.items():
         out = root / name
         out.mkdir(exist_ok=True)

@@ -11,6 +11,14 @@ layerwise decode gave A 19 tokens (those streamed before B reached the engine) a
 until the prefill was continued.
 
 Ordering only: events of both streams go into one list in arrival order; nothing is timed.
+
+An error event in a stream (vLLM's ``{"error": ...}`` chunk, e.g. B's load failed under
+``kv_load_failure_policy=fail``) is that stream's end. Before, `stream` died on it (KeyError
+'choices') without recording an end, and the test waited its whole bound for B's end: the
+"unexplained stall" seen with a layerwise decode. What that decode does (b32 `layerwise`/`fail`,
+one run): A got 4 tokens after B came, then none until the decode declared the stopped prefill
+lost (silent for 5.66 s > 2 heartbeats of 2 s) and failed B with HTTP 500 in its stream; then A
+ran to its end.
 """
 
 from __future__ import annotations
@@ -66,7 +74,13 @@ def stream(url: str, payload: dict[str, Any], who: str, log: Log) -> None:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choice = json.loads(line[6:])["choices"][0]
+                data = json.loads(line[6:])
+                if "choices" not in data:
+                    # an error event in the stream (vLLM's {"error": ...}: a failed KV load
+                    # under kv_load_failure_policy=fail): B's outcome, not a dead thread
+                    finish = f"error: {str(data.get('error', data))[:120]}"
+                    break
+                choice = data["choices"][0]
                 if choice.get("text"):
                     log.add(who, "token")
                 finish = choice.get("finish_reason") or finish

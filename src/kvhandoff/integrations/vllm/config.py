@@ -39,6 +39,9 @@ class SendReq:
     # the decode's TP size, where the request or the settings give it (the readers per prefill
     # rank follow); None: each decode rank tells the prefill how many read it
     decode_tp_size: int | None = None
+    # leading blocks a sliding window dropped (vLLM's null block): never read, since the
+    # decode's load starts after them (`scheduler`)
+    dropped_blocks: int = 0
 
 
 @dataclass
@@ -54,6 +57,7 @@ class RecvReq:
     load_tokens: int  # local_tokens + announced external tokens
     sync: bool  # layerwise: waited on inside this step's forward
     prefill_tp_size: int = 1  # the prefill's TP size (kv_transfer_params.tp_size)
+    refuse: str | None = None  # why this load fails at once (the room is aborted)
 
 
 @dataclass

@@ -35,8 +35,12 @@ What maps to what (docs/VLLM.md has the whole flow):
 - a failed load (any typed kvhandoff failure: peer lost, checksum, layout, timeout ...) reports
   exactly the request's loaded blocks through ``get_block_ids_with_load_errors``, so vLLM's
   ``kv_load_failure_policy`` (``fail`` / ``recompute``) applies;
-- ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention or
-  MLA layers, or of a DSA model's MLA + indexer layers, else refused), takes the attention
+- hybrid models: the connector is ``SupportsHMA`` (vLLM keeps its hybrid allocator on and calls
+  ``request_finished_all_groups``); a model whose every layer has one sliding window moves only
+  the pages in the window (`scheduler`); several groups and Mamba / SSM state are refused when
+  the connector is built, naming the model, the specs and the flag that helps (`groups`);
+- ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention,
+  sliding-window or MLA layers, or of a DSA model's MLA + indexer layers), takes the attention
   backend from vLLM's own layers (one backend of the `backends` table, else refused), builds
   the layout that backend's kernels write, and runs the
   layout probe (`probe`) on scratch pages before the agent starts: "layout verified against
@@ -58,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvhandoff.integrations.vllm.config import (
@@ -69,6 +74,7 @@ from kvhandoff.integrations.vllm.config import (
     SendReq,
     log_through_vllm,
 )
+from kvhandoff.integrations.vllm.groups import plan_group
 from kvhandoff.integrations.vllm.layout import VllmLayout
 from kvhandoff.integrations.vllm.scheduler import SchedulerSide
 from kvhandoff.integrations.vllm.stats import KVHandoffPromMetrics, KVHandoffStats
@@ -88,7 +94,7 @@ if TYPE_CHECKING:
 __all__ = ["LOAD_MODES", "KVHandoffConnector", "KVHandoffMetadata", "RecvReq", "SendReq"]
 
 
-class KVHandoffConnector(KVConnectorBase_V1):
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     """kvhandoff's vLLM v1 KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -98,10 +104,16 @@ class KVHandoffConnector(KVConnectorBase_V1):
         self._cfg = ConnectorConfig.of(vllm_config)
         if self._cfg.timeline:
             enable_marks()
+        # what cannot be moved (several groups, SSM state ...) is refused here, in the
+        # scheduler process too, before the engine serves a request
+        mc = vllm_config.model_config
+        plan = plan_group(kv_cache_config, model=str(mc.model) if mc is not None else "")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._cfg, vllm_config)
+            self._sched = SchedulerSide(self._cfg, vllm_config,
+                                        sliding_window=plan.sliding_window,
+                                        group_block_size=plan.block_size)
         else:
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
@@ -155,6 +167,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM keeps its hybrid allocator on (a sliding-window group frees the
+        # blocks out of the window); one group is all this connector accepts (`groups`)
+        (ids,) = block_ids
+        return self._s().request_finished(request, ids)
 
     # ---- worker side
 

@@ -15,8 +15,18 @@ Accepted: ONE KV cache group, whose spec is
   different specs, ``kv`` and ``kv_shared``. Draft (MTP) layers (``is_draft``) get the same
   names with ``draft_`` in front, as draft regions after the target model's layers.
 
-Anything else (sliding-window, Mamba, several groups, two indexer specs ...) is refused at start
-with the reason.
+- a `SlidingWindowSpec` shared by every layer (a Mistral-like model whose every layer has one
+  window): one region as for full attention (``sliding_window`` says the window). vLLM frees a
+  request's blocks that fell out of the window (its block table then starts with its null
+  block), so only the pages in the window move: the decode's first page that vLLM allocated
+  is its ``decode_prefix_len`` (`scheduler`).
+
+Refused at start with the reason: several groups (vLLM's hybrid allocator gives a model that
+mixes full-attention and sliding-window layers one group per kind, and the handoff protocol has
+one prefix per room: run such a model with ``--disable-hybrid-kv-cache-manager``, vLLM then
+allocates its sliding-window layers as full attention and they move whole), Mamba / SSM state
+(`MambaSpec`: a state per request, not pages per token), sliding-window MLA, two indexer specs
+...
 """
 
 from __future__ import annotations
@@ -41,26 +51,52 @@ class GroupPlan:
     main_layers: tuple[str, ...]
     indexer_layers: tuple[str, ...]
     num_layers: int  # target-model layers (0: from the layer ids)
+    sliding_window: int = 0  # tokens of the window of every layer (0: full attention)
 
 
 def _dtype(spec: Any) -> str:
     return str(getattr(spec, "dtype", "")).removeprefix("torch.")
 
 
-def plan_group(kv_cache_config: Any) -> GroupPlan:
+def _specs(spec: Any) -> list[Any]:
+    """A group's spec, or its per-layer specs where the group mixes them."""
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return list(per_layer.values()) if isinstance(per_layer, dict) else [spec]
+
+
+def _kinds(spec: Any) -> list[str]:
+    """The spec type names of a group."""
+    return sorted({type(s).__name__ for s in _specs(spec)})
+
+
+def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
     """The group vLLM planned (``kv_cache_config.kv_cache_groups``), or `ConfigError` naming
-    what this connector cannot move."""
+    what this connector cannot move (and `model`, the model vLLM serves, where given)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
+        SlidingWindowSpec,
         SparseCacheRole,
         UniformTypeKVCacheSpecs,
     )
 
     groups = kv_cache_config.kv_cache_groups
+    kinds = [_kinds(g.kv_cache_spec) for g in groups]
+    mamba = sorted({type(s).__name__ for g in groups for s in _specs(g.kv_cache_spec)
+                    if isinstance(s, MambaSpec)})
+    if mamba:
+        who = f"model {model!r}" if model else "the model"
+        raise ConfigError(
+            f"kv_cache_groups: {who} has Mamba / SSM state layers ({mamba}, groups {kinds}); "
+            "KVHandoffConnector moves attention KV pages, not a request's SSM "
+            "state: serve this model without a KV connector, or with one that moves SSM state")
     if len(groups) != 1:
-        raise ConfigError(f"kv_cache_groups: KVHandoffConnector supports one KV cache group, "
-                          f"got {len(groups)} (run with --disable-hybrid-kv-cache-manager)")
+        raise ConfigError(
+            f"kv_cache_groups: KVHandoffConnector moves one KV cache group, vLLM's hybrid "
+            f"allocator made {len(groups)} ({kinds}); a model that mixes full-attention and "
+            "sliding-window layers runs with --disable-hybrid-kv-cache-manager (vLLM then "
+            "allocates the sliding-window layers as full attention and they move whole)")
     group = groups[0]
     spec = group.kv_cache_spec
     names = tuple(group.layer_names)
@@ -68,9 +104,14 @@ def plan_group(kv_cache_config: Any) -> GroupPlan:
         return GroupPlan(mla=isinstance(spec, MLAAttentionSpec), block_size=int(spec.block_size),
                          dtype=_dtype(spec), roles=None, main_layers=names, indexer_layers=(),
                          num_layers=0)
+    if type(spec) is SlidingWindowSpec:  # subclasses (MLA, ...) are other page layouts
+        return GroupPlan(mla=False, block_size=int(spec.block_size), dtype=_dtype(spec),
+                         roles=None, main_layers=names, indexer_layers=(), num_layers=0,
+                         sliding_window=int(spec.sliding_window))
     if not isinstance(spec, UniformTypeKVCacheSpecs):
         raise ConfigError(f"kv_cache_groups[0]: KVHandoffConnector moves full-attention "
-                          f"(GQA), MLA and DSA (MLA + indexer) caches, got {type(spec).__name__}")
+                          f"(GQA), sliding-window (GQA), MLA and DSA (MLA + indexer) caches, got "
+                          f"{type(spec).__name__}")
     per_layer = spec.kv_cache_specs
     other = sorted({type(s).__name__ for s in per_layer.values()
                     if not isinstance(s, MLAAttentionSpec)})

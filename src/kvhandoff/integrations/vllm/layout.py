@@ -67,9 +67,13 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
-# the DSA indexer's quantisation: one fp32 scale per 128 key bytes
+# the DSA indexer's quantisation: one 4-byte scale per 128 key bytes, either an fp32 or (where
+# vLLM's MQA logits kernels take MX scales: SM100) four equal packed UE8M0 bytes
 INDEXER_QUANT_BLOCK = 128
 INDEXER_SCALE_BYTES = 4
+INDEXER_SCALE_FP32 = "fp32"
+INDEXER_SCALE_UE8M0X4 = "ue8m0x4"
+INDEXER_SCALE_FORMATS = (INDEXER_SCALE_FP32, INDEXER_SCALE_UE8M0X4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,7 @@ def build_layout(
     tp_size: int = 1,
     roles: Mapping[str, CacheRole] | None = None,
     num_layers: int = 0,
+    indexer_scale: str = INDEXER_SCALE_FP32,
 ) -> VllmLayout:
     """Reads vLLM's per-layer KV views (``[B, H, N, C]``) into a `VllmLayout`.
 
@@ -231,7 +236,7 @@ def build_layout(
         split = TPSplit.REPLICATED
         num_heads = 1
         if kind == "INDEXER":
-            planes: tuple[Plane, ...] = _indexer_planes(content)
+            planes: tuple[Plane, ...] = _indexer_planes(content, indexer_scale)
             indexers.append(name)
         elif kind == "MLA":
             planes = (Plane("latent", content),)
@@ -280,12 +285,19 @@ def _check_indexer(where: str, nh: int, nc: int, elem: int) -> None:
                           f"slots of {nc} elements of {elem} B")
 
 
-def _indexer_planes(content: int) -> tuple[Plane, ...]:
+def _indexer_planes(content: int, scale: str) -> tuple[Plane, ...]:
     """Keys then scales: the indexer's write keeps, per page, every token's fp8 key bytes and
-    then every token's fp32 scales (vLLM's ``indexer_k_quant_and_cache``)."""
+    then every token's 4 scale bytes (vLLM's ``indexer_k_quant_and_cache``). The scale plane is
+    named by what those bytes mean: ``scale`` (fp32, as before and as kvhandoff's presets
+    name it), ``scale_ue8m0x4`` (packed UE8M0); two sides that read them differently have
+    different planes, and the handshake refuses the pair naming both."""
+    if scale not in INDEXER_SCALE_FORMATS:
+        raise ConfigError(f"indexer_scale: expected one of {INDEXER_SCALE_FORMATS}, got "
+                          f"{scale!r}")
     blocks = content // (INDEXER_QUANT_BLOCK + INDEXER_SCALE_BYTES)
     return (Plane("key", blocks * INDEXER_QUANT_BLOCK),
-            Plane("scale", blocks * INDEXER_SCALE_BYTES))
+            Plane("scale" if scale == INDEXER_SCALE_FP32 else f"scale_{scale}",
+                  blocks * INDEXER_SCALE_BYTES))
 
 
 def _packed_row(layout: LayoutSpec, members: Mapping[str, list[tuple[int, str, Any]]],

@@ -49,6 +49,7 @@ class RemotePrefill:
     request_id: str
     prefill_tp_size: int = 1
     decode_tp_size: int | None = None  # the decode TP the room was opened for (None: not said)
+    window_start: int = 0  # a sliding window: the first token whose page the prefill holds
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
@@ -73,8 +74,10 @@ class RemotePrefill:
         ptp = _int(params, "tp_size", lo=1, hi=1 << 16) if "tp_size" in params else 1
         dtp = (_int(params, "decode_tp_size", lo=1, hi=1 << 16) if "decode_tp_size" in params
                else None)
+        ws = (_int(params, "remote_window_start", lo=0, hi=n) if "remote_window_start" in params
+              else 0)
         return cls(room=room, bootstrap_addr=addr, num_tokens=n, engine_id=eng, request_id=rid,
-                   prefill_tp_size=ptp, decode_tp_size=dtp)
+                   prefill_tp_size=ptp, decode_tp_size=dtp, window_start=ws)
 
 
 def decode_tp_size_of(params: Mapping[str, Any], *, default: int | None,

@@ -1,6 +1,16 @@
 """The scheduler side of `KVHandoffConnector` (vLLM's scheduler process): which requests are
 rooms, binding a prefill's room at the bootstrap server, how many tokens a decode loads, the
-metadata each step hands the workers and what `request_finished` returns."""
+metadata each step hands the workers and what `request_finished` returns.
+
+A sliding-window model (`groups`: one `SlidingWindowSpec` group) moves the pages in the window
+only. vLLM frees a request's blocks that fell out of the window and puts its null block in
+their place, on both engines: the prefill's table at `request_finished` (after vLLM freed what
+the next token no longer sees) starts at ``remote_window_start`` (tokens, in the params); the
+decode's table starts at the first block vLLM allocated for it, which is where its load
+starts (its ``decode_prefix_len``), so no page is read from or written to the null block. A
+decode that would need a token the prefill no longer holds (a layerwise decode computes the
+last prompt token itself, so its window starts one token earlier) declines the room before it
+announces any token, and computes the prompt itself (said in the log)."""
 
 from __future__ import annotations
 
@@ -50,15 +60,34 @@ class _PrefillReq:
     sent: bool = False  # a SendReq went out: the workers hold a sender
 
 
+def _table(blocks: Any) -> tuple[list[int], int]:
+    """One group's vLLM blocks -> (block ids, how many of them lead as the null block: the
+    blocks a sliding window dropped)."""
+    ids = [int(b.block_id) for b in blocks]
+    lead = 0
+    while lead < len(blocks) and blocks[lead].is_null:
+        lead += 1
+    if any(b.is_null for b in blocks[lead:]):
+        raise ConfigError(f"KV cache block table: a null block after {lead} leading ones; "
+                          "KVHandoffConnector moves tables whose dropped blocks lead")
+    return ids, lead
+
+
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig) -> None:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, *,
+                 sliding_window: int = 0, group_block_size: int = 0) -> None:
         self.cfg = cfg
+        self.window = sliding_window  # tokens (0: full attention)
         self.block_size = int(vllm_config.cache_config.block_size)
+        if sliding_window and group_block_size:
+            # the block of vLLM's KV cache group, in which it drops the window's blocks
+            self.block_size = group_block_size
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.mla = bool(vllm_config.model_config.use_mla)
         self._prefills: dict[str, _PrefillReq] = {}
         self._async_loads: set[str] = set()  # decode requests loading between steps
         self._loaded: set[str] = set()  # timeline only: loaded, their first step not seen yet
+        self._declined: dict[str, str] = {}  # decode request -> why it computes the prompt
         self.kv_manager: Any = None
         self._meta = KVHandoffMetadata()
         self._binder: ThreadPoolExecutor | None = None
@@ -123,12 +152,24 @@ class SchedulerSide:
         if rp is None:
             return 0, False
         mark("decode.matched", rid=request.request_id, room=rp.room)
-        if self.cfg.load_mode == "async":
-            count = rp.num_tokens - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
+        sync = self.cfg.load_mode == "layerwise"
         # layerwise: the last prompt token is computed in the step that loads the rest
-        count = rp.num_tokens - 1 - num_computed_tokens
-        return (count, False) if count > 0 else (0, False)
+        upto = rp.num_tokens - (1 if sync else 0)
+        count = upto - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        if self.window:
+            # the first token vLLM keeps a block for once `upto` tokens are computed (its
+            # sliding-window manager's rule): the prefill must still hold it
+            first = max(0, upto - self.window + 1) // self.block_size * self.block_size
+            if first < rp.window_start:
+                why = (f"the decode's window starts at token {first}, the prefill kept its "
+                       f"pages from token {rp.window_start} (load_mode={self.cfg.load_mode})")
+                log.warning("request %s: not loaded, computing the prompt locally: %s",
+                            request.request_id, why)
+                self._declined[request.request_id] = why
+                return 0, False
+        return count, not sync
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -155,23 +196,32 @@ class SchedulerSide:
             # declined (bad or mismatched params, or the whole prompt is cached here): the
             # prefill's room is aborted now, so its blocks are not held until a deadline
             told = rp or self._parsed(request)
+            window_why = self._declined.pop(rid, None)
             if told is not None:
-                why = ("the decode holds the prompt in its prefix cache" if rp is not None
-                       else "the decode declined the handoff and computes the prompt itself")
+                why = window_why or (
+                    "the decode holds the prompt in its prefix cache" if rp is not None
+                    else "the decode declined the handoff and computes the prompt itself")
                 self._meta.declines[rid] = DeclineReq(
                     room=told.room, bootstrap_addr=told.bootstrap_addr,
                     prefill_tp_size=told.prefill_tp_size, reason=why)
             params["do_remote_prefill"] = False  # one transfer per request
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        self._declined.pop(rid, None)
         sync = self.cfg.load_mode == "layerwise"
         local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
-        (ids,) = blocks.get_block_ids()
+        ids, dropped = _table(blocks.blocks[0])
+        # a sliding window: the load starts at the first block vLLM allocated (module doc)
+        start = max(local, dropped * self.block_size)
+        refuse = None
+        if start < rp.window_start:
+            refuse = (f"the decode's table starts at token {start}, the prefill kept its pages "
+                      f"from token {rp.window_start}")
         self._meta.recvs[rid] = RecvReq(
-            room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=list(ids),
-            num_tokens=rp.num_tokens, local_tokens=local,
+            room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=ids,
+            num_tokens=rp.num_tokens, local_tokens=start,
             load_tokens=local + num_external_tokens, sync=sync,
-            prefill_tp_size=rp.prefill_tp_size)
+            prefill_tp_size=rp.prefill_tp_size, refuse=refuse)
         mark("decode.alloc", rid=rid, room=rp.room)
         if not sync:
             self._async_loads.add(rid)
@@ -232,21 +282,39 @@ class SchedulerSide:
                 req = p.request
                 if req.num_computed_tokens + n < req.num_prompt_tokens:
                     continue  # not the last prompt chunk yet
-                ids = self._block_ids(rid)
+                ids, dropped = self._block_ids(rid)
                 p.sent = True
                 mark("prefill.step", rid=rid, room=p.room)
                 self._meta.sends[rid] = SendReq(room=p.room, block_ids=ids,
                                                 num_tokens=int(req.num_prompt_tokens),
-                                                decode_tp_size=p.decode_tp)
+                                                decode_tp_size=p.decode_tp,
+                                                dropped_blocks=dropped)
+        self._keep_loads_unzeroed(scheduler_output)
         self._meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta, self._meta = self._meta, KVHandoffMetadata()
         return meta
 
-    def _block_ids(self, rid: str) -> list[int]:
+    def _keep_loads_unzeroed(self, scheduler_output: SchedulerOutput) -> None:
+        """Takes this step's layerwise loads' blocks out of vLLM's zeroing list. vLLM zeroes
+        ``new_block_ids_to_zero`` on the compute stream before the forward (where its KV cache
+        mixes precisions, or holds SSM state); the prefill's writes start once the workers open
+        the room, so a zeroing still queued could land after them. vLLM leaves an async load's
+        blocks out itself (``get_loaded_kv_cache_group_ids``), a synchronous load's it lists."""
+        zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if not zero:
+            return
+        bs = self.block_size
+        loaded = {b for r in self._meta.recvs.values() if r.sync
+                  for b in r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]}
+        if loaded:
+            scheduler_output.new_block_ids_to_zero = [b for b in zero if b not in loaded] or None
+
+    def _block_ids(self, rid: str) -> tuple[list[int], int]:
+        """The request's block ids and how many lead as the null block (`_table`)."""
         if self.kv_manager is None:
             raise ConfigError("KVHandoffConnector: the scheduler never bound its KV cache manager")
-        (ids,) = self.kv_manager.get_block_ids(rid)
-        return list(ids)
+        (blocks,) = self.kv_manager.get_blocks(rid).blocks
+        return _table(blocks)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -254,6 +322,7 @@ class SchedulerSide:
 
         rid = request.request_id
         mark("scheduler.finished", rid=rid)
+        self._declined.pop(rid, None)
         if rid in self._async_loads:
             # finished (aborted) while its KV is loading: vLLM keeps the blocks until
             # finished_recving; abort the room so that comes now
@@ -289,6 +358,10 @@ class SchedulerSide:
         if p.decode_tp is not None:
             out["decode_tp_size"] = p.decode_tp
         mark("prefill.params", rid=rid, room=p.room)
+        if self.window:
+            # vLLM freed the blocks out of the window just before this call: the pages the
+            # prefill still holds start here (module docstring)
+            out["remote_window_start"] = self._block_ids(rid)[1] * self.block_size
         return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:

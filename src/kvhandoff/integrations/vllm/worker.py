@@ -27,7 +27,12 @@ from kvhandoff.integrations.vllm.config import (
 )
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
 from kvhandoff.integrations.vllm.lanes import choose_lane
-from kvhandoff.integrations.vllm.layout import VllmLayout, build_layout
+from kvhandoff.integrations.vllm.layout import (
+    INDEXER_SCALE_FP32,
+    INDEXER_SCALE_UE8M0X4,
+    VllmLayout,
+    build_layout,
+)
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
     readers_of,
@@ -196,7 +201,8 @@ class WorkerSide:
         self.vl = build_layout(mine, backend=backend, block_size=plan.block_size,
                                kv_dtype=kv_dtype, model=model, total_kv_heads=total,
                                tp_rank=tp_rank, tp_size=tp_size, roles=plan.roles,
-                               num_layers=plan.num_layers)
+                               num_layers=plan.num_layers,
+                               indexer_scale=indexer_scale_format())
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # as the bootstrap server maps decode ranks to prefill ranks for this layout
         self.replicated = all(r.tp_split is TPSplit.REPLICATED for r in self.vl.layout.regions)
@@ -263,7 +269,7 @@ class WorkerSide:
                 if readers == 0:  # a replicated cache read from another prefill rank
                     self._unsent.add(rid)
                     continue
-                sender = self.agent.sender(s.room, pages=vl.expand_blocks(s.block_ids),
+                sender = self.agent.sender(s.room, pages=vl.expand_blocks(self._send_table(s)),
                                            seq_len=s.num_tokens, num_decode_ranks=readers,
                                            request_id=rid)
             except KVHandoffError as e:
@@ -286,6 +292,17 @@ class WorkerSide:
                 self._sync.append(ld)
             else:
                 self._loads[rid] = ld
+
+    def _send_table(self, s: Any) -> list[int]:
+        """The sender's table from token 0: the blocks a sliding window dropped (vLLM's null
+        block, repeated) stand as distinct blocks the request does not hold. They are never
+        read: every decode's load starts after them (`scheduler`: a decode whose window starts
+        earlier declines the room), and the agent reads only from the decode's prefix on."""
+        if not s.dropped_blocks:
+            return list(s.block_ids)
+        held = set(s.block_ids[s.dropped_blocks:])
+        spare = (b for b in range(int(self.kv_cache_config.num_blocks)) if b not in held)
+        return [next(spare) for _ in range(s.dropped_blocks)] + list(s.block_ids[s.dropped_blocks:])
 
     def _decline(self, rid: str, d: DeclineReq) -> None:
         """Aborts a room this decode does not load: the receiver tells each prefill rank it
@@ -326,6 +343,9 @@ class WorkerSide:
             self._fail(ld, receiver.failure)
             return ld
         self.stats.watch(receiver)
+        if r.refuse is not None:
+            self._fail(ld, r.refuse)
+            return ld
         try:
             receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
                           decode_prefix_len=r.local_tokens)
@@ -519,6 +539,18 @@ def model_label(vllm_config: Any) -> str:
     cfg["vllm_dtype"] = str(mc.dtype)
     canon = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
     return f"vllm:{name} config:{hashlib.sha256(canon.encode()).hexdigest()[:16]}"
+
+
+def indexer_scale_format() -> str:
+    """What the 4 scale bytes of a DSA indexer row mean on this machine: the format vLLM's
+    indexer write is told to use (``mqa_logits_use_mx_scales``: packed UE8M0 on SM100, where
+    the MQA logits kernels take MX scales; fp32 elsewhere). Same bytes, another meaning: it is
+    part of the layout both sides compare (`layout`)."""
+    try:
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:  # a vLLM without it writes fp32 scales
+        return INDEXER_SCALE_FP32
+    return INDEXER_SCALE_UE8M0X4 if mqa_logits_use_mx_scales() else INDEXER_SCALE_FP32
 
 
 def _tp_rank() -> int:
