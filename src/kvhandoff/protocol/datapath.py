@@ -29,22 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from kvhandoff.buffers.checksum import wants_checksum
+from kvhandoff.buffers.bufferset import buffer_name
 from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, build_spans, page_aligned
 from kvhandoff.kv_layout.admission import AllocationPolicy
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.admission import Refusal, admission_of, digest_to_wire, reserved_pages
+from kvhandoff.protocol.checksums import ChecksumAlg, checksum_alg, wants_checksum
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import HashSpans, Notify, PostRecv, PostSend, PostWrite, WritePart
-from kvhandoff.protocol.handshake import (
-    Refusal,
-    admission_of,
-    buffer_name,
-    checksum_alg,
-    digest_to_wire,
-    reserved_pages,
-)
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import PeerTable
 from kvhandoff.protocol.reports import ReadOuts
@@ -347,8 +341,8 @@ class DataPath:
                        plans[n].nbytes) for n in job.hashed)
         self.ctx.emit(HashSpans(self._next_op, spans, self._checksum_alg(job.leg)))
 
-    def _checksum_alg(self, r: Leg) -> str:
-        """The room's checksum algorithm (`handshake.checksum_alg`) from this side's memory
+    def _checksum_alg(self, r: Leg) -> ChecksumAlg:
+        """The room's checksum algorithm (`checksums.checksum_alg`) from this side's memory
         kind and the peer's Hello; a peer no longer known counts as host (its rooms are
         failing: nothing it sent is verified any more)."""
         p = self.peers.get(r.peer)

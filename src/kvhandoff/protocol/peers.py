@@ -36,13 +36,14 @@ from typing import Any
 
 import msgspec
 
+from kvhandoff.buffers.bufferset import buffer_name
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Connect, DropPeer, Notify, RegisterRemote
 from kvhandoff.protocol.failures import failure_of
-from kvhandoff.protocol.handshake import Peer, PeerState, buffer_name
+from kvhandoff.protocol.handshake import Peer, PeerState
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.rooms import Leg
 from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerMatched, PeerWasLost, Role

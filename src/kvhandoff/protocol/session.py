@@ -147,7 +147,7 @@ class TransferSession:
 
     def set_memory(self, kind: str) -> None:
         """Where this agent's KV buffers live ("host" or "cuda"), said in its Hello and used
-        for the rooms' checksum algorithm (`handshake.checksum_alg`). Its driver calls it
+        for the rooms' checksum algorithm (`checksums.checksum_alg`). Its driver calls it
         before the first event (the driver holds the buffers; the session never looks at
         them)."""
         self.ctx.set_memory(kind)
