@@ -402,8 +402,8 @@ class PeerTable:
         """Decode: a lost prefill's process is gone: its one-sided legs' pages go back now
         instead of after `write_quarantine_s`."""
         for r in list(self.rooms.legs.values()):
-            if r.peer == e.peer and r.peer_gen == e.gen and r.remote_writes:
-                r.remote_writes = False
+            if r.peer == e.peer and r.peer_gen == e.gen and r.fence.remote_writes:
+                r.fence.remote_writes = False
                 self.rooms.maybe_release(r)
 
     # ------------------------------------------------------------------ losing peers
