@@ -27,13 +27,12 @@ Transports that move host memory only refuse CUDA views at `register`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, RegionSpec
-from kvhandoff.protocol.wire import BufferDesc
 
 
 class DeviceBytes:
@@ -130,6 +129,20 @@ def view_memory(view: Any) -> tuple[str, int | None]:
 
 def _nbytes(view: Any) -> int:
     return int(view.shape[0])
+
+
+def buffer_name(region: str, layer: int) -> str:
+    """The transport name of the buffer of (region, layer): what transports register, what a
+    Hello's buffer descriptors and the data effects name."""
+    return f"{region}/{layer}"
+
+
+class Extent(NamedTuple):
+    """One live (region, layer) buffer and its size."""
+
+    region: str
+    layer: int
+    nbytes: int
 
 
 class BufferSet:
@@ -230,7 +243,7 @@ class BufferSet:
 
     @staticmethod
     def name(region: str, layer: int) -> str:
-        return f"{region}/{layer}"
+        return buffer_name(region, layer)
 
     def array(self, region: str, layer: int) -> Any:
         """The view of (region, layer): byte 0 is page 0 of the layer."""
@@ -252,9 +265,10 @@ class BufferSet:
             if _nbytes(v):
                 yield self.name(region, layer), v
 
-    def descs(self) -> list[BufferDesc]:
-        return [BufferDesc(region=r, layer=lid, nbytes=_nbytes(v))
-                for (r, lid), v in self._bufs.items()]
+    def extents(self) -> list[Extent]:
+        """(region, layer, bytes) of every live (region, layer), what a Hello announces
+        (`protocol.handshake.buffer_descs`)."""
+        return [Extent(r, lid, _nbytes(v)) for (r, lid), v in self._bufs.items()]
 
 
 def _kind_words(kind: str, dev: int | None) -> str:

@@ -1,18 +1,34 @@
-"""Checksums of landed bytes: xxh3-64 over the spans of one (layer, region), in plan order.
+"""Checksums of landed bytes, the algorithms: xxh3-64 over the spans of one (layer, region), in
+plan order, and the names of the algorithms a room may use (`ChecksumAlg`).
 
-Both sides hash the same logical bytes in the same order (the span plan is shared), so the
-value does not depend on where pages sit. CPU buffers are hashed through memoryviews (no
-copies). `sampled` mode hashes every `SAMPLE_EVERY`-th layer (and always the last one).
+Rules:
+- This module computes; it does not decide. Which algorithm a room uses, which layers are
+  summed and which checksum modes may pair are the protocol's policy
+  (`protocol.checksums`), which imports this module, never the reverse.
+- Both sides hash the same logical bytes in the same order (the span plan is shared), so the
+  value does not depend on where pages sit. CPU buffers are hashed through memoryviews (no
+  copies).
 """
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 import xxhash
 
-from kvhandoff.settings import ChecksumMode
 
-SAMPLE_EVERY = 8
+class ChecksumAlg(str, enum.Enum):
+    """A room's checksum algorithm (what `HashSpans` / `PostWrite` name)."""
+
+    #: xxh3-64 over host bytes (`span_checksum`)
+    XXH3 = "xxh3"
+    #: the position-keyed device checksum (`devsum.devsum`), computed where the bytes are; a
+    #: host side computes the same value on the CPU
+    DEVSUM = "devsum"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def span_checksum(buf: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray) -> int:
@@ -22,12 +38,3 @@ def span_checksum(buf: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray) -> i
     for o, n in zip(offsets.tolist(), nbytes.tolist(), strict=True):
         h.update(mv[o:o + n])
     return int(h.intdigest())
-
-
-def wants_checksum(mode: ChecksumMode, layer_index: int, num_layers: int) -> bool:
-    """Whether the layer at position `layer_index` (0-based, in layer order) is hashed."""
-    if mode is ChecksumMode.OFF:
-        return False
-    if mode is ChecksumMode.FULL:
-        return True
-    return layer_index % SAMPLE_EVERY == 0 or layer_index == num_layers - 1

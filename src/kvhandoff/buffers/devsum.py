@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.buffers.checksum import ChecksumAlg, span_checksum
+
 WORD = 4
 MAX_WORDS = 1 << 31
 CHUNK_WORDS = 1 << 22  # CUDA: 4 Mi words (16 MiB of data) per pass; CPU: 32 Ki words
@@ -360,12 +362,10 @@ def devsum(buf: Any, offsets: Any, nbytes: Any, *, seed: int = 0,
 
 # ---- the agent's checksum of a span list, by the room's algorithm ----------------------------
 
-ALGS = ("xxh3", "devsum")
-
-
 def room_checksum(buf: Any, offsets: Any, nbytes: Any, alg: str) -> int:
     """The checksum the agent puts in (or checks against) a `LayerDone` for one (layer,
-    region) span list, with the room's algorithm (`handshake.checksum_alg`): "xxh3" is
+    region) span list, with the room's algorithm (`protocol.checksums.checksum_alg`, a
+    `checksum.ChecksumAlg`): "xxh3" is
     xxh3-64 over host bytes (`checksum.span_checksum`; a device buffer is refused: rooms
     with a device side use devsum), "devsum" is `devsum` computed where `buf` lives (torch
     ops on CUDA, the same value on the CPU for a host buffer).
@@ -374,17 +374,16 @@ def room_checksum(buf: Any, offsets: Any, nbytes: Any, alg: str) -> int:
         ValueError: an unknown `alg`, xxh3 of device memory, or what `devsum` refuses (a
             span length that is not a multiple of 4, a span past the buffer).
     """
-    if alg == "xxh3":
+    if alg == ChecksumAlg.XXH3:
         if not isinstance(buf, np.ndarray):
             kind = memory_kind(buf).kind
             if kind != "host":
                 raise ValueError(f"checksum xxh3 of {kind} memory: rooms where either side's "
                                  "buffers are device memory use devsum")
             buf = np.frombuffer(memoryview(buf), dtype=np.uint8)
-        from kvhandoff.buffers.checksum import span_checksum
-
         return span_checksum(buf, np.asarray(offsets, dtype=np.int64),
                              np.asarray(nbytes, dtype=np.int64))
-    if alg == "devsum":
+    if alg == ChecksumAlg.DEVSUM:
         return devsum(buf, offsets, nbytes)
-    raise ValueError(f"checksum algorithm {alg!r}: expected one of {', '.join(ALGS)}")
+    raise ValueError(f"checksum algorithm {alg!r}: expected one of "
+                     f"{', '.join(a.value for a in ChecksumAlg)}")

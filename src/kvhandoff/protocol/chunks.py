@@ -11,7 +11,8 @@ Every (chunk, layer) is a `rooms.Unit`, checksummed and verified on its own; a l
 (`LayerSent` / `LayerLanded`) once its unit of the last chunk and of every earlier one did
 (`rooms.Leg` keeps a leg's chunks).
 
-It keeps no state of its own: the chunks are the legs', the plans and posts the data path's.
+It keeps no state of its own: the chunks are the legs', the posts the role paths'
+(`send.SendPath`, `receive.ReceivePath`), the plans `planning.span_plans`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.context import Context
-from kvhandoff.protocol.datapath import DataPath
 from kvhandoff.protocol.effects import Notify
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import PeerTable
+from kvhandoff.protocol.planning import span_plans
+from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.protocol.send import SendPath
 from kvhandoff.state_machine import PeerFailedRoom
 
 
@@ -34,18 +37,19 @@ class ChunkedPrefill:
     """The chunk exchange of one session (see the module doc). Keyword-only arguments."""
 
     def __init__(self, *, ctx: Context, rooms: RoomTable, peers: PeerTable,
-                 path: DataPath) -> None:
+                 send_path: SendPath, receive_path: ReceivePath) -> None:
         self.ctx = ctx
         self.rooms = rooms
         self.peers = peers
-        self.path = path
+        self.send_path = send_path
+        self.receive_path = receive_path
 
     def post_ready(self, r: Leg, layer: int) -> None:
         """Prefill: the engine marked `layer` ready: send it in the leg's current chunk (once
         the decode accepted that chunk)."""
         c = len(r.chunk_ends) - 1
         if c <= 0 or r.chunk_xfers[c] is not None:
-            self.path.post_layer(r, Unit(layer, max(c, 0)), 0)
+            self.send_path.post_layer(r, Unit(layer, max(c, 0)), 0)
 
     def on_add_chunk(self, e: ev.AddChunk) -> None:
         """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
@@ -72,16 +76,16 @@ class ChunkedPrefill:
         g = r.group
         old = r.pages
         r.pages = g.pages
-        r.pages = self.path.suffix_pages(r)
+        r.pages = self.send_path.suffix_pages(r)
         delta = {k: v[len(old.get(k, ())):].tolist() for k, v in r.pages.items()}
         p = self.peers.get(r.peer)
         try:
             if p is None or p.layout is None:
                 raise ConfigError("the decode's Hello is gone")
-            plans = self.path.plans(r, src_pages=r.pages, src_ps=r.page_size,
-                                    dst_pages=r.dst_table, dst_ps=r.dst_page_size,
-                                    src_layout=self.ctx.layout, dst_layout=p.layout,
-                                    end=g.chunk_end)
+            plans = span_plans(self.ctx, r, src_pages=r.pages, src_ps=r.page_size,
+                               dst_pages=r.dst_table, dst_ps=r.dst_page_size,
+                               src_layout=self.ctx.layout, dst_layout=p.layout,
+                               end=g.chunk_end)
         except KVHandoffError as e:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid chunk: {e}"), notify=Notify.FAILED,
                             kind=FailureKind.INVALID_REQUEST)
@@ -110,9 +114,10 @@ class ChunkedPrefill:
                 if k not in r.src_table:
                     raise ConfigError(f"src_pages: unknown region {k!r}")
                 r.src_table[k] = np.concatenate([r.src_table[k], np.asarray(v, np.int64)])
-            plans = self.path.plans(r, src_pages=r.src_table, src_ps=p.layout.page_size_tokens,
-                                    dst_pages=r.pages, dst_ps=r.page_size, src_layout=p.layout,
-                                    dst_layout=self.ctx.layout, end=msg.chunk_end)
+            plans = span_plans(self.ctx, r, src_pages=r.src_table,
+                               src_ps=p.layout.page_size_tokens, dst_pages=r.pages,
+                               dst_ps=r.page_size, src_layout=p.layout,
+                               dst_layout=self.ctx.layout, end=msg.chunk_end)
         except KVHandoffError as e:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid ChunkAdded: {e}"),
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
@@ -125,7 +130,7 @@ class ChunkedPrefill:
         self.ctx.send(r.peer, P.ChunkAccepted(src=self.ctx.me.address, gen=self.ctx.me.generation,
                                            room=r.room, chunk=msg.chunk, xfer=xfer))
         for layer in r.layers:
-            self.path.post_recv_layer(r, Unit(layer, msg.chunk), 0)
+            self.receive_path.post_recv_layer(r, Unit(layer, msg.chunk), 0)
 
     def on_chunk_accepted(self, r: Leg, msg: P.ChunkAccepted) -> None:
         """Prefill: the decode posted the chunk's receives: send its ready layers."""
@@ -135,4 +140,4 @@ class ChunkedPrefill:
         r.chunk_xfers[c] = msg.xfer
         latest = c == len(r.chunk_ends) - 1
         for layer in (r.group.ready if latest else r.layers):
-            self.path.post_layer(r, Unit(layer, c), 0)
+            self.send_path.post_layer(r, Unit(layer, c), 0)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from kvhandoff.buffers.checksum import ChecksumAlg
 from kvhandoff.errors import Failure
 from kvhandoff.kv_layout import SpanPlan
+from kvhandoff.protocol import wire as P
 from kvhandoff.state_machine import KVPoll
 
 
@@ -52,7 +54,7 @@ class Send(Effect):
     """Send control message `msg` to the agent at control address `addr`."""
 
     addr: str
-    msg: Any  # a `protocol.Message`
+    msg: P.Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +121,7 @@ class PostWrite(Effect):
     `part.buffer`, dst offsets into `peer`'s buffer of the same name, installed by
     `RegisterRemote`) as they are, as one job (a layer's regions: one completion), hashing
     each part's source stream while copying when `checksum`, with the room's algorithm `alg`
-    ("xxh3" or "devsum", `handshake.checksum_alg`); completion comes back as
+    (`checksums.checksum_alg`); completion comes back as
     `events.Written(op)` once the bytes of every part landed, with one sum per part.
 
     `room`: the writes of one room to one peer may leave in one transport job with that room's
@@ -130,7 +132,7 @@ class PostWrite(Effect):
     peer: str
     parts: tuple[WritePart, ...]
     checksum: bool
-    alg: str = "xxh3"
+    alg: ChecksumAlg = ChecksumAlg.XXH3
     room: int | None = None
 
 
@@ -156,13 +158,13 @@ class Cancel(Effect):
 @dataclass(frozen=True, slots=True)
 class HashSpans(Effect):
     """The checksum of each (buffer, offsets, nbytes) span list with the room's algorithm
-    `alg` ("xxh3": xxh3-64 over host bytes; "devsum": the device checksum, computed where the
-    buffer lives), off the control thread; the sums come back as `events.Hashed(job)` in the
-    same order."""
+    `alg` (`checksums.checksum_alg`: xxh3-64 over host bytes, or the device checksum computed
+    where the buffer lives), off the control thread; the sums come back as
+    `events.Hashed(job)` in the same order."""
 
     job: int
     spans: tuple[tuple[str, np.ndarray, np.ndarray], ...]
-    alg: str = "xxh3"
+    alg: ChecksumAlg = ChecksumAlg.XXH3
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Rules:
   `write_quarantine_s`, counted and logged; so does a decode whose one-sided prefill never
   confirmed its writes stopped (`write_quarantine`: never shorter than the writer's own bound
   on stopping a copy, stall_timeout_s, plus two heartbeats). A decode leg counts as written
-  into from the TransferRequest that offered its buffers on (`Leg.remote_writes`).
+  into from the TransferRequest that offered its buffers on (`Fence.remote_writes`).
 - A room id is opened again only once its previous use is released (`refuse_reopen`).
 - A prefill's messages about a leg name the request they answer (`xfer`); a decode drops
   those of another request (a late word about an earlier use of the id) and lets a stop
@@ -32,7 +32,7 @@ from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Cancel, Notify, Release, RoomUpdate
 from kvhandoff.protocol.failures import failure_of
 from kvhandoff.protocol.reports import ReadOuts
-from kvhandoff.protocol.rooms import Group, Leg, LegPhase
+from kvhandoff.protocol.rooms import Group, Leg, LegPhase, RoomPhase
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import (
     DeadlineConfig,
@@ -146,19 +146,19 @@ class RoomTable:
                                  reason=f.reason, failure_kind=f.kind.value,
                                  writes_stopped=stopped, xfer=r.xfer))
             if not stopped:
-                r.ack_when_stopped = True  # the AbortAck follows once the cancels confirm
+                r.fence.ack_when_stopped = True  # the AbortAck follows once the cancels confirm
         self._terminal(r)
 
     def _terminal(self, r: Leg) -> None:
         ok = r.machine.state is KVPoll.Success
         self.ctx.counters["rooms_success" if ok else "rooms_failed"] += 1
         if not ok:
-            for tag in list(r.inflight_tags):
+            for tag in list(r.fence.tags):
                 if (r.peer, tag) not in self._cancelling:
                     self._cancelling[(r.peer, tag)] = r
-                    r.cancelling.add(tag)
+                    r.fence.cancelling.add(tag)
                     self.ctx.emit(Cancel(r.peer, tag))
-            if r.remote_writes:  # the prefill may still write into our pages: see quarantine
+            if r.fence.remote_writes:  # the prefill may still write into our pages: see quarantine
                 self.ctx.later(write_quarantine(self.ctx.settings),
                                lambda: self._quarantined(r))
         g = r.group
@@ -187,18 +187,17 @@ class RoomTable:
         self.changed(g)
         if g.state.is_terminal and not g.done:
             g.t_done = self.ctx.now
-            g.done = True
+            g.advance(RoomPhase.DONE)
             if g.state is KVPoll.Success and g.t_last_ready is not None:
                 self.readouts.tail(max(0.0, g.t_done - g.t_last_ready))
         if g.done and not g.released and all(leg.released for leg in g.legs):
-            g.released = True
+            g.advance(RoomPhase.RELEASED)
             self.ctx.emit(Release(g.token, g.room))
 
     def maybe_release(self, r: Leg) -> None:
-        if r.ack_when_stopped and not self.writes_in_flight(r):
+        if r.fence.ack_when_stopped and not self.writes_in_flight(r):
             self.ack_stopped(r)  # its last write ended or its last cancel confirmed
-        if (r.machine.is_terminal and not r.released and not r.inflight_tags
-                and not r.remote_writes and not r.cancelling and not r.stop_failed):
+        if r.machine.is_terminal and not r.released and not r.fence.holds:
             r.advance(LegPhase.RELEASED)
         self.group_update(r.group)
 
@@ -207,24 +206,23 @@ class RoomTable:
     def writes_in_flight(self, r: Leg) -> bool:
         """Prefill, one-sided: writes of this leg may still land in the decode's pages (posted
         and not completed, a cancel not yet confirmed, or one that failed)."""
-        return (r.role is Role.PREFILL and r.one_sided
-                and bool(r.inflight_tags or r.cancelling or r.stop_failed))
+        return r.role is Role.PREFILL and r.one_sided and r.fence.own_writes
 
     def ack_stopped(self, r: Leg) -> None:
         """Tells the peer that this side writes nothing more into the room (`AbortAck`): now,
         or once the leg's cancels confirmed (never, when one failed: the decode's
         write_quarantine_s bounds its wait)."""
         if self.writes_in_flight(r):
-            r.ack_when_stopped = True
+            r.fence.ack_when_stopped = True
             return
-        r.ack_when_stopped = False
+        r.fence.ack_when_stopped = False
         me = self.ctx.me
         self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room,
                                          xfer=r.xfer))
 
     def writes_stopped(self, r: Leg) -> None:
         """Decode, one-sided: the prefill says its writes into this leg's pages stopped."""
-        r.remote_writes = False
+        r.fence.remote_writes = False
         if r.machine.is_terminal:
             self.maybe_release(r)
 
@@ -237,7 +235,7 @@ class RoomTable:
             r0 = self._cancelling.pop((e.peer, e.tag), None)
             legs = [] if r0 is None else [r0]
             if r0 is not None:
-                r0.cancelling.discard(e.tag)
+                r0.fence.cancelling.discard(e.tag)
         for r in legs:
             if e.error is not None:
                 self._stop_failed(r, e)
@@ -253,14 +251,14 @@ class RoomTable:
         bound = self.ctx.settings.write_quarantine_s
         self.ctx.log(WARNING, f"room {r.room}: {what} with {r.peer} failed ({e.error}); its "
                               f"pages stay held for write_quarantine_s={bound:g}s")
-        if not r.stop_failed:
-            r.stop_failed = True
+        if not r.fence.stop_failed:
+            r.fence.stop_failed = True
             self.ctx.later(bound, lambda: self._stop_bound(r))
 
     def _stop_bound(self, r: Leg) -> None:
         """write_quarantine_s after a failed cancel: the pages go back (what the decode does
         to a prefill that never confirmed)."""
-        r.stop_failed = False
+        r.fence.stop_failed = False
         self.ctx.log(WARNING, f"room {r.room}: releasing its pages write_quarantine_s after "
                               f"a failed cancel with {r.peer}")
         self.maybe_release(r)
@@ -268,9 +266,9 @@ class RoomTable:
     def _quarantined(self, r: Leg) -> None:
         """Decode, one-sided: a failed leg's prefill never confirmed that its writes stopped
         (it died, or is stopped or cut off): after `write_quarantine` the pages go back."""
-        if not r.remote_writes:
+        if not r.fence.remote_writes:
             return
-        r.remote_writes = False
+        r.fence.remote_writes = False
         self.ctx.counters["write_quarantines"] += 1
         self.ctx.log(WARNING, f"room {r.room}: prefill {r.peer} never confirmed that its "
                               f"writes into this room's pages stopped; releasing them after "

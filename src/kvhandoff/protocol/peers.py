@@ -36,13 +36,14 @@ from typing import Any
 
 import msgspec
 
+from kvhandoff.buffers.bufferset import buffer_name
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Connect, DropPeer, Notify, RegisterRemote
 from kvhandoff.protocol.failures import failure_of
-from kvhandoff.protocol.handshake import Peer, PeerState, buffer_name
+from kvhandoff.protocol.handshake import Peer, PeerState
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.rooms import Leg
 from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerMatched, PeerWasLost, Role
@@ -401,8 +402,8 @@ class PeerTable:
         """Decode: a lost prefill's process is gone: its one-sided legs' pages go back now
         instead of after `write_quarantine_s`."""
         for r in list(self.rooms.legs.values()):
-            if r.peer == e.peer and r.peer_gen == e.gen and r.remote_writes:
-                r.remote_writes = False
+            if r.peer == e.peer and r.peer_gen == e.gen and r.fence.remote_writes:
+                r.fence.remote_writes = False
                 self.rooms.maybe_release(r)
 
     # ------------------------------------------------------------------ losing peers

@@ -7,15 +7,19 @@ Rules:
   Success when all its expected legs are, and Failed as soon as one leg fails (the others are
   then failed too, with the reason).
 - Only the session (`session.TransferSession`) and its parts touch these, on the control
-  thread. A leg's room state is its `RoomMachine` (`kvhandoff.state_machine`); how far its own
-  exchange got is its `LegPhase`, moved only by `Leg.advance` along `LEG_PHASES`, never by an
-  ad-hoc flag. What the release of its pages still waits for (ops in flight, cancels
-  unanswered, a one-sided writer not yet stopped) are the leg's conditions, not phases.
+  thread. Everything that decides where a leg stands lives on the leg: its room state is its
+  `RoomMachine` (`kvhandoff.state_machine`); how far its own exchange got is its `LegPhase`,
+  moved only by `Leg.advance` along `LEG_PHASES`, never by an ad-hoc flag; what the release
+  of its pages still waits for (ops in flight, cancels unanswered, a failed cancel, a
+  one-sided writer not yet stopped) is its `Fence`, and `Leg.advance(RELEASED)` refuses while
+  the fence holds. The room's own state is its `RoomPhase` (OPEN -> DONE -> RELEASED), moved
+  only by `Group.advance`, which refuses RELEASED until every leg is released.
 - A chunk of a layer is a `Unit` (layer, chunk): posted, checksummed and verified on its own;
   the layer lands once its unit of every chunk did.
 - A room's pages are released exactly once: when it is terminal AND no transport op of it is
   still in flight (cancelled ops count until they completed). The engine handles
-  (`handles.Sender` / `handles.Receiver`) see a room through its published view.
+  (`handles.Sender` / `handles.Receiver`) see a room through its published view, which
+  `lifecycle.RoomTable.publish` derives from the group (a copy, never a second owner).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class LegPhase(enum.Enum):
     RELEASED = "released"  # terminal and nothing of it in flight: its pages may go back
 
 
-#: the phase transitions a leg may take (RELEASED: from any phase, once it is terminal)
+#: the phase transitions a leg may take (RELEASED: from any phase, once it is terminal and
+#: its `Fence` holds nothing)
 LEG_PHASES: dict[LegPhase, frozenset[LegPhase]] = {
     LegPhase.NEW: frozenset({LegPhase.READY}),
     # decode sends its request; a prefill leg is created READY and accepts
@@ -62,6 +67,55 @@ LEG_PHASES: dict[LegPhase, frozenset[LegPhase]] = {
     LegPhase.ACKED: frozenset(),
     LegPhase.RELEASED: frozenset(),
 }
+
+
+class RoomPhase(enum.Enum):
+    """How far a room (`Group`) on this agent got: the engine sees DONE as its view's `done`
+    and RELEASED as its pages going back (`effects.Release`, exactly once)."""
+
+    OPEN = "open"
+    DONE = "done"  # terminal: every leg is, or one failed (the others are failed with it)
+    RELEASED = "released"  # done and every leg released: its pages may go back
+
+
+#: the phase transitions a room may take, each once
+ROOM_PHASES: dict[RoomPhase, frozenset[RoomPhase]] = {
+    RoomPhase.OPEN: frozenset({RoomPhase.DONE}),
+    RoomPhase.DONE: frozenset({RoomPhase.RELEASED}),
+    RoomPhase.RELEASED: frozenset(),
+}
+
+
+@dataclass(eq=False, slots=True)
+class Fence:
+    """What the release of one leg's pages still waits for, besides the leg being terminal:
+    anything that may still write into them. `holds` is the one rule (`Leg.advance`)."""
+
+    #: this side's ops in flight per data tag (tag -> ops not yet completed)
+    tags: dict[int, int] = field(default_factory=dict)
+    #: this side's cancels of the leg's ops not yet answered (tags)
+    cancelling: set[int] = field(default_factory=set)
+    #: a cancel or disconnect failed (a copy that did not stop): held until
+    #: write_quarantine_s
+    stop_failed: bool = False
+    #: decode, one-sided: the prefill may still write into this leg's pages (until every
+    #: layer landed, or the prefill confirmed it stopped, or the write quarantine after a
+    #: failure)
+    remote_writes: bool = False
+    #: prefill: an AbortAck is owed to the peer once this side's writes are known stopped
+    #: (an obligation, not a hold)
+    ack_when_stopped: bool = False
+
+    @property
+    def own_writes(self) -> bool:
+        """This side's ops may still move bytes (in flight, a cancel unanswered, or one that
+        failed)."""
+        return bool(self.tags or self.cancelling or self.stop_failed)
+
+    @property
+    def holds(self) -> bool:
+        """The leg's pages may still be written into (by this side or by the peer)."""
+        return self.own_writes or self.remote_writes
 
 
 @dataclass(eq=False, kw_only=True)
@@ -79,8 +133,7 @@ class Group:
     ready: list[int] = field(default_factory=list)  # prefill: layers marked ready, in order
     landed: set[int] = field(default_factory=set)  # decode: layers landed on every leg
     failure: Failure | None = None
-    done: bool = False
-    released: bool = False
+    phase: RoomPhase = RoomPhase.OPEN
     published: tuple[Any, ...] = ()  # the last view sent to the engine side
     t_created: float = 0.0
     t_last_ready: float | None = None
@@ -99,6 +152,28 @@ class Group:
     # decode: aborted before its prefill ranks were known; they are told once found (the
     # prefill's room then fails at once instead of holding its pages until a deadline)
     tell_abort: str | None = None
+
+    def advance(self, to: RoomPhase) -> None:
+        """Moves the room to phase `to` (`ROOM_PHASES`; RELEASED only once every leg is).
+
+        Raises:
+            InvalidTransition: `to` is not reachable from the room's phase.
+        """
+        ok = to in ROOM_PHASES[self.phase] and (
+            to is not RoomPhase.RELEASED or all(leg.released for leg in self.legs))
+        if not ok:
+            raise InvalidTransition(f"room {self.room}: phase {self.phase.value} -> "
+                                    f"{to.value} is not allowed")
+        self.phase = to
+
+    @property
+    def done(self) -> bool:
+        """Terminal as the engine sees it (the phase moved on from OPEN)."""
+        return self.phase is not RoomPhase.OPEN
+
+    @property
+    def released(self) -> bool:
+        return self.phase is RoomPhase.RELEASED
 
     @property
     def state(self) -> KVPoll:
@@ -133,21 +208,12 @@ class Leg:
     verifying: set[tuple[Unit, int]] = field(default_factory=set)  # (unit, attempt) hashing
     posted: dict[Unit, int] = field(default_factory=dict)  # unit -> attempt posted
     outstanding: dict[tuple[Unit, int], int] = field(default_factory=dict)  # -> ops left
-    inflight_tags: dict[int, int] = field(default_factory=dict)  # tag -> ops not yet completed
     sums: dict[tuple[Unit, int], dict[str, int | None]] = field(default_factory=dict)
     recv_done: dict[tuple[Unit, int], set[str]] = field(default_factory=dict)
     failure: Failure | None = None
     one_sided: bool = False  # the prefill writes into the decode's pages (no receives)
-    # decode, one-sided: the prefill may still write into this leg's pages (until every layer
-    # landed, or the prefill confirmed it stopped, or write_quarantine_s after a failure)
-    remote_writes: bool = False
-    # this side's cancels of the leg's ops not yet answered (tags); a cancel or disconnect that
-    # failed (a copy that did not stop: pages held until write_quarantine_s); prefill: an
-    # AbortAck is owed to the peer once its writes are known stopped
-    cancelling: set[int] = field(default_factory=set)
-    stop_failed: bool = False
-    ack_when_stopped: bool = False
-    # decode, one-sided writes the writer read back (datapath: the writer's verification), per
+    fence: Fence = field(default_factory=Fence)  # what the release of its pages waits for
+    # decode, one-sided writes the writer read back (`receive`: the writer's verification), per
     # unit and attempt, from the LayerDone: region -> (the landed sum, the digest of the plan
     # the writer wrote by)
     landed: dict[tuple[Unit, int], dict[str, tuple[int, int]]] = field(default_factory=dict)
@@ -169,12 +235,14 @@ class Leg:
     # ------------------------------------------------------------------ phase
 
     def advance(self, to: LegPhase) -> None:
-        """Moves the leg to phase `to` (`LEG_PHASES`; RELEASED only once it is terminal).
+        """Moves the leg to phase `to` (`LEG_PHASES`; RELEASED only once it is terminal and
+        nothing can write its pages any more: its `fence` holds nothing).
 
         Raises:
             InvalidTransition: `to` is not reachable from the leg's phase.
         """
         ok = (self.machine.is_terminal and self.phase is not LegPhase.RELEASED
+              and not self.fence.holds
               if to is LegPhase.RELEASED else to in LEG_PHASES[self.phase])
         if not ok:
             raise InvalidTransition(f"room {self.room}, leg with {self.peer}: phase "

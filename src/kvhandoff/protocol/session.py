@@ -14,11 +14,14 @@ The session holds its parts, each owning its state and given what it needs at co
 - `rooms` (`lifecycle.RoomTable`): the rooms and legs and how a room ends (fail, terminal,
   release once nothing can write its pages);
 - `peers` (`peers.PeerTable`): the peers and the handshake, liveness, peers declared lost;
-- `path` (`datapath.DataPath`): span plans, posts, completions, checksums, verification;
+- `inflight` (`inflight.InFlight`): the transport ops and hashing jobs in flight;
+- `send_path` (`send.SendPath`): the prefill's data path (accept, post, announce, resend);
+- `receive_path` (`receive.ReceivePath`): the decode's (request, post receives, verify, ack);
 - `chunks` (`chunks.ChunkedPrefill`): rooms whose pages come in chunks;
 - `readouts` (`reports.ReadOuts`): the figures behind `status` and the metrics.
 The session itself routes: engine events to the rooms, control messages to their leg (or to
-the peer table), completions to the data path, and time to all of them.
+the peer table), completions to the role that posted the op (looked up in `inflight`), and
+time to all of them.
 
 Protocol, per room: decode says `TransferRequest` (its pages) once the handshake with the
 prefill agent is done (`Hello` / `HelloAck`, layouts compatible); prefill answers
@@ -42,14 +45,16 @@ from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.chunks import ChunkedPrefill
 from kvhandoff.protocol.context import Context
-from kvhandoff.protocol.datapath import DataPath
 from kvhandoff.protocol.effects import ERROR, WARNING, Effect, Notify
 from kvhandoff.protocol.failures import remote_failure
 from kvhandoff.protocol.handshake import Identity, PeerState
+from kvhandoff.protocol.inflight import InFlight
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
+from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.reports import ReadOuts, room_stats
 from kvhandoff.protocol.rooms import Group, Leg, LegPhase
+from kvhandoff.protocol.send import SendPath
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import (
     DeadlinePassed,
@@ -80,11 +85,15 @@ class TransferSession:
         self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)
         self.peers = PeerTable(ctx=ctx, rooms=self.rooms, on_matched=self._matched,
                                replay=self._room_msg)
-        self.path = DataPath(ctx=ctx, rooms=self.rooms, peers=self.peers,
-                             readouts=self.readouts)
+        self.inflight = InFlight(ctx=ctx, rooms=self.rooms, peers=self.peers,
+                                 readouts=self.readouts)
+        self.send_path = SendPath(ctx=ctx, rooms=self.rooms, peers=self.peers,
+                                  ops=self.inflight)
+        self.receive_path = ReceivePath(ctx=ctx, rooms=self.rooms, peers=self.peers,
+                                        ops=self.inflight)
         self.chunks = ChunkedPrefill(ctx=ctx, rooms=self.rooms, peers=self.peers,
-                                     path=self.path)
-        self._early: dict[int, list[Any]] = {}  # room -> messages before the engine opened it
+                                     send_path=self.send_path, receive_path=self.receive_path)
+        self._early: dict[int, list[P.Message]] = {}  # room -> messages before the engine opened it
         self._early_t: dict[int, float] = {}
         self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
         self._next_heartbeat = now
@@ -94,10 +103,10 @@ class TransferSession:
             ev.MessageReceived: self._on_message, ev.OpenSender: self._on_open_sender,
             ev.OpenReceiver: self._on_open_receiver, ev.PeersResolved: self._on_resolved,
             ev.LayerReady: self._on_layer_ready, ev.ReceiverInit: self._on_receiver_init,
-            ev.AbortRoom: self._on_abort, ev.OpDone: self.path.on_op_done,
-            ev.Hashed: self.path.on_hashed, ev.Connected: self.peers.on_connected,
+            ev.AbortRoom: self._on_abort, ev.OpDone: self._on_op_done,
+            ev.Hashed: self._on_hashed, ev.Connected: self.peers.on_connected,
             ev.Tick: self._on_tick, ev.AddChunk: self.chunks.on_add_chunk,
-            ev.Written: self.path.on_written,
+            ev.Written: self.send_path.on_written,
             ev.RemoteRegistered: self.peers.on_remote_registered,
             ev.PeerExited: self.peers.on_peer_exited, ev.Cancelled: self.rooms.on_cancelled,
             ev.Batch: self._on_batch,
@@ -147,7 +156,7 @@ class TransferSession:
 
     def set_memory(self, kind: str) -> None:
         """Where this agent's KV buffers live ("host" or "cuda"), said in its Hello and used
-        for the rooms' checksum algorithm (`handshake.checksum_alg`). Its driver calls it
+        for the rooms' checksum algorithm (`checksums.checksum_alg`). Its driver calls it
         before the first event (the driver holds the buffers; the session never looks at
         them)."""
         self.ctx.set_memory(kind)
@@ -180,7 +189,7 @@ class TransferSession:
 
     def next_wakeup(self) -> float:
         """When the driver must send the next `Tick` at the latest."""
-        if self.path.done_pending:
+        if self.send_path.done_pending:
             return self.ctx.now
         timer = self.ctx.next_timer()
         return self._next_heartbeat if timer is None else min(self._next_heartbeat, timer)
@@ -194,7 +203,7 @@ class TransferSession:
         if isinstance(event, ev.MessageReceived):
             room = getattr(event.msg, "room", None)
         elif isinstance(event, ev.OpDone | ev.Written | ev.Hashed):
-            leg = self.path.leg_of(event)
+            leg = self.inflight.leg_of(event)
             room = leg.room if leg is not None else None
         return room if isinstance(room, int) else None
 
@@ -222,7 +231,7 @@ class TransferSession:
                 self.rooms.fail(r, RoomAborted(reason=reason, by=self.role),
                                 notify=Notify.ABORT)
             return
-        self.path.maybe_request(r)
+        self.receive_path.maybe_request(r)
 
     # ------------------------------------------------------------------ engine events
 
@@ -273,8 +282,22 @@ class TransferSession:
         for addr, _gen in sources:
             r = self.rooms.new_leg(g, addr)
             self.peers.attach(r, addr)
-            self.path.init_leg(r)
+            self.receive_path.init_leg(r)
         self.rooms.group_update(g)
+
+    def _on_op_done(self, e: ev.OpDone) -> None:
+        """A send or receive completed: to the role that posted it."""
+        op = self.inflight.take_op(e.op)
+        if op is not None:
+            done = self.send_path.on_send_done if op.send else self.receive_path.on_recv_done
+            done(op, e.error)
+
+    def _on_hashed(self, e: ev.Hashed) -> None:
+        """A hashing job's sums are in: verify (decode) or announce (prefill)."""
+        job = self.inflight.take_job(e)
+        if job is not None:
+            (self.receive_path.on_verify_hashed if job.verify
+             else self.send_path.on_source_hashed)(job, e.sums)
 
     def _on_batch(self, e: ev.Batch) -> None:
         """Each event of one room in order (`events.Batch`: LayerReady or Written only)."""
@@ -301,7 +324,7 @@ class TransferSession:
         g.pages = (e.pages, e.prefix)
         g.prompt, g.cached_prefix, g.free_pages = e.prompt, e.cached_prefix, e.free_pages
         for r in g.legs:
-            self.path.init_leg(r)
+            self.receive_path.init_leg(r)
 
     def _on_abort(self, e: ev.AbortRoom) -> None:
         g = self.rooms.group(e.room, e.token)
@@ -492,8 +515,8 @@ class TransferSession:
             ctx.counters["stale_messages"] += 1
             return
         if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
-                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) and r.remote_writes \
-                and msg.xfer:
+                or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) \
+                and r.fence.remote_writes and msg.xfer:
             # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
@@ -525,13 +548,13 @@ class TransferSession:
                                            failure_kind=f.kind.value, xfer=msg.xfer,
                                            writes_stopped=not rooms.writes_in_flight(r)))
         elif isinstance(msg, P.TransferRequest):
-            self.path.on_request(r, msg)
+            self.send_path.on_request(r, msg)
         elif isinstance(msg, P.TransferAccepted):
-            self.path.on_accepted(r, msg)
+            self.receive_path.on_accepted(r, msg)
         elif isinstance(msg, P.LayerDone):
-            self.path.on_layer_done(r, msg)
+            self.receive_path.on_layer_done(r, msg)
         elif isinstance(msg, P.LayerNack):
-            self.path.on_nack(r, msg)
+            self.send_path.on_nack(r, msg)
         elif isinstance(msg, P.ChunkAdded):
             if r.role is Role.DECODE:
                 self.chunks.on_chunk_added(r, msg)
@@ -540,7 +563,7 @@ class TransferSession:
                 self.chunks.on_chunk_accepted(r, msg)
         elif isinstance(msg, P.RoomAck):
             if r.role is Role.PREFILL:
-                self.path.acked(r)
+                self.send_path.acked(r)
 
     # ------------------------------------------------------------------ time
 
@@ -556,7 +579,7 @@ class TransferSession:
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.ctx.now
         self.ctx.run_due_timers()
-        self.path.flush_done()
+        self.send_path.flush_done()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.ctx.hb
             self._heartbeat_at = now

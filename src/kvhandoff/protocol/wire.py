@@ -112,10 +112,10 @@ class Hello(_Msg, tag="hello", frozen=True):
     buffers: list[BufferDesc]
     mac: bytes = b""  # HMAC-SHA256 of the body with mac=b"" when a shared secret is set
     # where the agent's KV buffers live: "host" or "cuda" (`BufferSet.memory`); it decides
-    # the room's checksum algorithm (`handshake.checksum_alg`). Absent (an older peer): host.
+    # the room's checksum algorithm (`checksums.checksum_alg`). Absent (an older peer): host.
     memory: str = "host"
     # the sender's checksum mode (`Settings.checksum`: "full", "sampled" or "off"); a decode
-    # refuses a prefill that sums fewer layers than it verifies (`handshake.checksum_problem`).
+    # refuses a prefill that sums fewer layers than it verifies (`checksums.checksum_problem`).
     # Absent (an older peer): unknown, checked per layer as its sums come.
     checksum: str = ""
     # a fresh random value per Hello said (with a shared secret: it keys the session and a

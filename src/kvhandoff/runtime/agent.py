@@ -37,7 +37,7 @@ from kvhandoff.kv_layout.admission import AllocationPolicy, prefix_digest, promp
 from kvhandoff.netaddr import bare_host, join_host_port, split_host_port
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import EffectFilter
-from kvhandoff.protocol.handshake import Identity
+from kvhandoff.protocol.handshake import Identity, buffer_descs
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.protocol.wire import BufferDesc
 from kvhandoff.runtime.eventwait import EventWaiter
@@ -400,7 +400,7 @@ class TransferAgent:
     def _buffer_descs(self, views: dict[str, Any]) -> tuple[BufferDesc, ...]:
         """The buffers this agent announces in its Hello; a decode whose transport can take
         one-sided writes (and `one_sided_writes` is on) adds each buffer's descriptor."""
-        descs = self.buffers.descs()
+        descs = buffer_descs(self.buffers.extents())
         tr = self.transport
         if not (self.role is Role.DECODE and self._writes() and isinstance(tr, OneSidedTransport)):
             return tuple(descs)

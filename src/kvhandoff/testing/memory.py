@@ -42,7 +42,7 @@ from kvhandoff.protocol.effects import (
     RoomUpdate,
     Send,
 )
-from kvhandoff.protocol.handshake import Identity
+from kvhandoff.protocol.handshake import Identity, buffer_descs
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
@@ -124,7 +124,7 @@ class MemoryWire:
         st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
         writes = self.writes if writes is None else writes
         bufs = BufferSet(layout, self._allocate(layout, num_pages))
-        descs = tuple(bufs.descs())
+        descs = buffer_descs(bufs.extents())
         if writes and role is Role.DECODE:
             descs = tuple(msgspec.structs.replace(d, descriptor=f"{name}:{d.region}".encode())
                           for d in descs)

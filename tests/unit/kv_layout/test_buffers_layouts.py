@@ -60,7 +60,7 @@ def test_zero_row_placeholders_own_no_memory_and_get_no_view():
     bs = BufferSet(spec, raw)
     assert bs.num_pages("idx") == 5
     assert [n for n, _ in bs.views()] == ["idx/0", "idx/3", "idx/5"]
-    assert [(d.layer, d.nbytes) for d in bs.descs()] == [(0, 1600), (3, 1600), (5, 1600)]
+    assert [(d.layer, d.nbytes) for d in bs.extents()] == [(0, 1600), (3, 1600), (5, 1600)]
     with pytest.raises(ConfigError, match="no live layer 2"):
         bs.array("idx", 2)
     raw["idx"][2] = np.zeros(320, dtype=np.uint8)

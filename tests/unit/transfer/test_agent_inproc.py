@@ -11,7 +11,6 @@ import msgspec
 import pytest
 import zmq
 
-from kvhandoff.buffers.checksum import SAMPLE_EVERY
 from kvhandoff.errors import (
     Aborted,
     ChecksumMismatch,
@@ -21,6 +20,7 @@ from kvhandoff.errors import (
 )
 from kvhandoff.kv_layout import layout_hash
 from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.checksums import SAMPLE_EVERY
 from kvhandoff.settings import ChecksumMode
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import Receiver, Sender

@@ -26,8 +26,8 @@ from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.buffers.devsum import devsum_reference, room_checksum
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.checksums import checksum_alg
 from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
-from kvhandoff.protocol.handshake import checksum_alg
 from kvhandoff.runtime.loop import ControlLoop
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role

@@ -59,7 +59,7 @@ def test_cuda_array_interface_buffers_are_taken_and_sized() -> None:
     part = v[100:228]
     assert part.ptr == _BASE + 100 and part.nbytes == 128 and len(v[5:2]) == 0
     names = [n for n, _ in bs.views()]
-    assert names[0] == "main_kv/0" and len(names) == len(list(bs.descs()))
+    assert names[0] == "main_kv/0" and len(names) == len(list(bs.extents()))
 
 
 def test_cuda_buffers_must_hold_whole_pages() -> None:

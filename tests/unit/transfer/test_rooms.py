@@ -1,11 +1,22 @@
-"""A leg's phase moves only along `LEG_PHASES`, and a chunk of a layer is its own `Unit`."""
+"""A leg's phase moves only along `LEG_PHASES` and is RELEASED only once its `Fence` holds
+nothing; a room's phase moves only along `ROOM_PHASES` and is RELEASED only once every leg is;
+a chunk of a layer is its own `Unit`."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvhandoff.errors import InvalidTransition
-from kvhandoff.protocol.rooms import LEG_PHASES, Group, Leg, LegPhase, Unit
+from kvhandoff.protocol.rooms import (
+    LEG_PHASES,
+    ROOM_PHASES,
+    Fence,
+    Group,
+    Leg,
+    LegPhase,
+    RoomPhase,
+    Unit,
+)
 from kvhandoff.state_machine import PeerWasLost, Role, RoomMachine
 
 LAYERS = (0, 1, 2)
@@ -54,6 +65,67 @@ def test_a_leg_is_released_only_once_and_only_when_terminal() -> None:
     assert r.released and not r.accepted
     with pytest.raises(InvalidTransition):
         r.advance(LegPhase.RELEASED)
+
+
+HOLDS = {"an op in flight": lambda f: f.tags.update({7: 1}),
+         "a cancel unanswered": lambda f: f.cancelling.add(7),
+         "a cancel that failed": lambda f: setattr(f, "stop_failed", True),
+         "a one-sided writer not yet stopped": lambda f: setattr(f, "remote_writes", True)}
+
+
+@pytest.mark.parametrize("why", list(HOLDS))
+def test_a_terminal_leg_is_not_released_while_its_fence_holds(why: str) -> None:
+    r = leg()
+    r.machine.apply(PeerWasLost(reason="gone"), 1.0)
+    HOLDS[why](r.fence)
+    assert r.fence.holds
+    with pytest.raises(InvalidTransition):
+        r.advance(LegPhase.RELEASED)
+    assert not r.released
+    r.fence = Fence()  # the hold went away
+    r.advance(LegPhase.RELEASED)
+    assert r.released
+
+
+def test_an_abort_ack_owed_is_not_a_hold() -> None:
+    f = Fence(ack_when_stopped=True)
+    assert not f.holds and not f.own_writes
+    f.remote_writes = True  # the peer's writes are not this side's
+    assert f.holds and not f.own_writes
+
+
+def test_a_room_walks_open_done_released_once_its_legs_are_released() -> None:
+    r = leg()
+    g = r.group
+    g.legs.append(r)
+    assert not g.done and not g.released
+    with pytest.raises(InvalidTransition, match="open -> released"):
+        g.advance(RoomPhase.RELEASED)
+    g.advance(RoomPhase.DONE)
+    assert g.done and not g.released
+    with pytest.raises(InvalidTransition, match="done -> released"):
+        g.advance(RoomPhase.RELEASED)  # its leg is not released yet
+    r.machine.apply(PeerWasLost(reason="gone"), 1.0)
+    r.advance(LegPhase.RELEASED)
+    g.advance(RoomPhase.RELEASED)
+    assert g.done and g.released
+    for to in RoomPhase:
+        with pytest.raises(InvalidTransition):
+            g.advance(to)
+    with pytest.raises(AttributeError):
+        g.done = False  # type: ignore[misc]  # derived from the phase, never set
+
+
+@pytest.mark.parametrize("frm", list(RoomPhase))
+def test_every_room_transition_outside_the_table_is_refused(frm: RoomPhase) -> None:
+    for to in RoomPhase:
+        if to in ROOM_PHASES[frm]:
+            continue
+        g = leg().group
+        g.phase = frm
+        with pytest.raises(InvalidTransition, match=f"{frm.value} -> {to.value}"):
+            g.advance(to)
+        assert g.phase is frm
 
 
 def test_a_layer_is_done_once_its_unit_of_every_chunk_is() -> None:

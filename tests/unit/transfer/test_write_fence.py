@@ -120,10 +120,10 @@ def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
     w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
     w.run()
     leg = d.session.rooms.legs[(1, "prefill:1")]
-    assert leg.remote_writes
+    assert leg.fence.remote_writes
     pgen = p.session.ctx.me.generation
     w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1)))
-    assert leg.remote_writes
+    assert leg.fence.remote_writes
     w.hold(lambda frm, to, m: frm == "decode:1")
     w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
     w.run()
@@ -142,17 +142,17 @@ def test_stop_messages_unfence_a_requested_room_only_when_they_name_its_request(
     w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
     w.run()
     leg = d.session.rooms.legs[(1, "prefill:1")]
-    assert leg.remote_writes and leg.xfer
+    assert leg.fence.remote_writes and leg.xfer
     pgen = p.session.ctx.me.generation
     stale = d.session.counters["stale_messages"]
     w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="old",
                                           xfer=leg.xfer + 1)))
     assert d.session.counters["stale_messages"] == stale + 1
-    assert not leg.machine.is_terminal and leg.remote_writes
+    assert not leg.machine.is_terminal and leg.fence.remote_writes
     w.hold(lambda frm, to, m: True)  # nothing more reaches either side on its own
     w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="older")))
     assert d.views[1].state is KVPoll.Failed
-    assert leg.remote_writes and d.views[1].releases == 0
+    assert leg.fence.remote_writes and d.views[1].releases == 0
     w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1, xfer=leg.xfer)))
     assert d.views[1].releases == 1
     assert d.session.counters["write_quarantines"] == 0

@@ -1119,7 +1119,7 @@ class Simulation(MemoryWire):
             s = a.side.session
             held = {"rooms": len(s.rooms.groups), "legs": len(s.rooms.legs),
                     "early messages": len(s._early), "aborts ahead": len(s._aborts_ahead),
-                    "ops": len(s.path._ops), "hash jobs": len(s.path._jobs),
+                    "ops": len(s.inflight.ops), "hash jobs": len(s.inflight.jobs),
                     "cancels": len(s.rooms._cancelling), "lost peers": len(s.peers._forgotten)}
             grown = {k: v for k, v in held.items() if v}
             if grown:

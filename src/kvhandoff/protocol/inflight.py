@@ -1,0 +1,169 @@
+"""`InFlight`: the transport ops and hashing jobs one session has in flight, sans-IO.
+
+Both roles' data paths (`send.SendPath`, `receive.ReceivePath`) post through it: an op is a
+send, a receive or a one-sided write job (`Op`), a job hashes span lists (`Job`); each gets an
+id its completion event names (`events.OpDone` / `Written` / `Hashed`). It also keeps the
+count of each leg's ops per data tag (`Fence.tags`, what a failing leg cancels and what
+the release of its pages waits for).
+
+Rules:
+- The one owner of the op and job tables: the role paths never keep op ids of their own, and
+  a completion is looked up here first (`take_op` / `take_job`), which forgets it and settles
+  what every completion settles (the leg's tag count; a terminal leg's release; a hashing job
+  that failed or is stale) before the session hands it to the role that posted it.
+- A data op that failed fails its room only a heartbeat later (`failed`): the peer's own word
+  (its Failed or Abort, with the real reason) usually follows its cancelled ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvhandoff.buffers.bufferset import buffer_name
+from kvhandoff.errors import Failure, FailureKind
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol.checksums import ChecksumAlg, checksum_alg
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.effects import HashSpans, Notify
+from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peers import PeerTable
+from kvhandoff.protocol.reports import ReadOuts
+from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.state_machine import PeerFailedRoom, PeerWasLost
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """A transport op in flight: a send or receive of one region, or a one-sided write job of
+    every region of a unit's layer."""
+
+    leg: Leg
+    tags: tuple[int, ...]  # one per region (a one-sided write job: every region of its layer)
+    send: bool
+    unit: Unit
+    attempt: int
+    regions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A hashing job in flight: the source sums a prefill announces, or the landed sums a
+    decode verifies."""
+
+    leg: Leg
+    verify: bool  # False: announce (source sums), True: verify (landed sums)
+    unit: Unit
+    attempt: int
+    regions: tuple[str, ...]  # the regions of the layer this leg moves
+    hashed: tuple[str, ...]  # the regions hashed (in `Hashed.sums` order)
+    want: tuple[int | None, ...] = ()  # verify: the sender's sums of `hashed`
+    trusted: int = 0  # verify: regions besides `hashed` the writer verified (counted as checked)
+
+
+class InFlight:
+    """The ops and hashing jobs of one session (see the module doc). Keyword-only arguments."""
+
+    def __init__(self, *, ctx: Context, rooms: RoomTable, peers: PeerTable,
+                 readouts: ReadOuts) -> None:
+        self.ctx = ctx
+        self.rooms = rooms
+        self.peers = peers
+        self.readouts = readouts
+        self.ops: dict[int, Op] = {}
+        self.jobs: dict[int, Job] = {}
+        self._next = 0
+
+    def leg_of(self, e: ev.OpDone | ev.Written | ev.Hashed) -> Leg | None:
+        """The leg a completion is about (None: forgotten, its room ended)."""
+        item = self.jobs.get(e.job) if isinstance(e, ev.Hashed) else self.ops.get(e.op)
+        return item.leg if item is not None else None
+
+    # ------------------------------------------------------------------ posting
+
+    def post(self, r: Leg, tags: tuple[int, ...], *, send: bool, unit: Unit, attempt: int,
+             regions: tuple[str, ...]) -> int:
+        """Records an op of `r` about to be posted; its id."""
+        self._next += 1
+        self.ops[self._next] = Op(r, tags, send, unit, attempt, regions)
+        for tag in tags:  # (a failing leg cancels each: a transport may have split the job)
+            r.fence.tags[tag] = r.fence.tags.get(tag, 0) + 1
+        return self._next
+
+    def hash(self, job: Job) -> None:
+        """Asks for the sums of `job` (`HashSpans`) with the room's algorithm."""
+        self._next += 1
+        self.jobs[self._next] = job
+        plans = job.leg.plans_of(job.unit)
+        spans = tuple((buffer_name(n, job.unit.layer), plans[n].src_offsets
+                       if not job.verify else plans[n].dst_offsets,
+                       plans[n].nbytes) for n in job.hashed)
+        self.ctx.emit(HashSpans(self._next, spans, self.checksum_alg(job.leg)))
+
+    def checksum_alg(self, r: Leg) -> ChecksumAlg:
+        """The room's checksum algorithm (`checksums.checksum_alg`) from this side's memory
+        kind and the peer's Hello; a peer no longer known counts as host (its rooms are
+        failing: nothing it sent is verified any more)."""
+        p = self.peers.get(r.peer)
+        return checksum_alg(self.ctx.me.memory, p.memory if p is not None else "host")
+
+    # ------------------------------------------------------------------ completions
+
+    def take_op(self, op_id: int) -> Op | None:
+        """The op a completion names, forgotten; None when there is nothing more to do with
+        it (unknown, or its leg is terminal: then its pages may go back)."""
+        op = self.ops.pop(op_id, None)
+        if op is None:
+            return None
+        r = op.leg
+        for tag in op.tags:
+            left = r.fence.tags.get(tag, 1) - 1
+            if left:
+                r.fence.tags[tag] = left
+            else:
+                r.fence.tags.pop(tag, None)
+        if r.machine.is_terminal:
+            self.rooms.maybe_release(r)
+            return None
+        return op
+
+    def take_job(self, e: ev.Hashed) -> Job | None:
+        """The job `e` answers, forgotten; None when there is nothing more to do with it
+        (unknown, its leg terminal, its unit posted again since, or the hashing failed: the
+        room fails, naming the layer)."""
+        job = self.jobs.pop(e.job, None)
+        if job is None:
+            return None
+        r = job.leg
+        r.verifying.discard((job.unit, job.attempt))
+        if r.machine.is_terminal or r.posted.get(job.unit) != job.attempt:
+            return None
+        if e.error is not None:
+            what = "verification" if job.verify else "checksum"
+            layer = job.unit.layer
+            self.rooms.fail(r, PeerFailedRoom(reason=f"{what} of layer {layer} failed: {e.error}"),
+                            notify=Notify.FAILED, failure=Failure(
+                                FailureKind.TRANSPORT, f"{what} of layer {layer} could not be "
+                                f"computed: {e.error}"))
+            return None
+        return job
+
+    def moved(self, r: Leg, unit: Unit, regions: tuple[str, ...], direction: str) -> int:
+        """Counts the bytes of `unit`'s `regions` as sent / received; returns them."""
+        plans = r.plans_of(unit)
+        moved = self.readouts.moved
+        total = 0
+        for region in regions:
+            plan = plans[region]
+            nbytes = plan.total_bytes
+            total += nbytes
+            moved(direction, region, nbytes, plan.count)
+        self.ctx.counters[f"bytes_{direction}"] += total
+        return total
+
+    def failed(self, r: Leg, reason: str) -> None:
+        """A data op of `r` failed. When the peer failed or aborted the room, its cancelled
+        ops usually reach us on the data lane before its Failed/Abort (with the real reason)
+        on the control lane: give that message one heartbeat, then fail with ours. A dead
+        peer is still caught within 2 heartbeats."""
+        self.ctx.later(self.ctx.hb, lambda: self.rooms.fail(
+            r, PeerWasLost(reason=reason), notify=Notify.FAILED, kind=FailureKind.TRANSPORT))

@@ -1,0 +1,68 @@
+"""Span plans of a leg, sans-IO: what both sides of a leg compute from the same arguments
+(its pages, the peer's pages, both layouts), and which regions of a layer a leg moves.
+
+Rules:
+- Both sides call `span_plans` with the same arguments and get the same plans: the order of
+  the spans is the order the checksums hash, so nothing here may depend on the side.
+- A region's plan is the same for every layer of the region (only the buffer differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.kv_layout import LayoutSpec, SendFrom, SpanPlan, build_spans, page_aligned
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.rooms import Leg, Unit
+
+
+def span_plans(ctx: Context, r: Leg, *, src_pages: Mapping[str, np.ndarray], src_ps: int,
+               dst_pages: Mapping[str, np.ndarray], dst_ps: int, src_layout: LayoutSpec,
+               dst_layout: LayoutSpec, end: int | None = None) -> dict[str, SpanPlan]:
+    """The span plan of each region this leg moves (the same for every layer of the
+    region): both sides call this with the same arguments. Regions whose planes this leg
+    does not bring (another leg does) are left out.
+
+    Chunked prefill (`end` < seq_len, or a later chunk): each region moves from where its
+    previous chunk stopped (`r.covered`) up to `end` or as far as the source pages reach,
+    whichever is less (on a row boundary); `r.covered` is advanced and regions with
+    nothing to move in this chunk are left out. The last chunk (`end` = seq_len) needs
+    every region's pages to reach the end."""
+    end = r.seq_len if end is None else end
+    chunked = end < r.seq_len or bool(r.chunk_ends)
+    plans = {}
+    covered = dict(r.covered)
+    for reg in ctx.layout.regions:
+        wanted = (r.planes or {}).get(reg.name)
+        if r.planes is not None and not wanted:
+            continue
+        if reg.name not in src_pages or reg.name not in dst_pages:
+            raise ConfigError(f"pages: region {reg.name!r} missing")
+        first = r.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
+        start, stop = max(first, covered.get(reg.name, 0)), end
+        if end < r.seq_len:
+            reach = page_aligned(first, src_ps) + len(src_pages[reg.name]) * src_ps
+            k = src_layout.region(reg.name).tokens_per_row
+            stop = min(end, reach) // k * k
+        stop = max(start, stop)
+        covered[reg.name] = stop
+        if chunked and stop == start:
+            continue
+        plans[reg.name] = build_spans(
+            src_layout.region(reg.name), token_start=start, token_end=stop,
+            src_pages=src_pages[reg.name], src_page_size=src_ps,
+            src_first_token=page_aligned(first, src_ps),
+            dst_pages=dst_pages[reg.name], dst_page_size=dst_ps,
+            dst_first_token=page_aligned(first, dst_ps),
+            dst_region=dst_layout.region(reg.name), planes=wanted)
+    r.covered = covered
+    return plans
+
+
+def regions_of(ctx: Context, r: Leg, unit: Unit) -> list[str]:
+    """The regions of `unit`'s layer the leg moves in its chunk."""
+    plans = r.plans_of(unit)
+    return [name for name in ctx.layer_regions.get(unit.layer, ()) if name in plans]

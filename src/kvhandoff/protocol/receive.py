@@ -1,0 +1,301 @@
+"""`ReceivePath`: the decode's side of the data path, sans-IO: it asks for a room
+(`TransferRequest`, once the handshake is done and the engine gave its pages), posts every
+receive when the prefill accepts, verifies each layer once its bytes and its `LayerDone` are
+both in, asks once for a retransmit on a mismatch (`LayerNack`), fails the room naming layer
+and region when the retransmit does not verify either, and ends with `RoomAck`.
+
+With one-sided writes the prefill writes straight into this side's pages and nothing is
+posted: a layer's bytes are in once its `LayerDone` is. A writer that read its write back
+(same host) says so in the `LayerDone` (the landed sum and the digest of the plan it wrote
+by); those regions are not read again here, a disagreement is a mismatch like any other.
+
+Rules:
+- It keeps no state of its own: the ops and hashing jobs in flight are `inflight.InFlight`'s,
+  a leg's progress (posted, received, sums, verifying) lives on the leg.
+- A layer lands (`LayerLanded`) only verified (or unsummed by the checksum mode both sides
+  agreed on); a unit posted again (a retransmit) makes every word about the earlier attempt
+  stale.
+- From the `TransferRequest` that offered this side's buffers on, the leg's pages count as
+  written into (`Fence.remote_writes`) until every layer verified or the prefill says its writes
+  stopped.
+- Chunked prefill (`chunks.ChunkedPrefill`) posts each later chunk's receives through
+  `post_recv_layer`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvhandoff.buffers.bufferset import buffer_name
+from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
+from kvhandoff.kv_layout.admission import AllocationPolicy
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.admission import digest_to_wire, reserved_pages
+from kvhandoff.protocol.checksums import wants_checksum
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.effects import Notify, PostRecv
+from kvhandoff.protocol.inflight import InFlight, Job, Op
+from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peers import PeerTable
+from kvhandoff.protocol.planning import regions_of, span_plans
+from kvhandoff.protocol.rooms import Leg, LegPhase, Unit
+from kvhandoff.state_machine import (
+    AllLayersLanded,
+    ChecksumsDiffered,
+    LayerLanded,
+    PeerFailedRoom,
+    Role,
+    TransferAccepted,
+)
+
+MAX_ATTEMPTS = 2  # one retransmit after a checksum mismatch, then the room fails
+
+
+class ReceivePath:
+    """The decode's data path of one session (see the module doc). Keyword-only arguments."""
+
+    def __init__(self, *, ctx: Context, rooms: RoomTable, peers: PeerTable,
+                 ops: InFlight) -> None:
+        self.ctx = ctx
+        self.rooms = rooms
+        self.peers = peers
+        self.ops = ops
+
+    def init_leg(self, r: Leg) -> None:
+        """Decode: give a leg the engine's pages once both exist; maybe request."""
+        g = r.group
+        if g.pages is None or r.phase is not LegPhase.NEW:
+            return
+        table, prefix = g.pages
+        r.seq_len, r.prefix_len, r.pages = g.seq_len, prefix, table
+        r.page_size = self.ctx.layout.page_size_tokens
+        r.advance(LegPhase.READY)
+        self.maybe_request(r)
+
+    def maybe_request(self, r: Leg) -> None:
+        """Decode: send the TransferRequest once matched and initialised."""
+        if (r.role is not Role.DECODE or r.phase is not LegPhase.READY
+                or not r.machine.peer_matched or r.machine.is_terminal):
+            return
+        p = self.peers.get(r.peer)
+        if p is None or p.layout is None:
+            return
+        # Claim the planes this leg brings: those the source holds that no other leg of the
+        # room claimed yet (replicated regions: the first leg takes all; head slices: by name).
+        g = r.group
+        claimed: dict[str, set[str]] = {name: set() for name in self.ctx.region_index}
+        for other in g.legs:
+            if other is not r and other.planes:
+                for name, pl in other.planes.items():
+                    claimed[name].update(pl)
+        planes: dict[str, list[str]] = {}
+        for reg in self.ctx.layout.regions:
+            try:
+                theirs = {pl.name for pl in p.layout.region(reg.name).planes}
+            except KVHandoffError:
+                theirs = set()
+            planes[reg.name] = [pl.name for pl in reg.planes
+                                if pl.name in theirs and pl.name not in claimed[reg.name]]
+        r.planes = planes
+        r.advance(LegPhase.REQUESTED)
+        r.xfer = self.ctx.next_xfer()
+        # This request carries our buffers' descriptors (offered in our Hello): the prefill
+        # may write into the pages it names from the moment it accepts, which can be before
+        # its TransferAccepted reaches us. The pages are fenced from now on (released only
+        # once its writes stopped, or after the quarantine), cleared by a two-sided accept.
+        r.fence.remote_writes = r.fence.remote_writes or self.ctx.me.writes
+        # admission (issue 17): the policy, and what was reserved (early) or is free
+        policy = self.ctx.settings.allocation_policy
+        early = policy is AllocationPolicy.EARLY
+        self.ctx.send(r.peer, P.TransferRequest(
+            src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room, xfer=r.xfer,
+            peer_gen=r.peer_gen, seq_len=r.seq_len, decode_prefix_len=r.prefix_len,
+            page_size=r.page_size, dst_pages={k: v.tolist() for k, v in r.pages.items()},
+            lease_s=self.ctx.settings.lease_s, planes=planes, allocation_policy=policy.value,
+            reserved_pages=reserved_pages(self.ctx.layout, r.pages, r.prefix_len, r.page_size)
+            if early else None, free_pages=None if early else g.free_pages,
+            prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix),
+            readers=g.readers))
+        if g.expected is not None and len(g.legs) == g.expected and all(
+                leg.requested for leg in g.legs):
+            for reg in self.ctx.layout.regions:
+                have = set().union(*(set((leg.planes or {}).get(reg.name, [])) for leg in g.legs))
+                missing = [pl.name for pl in reg.planes if pl.name not in have]
+                if missing:
+                    self.rooms.fail(r, PeerFailedRoom(
+                        reason=f"{reg.name}: no prefill rank of this room holds planes "
+                               f"{missing}"), notify=Notify.FAILED,
+                        kind=FailureKind.INVALID_REQUEST)
+                    return
+
+    def on_accepted(self, r: Leg, msg: P.TransferAccepted) -> None:
+        """Decode: plan, post every receive, WaitingForInput."""
+        if r.accepted:
+            return
+        try:
+            p = self.peers.get(r.peer)
+            if p is None or p.layout is None:
+                raise ConfigError("TransferAccepted before the prefill's Hello")
+            end = r.seq_len if msg.chunk_end < 0 else msg.chunk_end
+            if msg.one_sided and not self.ctx.me.writes:
+                raise ConfigError("one_sided: this decode offered no buffers for writes")
+            if not 0 < end <= r.seq_len:
+                raise ConfigError(f"chunk_end: {msg.chunk_end} not in 1..{r.seq_len}")
+            r.src_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.src_pages.items()}
+            r.plans = span_plans(self.ctx, r, src_pages=r.src_table, src_ps=msg.page_size,
+                                  dst_pages=r.pages, dst_ps=r.page_size,
+                                  src_layout=p.layout, dst_layout=self.ctx.layout, end=end)
+            r.first_chunk(end, r.xfer)
+        except KVHandoffError as e:
+            self.rooms.fail(r, PeerFailedRoom(reason=f"invalid TransferAccepted: {e}"),
+                            notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
+            return
+        r.advance(LegPhase.ACCEPTED)
+        if msg.one_sided:
+            r.one_sided = r.fence.remote_writes = True
+            self.ctx.counters["rooms_one_sided"] += 1
+        else:  # the prefill sends two-sided: it never writes into our pages
+            r.fence.remote_writes = False
+        self.rooms.apply(r, TransferAccepted())
+        for layer in r.layers:
+            self.post_recv_layer(r, Unit(layer), 0)
+
+    def post_recv_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
+        """Decode: post the receives of every region of `unit` (none when the prefill writes
+        one-sided: its bytes are in once its LayerDone is)."""
+        r.posted[unit] = attempt
+        r.recv_done[(unit, attempt)] = set()
+        regions = regions_of(self.ctx, r, unit)
+        if r.one_sided:
+            r.recv_done[(unit, attempt)] = set(regions)
+            self.try_verify(r, unit, attempt)
+            return
+        if not regions:
+            self.try_verify(r, unit, attempt)
+        plans = r.plans_of(unit)
+        for name in regions:
+            plan = plans[name]
+            tag = r.tag(unit, self.ctx.region_index[name], attempt)
+            op = self.ops.post(r, (tag,), send=False, unit=unit, attempt=attempt, regions=(name,))
+            self.ctx.emit(PostRecv(op, r.peer, tag, buffer_name(name, unit.layer),
+                                   plan.dst_offsets, plan.nbytes))
+
+    def _received(self, r: Leg, unit: Unit, attempt: int, region: str,
+                  error: str | None) -> None:
+        if error is not None:
+            self.ops.failed(r, f"receive of layer {unit.layer} {region} failed: {error}")
+            return
+        r.recv_done.setdefault((unit, attempt), set()).add(region)
+        self.try_verify(r, unit, attempt)
+
+    def try_verify(self, r: Leg, unit: Unit, attempt: int) -> None:
+        """Decode: once a unit's bytes and its LayerDone are both here, verify."""
+        if r.role is not Role.DECODE or r.machine.is_terminal or r.posted.get(unit) != attempt:
+            return
+        key = (unit, attempt)
+        sums = r.sums.get(key)
+        if sums is None or key in r.verifying:
+            return
+        regions = tuple(regions_of(self.ctx, r, unit))
+        if len(r.recv_done.get(key, ())) < len(regions):
+            return
+        ctx = self.ctx
+        unsummed = [n for n in regions if sums.get(n) is None]
+        if unsummed and wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
+                                       len(ctx.layers)):
+            # a prefill that did not say its mode in its Hello (older) and sums less than
+            # this decode verifies: never end Success with these bytes unchecked
+            why = (f"checksum: decode={ctx.settings.checksum.value!r} verifies layer "
+                   f"{unit.layer} but the prefill sent no sum of {unsummed[0]!r} (its "
+                   "checksum mode sums fewer layers)")
+            self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
+                            failure=Failure(FailureKind.CHECKSUM, why))
+            return
+        # the writer's verification (one-sided, same host): its read-back must equal the
+        # source sum, and the plan it wrote by must be this side's; those regions are not
+        # read again here. A disagreement is a mismatch like any other (rewrite, then fail).
+        checked = r.landed.get(key) if r.one_sided else None
+        hashed: list[str] = []  # the regions with a source sum
+        own: list[str] = []  # those this side hashes (the writer did not verify them)
+        bad = None  # the first region whose writer's verification disagrees
+        plans = r.plans_of(unit)
+        for n in regions:
+            want = sums.get(n)
+            if want is None:
+                continue
+            hashed.append(n)
+            got = checked.get(n) if checked else None
+            if got is None:
+                own.append(n)
+            elif bad is None and (got[0] != want or got[1] != plans[n].digest()):
+                bad = n
+        if bad is None:
+            self.ctx.counters["checksums_writer_verified"] += len(hashed) - len(own)
+        if bad is not None or not own:
+            self._verified(r, unit, attempt, regions, bad=bad, checked=len(hashed))
+            return
+        r.verifying.add(key)
+        self.ops.hash(Job(r, True, unit, attempt, regions, tuple(own),
+                        tuple(sums.get(n) for n in own), trusted=len(hashed) - len(own)))
+
+    def _verified(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...], *,
+                  bad: str | None, checked: int) -> None:
+        """Acts on a unit's verification: landed, retransmit once, or Failed."""
+        ctx = self.ctx
+        if bad is not None:
+            ctx.counters["checksum_failures"] += 1
+            if attempt + 1 < MAX_ATTEMPTS:
+                r.retransmits += 1
+                ctx.counters["retransmits"] += 1
+                ctx.send(r.peer, P.LayerNack(
+                    src=ctx.me.address, gen=ctx.me.generation, room=r.room, layer=unit.layer,
+                    attempt=attempt, reason=f"checksum mismatch in {bad}", chunk=unit.chunk))
+                self.post_recv_layer(r, unit, attempt + 1)
+            else:
+                self.rooms.fail(r, ChecksumsDiffered(layer=unit.layer, region=bad),
+                                notify=Notify.FAILED)
+            return
+        r.checksums_verified += checked
+        ctx.counters["checksums_verified"] += checked
+        r.bytes_moved += self.ops.moved(r, unit, regions, "received")
+        layer = r.unit_done(unit)
+        if layer is None:
+            r.machine.progressed(ctx.now)
+            return
+        self.rooms.apply(r, LayerLanded(layer=layer))
+        g = r.group
+        if g.expected is not None and len(g.legs) == g.expected and all(
+                leg.machine.has_layers((layer,)) for leg in g.legs):
+            g.landed.add(layer)
+            self.rooms.changed(g)
+        if r.machine.has_layers(r.layers):
+            r.fence.remote_writes = False  # every layer verified: the prefill writes nothing more
+            self.rooms.apply(r, AllLayersLanded())
+            ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
+
+    def on_layer_done(self, r: Leg, msg: P.LayerDone) -> None:
+        """Decode: the prefill's sums of the layers it posted."""
+        for info in msg.layers:
+            unit = Unit(info.layer, info.chunk)
+            key = (unit, info.attempt)
+            sums: dict[str, int | None] = {}
+            checked: dict[str, tuple[int, int]] = {}
+            for x in info.regions:
+                sums[x.region] = x.checksum
+                if x.checksum is not None and x.landed is not None and x.plan is not None:
+                    checked[x.region] = (x.landed, x.plan)
+            r.sums[key] = sums
+            if checked:
+                r.landed[key] = checked
+            self.try_verify(r, unit, info.attempt)
+
+    def on_recv_done(self, op: Op, error: str | None) -> None:
+        """The receive of `op` (one region of a unit) completed (`InFlight.take_op`)."""
+        self._received(op.leg, op.unit, op.attempt, op.regions[0], error)
+
+    def on_verify_hashed(self, job: Job, sums: tuple[int | None, ...]) -> None:
+        """The landed sums of a unit are in: compare them with the sender's."""
+        bad = next((n for n, got, want in zip(job.hashed, sums, job.want, strict=True)
+                    if got != want), None)
+        self._verified(job.leg, job.unit, job.attempt, job.regions, bad=bad,
+                       checked=len(job.hashed) + job.trusted)

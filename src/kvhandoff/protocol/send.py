@@ -1,0 +1,273 @@
+"""`SendPath`: the prefill's side of the data path, sans-IO: it accepts a decode's transfer
+request, posts each layer as the engine marks it ready, announces it (`LayerDone`) with the
+checksums of its source spans, sends a layer again when the decode asks (`LayerNack`), and
+ends a leg Success once the decode's `RoomAck` came and every send completed.
+
+Per layer and leg: the sends of every region of the layer are posted and, while the bytes are
+on the wire, the checksums of the source spans are asked for; `LayerDone` (several layers in
+one message when they complete together, at the next `Tick`) announces them at once, so the
+tail after the last layer is one transfer plus one check. With one-sided writes the layer is
+written straight into the decode's pages (`PostWrite`, one job for the layer's regions, hashed
+while copying) and its `LayerDone` leaves once the write landed.
+
+Rules:
+- Its own state is the `LayerDone`s not yet sent; the ops and hashing jobs in flight are
+  `inflight.InFlight`'s, a leg's progress (posted, outstanding, sums) lives on the leg.
+- Admission (`admission.admission_of`) runs before any plan or op: a refused request moves no
+  byte.
+- Chunked prefill (`chunks.ChunkedPrefill`) posts each later chunk through `post_layer`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvhandoff.buffers.bufferset import buffer_name
+from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
+from kvhandoff.kv_layout import SendFrom, page_aligned
+from kvhandoff.protocol import events as ev
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.admission import Refusal, admission_of
+from kvhandoff.protocol.checksums import wants_checksum
+from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.effects import Notify, PostSend, PostWrite, WritePart
+from kvhandoff.protocol.inflight import InFlight, Job, Op
+from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peers import PeerTable
+from kvhandoff.protocol.planning import regions_of, span_plans
+from kvhandoff.protocol.rooms import Leg, LegPhase, Unit
+from kvhandoff.state_machine import (
+    AllLayersAcked,
+    KVPoll,
+    LayerSent,
+    LeaseRenewed,
+    PeerFailedRoom,
+    PeerMatched,
+    TransferAccepted,
+)
+
+
+class SendPath:
+    """The prefill's data path of one session (see the module doc). Keyword-only arguments."""
+
+    def __init__(self, *, ctx: Context, rooms: RoomTable, peers: PeerTable,
+                 ops: InFlight) -> None:
+        self.ctx = ctx
+        self.rooms = rooms
+        self.peers = peers
+        self.ops = ops
+        # (room, peer, xfer) -> the layers to announce (xfer: the request they answer)
+        self._pending_done: dict[tuple[int, str, int], list[P.LayerInfo]] = {}
+
+    @property
+    def done_pending(self) -> bool:
+        """LayerDones wait for the next `Tick` (`flush_done`)."""
+        return bool(self._pending_done)
+
+    def on_request(self, r: Leg, msg: P.TransferRequest) -> None:
+        """Prefill: validate the request, plan, accept, and send the layers already ready."""
+        p = self.peers.get(msg.src)
+        if not r.accepted:  # every message about this leg names this request from now on
+            r.xfer = msg.xfer
+        if msg.peer_gen != self.ctx.me.generation:
+            self.ctx.send(msg.src, P.Failed(
+                src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room,
+                reason="stale request: it names a previous generation of this prefill agent",
+                failure_kind=FailureKind.PEER_LOST.value, xfer=msg.xfer))
+            return
+        if r.accepted:
+            return
+        try:
+            if msg.seq_len != r.seq_len:
+                raise ConfigError(f"seq_len: prefill={r.seq_len} decode={msg.seq_len}")
+            if not 0 <= msg.decode_prefix_len <= r.seq_len:
+                raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} not in "
+                                  f"0..{r.seq_len}")
+            if msg.page_size <= 0 or msg.decode_prefix_len % msg.page_size:
+                raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} is not aligned "
+                                  f"to the decode page size {msg.page_size}")
+            r.prefix_len, r.peer_gen = msg.decode_prefix_len, msg.gen
+            r.pages = self.suffix_pages(r)
+            if p is None or p.layout is None:
+                raise ConfigError("transfer request before the decode's Hello")
+            refusal = admission_of(msg, decode_layout=p.layout,  # before any byte moves
+                                   policy=self.ctx.settings.allocation_policy,
+                                   prompt_tokens=r.group.prompt_tokens, prompt=r.group.prompt)
+            if refusal is not None:
+                raise Refusal(refusal)
+            r.planes = msg.planes
+            r.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
+            r.dst_page_size = msg.page_size
+            r.one_sided = p.writes
+            end = r.group.chunk_end or r.seq_len
+            r.plans = span_plans(self.ctx, r, src_pages=r.pages, src_ps=r.page_size,
+                                  dst_pages=r.dst_table, dst_ps=msg.page_size,
+                                  src_layout=self.ctx.layout, dst_layout=p.layout, end=end)
+            r.first_chunk(end, msg.xfer)
+        except Refusal as e:
+            self.rooms.fail(r, PeerFailedRoom(reason=str(e)), notify=Notify.FAILED,
+                            failure=Failure(FailureKind.ADMISSION, str(e)))
+            return
+        except KVHandoffError as e:
+            self.rooms.fail(r, PeerFailedRoom(reason=f"invalid transfer request: {e}"),
+                            notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
+            return
+        if not r.machine.peer_matched:
+            r.machine.apply(PeerMatched(), self.ctx.now)
+        r.machine.apply(TransferAccepted(), self.ctx.now)
+        r.machine.apply(LeaseRenewed(), self.ctx.now)
+        self.rooms.changed(r.group)
+        r.advance(LegPhase.ACCEPTED)
+        if r.one_sided:
+            self.ctx.counters["rooms_one_sided"] += 1
+        self.ctx.send(msg.src, P.TransferAccepted(
+            src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room, page_size=r.page_size,
+            src_pages={k: v.tolist() for k, v in r.pages.items()},
+            chunk_end=-1 if end >= r.seq_len else end, one_sided=r.one_sided, xfer=r.xfer))
+        for layer in r.group.ready:
+            self.post_layer(r, Unit(layer), 0)
+
+    def post_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
+        """Prefill: send every region of `unit`, checksum the source spans while the bytes
+        are on the wire, and announce it (`LayerDone`) once the sums are in."""
+        ctx = self.ctx
+        r.posted[unit] = attempt
+        regions = regions_of(self.ctx, r, unit)
+        key = (unit, attempt)
+        r.sums[key] = {}
+        if not regions:  # another leg of the room brings this layer's planes
+            r.outstanding[key] = 1
+            self._queue_done(r, unit, attempt, (), ())
+            self._sent(r, unit, attempt, (), None)
+            return
+        plans = r.plans_of(unit)
+        want = wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
+                              len(ctx.layers))
+        if r.one_sided:  # straight into the decode's pages, hashed while copying: one job
+            r.outstanding[key] = 1  # for the layer's regions, one completion, a sum per region
+            parts = tuple(WritePart(r.tag(unit, ctx.region_index[name], attempt),
+                                    buffer_name(name, unit.layer), plans[name])
+                          for name in regions)
+            op = self.ops.post(r, tuple(x.tag for x in parts), send=True, unit=unit,
+                          attempt=attempt, regions=tuple(regions))
+            ctx.emit(PostWrite(op, r.peer, parts, want, self.ops.checksum_alg(r), r.room))
+            return
+        r.outstanding[key] = len(regions)
+        for name in regions:
+            plan = plans[name]
+            tag = r.tag(unit, ctx.region_index[name], attempt)
+            op = self.ops.post(r, (tag,), send=True, unit=unit, attempt=attempt, regions=(name,))
+            ctx.emit(PostSend(op, r.peer, tag, buffer_name(name, unit.layer), plan.src_offsets,
+                              plan.nbytes))
+        if want:
+            self.ops.hash(Job(r, False, unit, attempt, tuple(regions), tuple(regions)))
+        else:
+            self._queue_done(r, unit, attempt, tuple(regions), (None,) * len(regions))
+
+    def _queue_done(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...],
+                    sums: tuple[int | None, ...],
+                    landed: tuple[int | None, ...] = ()) -> None:
+        """Queues the LayerDone of a posted unit (several layers of a room leave in one
+        message, at the next Tick). `landed`: the writer's read-back sum of each region (one
+        per region, None where it has none; empty: none at all), said with the digest of the
+        plan it wrote by."""
+        r.sums[(unit, attempt)] = dict(zip(regions, sums, strict=True))
+        plans = r.plans_of(unit)
+        done = self._pending_done.get((r.room, r.peer, r.xfer))
+        if done is None:
+            done = self._pending_done[(r.room, r.peer, r.xfer)] = []
+        parts = [P.RegionDone(region=n, nbytes=plans[n].total_bytes, checksum=s, landed=got,
+                              plan=None if got is None else plans[n].digest())
+                 for n, s, got in zip(regions, sums, landed or (None,) * len(regions),
+                                      strict=True)]
+        done.append(P.LayerInfo(layer=unit.layer, attempt=attempt, chunk=unit.chunk,
+                                regions=parts))
+
+    def flush_done(self) -> None:
+        me = self.ctx.me
+        for (room, peer, xfer), infos in self._pending_done.items():
+            self.ctx.send(peer, P.LayerDone(src=me.address, gen=me.generation, room=room,
+                                            layers=infos, xfer=xfer))
+        self._pending_done.clear()
+
+    def on_written(self, e: ev.Written) -> None:
+        """Prefill: the one-sided write job of a unit's regions landed (or failed). Its
+        LayerDone leaves now, with the sums computed while copying (one per region)."""
+        op = self.ops.take_op(e.op)
+        if op is None:
+            return
+        r = op.leg
+        error = e.error
+        if error is None:
+            ctx = self.ctx
+            want = wants_checksum(ctx.settings.checksum, ctx.layer_order[op.unit.layer],
+                                  len(ctx.layers))
+            n = len(op.regions)
+            digests, landed = e.digests, e.landed
+            if want and (len(digests) != n or None in digests):
+                error = (f"the transport returned {len(digests)} checksum(s), some missing, "
+                         f"for a write of {n} region(s) that asked for one each")
+            elif landed and len(landed) != n:
+                error = f"the transport read back {len(landed)} region(s) of a write of {n}"
+            elif want:
+                self._queue_done(r, op.unit, op.attempt, op.regions, digests, landed)
+            else:
+                self._queue_done(r, op.unit, op.attempt, op.regions, (None,) * n)
+        self._sent(r, op.unit, op.attempt, op.regions, error)
+
+    def _sent(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...],
+              error: str | None) -> None:
+        """One op of `unit` (a send of one region, or the write job of all of them) ended."""
+        if error is not None:
+            self.ops.failed(r, f"send of layer {unit.layer} {', '.join(regions)} "
+                                      f"failed: {error}")
+            return
+        r.bytes_moved += self.ops.moved(r, unit, regions, "sent")
+        key = (unit, attempt)
+        left = r.outstanding[key] - 1
+        if left:
+            r.outstanding[key] = left
+            return
+        del r.outstanding[key]
+        if attempt == 0:
+            whole = r.unit_done(unit)
+            if whole is not None:
+                self.rooms.apply(r, LayerSent(layer=whole))
+                self.maybe_acked(r)
+
+    def acked(self, r: Leg) -> None:
+        """Prefill: the decode's RoomAck came."""
+        if r.phase is LegPhase.ACCEPTED:
+            r.advance(LegPhase.ACKED)
+            self.maybe_acked(r)
+
+    def maybe_acked(self, r: Leg) -> None:
+        """Prefill: Success once the RoomAck came AND every layer's send completed (LayerDone
+        goes out early, so the decode can verify and ack before our completions arrive)."""
+        if (r.phase is LegPhase.ACKED and r.machine.state is KVPoll.Transferring
+                and r.machine.has_layers(r.layers)):
+            self.rooms.apply(r, AllLayersAcked())
+
+    def on_nack(self, r: Leg, msg: P.LayerNack) -> None:
+        """Prefill: the decode asks for a layer again (its checksum did not match)."""
+        unit = Unit(msg.layer, msg.chunk)
+        if msg.attempt + 1 < 1 << P.ATTEMPT_BITS and r.posted.get(unit) == msg.attempt:
+            self.ctx.counters["retransmits"] += 1
+            r.retransmits += 1
+            self.post_layer(r, unit, msg.attempt + 1)
+
+    def suffix_pages(self, r: Leg) -> dict[str, np.ndarray]:
+        """Prefill: the leg's pages per region, suffix-only regions from the page-aligned
+        decode prefix on."""
+        return {reg.name: r.pages[reg.name][
+            page_aligned(r.prefix_len, r.page_size) // r.page_size
+            if reg.send_from is SendFrom.DECODE_PREFIX else 0:]
+            for reg in self.ctx.layout.regions}
+
+    def on_send_done(self, op: Op, error: str | None) -> None:
+        """One send of `op` (one region of a unit) completed (`InFlight.take_op`)."""
+        self._sent(op.leg, op.unit, op.attempt, op.regions, error)
+
+    def on_source_hashed(self, job: Job, sums: tuple[int | None, ...]) -> None:
+        """The source sums of a posted unit are in: announce it (`LayerDone`)."""
+        self._queue_done(job.leg, job.unit, job.attempt, job.regions, sums)
