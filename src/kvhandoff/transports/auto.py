@@ -298,6 +298,9 @@ class AutoTransport(OneSidedTransport):
             return f"the peer's side: {addr.shm_why}"
         return ""
 
+    def bind_session(self, peer: str, key: bytes) -> None:
+        self._cross.bind_session(peer, key)  # (shm proves its peers by SO_PEERCRED)
+
     def disconnect(self, peer: str) -> None:
         with self._lock:
             part = self._routes.get(peer)
