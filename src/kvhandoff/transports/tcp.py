@@ -60,7 +60,7 @@ _NOT_TAKEN = "tcp: chunk not taken: its connection has not proven this session (
 
 class _Op:
     __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
-                 "next_chunk", "inflight", "landed", "staging")
+                 "next_chunk", "inflight", "landed", "staging", "rid")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> None:
@@ -76,6 +76,7 @@ class _Op:
         self.inflight = 0
         self.landed = 0
         self.staging: dict[int, np.ndarray] = {}
+        self.rid: bytes | None = None  # (receive) the connection its last chunk came on
 
     def __repr__(self) -> str:
         kind = "send" if self.is_send else "recv"
@@ -346,12 +347,13 @@ class TcpTransport(ThreadedTransport):
             elif self._recv_index.get((op.ident, op.tag)) is op:
                 del self._recv_index[(op.ident, op.tag)]
                 self._tombstone(op.ident, op.tag)
-                self._reply(op.ident, [_FINAL.pack(b"F", op.tag, 0), why.encode()])
+                self._reply(op, [_FINAL.pack(b"F", op.tag, 0), why.encode()])
         return True
 
-    def _reply(self, ident: bytes, frames: list[bytes]) -> None:
-        """To peer `ident`'s proven connection (none yet: it has sent nothing to tell)."""
-        rid = self._gate.route(ident)
+    def _reply(self, op: _Op, frames: list[bytes]) -> None:
+        """To the connection the receive's chunks came on, else its peer's proven connection
+        (none: the peer has sent nothing to tell)."""
+        rid = op.rid or self._gate.route(op.ident)
         if rid is not None:
             self._router.send_multipart([rid, *frames])
 
@@ -383,7 +385,7 @@ class TcpTransport(ThreadedTransport):
         self._recv_index[key] = op
         for k, n, total, frame, rid in self._early.take(key):
             self._router.send_multipart([rid, _CREDIT.pack(b"C", op.tag, k)])
-            self._land(op, k, n, total, frame)
+            self._land(op, k, n, total, frame, rid)
         return True
 
     # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
@@ -454,7 +456,7 @@ class TcpTransport(ThreadedTransport):
             op = self._recv_index.get(key)
             if op is not None:
                 self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
-                self._land(op, k, n, total, frames[2])
+                self._land(op, k, n, total, frames[2], rid)
             elif key in self._tombstones:
                 self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
             elif not self._early.hold(key, (k, n, total, frames[2], rid), len(frames[2]),
@@ -463,7 +465,8 @@ class TcpTransport(ThreadedTransport):
                     f"tcp: tag {tag}: chunks sent before the receiver posted its receive went "
                     "over its bound (tcp_early_bytes); dropped").encode()])
 
-    def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame) -> None:
+    def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame, rid: bytes) -> None:
+        op.rid = rid
         plan = op.plan
         data = frame.buffer
         if total != plan.total or n != plan.nchunks or k >= n or len(data) != plan.chunk_len(k):
@@ -471,7 +474,7 @@ class TcpTransport(ThreadedTransport):
                       f"expects {plan.total}")
             self._recv_index.pop((op.ident, op.tag), None)
             self._tombstone(op.ident, op.tag)
-            self._reply(op.ident, [_FINAL.pack(b"F", op.tag, 0), reason.encode()])
+            self._reply(op, [_FINAL.pack(b"F", op.tag, 0), reason.encode()])
             self._finish(op, reason)
             return
         start = plan.direct(k)
@@ -488,6 +491,6 @@ class TcpTransport(ThreadedTransport):
             complete = op.landed == plan.nchunks
         if complete:
             self._recv_index.pop((op.ident, op.tag), None)
-            self._reply(op.ident, [_FINAL.pack(b"F", op.tag, 1), b""])
+            self._reply(op, [_FINAL.pack(b"F", op.tag, 1), b""])
             self._finish(op, None)
 
