@@ -239,3 +239,20 @@ def test_a_peer_over_the_early_bound_fails_its_rooms_cleanly() -> None:
                 assert err is None and sends[i].wait() is None and p.exact(i * N)
     finally:
         p.close()
+
+
+def test_a_sender_a_handshake_ahead_is_taken_once_the_receiver_has_the_key(keyed: Pair) -> None:
+    """A new handshake reaches the sender first (the prefill rekeys on the Hello, the decode
+    on the HelloAck): its new proof comes while the receiver still holds the old key and does
+    not verify; it is held, and taken once the receiver binds the new key, so the next
+    transfer lands (before: the proof was dropped, the send failed, the receive hung)."""
+    p = keyed
+    assert p.both(1)
+    key = os.urandom(32)
+    p.a.bind_session("b", key)
+    p.a.connect("b", p.b.address)
+    assert wait_for(lambda: counter(p.b, "data_refused_proofs") == 1)
+    p.b.bind_session("a", key)
+    p.b.connect("a", p.a.address)
+    assert p.both(2, at=N)
+    assert counter(p.b, "data_unproven_chunks") == 0

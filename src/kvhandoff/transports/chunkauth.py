@@ -25,8 +25,10 @@
 # and finals are not MAC'd: it can fail a send or stall it, never make a byte land).
 #
 # Rules: a `Gate` and an `EarlyStore` belong to the transport's I/O thread, except the key
-# table, which `bind`/`unbind` change from any thread under the gate's own lock. What a
-# stranger costs is bounded: proofs waiting for their key (PENDING_MAX, oldest dropped),
+# table, which `bind`/`unbind` change from any thread under the gate's own lock. A proof that
+# does not verify under its peer's key is counted and held (checked again once that key
+# changes: the sender may be a handshake ahead). What a stranger costs is bounded: proofs
+# waiting for their key or held after a refusal (PENDING_MAX, oldest dropped),
 # connections taken on a claim without a secret (CLAIMS_MAX, oldest dropped), early chunks per
 # peer and in total (bytes; over the bound the tag's held chunks are dropped, counted, and its
 # receive fails when posted, its sender is told at once), and nothing at all for a chunk from
@@ -122,7 +124,9 @@ class Gate:
         self._nonces: dict[bytes, tuple[bytes, set[bytes]]] = {}  # peer id -> (key, taken)
         self._conns: collections.OrderedDict[bytes, _Conn] = collections.OrderedDict()
         self._route: dict[bytes, bytes] = {}  # peer id -> routing id of its latest proof
-        self._pending: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        # routing id -> (proof frame, the key it failed under: b"" not checked yet)
+        self._pending: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
+            collections.OrderedDict())
         # routing ids that proved a peer once (a sender worth telling its chunk was not taken)
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
@@ -160,34 +164,39 @@ class Gate:
         self._conns.pop(rid, None)  # a new proof replaces what the connection proved
         if self.required:
             self._pending.pop(rid, None)
-            self._pending[rid] = frame
+            self._pending[rid] = (frame, b"")
             while len(self._pending) > PENDING_MAX:
-                self._pending.popitem(last=False)
-                self.counters["data_refused_proofs"] += 1
+                _, (_, tried) = self._pending.popitem(last=False)
+                if not tried:
+                    self.counters["data_refused_proofs"] += 1
             self._try_pending(rid)
             return
         _, ident, nonce, _ = PROOF.unpack(frame)
         self._take(rid, ident, b"", nonce)
 
     def _try_pending(self, rid: bytes) -> _Conn | None:
-        frame = self._pending.get(rid)
-        if frame is None:
+        held = self._pending.get(rid)
+        if held is None:
             return None
+        frame, tried = held
         _, ident, nonce, mac = PROOF.unpack(frame)
         key = self._key_of(ident)
-        if not key:
+        if not key or key == tried:
             return None  # not bound yet (the control session is being set up): held
-        del self._pending[rid]
         if not hmac.compare_digest(_proof_mac(key, ident, self._me, nonce), mac):
+            # counted, and held: the sender may be a session ahead of this side (its new
+            # handshake's key is bound here a moment later); checked again under that key
             self.counters["data_refused_proofs"] += 1
+            self._pending[rid] = (frame, key)
             return None
-        held = self._nonces.get(ident)
-        if held is None or held[0] != key:
-            held = self._nonces[ident] = (key, set())
-        if nonce in held[1] or len(held[1]) >= NONCES_MAX:
+        del self._pending[rid]
+        taken = self._nonces.get(ident)
+        if taken is None or taken[0] != key:
+            taken = self._nonces[ident] = (key, set())
+        if nonce in taken[1] or len(taken[1]) >= NONCES_MAX:
             self.counters["data_replayed_proofs"] += 1
             return None
-        held[1].add(nonce)
+        taken[1].add(nonce)
         return self._take(rid, ident, key, nonce)
 
     def _take(self, rid: bytes, ident: bytes, key: bytes, nonce: bytes) -> _Conn:
