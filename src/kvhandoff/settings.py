@@ -160,6 +160,11 @@ class Settings(BaseSettings):
         "(default): either refuses to start, naming the setting to set. On: they start, warn "
         "in the log, and say auth off in their status, /ready, metrics and doctor.")
     max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")
+    tcp_early_bytes: int = Field(
+        1 << 30, gt=0, description="tcp transport: bytes of chunks a receiver holds per peer "
+        "for receives not posted yet (4 times that from all peers); over it that tag's chunks "
+        "are dropped and counted, its sender and its receive fail (the room fails or is "
+        "retried).")
     local_control_lane: bool = Field(
         True, description="Agents of one host (one network namespace) send each other control "
         "messages over a Unix socket named after the control address, written and read by "

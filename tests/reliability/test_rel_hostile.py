@@ -160,10 +160,16 @@ def _hostile_run(surface: str, secret: str | None, count: int, rooms: int) -> No
                 sent = len(statuses)
                 status, _ = _get(url + "/health")
                 assert status == 200
-        else:
-            target = p.agent.transport.address.decode() if surface == "tcp_data" else p.address
+        elif surface == "tcp_data":
+            # the decode's data port, where the rooms' receives are posted, in the name of the
+            # prefill's transport (its id is in the address its Hello carries)
+            target = d.agent.transport.address.decode()
             sent = hostile.beside_process(hostile.attack_argv(
-                surface, target, seed=seed, count=count, known_peers=peers,
+                surface, target, seed=seed, count=count,
+                claims=[p.agent.transport.address[-32:]]), work)["sent"]
+        else:
+            sent = hostile.beside_process(hostile.attack_argv(
+                surface, p.address, seed=seed, count=count, known_peers=peers,
                 known_rooms=known_rooms), work)["sent"]
         assert sent > 0 and done == room_ids
         assert alive(p) and alive(d)
@@ -175,6 +181,11 @@ def _hostile_run(surface: str, secret: str | None, count: int, rooms: int) -> No
                 refused(p) - refused0, sent)
         elif surface == "lane":  # a frame over the limits ends a connection, and what followed
             assert refused(p) > refused0
+        elif surface == "tcp_data":  # the stranger's chunks were dropped and counted
+            c = counters(d)
+            assert wait_until(lambda: counters(d)["data_unproven_chunks"] > 0, WAIT_S), c
+            if secret:  # its proofs (forged, in the prefill's name) were refused
+                assert c["data_refused_proofs"] > 0, c
         r = secrets.randbits(63)
         handoff(p, d, r, 40)
         assert d.bad_bytes(r, 40) == 0

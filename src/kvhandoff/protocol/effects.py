@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -65,6 +65,8 @@ class Connect(Effect):
     peer: str
     address: bytes
     gen: int = 0
+    #: the session key with the peer (b"": none), to bind the data plane to (bind_session)
+    key: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

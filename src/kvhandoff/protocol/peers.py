@@ -322,7 +322,7 @@ class PeerTable:
                          if b.descriptor}
         p.ack_hello = not isinstance(msg, P.HelloAck) and not acked
         # answered by Connected, later: room messages from the peer wait in its backlog
-        ctx.emit(Connect(msg.src, msg.transport_address, p.gen))
+        ctx.emit(Connect(msg.src, msg.transport_address, p.gen, key or b""))
 
     def on_hello_reject(self, msg: P.HelloReject) -> None:
         """Taken only when it echoes the nonce of our Hello / HelloAck out; rejects the peer

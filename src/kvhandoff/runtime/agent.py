@@ -280,13 +280,14 @@ class TransferAgent:
         st = self.transport.status()
         s = self._loop.query(TransferSession.status)
         s["counters"].update(self._loop.counters)
+        s["counters"].update(st.counters)
         return {
             "agent_id": self.agent_id, "role": self.role.value, "address": self.address,
             "generation": self.generation, "layout_hash": self.layout_hash,
             "auth": self.auth.value,
             "transport": {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded,
                           "reason": st.reason, "bytes_sent": st.bytes_sent,
-                          "bytes_received": st.bytes_received},
+                          "bytes_received": st.bytes_received, "counters": st.counters},
             **s,
         }
 

@@ -404,7 +404,11 @@ class ControlLoop:
 
     def _connect(self, eff: Connect) -> None:
         """(peer-call worker) May wait on the peer up to the transport's bound."""
-        error = _outcome(lambda: self.transport.connect(eff.peer, eff.address))
+        def connect() -> None:
+            self.transport.bind_session(eff.peer, eff.key)  # the data plane's session too
+            self.transport.connect(eff.peer, eff.address)
+
+        error = _outcome(connect)
         self.post(ev.Connected(eff.peer, error, eff.gen))
 
     def _register_remote(self, eff: RegisterRemote) -> None:

@@ -148,6 +148,9 @@ class FaultyTransport(Transport):
             raise TransportError(f"connect {peer!r}: the peer never answered (fault)")
         self.inner.connect(peer, address)
 
+    def bind_session(self, peer: str, key: bytes) -> None:
+        self.inner.bind_session(peer, key)
+
     def release_connects(self) -> None:
         """Ends the connects `hang_connect` holds (they fail)."""
         self._unhang.set()

@@ -16,6 +16,10 @@ still completes real handoffs beside the attack, byte-exact.
   DEALER (no agent code on this side). `send_lane(address, frame_sets)`: the same over the
   agent's same-host lane. `send_tcp(host, port, chunks)`: raw bytes to a data port.
   `send_http(base_url, requests)`: raw HTTP requests to a bootstrap server.
+- The tcp data plane's own cases (`TCP_KINDS`; `tcp_session_cases`, `send_tcp_frames`): a
+  forged connection proof in a peer's name, a replayed proof (captured bytes, given), a
+  connection that reuses a peer's ZMQ identity, chunks with forged MACs for the tags a peer
+  uses, and a flood of chunks for tags no one posted (the early-chunk store's bound).
 - `nested_maps(depth)`: the one frame that used to end an agent's control thread (a Hello whose
   layout nests `depth` maps).
 - `attack_control`, `attack_lane`, `attack_tcp_data`, `attack_http`: a seeded corpus thrown
@@ -321,6 +325,99 @@ def tcp_chunks(seed: int, count: int) -> Iterator[bytes]:
             yield bytes(rng.randrange(1, 256))
 
 
+#: the categories of `tcp_session_cases` (the tcp data plane's connection proofs and chunks)
+TCP_KINDS = ("forged_proof", "replayed_proof", "identity_reuse", "forged_chunks",
+             "early_flood")
+
+
+@dataclass(frozen=True, slots=True)
+class TcpCase:
+    """One connection of the tcp data-plane corpus: the ZMQ identity it claims (None: the
+    socket's own), the frame sets it sends in order, and the category."""
+
+    kind: str
+    identity: bytes | None
+    frame_sets: list[list[bytes]]
+
+
+def tcp_chunk(tag: int, k: int, n: int, total: int, payload: bytes, *,
+              trailer: bytes | None = None) -> list[bytes]:
+    """The frames of one data chunk as a tcp transport's DEALER sends them; `trailer`: its
+    sequence number and MAC (`chunkauth.Signer.trailer`), else a made-up one."""
+    from kvhandoff.transports.chunkauth import TRAILER
+
+    head = b"D" + struct.pack("<QIIQ", tag, k, n, total)
+    if trailer is None:
+        trailer = TRAILER.pack(1 + k, os.urandom(32))
+    return [head + trailer, payload]
+
+
+def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
+                      proofs: Sequence[bytes] = (), tags: Sequence[int] = (),
+                      flood_bytes: int = 4096) -> list[TcpCase]:
+    """`count` chunks' worth of connections that try to get bytes into a tcp receiver without
+    its peers' session key: a proof in the name of a peer (`claims`: transport ids, the last
+    32 characters of a transport address) with a made-up MAC, then chunks; each captured proof
+    in `proofs` replayed on a connection of its own, then chunks; a connection whose ZMQ
+    identity is a peer's id (what ROUTER_HANDOVER let take a connection over), chunks only;
+    chunks with made-up MACs for `tags`; and a flood of `flood_bytes`-byte chunks for random
+    tags after a proof-shaped claim (without a secret that claim is taken: the flood then
+    measures the store's bound). Seeded."""
+    from kvhandoff.transports.chunkauth import PROOF
+
+    rng = random.Random(seed)
+    claim = list(claims) or [os.urandom(16).hex().encode()]
+    tag_pool = list(tags) or [rng.getrandbits(40)]
+    per = max(1, count // len(TCP_KINDS))
+
+    def chunks(n: int, size: int = 256) -> list[list[bytes]]:
+        out = []
+        for _ in range(n):
+            tag = rng.choice(tag_pool)
+            out.append(tcp_chunk(tag, 0, 1, size, rng.randbytes(size)))
+        return out
+
+    def proof(ident: bytes) -> bytes:
+        return PROOF.pack(b"P", ident, rng.randbytes(16), rng.randbytes(32))
+
+    cases = [TcpCase("forged_proof", None, [[proof(c)] for c in claim] + chunks(per))]
+    for captured in proofs:
+        cases.append(TcpCase("replayed_proof", None, [[captured], *chunks(per)]))
+    cases.append(TcpCase("identity_reuse", claim[0], chunks(per)))
+    cases.append(TcpCase("forged_chunks", None, chunks(per)))
+    flood = []
+    for _ in range(per):
+        size = max(1, flood_bytes)
+        flood.append(tcp_chunk(rng.getrandbits(40), 0, 1, size, rng.randbytes(size)))
+    cases.append(TcpCase("early_flood", None,
+                         [[proof(os.urandom(16).hex().encode())], *flood]))
+    return cases
+
+
+def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
+    """Sends each case on a ZMQ DEALER connection of its own to a tcp transport's data port
+    (its `Transport.address`); returns the frame sets sent. Each connection is closed only
+    once what it queued went out (linger)."""
+    import zmq
+
+    endpoint = transport_address.decode().rsplit("/", 1)[0]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    n = 0
+    for case in cases:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 5000)
+        if case.identity is not None:
+            sock.setsockopt(zmq.IDENTITY, case.identity)
+        sock.connect(endpoint)
+        try:
+            for frames in case.frame_sets:
+                sock.send_multipart(frames)
+                n += 1
+        finally:
+            sock.close()
+    return n
+
+
 def http_requests(seed: int, count: int, *, paths: Sequence[str] = ("/",)) -> Iterator[bytes]:
     """Raw HTTP/1.1 requests a hostile client may send a bootstrap server: bodies that are not
     JSON, JSON of the wrong shape, deep nesting, huge numbers, oversized headers."""
@@ -401,11 +498,13 @@ def _lane_batch(address: str, batch: list[list[bytes]]) -> int:
     return n
 
 
-def attack_tcp_data(transport_address: bytes, *, seed: int, count: int) -> int:
+def attack_tcp_data(transport_address: bytes, *, seed: int, count: int,
+                    claims: Sequence[bytes] = ()) -> int:
     """Garbage at a tcp transport's data port (its `Transport.address`,
-    ``tcp://host:port/<id>``): raw bytes on plain TCP connections (not ZMTP), then chunk
-    frames with random tags from a ZMQ DEALER that claims an identity of its own. Returns the
-    frames and chunks sent."""
+    ``tcp://host:port/<id>``): raw bytes on plain TCP connections (not ZMTP), chunk frames
+    with random tags from a ZMQ DEALER that claims an identity of its own, then the
+    data-plane session cases (`tcp_session_cases`, in the name of the transport ids
+    `claims`). Returns the frames and chunks sent."""
     import zmq
 
     from kvhandoff.netaddr import split_zmq_endpoint
@@ -432,7 +531,8 @@ def attack_tcp_data(transport_address: bytes, *, seed: int, count: int) -> int:
             n += 1
     finally:
         sock.close()
-    return n
+    return n + send_tcp_frames(transport_address, tcp_session_cases(seed, count // 4,
+                                                                   claims=claims))
 
 
 #: the bootstrap server's write endpoints `attack_http` posts to
@@ -451,18 +551,20 @@ def attack_http(base_url: str, *, seed: int, count: int,
 
 def attack_argv(surface: str, target: str, *, seed: int, count: int,
                 known_peers: Sequence[tuple[str, int]] = (),
-                known_rooms: Sequence[int] = ()) -> list[str]:
+                known_rooms: Sequence[int] = (), claims: Sequence[bytes] = ()) -> list[str]:
     """The command line that runs an attack in a process of its own (`main`): an attacker in
     the agents' process would share its interpreter lock with them and starve them, which a
     real attacker cannot. `target`: the control address (control, lane), the transport
-    address (tcp_data) or the base URL (http)."""
+    address (tcp_data) or the base URL (http); `claims`: transport ids to impersonate
+    (tcp_data)."""
     import json
     import sys
 
     return [sys.executable, "-m", "kvhandoff.testing.hostile", surface, target,
             "--seed", str(seed), "--count", str(count),
             "--known-peers", json.dumps([list(x) for x in known_peers]),
-            "--known-rooms", json.dumps(list(known_rooms))]
+            "--known-rooms", json.dumps(list(known_rooms)),
+            "--claims", json.dumps([c.decode("ascii") for c in claims])]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -483,6 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--known-peers", default="[]",
                     help='JSON list of ["host:port", generation] to impersonate')
     ap.add_argument("--known-rooms", default="[]", help="JSON list of room ids")
+    ap.add_argument("--claims", default="[]",
+                    help="JSON list of tcp transport ids to impersonate (tcp_data)")
     a = ap.parse_args(argv)
     kw: dict[str, Any] = {"known_peers": [(str(x), int(g)) for x, g in
                                           json.loads(a.known_peers)],
@@ -492,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif a.surface == "lane":
         out = attack_lane(a.target, seed=a.seed, count=a.count, **kw)
     elif a.surface == "tcp_data":
-        out = attack_tcp_data(a.target.encode(), seed=a.seed, count=a.count)
+        out = attack_tcp_data(a.target.encode(), seed=a.seed, count=a.count,
+                              claims=[str(c).encode("ascii") for c in json.loads(a.claims)])
     else:
         statuses = attack_http(a.target, seed=a.seed, count=a.count)
         out = {"statuses": statuses}

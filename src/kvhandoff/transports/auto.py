@@ -250,7 +250,10 @@ class AutoTransport(OneSidedTransport):
             if self._closed:
                 raise TransportError("auto transport is closed")
             known = self._addresses.get(peer)
+            route = self._routes.get(peer)
         if known == address:
+            if route is self._cross:  # a new session with the peer: its key (bind_session)
+                route.connect(peer, addr.cross)
             return
         if known is not None:
             raise TransportError(f"connect {peer!r}: already connected at another address; "
@@ -297,6 +300,9 @@ class AutoTransport(OneSidedTransport):
         if not addr.shm_ok:
             return f"the peer's side: {addr.shm_why}"
         return ""
+
+    def bind_session(self, peer: str, key: bytes) -> None:
+        self._cross.bind_session(peer, key)  # (shm proves its peers by SO_PEERCRED)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:

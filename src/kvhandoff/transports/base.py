@@ -42,7 +42,7 @@ import importlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -99,6 +99,8 @@ class TransportStatus:
     reason: str
     bytes_sent: int
     bytes_received: int
+    #: what the transport refused, by name (tcp: chunks of unproven connections, ...)
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 class Transport(ABC):
@@ -121,6 +123,13 @@ class Transport(ABC):
     @abstractmethod
     def connect(self, peer: str, address: bytes) -> None:
         """Connects to a peer agent (idempotent for the same address)."""
+
+    def bind_session(self, peer: str, key: bytes) -> None:
+        """Binds the data connections with `peer` to the control session whose key is `key`
+        (the HKDF session key of `protocol.wire.session_key`; b"" without a secret); called
+        before each `connect` of that session. A transport whose data plane proves itself
+        under that key takes it (tcp); the default ignores it (see docs/SECURITY.md)."""
+        return None
 
     @abstractmethod
     def disconnect(self, peer: str) -> None:

@@ -6,10 +6,17 @@
 # (b"D" + tag, chunk index, chunk count, total bytes) and the payload, zero-copy (copy=False):
 # a view of the registered buffer when the chunk lies in one span, else a pooled staging buffer
 # it was gathered into. The receiver's ROUTER copies each payload once into the destination
-# (direct or scattered) and answers b"C" (chunk arrived: the sender may reuse that staging
+# (direct or scattered) and answers b"C" (chunk landed: the sender may reuse that staging
 # buffer and send one more chunk of that op: the shared per-op window, _threaded.WINDOW) and,
 # when every chunk of the op landed, b"F" + status, which completes the send. Chunks that
-# arrive before their receive is posted are held (as zmq frames) until it is.
+# arrive before their receive is posted are held (as zmq frames, bounded per peer and in total:
+# chunkauth.EarlyStore) until it is, and answered b"C" only then.
+# Each data connection is bound to the control session with its peer (chunkauth: the DEALER
+# sends a proof under the session's key first, and on every reconnect; each header frame ends
+# with a sequence number and a MAC of header and payload); the ROUTER assigns routing ids itself
+# (no ROUTER_HANDOVER: a sender cannot pick, reuse or take over another's) and lands a chunk
+# only from a connection that proved its peer. High-water marks and the largest message are
+# bounded.
 #
 # Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
 # wake it through a pipe. `_lock` guards the op tables, each op's `finished` flag and every
@@ -33,6 +40,7 @@ from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
 from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
 from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
+from kvhandoff.transports.chunkauth import COUNTERS, TRAILER, EarlyStore, Gate, Signer
 from kvhandoff.transports.streams import ChunkPlan, check_tag
 from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
 
@@ -42,14 +50,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DATA = struct.Struct("<cQIIQ")  # b"D", tag, chunk index, chunk count, total bytes
+_HEAD_BYTES = _DATA.size + TRAILER.size  # a chunk's header frame: _DATA, then its trailer
 _CREDIT = struct.Struct("<cQI")  # b"C", tag, chunk index
 _FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 reason
 _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
+_HWM = 65536  # messages queued per connection and direction (credits are 17 bytes each)
+_NOT_TAKEN = "tcp: chunk not taken: its connection has not proven this session (say Hello)"
 
 
 class _Op:
     __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
-                 "next_chunk", "inflight", "landed", "staging")
+                 "next_chunk", "inflight", "landed", "staging", "rid")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> None:
@@ -65,6 +76,7 @@ class _Op:
         self.inflight = 0
         self.landed = 0
         self.staging: dict[int, np.ndarray] = {}
+        self.rid: bytes | None = None  # (receive) the connection its last chunk came on
 
     def __repr__(self) -> str:
         kind = "send" if self.is_send else "recv"
@@ -103,9 +115,10 @@ class TcpTransport(ThreadedTransport):
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.RCVHWM, _HWM)
+        self._router.setsockopt(zmq.SNDHWM, _HWM)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, settings.chunk_bytes + _HEAD_BYTES)
         self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
         try:
             self._router.bind(zmq_endpoint(settings.agent_host, 0))
@@ -123,12 +136,22 @@ class TcpTransport(ThreadedTransport):
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._send_index: dict[tuple[str, int], _Op] = {}
         self._recv_index: dict[tuple[bytes, int], _Op] = {}
-        self._unexpected: dict[tuple[bytes, int], list[tuple[int, int, int, zmq.Frame]]] = {}
-        # when each held tag's first chunk arrived (a count shared with disconnect()): a
-        # disconnect drops only what arrived before it was called, not the chunks of a
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._gate = Gate(self._ident, required=settings.hmac_secret is not None,
+                          counters=self._counters)
+        self._early = EarlyStore(peer_bytes=settings.tcp_early_bytes,
+                                 total_bytes=4 * settings.tcp_early_bytes,
+                                 counters=self._counters)
+        self._session_keys: dict[str, bytes] = {}  # (the lock) peer -> bind_session's key
+        self._bound: dict[str, bytes] = {}  # (the lock) peer -> the key its connect used
+        self._signers: dict[str, Signer] = {}
+        # peer -> (its DEALER's monitor, its transport id, the session key); connections made
+        self._monitors: dict[str, tuple[zmq.Socket[bytes], bytes, bytes]] = {}
+        self._connects: dict[str, int] = {}
+        # the order each held tag's first chunk arrived in (a count shared with disconnect()):
+        # a disconnect drops only what arrived before it was called, not the chunks of a
         # reconnected peer that the I/O thread read before it got to the disconnect command
         self._seq = itertools.count()
-        self._unexpected_seq: dict[tuple[bytes, int], int] = {}
         self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
             collections.OrderedDict())
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -145,24 +168,35 @@ class TcpTransport(ThreadedTransport):
     def address(self) -> bytes:
         return self._address
 
+    def bind_session(self, peer: str, key: bytes) -> None:
+        with self._lock:
+            self._session_keys[peer] = bytes(key)
+
     def connect(self, peer: str, address: bytes) -> None:
-        endpoint, _ = _split_address(address)
+        endpoint, ident = _split_address(address)
         with self._lock:
             self._check_open()
+            key = self._session_keys.get(peer, b"")
             known = self._peers.get(peer)
-            if known == address:
+            if known == address and self._bound.get(peer) == key:
                 return
-            if known is not None:
+            if known is not None and known != address:
                 raise TransportError(f"connect {peer!r}: already connected at another address; "
                                      "disconnect first")
             self._peers[peer] = address
-        self._command(IoCommand.CONNECT, peer, endpoint)
+            self._bound[peer] = key
+        self._gate.bind(ident, key)  # (a known peer with a new key: the data plane follows)
+        self._command(IoCommand.CONNECT, peer, endpoint, ident, key)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
             ops = [op for op in self._ops.values() if op.peer == peer]
             done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
             known = self._peers.pop(peer, None)
+            self._session_keys.pop(peer, None)
+            self._bound.pop(peer, None)
+        if known is not None:
+            self._gate.unbind(_split_address(known)[1])
         self._deliver(done)
         if known is not None:
             self._command(IoCommand.DISCONNECT, peer, known, ops, next(self._seq))
@@ -180,7 +214,8 @@ class TcpTransport(ThreadedTransport):
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
                                reason="tcp transport: no RDMA (pyzmq over TCP sockets)",
-                               bytes_sent=self._bytes_sent, bytes_received=self._bytes_received)
+                               bytes_sent=self._bytes_sent, bytes_received=self._bytes_received,
+                               counters=dict(self._counters))
 
     def close(self) -> None:
         with self._lock:
@@ -224,6 +259,8 @@ class TcpTransport(ThreadedTransport):
                 self._drain_router()
                 for peer, sock in list(self._dealers.items()):
                     self._drain_dealer(peer, sock)
+                for peer in [p for p, m in self._monitors.items() if m[0] in events]:
+                    self._drain_monitor(peer)
                 self._pump_sends()
         except Exception:
             log.exception("tcp transport I/O thread failed")
@@ -235,20 +272,53 @@ class TcpTransport(ThreadedTransport):
         finally:
             for sock in self._dealers.values():
                 sock.close(linger=0)
+            for mon, _, _ in self._monitors.values():
+                mon.close(linger=0)
             self._router.close(linger=0)
             self._ctx.term()
 
-    def _on_connect(self, poller: zmq.Poller, peer: str, endpoint: str) -> bool:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._ident)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
-        sock.connect(endpoint)
-        self._dealers[peer] = sock
-        poller.register(sock, zmq.POLLIN)
+    def _on_connect(self, poller: zmq.Poller, peer: str, endpoint: str, ident: bytes,
+                    key: bytes) -> bool:
+        sock = self._dealers.get(peer)
+        if sock is None:
+            # no IDENTITY: the peer's ROUTER names this connection itself
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)  # (the per-op window bounds what is queued)
+            sock.setsockopt(zmq.RCVHWM, _HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
+            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            sock.connect(endpoint)
+            self._dealers[peer] = sock
+            self._monitors[peer] = (mon, ident, key)
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+        else:  # a new session with the same peer: prove it on the same connection
+            mon = self._monitors[peer][0]
+            self._monitors[peer] = (mon, ident, key)
+        self._prove(peer)
         return True
+
+    def _prove(self, peer: str) -> None:
+        """A fresh proof (new nonce) ahead of whatever this peer's connection sends next."""
+        _, ident, key = self._monitors[peer]
+        signer = self._signers[peer] = Signer(key)
+        self._dealers[peer].send(signer.proof(self._ident, ident))
+
+    def _drain_monitor(self, peer: str) -> None:
+        """A reconnected connection is a new one to the peer's ROUTER: prove it again (the
+        first connect's proof went out with connect)."""
+        mon = self._monitors[peer][0]
+        while True:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames[0]) >= 2 and struct.unpack_from("<H", frames[0])[0] == \
+                    zmq.EVENT_CONNECTED:
+                self._connects[peer] = self._connects.get(peer, 0) + 1
+                if self._connects[peer] > 1:
+                    self._prove(peer)
 
     def _on_disconnect(self, poller: zmq.Poller, peer: str, address: bytes,
                        ops: list[_Op], cut: int) -> bool:
@@ -257,11 +327,16 @@ class TcpTransport(ThreadedTransport):
         sock = self._dealers.pop(peer, None)
         if sock is not None:
             poller.unregister(sock)
+            sock.disable_monitor()
             sock.close(linger=0)
-        for key in [k for k in self._unexpected
-                    if k[0] == ident and self._unexpected_seq.get(k, -1) < cut]:
-            del self._unexpected[key]
-            self._unexpected_seq.pop(key, None)
+        mon = self._monitors.pop(peer, None)
+        if mon is not None:
+            poller.unregister(mon[0])
+            mon[0].close(linger=0)
+        self._signers.pop(peer, None)
+        self._connects.pop(peer, None)
+        self._gate.forget(ident)
+        self._early.drop_peer(ident, cut)
         return True
 
     def _on_forget(self, poller: zmq.Poller, ops: list[_Op], why: str) -> bool:
@@ -272,13 +347,18 @@ class TcpTransport(ThreadedTransport):
             elif self._recv_index.get((op.ident, op.tag)) is op:
                 del self._recv_index[(op.ident, op.tag)]
                 self._tombstone(op.ident, op.tag)
-                self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 0),
-                                             why.encode()])
+                self._reply(op, [_FINAL.pack(b"F", op.tag, 0), why.encode()])
         return True
 
+    def _reply(self, op: _Op, frames: list[bytes]) -> None:
+        """To the connection the receive's chunks came on, else its peer's proven connection
+        (none: the peer has sent nothing to tell)."""
+        rid = op.rid or self._gate.route(op.ident)
+        if rid is not None:
+            self._router.send_multipart([rid, *frames])
+
     def _tombstone(self, ident: bytes, tag: int) -> None:
-        self._unexpected.pop((ident, tag), None)
-        self._unexpected_seq.pop((ident, tag), None)
+        self._early.discard((ident, tag))
         self._tombstones[(ident, tag)] = None
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
@@ -294,11 +374,18 @@ class TcpTransport(ThreadedTransport):
         if op.finished:
             return True
         key = (op.ident, op.tag)
+        if self._early.overflowed(key):  # its sender was told when its chunks were dropped
+            self._early.unmark(key)
+            self._tombstone(op.ident, op.tag)
+            self._finish(op, f"tcp: tag {op.tag}: chunks that came before this receive was "
+                             "posted went over the bound of held chunks (tcp_early_bytes) and "
+                             "were dropped")
+            return True
         self._tombstones.pop(key, None)
         self._recv_index[key] = op
-        self._unexpected_seq.pop(key, None)
-        for k, n, total, frame in self._unexpected.pop(key, []):
-            self._land(op, k, n, total, frame)
+        for k, n, total, frame, rid in self._early.take(key):
+            self._router.send_multipart([rid, _CREDIT.pack(b"C", op.tag, k)])
+            self._land(op, k, n, total, frame, rid)
         return True
 
     # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
@@ -311,8 +398,9 @@ class TcpTransport(ThreadedTransport):
         if stage is not None:
             op.staging[k] = stage  # back to the pool when the receiver's credit comes
         plan = op.plan
-        channel.send_multipart([_DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total),
-                                view.data], copy=False)
+        head = _DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total)
+        channel.send_multipart([head + self._signers[op.peer].trailer(head, view), view.data],
+                               copy=False)
         self._bytes_sent += view.size
 
     def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
@@ -331,9 +419,11 @@ class TcpTransport(ThreadedTransport):
             elif head[:1] == b"F" and len(head) == _FINAL.size:
                 _, tag, ok = _FINAL.unpack(head)
                 op = self._send_index.pop((peer, tag), None)
+                reason = None if ok else (frames[1].decode("utf-8", "replace")
+                                          if len(frames) > 1 else "receiver failed")
+                if reason == _NOT_TAKEN:  # the peer did not take our proof: a fresh one
+                    self._prove(peer)
                 if op is not None:
-                    reason = None if ok else (frames[1].decode("utf-8", "replace")
-                                              if len(frames) > 1 else "receiver failed")
                     self._finish(op, reason)
             else:
                 log.warning("tcp: dropping a malformed frame from peer %r", peer)
@@ -344,24 +434,39 @@ class TcpTransport(ThreadedTransport):
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[1].bytes) != _DATA.size:
-                log.warning("tcp: dropping a malformed message (%d frames)", len(frames))
+            rid = frames[0].bytes
+            if len(frames) == 2 and frames[1].bytes[:1] == b"P":
+                self._gate.on_proof(rid, frames[1].bytes)
                 continue
-            ident = frames[0].bytes
-            kind, tag, k, n, total = _DATA.unpack(frames[1].bytes)
+            if len(frames) != 3 or len(frames[1].bytes) != _HEAD_BYTES:
+                log.debug("tcp: dropping a malformed message (%d frames)", len(frames))
+                continue
+            head = frames[1].bytes
+            kind, tag, k, n, total = _DATA.unpack_from(head)
             if kind != b"D":
                 continue
-            self._router.send_multipart([ident, _CREDIT.pack(b"C", tag, k)])
+            ident = self._gate.check(rid, head[:_DATA.size], head[_DATA.size:],
+                                     frames[2].buffer)
+            if ident is None:  # dropped (counted); a stranger is told nothing
+                if self._gate.was_proven(rid):
+                    self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0),
+                                                 _NOT_TAKEN.encode()])
+                continue
             key = (ident, tag)
             op = self._recv_index.get(key)
             if op is not None:
-                self._land(op, k, n, total, frames[2])
-            elif key not in self._tombstones:
-                if key not in self._unexpected:
-                    self._unexpected_seq[key] = next(self._seq)
-                self._unexpected.setdefault(key, []).append((k, n, total, frames[2]))
+                self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
+                self._land(op, k, n, total, frames[2], rid)
+            elif key in self._tombstones:
+                self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
+            elif not self._early.hold(key, (k, n, total, frames[2], rid), len(frames[2]),
+                                      next(self._seq)):
+                self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0), (
+                    f"tcp: tag {tag}: chunks sent before the receiver posted its receive went "
+                    "over its bound (tcp_early_bytes); dropped").encode()])
 
-    def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame) -> None:
+    def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame, rid: bytes) -> None:
+        op.rid = rid
         plan = op.plan
         data = frame.buffer
         if total != plan.total or n != plan.nchunks or k >= n or len(data) != plan.chunk_len(k):
@@ -369,8 +474,7 @@ class TcpTransport(ThreadedTransport):
                       f"expects {plan.total}")
             self._recv_index.pop((op.ident, op.tag), None)
             self._tombstone(op.ident, op.tag)
-            self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 0),
-                                         reason.encode()])
+            self._reply(op, [_FINAL.pack(b"F", op.tag, 0), reason.encode()])
             self._finish(op, reason)
             return
         start = plan.direct(k)
@@ -387,6 +491,6 @@ class TcpTransport(ThreadedTransport):
             complete = op.landed == plan.nchunks
         if complete:
             self._recv_index.pop((op.ident, op.tag), None)
-            self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 1), b""])
+            self._reply(op, [_FINAL.pack(b"F", op.tag, 1), b""])
             self._finish(op, None)
 
