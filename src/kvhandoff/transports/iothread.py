@@ -1,0 +1,108 @@
+# The I/O thread of a transport (tcp, ucx, shm): the thread, its command queue and the pipe
+# that wakes it. The command set is the transport's own enum; the thread only carries them.
+#
+# Rules: only the I/O thread reads the queue (`handle`); other threads `put` a command and
+# write a byte to the wake pipe, and only while the thread may be asleep (`asleep`: a loop
+# that sets it False while awake sets it True again before its last look at the queue, and
+# polls without a timeout when a command is queued, so none is left waiting; a loop that
+# never sets it has every command wake it). `stop` is the thread's own command, not one of the
+# transport's: `handle` runs nothing after it and sets `stopped`, and the loop returns.
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+C = TypeVar("C")
+
+_STOP = object()
+
+
+class IoThread(Generic[C]):
+    """One I/O thread with its command queue and wake pipe (see module comment)."""
+
+    __slots__ = ("_name", "_commands", "asleep", "stopped", "_wake_r", "_wake_w", "_thread",
+                 "_closed")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self.asleep = True  # the thread may be in poll (see module comment)
+        self.stopped = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def wake_fd(self) -> int:
+        """The read end of the wake pipe, for the loop's poller."""
+        return self._wake_r
+
+    def start(self, run: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=run, daemon=True, name=self._name)
+        self._thread.start()
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this I/O thread."""
+        return threading.current_thread() is self._thread
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def pending(self) -> bool:
+        """Whether a command is queued."""
+        return bool(self._commands)
+
+    def put(self, cmd: C, *args: Any) -> None:
+        """Queues a command (any thread) and wakes the thread if it may be asleep."""
+        self._commands.append((cmd, *args))
+        if not self.asleep:
+            return
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the I/O thread is awake anyway
+
+    def drain_wake(self) -> None:
+        """(I/O thread) Empties the wake pipe."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def handle(self, handlers: Mapping[C, Callable[..., object]], *lead: Any) -> int:
+        """(I/O thread) Runs the queued commands in order, `handlers[cmd](*lead, *args)`;
+        how many ran. At a stop it runs nothing more and sets `stopped`."""
+        ran = 0
+        while self._commands:
+            cmd, *args = self._commands.popleft()
+            if cmd is _STOP:
+                self.stopped = True
+                return ran
+            handlers[cmd](*lead, *args)
+            ran += 1
+        return ran
+
+    def stop(self) -> None:
+        """Asks the thread to stop and joins it (unless called on it)."""
+        self._commands.append((_STOP,))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+        if self._thread is not None and not self.is_current():
+            self._thread.join()
+
+    def close(self) -> None:
+        """Closes the wake pipe (after `stop`, or for a transport whose constructor failed
+        before the thread started). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._wake_r)
+        os.close(self._wake_w)
