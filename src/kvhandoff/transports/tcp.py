@@ -2,26 +2,31 @@
 #
 # How it works: each transport binds one ROUTER on settings.agent_host, port 0, and opens one
 # DEALER per connected peer (routing id = this transport's id). A send cuts its stream into the
-# shared chunk grid (_chunks.ChunkPlan) and sends one frame pair per chunk on the DEALER:
+# shared chunk grid (streams.ChunkPlan) and sends one frame pair per chunk on the DEALER:
 # (b"D" + tag, chunk index, chunk count, total bytes) and the payload, zero-copy (copy=False):
 # a view of the registered buffer when the chunk lies in one span, else a pooled staging buffer
 # it was gathered into. The receiver's ROUTER copies each payload once into the destination
 # (direct or scattered) and answers b"C" (chunk arrived: the sender may reuse that staging
-# buffer and send one more chunk of that op: the shared per-op window, _threaded.WINDOW) and,
+# buffer and send one more chunk of that op: the per-op window, window.SendWindow) and,
 # when every chunk of the op landed, b"F" + status, which completes the send. Chunks that
 # arrive before their receive is posted are held (as zmq frames) until it is.
 #
+# The transport composes owned parts: its op table (optable.OpTable: buffers, peers, pending
+# ops, completion delivery), its I/O thread with its own command set (iothread.IoThread over
+# `_Cmd`), and the send window (window.SendWindow).
+#
 # Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
-# wake it through a pipe. `_lock` guards the op tables, each op's `finished` flag and every
-# write into destination memory, so an op finishes exactly once and, after cancel() returns,
-# nothing of that tag is written. Callbacks run on a separate CallbackThread, outside the lock.
+# wake it through a pipe. The op table's lock (`_lock`) guards the op tables, each op's
+# `finished` flag and every write into destination memory, so an op finishes exactly once
+# and, after cancel() returns, nothing of that tag is written. Callbacks run on the op
+# table's CallbackThread, outside the lock.
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import logging
 import struct
-import threading
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
@@ -32,9 +37,11 @@ import zmq
 from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
 from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
-from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
-from kvhandoff.transports.streams import ChunkPlan, check_tag
-from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+from kvhandoff.transports.base import OnDone, Transport, TransportKind, TransportStatus
+from kvhandoff.transports.iothread import IoThread
+from kvhandoff.transports.optable import OpTable
+from kvhandoff.transports.streams import ChunkPlan
+from kvhandoff.transports.window import SendWindow
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -45,6 +52,16 @@ _DATA = struct.Struct("<cQIIQ")  # b"D", tag, chunk index, chunk count, total by
 _CREDIT = struct.Struct("<cQI")  # b"C", tag, chunk index
 _FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 reason
 _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
+
+
+class _Cmd(enum.Enum):
+    """What other threads ask the tcp I/O thread to do."""
+
+    CONNECT = "connect"
+    DISCONNECT = "disconnect"
+    SEND = "send"
+    RECV = "recv"
+    FORGET = "forget"
 
 
 class _Op:
@@ -88,7 +105,7 @@ def _split_address(address: bytes) -> tuple[str, bytes]:
     return endpoint, ident.encode("ascii")
 
 
-class TcpTransport(ThreadedTransport):
+class TcpTransport(Transport):
     """pyzmq data transport (see module comment). Always degraded: no RDMA."""
 
     kind: ClassVar[TransportKind] = TransportKind.TCP
@@ -99,7 +116,11 @@ class TcpTransport(ThreadedTransport):
                                  " use transport=ucx on hosts with an RDMA device, or unset "
                                  "KVHANDOFF_REQUIRE_RDMA to accept the degraded TCP path")
         self._ident = uuid.uuid4().hex.encode("ascii")
-        self._init_threaded(settings.chunk_bytes, f"kvhandoff-tcp-cb-{self._ident[:8].decode()}")
+        self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
+                              callback_thread=f"kvhandoff-tcp-cb-{self._ident[:8].decode()}",
+                              make_op=self._make_op, start=self._start)
+        self._lock = self._table.lock
+        self._io: IoThread[_Cmd] = IoThread(f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -112,7 +133,8 @@ class TcpTransport(ThreadedTransport):
         except zmq.ZMQError as e:
             self._router.close()
             self._ctx.term()
-            self._abandon_threaded()
+            self._table.stop()
+            self._io.close()
             raise TransportError(f"tcp: cannot bind agent_host={settings.agent_host!r}: {e}") from e
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")
@@ -120,6 +142,8 @@ class TcpTransport(ThreadedTransport):
         self._bytes_sent = 0
         self._bytes_received = 0
         # owned by the I/O thread
+        self._window = SendWindow(settings.chunk_bytes, channel=self._dealer_of,
+                                  emit=self._emit, fail=self._table.finish)
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._send_index: dict[tuple[str, int], _Op] = {}
         self._recv_index: dict[tuple[bytes, int], _Op] = {}
@@ -131,15 +155,13 @@ class TcpTransport(ThreadedTransport):
         self._unexpected_seq: dict[tuple[bytes, int], int] = {}
         self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
             collections.OrderedDict())
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
-        self._thread.start()
+        self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
 
     def register(self, name: str, buf: np.ndarray) -> None:
         refuse_device_memory("tcp", name, buf)  # CUDA memory: say which transport can
-        super().register(name, buf)
+        self._table.register(name, buf)
 
     @property
     def address(self) -> bytes:
@@ -148,34 +170,28 @@ class TcpTransport(ThreadedTransport):
     def connect(self, peer: str, address: bytes) -> None:
         endpoint, _ = _split_address(address)
         with self._lock:
-            self._check_open()
-            known = self._peers.get(peer)
-            if known == address:
+            if self._table.known_peer(peer, address):
                 return
-            if known is not None:
-                raise TransportError(f"connect {peer!r}: already connected at another address; "
-                                     "disconnect first")
-            self._peers[peer] = address
-        self._command(IoCommand.CONNECT, peer, endpoint)
+            self._table.peers[peer] = address
+        self._io.put(_Cmd.CONNECT, peer, endpoint)
 
     def disconnect(self, peer: str) -> None:
-        with self._lock:
-            ops = [op for op in self._ops.values() if op.peer == peer]
-            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
-            known = self._peers.pop(peer, None)
-        self._deliver(done)
+        ops, known = self._table.end_peer(peer, f"disconnected from peer {peer!r}")
         if known is not None:
-            self._command(IoCommand.DISCONNECT, peer, known, ops, next(self._seq))
+            self._io.put(_Cmd.DISCONNECT, peer, known, ops, next(self._seq))
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._table.post(True, peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
 
     def cancel(self, peer: str, tag: int) -> None:
-        tag = check_tag(tag)
-        with self._lock:
-            ops = [op for k in ((peer, tag, True), (peer, tag, False))
-                   if (op := self._ops.get(k)) is not None]
-            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
-        self._deliver(done)
+        ops = self._table.end_tag(peer, tag)
         if ops:
-            self._command(IoCommand.FORGET, ops, "peer cancelled")
+            self._io.put(_Cmd.FORGET, ops, "peer cancelled")
 
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
@@ -183,16 +199,14 @@ class TcpTransport(ThreadedTransport):
                                bytes_sent=self._bytes_sent, bytes_received=self._bytes_received)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            done = self._finish_locked(list(self._ops.values()), "tcp transport closed")
-        self._deliver(done)
-        self._shutdown_io()
+        if self._table.close("tcp transport closed") is None:
+            return
+        self._io.stop()
+        self._table.stop()
+        self._io.close()
 
     def __repr__(self) -> str:
-        return f"<TcpTransport {self._address.decode()} peers={len(self._peers)}>"
+        return f"<TcpTransport {self._address.decode()} peers={len(self._table.peers)}>"
 
     # ---- helpers (any thread) -------------------------------------------------------------
 
@@ -200,38 +214,35 @@ class TcpTransport(ThreadedTransport):
                  plan: ChunkPlan, on_done: OnDone) -> _Op:
         return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
 
+    def _start(self, op: _Op) -> None:
+        self._io.put(_Cmd.SEND if op.is_send else _Cmd.RECV, op)
+
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        handlers: dict[IoCommand, Callable[..., bool]] = {
-            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
-            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
-            IoCommand.FORGET: self._on_forget,
+        io = self._io
+        poller.register(io.wake_fd, zmq.POLLIN)
+        handlers: dict[_Cmd, Callable[..., bool]] = {
+            _Cmd.CONNECT: self._on_connect, _Cmd.DISCONNECT: self._on_disconnect,
+            _Cmd.SEND: self._on_send, _Cmd.RECV: self._on_recv, _Cmd.FORGET: self._on_forget,
         }
         try:
             while True:
                 events = dict(poller.poll())
-                if self._wake_r in events:
-                    self._drain_wake()
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] is IoCommand.STOP:
-                        return
-                    handlers[cmd[0]](poller, *cmd[1:])
+                if io.wake_fd in events:
+                    io.drain_wake()
+                io.handle(handlers, poller)
+                if io.stopped:
+                    return
                 self._drain_router()
                 for peer, sock in list(self._dealers.items()):
                     self._drain_dealer(peer, sock)
-                self._pump_sends()
+                self._window.pump()
         except Exception:
             log.exception("tcp transport I/O thread failed")
-            with self._lock:
-                self._closed = True
-                done = self._finish_locked(list(self._ops.values()),
-                                           "tcp transport I/O thread failed")
-            self._deliver(done)
+            self._table.close("tcp transport I/O thread failed")
         finally:
             for sock in self._dealers.values():
                 sock.close(linger=0)
@@ -287,7 +298,7 @@ class TcpTransport(ThreadedTransport):
         if op.finished:
             return True
         self._send_index[(op.peer, op.tag)] = op
-        self._active_sends.append(op)
+        self._window.add(op)
         return True
 
     def _on_recv(self, poller: zmq.Poller, op: _Op) -> bool:
@@ -301,9 +312,9 @@ class TcpTransport(ThreadedTransport):
             self._land(op, k, n, total, frame)
         return True
 
-    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+    # ---- send window hooks (window.SendWindow) --------------------------------------------
 
-    def _channel(self, op: _Op) -> zmq.Socket[bytes] | None:
+    def _dealer_of(self, op: _Op) -> zmq.Socket[bytes] | None:
         return self._dealers.get(op.peer)
 
     def _emit(self, channel: zmq.Socket[bytes], op: _Op, k: int, view: np.ndarray,
@@ -326,15 +337,14 @@ class TcpTransport(ThreadedTransport):
                 _, tag, k = _CREDIT.unpack(head)
                 op = self._send_index.get((peer, tag))
                 if op is not None:
-                    op.inflight -= 1
-                    self._unstage(op.staging.pop(k, None))
+                    self._window.credit(op, op.staging.pop(k, None))
             elif head[:1] == b"F" and len(head) == _FINAL.size:
                 _, tag, ok = _FINAL.unpack(head)
                 op = self._send_index.pop((peer, tag), None)
                 if op is not None:
                     reason = None if ok else (frames[1].decode("utf-8", "replace")
                                               if len(frames) > 1 else "receiver failed")
-                    self._finish(op, reason)
+                    self._table.finish(op, reason)
             else:
                 log.warning("tcp: dropping a malformed frame from peer %r", peer)
 
@@ -371,7 +381,7 @@ class TcpTransport(ThreadedTransport):
             self._tombstone(op.ident, op.tag)
             self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 0),
                                          reason.encode()])
-            self._finish(op, reason)
+            self._table.finish(op, reason)
             return
         start = plan.direct(k)
         src = np.frombuffer(data, dtype=np.uint8)
@@ -388,5 +398,5 @@ class TcpTransport(ThreadedTransport):
         if complete:
             self._recv_index.pop((op.ident, op.tag), None)
             self._router.send_multipart([op.ident, _FINAL.pack(b"F", op.tag, 1), b""])
-            self._finish(op, None)
+            self._table.finish(op, None)
 
