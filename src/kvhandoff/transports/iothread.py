@@ -1,5 +1,6 @@
 # The I/O thread of a transport (tcp, ucx, shm): the thread, its command queue and the pipe
-# that wakes it. The command set is the transport's own enum; the thread only carries them.
+# that wakes it. A command is one of the transport's own methods with its arguments (the
+# command set is the transport's: `put(self._on_send, op)`); the thread only carries them.
 #
 # Rules: only the I/O thread reads the queue (`handle`); other threads `put` a command and
 # write a byte to the wake pipe, and only while the thread may be asleep (`asleep`: a loop
@@ -12,15 +13,15 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
-
-C = TypeVar("C")
-
-_STOP = object()
+from collections.abc import Callable
+from typing import Any
 
 
-class IoThread(Generic[C]):
+def _stop() -> None:
+    """The thread's own command: the loop returns (never called)."""
+
+
+class IoThread:
     """One I/O thread with its command queue and wake pipe (see module comment)."""
 
     __slots__ = ("_name", "_commands", "asleep", "stopped", "_wake_r", "_wake_w", "_thread",
@@ -57,8 +58,9 @@ class IoThread(Generic[C]):
         """Whether a command is queued."""
         return bool(self._commands)
 
-    def put(self, cmd: C, *args: Any) -> None:
-        """Queues a command (any thread) and wakes the thread if it may be asleep."""
+    def put(self, cmd: Callable[..., object], *args: Any) -> None:
+        """Queues `cmd(*lead, *args)` for the thread (any thread; `lead`: what the loop
+        passes to every command, see `handle`) and wakes it if it may be asleep."""
         self._commands.append((cmd, *args))
         if not self.asleep:
             return
@@ -75,32 +77,37 @@ class IoThread(Generic[C]):
         except BlockingIOError:
             pass
 
-    def handle(self, handlers: Mapping[C, Callable[..., object]], *lead: Any) -> int:
-        """(I/O thread) Runs the queued commands in order, `handlers[cmd](*lead, *args)`;
-        how many ran. At a stop it runs nothing more and sets `stopped`."""
+    def handle(self, *lead: Any) -> int:
+        """(I/O thread) Runs the queued commands in order, `cmd(*lead, *args)`; how many
+        ran. At a stop it runs nothing more and sets `stopped`."""
         ran = 0
         while self._commands:
             cmd, *args = self._commands.popleft()
-            if cmd is _STOP:
+            if cmd is _stop:
                 self.stopped = True
                 return ran
-            handlers[cmd](*lead, *args)
+            cmd(*lead, *args)
             ran += 1
         return ran
 
-    def stop(self) -> None:
-        """Asks the thread to stop and joins it (unless called on it)."""
-        self._commands.append((_STOP,))
+    def stop(self, *also: Any) -> None:
+        """Asks the thread to stop and joins it (unless called on it), then stops each of
+        `also` (anything with a stop(): the transport's other workers, in order) and closes
+        the wake pipe."""
+        self._commands.append((_stop,))
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass
         if self._thread is not None and not self.is_current():
             self._thread.join()
+        for worker in also:
+            worker.stop()
+        self.close()
 
     def close(self) -> None:
-        """Closes the wake pipe (after `stop`, or for a transport whose constructor failed
-        before the thread started). Safe to call twice."""
+        """Closes the wake pipe (the end of `stop`, or for a transport whose constructor
+        failed before the thread started). Safe to call twice."""
         if self._closed:
             return
         self._closed = True

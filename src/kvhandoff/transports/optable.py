@@ -1,5 +1,5 @@
-# The op table of a transport with two-sided ops (tcp, ucx, shm): registered buffers, connected
-# peers, pending ops, the checks of post_send / post_recv, and completion delivery.
+# The op table of a transport with two-sided ops (tcp, ucx, shm): registered host buffers,
+# connected peers, pending ops, the checks of post_send / post_recv, and completion delivery.
 #
 # Rules:
 # - `lock` guards `buffers`, `peers`, `ops`, `closed` and every op's `finished` flag (a
@@ -8,12 +8,15 @@
 #   table's CallbackThread (or where the transport's `deliver` hook sends it), never under
 #   the lock.
 # - The table never touches the network: `post` validates, enters the op and hands it to the
-#   transport's `start` (outside the lock); ending a tag, a peer or everything (`end_tag`,
+#   transport's `start_send` / `start_recv` (outside the lock: they queue it for the I/O
+#   thread); ending a tag, a peer or everything (`end_tag`,
 #   `end_peer`, `close`) finishes and delivers the ops and returns them, and the transport
 #   then stops whatever of them is still moving.
 # - Hooks, given at construction, are the transport's policy: `make_op` (its op type),
 #   `check_plan` (a plan it cannot carry), `hold` (a completion held back while memory may
 #   still be written: ucx), `deliver` (shm's held receives).
+# - `TableTransport` is the one base the three share: their register / post_send / post_recv
+#   are the table's. It holds no state (each transport builds and owns its table).
 from __future__ import annotations
 
 import threading
@@ -22,8 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone
+from kvhandoff.transports.base import OnDone, Transport
 from kvhandoff.transports.callbacks import CallbackThread
 from kvhandoff.transports.streams import ChunkPlan, check_buffer, check_tag, normalise_spans
 
@@ -49,7 +53,7 @@ class OpTable:
 
     def __init__(self, kind: str, *, chunk_bytes: int, callback_thread: str,
                  make_op: Callable[[bool, str, bytes, int, np.ndarray, ChunkPlan, OnDone], Any],
-                 start: Callable[[Any], None],
+                 start_send: Callable[[Any], None], start_recv: Callable[[Any], None],
                  check_plan: Callable[[str, ChunkPlan], None] | None = None,
                  hold: Callable[[Any, BaseException | None], bool] | None = None,
                  deliver: Callable[[Done], None] | None = None) -> None:
@@ -62,7 +66,7 @@ class OpTable:
         self.callbacks = CallbackThread(callback_thread)
         self._chunk_bytes = int(chunk_bytes)
         self._make_op = make_op
-        self._start = start
+        self._start = (start_recv, start_send)
         self._check_plan = check_plan
         self._hold = hold
         self._deliver = deliver
@@ -72,6 +76,9 @@ class OpTable:
             raise TransportError(f"{self.kind} transport is closed")
 
     def register(self, name: str, buf: np.ndarray) -> None:
+        """A host buffer under a unique name (CUDA memory is refused, saying which transports
+        take it)."""
+        refuse_device_memory(self.kind, name, buf)
         arr = check_buffer(name, buf)
         with self.lock:
             self.check_open()
@@ -119,7 +126,7 @@ class OpTable:
                 self.callbacks.submit(lambda: on_done(None))
                 return
             self.ops[key] = op
-        self._start(op)
+        self._start[is_send](op)
 
     def finish_locked(self, ops: list[Any], reason: str | None) -> Done:
         """(lock held) Marks each op of `ops` not yet finished as finished (an error when
@@ -186,6 +193,24 @@ class OpTable:
     def stop(self) -> None:
         """The end of close(): the callback thread runs what is queued, then stops."""
         self.callbacks.stop()
+
+
+class TableTransport(Transport):
+    """A transport whose register / post_send / post_recv are its op table's (see module
+    comment); the subclass builds `_table` in its constructor."""
+
+    _table: OpTable
+
+    def register(self, name: str, buf: np.ndarray) -> None:
+        self._table.register(name, buf)
+
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._table.post(True, peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
 
 
 def _call(fn: OnDone, exc: BaseException | None) -> Callable[[], None]:

@@ -12,8 +12,8 @@
 # arrive before their receive is posted are held (as zmq frames) until it is.
 #
 # The transport composes owned parts: its op table (optable.OpTable: buffers, peers, pending
-# ops, completion delivery), its I/O thread with its own command set (iothread.IoThread over
-# `_Cmd`), and the send window (window.SendWindow).
+# ops, completion delivery), its I/O thread (iothread.IoThread: the commands it runs are
+# this transport's own `_on_*` methods), and the send window (window.SendWindow).
 #
 # Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
 # wake it through a pipe. The op table's lock (`_lock`) guards the op tables, each op's
@@ -23,25 +23,24 @@
 from __future__ import annotations
 
 import collections
-import enum
+import functools
 import itertools
 import logging
 import struct
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import zmq
 
-from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
-from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
-from kvhandoff.transports.base import OnDone, Transport, TransportKind, TransportStatus
+from kvhandoff.netaddr import split_zmq_endpoint
+from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
 from kvhandoff.transports.iothread import IoThread
-from kvhandoff.transports.optable import OpTable
+from kvhandoff.transports.optable import OpTable, TableTransport
+from kvhandoff.transports.sockets import bind_router, connect_dealer
 from kvhandoff.transports.streams import ChunkPlan
-from kvhandoff.transports.window import SendWindow
+from kvhandoff.transports.window import ChunkOp, SendWindow
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -54,34 +53,20 @@ _FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 r
 _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
 
 
-class _Cmd(enum.Enum):
-    """What other threads ask the tcp I/O thread to do."""
-
-    CONNECT = "connect"
-    DISCONNECT = "disconnect"
-    SEND = "send"
-    RECV = "recv"
-    FORGET = "forget"
-
-
-class _Op:
-    __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
-                 "next_chunk", "inflight", "landed", "staging")
+class _Op(ChunkOp):
+    __slots__ = ("ident", "staging")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> None:
-        self.peer = peer
+        super().__init__(peer, tag, is_send, buf, plan, on_done)
         self.ident = ident
-        self.tag = tag
-        self.is_send = is_send
-        self.buf = buf
-        self.plan = plan
-        self.on_done = on_done
-        self.finished = False
-        self.next_chunk = 0
-        self.inflight = 0
-        self.landed = 0
-        self.staging: dict[int, np.ndarray] = {}
+        self.staging: dict[int, np.ndarray] = {}  # send: chunk -> its staging buffer
+
+    @staticmethod
+    def posted(is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+               plan: ChunkPlan, on_done: OnDone) -> _Op:
+        """The op of a post_send / post_recv (the op table's `make_op`)."""
+        return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
 
     def __repr__(self) -> str:
         kind = "send" if self.is_send else "recv"
@@ -105,7 +90,7 @@ def _split_address(address: bytes) -> tuple[str, bytes]:
     return endpoint, ident.encode("ascii")
 
 
-class TcpTransport(Transport):
+class TcpTransport(TableTransport):
     """pyzmq data transport (see module comment). Always degraded: no RDMA."""
 
     kind: ClassVar[TransportKind] = TransportKind.TCP
@@ -116,27 +101,22 @@ class TcpTransport(Transport):
                                  " use transport=ucx on hosts with an RDMA device, or unset "
                                  "KVHANDOFF_REQUIRE_RDMA to accept the degraded TCP path")
         self._ident = uuid.uuid4().hex.encode("ascii")
+        self._io = IoThread(f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
         self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
                               callback_thread=f"kvhandoff-tcp-cb-{self._ident[:8].decode()}",
-                              make_op=self._make_op, start=self._start)
+                              make_op=_Op.posted,
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv))
         self._lock = self._table.lock
-        self._io: IoThread[_Cmd] = IoThread(f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
         try:
-            self._router.bind(zmq_endpoint(settings.agent_host, 0))
-        except zmq.ZMQError as e:
-            self._router.close()
+            self._router, endpoint = bind_router(self._ctx, settings.agent_host, what="tcp",
+                                                 handover=True, hwm=0)
+        except TransportError:
             self._ctx.term()
             self._table.stop()
             self._io.close()
-            raise TransportError(f"tcp: cannot bind agent_host={settings.agent_host!r}: {e}") from e
-        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            raise
         self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")
 
         self._bytes_sent = 0
@@ -159,10 +139,6 @@ class TcpTransport(Transport):
 
     # ---- public API (any thread) ----------------------------------------------------------
 
-    def register(self, name: str, buf: np.ndarray) -> None:
-        refuse_device_memory("tcp", name, buf)  # CUDA memory: say which transport can
-        self._table.register(name, buf)
-
     @property
     def address(self) -> bytes:
         return self._address
@@ -173,25 +149,17 @@ class TcpTransport(Transport):
             if self._table.known_peer(peer, address):
                 return
             self._table.peers[peer] = address
-        self._io.put(_Cmd.CONNECT, peer, endpoint)
+        self._io.put(self._on_connect, peer, endpoint)
 
     def disconnect(self, peer: str) -> None:
         ops, known = self._table.end_peer(peer, f"disconnected from peer {peer!r}")
         if known is not None:
-            self._io.put(_Cmd.DISCONNECT, peer, known, ops, next(self._seq))
-
-    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._table.post(True, peer, tag, name, offsets, nbytes, on_done)
-
-    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
+            self._io.put(self._on_disconnect, peer, known, ops, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
         ops = self._table.end_tag(peer, tag)
         if ops:
-            self._io.put(_Cmd.FORGET, ops, "peer cancelled")
+            self._io.put(self._on_forget, ops, "peer cancelled")
 
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
@@ -201,21 +169,10 @@ class TcpTransport(Transport):
     def close(self) -> None:
         if self._table.close("tcp transport closed") is None:
             return
-        self._io.stop()
-        self._table.stop()
-        self._io.close()
+        self._io.stop(self._table)
 
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} peers={len(self._table.peers)}>"
-
-    # ---- helpers (any thread) -------------------------------------------------------------
-
-    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
-                 plan: ChunkPlan, on_done: OnDone) -> _Op:
-        return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
-
-    def _start(self, op: _Op) -> None:
-        self._io.put(_Cmd.SEND if op.is_send else _Cmd.RECV, op)
 
     # ---- I/O thread -----------------------------------------------------------------------
 
@@ -224,16 +181,12 @@ class TcpTransport(Transport):
         poller.register(self._router, zmq.POLLIN)
         io = self._io
         poller.register(io.wake_fd, zmq.POLLIN)
-        handlers: dict[_Cmd, Callable[..., bool]] = {
-            _Cmd.CONNECT: self._on_connect, _Cmd.DISCONNECT: self._on_disconnect,
-            _Cmd.SEND: self._on_send, _Cmd.RECV: self._on_recv, _Cmd.FORGET: self._on_forget,
-        }
         try:
             while True:
                 events = dict(poller.poll())
                 if io.wake_fd in events:
                     io.drain_wake()
-                io.handle(handlers, poller)
+                io.handle(poller)
                 if io.stopped:
                     return
                 self._drain_router()
@@ -250,13 +203,7 @@ class TcpTransport(Transport):
             self._ctx.term()
 
     def _on_connect(self, poller: zmq.Poller, peer: str, endpoint: str) -> bool:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._ident)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
-        sock.connect(endpoint)
+        sock = connect_dealer(self._ctx, self._ident, endpoint, hwm=0)
         self._dealers[peer] = sock
         poller.register(sock, zmq.POLLIN)
         return True

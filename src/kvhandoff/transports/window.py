@@ -14,8 +14,32 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.transports.base import OnDone
+from kvhandoff.transports.streams import ChunkPlan
+
 WINDOW = 8  # chunks of one send op in flight (not yet confirmed / completed)
 POOL_MAX = 16  # free staging buffers kept
+
+
+class ChunkOp:
+    """A send or receive on the chunk grid (tcp, ucx): the fields the op table and the send
+    window read; a transport's op adds its own."""
+
+    __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "next_chunk",
+                 "inflight", "landed")
+
+    def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
+                 on_done: OnDone) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.is_send = is_send
+        self.buf = buf
+        self.plan = plan
+        self.on_done = on_done
+        self.finished = False
+        self.next_chunk = 0  # send: the next chunk to post
+        self.inflight = 0  # send: chunks posted, not yet confirmed
+        self.landed = 0  # chunks that arrived (receive) or completed (ucx send)
 
 
 class SendWindow:

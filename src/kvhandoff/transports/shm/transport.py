@@ -61,7 +61,6 @@
 # that one lock; the parts with state of their own are the modules named above.)
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -69,7 +68,7 @@ import os
 import select
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -77,7 +76,6 @@ import zmq
 
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout.spans import SpanPlan, pair_spans
-from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
@@ -92,7 +90,7 @@ from kvhandoff.transports.base import (
 )
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
-from kvhandoff.transports.optable import OpTable
+from kvhandoff.transports.optable import OpTable, TableTransport
 from kvhandoff.transports.shm.copy import CopyPool, Job, Target, read_back
 from kvhandoff.transports.shm.cuda import (
     DeviceJob,
@@ -125,7 +123,8 @@ from kvhandoff.transports.shm.writes import (
     written_adapter,
     written_many_adapter,
 )
-from kvhandoff.transports.streams import ChunkPlan, check_tag, write_plan, write_plans
+from kvhandoff.transports.sockets import bind_router, connect_dealer
+from kvhandoff.transports.streams import check_tag, write_plan, write_plans
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -135,20 +134,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_THREADS = 3
 
 
-class _Cmd(enum.Enum):
-    """What other threads ask the shm I/O thread to do."""
-
-    CONNECT = "connect"
-    DISCONNECT = "disconnect"
-    SEND = "send"
-    RECV = "recv"
-    FORGET = "forget"
-    WRITE = "write"  # a one-sided write (of CUDA memory) to start
-    WRITTEN = "written"  # a copy thread ended a job
-    HOLD = "hold"  # an op's completion is held: re-read the time bound
-
-
-class ShmTransport(OneSidedTransport):
+class ShmTransport(TableTransport, OneSidedTransport):
     """Same-host transport: writes into the peer's memory (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.SHM
@@ -166,31 +152,28 @@ class ShmTransport(OneSidedTransport):
         self._ident = uuid.uuid4().hex.encode("ascii")
         # peers prove themselves to us, we to them, over this socket (proof.py)
         self._voucher = Voucher(self._ident, self._vouched)
+        self._io = IoThread(f"kvhandoff-shm-io-{self._ident[:8].decode()}")
+        # on_done of an op waits until nothing of it writes (hold.py): delivery is _held's
         self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
                               callback_thread=f"kvhandoff-shm-cb-{self._ident[:8].decode()}",
-                              make_op=self._make_op, start=self._start,
+                              make_op=ShmOp.posted,
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv),
                               deliver=lambda done: self._held.deliver(done))
         self._lock = self._table.lock
-        self._io: IoThread[_Cmd] = IoThread(f"kvhandoff-shm-io-{self._ident[:8].decode()}")
         threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
         self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
-        try:
-            self._router.bind(zmq_endpoint(settings.agent_host, 0))
-        except zmq.ZMQError as e:
-            self._router.close()
+        try:  # control messages only: ZMQ's default high-water marks
+            self._router, endpoint = bind_router(self._ctx, settings.agent_host, what="shm",
+                                                 handover=True, hwm=None)
+        except TransportError:
             self._ctx.term()
             self._voucher.close()
             self._copier.stop()
             self._table.stop()
             self._io.close()
-            raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
-                from e
-        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            raise
         self._address = (MAGIC + host_id() + PID.pack(os.getpid())
                          + f"{endpoint}/{self._ident.decode()}".encode("ascii"))
         self._bytes_sent = 0
@@ -200,7 +183,7 @@ class ShmTransport(OneSidedTransport):
         self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
         self._held = HeldReceives(lock=self._lock, submit=self._table.callbacks.submit,
                                   bound_s=self._bound_s,
-                                  wake=functools.partial(self._io.put, _Cmd.HOLD))
+                                  wake=functools.partial(self._io.put, self._on_hold))
         self._writer = ExposedWriter(router=self._router, finish=self._table.finish,
                                      resolve=self._receive_target, start_job=self._start_copy)
         # owned by the I/O thread
@@ -251,12 +234,12 @@ class ShmTransport(OneSidedTransport):
     def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:
         self._two_sided("post_send", name)
-        self._table.post(True, peer, tag, name, offsets, nbytes, on_done)
+        super().post_send(peer, tag, name, offsets, nbytes, on_done)
 
     def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:
         self._two_sided("post_recv", name)
-        self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
+        super().post_recv(peer, tag, name, offsets, nbytes, on_done)
 
     def _two_sided(self, what: str, name: str) -> None:
         if name in self._dev:
@@ -334,7 +317,7 @@ class ShmTransport(OneSidedTransport):
         op.remote = (target, plan)  # its pieces are the copy's, as they are
         op.on_done = written_adapter(op, on_done)
         self._add_write(op)
-        self._io.put(_Cmd.WRITE, op, checksum)
+        self._io.put(self._on_write, op, checksum)
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
@@ -474,7 +457,7 @@ class ShmTransport(OneSidedTransport):
         with self._lock:
             self._table.peers[peer] = address
             self._peer_info[peer] = info
-        self._io.put(_Cmd.CONNECT, peer, endpoint, info)
+        self._io.put(self._on_connect, peer, endpoint, info)
 
     def _prove(self, peer: str, ident: bytes, pid: int) -> Proof:
         """What the process listening as `ident` proves (proof.py); `PeerNotProven` unless it
@@ -541,7 +524,7 @@ class ShmTransport(OneSidedTransport):
             if info.proof is not None:  # its memfds (what was mapped stays mapped)
                 info.proof.close()
             # what arrived before this call is dropped, not what a reconnected peer sends after
-            self._io.put(_Cmd.DISCONNECT, peer, info, self._writer.cut())
+            self._io.put(self._on_disconnect, peer, info, self._writer.cut())
 
     def cancel(self, peer: str, tag: int) -> None:
         ops = self._table.end_tag(peer, tag)
@@ -597,23 +580,12 @@ class ShmTransport(OneSidedTransport):
         for op in ops:  # local copies stop; held receives: see _shutdown
             if op.job is not None:
                 op.job.cancel()
-        self._io.stop()
-        self._copier.stop()
-        self._dev_lane.stop()
-        self._table.stop()
-        self._io.close()
+        self._io.stop(self._copier, self._dev_lane, self._table)
 
     def __repr__(self) -> str:
         return f"<ShmTransport pid={os.getpid()} peers={len(self._table.peers)}>"
 
     # ---- helpers (any thread) -------------------------------------------------------------
-
-    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
-                 plan: ChunkPlan, on_done: OnDone) -> ShmOp:
-        return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
-
-    def _start(self, op: ShmOp) -> None:
-        self._io.put(_Cmd.SEND if op.is_send else _Cmd.RECV, op)
 
     def _stop_ops(self, ops: list[ShmOp], what: str, info: ShmPeer) -> None:
         """After `ops` were finished: stop local copies of sends/writes and wait until they
@@ -622,7 +594,7 @@ class ShmTransport(OneSidedTransport):
         local = [op.job for op in ops if op.job is not None]
         for job in local:
             job.cancel()
-        self._io.put(_Cmd.FORGET, ops)
+        self._io.put(self._on_forget, ops)
         if self._io.is_current():  # it reports the jobs' ends
             return
         deadline = time.monotonic() + self._bound_s
@@ -638,13 +610,6 @@ class ShmTransport(OneSidedTransport):
         poller.register(self._router, zmq.POLLIN)
         io = self._io
         poller.register(io.wake_fd, zmq.POLLIN)
-        handlers: dict[_Cmd, Callable[..., None]] = {
-            _Cmd.CONNECT: self._on_connect, _Cmd.DISCONNECT: self._on_disconnect,
-            _Cmd.SEND: self._on_send, _Cmd.RECV: self._on_recv,
-            _Cmd.FORGET: self._on_forget, _Cmd.WRITTEN: self._on_written,
-            _Cmd.WRITE: self._on_write,
-            _Cmd.HOLD: lambda *_: None,  # woken to re-read the bound of held receives
-        }
         pidfds: dict[int, ShmPeer] = {}
         try:
             while True:
@@ -653,7 +618,7 @@ class ShmTransport(OneSidedTransport):
                 io.asleep = False
                 if io.wake_fd in events:
                     io.drain_wake()
-                io.handle(handlers, poller, pidfds)
+                io.handle(poller, pidfds)
                 if io.stopped:
                     return
                 for fd, info in list(pidfds.items()):
@@ -712,13 +677,12 @@ class ShmTransport(OneSidedTransport):
         self._router.close(linger=0)
         self._ctx.term()
 
+    def _on_hold(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer]) -> None:
+        """Nothing: the I/O thread was woken to re-read the bound of held receives."""
+
     def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
                     endpoint: str, info: ShmPeer) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._ident)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
-        sock.connect(endpoint)
+        sock = connect_dealer(self._ctx, self._ident, endpoint, hwm=None)
         old = self._dealers.pop(peer, None)
         if old is not None:
             poller.unregister(old)
@@ -867,7 +831,7 @@ class ShmTransport(OneSidedTransport):
         src = plan.src_offsets + int(op.buf.ctypes.data)
         dst = plan.dst_offsets + target.base
         self._run_job(op, Job(src, dst, plan.nbytes, target, False,
-                              lambda j: self._io.put(_Cmd.WRITTEN, j), owner=(op, key)),
+                              lambda j: self._io.put(self._on_written, j), owner=(op, key)),
                       key)
 
     def _run_job(self, op: ShmOp, job: Job, key: Key | None) -> None:
@@ -925,7 +889,7 @@ class ShmTransport(OneSidedTransport):
                              "device memory")
             return
         job = DeviceJob(op.buf, target.tensor, plan, checksum,
-                        lambda j: self._io.put(_Cmd.WRITTEN, j), owner=(op, None))
+                        lambda j: self._io.put(self._on_written, j), owner=(op, None))
         with self._lock:
             cancelled = op.finished
             if not cancelled:

@@ -29,8 +29,8 @@
 # - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
 #   commands and wake it with a pipe polled together with the worker's epoll fd.
 # - The transport composes owned parts: its op table (optable.OpTable: buffers, peers, pending
-#   ops, completion delivery), its I/O thread with its own command set (iothread.IoThread over
-#   `_Cmd`), and the send window (window.SendWindow).
+#   ops, completion delivery), its I/O thread (iothread.IoThread: the commands it runs are
+#   this transport's own `_on_*` methods), and the send window (window.SendWindow).
 #
 # Rules: the op table's lock (`_lock`) guards the op tables, each op's `finished` flag and
 # every scatter into user memory. cancel() of a receive waits (bounded by
@@ -44,26 +44,24 @@
 # Callbacks run on a separate CallbackThread, outside the lock.
 from __future__ import annotations
 
-import enum
+import functools
 import logging
 import os
 import select
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xxhash
 
-from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone, Transport, TransportKind, TransportStatus
+from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
-from kvhandoff.transports.optable import Done, OpTable
+from kvhandoff.transports.optable import Done, OpTable, TableTransport
 from kvhandoff.transports.streams import ChunkPlan
-from kvhandoff.transports.window import SendWindow
+from kvhandoff.transports.window import ChunkOp, SendWindow
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -107,38 +105,18 @@ _IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to th
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
 
 
-class _Cmd(enum.Enum):
-    """What other threads ask the UCX I/O thread to do."""
-
-    CONNECT = "connect"
-    DISCONNECT = "disconnect"
-    SEND = "send"
-    RECV = "recv"
-    FORGET = "forget"
-
-
 def _tag_base(sender: bytes, tag: int) -> int:
     return xxhash.xxh3_64_intdigest(sender + tag.to_bytes(8, "little")) & ~((1 << _CHUNK_BITS) - 1)
 
 
-class _Op:
-    __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "base",
-                 "next_chunk", "inflight", "direct_inflight", "landed", "held")
+class _Op(ChunkOp):
+    __slots__ = ("base", "direct_inflight", "held")
 
     def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
                  on_done: OnDone, base: int) -> None:
-        self.peer = peer
-        self.tag = tag
-        self.is_send = is_send
-        self.buf = buf
-        self.plan = plan
-        self.on_done = on_done
-        self.finished = False
-        self.base = base
-        self.next_chunk = 0
-        self.inflight = 0
+        super().__init__(peer, tag, is_send, buf, plan, on_done)
+        self.base = base  # the UCX tag of chunk 0 (chunk k: base ^ k)
         self.direct_inflight = 0  # receives in flight straight into user memory
-        self.landed = 0
         # finished while direct receives were in flight: its on_done result, delivered once
         # the last of them ended (a 1-tuple; None: nothing held)
         self.held: tuple[BaseException | None] | None = None
@@ -160,7 +138,7 @@ class _Inflight:
         self.direct = direct
 
 
-class UcxTransport(Transport):
+class UcxTransport(TableTransport):
     """UCX data transport over ucxx's low-level API (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.UCX
@@ -189,13 +167,14 @@ class UcxTransport(Transport):
         # rendezvous: the sender writes into the receiver's memory; a receiver never reads
         self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
 
+        self._io = IoThread("kvhandoff-ucx-io")
         self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
                               callback_thread="kvhandoff-ucx-cb", make_op=self._make_op,
-                              start=self._start, check_plan=self._check_plan,
-                              hold=self._hold_locked)
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv),
+                              check_plan=self._check_plan, hold=self._hold_locked)
         self._lock = self._table.lock
         self._cond = threading.Condition(self._lock)
-        self._io: IoThread[_Cmd] = IoThread("kvhandoff-ucx-io")
         self._window = SendWindow(settings.chunk_bytes, channel=self._eps_of,
                                   emit=self._emit, fail=self._table.finish)
         self._peer_lanes: dict[str, tuple[str, ...]] = {}
@@ -210,10 +189,6 @@ class UcxTransport(Transport):
 
     # ---- public API (any thread) ----------------------------------------------------------
 
-    def register(self, name: str, buf: np.ndarray) -> None:
-        refuse_device_memory("ucx", name, buf)  # CUDA memory: say which transport can
-        self._table.register(name, buf)
-
     @property
     def address(self) -> bytes:
         return self._address
@@ -226,7 +201,7 @@ class UcxTransport(Transport):
                 return
         result: list[BaseException | tuple[tuple[str, ...], bool]] = []
         done = threading.Event()
-        self._io.put(_Cmd.CONNECT, peer, address, result, done)
+        self._io.put(self._on_connect, peer, address, result, done)
         if not done.wait(self._cancel_bound_s):
             raise TransportError(f"connect {peer!r}: the UCX I/O thread did not answer within "
                                  f"{self._cancel_bound_s} s")
@@ -234,7 +209,7 @@ class UcxTransport(Transport):
             raise result[0]
         lanes, unprotected = result[0]
         if self._require_rdma and (tcp_only(lanes) or not self._rdma):
-            self._io.put(_Cmd.DISCONNECT, peer, [])
+            self._io.put(self._on_disconnect, peer, [])
             raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
                                  f"lane (lanes: {', '.join(lanes) or 'unknown'}; resources: "
                                  f"{', '.join(self._resources)}; {self.build.describe()}); fix "
@@ -256,21 +231,13 @@ class UcxTransport(Transport):
         with self._lock:
             self._peer_lanes.pop(peer, None)
             self._unprotected.discard(peer)
-        self._io.put(_Cmd.DISCONNECT, peer, ops)
+        self._io.put(self._on_disconnect, peer, ops)
         self._wait_direct(ops, "disconnect")
-
-    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._table.post(True, peer, tag, name, offsets, nbytes, on_done)
-
-    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
-                  on_done: OnDone) -> None:
-        self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
 
     def cancel(self, peer: str, tag: int) -> None:
         ops = self._table.end_tag(peer, tag)
         if ops:
-            self._io.put(_Cmd.FORGET, ops)
+            self._io.put(self._on_forget, ops)
             self._wait_direct(ops, "cancel")
 
     def status(self) -> TransportStatus:
@@ -306,9 +273,7 @@ class UcxTransport(Transport):
     def close(self) -> None:
         if self._table.close("ucx transport closed") is None:
             return
-        self._io.stop()
-        self._table.stop()
-        self._io.close()
+        self._io.stop(self._table)
 
     def __repr__(self) -> str:
         return f"<UcxTransport peers={len(self._table.peers)} lanes={self.status().lanes}>"
@@ -324,9 +289,6 @@ class UcxTransport(Transport):
                  plan: ChunkPlan, on_done: OnDone) -> _Op:
         base = _tag_base(self._address if is_send else address, tag)
         return _Op(peer, tag, is_send, buf, plan, on_done, base)
-
-    def _start(self, op: _Op) -> None:
-        self._io.put(_Cmd.SEND if op.is_send else _Cmd.RECV, op)
 
     @staticmethod
     def _hold_locked(op: _Op, exc: BaseException | None) -> bool:
@@ -365,17 +327,13 @@ class UcxTransport(Transport):
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        handlers: dict[_Cmd, Callable[..., None]] = {
-            _Cmd.CONNECT: self._on_connect, _Cmd.DISCONNECT: self._on_disconnect,
-            _Cmd.SEND: self._on_send, _Cmd.RECV: self._on_recv, _Cmd.FORGET: self._on_forget,
-        }
         worker, io = self._worker, self._io
         waiter = select.poll()
         waiter.register(self._epoll_fd, select.POLLIN)
         waiter.register(io.wake_fd, select.POLLIN)
         try:
             while True:
-                busy = io.handle(handlers) > 0
+                busy = io.handle() > 0
                 if io.stopped:
                     return
                 worker.progress()
