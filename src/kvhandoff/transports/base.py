@@ -25,7 +25,9 @@
 #   waits on each write, never on a peer's writes as a group). The plan is a
 #   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
 #   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
-#   re-pairs them. Without the capability the agent uses post_send / post_recv.
+#   re-pairs them. Without the capability the agent uses post_send / post_recv. Whether
+#   writes to one connected peer are possible is asked, never learnt from an error:
+#   `can_write(peer)` (auto: whether that peer's route is a one-sided part).
 # - post_writes posts several such writes (one layer's regions: (tag, name, remote, plan) each)
 #   as one job with one completion: on_done(err, digests), one digest per write, in order (each
 #   the xxh3-64 of that write's own source stream). A transport that copies them as one job
@@ -168,9 +170,16 @@ class OneSidedTransport(Transport):
     def describe(self, name: str) -> bytes:
         """Descriptor of registered buffer `name` for a peer's `register_remote`."""
 
+    def can_write(self, peer: str) -> bool:
+        """Whether one-sided writes to connected `peer` are possible (its buffers can be
+        installed with register_remote and written). True here: every peer; a transport
+        whose capability depends on the peer (auto: the peer's route) answers per peer."""
+        return True
+
     @abstractmethod
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
-        """Installs a connected peer's buffer descriptor under `name` (for post_write)."""
+        """Installs a connected peer's buffer descriptor under `name` (for post_write);
+        only for a peer that `can_write` says yes to (else TransportError)."""
 
     @abstractmethod
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
