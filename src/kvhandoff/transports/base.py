@@ -295,8 +295,8 @@ _BACKENDS = {
 
 
 def load_transport(kind: str, settings: Settings) -> Transport:
-    """Builds the transport `kind` ("ucx", "tcp", "shm" or "inproc"; a TransportKind is a str
-    too), importing its module on first use.
+    """Builds the transport `kind` (a TransportKind, or its value: "tcp", "ucx", "shm",
+    "nixl", "auto", "inproc"), importing its module on first use.
 
     Raises:
         TransportError: unknown kind, or the backend's dependency cannot be imported.

@@ -50,15 +50,19 @@
 # command queue, except one-sided writes of host memory: the poster's thread starts their copy
 # job and its copy thread completes the op and calls on_done itself (two hand-offs per write,
 # poster -> copy thread -> on_done, instead of four through the I/O and callback threads).
-# `_lock` guards the op table, the peer table, the running copy jobs, `finished` / `result` /
-# `delivered` of ops and the `exposed` / `acked` state of receives. The transport composes owned
-# parts, each with its own state: `HeldReceives` (hold.py: completions held until nothing
-# writes, and the drains of disconnected peers; it shares `_lock`, which guards those op
-# fields), `ExposedWriter` (expose.py: the two-sided writer's tables, I/O thread only), and the
-# target opening of one-sided writes (writes.py, stateless). The receiver's side of the wire
-# (R out, F / A in) stays here: it completes entries of the op table. (The file is ~700 lines:
-# what is left is one class whose every method takes part in the op table's lifecycle under
-# that one lock; the parts with state of their own are the modules named above.)
+# `_lock` (the op table's lock) guards the op table, the peer table, the running copy jobs,
+# `finished` / `result` / `delivered` of ops and the `exposed` / `acked` state of receives. The
+# transport composes owned parts, each with its own state: the op table (optable.OpTable:
+# buffers, peers, pending ops, the checks of post_*), the I/O thread (iothread.IoThread: its
+# commands are this class's `_on_*` methods), `HeldReceives` (hold.py: completions held until
+# nothing writes, and the drains of disconnected peers; the op table delivers through it and
+# it shares `_lock`, which guards those op fields), `ExposedWriter` (expose.py: the two-sided
+# writer's tables, I/O thread only), and the target opening of one-sided writes (writes.py,
+# stateless). The receiver's side of the wire (R out, F / A in) stays here: it completes
+# entries of the op table. What is left in this file (~930 lines, half of them comments and
+# docstrings) is one class whose every method takes part in an op's lifecycle under that one
+# lock; the one-sided write path (post_write(s), the host and CUDA jobs) is the next part to
+# move out, with the single write API (docs/ARCHITECTURE.md, Transports).
 from __future__ import annotations
 
 import functools
