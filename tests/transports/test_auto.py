@@ -248,7 +248,7 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
             (lambda: a.can_write("x"), "can_write"),
             (lambda: a.post_write("x", 1, "kv", "kv", pair_spans(one * 0, one, one * 0, one),
                                   Written()),
-             "post_write")]
+             "post_writes")]  # a post_writes job of one write
         for call, what in calls:
             with pytest.raises(TransportError, match=f"{what}: peer 'x' is not connected"):
                 call()

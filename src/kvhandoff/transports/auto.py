@@ -48,7 +48,6 @@ from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     Transport,
     TransportKind,
@@ -354,14 +353,6 @@ class AutoTransport(OneSidedTransport):
                                  f"{peer!r} has no one-sided writes ({side} cross-host "
                                  "transport cannot take them); use post_send / post_recv")
         cross.register_remote(peer, name, desc.cross)
-
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        part = self._route(peer, "post_write")
-        if not isinstance(part, OneSidedTransport):
-            raise TransportError(f"post_write: the {self._lane(part)} lane to peer {peer!r} has "
-                                 "no one-sided writes; use post_send / post_recv")
-        part.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:

@@ -20,9 +20,11 @@
 #   implement it; `isinstance(t, OneSidedTransport)` is the check, never hasattr): the receiver
 #   publishes a
 #   descriptor of a registered buffer (`describe`), the writer installs it (`register_remote`)
-#   and writes a span plan straight into it (`post_write`) without the receiver posting
-#   anything; each write's own on_done says when it landed (there is no fence: the agent
-#   waits on each write, never on a peer's writes as a group). The plan is a
+#   and writes a span plan straight into it (`post_writes`: a job of one or more writes; a
+#   transport implements that one entry, `post_write` is a job of one, written once here)
+#   without the receiver posting anything; each write's own on_done says when it landed
+#   (there is no fence: the agent waits on each write, never on a peer's writes as a group).
+#   The plan is a
 #   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
 #   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
 #   re-pairs them. Without the capability the agent uses post_send / post_recv. Whether
@@ -32,8 +34,9 @@
 #   as one job with one completion: on_done(err, digests), one digest per write, in order (each
 #   the xxh3-64 of that write's own source stream). A transport that copies them as one job
 #   (shm's host lanes) keeps it under the first write's tag, and cancel of any of the tags ends
-#   it (the others' cancels find nothing); the default posts each write under its own tag and
-#   completes once the last one did (`split_writes`), so every one-sided transport takes it.
+#   it (the others' cancels find nothing); one that cannot copy a job as one posts each write
+#   as a job of its own under its own tag and completes once the last one did
+#   (`split_writes`).
 #   A transport that reads what it wrote while it copies (shm's map lane, with `checksum`)
 #   completes with a `WriteSums`: the same tuple of source digests, and `landed`, one sum per
 #   write of its destination pieces as the writer read them right after copying them (the
@@ -181,22 +184,24 @@ class OneSidedTransport(Transport):
         """Installs a connected peer's buffer descriptor under `name` (for post_write);
         only for a peer that `can_write` says yes to (else TransportError)."""
 
-    @abstractmethod
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
                    on_done: OnWritten, *, checksum: bool = False) -> None:
         """Writes the pieces of `plan` (src_offsets into local buffer `name`, dst_offsets into
         the peer's buffer `remote`, see register_remote) as they are; `on_done(err, digest)`
         once they landed, `digest` the xxh3-64 of the source stream (the src pieces in plan
-        order) when `checksum`. cancel(peer, tag) ends it."""
+        order) when `checksum`. cancel(peer, tag) ends it. A `post_writes` job of one write."""
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done),
+                         checksum=checksum)
 
+    @abstractmethod
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
         """Writes several plans (`writes`: (tag, name, remote, plan) each, distinct tags) as
         one job: `on_done(err, digests)` once all landed (or the first error once every one
         ended), `digests` one per write (each write's source stream when `checksum`).
-        cancel(peer, tag) of any of the tags ends it. This default posts them one by one
-        (`split_writes`)."""
-        split_writes(self, peer, writes, on_done, checksum=checksum)
+        cancel(peer, tag) of any of the tags ends it."""
 
     def write_digest_alg(self, name: str) -> str | None:
         """The algorithm of post_write(checksum=True)'s digest for local buffer `name`; None
@@ -219,14 +224,13 @@ def one_write(on_done: OnWritten) -> OnWrittenMany:
 
 def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
                  on_done: OnWrittenMany, *, checksum: bool = False) -> None:
-    """`post_writes` as one `post_write` per write under its own tag (`post_in_groups`)."""
+    """`post_writes` as one job per write, each under its own tag (`post_in_groups`); the
+    transport's `post_writes` of a single write must not come back here."""
     if not callable(on_done):
         raise TransportError("post_writes: on_done must be callable")
 
     def post(idx: Sequence[int], done: OnWrittenMany) -> None:
-        tag, name, remote, plan = writes[idx[0]]
-        transport.post_write(peer, tag, name, remote, plan,
-                             lambda exc, digest: done(exc, (digest,)), checksum=checksum)
+        transport.post_writes(peer, [writes[idx[0]]], done, checksum=checksum)
 
     post_in_groups(post, [[i] for i in range(len(writes))], on_done)
 

@@ -43,12 +43,10 @@ from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     TransportKind,
     TransportStatus,
     WriteSpec,
-    one_write,
     split_writes,
 )
 from kvhandoff.transports.callbacks import CallbackThread
@@ -260,12 +258,6 @@ class NixlTransport(OneSidedTransport):
                                      f"metadata ({type(e).__name__}: {e})") from e
         with self._lock:
             self._remotes.setdefault(peer, {})[name] = region
-
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done), checksum=checksum)
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:

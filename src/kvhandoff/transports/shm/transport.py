@@ -83,13 +83,11 @@ from kvhandoff.kv_layout.spans import SpanPlan, pair_spans
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     TransportKind,
     TransportStatus,
     WriteSpec,
     WriteSums,
-    one_write,
     split_writes,
 )
 from kvhandoff.transports.hostid import host_id
@@ -297,13 +295,25 @@ class ShmTransport(TableTransport, OneSidedTransport):
             info.remotes[name] = target
             self._lanes.setdefault(peer, set()).add(target.lane)
 
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
+        thread, or on this one for a small job), each write's source hashed on its own (a
+        digest per write). A CUDA write: a job on the device lane; several, or a layer whose
+        targets lie on both host lanes: one job per write (split_writes)."""
+        if not any(w[1] in self._dev for w in writes):
+            self._post_host(writes, peer, on_done, checksum)
+        elif len(writes) == 1:
+            self._post_device(peer, *writes[0], on_done, checksum)
+        else:
+            split_writes(self, peer, writes, on_done, checksum=checksum)
+
+    def _post_device(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                     on_done: OnWrittenMany, checksum: bool) -> None:
+        """A write of CUDA buffer `name` (a job of one), copied on the device lane's worker;
+        its digest (devsum of the source) rides along on success."""
         if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        if name not in self._dev:  # host memory: a job of one region
-            self._post_host([(tag, name, remote, plan)], peer, one_write(on_done), checksum)
-            return
+            raise TransportError("post_writes: on_done must be callable")
         tag = check_tag(tag)
         buf, size = self._dev[name]
         with self._lock:
@@ -322,17 +332,6 @@ class ShmTransport(TableTransport, OneSidedTransport):
         op.on_done = written_adapter(op, on_done)
         self._add_write(op)
         self._io.put(self._on_write, op, checksum)
-
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
-                    checksum: bool = False) -> None:
-        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
-        thread, or on this one for a small job), each write's source hashed on its own (a
-        digest per write). CUDA buffers, or
-        a layer whose targets lie on both host lanes: one job per write (split_writes)."""
-        if any(w[1] in self._dev for w in writes):
-            split_writes(self, peer, writes, on_done, checksum=checksum)
-            return
-        self._post_host(writes, peer, on_done, checksum)
 
     def post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
                              on_done: OnWrittenMany, flips: dict[int, int], *,
