@@ -16,7 +16,8 @@
 #   `check_plan` (a plan it cannot carry), `hold` (a completion held back while memory may
 #   still be written: ucx), `deliver` (shm's held receives).
 # - `TableTransport` is the one base the three share: their register / post_send / post_recv
-#   are the table's. It holds no state (each transport builds and owns its table).
+#   are the table's, and close() ends the table, then stops the I/O thread (shm adds its
+#   workers). It holds no state (each transport builds and owns its table and thread).
 from __future__ import annotations
 
 import threading
@@ -29,6 +30,7 @@ from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import OnDone, Transport
 from kvhandoff.transports.callbacks import CallbackThread
+from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.streams import ChunkPlan, check_buffer, check_tag, normalise_spans
 
 #: (op, error or None) pairs whose on_done is due.
@@ -197,9 +199,10 @@ class OpTable:
 
 class TableTransport(Transport):
     """A transport whose register / post_send / post_recv are its op table's (see module
-    comment); the subclass builds `_table` in its constructor."""
+    comment); the subclass builds `_table` and `_io` in its constructor."""
 
     _table: OpTable
+    _io: IoThread
 
     def register(self, name: str, buf: np.ndarray) -> None:
         self._table.register(name, buf)
@@ -211,6 +214,10 @@ class TableTransport(Transport):
     def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:
         self._table.post(False, peer, tag, name, offsets, nbytes, on_done)
+
+    def close(self) -> None:
+        if self._table.close(f"{self.kind} transport closed") is not None:
+            self._io.stop(self._table)
 
 
 def _call(fn: OnDone, exc: BaseException | None) -> Callable[[], None]:

@@ -166,11 +166,6 @@ class TcpTransport(TableTransport):
                                reason="tcp transport: no RDMA (pyzmq over TCP sockets)",
                                bytes_sent=self._bytes_sent, bytes_received=self._bytes_received)
 
-    def close(self) -> None:
-        if self._table.close("tcp transport closed") is None:
-            return
-        self._io.stop(self._table)
-
     def __repr__(self) -> str:
         return f"<TcpTransport {self._address.decode()} peers={len(self._table.peers)}>"
 

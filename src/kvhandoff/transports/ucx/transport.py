@@ -270,11 +270,6 @@ class UcxTransport(TableTransport):
                                degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
                                bytes_received=self._bytes_received)
 
-    def close(self) -> None:
-        if self._table.close("ucx transport closed") is None:
-            return
-        self._io.stop(self._table)
-
     def __repr__(self) -> str:
         return f"<UcxTransport peers={len(self._table.peers)} lanes={self.status().lanes}>"
 
