@@ -178,6 +178,7 @@ def test_two_sided_bytes_exact_on_either_route(pair: AutoPair, seed: int) -> Non
 def test_one_sided_write_same_host_in_process() -> None:
     p = AutoPair(False)
     try:
+        assert p.a.can_write("b") and p.a.route("b") == "shm"
         p.a.register_remote("b", "kv", p.b.describe("kv"))
         rng = np.random.default_rng(9)
         s = random_spans(rng, BUF // 3, BUF, 4 * CHUNK)
@@ -196,6 +197,7 @@ def test_one_sided_write_same_host_in_process() -> None:
 def test_cross_host_tcp_route_refuses_one_sided_writes_naming_lane_and_peer() -> None:
     p = AutoPair(True)
     try:
+        assert p.a.can_write("b") is False  # asked, not learnt from the refusal below
         with pytest.raises(TransportError, match=r"register_remote 'kv': the tcp lane to peer "
                            r"'b' has no one-sided writes"):
             p.a.register_remote("b", "kv", p.b.describe("kv"))
@@ -243,9 +245,10 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
             (lambda: a.post_send("x", 1, "kv", one * 0, one, Done()), "post_send"),
             (lambda: a.post_recv("x", 1, "kv", one * 0, one, Done()), "post_recv"),
             (lambda: a.register_remote("x", "kv", b"\x90"), "register_remote"),
+            (lambda: a.can_write("x"), "can_write"),
             (lambda: a.post_write("x", 1, "kv", "kv", pair_spans(one * 0, one, one * 0, one),
                                   Written()),
-             "post_write")]
+             "post_writes")]  # a post_writes job of one write
         for call, what in calls:
             with pytest.raises(TransportError, match=f"{what}: peer 'x' is not connected"):
                 call()

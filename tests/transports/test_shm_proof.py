@@ -142,7 +142,7 @@ def test_a_proved_peer_cannot_aim_writes_outside_its_own_buffers(
             "the canary process": descriptor(canary.pid, canary.addr, N),
             "the writer's own memory": descriptor(os.getpid(), int(own_canary.ctypes.data), N),
             "a buffer larger than the peer's": descriptor(
-                os.getpid(), int(peer._buffers["in"].ctypes.data), 1 << 30),
+                os.getpid(), int(peer._table.buffers["in"].ctypes.data), 1 << 30),
         }
         for name, desc in bad.items():
             with pytest.raises(TransportError, match="vouch|is of process"):
@@ -152,7 +152,7 @@ def test_a_proved_peer_cannot_aim_writes_outside_its_own_buffers(
         # what the peer really offers is written, byte-exact
         writer.register_remote("peer", "in", peer.describe("in"))
         assert write(writer, "peer", "in") is None
-        assert (peer._buffers["in"] == 0x5A).all()
+        assert (peer._table.buffers["in"] == 0x5A).all()
         # a buffer registered after the connect: its process is asked again
         late = np.zeros(N, dtype=np.uint8)
         peer.register("late", late)

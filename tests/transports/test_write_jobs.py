@@ -118,13 +118,14 @@ def test_a_write_job_with_an_empty_region_gives_that_regions_empty_sum(two: Two)
 
 def test_split_writes_posts_each_write_under_its_tag_and_completes_once(two: Two) -> None:
     tags: list[int] = []
-    post = two.writer.post_write
+    post = two.writer.post_writes
 
-    def recorded(peer: str, tag: int, *args: Any, **kw: Any) -> None:
-        tags.append(tag)
-        post(peer, tag, *args, **kw)
+    def recorded(peer: str, writes: Any, *args: Any, **kw: Any) -> None:
+        tags.extend(w[0] for w in writes)
+        assert len(writes) == 1  # a job of its own
+        post(peer, writes, *args, **kw)
 
-    two.writer.post_write = recorded  # type: ignore[method-assign]
+    two.writer.post_writes = recorded  # type: ignore[method-assign]
     w = WrittenMany()
     split_writes(two.writer, "b", [(11, "kv", "kv", PLAN_A), (12, "kv2", "kv2", PLAN_B)], w,
                  checksum=True)

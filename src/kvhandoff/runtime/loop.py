@@ -415,9 +415,9 @@ class ControlLoop:
         """(peer-call worker) A refusal: the session sends to that peer two-sided."""
         def register() -> None:
             tr = self.transport
-            if not isinstance(tr, OneSidedTransport):
-                raise TransportError(f"register_remote: the {tr.kind} transport has no "
-                                     "one-sided writes")
+            if not isinstance(tr, OneSidedTransport) or not tr.can_write(eff.peer):
+                raise TransportError(f"register_remote: the {tr.kind} transport's lane to peer "
+                                     f"{eff.peer!r} has no one-sided writes (can_write)")
             for name, descriptor in eff.descriptors:
                 tr.register_remote(eff.peer, name, descriptor)
 

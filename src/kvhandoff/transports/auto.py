@@ -20,9 +20,10 @@
 # kind) and agree on the route: every input of the decision is symmetric.
 #
 # One-sided writes: an OneSidedTransport. describe(name) gives both parts' descriptors (the
-# cross-host part's only when it can take writes); register_remote installs the part of the
-# peer's route and raises TransportError when that route has no one-sided writes (tcp, ucx):
-# the agent then sends that peer's rooms two-sided, which is intended, not an error.
+# cross-host part's only when it can take writes); can_write(peer) says whether the peer's
+# route has one-sided writes (shm, nixl: yes; tcp, ucx: no, and the agent then sends that
+# peer's rooms two-sided, which is intended, not an error); register_remote installs the
+# part of the peer's route (TransportError for a route without writes).
 #
 # Status: lanes are the union of both parts' lanes, the cross-host ones prefixed with its kind
 # ("shm/cma", "ucx:tcp/lo", "tcp:tcp"; just "ucx" while no peer uses it); counters are
@@ -47,7 +48,6 @@ from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     Transport,
     TransportKind,
@@ -340,6 +340,11 @@ class AutoTransport(OneSidedTransport):
                  else b"")
         return msgspec.msgpack.encode(AutoDescriptor(VERSION, shm, str(self._cross_kind), cross))
 
+    def can_write(self, peer: str) -> bool:
+        """Whether connected `peer`'s route (shm, or the cross-host part) has one-sided
+        writes. Raises TransportError when the peer is not connected."""
+        return isinstance(self._route(peer, "can_write"), OneSidedTransport)
+
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
         part = self._route(peer, "register_remote")
         desc = _decode(descriptor, AutoDescriptor, f"register_remote {name!r}: descriptor")
@@ -354,14 +359,6 @@ class AutoTransport(OneSidedTransport):
                                  f"{peer!r} has no one-sided writes ({side} cross-host "
                                  "transport cannot take them); use post_send / post_recv")
         cross.register_remote(peer, name, desc.cross)
-
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        part = self._route(peer, "post_write")
-        if not isinstance(part, OneSidedTransport):
-            raise TransportError(f"post_write: the {self._lane(part)} lane to peer {peer!r} has "
-                                 "no one-sided writes; use post_send / post_recv")
-        part.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:

@@ -20,18 +20,23 @@
 #   implement it; `isinstance(t, OneSidedTransport)` is the check, never hasattr): the receiver
 #   publishes a
 #   descriptor of a registered buffer (`describe`), the writer installs it (`register_remote`)
-#   and writes a span plan straight into it (`post_write`) without the receiver posting
-#   anything; each write's own on_done says when it landed (there is no fence: the agent
-#   waits on each write, never on a peer's writes as a group). The plan is a
+#   and writes a span plan straight into it (`post_writes`: a job of one or more writes; a
+#   transport implements that one entry, `post_write` is a job of one, written once here)
+#   without the receiver posting anything; each write's own on_done says when it landed
+#   (there is no fence: the agent waits on each write, never on a peer's writes as a group).
+#   The plan is a
 #   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
 #   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
-#   re-pairs them. Without the capability the agent uses post_send / post_recv.
+#   re-pairs them. Without the capability the agent uses post_send / post_recv. Whether
+#   writes to one connected peer are possible is asked, never learnt from an error:
+#   `can_write(peer)` (auto: whether that peer's route is a one-sided part).
 # - post_writes posts several such writes (one layer's regions: (tag, name, remote, plan) each)
 #   as one job with one completion: on_done(err, digests), one digest per write, in order (each
 #   the xxh3-64 of that write's own source stream). A transport that copies them as one job
 #   (shm's host lanes) keeps it under the first write's tag, and cancel of any of the tags ends
-#   it (the others' cancels find nothing); the default posts each write under its own tag and
-#   completes once the last one did (`split_writes`), so every one-sided transport takes it.
+#   it (the others' cancels find nothing); one that cannot copy a job as one posts each write
+#   as a job of its own under its own tag and completes once the last one did
+#   (`split_writes`).
 #   A transport that reads what it wrote while it copies (shm's map lane, with `checksum`)
 #   completes with a `WriteSums`: the same tuple of source digests, and `landed`, one sum per
 #   write of its destination pieces as the writer read them right after copying them (the
@@ -177,26 +182,35 @@ class OneSidedTransport(Transport):
     def describe(self, name: str) -> bytes:
         """Descriptor of registered buffer `name` for a peer's `register_remote`."""
 
-    @abstractmethod
-    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
-        """Installs a connected peer's buffer descriptor under `name` (for post_write)."""
+    def can_write(self, peer: str) -> bool:
+        """Whether one-sided writes to connected `peer` are possible (its buffers can be
+        installed with register_remote and written). True here: every peer; a transport
+        whose capability depends on the peer (auto: the peer's route) answers per peer."""
+        return True
 
     @abstractmethod
+    def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
+        """Installs a connected peer's buffer descriptor under `name` (for post_write);
+        only for a peer that `can_write` says yes to (else TransportError)."""
+
     def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
                    on_done: OnWritten, *, checksum: bool = False) -> None:
         """Writes the pieces of `plan` (src_offsets into local buffer `name`, dst_offsets into
         the peer's buffer `remote`, see register_remote) as they are; `on_done(err, digest)`
         once they landed, `digest` the xxh3-64 of the source stream (the src pieces in plan
-        order) when `checksum`. cancel(peer, tag) ends it."""
+        order) when `checksum`. cancel(peer, tag) ends it. A `post_writes` job of one write."""
+        if not callable(on_done):
+            raise TransportError("post_write: on_done must be callable")
+        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done),
+                         checksum=checksum)
 
+    @abstractmethod
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
         """Writes several plans (`writes`: (tag, name, remote, plan) each, distinct tags) as
         one job: `on_done(err, digests)` once all landed (or the first error once every one
         ended), `digests` one per write (each write's source stream when `checksum`).
-        cancel(peer, tag) of any of the tags ends it. This default posts them one by one
-        (`split_writes`)."""
-        split_writes(self, peer, writes, on_done, checksum=checksum)
+        cancel(peer, tag) of any of the tags ends it."""
 
     def write_digest_alg(self, name: str) -> str | None:
         """The algorithm of post_write(checksum=True)'s digest for local buffer `name`; None
@@ -219,14 +233,13 @@ def one_write(on_done: OnWritten) -> OnWrittenMany:
 
 def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
                  on_done: OnWrittenMany, *, checksum: bool = False) -> None:
-    """`post_writes` as one `post_write` per write under its own tag (`post_in_groups`)."""
+    """`post_writes` as one job per write, each under its own tag (`post_in_groups`); the
+    transport's `post_writes` of a single write must not come back here."""
     if not callable(on_done):
         raise TransportError("post_writes: on_done must be callable")
 
     def post(idx: Sequence[int], done: OnWrittenMany) -> None:
-        tag, name, remote, plan = writes[idx[0]]
-        transport.post_write(peer, tag, name, remote, plan,
-                             lambda exc, digest: done(exc, (digest,)), checksum=checksum)
+        transport.post_writes(peer, [writes[idx[0]]], done, checksum=checksum)
 
     post_in_groups(post, [[i] for i in range(len(writes))], on_done)
 
@@ -295,8 +308,8 @@ _BACKENDS = {
 
 
 def load_transport(kind: str, settings: Settings) -> Transport:
-    """Builds the transport `kind` ("ucx", "tcp", "shm" or "inproc"; a TransportKind is a str
-    too), importing its module on first use.
+    """Builds the transport `kind` (a TransportKind, or its value: "tcp", "ucx", "shm",
+    "nixl", "auto", "inproc"), importing its module on first use.
 
     Raises:
         TransportError: unknown kind, or the backend's dependency cannot be imported.

@@ -2,12 +2,12 @@
 #
 # How it works: each transport binds one ROUTER on settings.agent_host, port 0, and opens one
 # DEALER per connected peer (routing id = this transport's id). A send cuts its stream into the
-# shared chunk grid (_chunks.ChunkPlan) and sends one frame pair per chunk on the DEALER:
+# shared chunk grid (streams.ChunkPlan) and sends one frame pair per chunk on the DEALER:
 # (b"D" + tag, chunk index, chunk count, total bytes) and the payload, zero-copy (copy=False):
 # a view of the registered buffer when the chunk lies in one span, else a pooled staging buffer
 # it was gathered into. The receiver's ROUTER copies each payload once into the destination
 # (direct or scattered) and answers b"C" (chunk landed: the sender may reuse that staging
-# buffer and send one more chunk of that op: the shared per-op window, _threaded.WINDOW) and,
+# buffer and send one more chunk of that op: the per-op window, window.SendWindow) and,
 # when every chunk of the op landed, b"F" + status, which completes the send. Chunks that
 # arrive before their receive is posted are held (as zmq frames, bounded per peer and in total:
 # chunkauth.EarlyStore) until it is, and answered b"C" only then.
@@ -18,31 +18,37 @@
 # only from a connection that proved its peer. High-water marks and the largest message are
 # bounded.
 #
+# The transport composes owned parts: its op table (optable.OpTable: buffers, peers, pending
+# ops, completion delivery), its I/O thread (iothread.IoThread: the commands it runs are
+# this transport's own `_on_*` methods), and the send window (window.SendWindow).
+#
 # Rules: every socket is used by the one I/O thread only; other threads enqueue commands and
-# wake it through a pipe. `_lock` guards the op tables, each op's `finished` flag and every
-# write into destination memory, so an op finishes exactly once and, after cancel() returns,
-# nothing of that tag is written. Callbacks run on a separate CallbackThread, outside the lock.
+# wake it through a pipe. The op table's lock (`_lock`) guards the op tables, each op's
+# `finished` flag and every write into destination memory, so an op finishes exactly once
+# and, after cancel() returns, nothing of that tag is written. Callbacks run on the op
+# table's CallbackThread, outside the lock.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import struct
-import threading
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import zmq
 
-from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
-from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
+from kvhandoff.netaddr import split_zmq_endpoint
 from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
 from kvhandoff.transports.chunkauth import COUNTERS, TRAILER, EarlyStore, Gate, Signer
-from kvhandoff.transports.streams import ChunkPlan, check_tag
-from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+from kvhandoff.transports.iothread import IoThread
+from kvhandoff.transports.optable import OpTable, TableTransport
+from kvhandoff.transports.sockets import bind_router, connect_dealer
+from kvhandoff.transports.streams import ChunkPlan
+from kvhandoff.transports.window import ChunkOp, SendWindow
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -58,25 +64,21 @@ _HWM = 65536  # messages queued per connection and direction (credits are 17 byt
 _NOT_TAKEN = "tcp: chunk not taken: its connection has not proven this session (say Hello)"
 
 
-class _Op:
-    __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "on_done", "finished",
-                 "next_chunk", "inflight", "landed", "staging", "rid")
+class _Op(ChunkOp):
+    __slots__ = ("ident", "staging", "rid")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> None:
-        self.peer = peer
+        super().__init__(peer, tag, is_send, buf, plan, on_done)
         self.ident = ident
-        self.tag = tag
-        self.is_send = is_send
-        self.buf = buf
-        self.plan = plan
-        self.on_done = on_done
-        self.finished = False
-        self.next_chunk = 0
-        self.inflight = 0
-        self.landed = 0
-        self.staging: dict[int, np.ndarray] = {}
+        self.staging: dict[int, np.ndarray] = {}  # send: chunk -> its staging buffer
         self.rid: bytes | None = None  # (receive) the connection its last chunk came on
+
+    @staticmethod
+    def posted(is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+               plan: ChunkPlan, on_done: OnDone) -> _Op:
+        """The op of a post_send / post_recv (the op table's `make_op`)."""
+        return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
 
     def __repr__(self) -> str:
         kind = "send" if self.is_send else "recv"
@@ -100,7 +102,7 @@ def _split_address(address: bytes) -> tuple[str, bytes]:
     return endpoint, ident.encode("ascii")
 
 
-class TcpTransport(ThreadedTransport):
+class TcpTransport(TableTransport):
     """pyzmq data transport (see module comment). Always degraded: no RDMA."""
 
     kind: ClassVar[TransportKind] = TransportKind.TCP
@@ -111,28 +113,30 @@ class TcpTransport(ThreadedTransport):
                                  " use transport=ucx on hosts with an RDMA device, or unset "
                                  "KVHANDOFF_REQUIRE_RDMA to accept the degraded TCP path")
         self._ident = uuid.uuid4().hex.encode("ascii")
-        self._init_threaded(settings.chunk_bytes, f"kvhandoff-tcp-cb-{self._ident[:8].decode()}")
+        self._io = IoThread(f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
+        self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
+                              callback_thread=f"kvhandoff-tcp-cb-{self._ident[:8].decode()}",
+                              make_op=_Op.posted,
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv))
+        self._lock = self._table.lock
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, _HWM)
-        self._router.setsockopt(zmq.SNDHWM, _HWM)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, settings.chunk_bytes + _HEAD_BYTES)
-        self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
         try:
-            self._router.bind(zmq_endpoint(settings.agent_host, 0))
-        except zmq.ZMQError as e:
-            self._router.close()
+            self._router, endpoint = bind_router(self._ctx, settings.agent_host, what="tcp",
+                                                 handover=False, hwm=_HWM,
+                                                 max_message=settings.chunk_bytes + _HEAD_BYTES)
+        except TransportError:
             self._ctx.term()
-            self._abandon_threaded()
-            raise TransportError(f"tcp: cannot bind agent_host={settings.agent_host!r}: {e}") from e
-        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._table.stop()
+            self._io.close()
+            raise
         self._address = f"{endpoint}/{self._ident.decode()}".encode("ascii")
 
         self._bytes_sent = 0
         self._bytes_received = 0
         # owned by the I/O thread
+        self._window = SendWindow(settings.chunk_bytes, channel=self._dealer_of,
+                                  emit=self._emit, fail=self._table.finish)
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._send_index: dict[tuple[str, int], _Op] = {}
         self._recv_index: dict[tuple[bytes, int], _Op] = {}
@@ -154,15 +158,9 @@ class TcpTransport(ThreadedTransport):
         self._seq = itertools.count()
         self._tombstones: collections.OrderedDict[tuple[bytes, int], None] = (
             collections.OrderedDict())
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvhandoff-tcp-io-{self._ident[:8].decode()}")
-        self._thread.start()
+        self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
-
-    def register(self, name: str, buf: np.ndarray) -> None:
-        refuse_device_memory("tcp", name, buf)  # CUDA memory: say which transport can
-        super().register(name, buf)
 
     @property
     def address(self) -> bytes:
@@ -175,41 +173,27 @@ class TcpTransport(ThreadedTransport):
     def connect(self, peer: str, address: bytes) -> None:
         endpoint, ident = _split_address(address)
         with self._lock:
-            self._check_open()
             key = self._session_keys.get(peer, b"")
-            known = self._peers.get(peer)
-            if known == address and self._bound.get(peer) == key:
+            if self._table.known_peer(peer, address) and self._bound.get(peer) == key:
                 return
-            if known is not None and known != address:
-                raise TransportError(f"connect {peer!r}: already connected at another address; "
-                                     "disconnect first")
-            self._peers[peer] = address
+            self._table.peers[peer] = address
             self._bound[peer] = key
         self._gate.bind(ident, key)  # (a known peer with a new key: the data plane follows)
-        self._command(IoCommand.CONNECT, peer, endpoint, ident, key)
+        self._io.put(self._on_connect, peer, endpoint, ident, key)
 
     def disconnect(self, peer: str) -> None:
+        ops, known = self._table.end_peer(peer, f"disconnected from peer {peer!r}")
         with self._lock:
-            ops = [op for op in self._ops.values() if op.peer == peer]
-            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
-            known = self._peers.pop(peer, None)
             self._session_keys.pop(peer, None)
             self._bound.pop(peer, None)
         if known is not None:
             self._gate.unbind(_split_address(known)[1])
-        self._deliver(done)
-        if known is not None:
-            self._command(IoCommand.DISCONNECT, peer, known, ops, next(self._seq))
+            self._io.put(self._on_disconnect, peer, known, ops, next(self._seq))
 
     def cancel(self, peer: str, tag: int) -> None:
-        tag = check_tag(tag)
-        with self._lock:
-            ops = [op for k in ((peer, tag, True), (peer, tag, False))
-                   if (op := self._ops.get(k)) is not None]
-            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
-        self._deliver(done)
+        ops = self._table.end_tag(peer, tag)
         if ops:
-            self._command(IoCommand.FORGET, ops, "peer cancelled")
+            self._io.put(self._on_forget, ops, "peer cancelled")
 
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
@@ -217,58 +201,33 @@ class TcpTransport(ThreadedTransport):
                                bytes_sent=self._bytes_sent, bytes_received=self._bytes_received,
                                counters=dict(self._counters))
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            done = self._finish_locked(list(self._ops.values()), "tcp transport closed")
-        self._deliver(done)
-        self._shutdown_io()
-
     def __repr__(self) -> str:
-        return f"<TcpTransport {self._address.decode()} peers={len(self._peers)}>"
-
-    # ---- helpers (any thread) -------------------------------------------------------------
-
-    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
-                 plan: ChunkPlan, on_done: OnDone) -> _Op:
-        return _Op(peer, _split_address(address)[1], tag, is_send, buf, plan, on_done)
+        return f"<TcpTransport {self._address.decode()} peers={len(self._table.peers)}>"
 
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        handlers: dict[IoCommand, Callable[..., bool]] = {
-            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
-            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
-            IoCommand.FORGET: self._on_forget,
-        }
+        io = self._io
+        poller.register(io.wake_fd, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll())
-                if self._wake_r in events:
-                    self._drain_wake()
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] is IoCommand.STOP:
-                        return
-                    handlers[cmd[0]](poller, *cmd[1:])
+                if io.wake_fd in events:
+                    io.drain_wake()
+                io.handle(poller)
+                if io.stopped:
+                    return
                 self._drain_router()
                 for peer, sock in list(self._dealers.items()):
                     self._drain_dealer(peer, sock)
                 for peer in [p for p, m in self._monitors.items() if m[0] in events]:
                     self._drain_monitor(peer)
-                self._pump_sends()
+                self._window.pump()
         except Exception:
             log.exception("tcp transport I/O thread failed")
-            with self._lock:
-                self._closed = True
-                done = self._finish_locked(list(self._ops.values()),
-                                           "tcp transport I/O thread failed")
-            self._deliver(done)
+            self._table.close("tcp transport I/O thread failed")
         finally:
             for sock in self._dealers.values():
                 sock.close(linger=0)
@@ -281,14 +240,11 @@ class TcpTransport(ThreadedTransport):
                     key: bytes) -> bool:
         sock = self._dealers.get(peer)
         if sock is None:
-            # no IDENTITY: the peer's ROUTER names this connection itself
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, 0)  # (the per-op window bounds what is queued)
-            sock.setsockopt(zmq.RCVHWM, _HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
-            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-            sock.connect(endpoint)
+            # no routing id of ours: the peer's ROUTER names this connection itself; the send
+            # side unbounded (the per-op window bounds what is queued)
+            sock, mon = connect_dealer(self._ctx, None, endpoint, hwm=0, rcvhwm=_HWM,
+                                       monitor=zmq.EVENT_CONNECTED)
+            assert mon is not None
             self._dealers[peer] = sock
             self._monitors[peer] = (mon, ident, key)
             poller.register(sock, zmq.POLLIN)
@@ -367,7 +323,7 @@ class TcpTransport(ThreadedTransport):
         if op.finished:
             return True
         self._send_index[(op.peer, op.tag)] = op
-        self._active_sends.append(op)
+        self._window.add(op)
         return True
 
     def _on_recv(self, poller: zmq.Poller, op: _Op) -> bool:
@@ -377,9 +333,9 @@ class TcpTransport(ThreadedTransport):
         if self._early.overflowed(key):  # its sender was told when its chunks were dropped
             self._early.unmark(key)
             self._tombstone(op.ident, op.tag)
-            self._finish(op, f"tcp: tag {op.tag}: chunks that came before this receive was "
-                             "posted went over the bound of held chunks (tcp_early_bytes) and "
-                             "were dropped")
+            self._table.finish(op, f"tcp: tag {op.tag}: chunks that came before this receive "
+                                   "was posted went over the bound of held chunks "
+                                   "(tcp_early_bytes) and were dropped")
             return True
         self._tombstones.pop(key, None)
         self._recv_index[key] = op
@@ -388,9 +344,9 @@ class TcpTransport(ThreadedTransport):
             self._land(op, k, n, total, frame, rid)
         return True
 
-    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+    # ---- send window hooks (window.SendWindow) --------------------------------------------
 
-    def _channel(self, op: _Op) -> zmq.Socket[bytes] | None:
+    def _dealer_of(self, op: _Op) -> zmq.Socket[bytes] | None:
         return self._dealers.get(op.peer)
 
     def _emit(self, channel: zmq.Socket[bytes], op: _Op, k: int, view: np.ndarray,
@@ -414,8 +370,7 @@ class TcpTransport(ThreadedTransport):
                 _, tag, k = _CREDIT.unpack(head)
                 op = self._send_index.get((peer, tag))
                 if op is not None:
-                    op.inflight -= 1
-                    self._unstage(op.staging.pop(k, None))
+                    self._window.credit(op, op.staging.pop(k, None))
             elif head[:1] == b"F" and len(head) == _FINAL.size:
                 _, tag, ok = _FINAL.unpack(head)
                 op = self._send_index.pop((peer, tag), None)
@@ -424,7 +379,7 @@ class TcpTransport(ThreadedTransport):
                 if reason == _NOT_TAKEN:  # the peer did not take our proof: a fresh one
                     self._prove(peer)
                 if op is not None:
-                    self._finish(op, reason)
+                    self._table.finish(op, reason)
             else:
                 log.warning("tcp: dropping a malformed frame from peer %r", peer)
 
@@ -475,7 +430,7 @@ class TcpTransport(ThreadedTransport):
             self._recv_index.pop((op.ident, op.tag), None)
             self._tombstone(op.ident, op.tag)
             self._reply(op, [_FINAL.pack(b"F", op.tag, 0), reason.encode()])
-            self._finish(op, reason)
+            self._table.finish(op, reason)
             return
         start = plan.direct(k)
         src = np.frombuffer(data, dtype=np.uint8)
@@ -492,5 +447,5 @@ class TcpTransport(ThreadedTransport):
         if complete:
             self._recv_index.pop((op.ident, op.tag), None)
             self._reply(op, [_FINAL.pack(b"F", op.tag, 1), b""])
-            self._finish(op, None)
+            self._table.finish(op, None)
 

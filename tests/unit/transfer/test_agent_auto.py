@@ -2,8 +2,8 @@
 
 Same host: the prefill writes one-sided over shm. A peer whose address carries another host
 identity (as one on another machine would send it) is reached over tcp: the prefill's
-register_remote is refused ("the tcp lane ... has no one-sided writes"), the agent says so as a
-warning and the room goes two-sided, byte-exact.
+transport says it cannot write to that peer (`can_write`), the agent says so as a warning
+and the room goes two-sided, byte-exact.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_auto_handoff_one_sided_on_shm_two_sided_across_hosts(
         if other_host:
             assert peer_routes == {"tcp"}
             assert one_sided is False
-            assert refused and "the tcp lane to peer" in refused[0]
+            assert refused and "the auto transport's lane to peer" in refused[0]
             assert "has no one-sided writes" in refused[0]
             assert tr.status().degraded  # a connected peer uses the tcp lane
         else:

@@ -1,8 +1,9 @@
 # NIXL transport: one-sided writes through a NIXL agent (its bundled UCX: RDMA where the host
-# has a usable device, else TCP), two-sided ops over the tcp transport it extends.
+# has a usable device, else TCP), two-sided ops over a tcp transport it holds.
 #
 # How it works:
-# - Two-sided ops (post_send / post_recv / cancel of them) are the tcp transport's, unchanged.
+# - Two-sided ops (post_send / post_recv / cancel of them) go to the tcp transport it holds
+#   (`_tcp`, its own object: its lock, peers and threads are not this transport's).
 #   The address is a versioned msgpack struct (_nixl_wire.NixlAddress): the tcp address and
 #   this transport's NIXL agent (name, metadata). connect() loads the peer's agent metadata.
 # - register() also registers the buffer with the agent (DRAM for a numpy array, VRAM for a
@@ -21,8 +22,8 @@
 # - The UCX backend is created with peer error handling (also NIXL's default): a dead peer
 #   fails the write (an error at post or state ERR), it never hangs the transport.
 #
-# Rules: `_lock` guards the write table and each write's `finished` flag (an op finishes once;
-# its callback is queued under the lock).
+# Rules: `_lock` guards the write table, the peer and buffer tables of this transport and each
+# write's `finished` flag (an op finishes once; its callback is queued under the lock).
 # `_nx_lock` guards every call into the NIXL agent and each write's handle (released once).
 from __future__ import annotations
 
@@ -40,13 +41,12 @@ import numpy as np
 from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
+    OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     TransportKind,
     TransportStatus,
     WriteSpec,
-    one_write,
     split_writes,
 )
 from kvhandoff.transports.callbacks import CallbackThread
@@ -93,14 +93,15 @@ class _Write:
         self.parts = parts  # the writes of the job (one digest each)
 
 
-class NixlTransport(TcpTransport, OneSidedTransport):
+class NixlTransport(OneSidedTransport):
     """One-sided writes through NIXL, two-sided ops over TCP (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.NIXL
 
     def __init__(self, settings: Settings) -> None:
         api = nixl_api()  # TransportError with the install hint when missing
-        self._nx_closed = False
+        self._lock = threading.Lock()
+        self._closed = False
         self._stall_s = float(settings.stall_timeout_s)
         self._agent_name = f"kvh-nixl-{uuid.uuid4().hex}"
         self._nx_lock = threading.Lock()
@@ -125,9 +126,10 @@ class NixlTransport(TcpTransport, OneSidedTransport):
         # nothing is registered yet: connection info only (each buffer's keys travel in its
         # describe() blob)
         self._metadata: bytes = self._agent.get_agent_metadata()
-        super().__init__(settings.model_copy(update={"require_rdma": False}))
-        self._nixl_address = encode(NixlAddress(VERSION, super().address, self._agent_name,
+        self._tcp = TcpTransport(settings.model_copy(update={"require_rdma": False}))
+        self._nixl_address = encode(NixlAddress(VERSION, self._tcp.address, self._agent_name,
                                                 self._metadata))
+        self._callbacks = CallbackThread(f"kvhandoff-nixl-cb-{self._agent_name[9:17]}")
         self._mems: dict[str, Memory] = {}
         self._regs: dict[str, Any] = {}  # name -> NIXL registration (_nx_lock)
         self._peer_agents: dict[str, tuple[str, bytes]] = {}  # peer -> (agent, metadata)
@@ -149,7 +151,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
     # ---- addresses, buffers, peers -------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed or self._nx_closed:
+        if self._closed:
             raise TransportError(f"{self.kind} transport is closed")
 
     @property
@@ -157,37 +159,55 @@ class NixlTransport(TcpTransport, OneSidedTransport):
         return self._nixl_address
 
     def register(self, name: str, buf: Any) -> None:
+        """Host buffers (also the tcp part's, for two-sided ops) and CUDA buffers (one-sided
+        writes only), each registered with the NIXL agent."""
         mem = memory_of(name, buf)
-        if mem.host is not None:
-            super().register(name, mem.host)
-        else:
-            with self._lock:
-                self._check_open()
-                if name in self._buffers or name in self._mems:
-                    raise TransportError(f"register: a buffer named {name!r} is already "
-                                         "registered")
+        with self._lock:
+            self._check_open()
+            if name in self._mems:
+                raise TransportError(f"register: a buffer named {name!r} is already "
+                                     "registered")
         with self._nx_lock:
             try:
                 reg = self._agent.register_memory(
                     np.asarray([[mem.addr, mem.length, mem.device]], np.int64), mem.mem)
             except Exception as e:
-                with self._lock:
-                    self._buffers.pop(name, None)
                 raise TransportError(f"register {name!r}: NIXL refused the {mem.mem} region "
                                      f"({type(e).__name__}: {e})") from e
+        try:
+            if mem.host is not None:
+                self._tcp.register(name, mem.host)
+        except TransportError:
+            with self._nx_lock:
+                self._agent.deregister_memory(reg)
+            raise
+        with self._nx_lock:
             self._regs[name] = reg
         with self._lock:
             self._mems[name] = mem
 
+    def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._tcp.post_send(peer, tag, name, offsets, nbytes, on_done)
+
+    def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
+                  on_done: OnDone) -> None:
+        self._tcp.post_recv(peer, tag, name, offsets, nbytes, on_done)
+
+    def bind_session(self, peer: str, key: bytes) -> None:
+        self._tcp.bind_session(peer, key)  # its two-sided part is bound like tcp's
+
     def connect(self, peer: str, address: bytes) -> None:
         addr = decode_address(address)
-        super().connect(peer, addr.tcp)
+        with self._lock:
+            self._check_open()
+        self._tcp.connect(peer, addr.tcp)
         with self._nx_lock:
             if addr.agent not in self._loaded_agents:
                 try:
                     self._agent.add_remote_agent(addr.metadata)
                 except Exception as e:
-                    super().disconnect(peer)
+                    self._tcp.disconnect(peer)
                     raise TransportError(f"connect {peer!r}: NIXL cannot load the peer's agent "
                                          f"metadata ({type(e).__name__}: {e})") from e
                 self._loaded_agents.add(addr.agent)
@@ -195,7 +215,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
             self._peer_agents[peer] = (addr.agent, addr.metadata)
 
     def disconnect(self, peer: str) -> None:
-        super().disconnect(peer)
+        self._tcp.disconnect(peer)
         with self._lock:
             ops = [op for op in self._writes.values() if op.peer == peer]
             known = self._peer_agents.pop(peer, None)
@@ -242,12 +262,6 @@ class NixlTransport(TcpTransport, OneSidedTransport):
         with self._lock:
             self._remotes.setdefault(peer, {})[name] = region
 
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done), checksum=checksum)
-
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
                     checksum: bool = False) -> None:
         """The writes' pieces as ONE NIXL WRITE (one request, one completion) under the first
@@ -280,7 +294,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
                     next(self._seq), len(parts))
         with self._lock:
             self._check_open()
-            if peer not in self._peers:
+            if peer not in self._peer_agents:
                 raise TransportError(f"post_write: peer {peer!r} is not connected")
             if (peer, tag) in self._writes:
                 raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
@@ -299,7 +313,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
             self._cv.notify()
 
     def cancel(self, peer: str, tag: int) -> None:
-        super().cancel(peer, tag)
+        self._tcp.cancel(peer, tag)
         with self._lock:
             op = self._writes.get((peer, check_tag(tag)))
         if op is not None:
@@ -316,15 +330,16 @@ class NixlTransport(TcpTransport, OneSidedTransport):
                   f"tcp; {_offer_text(offer)}")
         if degraded:
             reason = "no RDMA lane: " + reason
+        tcp = self._tcp.status()
         return TransportStatus(kind=self.kind, lanes=lanes, degraded=degraded, reason=reason,
-                               bytes_sent=self._bytes_sent + self._written,
-                               bytes_received=self._bytes_received)
+                               bytes_sent=tcp.bytes_sent + self._written,
+                               bytes_received=tcp.bytes_received, counters=tcp.counters)
 
     def close(self) -> None:
         with self._lock:
-            if self._nx_closed:
+            if self._closed:
                 return
-            self._nx_closed = True
+            self._closed = True
             ops = list(self._writes.values())
         self._end_writes(ops, "nixl transport closed")
         with self._cv:
@@ -335,8 +350,9 @@ class NixlTransport(TcpTransport, OneSidedTransport):
         with self._lock:
             ops = list(self._writes.values())  # posted while closing: never started
         self._end_writes(ops, "nixl transport closed")
-        super().close()
+        self._tcp.close()
         self._hasher.stop()
+        self._callbacks.stop()
         with self._nx_lock:
             for agent in list(self._loaded_agents):
                 try:
@@ -352,7 +368,7 @@ class NixlTransport(TcpTransport, OneSidedTransport):
             self._regs.clear()
 
     def __repr__(self) -> str:
-        return f"<NixlTransport agent={self._agent_name} peers={len(self._peers)}>"
+        return f"<NixlTransport agent={self._agent_name} peers={len(self._peer_agents)}>"
 
     # ---- completion (any thread) -----------------------------------------------------------
 

@@ -50,15 +50,19 @@
 # command queue, except one-sided writes of host memory: the poster's thread starts their copy
 # job and its copy thread completes the op and calls on_done itself (two hand-offs per write,
 # poster -> copy thread -> on_done, instead of four through the I/O and callback threads).
-# `_lock` guards the op table, the peer table, the running copy jobs, `finished` / `result` /
-# `delivered` of ops and the `exposed` / `acked` state of receives. The transport composes owned
-# parts, each with its own state: `HeldReceives` (hold.py: completions held until nothing
-# writes, and the drains of disconnected peers; it shares `_lock`, which guards those op
-# fields), `ExposedWriter` (expose.py: the two-sided writer's tables, I/O thread only), and the
-# target opening of one-sided writes (writes.py, stateless). The receiver's side of the wire
-# (R out, F / A in) stays here: it completes entries of the op table. (The file is ~700 lines:
-# what is left is one class whose every method takes part in the op table's lifecycle under
-# that one lock; the parts with state of their own are the modules named above.)
+# `_lock` (the op table's lock) guards the op table, the peer table, the running copy jobs,
+# `finished` / `result` / `delivered` of ops and the `exposed` / `acked` state of receives. The
+# transport composes owned parts, each with its own state: the op table (optable.OpTable:
+# buffers, peers, pending ops, the checks of post_*), the I/O thread (iothread.IoThread: its
+# commands are this class's `_on_*` methods), `HeldReceives` (hold.py: completions held until
+# nothing writes, and the drains of disconnected peers; the op table delivers through it and
+# it shares `_lock`, which guards those op fields), `ExposedWriter` (expose.py: the two-sided
+# writer's tables, I/O thread only), and the target opening of one-sided writes (writes.py,
+# stateless). The receiver's side of the wire (R out, F / A in) stays here: it completes
+# entries of the op table. What is left in this file (~930 lines, half of them comments and
+# docstrings) is one class whose every method takes part in an op's lifecycle under that one
+# lock; the one-sided write path (post_write(s), the host and CUDA jobs) is the next part to
+# move out, with the single write API (docs/ARCHITECTURE.md, Transports).
 from __future__ import annotations
 
 import functools
@@ -66,10 +70,9 @@ import itertools
 import logging
 import os
 import select
-import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -77,20 +80,19 @@ import zmq
 
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout.spans import SpanPlan, pair_spans
-from kvhandoff.netaddr import split_zmq_endpoint, zmq_endpoint, zmq_ipv6
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWritten,
     OnWrittenMany,
     TransportKind,
     TransportStatus,
     WriteSpec,
     WriteSums,
-    one_write,
     split_writes,
 )
 from kvhandoff.transports.hostid import host_id
+from kvhandoff.transports.iothread import IoThread
+from kvhandoff.transports.optable import OpTable, TableTransport
 from kvhandoff.transports.shm.copy import CopyPool, Job, Target, read_back
 from kvhandoff.transports.shm.cuda import (
     DeviceJob,
@@ -123,8 +125,8 @@ from kvhandoff.transports.shm.writes import (
     written_adapter,
     written_many_adapter,
 )
-from kvhandoff.transports.streams import ChunkPlan, check_tag, write_plan, write_plans
-from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+from kvhandoff.transports.sockets import bind_router, connect_dealer
+from kvhandoff.transports.streams import check_tag, write_plan, write_plans
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -134,7 +136,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_THREADS = 3
 
 
-class ShmTransport(ThreadedTransport, OneSidedTransport):
+class ShmTransport(TableTransport, OneSidedTransport):
     """Same-host transport: writes into the peer's memory (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.SHM
@@ -152,25 +154,28 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._ident = uuid.uuid4().hex.encode("ascii")
         # peers prove themselves to us, we to them, over this socket (proof.py)
         self._voucher = Voucher(self._ident, self._vouched)
-        self._init_threaded(settings.chunk_bytes, f"kvhandoff-shm-cb-{self._ident[:8].decode()}")
+        self._io = IoThread(f"kvhandoff-shm-io-{self._ident[:8].decode()}")
+        # on_done of an op waits until nothing of it writes (hold.py): delivery is _held's
+        self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
+                              callback_thread=f"kvhandoff-shm-cb-{self._ident[:8].decode()}",
+                              make_op=ShmOp.posted,
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv),
+                              deliver=lambda done: self._held.deliver(done))
+        self._lock = self._table.lock
         threads = copy_threads or min(_DEFAULT_THREADS, os.cpu_count() or 1)
         self._copier = CopyPool(threads, f"kvhandoff-shm-copy-{self._ident[:8].decode()}")
         self._ctx = zmq.Context(io_threads=1)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.IPV6, zmq_ipv6(settings.agent_host))
-        try:
-            self._router.bind(zmq_endpoint(settings.agent_host, 0))
-        except zmq.ZMQError as e:
-            self._router.close()
+        try:  # control messages only: ZMQ's default high-water marks
+            self._router, endpoint = bind_router(self._ctx, settings.agent_host, what="shm",
+                                                 handover=True, hwm=None)
+        except TransportError:
             self._ctx.term()
             self._voucher.close()
             self._copier.stop()
-            self._abandon_threaded()
-            raise TransportError(f"shm: cannot bind agent_host={settings.agent_host!r}: {e}") \
-                from e
-        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._table.stop()
+            self._io.close()
+            raise
         self._address = (MAGIC + host_id() + PID.pack(os.getpid())
                          + f"{endpoint}/{self._ident.decode()}".encode("ascii"))
         self._bytes_sent = 0
@@ -178,10 +183,10 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._peers_refused = 0  # connects refused: the peer's process proved nothing
         self._peer_info: dict[str, ShmPeer] = {}  # guarded by _lock
         self._lanes: dict[str, set[str]] = {}  # peer -> lanes used ("map", "cma")
-        self._held = HeldReceives(lock=self._lock, submit=self._callbacks.submit,
+        self._held = HeldReceives(lock=self._lock, submit=self._table.callbacks.submit,
                                   bound_s=self._bound_s,
-                                  wake=functools.partial(self._command, IoCommand.HOLD))
-        self._writer = ExposedWriter(router=self._router, finish=self._finish,
+                                  wake=functools.partial(self._io.put, self._on_hold))
+        self._writer = ExposedWriter(router=self._router, finish=self._table.finish,
                                      resolve=self._receive_target, start_job=self._start_copy)
         # owned by the I/O thread
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -195,9 +200,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         # CUDA buffers (one-sided only): name -> (1-D uint8 view, size in bytes)
         self._dev_lane = device_lane or DeviceLane(self._ident[:8].decode())
         self._dev: dict[str, tuple[object, int]] = {}
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvhandoff-shm-io-{self._ident[:8].decode()}")
-        self._thread.start()
+        self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
 
@@ -211,23 +214,23 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         transport."""
         device = not isinstance(buf, np.ndarray) and self._dev_lane.claims(buf)
         with self._lock:
-            self._check_open()
-            if name in self._buffers or name in self._dev:
+            self._table.check_open()
+            if name in self._table.buffers or name in self._dev:
                 raise TransportError(f"register: a buffer named {name!r} is already registered")
-            other = next(iter(self._buffers if device else self._dev), None)
+            other = next(iter(self._table.buffers if device else self._dev), None)
         if other is not None:
             kinds = ("device", "host") if device else ("host", "device")
             raise TransportError(f"register {name!r}: the buffer is {kinds[0]} memory but "
                                  f"{other!r} is {kinds[1]} memory; one shm transport moves one "
                                  "kind of memory (all host or all CUDA)")
         if not device:
-            super().register(name, buf)
+            self._table.register(name, buf)
             return
         if not isinstance(name, str) or not name:
             raise TransportError(f"register: name must be a non-empty string, got {name!r}")
         flat = self._dev_lane.flat(buf)
         with self._lock:
-            self._check_open()
+            self._table.check_open()
             self._dev[name] = flat
 
     def post_send(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
@@ -253,7 +256,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         dev = self._dev.get(name)
         if dev is not None:  # a CUDA buffer: its IPC export
             return encode_device_descriptor(os.getpid(), dev[1], self._dev_lane.export(dev[0]))
-        buf = self._buffers.get(name)
+        buf = self._table.buffers.get(name)
         if buf is None:
             raise TransportError(f"describe: no buffer registered as {name!r}")
         return describe_buffer(buf)
@@ -262,7 +265,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         """The algorithm of post_write(checksum=True)'s digest for local buffer `name`:
         "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
         such buffer is registered."""
-        return "devsum" if name in self._dev else "xxh3" if name in self._buffers else None
+        return "devsum" if name in self._dev else "xxh3" if name in self._table.buffers else None
 
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """xxh3-64 of the peer's host buffer `remote` at `plan`'s destination pieces, read
@@ -279,9 +282,9 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
 
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
         with self._lock:
-            self._check_open()
+            self._table.check_open()
             info = self._peer_info.get(peer)
-            local = bool(self._dev) if (self._dev or self._buffers) else None
+            local = bool(self._dev) if (self._dev or self._table.buffers) else None
         if info is None:
             raise TransportError(f"register_remote: peer {peer!r} is not connected")
         if not is_device_descriptor(descriptor):  # host memory: the peer must vouch for it
@@ -292,13 +295,25 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             info.remotes[name] = target
             self._lanes.setdefault(peer, set()).add(target.lane)
 
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+                    checksum: bool = False) -> None:
+        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
+        thread, or on this one for a small job), each write's source hashed on its own (a
+        digest per write). A CUDA write: a job on the device lane; several, or a layer whose
+        targets lie on both host lanes: one job per write (split_writes)."""
+        if not any(w[1] in self._dev for w in writes):
+            self._post_host(writes, peer, on_done, checksum)
+        elif len(writes) == 1:
+            self._post_device(peer, *writes[0], on_done, checksum)
+        else:
+            split_writes(self, peer, writes, on_done, checksum=checksum)
+
+    def _post_device(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
+                     on_done: OnWrittenMany, checksum: bool) -> None:
+        """A write of CUDA buffer `name` (a job of one), copied on the device lane's worker;
+        its digest (devsum of the source) rides along on success."""
         if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        if name not in self._dev:  # host memory: a job of one region
-            self._post_host([(tag, name, remote, plan)], peer, one_write(on_done), checksum)
-            return
+            raise TransportError("post_writes: on_done must be callable")
         tag = check_tag(tag)
         buf, size = self._dev[name]
         with self._lock:
@@ -316,18 +331,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         op.remote = (target, plan)  # its pieces are the copy's, as they are
         op.on_done = written_adapter(op, on_done)
         self._add_write(op)
-        self._command(IoCommand.WRITE, op, checksum)
-
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
-                    checksum: bool = False) -> None:
-        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
-        thread, or on this one for a small job), each write's source hashed on its own (a
-        digest per write). CUDA buffers, or
-        a layer whose targets lie on both host lanes: one job per write (split_writes)."""
-        if any(w[1] in self._dev for w in writes):
-            split_writes(self, peer, writes, on_done, checksum=checksum)
-            return
-        self._post_host(writes, peer, on_done, checksum)
+        self._io.put(self._on_write, op, checksum)
 
     def post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
                              on_done: OnWrittenMany, flips: dict[int, int], *,
@@ -357,7 +361,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         with self._lock:
             info = self._peer_info.get(peer)
             targets = [info.remotes.get(w[2]) if info is not None else None for w in writes]
-        bufs = [self._buffers.get(w[1]) for w in writes]
+        bufs = [self._table.buffers.get(w[1]) for w in writes]
         plans = write_plans(peer, writes, on_done, [None if b is None else b.size for b in bufs],
                             [None if t is None else t.nbytes for t in targets],
                             connected=info is not None)
@@ -416,7 +420,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         """(I/O thread) What a proving peer is handed: the descriptor of every registered host
         buffer, with the memfd of its segment (-1: none)."""
         with self._lock:
-            bufs = list(self._buffers.values())
+            bufs = list(self._table.buffers.values())
         out = []
         for buf in bufs:
             desc = describe_buffer(buf)
@@ -426,14 +430,14 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
     def _add_write(self, op: ShmOp) -> None:
         """Enters a write op in the op table (its tag must not be pending with the peer)."""
         with self._lock:
-            self._check_open()
-            if op.peer not in self._peers:
+            self._table.check_open()
+            if op.peer not in self._table.peers:
                 raise TransportError(f"post_write: peer {op.peer!r} is not connected")
             key = (op.peer, op.tag, True)
-            if key in self._ops:
+            if key in self._table.ops:
                 raise TransportError(f"post_write: tag {op.tag} with peer {op.peer!r} is "
                                      "already pending")
-            self._ops[key] = op
+            self._table.ops[key] = op
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -443,13 +447,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             raise TransportError(f"connect {peer!r}: the peer is on another host; the shm "
                                  "transport connects agents of one host only (use ucx or tcp)")
         with self._lock:
-            self._check_open()
-            known = self._peers.get(peer)
-            if known == address:
+            if self._table.known_peer(peer, address):
                 return
-            if known is not None:
-                raise TransportError(f"connect {peer!r}: already connected at another address; "
-                                     "disconnect first")
         proof = self._prove(peer, ident, pid)
         try:
             pidfd = os.pidfd_open(pid)
@@ -459,9 +458,9 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                                  f"{e}") from e
         info = ShmPeer(peer, address, pid, ident, pidfd, proof)
         with self._lock:
-            self._peers[peer] = address
+            self._table.peers[peer] = address
             self._peer_info[peer] = info
-        self._command(IoCommand.CONNECT, peer, endpoint, info)
+        self._io.put(self._on_connect, peer, endpoint, info)
 
     def _prove(self, peer: str, ident: bytes, pid: int) -> Proof:
         """What the process listening as `ident` proves (proof.py); `PeerNotProven` unless it
@@ -512,11 +511,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
-            ops = [op for op in self._ops.values() if op.peer == peer]
-            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
             info = self._peer_info.get(peer)
-            self._peers.pop(peer, None)
-        self._deliver(done)
+        ops, _ = self._table.end_peer(peer, f"disconnected from peer {peer!r}")
         if info is None:
             return
         try:
@@ -531,16 +527,12 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             if info.proof is not None:  # its memfds (what was mapped stays mapped)
                 info.proof.close()
             # what arrived before this call is dropped, not what a reconnected peer sends after
-            self._command(IoCommand.DISCONNECT, peer, info, self._writer.cut())
+            self._io.put(self._on_disconnect, peer, info, self._writer.cut())
 
     def cancel(self, peer: str, tag: int) -> None:
-        tag = check_tag(tag)
+        ops = self._table.end_tag(peer, tag)
         with self._lock:
-            ops = [op for k in ((peer, tag, True), (peer, tag, False))
-                   if (op := self._ops.get(k)) is not None]
-            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
             info = self._peer_info.get(peer)
-        self._deliver(done)
         if ops and info is not None:
             self._stop_ops(ops, "cancel", info)
 
@@ -549,7 +541,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         not), so nothing of it writes into this process any more."""
         with self._lock:  # (pidfds of peers in _peer_info are closed under it only)
             info = self._peer_info.get(peer)
-            if info is None or self._closed:
+            if info is None or self._table.closed:
                 return False
             if info.dead is not None:
                 return info.dead.startswith("process")
@@ -561,7 +553,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             npeers = len(self._peer_info)
             # a process gone shows at once (its pidfd), before the I/O thread handled the event
             dead = sorted(p.name for p in self._peer_info.values()
-                          if p.dead or (not self._closed and _pidfd_ready(p.pidfd)))
+                          if p.dead or (not self._table.closed and _pidfd_ready(p.pidfd)))
         held = len(self._held)
         names = {"map": "shm/map", "cma": "shm/cma", "cuda-ipc": "shm/cuda-ipc"}
         reason = (f"shm: same-host writes into the peer's memory ({npeers} peer(s); lanes: "
@@ -585,29 +577,18 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                                bytes_received=self._bytes_received)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            ops = list(self._ops.values())
-            done = self._finish_locked(ops, "shm transport closed")
-        self._deliver(done)
+        ops = self._table.close("shm transport closed")
+        if ops is None:
+            return
         for op in ops:  # local copies stop; held receives: see _shutdown
             if op.job is not None:
                 op.job.cancel()
-        self._shutdown_io(self._copier, self._dev_lane)
+        self._io.stop(self._copier, self._dev_lane, self._table)
 
     def __repr__(self) -> str:
-        return f"<ShmTransport pid={os.getpid()} peers={len(self._peers)}>"
+        return f"<ShmTransport pid={os.getpid()} peers={len(self._table.peers)}>"
 
     # ---- helpers (any thread) -------------------------------------------------------------
-
-    def _deliver(self, done: list[tuple[Any, BaseException | None]]) -> None:
-        self._held.deliver(done)  # on_done waits until nothing of the op writes (hold.py)
-
-    def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
-                 plan: ChunkPlan, on_done: OnDone) -> ShmOp:
-        return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
 
     def _stop_ops(self, ops: list[ShmOp], what: str, info: ShmPeer) -> None:
         """After `ops` were finished: stop local copies of sends/writes and wait until they
@@ -616,8 +597,8 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         local = [op.job for op in ops if op.job is not None]
         for job in local:
             job.cancel()
-        self._command(IoCommand.FORGET, ops)
-        if threading.current_thread() is self._thread:  # it reports the jobs' ends
+        self._io.put(self._on_forget, ops)
+        if self._io.is_current():  # it reports the jobs' ends
             return
         deadline = time.monotonic() + self._bound_s
         for job in local:
@@ -630,27 +611,19 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        handlers: dict[IoCommand, Callable[..., None]] = {
-            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
-            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
-            IoCommand.FORGET: self._on_forget, IoCommand.WRITTEN: self._on_written,
-            IoCommand.WRITE: self._on_write,
-            IoCommand.HOLD: lambda *_: None,  # woken to re-read the bound of held receives
-        }
+        io = self._io
+        poller.register(io.wake_fd, zmq.POLLIN)
         pidfds: dict[int, ShmPeer] = {}
         try:
             while True:
-                self._io_asleep = True  # before the look at _commands (see _command)
-                events = dict(poller.poll(0 if self._commands else self._held.timeout_ms()))
-                self._io_asleep = False
-                if self._wake_r in events:
-                    self._drain_wake()
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] is IoCommand.STOP:
-                        return
-                    handlers[cmd[0]](poller, pidfds, *cmd[1:])
+                io.asleep = True  # before the look at the queue (iothread: `asleep`)
+                events = dict(poller.poll(0 if io.pending() else self._held.timeout_ms()))
+                io.asleep = False
+                if io.wake_fd in events:
+                    io.drain_wake()
+                io.handle(poller, pidfds)
+                if io.stopped:
+                    return
                 for fd, info in list(pidfds.items()):
                     if fd in events:
                         poller.unregister(fd)
@@ -665,11 +638,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                 self._held.end_drains(poller, pidfds, closing=False)
         except Exception:
             log.exception("shm transport I/O thread failed")
-            with self._lock:
-                self._closed = True
-                done = self._finish_locked(list(self._ops.values()),
-                                           "shm transport I/O thread failed")
-            self._deliver(done)
+            self._table.close("shm transport I/O thread failed")
         finally:
             self._shutdown(pidfds)
 
@@ -711,13 +680,12 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         self._router.close(linger=0)
         self._ctx.term()
 
+    def _on_hold(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer]) -> None:
+        """Nothing: the I/O thread was woken to re-read the bound of held receives."""
+
     def _on_connect(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], peer: str,
                     endpoint: str, info: ShmPeer) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._ident)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, zmq_ipv6(split_zmq_endpoint(endpoint)[0]))
-        sock.connect(endpoint)
+        sock, _ = connect_dealer(self._ctx, self._ident, endpoint, hwm=None)
         old = self._dealers.pop(peer, None)
         if old is not None:
             poller.unregister(old)
@@ -749,15 +717,15 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         peer, pid = info.name, info.pid
         with self._lock:
             live = self._peer_info.get(peer) is info  # else disconnected (a drain)
-            ops = [op for op in self._ops.values() if op.peer == peer] if live else []
+            ops = [op for op in self._table.ops.values() if op.peer == peer] if live else []
             info.dead = f"process {pid} exited"
-            done = self._finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
+            done = self._table.finish_locked(ops, f"peer {peer!r} (process {pid}) exited")
         log.log(logging.WARNING if done else logging.INFO,
                 "shm: peer %r (process %d) exited; %d op(s) failed", peer, pid, len(done))
         for op in ops:
             if op.job is not None:
                 op.job.cancel()
-        self._deliver(done)
+        self._table.deliver(done)
         self._held.release(lambda op: op.ident == info.ident, None)
 
     def _dead(self, op: ShmOp) -> bool:
@@ -768,7 +736,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             dead = info.dead if info is not None else None
         if dead is None:
             return False
-        self._finish(op, f"peer {op.peer!r}: {dead}")
+        self._table.finish(op, f"peer {op.peer!r}: {dead}")
         return True
 
     def _on_send(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
@@ -787,7 +755,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                 op.exposed = True
                 op.info = self._peer_info.get(op.peer)
         if sock is None:
-            self._finish(op, f"peer {op.peer!r} is not connected")
+            self._table.finish(op, f"peer {op.peer!r} is not connected")
             return
         assert op.plan is not None  # a receive has its chunk grid
         off, nb = op.plan.spans()
@@ -825,13 +793,13 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             if self._held.release_one(info.ident, tag) or kind != b"F" or not live:
                 continue
             with self._lock:
-                op = self._ops.get((info.name, tag, False))
+                op = self._table.ops.get((info.name, tag, False))
                 if op is not None:
                     op.acked = True
                     if ok:
                         self._bytes_received += op.total
             if op is not None:
-                self._finish(op, None if ok else reason)
+                self._table.finish(op, None if ok else reason)
 
     def _receive_target(self, op: ShmOp, desc: bytes) -> Target:
         """(I/O thread) The receive buffer `desc` of `op`'s peer, opened once per peer."""
@@ -861,12 +829,12 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             plan = pair_spans(*op.plan.spans(), doff, dnb)
         except ConfigError as e:  # a malformed receive (negative spans)
             self._writer.refuse(key, str(e))
-            self._finish(op, str(e))
+            self._table.finish(op, str(e))
             return
         src = plan.src_offsets + int(op.buf.ctypes.data)
         dst = plan.dst_offsets + target.base
         self._run_job(op, Job(src, dst, plan.nbytes, target, False,
-                              lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, key)),
+                              lambda j: self._io.put(self._on_written, j), owner=(op, key)),
                       key)
 
     def _run_job(self, op: ShmOp, job: Job, key: Key | None) -> None:
@@ -900,7 +868,7 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
                 self._bytes_sent += job.total
                 op.digests = (WriteSums(job.digests, job.landed) if job.landed[0] is not None
                               else tuple(job.digests))
-            done = self._finish_locked([op], None if ok else job.error or "cancelled")
+            done = self._table.finish_locked([op], None if ok else job.error or "cancelled")
         if done:
             self._held.deliver(done, here=True)
         else:  # ended earlier (cancel, disconnect): its on_done waited for this
@@ -920,11 +888,11 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
         peer's pidfd is read first: a copy into the IPC memory of a process that exited is
         never launched (its pidfd event may not have been handled yet)."""
         if self.peer_exited(op.peer):
-            self._finish(op, f"peer {op.peer!r}: its process exited; no copy into its "
+            self._table.finish(op, f"peer {op.peer!r}: its process exited; no copy into its "
                              "device memory")
             return
         job = DeviceJob(op.buf, target.tensor, plan, checksum,
-                        lambda j: self._command(IoCommand.WRITTEN, j), owner=(op, None))
+                        lambda j: self._io.put(self._on_written, j), owner=(op, None))
         with self._lock:
             cancelled = op.finished
             if not cancelled:
@@ -950,9 +918,9 @@ class ShmTransport(ThreadedTransport, OneSidedTransport):
             with self._lock:
                 self._bytes_sent += job.total
             op.digest = job.digest
-            self._finish(op, None)
+            self._table.finish(op, None)
         else:
-            self._finish(op, job.error or "cancelled")
+            self._table.finish(op, job.error or "cancelled")
         self._held.settle([op])  # ended earlier (cancel, disconnect): on_done waited for this
 
 

@@ -113,6 +113,12 @@ class ShmOp:
         self.delivered = False
         self.hold_until = 0.0  # receive held after it finished: when the wait gives up
 
+    @staticmethod
+    def posted(is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
+               plan: ChunkPlan, on_done: OnDone) -> ShmOp:
+        """The op of a post_send / post_recv (the op table's `make_op`)."""
+        return ShmOp(peer, split_address(address)[3], tag, is_send, buf, plan, on_done)
+
     def __repr__(self) -> str:
         kind = "write" if self.is_write else "send" if self.is_send else "recv"
         return f"<shm {kind} peer={self.peer!r} tag={self.tag} bytes={self.total}>"

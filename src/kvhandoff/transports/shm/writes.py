@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone, OnWritten, OnWrittenMany
+from kvhandoff.transports.base import OnDone, OnWrittenMany
 from kvhandoff.transports.shm.copy import Target, open_target
 from kvhandoff.transports.shm.cuda import (
     DeviceLane,
@@ -87,11 +87,11 @@ def ignore(exc: BaseException | None) -> None:
     """The on_done of a write op until `written_adapter` replaced it."""
 
 
-def written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
-    """post_write's on_written as the op's on_done (a CUDA write): the digest rides along on
-    success."""
+def written_adapter(op: ShmOp, on_written: OnWrittenMany) -> OnDone:
+    """A CUDA write job's completion (a job of one write) as the op's on_done: its digest
+    rides along on success."""
     def done(exc: BaseException | None) -> None:
-        on_written(exc, op.digest if exc is None else None)
+        on_written(exc, (op.digest,) if exc is None else ())
     return done
 
 

@@ -14,7 +14,7 @@
 #   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
 #   or directions. A chunk inside one span is sent straight from the registered buffer; other
 #   chunks are gathered into pooled staging buffers; the send window is the shared one
-#   (_threaded.WINDOW chunks per op in flight).
+#   (window.SendWindow: WINDOW chunks per op in flight).
 # - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
 #   empty mask, remove=True) and matches it against posted receives (_ucx_matcher), receiving
 #   it with its handle straight into destination memory (or a staging buffer + scatter).
@@ -28,10 +28,14 @@
 # - status() names the UCX build (version, library, verbs / rdmacm: _ucx_lanes.ucx_build).
 # - The Python API is not thread-safe, so only the I/O thread touches UCX; other threads enqueue
 #   commands and wake it with a pipe polled together with the worker's epoll fd.
+# - The transport composes owned parts: its op table (optable.OpTable: buffers, peers, pending
+#   ops, completion delivery), its I/O thread (iothread.IoThread: the commands it runs are
+#   this transport's own `_on_*` methods), and the send window (window.SendWindow).
 #
-# Rules: `_lock` guards the op tables, each op's `finished` flag and every scatter into user
-# memory. cancel() of a receive waits (bounded by settings.stall_timeout_s) for direct receives
-# already in flight into its memory, so after it returns nothing of that tag writes there.
+# Rules: the op table's lock (`_lock`) guards the op tables, each op's `finished` flag and
+# every scatter into user memory. cancel() of a receive waits (bounded by
+# settings.stall_timeout_s) for direct receives already in flight into its memory, so after it
+# returns nothing of that tag writes there.
 # A receive's on_done comes only once none of its direct receives is in flight: one that ends
 # while some are (a chunk's error or size mismatch, a cancel, a disconnect) is held (`held`)
 # and delivered when the last of them completes (or UCX gave up the peer's endpoint, or the
@@ -40,23 +44,24 @@
 # Callbacks run on a separate CallbackThread, outside the lock.
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xxhash
 
-from kvhandoff.buffers.devsum import refuse_device_memory
 from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
 from kvhandoff.transports.hostid import host_id
-from kvhandoff.transports.streams import ChunkPlan, check_tag
-from kvhandoff.transports.threaded import IoCommand, ThreadedTransport
+from kvhandoff.transports.iothread import IoThread
+from kvhandoff.transports.optable import Done, OpTable, TableTransport
+from kvhandoff.transports.streams import ChunkPlan
+from kvhandoff.transports.window import ChunkOp, SendWindow
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -104,24 +109,14 @@ def _tag_base(sender: bytes, tag: int) -> int:
     return xxhash.xxh3_64_intdigest(sender + tag.to_bytes(8, "little")) & ~((1 << _CHUNK_BITS) - 1)
 
 
-class _Op:
-    __slots__ = ("peer", "tag", "is_send", "buf", "plan", "on_done", "finished", "base",
-                 "next_chunk", "inflight", "direct_inflight", "landed", "held")
+class _Op(ChunkOp):
+    __slots__ = ("base", "direct_inflight", "held")
 
     def __init__(self, peer: str, tag: int, is_send: bool, buf: np.ndarray, plan: ChunkPlan,
                  on_done: OnDone, base: int) -> None:
-        self.peer = peer
-        self.tag = tag
-        self.is_send = is_send
-        self.buf = buf
-        self.plan = plan
-        self.on_done = on_done
-        self.finished = False
-        self.base = base
-        self.next_chunk = 0
-        self.inflight = 0
+        super().__init__(peer, tag, is_send, buf, plan, on_done)
+        self.base = base  # the UCX tag of chunk 0 (chunk k: base ^ k)
         self.direct_inflight = 0  # receives in flight straight into user memory
-        self.landed = 0
         # finished while direct receives were in flight: its on_done result, delivered once
         # the last of them ended (a 1-tuple; None: nothing held)
         self.held: tuple[BaseException | None] | None = None
@@ -143,7 +138,7 @@ class _Inflight:
         self.direct = direct
 
 
-class UcxTransport(ThreadedTransport):
+class UcxTransport(TableTransport):
     """UCX data transport over ucxx's low-level API (see module comment)."""
 
     kind: ClassVar[TransportKind] = TransportKind.UCX
@@ -172,8 +167,16 @@ class UcxTransport(ThreadedTransport):
         # rendezvous: the sender writes into the receiver's memory; a receiver never reads
         self._peer_puts = os.environ.get("UCX_RNDV_SCHEME") == "put_zcopy"
 
-        self._init_threaded(settings.chunk_bytes, "kvhandoff-ucx-cb")
+        self._io = IoThread("kvhandoff-ucx-io")
+        self._table = OpTable(self.kind, chunk_bytes=settings.chunk_bytes,
+                              callback_thread="kvhandoff-ucx-cb", make_op=self._make_op,
+                              start_send=functools.partial(self._io.put, self._on_send),
+                              start_recv=functools.partial(self._io.put, self._on_recv),
+                              check_plan=self._check_plan, hold=self._hold_locked)
+        self._lock = self._table.lock
         self._cond = threading.Condition(self._lock)
+        self._window = SendWindow(settings.chunk_bytes, channel=self._eps_of,
+                                  emit=self._emit, fail=self._table.finish)
         self._peer_lanes: dict[str, tuple[str, ...]] = {}
         self._unprotected: set[str] = set()  # same-host peers without UCX error handling
         self._bytes_sent = 0
@@ -182,14 +185,9 @@ class UcxTransport(ThreadedTransport):
         self._eps = EndpointCache(_IDLE_EPS_MAX)
         self._matcher: ReceiveMatcher[_Op] = ReceiveMatcher(_DISCARD_MAX)
         self._inflight: list[_Inflight] = []
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvhandoff-ucx-io")
-        self._thread.start()
+        self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
-
-    def register(self, name: str, buf: np.ndarray) -> None:
-        refuse_device_memory("ucx", name, buf)  # CUDA memory: say which transport can
-        super().register(name, buf)
 
     @property
     def address(self) -> bytes:
@@ -199,16 +197,11 @@ class UcxTransport(ThreadedTransport):
         if not isinstance(address, bytes) or not address:
             raise TransportError(f"connect {peer!r}: address must be non-empty bytes")
         with self._lock:
-            self._check_open()
-            known = self._peers.get(peer)
-            if known == address:
+            if self._table.known_peer(peer, address):
                 return
-            if known is not None:
-                raise TransportError(f"connect {peer!r}: already connected at another address; "
-                                     "disconnect first")
         result: list[BaseException | tuple[tuple[str, ...], bool]] = []
         done = threading.Event()
-        self._command(IoCommand.CONNECT, peer, address, result, done)
+        self._io.put(self._on_connect, peer, address, result, done)
         if not done.wait(self._cancel_bound_s):
             raise TransportError(f"connect {peer!r}: the UCX I/O thread did not answer within "
                                  f"{self._cancel_bound_s} s")
@@ -216,14 +209,14 @@ class UcxTransport(ThreadedTransport):
             raise result[0]
         lanes, unprotected = result[0]
         if self._require_rdma and (tcp_only(lanes) or not self._rdma):
-            self._command(IoCommand.DISCONNECT, peer, [])
+            self._io.put(self._on_disconnect, peer, [])
             raise TransportError(f"connect {peer!r}: require_rdma is set but UCX found no RDMA "
                                  f"lane (lanes: {', '.join(lanes) or 'unknown'}; resources: "
                                  f"{', '.join(self._resources)}; {self.build.describe()}); fix "
                                  "the fabric or the UCX build (docs/TRANSFER.md, RDMA), or "
                                  "unset KVHANDOFF_REQUIRE_RDMA")
         with self._lock:
-            self._peers[peer] = address
+            self._table.peers[peer] = address
             self._peer_lanes[peer] = lanes
             if unprotected:
                 self._unprotected.add(peer)
@@ -232,26 +225,19 @@ class UcxTransport(ThreadedTransport):
                         "handling (if it dies mid-write UCX aborts this process; set "
                         "KVHANDOFF_UCX_SAME_HOST_ERROR_HANDLING=true for safety over speed, or "
                         "use transport=shm for same-host pairs)", peer)
+
     def disconnect(self, peer: str) -> None:
+        ops, _ = self._table.end_peer(peer, f"disconnected from peer {peer!r}")
         with self._lock:
-            ops = [op for op in self._ops.values() if op.peer == peer]
-            done = self._finish_locked(ops, f"disconnected from peer {peer!r}")
-            self._peers.pop(peer, None)
             self._peer_lanes.pop(peer, None)
             self._unprotected.discard(peer)
-        self._deliver(done)
-        self._command(IoCommand.DISCONNECT, peer, ops)
+        self._io.put(self._on_disconnect, peer, ops)
         self._wait_direct(ops, "disconnect")
 
     def cancel(self, peer: str, tag: int) -> None:
-        tag = check_tag(tag)
-        with self._lock:
-            ops = [op for k in ((peer, tag, True), (peer, tag, False))
-                   if (op := self._ops.get(k)) is not None]
-            done = self._finish_locked(ops, f"cancelled: tag {tag} peer {peer!r}")
-        self._deliver(done)
+        ops = self._table.end_tag(peer, tag)
         if ops:
-            self._command(IoCommand.FORGET, ops)
+            self._io.put(self._on_forget, ops)
             self._wait_direct(ops, "cancel")
 
     def status(self) -> TransportStatus:
@@ -284,18 +270,8 @@ class UcxTransport(ThreadedTransport):
                                degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
                                bytes_received=self._bytes_received)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            ops = list(self._ops.values())
-            done = self._finish_locked(ops, "ucx transport closed")
-        self._deliver(done)
-        self._shutdown_io()
-
     def __repr__(self) -> str:
-        return f"<UcxTransport peers={len(self._peers)} lanes={self.status().lanes}>"
+        return f"<UcxTransport peers={len(self._table.peers)} lanes={self.status().lanes}>"
 
     # ---- helpers (any thread) -------------------------------------------------------------
 
@@ -309,22 +285,19 @@ class UcxTransport(ThreadedTransport):
         base = _tag_base(self._address if is_send else address, tag)
         return _Op(peer, tag, is_send, buf, plan, on_done, base)
 
-    def _finish_locked(self, ops: list[Any], reason: str | None
-                       ) -> list[tuple[Any, BaseException | None]]:
-        """As the base class, but a receive with direct receives still in flight into its
-        memory is only marked finished: its on_done is held until they ended."""
-        out = []
-        for op, exc in super()._finish_locked(ops, reason):
-            if not op.is_send and op.direct_inflight:
-                op.held = (exc,)
-            else:
-                out.append((op, exc))
-        return out
+    @staticmethod
+    def _hold_locked(op: _Op, exc: BaseException | None) -> bool:
+        """(op table hook) A receive with direct receives still in flight into its memory
+        is only marked finished: its on_done is held until they ended."""
+        if op.is_send or not op.direct_inflight:
+            return False
+        op.held = (exc,)
+        return True
 
     @staticmethod
-    def _held_ready_locked(ops: list[_Op]) -> list[tuple[Any, BaseException | None]]:
+    def _held_ready_locked(ops: list[_Op]) -> Done:
         """The held on_done results of `ops` whose direct receives all ended (taken)."""
-        out: list[tuple[Any, BaseException | None]] = []
+        out: Done = []
         for op in ops:
             if op.held is not None and not op.direct_inflight:
                 out.append((op, op.held[0]))
@@ -333,13 +306,13 @@ class UcxTransport(ThreadedTransport):
 
     def _wait_direct(self, ops: list[_Op], what: str) -> None:
         """Waits until no receive of `ops` is in flight straight into user memory."""
-        if threading.current_thread() is self._thread:
+        if self._io.is_current():
             return
         deadline = time.monotonic() + self._cancel_bound_s
         with self._cond:
             while any(op.direct_inflight for op in ops):
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed and not self._thread.is_alive():
+                if left <= 0 or self._table.closed and not self._io.is_alive():
                     busy = sum(op.direct_inflight for op in ops)
                     raise TransportError(f"{what}: {busy} UCX receive(s) still in flight into "
                                          f"user memory after {self._cancel_bound_s} s (peer "
@@ -349,43 +322,30 @@ class UcxTransport(ThreadedTransport):
     # ---- I/O thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        handlers: dict[IoCommand, Callable[..., None]] = {
-            IoCommand.CONNECT: self._on_connect, IoCommand.DISCONNECT: self._on_disconnect,
-            IoCommand.SEND: self._on_send, IoCommand.RECV: self._on_recv,
-            IoCommand.FORGET: self._on_forget,
-        }
-        worker = self._worker
+        worker, io = self._worker, self._io
         waiter = select.poll()
         waiter.register(self._epoll_fd, select.POLLIN)
-        waiter.register(self._wake_r, select.POLLIN)
+        waiter.register(io.wake_fd, select.POLLIN)
         try:
             while True:
-                busy = False
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] is IoCommand.STOP:
-                        return
-                    handlers[cmd[0]](*cmd[1:])
-                    busy = True
+                busy = io.handle() > 0
+                if io.stopped:
+                    return
                 worker.progress()
                 busy |= self._probe()
                 busy |= self._reap()
-                busy |= self._pump_sends()
-                if busy or self._commands:
+                busy |= self._window.pump()
+                if busy or io.pending():
                     continue
                 if worker.arm():
                     # poll, not select: a process with over 1,024 descriptors open (an
                     # engine's sockets and pools) gives these numbers past select()'s range
                     fds = {fd for fd, _ in waiter.poll()}
-                    if self._wake_r in fds:
-                        self._drain_wake()
+                    if io.wake_fd in fds:
+                        io.drain_wake()
         except Exception:
             log.exception("ucx transport I/O thread failed")
-            with self._lock:
-                self._closed = True
-                done = self._finish_locked(list(self._ops.values()),
-                                           "ucx transport I/O thread failed")
-            self._deliver(done)
+            self._table.close("ucx transport I/O thread failed")
         finally:
             self._shutdown()
 
@@ -417,7 +377,7 @@ class UcxTransport(ThreadedTransport):
                     held.append(item.op)
             ready = self._held_ready_locked(held)
             self._cond.notify_all()
-        self._deliver(ready)
+        self._table.deliver(ready)
         self._eps.close_all()
         self._inflight.clear()
 
@@ -458,7 +418,7 @@ class UcxTransport(ThreadedTransport):
                     item.op.direct_inflight -= 1
             ready = self._held_ready_locked(ops)
             self._cond.notify_all()
-        self._deliver(ready)
+        self._table.deliver(ready)
 
     def _touching(self, peer: str) -> bool:
         """Whether a UCX request in flight for an op with `peer` may access its memory: a
@@ -474,7 +434,7 @@ class UcxTransport(ThreadedTransport):
 
     def _on_send(self, op: _Op) -> None:
         if not op.finished:
-            self._active_sends.append(op)
+            self._window.add(op)
 
     def _on_recv(self, op: _Op) -> None:
         if op.finished:
@@ -507,7 +467,7 @@ class UcxTransport(ThreadedTransport):
         if int(probe.length) != n:
             self._drop(probe)
             self._on_forget([op])
-            self._finish(op, f"size mismatch on tag {op.tag} chunk {k}: sender's message has "
+            self._table.finish(op, f"size mismatch on tag {op.tag} chunk {k}: sender's message has "
                              f"{int(probe.length)} bytes, the receive expects {n} (send and "
                              "receive totals must agree)")
             return
@@ -522,7 +482,7 @@ class UcxTransport(ThreadedTransport):
             req = self._worker.tag_recv_with_handle(Array(view), probe)
             self._inflight.append(_Inflight(req, op, k, None, True))
         else:
-            stage = self._stage()
+            stage = self._window.stage()
             req = self._worker.tag_recv_with_handle(Array(stage[:n]), probe)
             self._inflight.append(_Inflight(req, op, k, stage, False))
 
@@ -555,7 +515,7 @@ class UcxTransport(ThreadedTransport):
         finished_now = False
         ready: list[tuple[Any, BaseException | None]] = []
         if op.is_send:
-            op.inflight -= 1
+            self._window.credit(op, item.stage)
             if err is None and not op.finished:
                 self._bytes_sent += n
                 op.landed += 1
@@ -573,18 +533,18 @@ class UcxTransport(ThreadedTransport):
                     self._bytes_received += n
                     op.landed += 1
                     finished_now = op.landed == op.plan.nchunks
-        self._unstage(item.stage)
-        self._deliver(ready)  # a receive that ended earlier: its last direct chunk landed
+            self._window.unstage(item.stage)
+        self._table.deliver(ready)  # a receive that ended earlier: its last direct chunk landed
         if err is not None:
             if not op.is_send:
                 self._on_forget([op])
-            self._finish(op, err)
+            self._table.finish(op, err)
         elif finished_now:
-            self._finish(op, None)
+            self._table.finish(op, None)
 
-    # ---- send window hooks (_threaded._pump_sends) ----------------------------------------
+    # ---- send window hooks (window.SendWindow) --------------------------------------------
 
-    def _channel(self, op: _Op) -> Any:
+    def _eps_of(self, op: _Op) -> Any:
         return self._eps.get(op.peer)
 
     def _emit(self, channel: Any, op: _Op, k: int, view: np.ndarray,
