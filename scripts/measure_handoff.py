@@ -35,7 +35,7 @@ import numpy as np
 
 from kvhandoff.kv_layout import SendFrom, page_aligned, preset
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 
 SEED = 5
 

@@ -21,7 +21,7 @@ import numpy as np
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, TPSplit, page_aligned
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent
 

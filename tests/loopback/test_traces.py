@@ -22,7 +22,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
                     "(pip install 'kvhandoff[otel]'; make setup installs it)")
 
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
-from kvhandoff.sim import SimProcess, spawn  # noqa: E402
+from kvhandoff.sim.process import SimProcess, spawn  # noqa: E402
 
 HERE = Path(__file__).parent
 START_S = DONE_S = 60.0

@@ -31,9 +31,10 @@ from kvhandoff.errors import KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import from_config
-from kvhandoff.testing.patterns import check_pattern, check_tokens, write_pattern, write_tokens
+from kvhandoff.testing.patterns import check_pattern, write_pattern
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
 from kvhandoff.transports.base import load_transport
 

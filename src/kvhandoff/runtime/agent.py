@@ -273,6 +273,16 @@ class TransferAgent:
             self._lookups().submit(room, bootstrap_addr, functools.partial(self._resolved, v))
         return Receiver(self, v)
 
+    def wait_registered(self, timeout_s: float) -> bool | None:
+        """Whether the bootstrap server holds this prefill's registration, waiting up to
+        `timeout_s` for it; None when this agent does not register (a decode, or no
+        ``bootstrap_url``)."""
+        reg = self._registration
+        if reg is None:
+            return None
+        ok: bool = reg.registered.wait(timeout_s)
+        return ok
+
     def status(self) -> dict[str, Any]:
         """What this agent is and how it fares (for /ready, metrics and the CLI)."""
         st = self.transport.status()

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from live_fleet import ENGINE_ENV, VLLM_PYTHON, Engine, Fleet, kv_transfer_config, start_fleet
 
-from kvhandoff.testing.server import serve_process
+from kvhandoff.bench.servers import serve_process
 
 HERE = Path(__file__).resolve().parent
 TTFT: pytest.StashKey[list[dict[str, Any]]] = pytest.StashKey()

@@ -21,8 +21,8 @@ import pytest
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.testing.faults import from_config
-from kvhandoff.testing.patterns import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
 from kvhandoff.transports.base import load_transport
 
