@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
+from kvhandoff.runtime.seam import Filtered
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import TransferAgent, allocate
@@ -113,7 +114,7 @@ def test_two_agents_hand_off_cuda_memory_over_shm(children: list[Child]) -> None
                           Settings(transport="shm", heartbeat_interval_s=0.2),
                           engine_id="gpu-decode")
     seen: list[Effect] = []
-    agent._loop._filter = _Recorder(seen)
+    agent._loop.install(lambda step: Filtered(step, _Recorder(seen)))
     try:
         assert agent.buffers.memory == "cuda"
         receiver = agent.receiver(ROOM, peer=prefill_addr)

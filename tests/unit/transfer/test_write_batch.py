@@ -1,4 +1,4 @@
-"""The control loop's batch of one-sided writes (runtime.loop.WRITE_BATCH_BYTES), with real
+"""The control loop's batch of one-sided writes (runtime.batching.WRITE_BATCH_BYTES), with real
 agents over shm: the layers of a room that the prefill has when the decode's request comes
 leave as one transport job (a short prompt: one copy call, one completion), while each layer
 still completes, is announced and is verified on its own; a write over the batch's bytes leaves
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvhandoff.protocol.wire import split_tag
-from kvhandoff.runtime import loop
+from kvhandoff.runtime import batching
 from kvhandoff.state_machine import KVPoll
 
 from .conftest import WAIT_S, Pair, layers_of
@@ -37,13 +37,13 @@ def record_jobs(pr: Pair, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     return jobs
 
 
-@pytest.mark.parametrize("batch", [loop.WRITE_BATCH_BYTES, 1], ids=["batched", "one-per-layer"])
+@pytest.mark.parametrize("batch", [batching.WRITE_BATCH_BYTES, 1], ids=["batched", "one-per-layer"])
 def test_layers_ready_at_the_request_leave_as_one_job(
         pair: MakePair, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
     """Every layer is ready before the decode asks: one job holding every layer's regions
     (each layer's writes under its own tag); with a batch of 1 byte one job per layer. Either
     way both sides end Success, every layer verified (a checksum per region), byte-exact."""
-    monkeypatch.setattr(loop, "WRITE_BATCH_BYTES", batch)
+    monkeypatch.setattr(batching, "WRITE_BATCH_BYTES", batch)
     pr = pair(transport="shm")
     jobs = record_jobs(pr, monkeypatch)
     lids = layers_of(pr.prefill.layout)
