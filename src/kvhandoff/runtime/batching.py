@@ -15,7 +15,8 @@ the three:
 Rules: control thread only, except the completions (a transport's thread posts them); writes
 leave in the order asked: a write over WRITE_BATCH_BYTES (a long prompt's layer, announced on
 its own) first sends what is held, and so does anything that must find the writes posted
-(`flush` before a cancel or a dropped peer); the loop flushes once per pass, before the outbox.
+(`flush` before a cancel or a dropped peer); the loop flushes once per pass, before the outbox,
+and the batch never holds more than a job's worth.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class PassBatch:
         self._hashing = hashing
         self._post = post
         self._writes: list[PostWrite] = []
+        self._held_bytes = 0
 
     @property
     def pending(self) -> bool:
@@ -73,9 +75,16 @@ class PassBatch:
 
     def hold(self, eff: PostWrite) -> None:
         """Holds a write until `flush`; one of no room or over WRITE_BATCH_BYTES leaves now,
-        after those held before it."""
-        if eff.room is not None and _write_bytes(eff) <= WRITE_BATCH_BYTES:
+        after those held before it. What is held never exceeds a job's worth: a write that
+        would take it over WRITE_BATCH_BYTES first sends what is held (one room's jobs are
+        packed as `flush` packs them; under load, many rooms' messages read in one pass, the
+        transport does not wait for the end of the pass with a full job ready)."""
+        n = _write_bytes(eff)
+        if eff.room is not None and n <= WRITE_BATCH_BYTES:
+            if self._held_bytes + n > WRITE_BATCH_BYTES:
+                self.flush()
             self._writes.append(eff)
+            self._held_bytes += n
             return
         self.flush()
         self._post_job([eff])
@@ -85,7 +94,7 @@ class PassBatch:
         WRITE_BATCH_BYTES."""
         if not self._writes:
             return
-        writes, self._writes = self._writes, []
+        writes, self._writes, self._held_bytes = self._writes, [], 0
         jobs: dict[tuple[str, int | None], list[tuple[int, list[PostWrite]]]] = {}
         for eff in writes:
             runs = jobs.setdefault((eff.peer, eff.room), [])

@@ -96,3 +96,40 @@ def test_a_stalled_layer_holds_back_its_batch_until_the_engine_aborts(
     sender.abort("engine gave up")
     assert receiver.wait(WAIT_S) is KVPoll.Failed and sender.wait(WAIT_S) is KVPoll.Failed
     assert receiver.wait_released(WAIT_S) and sender.wait_released(WAIT_S)
+
+
+def test_a_room_over_one_job_leaves_as_full_jobs_in_order(
+        pair: MakePair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a job's worth of about two layers, the layers ready at the request leave as jobs of
+    at most that many bytes, in layer order, each as full as the next layer allows (the batch
+    sends what it holds before a write would take it over the limit: a held remainder is never
+    cut into smaller jobs)."""
+    pr = pair(transport="shm")
+    lids = layers_of(pr.prefill.layout)
+    tr = pr.prefill.agent.transport
+    post = tr.post_writes  # type: ignore[attr-defined]
+    jobs: list[list[tuple[int, int]]] = []  # per job: (layer, bytes) of each part
+
+    def recorded(peer: str, writes: Any, on_done: Any, *, checksum: bool = False) -> None:
+        jobs.append([(split_tag(w[0])[1], w[3].total_bytes) for w in writes])
+        post(peer, writes, on_done, checksum=checksum)
+
+    monkeypatch.setattr(tr, "post_writes", recorded)
+    sender, receiver, _, _ = pr.open(6, SEQ, PREFIX, ready=tuple(lids))  # layer sizes
+    assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+    sizes: dict[int, int] = {}
+    for job in jobs:
+        for lid, n in job:
+            sizes[lid] = sizes.get(lid, 0) + n
+    limit = max(sizes.values()) * 2
+    monkeypatch.setattr(batching, "WRITE_BATCH_BYTES", limit)
+    jobs.clear()
+    sender, receiver, _, dst = pr.open(7, SEQ, PREFIX, ready=tuple(lids))
+    assert finish(sender, receiver) == (KVPoll.Success, KVPoll.Success)
+    assert pr.verify(dst, SEQ, PREFIX) == (0, 0)
+    layers = [sorted({lid for lid, _ in job}) for job in jobs]
+    assert [lid for job in layers for lid in job] == lids
+    totals = [sum(n for _, n in job) for job in jobs]
+    assert len(jobs) > 1 and all(t <= limit for t in totals), totals
+    for i in range(len(jobs) - 1):  # the next job's first layer did not fit in this one
+        assert totals[i] + sizes[layers[i + 1][0]] > limit, (totals, sizes)
