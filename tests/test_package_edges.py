@@ -2,9 +2,9 @@
 
 - product code never imports `kvhandoff.testing` (the scaffolding ships for tests and users;
   a production path that needs one of its parts takes it from a product module);
-- the agent API (`TransferAgent`, `Sender`, `Receiver`, `PagePool`, `allocate`) has one import
-  path, `kvhandoff.transfer`, outside the packages that define it (`runtime/`, `buffers/`), in
-  src, tests and scripts alike;
+- the agent API (`TransferAgent`, `Sender`, `Receiver`) has one import path,
+  `kvhandoff.transfer`, outside `runtime/` that defines it, in src, tests and scripts alike;
+  nothing else is imported from `kvhandoff.transfer`;
 - `kvhandoff.transfer` and `kvhandoff.sim` load nothing by name (no ``importlib``, no module
   ``__getattr__``): what they hold is what their imports say.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "kvhandoff"
-API = {"TransferAgent", "Sender", "Receiver", "PagePool", "allocate"}
+API = {"TransferAgent", "Sender", "Receiver"}
 
 
 def imports(path: Path) -> Iterator[tuple[int, str, tuple[str, ...]]]:
@@ -53,7 +53,7 @@ def test_product_code_never_imports_testing() -> None:
 
 
 def test_agent_api_has_one_import_path() -> None:
-    homes = (PKG / "runtime", PKG / "buffers", PKG / "transfer.py")
+    homes = (PKG / "runtime", PKG / "transfer.py")
     bad = []
     for p in modules(PKG, ROOT / "tests", ROOT / "scripts"):
         if any(p == h or h in p.parents for h in homes):
@@ -62,6 +62,9 @@ def test_agent_api_has_one_import_path() -> None:
             if mod.startswith("kvhandoff.") and mod != "kvhandoff.transfer" and API & set(names):
                 bad.append(f"{p.relative_to(ROOT)}:{line}: from {mod} import "
                            f"{', '.join(sorted(API & set(names)))}")
+            if mod == "kvhandoff.transfer" and set(names) - API:
+                bad.append(f"{p.relative_to(ROOT)}:{line}: from kvhandoff.transfer import "
+                           f"{', '.join(sorted(set(names) - API))} (not the agent API)")
     assert not bad, "import these from kvhandoff.transfer:\n" + "\n".join(bad)
 
 
@@ -75,10 +78,8 @@ def test_public_modules_load_nothing_by_name() -> None:
 
 def test_the_agent_api_is_the_runtime_objects() -> None:
     from kvhandoff import transfer
-    from kvhandoff.buffers import bufferset, pool
     from kvhandoff.runtime import agent, handles
 
     assert set(transfer.__all__) == API
     assert transfer.TransferAgent is agent.TransferAgent
     assert (transfer.Sender, transfer.Receiver) == (handles.Sender, handles.Receiver)
-    assert (transfer.PagePool, transfer.allocate) == (pool.PagePool, bufferset.allocate)

@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
 from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
-from kvhandoff.transfer import PagePool, TransferAgent
+from kvhandoff.transfer import TransferAgent
 
 LAYERS = 8
 INDEXER_LAYERS = (1, 4, 7)

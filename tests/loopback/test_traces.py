@@ -160,7 +160,8 @@ def test_without_opentelemetry_nothing_is_imported_and_rooms_are_timed() -> None
         import kvhandoff
         from kvhandoff.kv_layout import preset
         from kvhandoff.settings import Settings
-        from kvhandoff.transfer import TransferAgent, allocate
+        from kvhandoff.transfer import TransferAgent
+        from kvhandoff.buffers.bufferset import allocate
 
         spec = preset("glm-5.3")
         s = Settings(transport="inproc", heartbeat_interval_s=2.0)

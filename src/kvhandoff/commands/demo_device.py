@@ -50,11 +50,10 @@ def run_demo_device(*, device: str = "cuda", model: str = "glm-5.3", context: in
 
     from kvhandoff.bench.device import _byte_index, cuda_preflight
     from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
-    from kvhandoff.buffers.bufferset import BufferSet
+    from kvhandoff.buffers.bufferset import BufferSet, allocate
     from kvhandoff.buffers.devsum import devsum
     from kvhandoff.protocol import events as ev
     from kvhandoff.runtime.eventwait import EventWaiter
-    from kvhandoff.transfer import allocate
     from kvhandoff.transports.shm.cuda_ipc import copy_spans
 
     dev = torch.device("cpu") if device == "cpu" else cuda_preflight(device)

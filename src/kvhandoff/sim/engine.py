@@ -84,7 +84,7 @@ def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
     """The KV buffers: CPU torch tensors, or numpy arrays with ``"numpy_buffers": true`` (the
     agent takes both; numpy spares the process the torch import, for many-rank tests); numpy
     views of a kvhandoff shared segment with ``"shared_buffers": true`` (the shm map lane)."""
-    from kvhandoff.transfer import allocate
+    from kvhandoff.buffers.bufferset import allocate
 
     if cfg.get("shared_buffers"):
         from kvhandoff.buffers.shared import allocate_shared
@@ -104,7 +104,7 @@ def _settings(cfg: dict[str, Any]) -> Any:
 
 
 def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
-    from kvhandoff.transfer import PagePool
+    from kvhandoff.buffers.pool import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)
@@ -172,10 +172,10 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
 
 
 def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
+    from kvhandoff.buffers.pool import PagePool
     from kvhandoff.errors import KVHandoffError
     from kvhandoff.kv_layout import SendFrom, page_aligned
     from kvhandoff.state_machine import KVPoll
-    from kvhandoff.transfer import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)

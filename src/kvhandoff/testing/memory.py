@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvhandoff.buffers.bufferset import BufferSet
+from kvhandoff.buffers.bufferset import BufferSet, allocate
 from kvhandoff.buffers.checksum import span_checksum
 from kvhandoff.errors import Failure
 from kvhandoff.kv_layout import LayoutSpec, layout_hash
@@ -47,7 +47,6 @@ from kvhandoff.protocol.session import TransferSession
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.clock import FakeClock
-from kvhandoff.transfer import allocate
 
 
 @dataclass

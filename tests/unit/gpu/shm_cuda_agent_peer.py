@@ -66,8 +66,9 @@ def say(obj: dict[str, Any]) -> None:
 def main() -> int:
     import torch
 
+    from kvhandoff.buffers.bufferset import allocate
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer import TransferAgent, allocate
+    from kvhandoff.transfer import TransferAgent
 
     cfg = json.loads(sys.stdin.readline())
     layout = tiny_layout()

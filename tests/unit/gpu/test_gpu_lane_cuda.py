@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvhandoff.buffers.bufferset import BufferSet
+from kvhandoff.buffers.bufferset import BufferSet, allocate
 from kvhandoff.buffers.devsum import devsum
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import LayoutSpec, pair_spans
@@ -25,7 +25,6 @@ from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.protocol import events as ev
 from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.settings import Settings
-from kvhandoff.transfer import allocate
 from kvhandoff.transports.shm.cuda_ipc import copy_spans, export_buffer
 
 from .cuda_ipc_peer import pattern

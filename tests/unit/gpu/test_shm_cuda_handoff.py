@@ -24,11 +24,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
 from kvhandoff.runtime.seam import Filtered
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 from .shm_cuda_agent_peer import bad_bytes, fill, layers_of, tiny_layout
 

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvhandoff.buffers.bufferset import BufferSet, DeviceBytes, as_bytes, view_memory
+from kvhandoff.buffers.bufferset import BufferSet, DeviceBytes, allocate, as_bytes, view_memory
 from kvhandoff.buffers.devsum import memory_kind, refuse_device_memory
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout import preset
 from kvhandoff.settings import Settings
-from kvhandoff.transfer import allocate
 
 from .conftest import tiny_layout
 

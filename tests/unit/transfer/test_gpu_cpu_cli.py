@@ -18,10 +18,9 @@ import torch
 
 from kvhandoff.bench.device import DEVICE_CASES, _byte_index, run_device_bench
 from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
-from kvhandoff.buffers.bufferset import BufferSet
+from kvhandoff.buffers.bufferset import BufferSet, allocate
 from kvhandoff.commands.demo_device import _check, run_demo_device
 from kvhandoff.kv_layout import handoff_bytes
-from kvhandoff.transfer import allocate
 from kvhandoff.transports.shm.cuda_ipc import copy_spans
 
 ROOT = Path(__file__).resolve().parents[3]
