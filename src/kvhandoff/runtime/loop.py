@@ -183,7 +183,6 @@ class ControlLoop:
 
         self.query(swap)
 
-
     def post_ahead(self, event: ev.Event) -> None:
         """Queues an event that goes before the queued ones (an engine's abort, which the
         engine waits for): fed at the start of the next pass or between two messages."""
