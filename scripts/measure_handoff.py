@@ -35,7 +35,7 @@ import numpy as np
 
 from kvhandoff.kv_layout import SendFrom, page_aligned, preset
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 
 SEED = 5
 
@@ -50,8 +50,10 @@ def _layers(spec: Any) -> list[int]:
 
 
 def worker_prefill(cfg: dict[str, Any]) -> None:
+    from kvhandoff.buffers.bufferset import allocate
+    from kvhandoff.buffers.pool import PagePool
     from kvhandoff.state_machine import KVPoll
-    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+    from kvhandoff.transfer import TransferAgent
 
     spec = preset("glm-5.3")
     ps = spec.page_size_tokens
@@ -90,7 +92,9 @@ def worker_prefill(cfg: dict[str, Any]) -> None:
 
 
 def worker_decode(cfg: dict[str, Any]) -> None:
-    from kvhandoff.transfer import PagePool, TransferAgent, allocate
+    from kvhandoff.buffers.bufferset import allocate
+    from kvhandoff.buffers.pool import PagePool
+    from kvhandoff.transfer import TransferAgent
 
     spec = preset("glm-5.3")
     ps = spec.page_size_tokens

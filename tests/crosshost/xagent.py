@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
-from kvhandoff.transfer import PagePool, TransferAgent
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.transfer import TransferAgent
 
 LAYERS = 8
 INDEXER_LAYERS = (1, 4, 7)
@@ -151,9 +152,7 @@ class Side:
         """Allocates `count` rooms at the bootstrap server and binds them to this engine."""
         from kvhandoff.bootstrap_server.client import BootstrapClient
 
-        reg = self.agent._registration
-        if reg is not None:
-            reg.registered.wait(self.timeout_s)
+        self.agent.wait_registered(self.timeout_s)
         with BootstrapClient.from_settings(self.settings) as c:
             ids = c.allocate_rooms(count)
             for room in ids:

@@ -19,10 +19,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvhandoff.bootstrap_server import create_app
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.kv_layout import preset
 from kvhandoff.runtime.metrics import registry_for
 from kvhandoff.settings import Settings
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvhandoff.json"

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, TPSplit, page_aligned
 from kvhandoff.settings import Settings
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent
+from kvhandoff.transfer import Receiver, Sender, TransferAgent
 
 WAIT_S = 20.0  # bound of every wait; a healthy room takes milliseconds
 SEED = 11

@@ -28,7 +28,7 @@ from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
 from kvhandoff.kv_layout.presets import glm53, llama31_8b
 from kvhandoff.settings import Settings
-from kvhandoff.sim import SimProcess, spawn
+from kvhandoff.sim.process import SimProcess, spawn
 from kvhandoff.testing.server import run_server
 
 START_S = 60.0  # process start (imports torch) with 8 processes on a loaded 2-core machine

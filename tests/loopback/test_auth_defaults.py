@@ -18,13 +18,14 @@ import pytest
 from typer.testing import CliRunner
 
 from kvhandoff.bootstrap_server.app import create_app
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.cli import app as cli_app
 from kvhandoff.doctor import Status, check_auth
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import preset
 from kvhandoff.runtime.metrics import metrics_text
 from kvhandoff.settings import Settings, is_loopback_host
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 SPEC = preset("glm-5.3")
 

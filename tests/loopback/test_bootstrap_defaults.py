@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.testing.server import sglang_unavailable
+from kvhandoff.bench.servers import sglang_unavailable
 
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.cli"]
 # what uvicorn itself writes to stderr at log level info when it starts and stops

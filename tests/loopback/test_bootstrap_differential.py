@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvhandoff.testing.server import serve_process, sglang_process, sglang_unavailable
+from kvhandoff.bench.servers import serve_process, sglang_process, sglang_unavailable
 
 _WHY = sglang_unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"SGLang cannot run here: {_WHY}")

@@ -25,7 +25,7 @@ import pytest
 from ipv6_loopback import needs_ipv6_loopback
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.sim import SimProcess, spawn
+from kvhandoff.sim.process import SimProcess, spawn
 
 TRANSPORTS = ["ucx", "tcp", "shm", "auto",
               pytest.param("nixl", marks=pytest.mark.skipif(

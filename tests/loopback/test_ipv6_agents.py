@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from ipv6_loopback import needs_ipv6_loopback
 
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout import preset
 from kvhandoff.netaddr import split_zmq_endpoint
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 from kvhandoff.transports import load_transport
 from kvhandoff.transports.nixl.wire import decode_address as nixl_address
 from kvhandoff.transports.shm.wire import split_address as shm_address

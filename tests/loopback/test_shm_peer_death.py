@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.sim import spawn
+from kvhandoff.sim.process import spawn
 from kvhandoff.testing.server import run_server
 
 

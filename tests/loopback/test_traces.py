@@ -22,7 +22,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
                     "(pip install 'kvhandoff[otel]'; make setup installs it)")
 
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
-from kvhandoff.sim import SimProcess, spawn  # noqa: E402
+from kvhandoff.sim.process import SimProcess, spawn  # noqa: E402
 
 HERE = Path(__file__).parent
 START_S = DONE_S = 60.0
@@ -160,7 +160,8 @@ def test_without_opentelemetry_nothing_is_imported_and_rooms_are_timed() -> None
         import kvhandoff
         from kvhandoff.kv_layout import preset
         from kvhandoff.settings import Settings
-        from kvhandoff.transfer import TransferAgent, allocate
+        from kvhandoff.transfer import TransferAgent
+        from kvhandoff.buffers.bufferset import allocate
 
         spec = preset("glm-5.3")
         s = Settings(transport="inproc", heartbeat_interval_s=2.0)

@@ -36,7 +36,7 @@ def main() -> int:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    from kvhandoff import sim
+    from kvhandoff.sim import engine as sim
 
     rc = sim.main(sys.argv[1:])
     provider.force_flush()

@@ -26,15 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.buffers.bufferset import allocate
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.buffers.shared import allocate_shared
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import from_config
-from kvhandoff.testing.patterns import check_pattern, check_tokens, write_pattern, write_tokens
-from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
+from kvhandoff.testing.patterns import check_pattern, write_pattern
+from kvhandoff.transfer import Receiver, Sender, TransferAgent
 from kvhandoff.transports.base import load_transport
 
 WAIT_S = 20.0  # bound on any wait for a room that is expected to end

@@ -32,7 +32,7 @@ from relkit import WAIT_S, Engine, fast_settings, layers_of
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
-from kvhandoff.sim import SimProcess, spawn
+from kvhandoff.sim.process import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
 from kvhandoff.testing.server import run_server

@@ -23,7 +23,7 @@ from kvhandoff.bootstrap_server import BootstrapClient
 from kvhandoff.kv_layout import preset
 from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
-from kvhandoff.sim import spawn
+from kvhandoff.sim.process import spawn
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.server import run_server
 
@@ -92,7 +92,7 @@ def test_bootstrap_server_restart_ranks_reregister_and_ready_returns() -> None:
                    engine_id="p")
         d = Engine("decode", layout, 8, fast_settings(), engine_id="d")
         try:
-            assert p.agent._registration.registered.wait(WAIT_S)
+            assert p.agent.wait_registered(WAIT_S)
             c = BootstrapClient(url, total_wait_s=5)
             assert c.ready().ready
             first = c.allocate_rooms(1)[0]

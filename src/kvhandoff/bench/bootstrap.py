@@ -8,7 +8,7 @@ Starts the server as a user does, ``kvhandoff serve --host 127.0.0.1 --port 0`` 
 settings (no other flag, no ``KVHANDOFF_*`` variable; ``--serve-args`` adds flags, and the
 output says which), as its own process (so the load generator does not share a GIL with the
 server), and, when SGLang is installed, SGLang 0.5.23's ``CommonKVBootstrapServer`` as another
-(`kvhandoff.testing.server.sglang_process`). What our server wrote is counted and printed:
+(`kvhandoff.bench.servers.sglang_process`). What our server wrote is counted and printed:
 its stderr lines beyond uvicorn's start-up and shut-down lines (the first few shown) and its
 access lines. Registers a native prefill engine of TP 8
 on ours and the same 8 SGLang-style ranks (``PUT /route``) on both, then drives keep-alive GETs
@@ -184,7 +184,7 @@ def _kvhandoff_serve(flags: list[str]) -> Iterator[tuple[str, _Served]]:
 
 
 def main() -> None:
-    from kvhandoff.testing.server import sglang_process, sglang_unavailable
+    from kvhandoff.bench.servers import sglang_process, sglang_unavailable
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0)

@@ -109,8 +109,9 @@ class _AgentSide:
 
     def __init__(self, role: str, msg: dict[str, Any]) -> None:
         from kvhandoff.bench.pageset import PageSet, layers_of, rank_spec
+        from kvhandoff.buffers.bufferset import allocate
         from kvhandoff.settings import Settings
-        from kvhandoff.transfer import TransferAgent, allocate
+        from kvhandoff.transfer import TransferAgent
 
         self.role = role
         self.rank = int(msg.get("tp_rank", 0))

@@ -3,7 +3,7 @@ where its prefill is.
 
 `create_app(settings)` builds the FastAPI app (`kvhandoff serve` runs it with uvicorn);
 `Registry` is its pure state; `BootstrapClient` / `AsyncBootstrapClient` are what agents use;
-`kvhandoff.testing.server.run_server` runs a real server in a thread. See docs/BOOTSTRAP.md.
+`bootstrap_server.background.run_server` runs a real server in a thread. See docs/BOOTSTRAP.md.
 
 The names below are loaded on first use, so importing `kvhandoff.bootstrap_server.client` (what
 an agent does) does not import FastAPI or the app.

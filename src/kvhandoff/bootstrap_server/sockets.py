@@ -1,5 +1,5 @@
 """Listening sockets for the bootstrap server: bound before uvicorn starts, so ``port 0`` works
-and the URL is known at once (`kvhandoff serve` and `kvhandoff.testing.server`)."""
+and the URL is known at once (`kvhandoff serve` and `bootstrap_server.background`)."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
     from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
     from kvhandoff.kv_layout import SendFrom, TPSplit, handoff_bytes, page_aligned
     from kvhandoff.settings import Settings
-    from kvhandoff.sim import spawn
+    from kvhandoff.sim.process import spawn
 
     if prefill_tp < 1 or decode_tp < 1:
         raise DemoError(f"tp: expected >= 1, got prefill={prefill_tp} decode={decode_tp}")

@@ -43,6 +43,7 @@ from kvhandoff.protocol.wire import BufferDesc
 from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.runtime.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.runtime.loop import ControlLoop
+from kvhandoff.runtime.seam import Filtered
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings, listener_auth
 from kvhandoff.state_machine import Role
@@ -154,8 +155,7 @@ class TransferAgent:
         self._timelines = RoomTimelines(role=self.role, agent_id=self.agent_id,
                                         transport=self.transport.kind.value)
         self._loop = ControlLoop(transport=self.transport, buffers=views,
-                                 settings=self.settings, effect_filter=effect_filter,
-                                 timelines=self._timelines)
+                                 settings=self.settings, timelines=self._timelines)
         self.address = self._loop.address
         # device events of marked layers are waited for here, not on the engine thread
         self._events = EventWaiter(self._loop.post, closed=lambda: self._closed,
@@ -169,7 +169,9 @@ class TransferAgent:
             writes=self._writes(),
             hmac_secret=secret.get_secret_value().encode() if secret else None),
             settings=self.settings, now=time.monotonic())
-        self._loop.start(self._session, self.agent_id)
+        # a test's filter stands in front of the session (runtime.seam), not in the loop
+        self._loop.start(self._session, self.agent_id, step=None if effect_filter is None
+                         else Filtered(self._session, effect_filter))
         if self.role is Role.PREFILL and self.settings.bootstrap_url:
             from kvhandoff.runtime.registration import Registration
 
@@ -274,6 +276,16 @@ class TransferAgent:
             self._loop.post(ev.OpenReceiver(room, v, None, readers))
             self._lookups().submit(room, bootstrap_addr, functools.partial(self._resolved, v))
         return Receiver(self, v)
+
+    def wait_registered(self, timeout_s: float) -> bool | None:
+        """Whether the bootstrap server holds this prefill's registration, waiting up to
+        `timeout_s` for it; None when this agent does not register (a decode, or no
+        ``bootstrap_url``)."""
+        reg = self._registration
+        if reg is None:
+            return None
+        ok: bool = reg.registered.wait(timeout_s)
+        return ok
 
     def status(self) -> dict[str, Any]:
         """What this agent is and how it fares (for /ready, metrics and the CLI)."""

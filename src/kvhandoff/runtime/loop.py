@@ -6,16 +6,19 @@ not over ZMQ), the wake pipe and the event queue. Engine threads, transport call
 workers and the route-lookup threads never touch the session: they `post` an event (a deque
 append plus one byte on the wake pipe) and, when they must wait, wait on a room's view. The
 loop feeds the session one event at a time with the current time and executes the effects it
-returns, in order: messages to the outbox (through the effect filter, when tests installed
-one), transfers to the transport, hashing jobs to the hasher pool (a small one of host memory
-is hashed right here: see HASH_INLINE_BYTES), room updates to the views.
+returns, in order: messages to the outbox, transfers to the transport (one-sided writes through
+the pass's batch, `runtime.batching`), hashing jobs to the hasher pool (a small one of host
+memory is hashed right here: see HASH_INLINE_BYTES), room updates to the views. It drives a
+`Stepper`: the session itself, or what a test installed in front of it (`runtime.seam`); the
+loop has no test branches.
 
 Each pass: read the wake pipe, feed the queued events, read control messages (at most a quarter
-heartbeat's worth, so a burst cannot hold back heartbeats), feed a `Tick`, and
-send the outbox (each message as the session's peer table frames it: sealed under the session
-with its recipient when ``hmac_secret`` is set, `PeerTable.frames`). Nothing a sender puts in a
-frame ends the thread: every error of a message or a pass is caught, counted and logged at a
-bounded rate (`RateLog`), and a stranger's socket is closed once idle (`_collect_dealers`).
+heartbeat's worth, so a burst cannot hold back heartbeats), feed a `Tick`, post the writes the
+pass held (`PassBatch.flush`, once per pass), and send the outbox (each message as the session's
+peer table frames it: sealed under the session with its recipient when ``hmac_secret`` is set,
+`PeerTable.frames`). Nothing a sender puts in a frame ends the thread: every error of a message
+or a pass is caught, counted and logged at a bounded rate (`RateLog`), and a stranger's socket
+is closed once idle (`_collect_dealers`).
 Nothing here takes a lock another kind of thread holds, so heartbeats leave on time however
 busy the engine threads are.
 """
@@ -46,7 +49,6 @@ from kvhandoff.protocol.effects import (
     Connect,
     DropPeer,
     Effect,
-    EffectFilter,
     HashSpans,
     Log,
     PostRecv,
@@ -58,12 +60,14 @@ from kvhandoff.protocol.effects import (
     Send,
 )
 from kvhandoff.protocol.session import TransferSession
+from kvhandoff.runtime.batching import PassBatch
 from kvhandoff.runtime.handles import RoomView
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.runtime.locallane import LocalLane, available
+from kvhandoff.runtime.seam import Stepper
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings
-from kvhandoff.transports.base import OneSidedTransport, Transport, WriteSums, landed_sums
+from kvhandoff.transports.base import OneSidedTransport, Transport
 
 log = logging.getLogger("kvhandoff.agent")
 
@@ -76,12 +80,6 @@ PEER_CALL_WORKERS = 4  # peers whose blocking transport calls run at once
 # loaded 2-core host cost more than that. Small layers are the short prompts' case, where
 # the hand-offs are most of a layer's verification; larger jobs keep the pool's parallelism.
 HASH_INLINE_BYTES = 2 << 20
-# One-sided writes of one room fed in the same pass (a short prompt's layers, ready together)
-# leave as one transport job while the job stays within this many bytes: one job, one copy
-# call, one completion, instead of one of each per layer, which for a 16-token Llama-8B room was
-# most of the prefill's control-thread time. A larger write leaves alone, so a long prompt's
-# layers still land (and are announced) one by one.
-WRITE_BATCH_BYTES = 2 << 20
 # A batch of this many messages read from the control socket of which the session took none
 # (see _read) counts as having read every peer's messages
 MIN_IDLE_BATCH = 64
@@ -99,21 +97,19 @@ class ControlLoop:
     """Drives `session` on its own thread (see the module doc). Keyword-only arguments."""
 
     def __init__(self, *, transport: Transport, buffers: dict[str, np.ndarray],
-                 settings: Settings, effect_filter: EffectFilter | None = None,
-                 timelines: RoomTimelines | None = None) -> None:
+                 settings: Settings, timelines: RoomTimelines | None = None) -> None:
         self.session: TransferSession | None = None  # given to start()
+        self._step: Stepper | None = None  # the session, or a test's seam in front of it
         self._timelines = timelines  # sees every handled event and its effects
         self.transport = transport
         self.settings = settings
         self._buffers = buffers  # transport buffer name -> bytes
-        self._filter = effect_filter
         self._queue: deque[tuple[ev.Event | None, _Query | None, Future[Any] | None]] = deque()
         self._ahead: deque[ev.Event] = deque()
         self._outbox: deque[tuple[str, P.Message]] = deque()
-        self._batching = False  # PostWrites wait in _writes until the end of this feeding
-        self._writes: list[PostWrite] = []
         self._to_close: list[zmq.Socket[bytes]] = []
         self._hashing = Hasher(buffers=buffers, transport=transport, post=self.post)
+        self._batch = PassBatch(transport=transport, hashing=self._hashing, post=self.post)
         self._calls = ThreadPoolExecutor(max_workers=PEER_CALL_WORKERS,
                                          thread_name_prefix="kvh-peer-call")
         self._calls_waiting: dict[str, deque[Callable[[], None]]] = {}  # control thread only
@@ -158,9 +154,13 @@ class ControlLoop:
         self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
 
-    def start(self, session: TransferSession, name: str) -> None:
-        """Starts the thread that drives `session` (built with this loop's `address`)."""
+    def start(self, session: TransferSession, name: str, *, step: Stepper | None = None
+              ) -> None:
+        """Starts the thread that drives `session` (built with this loop's `address`): the
+        events go to `step` (a test's seam in front of the session, `runtime.seam`) when given,
+        else to the session itself."""
         self.session = session
+        self._step = session if step is None else step
         # the Hello says where the buffers live; it decides the rooms' checksum algorithm
         kinds = {view_memory(v)[0] for v in self._buffers.values()}
         session.set_memory("cuda" if "cuda" in kinds else "host")
@@ -168,6 +168,20 @@ class ControlLoop:
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
+
+    @property
+    def stepper(self) -> Stepper | None:
+        """What the loop feeds events to: the session, or a test's seam in front of it."""
+        return self._step
+
+    def install(self, wrap: Callable[[Stepper], Stepper]) -> None:
+        """Puts `wrap(stepper)` in front of what the loop drives now (a test's seam,
+        `runtime.seam.Filtered`), on the control thread between two events."""
+        def swap(_: TransferSession) -> None:
+            assert self._step is not None
+            self._step = wrap(self._step)
+
+        self.query(swap)
 
     def post_ahead(self, event: ev.Event) -> None:
         """Queues an event that goes before the queued ones (an engine's abort, which the
@@ -231,10 +245,10 @@ class ControlLoop:
     # ------------------------------------------------------------------ control thread
 
     def _feed(self, event: ev.Event) -> None:
-        assert self.session is not None
+        assert self._step is not None
         try:
             now = time.monotonic()
-            effects = self.session.handle(event, now)
+            effects = self._step.handle(event, now)
         except Exception:  # noqa: BLE001 - the control loop must survive anything an event does
             # the session fails the room of a room's event itself (both sides told); this is
             # an event of no room (a tick, a peer's message): counted and logged
@@ -245,11 +259,7 @@ class ControlLoop:
         if self._timelines is not None:
             effects = self._timelines.observe(event, effects)
         for eff in effects:
-            if self._filter is None:
-                self._execute(eff)
-            else:
-                for e in self._filter(eff, now):
-                    self._execute(e)
+            self._execute(eff)
         if self._timelines is not None:
             self._timelines.settle()  # a room's trace once its engine was told it ended
 
@@ -265,11 +275,7 @@ class ControlLoop:
             except KVHandoffError as e:
                 self.post(ev.OpDone(eff.op, str(e)))
         elif isinstance(eff, PostWrite):
-            if self._batching and eff.room is not None and _write_bytes(eff) <= WRITE_BATCH_BYTES:
-                self._writes.append(eff)  # with the room's others of this pass: _post_writes
-            else:
-                self._post_writes()  # those before it first: writes leave in the order asked
-                self._post_write_job([eff])
+            self._batch.hold(eff)  # with the room's others of this pass
         elif isinstance(eff, RegisterRemote):
             self._call(eff.peer, functools.partial(self._register_remote, eff))
         elif isinstance(eff, RoomUpdate):
@@ -284,10 +290,12 @@ class ControlLoop:
             else:
                 self._hashing.submit(eff)
         elif isinstance(eff, Cancel):
+            self._batch.flush()  # the cancel finds the writes it cancels posted
             self._call(eff.peer, functools.partial(self._cancel, eff))
         elif isinstance(eff, Connect):
             self._call(eff.peer, functools.partial(self._connect, eff))
         elif isinstance(eff, DropPeer):
+            self._batch.flush()
             self._call(eff.peer, functools.partial(self._drop, eff))
             sock = self._dealers.pop(eff.peer, None)
             self._dealer_used.pop(eff.peer, None)
@@ -299,68 +307,6 @@ class ControlLoop:
             log.log(eff.level, "%s", eff.message, exc_info=eff.exc)
         else:
             raise TypeError(f"unknown effect {eff!r}")
-
-    # ------------------------------------------------------------------ one-sided writes
-
-    def _post_writes(self) -> None:
-        """(control thread) Posts the writes held back while feeding (WRITE_BATCH_BYTES): those
-        of one (peer, room) and one hashing plan in order as jobs of at most that many bytes."""
-        if not self._writes:
-            return
-        writes, self._writes = self._writes, []
-        jobs: dict[tuple[str, int | None], list[tuple[int, list[PostWrite]]]] = {}
-        for eff in writes:
-            runs = jobs.setdefault((eff.peer, eff.room), [])
-            n = _write_bytes(eff)
-            if runs and runs[-1][0] + n <= WRITE_BATCH_BYTES:
-                total, run = runs[-1]
-                runs[-1] = (total + n, run)
-                run.append(eff)
-            else:
-                runs.append((n, [eff]))
-        for runs in jobs.values():
-            for _, run in runs:
-                self._post_write_job(run)
-
-    def _post_write_job(self, effs: list[PostWrite]) -> None:
-        """(control thread) `effs` (one peer's) as one `post_writes` job: every op's parts back
-        to back, one completion that hands each op its own digests (runtime.hashing says how
-        each is hashed: while copying, or after it landed). Ops whose hashing differs go as
-        jobs of their own."""
-        collect = _Collect(self.post) if len(effs) > 1 else None
-        plans = [(eff, *self._hashing.write_plan(eff, collect)) for eff in effs]
-        if len({fused for _, fused, _ in plans}) > 1:
-            for one in plans:
-                self._post_write_job([one[0]])
-            return
-        fused = plans[0][1]
-        if collect is None:
-            written = plans[0][2]
-        else:
-            def written(exc: BaseException | None, digests: tuple[int | None, ...]) -> None:
-                assert collect is not None
-                landed, at = landed_sums(digests), 0
-                for eff, _, done in plans:
-                    n = len(eff.parts)
-                    mine = tuple(digests[at:at + n])
-                    done(exc, WriteSums(mine, landed[at:at + n]) if landed else mine)
-                    at += n
-                collect.flush()  # the ops' Written events as one Batch
-        tr = self.transport
-        try:
-            if not isinstance(tr, OneSidedTransport):
-                raise TransportError(f"post_write: the {tr.kind} transport has no "
-                                     "one-sided writes")
-            # a layer's regions (or several layers') as one job (a transport that cannot
-            # splits it: base.split_writes)
-            tr.post_writes(effs[0].peer, [(x.tag, x.buffer, x.buffer, x.plan)
-                                          for eff in effs for x in eff.parts],
-                           written, checksum=fused)
-        except KVHandoffError as e:
-            for eff in effs:
-                self.post(ev.Written(eff.op, str(e)))
-            if collect is not None:
-                collect.flush()
 
     # ------------------------------------------------------------------ peer calls
     # A transport call that may wait on its peer (connect, register_remote, cancel,
@@ -514,10 +460,8 @@ class ControlLoop:
             drained = drained and not lane.inbox
         if drained:
             self._drained_at = time.monotonic()
-        if self._filter is not None:  # effects a test filter held until now
-            for eff in self._filter.due(time.monotonic()):
-                self._execute(eff)
         self._feed(ev.Tick(drained_at=self._drained_at))
+        self._batch.flush()  # the writes of the whole pass, before its messages
         self._flush()
         now = time.monotonic()
         if now - self._dealers_collected > hb:
@@ -544,35 +488,24 @@ class ControlLoop:
 
     def _drain_queue(self, until: float) -> None:
         """Feeds queued events until the queue is empty or the clock passes `until` (a burst
-        of engine calls must not hold back heartbeats: the rest waits for the next pass). The
-        writes they ask for leave together at the end (WRITE_BATCH_BYTES)."""
-        outer, self._batching = not self._batching, True
-        try:
-            left = len(self._queue)
-            for i in itertools.count():
-                if left <= 0 or (i % 64 == 63 and time.monotonic() > until):
-                    return
-                event, fn, fut = self._queue.popleft()
-                left -= 1
-                if isinstance(event, ev.LayerReady):  # with the room's next ones: one Batch
-                    ready = [event]
-                    while left > 0 and _same_room_ready(self._queue[0][0], event):
-                        ready.append(self._queue.popleft()[0])  # type: ignore[arg-type]
-                        left -= 1
-                    if len(ready) > 1:
-                        event = ev.Batch(tuple(ready))
-                if event is not None:
-                    self._feed(event)
-                elif fn is not None and fut is not None:
-                    assert self.session is not None
-                    try:
-                        fut.set_result(fn(self.session))
-                    except Exception as e:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(e)
-        finally:
-            if outer:
-                self._batching = False
-                self._post_writes()
+        of engine calls must not hold back heartbeats: the rest waits for the next pass). A
+        room's layers ready one after the other are fed as one `Batch` (`PassBatch`)."""
+        left = len(self._queue)
+        for i in itertools.count():
+            if left <= 0 or (i % 64 == 63 and time.monotonic() > until):
+                return
+            event, fn, fut = self._queue.popleft()
+            left -= 1
+            event, taken = self._batch.take_ready(event, self._queue, left)
+            left -= taken
+            if event is not None:
+                self._feed(event)
+            elif fn is not None and fut is not None:
+                assert self.session is not None
+                try:
+                    fut.set_result(fn(self.session))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
 
     def _read(self, hb: float) -> bool:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
@@ -618,26 +551,18 @@ class ControlLoop:
             self.counters["rejected_messages"] += 1
             self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)
             return
-        self._batching = True  # the writes of this message's events leave together
-        try:
-            self._feed(ev.MessageReceived(msg, seal))
-            self._drain_ahead()
-            if self._queue:  # completions and engine events between messages
-                self._drain_queue(batch_end)
-        finally:
-            self._batching = False
-            self._post_writes()
+        self._feed(ev.MessageReceived(msg, seal))
+        self._drain_ahead()
+        if self._queue:  # completions and engine events between messages
+            self._drain_queue(batch_end)
 
     def _timeout_ms(self, hb: float) -> int:
         if (self._outbox or self._queue or self._ahead or self._closing or self._calls_done
-                or (self._lane is not None and self._lane.inbox)):
+                or self._batch.pending or (self._lane is not None and self._lane.inbox)):
             return 0
         now = time.monotonic()
-        assert self.session is not None
-        when = self.session.next_wakeup()
-        held = self._filter.next_due() if self._filter is not None else None
-        if held is not None:
-            when = min(when, held)
+        assert self._step is not None
+        when = self._step.next_wakeup()
         return max(0, min(int((when - now) * 1e3) + 1, int(hb * 1e3)))
 
     def _flush(self) -> None:
@@ -688,40 +613,6 @@ class RateLog:
             return
         self._count += 1
         self._log.log(self._level, fmt, *args, exc_info=exc_info)
-
-
-class _Collect:
-    """The `Written` events of one job of several writes, posted as one `events.Batch` once
-    the job's completion handed each op its digests (`flush`); an event that comes after that
-    (a write hashed on the hasher pool once it landed) is posted on its own."""
-
-    def __init__(self, post: Callable[[ev.Event], None]) -> None:
-        self._post = post
-        self._lock = threading.Lock()
-        self._events: list[ev.Written] | None = []
-
-    def __call__(self, event: ev.Event) -> None:
-        with self._lock:
-            held = self._events
-            if held is not None and isinstance(event, ev.Written):
-                held.append(event)
-                return
-        self._post(event)
-
-    def flush(self) -> None:
-        with self._lock:
-            held, self._events = self._events, None
-        if held:
-            self._post(held[0] if len(held) == 1 else ev.Batch(tuple(held)))
-
-
-def _same_room_ready(event: ev.Event | None, first: ev.LayerReady) -> bool:
-    return (isinstance(event, ev.LayerReady) and event.room == first.room
-            and event.token is first.token)
-
-
-def _write_bytes(eff: PostWrite) -> int:
-    return sum(x.plan.total_bytes for x in eff.parts)
 
 
 def _outcome(call: Callable[[], None]) -> str | None:

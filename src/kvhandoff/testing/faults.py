@@ -475,8 +475,8 @@ def from_config(faults: dict[str, Any], inner: Transport, role: str = "") -> dic
 
 def main(argv: list[str] | None = None) -> int:
     """`kvhandoff.sim` with the faults of the config's ``"faults"`` key."""
-    from kvhandoff import sim
     from kvhandoff.settings import Settings
+    from kvhandoff.sim import engine as sim
     from kvhandoff.transports.base import load_transport
 
     args = sys.argv[1:] if argv is None else argv

@@ -1,12 +1,10 @@
 """Deterministic page contents the tests share, so a receiver checks what landed without seeing
 the sender's memory.
 
-Two families:
-- the `kvhandoff.sim` pattern (`write_tokens` / `check_tokens`, re-exported here): byte b of
-  token t of layer L of region index R is ``(t*131 + b*7 + L*17 + R*29 + seed) % 251``;
-- the per-plane pattern (`plane_pattern`, `write_pattern`, `check_pattern`): also salted by the
-  region and plane *names*, so a head or key/scale mix-up shows, and a GQA head keeps its bytes
-  on every TP rank.
+The per-plane pattern (`plane_pattern`, `write_pattern`, `check_pattern`): salted by the region
+and plane *names*, so a head or key/scale mix-up shows, and a GQA head keeps its bytes on every
+TP rank. The simulated engines' pattern (`write_tokens` / `check_tokens`, `PREFIX_MARKER`) is
+`kvhandoff.sim.pattern`'s, imported from there.
 """
 
 from __future__ import annotations
@@ -17,10 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvhandoff.kv_layout import LayoutSpec
-from kvhandoff.sim import PREFIX_MARKER, check_tokens, pattern, write_tokens
 
-__all__ = ["PREFIX_MARKER", "check_pattern", "check_tokens", "pattern", "plane_pattern",
-           "write_pattern", "write_tokens"]
+__all__ = ["check_pattern", "plane_pattern", "write_pattern"]
 
 
 def plane_pattern(t: np.ndarray, nbytes: int, layer: int, region: str, plane: str,

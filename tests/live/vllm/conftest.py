@@ -37,7 +37,7 @@ from live_fleet import (
     start_fleet,
 )
 
-from kvhandoff.testing.server import serve_process
+from kvhandoff.bench.servers import serve_process
 
 HERE = Path(__file__).resolve().parent
 TTFT: pytest.StashKey[list[dict[str, Any]]] = pytest.StashKey()

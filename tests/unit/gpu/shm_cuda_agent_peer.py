@@ -37,7 +37,7 @@ def fill(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int, seed: i
     """Writes the token pattern of `seed` into `pages` of every CUDA buffer."""
     import torch
 
-    from kvhandoff.sim import write_tokens
+    from kvhandoff.sim.pattern import write_tokens
 
     for ri, reg in enumerate(layout.regions):
         for lid in reg.layer_ids:
@@ -50,7 +50,7 @@ def fill(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int, seed: i
 
 def bad_bytes(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int,
               seed: int) -> int:
-    from kvhandoff.sim import check_tokens
+    from kvhandoff.sim.pattern import check_tokens
 
     return sum(check_tokens(bufs[reg.name][lid].cpu().numpy(), layout, ri, lid, pages, 0,
                             seq, seed)
@@ -66,8 +66,9 @@ def say(obj: dict[str, Any]) -> None:
 def main() -> int:
     import torch
 
+    from kvhandoff.buffers.bufferset import allocate
     from kvhandoff.settings import Settings
-    from kvhandoff.transfer import TransferAgent, allocate
+    from kvhandoff.transfer import TransferAgent
 
     cfg = json.loads(sys.stdin.readline())
     layout = tiny_layout()

@@ -24,10 +24,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
+from kvhandoff.runtime.seam import Filtered
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 from .shm_cuda_agent_peer import bad_bytes, fill, layers_of, tiny_layout
 
@@ -113,7 +115,7 @@ def test_two_agents_hand_off_cuda_memory_over_shm(children: list[Child]) -> None
                           Settings(transport="shm", heartbeat_interval_s=0.2),
                           engine_id="gpu-decode")
     seen: list[Effect] = []
-    agent._loop._filter = _Recorder(seen)
+    agent._loop.install(lambda step: Filtered(step, _Recorder(seen)))
     try:
         assert agent.buffers.memory == "cuda"
         receiver = agent.receiver(ROOM, peer=prefill_addr)

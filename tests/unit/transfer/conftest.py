@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvhandoff.buffers.bufferset import allocate
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.testing.faults import from_config
-from kvhandoff.testing.patterns import PREFIX_MARKER, check_tokens, write_tokens
-from kvhandoff.transfer import PagePool, Receiver, Sender, TransferAgent, allocate
+from kvhandoff.transfer import Receiver, Sender, TransferAgent
 from kvhandoff.transports.base import load_transport
 
 WAIT_S = 15.0  # bound of every wait; a healthy run takes milliseconds

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.errors import AdmissionRefused, ConfigError, FailureKind
 from kvhandoff.kv_layout import preset
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 from .conftest import WAIT_S, Pair, layers_of
 

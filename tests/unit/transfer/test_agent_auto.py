@@ -12,8 +12,10 @@ import logging
 
 import pytest
 
+from kvhandoff.buffers.bufferset import allocate
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.settings import Settings
-from kvhandoff.transfer import PagePool, TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 from kvhandoff.transports.auto import AutoTransport, decode_address, encode_address
 
 from .conftest import Pair, Releases, Side, tiny_layout

@@ -13,8 +13,8 @@ import pytest
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom
 from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.sim.pattern import PREFIX_MARKER, write_tokens
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.testing.patterns import PREFIX_MARKER, write_tokens
 from kvhandoff.transfer import TransferAgent
 
 from .conftest import SEED, WAIT_S, Pair, layers_of

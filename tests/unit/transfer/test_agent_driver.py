@@ -22,13 +22,15 @@ from collections.abc import Callable
 import numpy as np
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
+from kvhandoff.buffers.bufferset import allocate
+from kvhandoff.buffers.pool import PagePool
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import FaultyTransport
 from kvhandoff.testing.server import run_server
-from kvhandoff.transfer import PagePool, TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 from kvhandoff.transports.base import load_transport
 
 from .conftest import WAIT_S, Pair, Releases, Side, layers_of, tiny_layout

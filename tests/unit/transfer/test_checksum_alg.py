@@ -29,6 +29,7 @@ from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.checksums import checksum_alg
 from kvhandoff.protocol.effects import Effect, HashSpans, PostWrite
 from kvhandoff.runtime.loop import ControlLoop
+from kvhandoff.runtime.seam import Filtered
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
@@ -268,8 +269,8 @@ def test_agents_over_shm_use_the_rooms_algorithm(pair: Callable[..., Pair],
     pr = pair(transport="shm")
     d_eff: list[Effect] = []
     p_eff: list[Effect] = []
-    pr.decode.agent._loop._filter = _Recorder(d_eff)
-    pr.prefill.agent._loop._filter = _Recorder(p_eff)
+    pr.decode.agent._loop.install(lambda step: Filtered(step, _Recorder(d_eff)))
+    pr.prefill.agent._loop.install(lambda step: Filtered(step, _Recorder(p_eff)))
     pr.decode.agent._loop.query(lambda s: s.set_memory(decode_memory))
     sender, receiver, _, dst = pr.open(31, SEQ, PREFIX)
     run_layers(pr, sender, receiver)

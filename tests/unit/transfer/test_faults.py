@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.effects import Log, Send
+from kvhandoff.runtime.seam import Filtered
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import FaultyTransport, MessageFaults
 
@@ -24,7 +25,9 @@ def test_delayed_messages_still_hand_off(pair: MakePair) -> None:
         s.layer_ready(lid)
     assert rv.wait(WAIT_S) is KVPoll.Success and s.wait(WAIT_S) is KVPoll.Success
     assert pr.verify(dst, SEQ, 0) == (0, 0)
-    filt = pr.decode.agent._loop._filter
+    step = pr.decode.agent._loop.stepper
+    assert isinstance(step, Filtered)
+    filt = step.effect_filter
     assert isinstance(filt, MessageFaults) and filt.delay_s == 0.03 and not filt.dropped
 
 
@@ -62,7 +65,9 @@ def test_dropped_room_ack_is_counted_and_the_decode_still_succeeds(pair: MakePai
     for lid in layers_of(pr.prefill.layout):
         s.layer_ready(lid)
     assert rv.wait(WAIT_S) is KVPoll.Success
-    filt = pr.decode.agent._loop._filter
+    step = pr.decode.agent._loop.stepper
+    assert isinstance(step, Filtered)
+    filt = step.effect_filter
     assert isinstance(filt, MessageFaults) and filt.dropped == ["RoomAck"]
     # no ack: the prefill still waits (its view may lag one update behind the last send)
     assert s.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import httpx
 import numpy as np
 
+from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.kv_layout import preset
 from kvhandoff.runtime.metrics import metrics_text
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.transfer import TransferAgent, allocate
+from kvhandoff.transfer import TransferAgent
 
 
 def _value(text: str, name: str) -> float:

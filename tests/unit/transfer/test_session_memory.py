@@ -23,9 +23,9 @@ from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.lifecycle import write_quarantine
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
-from kvhandoff.testing.patterns import check_tokens, write_tokens
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["two-sided", "one-sided"])

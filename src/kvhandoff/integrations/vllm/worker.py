@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvhandoff.runtime.handles import Receiver
+    from kvhandoff.transfer import Receiver
 
 log = logging.getLogger("kvhandoff.vllm")
 

@@ -60,7 +60,7 @@ A test may also script the start of a schedule (`Simulation.add_instance`, `engi
 
 Left out (real transport semantics the simulator does not model): partial pieces of one
 region's write (a part lands whole), the driver's batching of several layers into one write
-job (`runtime.loop.WRITE_BATCH_BYTES`) and of events (`Batch`), shm's writer read-back
+job (`runtime.batching.WRITE_BATCH_BYTES`) and of events (`Batch`), shm's writer read-back
 (`Written.landed`), chunked prefill (`AddChunk`), a decode's cached prefix, route lookups
 (`PeersResolved`: the decode names its prefill ranks), HMAC, peers restarting under a new
 generation, message loss other than by death, `Reject` / `HelloReject` paths of mismatched

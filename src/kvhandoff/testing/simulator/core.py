@@ -44,9 +44,9 @@ from kvhandoff.protocol.effects import (
 )
 from kvhandoff.protocol.peers import FORGOTTEN_KEEP_S
 from kvhandoff.settings import Settings
+from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side, View
-from kvhandoff.testing.patterns import check_tokens, write_tokens
 
 PAGE_TOKENS = 16
 DECODE_FILL = 0xFF  # a decode page the engine takes (never a pattern byte: those are < 251)

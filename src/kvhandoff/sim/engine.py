@@ -1,17 +1,10 @@
-"""A simulated engine on each side of a handoff, run as real processes (demo, bench, tests).
+"""One simulated engine around a `TransferAgent`: a prefill that computes layers and hands them
+over, or a decode that receives and checks them (`run_prefill`, `run_decode`; `main` is
+``python -m kvhandoff.sim``). It prints one JSON object per line on stdout (its events).
 
-`python -m kvhandoff.sim prefill|decode '<json config>'` runs one side and prints one JSON
-object per line on stdout (its events). `spawn(role, config)` starts such a process and reads
-its events; `SimProcess.expect(kind, timeout)` waits for one, bounded.
-
-Page contents are deterministic: byte b of token t of layer L of region R is
-``(t * 131 + b * 7 + L * 17 + R * 29 + seed) % 251``, so the decode process checks what landed
-without seeing the prefill's memory. Decode fills its cached-prefix indexer pages with a marker
-first and checks afterwards that the handoff left them alone (suffix-only indexer).
-
-With ``"plane_salt": true`` each plane's bytes also depend on its name (`plane_salt`), so a
-head or key/scale mix-up is caught; GQA head planes (``h<global id>``) get the same bytes on
-every rank that holds the head.
+Page contents are `kvhandoff.sim.pattern`'s. Decode fills its cached-prefix indexer pages with
+`PREFIX_MARKER` first and checks afterwards that the handoff left them alone (suffix-only
+indexer). ``"plane_salt": true`` salts each plane's bytes by its name (`pattern.plane_salt`).
 
 Several ranks per engine (heterogeneous TP): config keys ``tp_rank``/``tp_size`` (a head-sharded
 preset then gives that rank's heads), ``dp_rank``/``dp_size`` (registration identity), per-room
@@ -21,8 +14,12 @@ and ``peer`` as a list on the decode side (gathering from several prefill ranks)
 Prefill config ``wait_for_decode``: start computing once every room left Bootstrapping (the
 decode side bootstrapped), as an engine's bootstrap queue does.
 
-Events: ``ready`` (agent address), ``layer`` (prefill: computed and handed over; decode: landed
-and verified), ``done`` (per room: state, failure, stats, verification), ``error``.
+Events: ``ready`` (agent address), ``registered`` (prefill with a bootstrap server), ``layer``
+(prefill: computed and handed over; decode: landed and verified), ``done`` (per room: state,
+failure, stats, verification), ``error``.
+
+Rules: the agent is used through its public API only (`kvhandoff.transfer`); `main` reports
+an error as an event, then fails loudly.
 """
 
 from __future__ import annotations
@@ -31,99 +28,14 @@ import functools
 import inspect
 import json
 import os
-import queue
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-PREFIX_MARKER = 0xA5
-
-
-@functools.lru_cache(maxsize=8)
-def _base(first: int, count: int, nbytes: int) -> np.ndarray:
-    """``(t * 131 + b * 7) % 251`` for tokens first..first+count, as uint8 (cached: every layer
-    of a request shares it, only the offset differs)."""
-    t = np.arange(first, first + count, dtype=np.int64)
-    b = np.arange(nbytes, dtype=np.int64)
-    out: np.ndarray = ((t[:, None] * 131 + b[None, :] * 7) % 251).astype(np.uint8)
-    out.flags.writeable = False
-    return out
-
-
-def pattern(t: np.ndarray, nbytes: int, layer: int, region: int, seed: int) -> np.ndarray:
-    """The deterministic bytes of tokens `t` (rows) of one plane of `nbytes` per token:
-    ``(t * 131 + b * 7 + layer * 17 + region * 29 + seed) % 251``."""
-    c = (layer * 17 + region * 29 + seed) % 251
-    contiguous = t.size and t[-1] - t[0] + 1 == t.size and np.all(np.diff(t) == 1)
-    if contiguous:
-        base = _base(int(t[0]), int(t.size), nbytes)
-    else:
-        tt = t.astype(np.int64)[:, None]
-        base = ((tt * 131 + np.arange(nbytes, dtype=np.int64)[None, :] * 7) % 251).astype(
-            np.uint8)
-    lut = ((np.arange(256, dtype=np.int64) + c) % 251).astype(np.uint8)
-    out: np.ndarray = lut[base]  # (base + c) % 251 in one uint8 table lookup
-    return out
-
-
-def plane_salt(name: str) -> int:
-    """A per-plane offset of the pattern (``plane_salt`` mode): head planes ``h<id>`` get
-    ``3 * id + 1`` (distinct below 100 heads), other planes ``100 + crc32(name) % 150``."""
-    m = re.fullmatch(r"h(\d+)", name)
-    if m:
-        return 3 * int(m[1]) + 1
-    return 100 + zlib.crc32(name.encode()) % 150
-
-
-def _plane_view(buf: np.ndarray, page_size: int, page_nbytes: int, plane_off: int,
-                plane_bytes: int) -> np.ndarray:
-    """(pages, page_size * plane_bytes) view of one plane of every page."""
-    pages = buf.reshape(-1, page_nbytes)
-    lo = plane_off * page_size
-    return pages[:, lo:lo + page_size * plane_bytes]
-
-
-def write_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
-                 first_tok: int, end_tok: int, seed: int, *, salt: bool = False) -> None:
-    """Writes the pattern of tokens [first_tok, end_tok) into `pages` (page k holds tokens
-    first_tok + k*page_size ...). `salt`: offset each plane's pattern by `plane_salt`."""
-    reg = spec.regions[reg_i]
-    ps = spec.page_size_tokens
-    n_pages = -(-(end_tok - first_tok) // ps)
-    t = np.arange(first_tok, first_tok + n_pages * ps)
-    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
-        data = pattern(t, pl.bytes_per_token, layer, reg_i,
-                       seed + (plane_salt(pl.name) if salt else 0))
-        view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
-        view[pages[:n_pages]] = data.reshape(n_pages, ps * pl.bytes_per_token)
-
-
-def check_tokens(buf: np.ndarray, spec: Any, reg_i: int, layer: int, pages: np.ndarray,
-                 first_tok: int, end_tok: int, seed: int, *, salt: bool = False) -> int:
-    """How many bytes of tokens [first_tok, end_tok) differ from the pattern."""
-    reg = spec.regions[reg_i]
-    ps = spec.page_size_tokens
-    n_pages = -(-(end_tok - first_tok) // ps)
-    t = np.arange(first_tok, first_tok + n_pages * ps)
-    valid = (t < end_tok).reshape(n_pages, ps)
-    bad = 0
-    for off, pl in zip(reg.plane_offsets(), reg.planes, strict=True):
-        want = pattern(t, pl.bytes_per_token, layer, reg_i,
-                       seed + (plane_salt(pl.name) if salt else 0)).reshape(
-            n_pages, ps, pl.bytes_per_token)
-        view = _plane_view(buf, ps, reg.page_nbytes(ps), off, pl.bytes_per_token)
-        got = view[pages[:n_pages]].reshape(n_pages, ps, pl.bytes_per_token)
-        bad += int(np.count_nonzero((got != want) & valid[:, :, None]))
-    return bad
+from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 
 
 def _free(pool: Any, pages: np.ndarray, room: int) -> None:
@@ -172,7 +84,7 @@ def _buffers(spec: Any, num_pages: int, cfg: dict[str, Any]) -> Any:
     """The KV buffers: CPU torch tensors, or numpy arrays with ``"numpy_buffers": true`` (the
     agent takes both; numpy spares the process the torch import, for many-rank tests); numpy
     views of a kvhandoff shared segment with ``"shared_buffers": true`` (the shm map lane)."""
-    from kvhandoff.transfer import allocate
+    from kvhandoff.buffers.bufferset import allocate
 
     if cfg.get("shared_buffers"):
         from kvhandoff.buffers.shared import allocate_shared
@@ -192,7 +104,7 @@ def _settings(cfg: dict[str, Any]) -> Any:
 
 
 def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
-    from kvhandoff.transfer import PagePool
+    from kvhandoff.buffers.pool import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)
@@ -207,9 +119,9 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
     with _agent("prefill", spec, bufs, settings, cfg, agent_kw) as agent:
         _emit("ready", address=agent.address, generation=agent.generation,
               status=agent.status())
-        if agent._registration is not None:
-            agent._registration.registered.wait(settings.bootstrap_timeout_s)
-            _emit("registered", ok=agent._registration.registered.is_set())
+        registered = agent.wait_registered(settings.bootstrap_timeout_s)
+        if registered is not None:
+            _emit("registered", ok=registered)
         senders = []
         for r in rooms:
             pages = pool.alloc(-(-r["seq_len"] // ps))
@@ -260,10 +172,10 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
 
 
 def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> int:
+    from kvhandoff.buffers.pool import PagePool
     from kvhandoff.errors import KVHandoffError
     from kvhandoff.kv_layout import SendFrom, page_aligned
     from kvhandoff.state_machine import KVPoll
-    from kvhandoff.transfer import PagePool
 
     spec = _layout(cfg)
     settings = _settings(cfg)
@@ -336,102 +248,6 @@ def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> i
     return 0
 
 
-@dataclass
-class SimProcess:
-    """A running `python -m kvhandoff.sim` process and its events."""
-
-    role: str
-    proc: subprocess.Popen[str]
-    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    stderr_tail: list[str] = field(default_factory=list)
-
-    def expect(self, kind: str, timeout: float, **match: Any) -> dict[str, Any]:
-        """The next event of `kind` (matching `match`), waiting at most `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        for ev in self.seen:
-            if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
-                self.seen.remove(ev)
-                return ev
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.role}: no {kind!r} event within {timeout}s; stderr: "
-                                   + "".join(self.stderr_tail[-20:]))
-            try:
-                ev = self.events.get(timeout=left)
-            except queue.Empty:
-                continue
-            if ev["event"] == "eof":
-                raise RuntimeError(f"{self.role} exited (rc={self.proc.poll()}) before {kind!r}; "
-                                   "stderr: " + "".join(self.stderr_tail[-20:]))
-            if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
-                return ev
-            self.seen.append(ev)
-
-    def all_events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.seen if e["event"] == kind]
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def close(self, timeout: float = 10) -> int:
-        """Ends the process (closing stdin first, then SIGTERM, then SIGKILL)."""
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(3)
-
-    def __enter__(self) -> SimProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.close()
-
-
-def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None,
-          module: str = "kvhandoff.sim") -> SimProcess:
-    """Starts `python -m <module> role cfg` (this module, or a wrapper of it that takes the
-    same arguments) and a thread reading its events."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, role, json.dumps(cfg)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})}, start_new_session=True)
-    sp = SimProcess(role=role, proc=proc)
-
-    def read_out() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                sp.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                sp.stderr_tail.append("stdout: " + line)
-        sp.events.put({"event": "eof"})
-
-    def read_err() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            sp.stderr_tail.append(line)
-            del sp.stderr_tail[:-200]
-
-    threading.Thread(target=read_out, daemon=True).start()
-    threading.Thread(target=read_err, daemon=True).start()
-    return sp
-
-
 def main(argv: list[str] | None = None,
          agent_kw: Callable[[], dict[str, Any]] | None = None) -> int:
     """Runs one side; `agent_kw()` (called once) adds keyword arguments to its agent."""
@@ -450,7 +266,3 @@ def main(argv: list[str] | None = None,
     except Exception as e:  # report, then fail loudly
         _emit("error", error=f"{type(e).__name__}: {e}")
         raise
-
-
-if __name__ == "__main__":
-    sys.exit(main())
