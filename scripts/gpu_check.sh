@@ -92,7 +92,7 @@ done
 
 if [[ "$DEV" == cpu ]]; then
   say "== 3-4. skipped on the cpu dry run: bench/demo --device need CUDA (their CPU path is"
-  say "   tested in tests/unit/transfer/test_gpu_cpu_cli.py)"
+  say "   tested in tests/unit/gpu/test_gpu_cpu_cli.py)"
 else
   say "== 3. kvhandoff bench --device $DEV (cap 90 s)"
   timeout 90 "$PY" -m kvhandoff.cli bench --device "$DEV" --context 4096 --prefix 1024 \

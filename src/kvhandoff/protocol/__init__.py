@@ -11,5 +11,5 @@ legs: machine, phase, fence), `handshake` a peer's record and the Hello checks, 
 the checksum policy, `admission` a request's admission, `planning` the span plans,
 `failures` the mapping to typed failures. Nothing under this folder imports zmq, a
 transport, threading or a clock (a test reads every module of the folder to hold that). It
-may import `buffers`; `buffers` never imports it (`tests/unit/transfer/test_layers.py`).
+may import `buffers`; `buffers` never imports it (`tests/unit/buffers/test_layers.py`).
 """

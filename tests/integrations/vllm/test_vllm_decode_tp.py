@@ -93,7 +93,7 @@ def test_prefill_ranks_serve_every_decode_rank(bootstrap: str, tmp_path: Path,
     heads_p, heads_d = env.NUM_KV_HEADS // p_tp, env.NUM_KV_HEADS // d_tp
     try:
         for pre, _ in pres:
-            assert pre.agent._registration.registered.wait(DONE_S)
+            assert pre.agent.wait_registered(DONE_S)
         room = room_of(env.ENGINE_P, "p1")
         with BootstrapClient(bootstrap) as c:
             c.bind_room(room, env.ENGINE_P, 0)
@@ -154,7 +154,7 @@ def test_declined_room_is_aborted_at_the_prefill(bootstrap: str, tmp_path: Path,
     decs = [worker(mdir, "kv_consumer", {}, tp_rank=r, tp_size=2, monkeypatch=monkeypatch)
             for r in range(2)]
     try:
-        assert pre.agent._registration.registered.wait(DONE_S)
+        assert pre.agent.wait_registered(DONE_S)
         room = room_of(env.ENGINE_P, "p2")
         with BootstrapClient(bootstrap) as c:
             c.bind_room(room, env.ENGINE_P, 0)

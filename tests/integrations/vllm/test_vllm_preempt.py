@@ -66,7 +66,7 @@ def test_preempted_prefill_resends_from_its_new_blocks(bootstrap: str, tmp_path:
     pre, pviews = worker(mdir, "kv_producer", {"bootstrap_url": bootstrap})
     dec, dviews = worker(mdir, "kv_consumer", {"layer_timeout_s": DONE_S})
     try:
-        assert pre.agent._registration.registered.wait(DONE_S)
+        assert pre.agent.wait_registered(DONE_S)
         room = room_of(env.ENGINE_P, "p1")
         with BootstrapClient(bootstrap) as c:
             c.bind_room(room, env.ENGINE_P, 0)

@@ -72,7 +72,7 @@ def handoffs(bootstrap: str, tmp_path: Path) -> dict[str, Any]:
     dcfg = env.vllm_config(mdir, role="kv_consumer", engine_id=env.ENGINE_D)
     dkcc = env.kv_cache_config(dcfg)
     try:
-        assert pre.agent._registration.registered.wait(DONE_S)
+        assert pre.agent.wait_registered(DONE_S)
         room_a, room_b = room_of(env.ENGINE_P, "a"), room_of(env.ENGINE_P, "b")
         with BootstrapClient(bootstrap) as c:
             c.bind_room(room_a, env.ENGINE_P, 0)

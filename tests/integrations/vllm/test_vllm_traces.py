@@ -73,7 +73,7 @@ def test_room_spans_carry_vllms_request_ids(bootstrap: str, tmp_path: Path) -> N
     traced(pre, p_spans)
     traced(dec, d_spans)
     try:
-        assert pre.agent._registration.registered.wait(DONE_S)
+        assert pre.agent.wait_registered(DONE_S)
         # the prefill engine: vLLM schedules the request's prompt, the worker sends it
         ps = scheduler(mdir, "kv_producer", extra={"bootstrap_url": bootstrap})
         ps.add_request(request(P_RID, {"do_remote_decode": True}))

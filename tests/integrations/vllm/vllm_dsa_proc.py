@@ -41,7 +41,7 @@ def main() -> None:
     views = dsa.allocate(cfg, kcc)
     conn = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
     conn.register_kv_caches(views)
-    ok = conn.agent._registration.registered.wait(60)
+    ok = conn.agent.wait_registered(60)
     say(event="registered", ok=ok, agent=conn.agent.address,
         regions=sorted(r.name for r in conn.layout.layout.regions),
         packed=bool(conn.layout.layout.rows))

@@ -59,7 +59,7 @@ def main() -> None:
     views = env.allocate(cfg, kcc)
     conn = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
     conn.register_kv_caches(views)
-    ok = conn.agent._registration.registered.wait(60)
+    ok = conn.agent.wait_registered(60)
     say(event="registered", ok=ok, agent=conn.agent.address)
 
     all_rids: set[str] = set()

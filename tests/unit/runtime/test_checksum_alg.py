@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from protocol.test_session_memory import bad_bytes, kinds, layers, layout, open_room, settings
 
 from kvhandoff.buffers.bufferset import DeviceBytes
 from kvhandoff.buffers.checksum import span_checksum
@@ -37,7 +38,6 @@ from kvhandoff.transports.inproc import InprocTransport
 
 from .conftest import Pair
 from .test_agent_inproc import PREFIX, SEQ, finish, run_layers
-from .test_session_memory import bad_bytes, kinds, layers, layout, open_room, settings
 
 
 class AlgWire(MemoryWire):
