@@ -18,7 +18,7 @@ from test_one_sided import WRITERS
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import SpanPlan, plan_of
 from kvhandoff.transports import OneSidedTransport
-from kvhandoff.transports.base import WriteResult, _split_writes
+from kvhandoff.transports.base import OnWritten, WriteResult, _post_in_groups, _split_writes
 
 
 class WrittenMany:
@@ -165,3 +165,30 @@ def test_a_write_job_is_refused_naming_the_bad_write(two: Two) -> None:
     w = WrittenMany()  # its tag is free
     two.writer.post_writes("b", [(11, "kv", "kv", PLAN_A)], w)
     assert w.wait() == (None, (None,))
+
+
+def test_a_job_posted_in_groups_completes_once_with_its_results_in_write_order() -> None:
+    """`_post_in_groups` (no transport: the groups complete here, out of order): the digests
+    come back in write order; the landed sums only where every group's result carried them;
+    the first error wins and the job has no digests. `WriteResult.writes` hands a caller its
+    slice of a job's result."""
+    pending: dict[int, OnWritten] = {}
+
+    def post(idx: Any, done: OnWritten) -> None:
+        pending[idx[0]] = done
+
+    for with_landed in (True, False):
+        w = WrittenMany()
+        _post_in_groups(post, [[0, 2], [1]], w)
+        pending[1](WriteResult(None, (11,), (111,) if with_landed else ()))
+        assert not w.event.is_set()  # one group of two still out
+        pending[0](WriteResult(None, (10, 12), (110, 112)))
+        r = w.result()
+        assert r == WriteResult(None, (10, 11, 12), (110, 111, 112) if with_landed else ())
+        assert r.writes(1, 3) == WriteResult(None, (11, 12), (111, 112) if with_landed else ())
+    w = WrittenMany()
+    _post_in_groups(post, [[0], [1]], w)
+    pending[0](WriteResult(None, (10,), (110,)))
+    failed = TransportError("peer gone")
+    pending[1](WriteResult(failed))
+    assert w.result() == WriteResult(failed) and w.result().writes(0, 1) == WriteResult(failed)
