@@ -160,7 +160,7 @@ def test_bench_shm_both_lanes(tmp_path: Path, pool: str) -> None:
     p, r = _run(tmp_path, "--transport", "shm", pool, "--cases", "memcpy,raw,handoff_full")
     lane = "shm/map" if pool == "--shm-pool" else "shm/cma"
     assert r["lanes"]["raw"] == {"kind": "shm", "lanes": [lane], "degraded": False,
-                                 "one_sided": True}  # raw is one post_write, as the agents
+                                 "one_sided": True}  # raw is one post_writes job, as the agents
     assert r["lanes"]["handoff"]["full"]["lanes"] == [lane]
     assert r["verified"] == {"memcpy": True, "raw": True, "handoff_full": True}
     assert r["ratios"]["handoff_full_over_memcpy"] > 0

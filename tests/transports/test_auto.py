@@ -184,7 +184,7 @@ def test_one_sided_write_same_host_in_process() -> None:
         s = random_spans(rng, BUF // 3, BUF, 4 * CHUNK)
         d = random_spans(rng, BUF // 3, BUF, 4 * CHUNK)
         w = Written()
-        p.a.post_write("b", 4, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
+        p.a.post_writes("b", [(4, "kv", "kv", pair_spans(*s, *d))], w, checksum=True)
         err, digest = w.wait()
         assert err is None
         assert digest == xxhash.xxh3_64(stream(p.src, *s).data).intdigest()
@@ -246,8 +246,8 @@ def test_bad_addresses_and_unknown_peers_are_clear_errors() -> None:
             (lambda: a.post_recv("x", 1, "kv", one * 0, one, Done()), "post_recv"),
             (lambda: a.register_remote("x", "kv", b"\x90"), "register_remote"),
             (lambda: a.can_write("x"), "can_write"),
-            (lambda: a.post_write("x", 1, "kv", "kv", pair_spans(one * 0, one, one * 0, one),
-                                  Written()),
+            (lambda: a.post_writes("x", [(1, "kv", "kv",
+                                          pair_spans(one * 0, one, one * 0, one))], Written()),
              "post_writes")]  # a post_writes job of one write
         for call, what in calls:
             with pytest.raises(TransportError, match=f"{what}: peer 'x' is not connected"):
@@ -366,7 +366,7 @@ def test_two_processes_one_sided_writes_through_auto() -> None:
             s = random_spans(rng, total, BUF, 4 * CHUNK)
             d = random_spans(rng, total, BUF, 4 * CHUNK)
             w = Written()
-            tr.post_write("peer", tag, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
+            tr.post_writes("peer", [(tag, "kv", "kv", pair_spans(*s, *d))], w, checksum=True)
             err, digest = w.wait()
             assert err is None
             want = xxhash.xxh3_64(stream(mine, *s).data)
@@ -435,7 +435,7 @@ def test_cross_host_nixl_route_writes_one_sided() -> None:
         s = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
         d = random_spans(rng, BUF // 4, BUF, 4 * CHUNK)
         w = Written()
-        a.post_write("b", 8, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
+        a.post_writes("b", [(8, "kv", "kv", pair_spans(*s, *d))], w, checksum=True)
         err, digest = w.wait()
         assert err is None
         assert digest == xxhash.xxh3_64(stream(src, *s).data).intdigest()

@@ -1,11 +1,11 @@
 """The writer's verification fused into shm's copy: on the map lane a checksummed write job
-hashes each destination piece right after copying it and completes with a `WriteSums` (the
-source sums, and a landed sum per write); the fault seam (`post_writes_tampered`) flips a byte
-inside the copy, before its landed hash. Every copy path (piece by piece from Python, with or
-without the native helper; both hashes fused in C, every region of a job in one call) gives the
-same sums. The oracle is
-xxh3 of the peer's buffer as numpy reads it, never the transport's own read-back. Real
-transports, real lanes (as test_write_jobs.py)."""
+hashes each destination piece right after copying it and completes with the source sums and a
+landed sum per write (`WriteResult.landed`); the fault seam (`testing.faults.
+post_writes_tampered`) flips a byte inside the copy, before its landed hash. Every copy path
+(piece by piece from Python, with or without the native helper; both hashes fused in C, every
+region of a job in one call) gives the same sums. The oracle is xxh3 of the peer's buffer as
+numpy reads it, never the transport's own read-back. Real transports, real lanes (as
+test_write_jobs.py)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ from kvhandoff.protocol.effects import PostWrite, WritePart
 from kvhandoff.protocol.wire import data_tag
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.settings import Settings
-from kvhandoff.testing.faults import Corrupt, FaultyTransport
+from kvhandoff.testing.faults import Corrupt, FaultyTransport, post_writes_tampered
 from kvhandoff.transports import OneSidedTransport, load_transport
-from kvhandoff.transports.base import WriteSums, landed_sums
 from kvhandoff.transports.shm import copy as shm_copy
 from kvhandoff.transports.shm import native as shm_native
 
@@ -85,18 +84,17 @@ def test_a_map_lane_job_completes_with_the_landed_sums_of_what_the_peer_holds(
         two: Two, helper: str) -> None:
     """Each write's landed sum is the xxh3 of the peer's destination pieces as numpy reads
     them afterwards, and (nothing corrupted) equal to its source sum, on every copy path; the
-    cma lane reads nothing back (a plain tuple: the decode verifies)."""
+    cma lane reads nothing back (no landed sums: the decode verifies)."""
     w = WrittenMany()
     two.writer.post_writes("b", WRITES, w, checksum=True)
-    err, digests = w.wait()
-    assert err is None
+    r = w.result()
+    assert r.error is None
     want = [sums(s, d, plan) for (s, d), (_, _, _, plan) in zip(bufs(two), WRITES, strict=True)]
-    assert tuple(digests) == tuple(src for src, _ in want)
+    assert r.digests == tuple(src for src, _ in want)
     if lane(two) == "shm/cma":
-        assert not isinstance(digests, WriteSums) and landed_sums(digests) == ()
+        assert r.landed == ()
         return
-    assert isinstance(digests, WriteSums)
-    assert digests.landed == tuple(dst for _, dst in want) == tuple(digests)
+    assert r.landed == tuple(dst for _, dst in want) == r.digests
 
 
 def test_an_in_copy_flip_is_in_the_peers_memory_and_in_the_landed_sum(two: Two,
@@ -105,9 +103,9 @@ def test_an_in_copy_flip_is_in_the_peers_memory_and_in_the_landed_sum(two: Two,
     flipped byte (every other byte is the source's), the source sum is of the true bytes and,
     on the map lane, the landed sum is of what the peer holds, so the two differ."""
     w = WrittenMany()
-    assert two.writer.post_writes_tampered("b", WRITES, w, {1: 0}, checksum=True)  # type: ignore[attr-defined]
-    err, digests = w.wait()
-    assert err is None
+    assert post_writes_tampered(two.writer, "b", WRITES, w, {1: 0}, checksum=True)
+    r = w.result()
+    assert r.error is None
     at_src, at_dst = int(PLAN_B.src_offsets[0]), int(PLAN_B.dst_offsets[0])
     assert two.dst2[at_dst] == two.src2[at_src] ^ 0xFF
     two.dst2[at_dst] ^= 0xFF  # put it back: then the rest must be the source's
@@ -116,11 +114,11 @@ def test_an_in_copy_flip_is_in_the_peers_memory_and_in_the_landed_sum(two: Two,
     two.dst2[at_dst] ^= 0xFF
     (src_a, dst_a), (src_b, dst_b) = (sums(s, d, plan) for (s, d), (_, _, _, plan)
                                       in zip(bufs(two), WRITES, strict=True))
-    assert tuple(digests) == (src_a, src_b)
+    assert r.digests == (src_a, src_b)
     if lane(two) == "shm/cma":
-        assert landed_sums(digests) == ()
+        assert r.landed == ()
         return
-    assert landed_sums(digests) == (dst_a, dst_b) and dst_a == src_a and dst_b != src_b
+    assert r.landed == (dst_a, dst_b) and dst_a == src_a and dst_b != src_b
 
 
 def test_only_a_tampered_job_leaves_the_fused_native_path(monkeypatch: pytest.MonkeyPatch
@@ -142,10 +140,10 @@ def test_only_a_tampered_job_leaves_the_fused_native_path(monkeypatch: pytest.Mo
         plain, tampered = WrittenMany(), WrittenMany()
         t.writer.post_writes("b", WRITES, plain, checksum=True)
         assert plain.wait()[0] is None and len(native_parts) == 1  # a small job: one part
-        t.writer.post_writes_tampered("b", WRITES, tampered, {0: 0}, checksum=True)  # type: ignore[attr-defined]
+        post_writes_tampered(t.writer, "b", WRITES, tampered, {0: 0}, checksum=True)
         assert tampered.wait()[0] is None and len(native_parts) == 1
-        assert tuple(tampered.wait()[1]) == tuple(plain.wait()[1])
-        assert landed_sums(tampered.wait()[1])[0] != plain.wait()[1][0]
+        assert tampered.wait()[1] == plain.wait()[1]
+        assert tampered.result().landed[0] != plain.wait()[1][0]
     finally:
         t.p.close()
 
@@ -173,7 +171,7 @@ def test_the_hasher_posts_the_copys_landed_sums_without_a_read_back(
         fused, done = h.write_plan(eff)
         assert fused
         if flip:
-            assert two.writer.post_writes_tampered("b", WRITES, done, {0: 0}, checksum=True)  # type: ignore[attr-defined]
+            assert post_writes_tampered(two.writer, "b", WRITES, done, {0: 0}, checksum=True)
         else:
             two.writer.post_writes("b", WRITES, done, checksum=True)
         written = posted.get(timeout=WAIT_S)
@@ -219,11 +217,11 @@ def test_the_fault_wrapper_flips_inside_the_copy_directly_or_through_auto(kind: 
         for attempt in range(2):
             w = WrittenMany()
             faulty.post_writes("b", writes, w, checksum=True)
-            err, digests = w.wait()
-            assert err is None and "shm/map" in faulty.status().lanes
+            r = w.result()
+            assert r.error is None and "shm/map" in faulty.status().lanes
             want = [sums(src[n], dst[n], plan) for _, n, _, plan in writes]
-            assert tuple(digests) == tuple(s for s, _ in want)
-            assert landed_sums(digests) == tuple(d for _, d in want)
+            assert r.digests == tuple(s for s, _ in want)
+            assert r.landed == tuple(d for _, d in want)
             flipped = want[1][0] != want[1][1]
             assert flipped is (attempt == 0) and want[0][0] == want[0][1]
         assert len(faulty.log.corrupted) == 1
@@ -257,12 +255,12 @@ def test_a_job_of_many_regions_gives_each_region_its_own_sums(helper: str, piece
         assert at <= BUF
         w = WrittenMany()
         t.writer.post_writes("b", writes, w, checksum=True)
-        err, digests = w.wait()
-        assert err is None
+        r = w.result()
+        assert r.error is None
         pairs = {"kv": (t.p.src, t.p.dst), "kv2": (t.src2, t.dst2)}
         want = [sums(*pairs[name], plan) for _, name, _, plan in writes]
-        assert tuple(digests) == tuple(src for src, _ in want)
-        assert landed_sums(digests) == tuple(dst for _, dst in want) == tuple(digests)
+        assert r.digests == tuple(src for src, _ in want)
+        assert r.landed == tuple(dst for _, dst in want) == r.digests
     finally:
         t.p.close()
 

@@ -113,7 +113,7 @@ def test_write_into_another_process_byte_exact(writer: Any) -> None:
             s = random_spans(rng, total, BUF, 256 << 10)
             d = random_spans(rng, total, BUF, 256 << 10)
             w = Written()
-            writer.post_write("peer", tag, "kv", "in", pair_spans(*s, *d), w, checksum=True)
+            writer.post_writes("peer", [(tag, "kv", "in", pair_spans(*s, *d))], w, checksum=True)
             err, digest = w.wait()
             want = xxhash.xxh3_64(stream(src, *s).data)
             assert err is None and digest == want.intdigest()
@@ -133,16 +133,14 @@ def test_cancel_in_flight_nothing_lands_after_return(writer: Any) -> None:
         pages = np.arange(0, n, 4096, dtype=np.int64)  # many descriptors: a longer write
         sizes = np.full(pages.size, 4096, np.int64)
         w = Written()
-        writer.post_write("peer", 7, "kv", "in",
-                          pair_spans(pages, sizes, pages[::-1].copy(), sizes), w)
+        writer.post_writes("peer", [(7, "kv", "in",
+                                     pair_spans(pages, sizes, pages[::-1].copy(), sizes))], w)
         writer.cancel("peer", 7)
         whole = (np.array([0]), np.array([n]))
         after_cancel = peer.digest(*whole)
         err, _ = w.wait()
         marker = Written()  # the link still works, and nothing of tag 7 arrived meanwhile
-        writer.post_write("peer", 8, "kv", "in",
-                          plan_of([0], [n], [4096]),
-                          marker)
+        writer.post_writes("peer", [(8, "kv", "in", plan_of([0], [n], [4096]))], marker)
         assert marker.wait() == (None, None)
         assert peer.digest(np.array([n]), np.array([4096])) == \
             xxhash.xxh3_64(src[:4096].data).hexdigest()
@@ -163,23 +161,17 @@ def test_killed_peer_fails_the_write_never_hangs(writer: Any) -> None:
     writer.register("kv", src)
     peer = NixlPeer(writer, BUF)
     warm = Written()
-    writer.post_write("peer", 1, "kv", "in",
-                      plan_of([0], [0], [BUF]),
-                      warm)
+    writer.post_writes("peer", [(1, "kv", "in", plan_of([0], [0], [BUF]))], warm)
     assert warm.wait() == (None, None)
     peer.proc.send_signal(signal.SIGKILL)
     assert peer.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     w = Written()
-    writer.post_write("peer", 2, "kv", "in",
-                      plan_of([0], [0], [BUF]), w,
-                      checksum=True)
+    writer.post_writes("peer", [(2, "kv", "in", plan_of([0], [0], [BUF]))], w, checksum=True)
     err, digest = w.wait()  # bounded: an error, not a hang
     assert isinstance(err, TransportError) and digest is None, err
     writer.disconnect("peer")
     with pytest.raises(TransportError, match="not connected"):
-        writer.post_write("peer", 3, "kv", "in",
-                          plan_of([0], [0], [1]),
-                          Written())
+        writer.post_writes("peer", [(3, "kv", "in", plan_of([0], [0], [1]))], Written())
 
 
 def test_missing_nixl_names_the_extra_to_install() -> None:

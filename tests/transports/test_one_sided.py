@@ -32,22 +32,24 @@ from test_conformance import (  # the shared harness (tests/transports is on sys
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import pair_spans, plan_of
 from kvhandoff.settings import Settings
-from kvhandoff.transports import OneSidedTransport, load_transport
+from kvhandoff.transports import OneSidedTransport, WriteResult, load_transport
 
 WRITERS = [k for k in KINDS if base_kind(k) in ("shm", "nixl")]
 OTHERS = [k for k in KINDS if base_kind(k) not in ("shm", "nixl")]
 
 
 class Written:
-    """An OnWritten callback: records (error, digest) and the order of completions."""
+    """The OnWritten callback of a job of one write: records (error, digest) and the order of
+    completions."""
 
     def __init__(self, log: list[str] | None = None, name: str = "") -> None:
         self.event = threading.Event()
         self.results: list[tuple[BaseException | None, int | None]] = []
         self.log, self.name = log, name
 
-    def __call__(self, exc: BaseException | None, digest: int | None) -> None:
-        self.results.append((exc, digest))
+    def __call__(self, result: WriteResult) -> None:
+        assert isinstance(result, WriteResult) and len(result.digests) in (0, 1), result
+        self.results.append((result.error, result.digests[0] if result.digests else None))
         if self.log is not None:
             self.log.append(self.name)
         self.event.set()
@@ -68,7 +70,7 @@ def wpair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 
 def test_write_without_checksum_has_no_digest(wpair: Pair) -> None:
     w = Written()
-    wpair.a.post_write("b", 1, "kv", "kv", plan_of([0], [0], [BUF]), w)
+    wpair.a.post_writes("b", [(1, "kv", "kv", plan_of([0], [0], [BUF]))], w)
     assert w.wait() == (None, None)
     assert np.array_equal(wpair.dst, wpair.src)
 
@@ -80,7 +82,7 @@ def test_concurrent_writes_each_complete_once(wpair: Pair) -> None:
     for i in range(8):
         w = Written(order, f"w{i}")
         writes.append(w)
-        wpair.a.post_write("b", 100 + i, "kv", "kv", plan_of([i * n], [(7 - i) * n], [n]), w)
+        wpair.a.post_writes("b", [(100 + i, "kv", "kv", plan_of([i * n], [(7 - i) * n], [n]))], w)
     for i, w in enumerate(writes):
         assert w.wait() == (None, None), i
         assert w.results == [(None, None)], i
@@ -91,7 +93,7 @@ def test_concurrent_writes_each_complete_once(wpair: Pair) -> None:
 def test_cancel_write_nothing_written_after_return(wpair: Pair) -> None:
     n = BUF - 100
     w = Written()
-    wpair.a.post_write("b", 7, "kv", "kv", plan_of([0], [100], [n]), w)
+    wpair.a.post_writes("b", [(7, "kv", "kv", plan_of([0], [100], [n]))], w)
     wpair.a.cancel("b", 7)
     snapshot = wpair.dst.copy()
     err, _ = w.wait()
@@ -105,18 +107,18 @@ def test_cancel_write_nothing_written_after_return(wpair: Pair) -> None:
 def test_write_bad_input_names_the_field(wpair: Pair) -> None:
     a, one = wpair.a, np.array([1])
     with pytest.raises(TransportError, match="no remote buffer 'nope' of peer 'b'"):
-        a.post_write("b", 1, "kv", "nope", plan_of([0], [0], [1]), Written())
+        a.post_writes("b", [(1, "kv", "nope", plan_of([0], [0], [1]))], Written())
     with pytest.raises(TransportError, match="no buffer registered as 'nope'"):
-        a.post_write("b", 1, "nope", "kv", plan_of([0], [0], [1]), Written())
+        a.post_writes("b", [(1, "nope", "kv", plan_of([0], [0], [1]))], Written())
     with pytest.raises(TransportError, match=r"plan\.dst_offsets\[0\]=.* exceeds the remote "
                                              "buffer 'kv'"):
-        a.post_write("b", 1, "kv", "kv", plan_of([0], [BUF], [1]), Written())
+        a.post_writes("b", [(1, "kv", "kv", plan_of([0], [BUF], [1]))], Written())
     with pytest.raises(TransportError, match=r"plan\.src_offsets\[1\]=-4 is negative"):
-        a.post_write("b", 1, "kv", "kv", plan_of([0, -4], [0, 8], [1, 1]), Written())
+        a.post_writes("b", [(1, "kv", "kv", plan_of([0, -4], [0, 8], [1, 1]))], Written())
     with pytest.raises(TransportError, match="plan must be a kvhandoff.kv_layout.SpanPlan"):
-        a.post_write("b", 1, "kv", "kv", (np.array([0]), one), Written())  # type: ignore[arg-type]
+        a.post_writes("b", [(1, "kv", "kv", (np.array([0]), one))], Written())  # type: ignore[arg-type]
     with pytest.raises(TransportError, match="not connected"):
-        a.post_write("zzz", 1, "kv", "kv", plan_of([0], [0], [1]), Written())
+        a.post_writes("zzz", [(1, "kv", "kv", plan_of([0], [0], [1]))], Written())
     with pytest.raises(TransportError, match="not connected"):
         a.register_remote("zzz", "kv", wpair.b.describe("kv"))
     with pytest.raises(TransportError, match="descriptor"):
@@ -145,7 +147,7 @@ def test_transports_without_writes_are_not_one_sided(kind: str) -> None:
                         Settings(chunk_bytes=CHUNK, ucx_same_host_error_handling=False))
     try:
         assert not isinstance(tr, OneSidedTransport)
-        assert not any(hasattr(tr, m) for m in ("describe", "register_remote", "post_write"))
+        assert not any(hasattr(tr, m) for m in ("describe", "register_remote", "post_writes"))
     finally:
         tr.close()
 
@@ -184,7 +186,7 @@ def test_map_lane_copy_paths_agree(helper: str, monkeypatch: pytest.MonkeyPatch)
         s = random_spans(rng, total, BUF, 4 * CHUNK)
         d = random_spans(rng, total, BUF, 4 * CHUNK)
         w = Written()
-        p.a.post_write("b", 1, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
+        p.a.post_writes("b", [(1, "kv", "kv", pair_spans(*s, *d))], w, checksum=True)
         err, digest = w.wait()
         assert err is None and p.a.status().lanes == ("shm/map",)
         assert digest == xxhash.xxh3_64(stream(p.src, *s).data).intdigest()
@@ -211,7 +213,7 @@ def test_landed_digest_reads_back_what_the_write_left(wpair: Pair, helper: str,
     d = random_spans(rng, BUF // 2, BUF, 4 * CHUNK)
     plan = pair_spans(*s, *d)
     w = Written()
-    wpair.a.post_write("b", 1, "kv", "kv", plan, w, checksum=True)
+    wpair.a.post_writes("b", [(1, "kv", "kv", plan)], w, checksum=True)
     err, digest = w.wait()
     assert err is None
     landed = wpair.a.landed_digest("b", "kv", plan)

@@ -32,6 +32,7 @@ from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import pair_spans
 from kvhandoff.settings import Settings
 from kvhandoff.transports import load_transport
+from kvhandoff.transports.base import WriteResult
 from kvhandoff.transports.shm import copy as _shm_copy
 from kvhandoff.transports.shm.transport import ShmTransport
 from kvhandoff.transports.shm.wire import parse_descriptor
@@ -225,13 +226,13 @@ def test_shm_write_cancel_with_frozen_receiver_stops_before_return(
         results: list[BaseException | None] = []
         written = threading.Event()
 
-        def on_written(exc: BaseException | None, digest: int | None) -> None:
-            results.append(exc)
+        def on_written(result: WriteResult) -> None:
+            results.append(result.error)
             written.set()
 
-        tr.post_write("peer", 1, "kv", "in",
-                      pair_spans(off, np.full(n, piece, np.int64), np.array([0]), np.array([SIZE])),
-                      on_written)
+        tr.post_writes("peer", [(1, "kv", "in",
+                                 pair_spans(off, np.full(n, piece, np.int64), np.array([0]),
+                                            np.array([SIZE])))], on_written)
         assert started.wait(WAIT_S), "the write never started"
         tr.cancel("peer", 1)
         assert running[0] == 0, "a copy of the write still runs after cancel() returned"

@@ -29,6 +29,7 @@ from kvhandoff.kv_layout import pair_spans
 from kvhandoff.settings import Settings
 from kvhandoff.transports import load_transport
 from kvhandoff.transports.auto import AutoAddress, decode_address
+from kvhandoff.transports.base import WriteResult
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.shm.proof import PeerNotProven
 from kvhandoff.transports.shm.transport import ShmTransport
@@ -94,11 +95,11 @@ def write(tr: ShmTransport, peer: str, remote: str) -> BaseException | None:
     got: list[BaseException | None] = []
     done = threading.Event()
 
-    def on_done(exc: BaseException | None, _digest: object) -> None:
-        got.append(exc)
+    def on_done(result: WriteResult) -> None:
+        got.append(result.error)
         done.set()
 
-    tr.post_write(peer, 1, "kv", remote, plan, on_done)
+    tr.post_writes(peer, [(1, "kv", remote, plan)], on_done)
     assert done.wait(10)
     return got[0]
 

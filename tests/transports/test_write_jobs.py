@@ -1,7 +1,7 @@
 """Several one-sided writes as one job (`post_writes`: a layer's regions): one completion, a
 digest per write, the bytes of every write landed; shm copies them as one copy job, and
-`split_writes` (the default of every one-sided transport) posts them one by one under their
-own tags and still completes once. Real transports, real lanes (as test_one_sided.py)."""
+`_split_writes` (the transports' private fallback) posts them one by one under their own tags
+and still completes once. Real transports, real lanes (as test_one_sided.py)."""
 
 from __future__ import annotations
 
@@ -18,24 +18,31 @@ from test_one_sided import WRITERS
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import SpanPlan, plan_of
 from kvhandoff.transports import OneSidedTransport
-from kvhandoff.transports.base import split_writes
+from kvhandoff.transports.base import OnWritten, WriteResult, _post_in_groups, _split_writes
 
 
 class WrittenMany:
-    """An OnWrittenMany callback: records every (error, digests) it gets."""
+    """An OnWritten callback of a job: records every WriteResult it gets."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.results: list[tuple[BaseException | None, tuple[int | None, ...]]] = []
+        self.results: list[WriteResult] = []
 
-    def __call__(self, exc: BaseException | None, digests: tuple[int | None, ...]) -> None:
-        self.results.append((exc, digests))
+    def __call__(self, result: WriteResult) -> None:
+        assert isinstance(result, WriteResult), result
+        self.results.append(result)
         self.event.set()
 
-    def wait(self) -> tuple[BaseException | None, tuple[int | None, ...]]:
+    def result(self) -> WriteResult:
+        """The job's one WriteResult, once it came."""
         assert self.event.wait(WAIT_S), "on_done was not called in time"
         assert len(self.results) == 1, f"on_done called {len(self.results)} times"
         return self.results[0]
+
+    def wait(self) -> tuple[BaseException | None, tuple[int | None, ...]]:
+        """The job's (error, digests)."""
+        r = self.result()
+        return r.error, r.digests
 
 
 class Two:
@@ -116,7 +123,7 @@ def test_a_write_job_with_an_empty_region_gives_that_regions_empty_sum(two: Two)
     assert w.wait() == (None, (xxhash.xxh3_64_intdigest(b""), source_sum(two.src2, PLAN_B)))
 
 
-def test_split_writes_posts_each_write_under_its_tag_and_completes_once(two: Two) -> None:
+def test__split_writes_posts_each_write_under_its_tag_and_completes_once(two: Two) -> None:
     tags: list[int] = []
     post = two.writer.post_writes
 
@@ -127,23 +134,23 @@ def test_split_writes_posts_each_write_under_its_tag_and_completes_once(two: Two
 
     two.writer.post_writes = recorded  # type: ignore[method-assign]
     w = WrittenMany()
-    split_writes(two.writer, "b", [(11, "kv", "kv", PLAN_A), (12, "kv2", "kv2", PLAN_B)], w,
-                 checksum=True)
+    _split_writes(two.writer, "b", [(11, "kv", "kv", PLAN_A), (12, "kv2", "kv2", PLAN_B)], w,
+                  checksum=True)
     assert w.wait() == (None, (source_sum(two.p.src, PLAN_A), source_sum(two.src2, PLAN_B)))
     assert tags == [11, 12]
     assert landed(two.p.src, two.p.dst, PLAN_A) and landed(two.src2, two.dst2, PLAN_B)
 
 
-def test_split_writes_refusal_of_a_later_write_ends_the_job_once_with_it(two: Two) -> None:
+def test__split_writes_refusal_of_a_later_write_ends_the_job_once_with_it(two: Two) -> None:
     """The first write was posted: the job waits for it, then fails naming the refusal."""
     w = WrittenMany()
-    split_writes(two.writer, "b", [(11, "kv", "kv", PLAN_A), (12, "kv2", "nope", PLAN_B)], w,
-                 checksum=True)
+    _split_writes(two.writer, "b", [(11, "kv", "kv", PLAN_A), (12, "kv2", "nope", PLAN_B)], w,
+                  checksum=True)
     err, digests = w.wait()
     assert isinstance(err, TransportError) and "nope" in str(err) and digests == ()
     assert landed(two.p.src, two.p.dst, PLAN_A)  # it completed before the job did
     with pytest.raises(TransportError, match="nope"):  # nothing posted: refused at once
-        split_writes(two.writer, "b", [(13, "kv2", "nope", PLAN_B)], WrittenMany())
+        _split_writes(two.writer, "b", [(13, "kv2", "nope", PLAN_B)], WrittenMany())
 
 
 def test_a_write_job_is_refused_naming_the_bad_write(two: Two) -> None:
@@ -158,3 +165,30 @@ def test_a_write_job_is_refused_naming_the_bad_write(two: Two) -> None:
     w = WrittenMany()  # its tag is free
     two.writer.post_writes("b", [(11, "kv", "kv", PLAN_A)], w)
     assert w.wait() == (None, (None,))
+
+
+def test_a_job_posted_in_groups_completes_once_with_its_results_in_write_order() -> None:
+    """`_post_in_groups` (no transport: the groups complete here, out of order): the digests
+    come back in write order; the landed sums only where every group's result carried them;
+    the first error wins and the job has no digests. `WriteResult.writes` hands a caller its
+    slice of a job's result."""
+    pending: dict[int, OnWritten] = {}
+
+    def post(idx: Any, done: OnWritten) -> None:
+        pending[idx[0]] = done
+
+    for with_landed in (True, False):
+        w = WrittenMany()
+        _post_in_groups(post, [[0, 2], [1]], w)
+        pending[1](WriteResult(None, (11,), (111,) if with_landed else ()))
+        assert not w.event.is_set()  # one group of two still out
+        pending[0](WriteResult(None, (10, 12), (110, 112)))
+        r = w.result()
+        assert r == WriteResult(None, (10, 11, 12), (110, 111, 112) if with_landed else ())
+        assert r.writes(1, 3) == WriteResult(None, (11, 12), (111, 112) if with_landed else ())
+    w = WrittenMany()
+    _post_in_groups(post, [[0], [1]], w)
+    pending[0](WriteResult(None, (10,), (110,)))
+    failed = TransportError("peer gone")
+    pending[1](WriteResult(failed))
+    assert w.result() == WriteResult(failed) and w.result().writes(0, 1) == WriteResult(failed)

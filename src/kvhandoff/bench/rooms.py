@@ -12,7 +12,7 @@ receiver, offers its pages and waits for Success. Each room's latency runs from 
 room's stats; the same host: one clock).
 
 Baselines from the same run and the same page set (the `Bench` of that context): memcpy of
-the room's spans in one process, one `post_write` of the room's bytes on the raw transport,
+the room's spans in one process, one `post_writes` job of the room's bytes on the raw transport,
 one NIXL WRITE of every piece (when NIXL is installed), each `baseline_reps` times; and NIXL
 in rooms mode: N WRITE requests of the room's pieces with C in flight, polled as NIXL's users
 poll. The rooms run in `rounds` rounds, the order of the cases (handoff per checksum mode,

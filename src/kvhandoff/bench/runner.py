@@ -8,7 +8,7 @@ always follows another):
 - raw: this process sends the same total bytes as one contiguous buffer over the bare transport
   to a receiver process (the same transport class, settings and UCX tuning the agents use);
   where the transport has one-sided writes (shm, nixl, auto), as the agents then use, one
-  `post_write` into the receiver's buffer instead, timed until it landed.
+  `post_writes` job into the receiver's buffer instead, timed until it landed.
 - handoff_full / handoff_off: a prefill process hands the page set to a decode process through
   `TransferAgent`s (checksums on / off), every layer ready at once (`Sender.layers_ready`, as
   an engine that hands a room over after its forward): end to end from that mark to when the
@@ -48,7 +48,7 @@ import xxhash
 
 from kvhandoff.bench.pageset import PageSet, layers_of, plane_digests, rank_spec
 from kvhandoff.kv_layout import LayoutSpec, plan_of
-from kvhandoff.transports.base import OneSidedTransport
+from kvhandoff.transports.base import OneSidedTransport, WriteResult
 
 CASES = ("memcpy", "raw", "handoff_full", "handoff_off", "paced")
 OPTIONAL_CASES = ("nixl",)  # NIXL WRITE of the memcpy page set, when nixl-cu12 is installed
@@ -316,21 +316,22 @@ class Bench:
         return self.cfg.transport in ("shm", "auto") and self.cfg.shared_pool
 
     def _raw_written(self, verify: bool) -> float:
-        """raw over one-sided writes: one post_write of the whole buffer, until it landed."""
+        """raw over one-sided writes: one post_writes job of the whole buffer, until it
+        landed."""
         n = self.total_bytes
         to = self.cfg.timeout_s
         self._raw_tag += 1
         done = threading.Event()
         out: list[Any] = []
 
-        def on_written(exc: BaseException | None, _digest: int | None) -> None:
-            out.extend((time.monotonic(), exc))
+        def on_written(result: WriteResult) -> None:
+            out.extend((time.monotonic(), result.error))
             done.set()
 
         whole = plan_of([0], [0], [n])
         t0 = time.monotonic()
         assert isinstance(self.raw_tr, OneSidedTransport)  # (raw_write)
-        self.raw_tr.post_write("child", self._raw_tag, "raw", "raw", whole, on_written)
+        self.raw_tr.post_writes("child", [(self._raw_tag, "raw", "raw", whole)], on_written)
         if not done.wait(to) or out[1] is not None:
             raise RuntimeError(f"raw transport: write {out[1:] or 'timed out'}")
         if verify:

@@ -82,7 +82,7 @@ def _print_summary(r: dict[str, Any], con: Any) -> None:
     lanes = r.get("lanes", {})
     for name, st in lanes.items():
         if name == "raw":
-            how = " (one post_write, as the agents write)" if st.get("one_sided") else ""
+            how = " (one post_writes job, as the agents write)" if st.get("one_sided") else ""
             con.print(f"raw lanes: {', '.join(st['lanes'])}{how}")
         elif name == "ucx_build":
             con.print(f"UCX build: {st}")

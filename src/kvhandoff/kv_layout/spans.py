@@ -24,7 +24,7 @@ Rules:
   filled last page goes whole, whatever the kernel keeps inside it).
 - Vectorised numpy: no Python loop per page or per token.
 - A `SpanPlan` is THE paired form of spans everywhere: built once (`build_spans` per region and
-  layer), handed as is through the session's effects to a transport's `post_write`, whose copy
+  layer), handed as is through the session's effects to a transport's `post_writes`, whose copy
   engines take its arrays as their pieces. The only other way to pair is `pair_spans`: two span
   lists of one stream that two processes cut on their own (the two sides of a two-sided
   transfer). `cut_plan` cuts a plan at a transport's chunk grid.

@@ -30,7 +30,7 @@ from kvhandoff.errors import KVHandoffError, TransportError
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import PostWrite
 from kvhandoff.runtime.hashing import Hasher
-from kvhandoff.transports.base import OneSidedTransport, Transport, WriteSums, landed_sums
+from kvhandoff.transports.base import OneSidedTransport, Transport, WriteResult
 
 # One-sided writes of one room in a pass leave as one transport job while the job stays within
 # this many bytes; a larger write leaves alone, so a long prompt's layers still land (and are
@@ -124,22 +124,21 @@ class PassBatch:
         if collect is None:
             written = plans[0][2]
         else:
-            def written(exc: BaseException | None, digests: tuple[int | None, ...]) -> None:
+            def written(result: WriteResult) -> None:
                 assert collect is not None
-                landed, at = landed_sums(digests), 0
+                at = 0
                 for eff, _, done in plans:
                     n = len(eff.parts)
-                    mine = tuple(digests[at:at + n])
-                    done(exc, WriteSums(mine, landed[at:at + n]) if landed else mine)
+                    done(result.writes(at, at + n))
                     at += n
                 collect.flush()  # the ops' Written events as one Batch
         tr = self._transport
         try:
             if not isinstance(tr, OneSidedTransport):
-                raise TransportError(f"post_write: the {tr.kind} transport has no "
+                raise TransportError(f"post_writes: the {tr.kind} transport has no "
                                      "one-sided writes")
             # a layer's regions (or several layers') as one job (a transport that cannot
-            # splits it: base.split_writes)
+            # splits it)
             tr.post_writes(effs[0].peer, [(x.tag, x.buffer, x.buffer, x.plan)
                                           for eff in effs for x in eff.parts],
                            written, checksum=fused)

@@ -10,8 +10,8 @@ The session asks for sums in two ways, and both end here:
   write goes out unhashed and its source spans are hashed here once it landed (the source does
   not change while its room is open), before `events.Written` is posted. Where the transport
   reads the peer's memory as it writes (shm's mapped lane: each destination piece hashed
-  right after its copy, in cache), the job's completion carries those sums
-  (`transports.base.WriteSums`) and `Written` carries them on as `landed`: the writer's
+  right after its copy, in cache), the job's `WriteResult` carries those sums (`landed`)
+  and `Written` carries them on as `landed`: the writer's
   verification, which spares the decode its pass over the landed bytes. A completion without
   them (a job split across lanes, another transport) is read back here instead
   (`landed_digest`: a second pass, None where the transport cannot read the peer's memory).
@@ -30,7 +30,7 @@ from kvhandoff.buffers.bufferset import view_memory
 from kvhandoff.buffers.devsum import room_checksum
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import HashSpans, PostWrite
-from kvhandoff.transports.base import OneSidedTransport, OnWrittenMany, Transport, landed_sums
+from kvhandoff.transports.base import OneSidedTransport, OnWritten, Transport, WriteResult
 
 HASH_WORKERS = 2
 
@@ -71,7 +71,7 @@ class Hasher:
     # ------------------------------------------------------------------ one-sided writes
 
     def write_plan(self, eff: PostWrite, post: Callable[[ev.Event], None] | None = None
-                   ) -> tuple[bool, OnWrittenMany]:
+                   ) -> tuple[bool, OnWritten]:
         """(control thread) How to post `eff`: whether the transport hashes it while copying
         (`checksum=` of `post_writes`), and the completion to give it, which posts `Written`
         with one digest of the room's algorithm per part (through `post` when given: the
@@ -80,14 +80,14 @@ class Hasher:
         fused = eff.checksum and all(self.write_digest_alg(x.buffer) == eff.alg
                                      for x in eff.parts)
         if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
-            return True, lambda exc, digests: self._written_verified(eff, exc, digests, to)
+            return True, lambda r: self._written_verified(eff, r, to)
         if fused or not eff.checksum:
-            return fused, lambda exc, digests: to(
-                ev.Written(eff.op, None if exc is None else str(exc), digests))
-        return False, lambda exc, _digests: self._written_then_hash(eff, exc, to)
+            return fused, lambda r: to(
+                ev.Written(eff.op, None if r.error is None else str(r.error), r.digests))
+        return False, lambda r: self._written_then_hash(eff, r.error, to)
 
     def write_digest_alg(self, name: str) -> str | None:
-        """The algorithm of the digest `transport.post_write(checksum=True)` gives for buffer
+        """The algorithm of the digest `transport.post_writes(checksum=True)` gives for buffer
         `name`: what the transport says (`write_digest_alg`, shm: xxh3 of host buffers,
         devsum of CUDA ones), else xxh3 for host buffers (every transport's fused hash) and
         None (none it can give) for device buffers."""
@@ -98,18 +98,17 @@ class Hasher:
         buf = self._buffers.get(name)
         return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
 
-    def _written_verified(self, eff: PostWrite, exc: BaseException | None,
-                          digests: tuple[int | None, ...],
+    def _written_verified(self, eff: PostWrite, result: WriteResult,
                           post: Callable[[ev.Event], None]) -> None:
         """(the write's completion thread: shm's copy thread, or its poster) A hashed write
         job of host memory ended: `Written` carries each part's landed sum, the one the copy
-        computed (`WriteSums`: shm's map lane) or else one read back now where the transport
-        can read the peer's memory (the decode compares them: the writer's verification; a
+        computed (`WriteResult.landed`: shm's map lane) or else one read back now where the
+        transport can read the peer's memory (the decode compares them: the writer's verification; a
         part whose `landed` is None the decode hashes itself)."""
-        if exc is not None:
-            post(ev.Written(eff.op, str(exc)))
+        if result.error is not None:
+            post(ev.Written(eff.op, str(result.error)))
             return
-        landed = landed_sums(digests)
+        landed = result.landed
         if not landed:
             assert isinstance(self._transport, OneSidedTransport)
             try:
@@ -118,8 +117,7 @@ class Hasher:
             except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
                 post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
                 return
-        digests = tuple(digests)  # the event holds a plain tuple
-        post(ev.Written(eff.op, None, digests,
+        post(ev.Written(eff.op, None, result.digests,
                         landed if any(x is not None for x in landed) else ()))
 
     def _written_then_hash(self, eff: PostWrite, exc: BaseException | None,

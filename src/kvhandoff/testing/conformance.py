@@ -41,7 +41,7 @@ import xxhash
 
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout.spans import pair_spans
-from kvhandoff.transports.base import OneSidedTransport, Transport
+from kvhandoff.transports.base import OneSidedTransport, Transport, WriteResult
 
 TransportFactory = Callable[[], Transport]
 BufferFactory = Callable[[int], np.ndarray]
@@ -237,8 +237,12 @@ def check_one_sided(make: TransportFactory, opts: Options) -> None:
         d = random_spans(rng, total, opts.buffer_bytes)
         a.register_remote("b", "kv", b.describe("kv"))
         w = p.done()
-        a.post_write("b", 21, "kv", "kv", pair_spans(*s, *d), w, checksum=True)
-        err, digest = w.wait("one_sided: write")
+        a.post_writes("b", [(21, "kv", "kv", pair_spans(*s, *d))], w, checksum=True)
+        result = w.wait("one_sided: write")[0]
+        _check(isinstance(result, WriteResult) and len(result.digests) == 1,
+               f"one_sided: on_done got {result!r}, not a WriteResult of one write")
+        assert isinstance(result, WriteResult)
+        err, digest = result.error, result.digests[0]
         _check(err is None, f"one_sided: the write failed: {err}")
         _check(stream(p.dst, *d) == stream(p.src, *s),
                "one_sided: the landed bytes differ from the written ones")

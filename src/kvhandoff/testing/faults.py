@@ -7,7 +7,7 @@
   on this side: a receive (two-sided decode) or a one-sided write (its checksum is of the true
   bytes, the peer holds a flipped one: over shm, directly or through auto, the byte is flipped
   inside the copy job, right after its piece was copied and before the writer hashes what
-  landed, `ShmTransport.post_writes_tampered`, so the writer's own verification sees it; over
+  landed, `post_writes_tampered` here, so the writer's own verification sees it; over
   other one-sided transports one flipped byte is written after the real write landed); with
   one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
   `receive_corruption=True` (what `from_config` sets for a decode with corruptions) makes a
@@ -47,11 +47,11 @@ from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
     OnWritten,
-    OnWrittenMany,
     Transport,
     TransportStatus,
+    WriteResult,
     WriteSpec,
-    post_in_groups,
+    _post_in_groups,
 )
 
 log = logging.getLogger("kvhandoff.testing.faults")
@@ -250,11 +250,11 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
     """FaultyTransport over a transport with one-sided writes: they are forwarded. A
     corruption of a write job over shm (itself, or auto's same-host lane) flips the first
     destination byte of the region inside the copy, after that piece's copy and before its
-    landed hash (`ShmTransport.post_writes_tampered`): the writer's fused verification of
-    what landed must catch it. Elsewhere (other transports, a single `post_write`, a job shm
-    splits) it is a second 1-byte write of a flipped source byte after the real one landed,
-    before any read-back. Either way the writer's checksum is of the true bytes and the
-    landed ones differ. A corruption counts as done once its job is posted."""
+    landed hash (`post_writes_tampered`): the writer's fused verification of what landed must
+    catch it. Elsewhere (other transports, a job shm splits) it is a second 1-byte write of a
+    flipped source byte after the real one landed, before any read-back. Either way the
+    writer's checksum is of the true bytes and the landed ones differ. A corruption counts as
+    done once its job is posted."""
 
     @property
     def _writer(self) -> OneSidedTransport:
@@ -297,7 +297,7 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
         return inner if isinstance(inner, ShmTransport) else None
 
     def _in_copy(self, peer: str, writes: Sequence[WriteSpec], flips: list[_Flip],
-                 on_done: OnWrittenMany, checksum: bool) -> bool:
+                 on_done: OnWritten, checksum: bool) -> bool:
         """Posts `writes` as a shm copy job that flips a byte of each due corruption's region
         inside the copy; False (nothing posted, nothing counted) where shm does not write
         them as one host job."""
@@ -311,8 +311,8 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
         if not due:
             self._writer.post_writes(peer, writes, on_done, checksum=checksum)
             return True
-        if not shm.post_writes_tampered(peer, writes, on_done, {f.index: 0 for f in due},
-                                        checksum=checksum):
+        if not post_writes_tampered(shm, peer, writes, on_done, {f.index: 0 for f in due},
+                                    checksum=checksum):
             with self._lock:
                 for f in due:
                     f.spec.times += 1
@@ -346,41 +346,29 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
             self._scratch[0] = self._bufs[f.name][src] ^ 0xFF
             self.log.corrupted.append((f.layer, f.region, dst))
             log.warning("fault injection: flipping byte %d of the peer's %s", dst, f.remote)
-            self._writer.post_write(peer, f.tag, SCRATCH, f.remote, plan_of([0], [dst], [1]),
-                                    lambda e, _d: flip(i + 1, e))
+            self._writer.post_writes(peer, [(f.tag, SCRATCH, f.remote, plan_of([0], [dst], [1]))],
+                                     lambda r: flip(i + 1, r.error))
 
         flip(0, None)
 
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        if self._outgoing_fault(peer, tag, lambda exc: on_done(exc, None)):
-            return
-        flips = self._corruptions([(tag, name, remote, plan)])
-        if not flips:
-            self._writer.post_write(peer, tag, name, remote, plan, on_done, checksum=checksum)
-            return
-        self._writer.post_write(peer, tag, name, remote, plan, lambda exc, digest:
-                                self._after_landed(peer, flips, exc,
-                                                   lambda e: on_done(e, digest)),
-                                checksum=checksum)
-
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
         """Forwarded as one job (the faults of its layer: a stall, failure or crash of the
         whole job); each corrupted region gets its byte flipped inside the copy (shm) or once
         the job landed (elsewhere). A job of several layers (the agent's batch of short layers
         ready together) one of which has a stall, failure or crash is posted as one job per
         layer, so that fault hits its own layer's writes only (the others are copied); the
-        job still has one completion (`base.post_in_groups`): a stall holds all of it, a
+        job still has one completion (`base._post_in_groups`): a stall holds all of it, a
         failure fails all of it, as a real job's would."""
         layers = list(dict.fromkeys(P.split_tag(w[0])[1] for w in writes))
         if len(layers) > 1 and any(self._faulty(layer) for layer in layers):
             groups = [[i for i, w in enumerate(writes) if P.split_tag(w[0])[1] == layer]
                       for layer in layers]
-            post_in_groups(lambda idx, done: self.post_writes(
+            _post_in_groups(lambda idx, done: self.post_writes(
                 peer, [writes[i] for i in idx], done, checksum=checksum), groups, on_done)
             return
-        if writes and self._outgoing_fault(peer, writes[0][0], lambda exc: on_done(exc, ())):
+        if writes and self._outgoing_fault(peer, writes[0][0],
+                                           lambda exc: on_done(WriteResult(exc))):
             return
         flips = self._corruptions(writes)
         if not flips:
@@ -388,10 +376,25 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
             return
         if self._in_copy(peer, writes, flips, on_done, checksum):
             return
-        self._writer.post_writes(peer, writes, lambda exc, digests:
-                                 self._after_landed(peer, flips, exc, lambda e: on_done(
-                                     e, digests if e is None else ())),
+        self._writer.post_writes(peer, writes, lambda r:
+                                 self._after_landed(peer, flips, r.error, lambda e: on_done(
+                                     r if e is None else WriteResult(e))),
                                  checksum=checksum)
+
+
+def post_writes_tampered(shm: Any, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten,
+                         flips: dict[int, int], *, checksum: bool = False) -> bool:
+    """`post_writes` of host memory on ShmTransport `shm` as one copy job that flips the first
+    destination byte of write i's piece `flips[i]` right after that piece was copied and
+    before it is hashed as landed (the transport's private seam, `_post_writes_tampered`):
+    the peer holds a byte that is not the source's and the landed sum is of what it holds.
+    False, and nothing posted, where the writes are not one host job (CUDA buffers, targets
+    on both host lanes): the caller corrupts otherwise."""
+    from kvhandoff.transports.shm.transport import ShmTransport
+
+    if not isinstance(shm, ShmTransport):
+        raise TypeError(f"post_writes_tampered: shm must be a ShmTransport, not {type(shm)!r}")
+    return shm._post_writes_tampered(peer, writes, on_done, flips, checksum=checksum)
 
 
 @dataclass(frozen=True)

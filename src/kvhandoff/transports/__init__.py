@@ -5,13 +5,13 @@ from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
     OnWritten,
-    OnWrittenMany,
     Transport,
     TransportKind,
     TransportStatus,
+    WriteResult,
     WriteSpec,
     load_transport,
 )
 
-__all__ = ["TAG_LIMIT", "OnDone", "OnWritten", "OnWrittenMany", "OneSidedTransport", "Transport",
-           "TransportKind", "TransportStatus", "WriteSpec", "load_transport"]
+__all__ = ["TAG_LIMIT", "OnDone", "OnWritten", "OneSidedTransport", "Transport", "TransportKind",
+           "TransportStatus", "WriteResult", "WriteSpec", "load_transport"]

@@ -14,7 +14,7 @@
 # (shm/proof.py: a forged address, or a process in another network namespace, where the
 # socket's abstract name is not seen, which is so both ways) goes cross-host too, with that
 # reason.
-# Every per-peer call (post_send, post_recv, cancel, register_remote, post_write,
+# Every per-peer call (post_send, post_recv, cancel, register_remote, post_writes,
 # peer_exited) goes to that peer's route only, so the two parts never see the same peer and
 # their tag spaces never meet. Both sides of a pair run auto (the Hello refuses a different
 # kind) and agree on the route: every input of the decision is symmetric.
@@ -48,7 +48,7 @@ from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWrittenMany,
+    OnWritten,
     Transport,
     TransportKind,
     TransportStatus,
@@ -360,10 +360,10 @@ class AutoTransport(OneSidedTransport):
                                  "transport cannot take them); use post_send / post_recv")
         cross.register_remote(peer, name, desc.cross)
 
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
         """To the peer's part as one job (shm copies it as one; a part that cannot splits
-        it, base.split_writes)."""
+        it, base._split_writes)."""
         part = self._route(peer, "post_writes")
         if not isinstance(part, OneSidedTransport):
             raise TransportError(f"post_writes: the {self._lane(part)} lane to peer {peer!r} "

@@ -20,27 +20,26 @@
 #   implement it; `isinstance(t, OneSidedTransport)` is the check, never hasattr): the receiver
 #   publishes a
 #   descriptor of a registered buffer (`describe`), the writer installs it (`register_remote`)
-#   and writes a span plan straight into it (`post_writes`: a job of one or more writes; a
-#   transport implements that one entry, `post_write` is a job of one, written once here)
-#   without the receiver posting anything; each write's own on_done says when it landed
-#   (there is no fence: the agent waits on each write, never on a peer's writes as a group).
-#   The plan is a
-#   kv_layout.SpanPlan, paired (src offset, dst offset, nbytes) pieces, built once by
-#   build_spans and taken as is: a transport checks its bounds and copies its pieces, it never
-#   re-pairs them. Without the capability the agent uses post_send / post_recv. Whether
-#   writes to one connected peer are possible is asked, never learnt from an error:
-#   `can_write(peer)` (auto: whether that peer's route is a one-sided part).
-# - post_writes posts several such writes (one layer's regions: (tag, name, remote, plan) each)
-#   as one job with one completion: on_done(err, digests), one digest per write, in order (each
-#   the xxh3-64 of that write's own source stream). A transport that copies them as one job
-#   (shm's host lanes) keeps it under the first write's tag, and cancel of any of the tags ends
-#   it (the others' cancels find nothing); one that cannot copy a job as one posts each write
-#   as a job of its own under its own tag and completes once the last one did
-#   (`split_writes`).
+#   and writes span plans straight into it without the receiver posting anything. The write
+#   API is ONE method, `post_writes`: a job of one or more writes (a layer's regions: (tag,
+#   name, remote, plan) each; a single write is a job of one) with one completion,
+#   on_done(WriteResult): the error, one digest per write in order (the xxh3-64 of that
+#   write's own source stream, with `checksum`), and the landed sums where the writer read
+#   what it wrote (below). There is no fence: the agent waits on each job, never on a peer's
+#   writes as a group. Each plan is a kv_layout.SpanPlan, paired (src offset, dst offset,
+#   nbytes) pieces, built once by build_spans and taken as is: a transport checks its bounds
+#   and copies its pieces, it never re-pairs them. Without the capability the agent uses
+#   post_send / post_recv. Whether writes to one connected peer are possible is asked, never
+#   learnt from an error: `can_write(peer)` (auto: whether that peer's route is a one-sided
+#   part). Two queries go with it: `write_digest_alg(name)` (the algorithm of the digests)
+#   and `landed_digest` (the writer's read-back of what a write left, where it can read it).
+# - A transport that copies a job as one (shm's host lanes) keeps it under the first write's
+#   tag, and cancel of any of the tags ends it (the others' cancels find nothing); one that
+#   cannot copy a job as one posts each write as a job of its own under its own tag and
+#   completes once the last one did (`_split_writes`, private to the transports).
 #   A transport that reads what it wrote while it copies (shm's map lane, with `checksum`)
-#   completes with a `WriteSums`: the same tuple of source digests, and `landed`, one sum per
-#   write of its destination pieces as the writer read them right after copying them (the
-#   writer's verification; the others give a plain tuple: nothing read).
+#   fills WriteResult.landed: one sum per write of its destination pieces as the writer read
+#   them right after copying them (the writer's verification; the others leave it empty).
 from __future__ import annotations
 
 import importlib
@@ -60,31 +59,35 @@ if TYPE_CHECKING:
     from kvhandoff.settings import Settings
 
 OnDone = Callable[[BaseException | None], None]
-#: Completion of a one-sided write: (error or None, xxh3-64 of the source stream or None).
-OnWritten = Callable[[BaseException | None, int | None], None]
-
-#: Completion of several one-sided writes posted as one job (`post_writes`): (error or None,
-#: one digest per write, in order, None where not asked for; empty when the job failed).
-OnWrittenMany = Callable[[BaseException | None, tuple[int | None, ...]], None]
 
 
-class WriteSums(tuple):  # type: ignore[type-arg]  # tuple[int | None, ...]
-    """The digests a `post_writes` job completes with (a tuple: one per write, the xxh3-64 of
-    its source stream) carrying `landed` too: one per write, the xxh3-64 of its destination
-    pieces in plan order as the writer read them right after copying each (None for a write
-    it did not read). A plain tuple where the transport read nothing back."""
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """How a `post_writes` job ended: its on_done's one argument.
 
-    landed: tuple[int | None, ...]
+    Attributes:
+        error: None when every write landed, else the job's (first) error.
+        digests: on success one per write, in order: the xxh3-64 of that write's source
+            stream (the src pieces in plan order) when the job was posted with `checksum`,
+            else None; () when the job failed.
+        landed: one per write, the xxh3-64 of its destination pieces in plan order as the
+            writer read them right after copying each (shm's map lane, with `checksum`: the
+            writer's verification), None for a write it did not read; () where the
+            transport read nothing back (every other lane, or a failed job).
+    """
 
-    def __new__(cls, digests: Sequence[int | None], landed: Sequence[int | None]) -> WriteSums:
-        self = super().__new__(cls, digests)
-        self.landed = tuple(landed)
-        return self
+    error: BaseException | None
+    digests: tuple[int | None, ...] = ()
+    landed: tuple[int | None, ...] = ()
+
+    def writes(self, start: int, stop: int) -> WriteResult:
+        """The result of writes start..stop-1 of the job (a caller that posted several
+        callers' writes as one job hands each its own)."""
+        return WriteResult(self.error, self.digests[start:stop], self.landed[start:stop])
 
 
-def landed_sums(digests: tuple[int | None, ...]) -> tuple[int | None, ...]:
-    """The `landed` sums a job's completion carried (`WriteSums`); () if it carried none."""
-    return digests.landed if isinstance(digests, WriteSums) else ()
+#: Completion of a `post_writes` job: called once with its WriteResult.
+OnWritten = Callable[[WriteResult], None]
 
 
 #: One write of a `post_writes` job: (tag, local buffer name, remote buffer name, plan).
@@ -190,66 +193,52 @@ class OneSidedTransport(Transport):
 
     @abstractmethod
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
-        """Installs a connected peer's buffer descriptor under `name` (for post_write);
+        """Installs a connected peer's buffer descriptor under `name` (for post_writes);
         only for a peer that `can_write` says yes to (else TransportError)."""
 
-    def post_write(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                   on_done: OnWritten, *, checksum: bool = False) -> None:
-        """Writes the pieces of `plan` (src_offsets into local buffer `name`, dst_offsets into
-        the peer's buffer `remote`, see register_remote) as they are; `on_done(err, digest)`
-        once they landed, `digest` the xxh3-64 of the source stream (the src pieces in plan
-        order) when `checksum`. cancel(peer, tag) ends it. A `post_writes` job of one write."""
-        if not callable(on_done):
-            raise TransportError("post_write: on_done must be callable")
-        self.post_writes(peer, [(tag, name, remote, plan)], one_write(on_done),
-                         checksum=checksum)
-
     @abstractmethod
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
-        """Writes several plans (`writes`: (tag, name, remote, plan) each, distinct tags) as
-        one job: `on_done(err, digests)` once all landed (or the first error once every one
-        ended), `digests` one per write (each write's source stream when `checksum`).
-        cancel(peer, tag) of any of the tags ends it."""
+        """Writes the pieces of each plan (`writes`: (tag, name, remote, plan) each, distinct
+        tags; src_offsets into local buffer `name`, dst_offsets into the peer's buffer
+        `remote`, see register_remote) as they are, as one job: `on_done(WriteResult)` once
+        all landed (or with the first error once every one ended; see WriteResult for its
+        digests, per write of the source stream when `checksum`, and landed sums).
+        cancel(peer, tag) of any of the tags ends it. A single write is a job of one."""
 
     def write_digest_alg(self, name: str) -> str | None:
-        """The algorithm of post_write(checksum=True)'s digest for local buffer `name`; None
+        """The algorithm of post_writes(checksum=True)'s digest for local buffer `name`; None
         when the transport does not say (the caller then takes it for xxh3 of host memory)."""
         return None
 
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """The xxh3-64 of what is now in the peer's buffer `remote` at the destination pieces
         of `plan`, in plan order, read where the peer reads them: the writer's check of a
-        write that just landed and whose completion carried no landed sums (`WriteSums`; call
-        it from that write's on_done). None when this transport cannot read the peer's memory
+        write that just landed and whose WriteResult carried no `landed` sums (call it from that
+        write's on_done). None when this transport cannot read the peer's memory
         (across hosts; then the peer verifies what landed)."""
         return None
 
 
-def one_write(on_done: OnWritten) -> OnWrittenMany:
-    """`post_write`'s completion as that of a `post_writes` job of one write."""
-    return lambda exc, digests: on_done(exc, digests[0] if digests else None)
-
-
-def split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
-                 on_done: OnWrittenMany, *, checksum: bool = False) -> None:
-    """`post_writes` as one job per write, each under its own tag (`post_in_groups`); the
+def _split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
+                 on_done: OnWritten, *, checksum: bool = False) -> None:
+    """`post_writes` as one job per write, each under its own tag (`_post_in_groups`); the
     transport's `post_writes` of a single write must not come back here."""
     if not callable(on_done):
         raise TransportError("post_writes: on_done must be callable")
 
-    def post(idx: Sequence[int], done: OnWrittenMany) -> None:
+    def post(idx: Sequence[int], done: OnWritten) -> None:
         transport.post_writes(peer, [writes[idx[0]]], done, checksum=checksum)
 
-    post_in_groups(post, [[i] for i in range(len(writes))], on_done)
+    _post_in_groups(post, [[i] for i in range(len(writes))], on_done)
 
 
-def post_in_groups(post: Callable[[Sequence[int], OnWrittenMany], None],
-                   groups: Sequence[Sequence[int]], on_done: OnWrittenMany) -> None:
+def _post_in_groups(post: Callable[[Sequence[int], OnWritten], None],
+                    groups: Sequence[Sequence[int]], on_done: OnWritten) -> None:
     """A `post_writes` job of writes 0..n-1 posted as several jobs, `post(indices, done)` for
     each group of write indices (every index in one group): `on_done` once the last group's
-    completion came, with the first error, else the digests in write order (a `WriteSums`
-    when every group's carried landed sums). Groups already posted when a later one is
+    completion came, with the first error, else the digests in write order (and the landed
+    sums when every group's result carried them). Groups already posted when a later one is
     refused are waited for, and the refusal is the job's error; a refusal of the first
     raises."""
     n = sum(len(g) for g in groups)
@@ -260,30 +249,28 @@ def post_in_groups(post: Callable[[Sequence[int], OnWrittenMany], None],
     lock = threading.Lock()
     state: dict[str, Any] = {"left": len(groups), "error": None}
 
-    def group(idx: Sequence[int]) -> OnWrittenMany:
-        def done(exc: BaseException | None, got: tuple[int | None, ...]) -> None:
+    def group(idx: Sequence[int]) -> OnWritten:
+        def done(got: WriteResult) -> None:
             nonlocal landed
             with lock:
-                if exc is None:
-                    whole = len(got) == len(idx)  # else: no digests (an unhashed write)
-                    sums = landed_sums(got) if whole else ()
+                if got.error is None:
+                    whole = len(got.digests) == len(idx)  # else: no digests (unhashed)
+                    sums = got.landed if whole else ()
                     for k, i in enumerate(idx):
-                        digests[i] = got[k] if whole else None
+                        digests[i] = got.digests[k] if whole else None
                         if landed is not None and len(sums) == len(idx):
                             landed[i] = sums[k]
                     if len(sums) != len(idx):
                         landed = None  # a group that read nothing back: no landed sums
-                if exc is not None and state["error"] is None:
-                    state["error"] = exc
+                elif state["error"] is None:
+                    state["error"] = got.error
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
                 err = state["error"]
-                if err is not None:
-                    on_done(err, ())
-                else:
-                    on_done(None, WriteSums(digests, landed) if landed is not None
-                            else tuple(digests))
+                on_done(WriteResult(err) if err is not None else
+                        WriteResult(None, tuple(digests),
+                                    tuple(landed) if landed is not None else ()))
         return done
 
     for k, idx in enumerate(groups):
@@ -293,7 +280,7 @@ def post_in_groups(post: Callable[[Sequence[int], OnWrittenMany], None],
             if k == 0:
                 raise
             for rest in groups[k:]:  # never posted: they end now, with the refusal
-                group(rest)(e, ())
+                group(rest)(WriteResult(e))
             return
 
 

@@ -97,21 +97,21 @@ def normalise_spans(offsets: object, nbytes: object, buf_nbytes: int,
 
 def write_plan(peer: str, name: str, plan: object, size: int, remote: str,
                target_nbytes: int | None, *, connected: bool) -> SpanPlan:
-    """The checks every one-sided `post_write` makes once it has looked the peer up: the peer
+    """The checks of each write of a `post_writes` job once it has looked the peer up: the peer
     is connected, its buffer `remote` is installed (`target_nbytes`, None if not), and `plan`
     is a `SpanPlan` whose pieces fit both buffers. Returns the plan without its empty pieces
     (nothing is re-paired or coalesced: the plan's pieces are the copy's). The plan's bounds
     are computed once per plan (`SpanPlan.bounds`); the checks that name the bad item run
     only when they say the plan does not fit."""
     if not isinstance(plan, SpanPlan):
-        raise TransportError(f"post_write {name!r}: plan must be a kvhandoff.kv_layout.SpanPlan "
+        raise TransportError(f"post_writes {name!r}: plan must be a kvhandoff.kv_layout.SpanPlan "
                              "(build_spans, plan_of, or pair_spans of two span lists), got "
                              f"{type(plan).__name__}")
     if not connected:
-        raise TransportError(f"post_write: peer {peer!r} is not connected; call connect "
+        raise TransportError(f"post_writes: peer {peer!r} is not connected; call connect "
                              "first")
     if target_nbytes is None:
-        raise TransportError(f"post_write: no remote buffer {remote!r} of peer {peer!r}; "
+        raise TransportError(f"post_writes: no remote buffer {remote!r} of peer {peer!r}; "
                              "call register_remote first")
     b = plan.bounds()  # once per plan: the same plan object comes for every layer of a room
     if b.well_formed and b.src_end <= size and b.dst_end <= target_nbytes:
@@ -119,11 +119,11 @@ def write_plan(peer: str, name: str, plan: object, size: int, remote: str,
     so, do, nb = plan.src_offsets, plan.dst_offsets, plan.nbytes
     for field, arr in (("src_offsets", so), ("dst_offsets", do), ("nbytes", nb)):
         if arr.ndim != 1 or arr.shape != nb.shape or (arr.size and arr.dtype.kind not in "iu"):
-            raise TransportError(f"post_write {name!r}: plan.{field} must be a 1-D integer "
+            raise TransportError(f"post_writes {name!r}: plan.{field} must be a 1-D integer "
                                  f"array of {nb.size} items, got {arr.dtype} {arr.shape}")
         bad = np.flatnonzero(arr < 0)
         if bad.size:
-            raise TransportError(f"post_write {name!r}: plan.{field}[{bad[0]}]={arr[bad[0]]} is "
+            raise TransportError(f"post_writes {name!r}: plan.{field}[{bad[0]}]={arr[bad[0]]} is "
                                  "negative")
     for field, off, limit, whose in (("src_offsets", so, size, f"local buffer {name!r}"),
                                      ("dst_offsets", do, target_nbytes,
@@ -131,7 +131,7 @@ def write_plan(peer: str, name: str, plan: object, size: int, remote: str,
         bad = np.flatnonzero(off + nb > limit)
         if bad.size:
             i = bad[0]
-            raise TransportError(f"post_write {name!r}: plan.{field}[{i}]={off[i]} + "
+            raise TransportError(f"post_writes {name!r}: plan.{field}[{i}]={off[i]} + "
                                  f"nbytes[{i}]={nb[i]} exceeds the {whose} of {limit} bytes")
     return plan.nonempty()  # (not reached: bounds() and the checks above agree)
 
@@ -150,7 +150,7 @@ def write_plans(peer: str, writes: Sequence[tuple[int, str, str, object]], on_do
     for (tag, name, remote, plan), size, target in zip(writes, sizes, targets, strict=True):
         check_tag(tag)
         if size is None:
-            raise TransportError(f"post_write: no buffer registered as {name!r}")
+            raise TransportError(f"post_writes: no buffer registered as {name!r}")
         plans.append(write_plan(peer, name, plan, size, remote, target, connected=connected))
     return plans
 

@@ -2,7 +2,7 @@
 
 What runs here for real: two shm transports (real sockets, real I/O threads, real pidfds), the
 lane's descriptor format, the dispatch by memory kind at register / describe /
-register_remote / post_write / post_send, the refusals, and the whole one-sided write path of
+register_remote / post_writes / post_send, the refusals, and the whole one-sided write path of
 device buffers: the lane's worker, `_cuda_ipc.copy_spans` (its executor runs on CPU tensors),
 the device checksum of the source, completion only once the copy's event completed,
 disconnect closing the peer's blocks. What stands in for CUDA: `CpuLane` treats CPU torch
@@ -24,6 +24,7 @@ from kvhandoff.buffers.devsum import devsum_reference
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import pair_spans, plan_of
 from kvhandoff.settings import Settings
+from kvhandoff.transports.base import WriteResult
 from kvhandoff.transports.shm.cuda import (
     DEV_MAGIC,
     DeviceJob,
@@ -112,8 +113,9 @@ class Written:
         self.event = threading.Event()
         self.results: list[tuple[BaseException | None, int | None]] = []
 
-    def __call__(self, exc: BaseException | None, digest: int | None) -> None:
-        self.results.append((exc, digest))
+    def __call__(self, result: WriteResult) -> None:
+        assert isinstance(result, WriteResult) and len(result.digests) in (0, 1), result
+        self.results.append((result.error, result.digests[0] if result.digests else None))
         self.event.set()
 
     def wait(self) -> tuple[BaseException | None, int | None]:
@@ -265,7 +267,7 @@ def test_device_write_lands_with_the_device_checksum(dev: DevPair, seed: int) ->
     s = _word_spans(rng, words, BUF, 17)
     d = _word_spans(rng, words, BUF, 5)
     w = Written()
-    dev.a.post_write("b", seed, "kv/1", "kv/1", pair_spans(*s, *d), w, checksum=True)
+    dev.a.post_writes("b", [(seed, "kv/1", "kv/1", pair_spans(*s, *d))], w, checksum=True)
     err, digest = w.wait()
     assert err is None
     src, dst = dev.src_store[BUF:], dev.dst_store[BUF:]
@@ -286,9 +288,7 @@ def test_on_done_waits_for_the_copys_event(dev: DevPair) -> None:
     dev.install()
     dev.la.gate = threading.Event()
     w = Written()
-    dev.a.post_write("b", 9, "kv/0", "kv/0",
-                     plan_of([0], [8192], [4096]),
-                     w, checksum=False)
+    dev.a.post_writes("b", [(9, "kv/0", "kv/0", plan_of([0], [8192], [4096]))], w, checksum=False)
     with dev.la.polled:  # the worker polled the pending event several times
         assert dev.la.polled.wait_for(lambda: dev.la.polls[0] >= 3, WAIT_S)
     assert not w.event.is_set()
@@ -301,17 +301,15 @@ def test_on_done_waits_for_the_copys_event(dev: DevPair) -> None:
 def test_a_host_write_into_a_device_target_is_refused(dev: DevPair) -> None:
     dev.install()
     with pytest.raises(TransportError, match="no buffer registered"):
-        dev.a.post_write("b", 1, "host", "kv/0", plan_of([0], [0], [4]), Written())
+        dev.a.post_writes("b", [(1, "host", "kv/0", plan_of([0], [0], [4]))], Written())
     with pytest.raises(TransportError, match="exceeds the local buffer 'kv/0'"):
-        dev.a.post_write("b", 1, "kv/0", "kv/0", plan_of([0], [0], [1 << 40]), Written())
+        dev.a.post_writes("b", [(1, "kv/0", "kv/0", plan_of([0], [0], [1 << 40]))], Written())
 
 
 def test_a_devsum_failure_fails_the_write_after_its_copy(dev: DevPair) -> None:
     dev.install()
     w = Written()
-    dev.a.post_write("b", 3, "kv/0", "kv/0",
-                     plan_of([0], [0], [6]), w,
-                     checksum=True)
+    dev.a.post_writes("b", [(3, "kv/0", "kv/0", plan_of([0], [0], [6]))], w, checksum=True)
     err, digest = w.wait()
     assert err is not None and "multiple of 4" in str(err) and digest is None
     assert torch.equal(dev.dst_store[:6], dev.src_store[:6])  # the copy itself ran
@@ -320,8 +318,7 @@ def test_a_devsum_failure_fails_the_write_after_its_copy(dev: DevPair) -> None:
 def test_disconnect_closes_the_peers_blocks(dev: DevPair) -> None:
     dev.install()
     w = Written()
-    dev.a.post_write("b", 4, "kv/0", "kv/0",
-                     plan_of([0], [0], [64]), w)
+    dev.a.post_writes("b", [(4, "kv/0", "kv/0", plan_of([0], [0], [64]))], w)
     assert w.wait()[0] is None
     dev.a.disconnect("b")
     assert dev.la.closed == ["b"] and not dev.la.opened
@@ -372,16 +369,13 @@ def test_no_device_copy_into_a_peer_process_that_exited() -> None:
         w.register_remote("child", "kv/0", bytes.fromhex(desc_hex))
         assert lane.opens == 1
         ok = Written()
-        w.post_write("child", 1, "kv/0", "kv/0",
-                     plan_of([0], [0], [64]), ok)
+        w.post_writes("child", [(1, "kv/0", "kv/0", plan_of([0], [0], [64]))], ok)
         assert ok.wait()[0] is None and len(lane.copy_threads) == 1
         proc.kill()
         proc.wait(WAIT_S)
         assert w.peer_exited("child")
         gone = Written()
-        w.post_write("child", 2, "kv/0", "kv/0",
-                     plan_of([0], [64], [64]),
-                     gone)
+        w.post_writes("child", [(2, "kv/0", "kv/0", plan_of([0], [64], [64]))], gone)
         err, _ = gone.wait()
         assert err is not None and "exited" in str(err)
         assert len(lane.copy_threads) == 1  # no second copy launched

@@ -15,6 +15,7 @@ from kvhandoff.protocol import events as ev
 from kvhandoff.protocol.effects import HashSpans, PostWrite, WritePart
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.settings import Settings
+from kvhandoff.transports.base import WriteResult
 from kvhandoff.transports.inproc import InprocTransport
 
 WAIT_S = 60.0  # a bound, not a timing: the first devsum imports torch
@@ -60,7 +61,7 @@ def test_an_xxh3_write_of_host_memory_is_hashed_by_the_transport_while_copying()
     with hasher() as (h, posted, _):
         fused, done = h.write_plan(write("xxh3"))
         assert fused  # what every transport's fused hash gives for host buffers
-        done(None, (1234,))
+        done(WriteResult(None, (1234,)))
         assert posted.events == [ev.Written(7, None, (1234,))]
 
 
@@ -68,7 +69,7 @@ def test_a_devsum_write_is_hashed_after_it_landed_with_the_rooms_algorithm() -> 
     with hasher() as (h, posted, buf):
         fused, done = h.write_plan(write("devsum"))
         assert not fused  # the transport's digest would be xxh3: not the room's
-        done(None, ())
+        done(WriteResult(None, (None,)))
         assert posted.arrived.wait(WAIT_S)
         want = room_checksum(buf, *SPANS, "devsum")
         assert posted.events == [ev.Written(7, None, (want,))]
@@ -77,7 +78,7 @@ def test_a_devsum_write_is_hashed_after_it_landed_with_the_rooms_algorithm() -> 
 def test_a_failed_write_is_not_hashed_and_says_why() -> None:
     with hasher() as (h, posted, _):
         _, done = h.write_plan(write("devsum"))
-        done(RuntimeError("peer gone"), ())
+        done(WriteResult(RuntimeError("peer gone")))
         assert posted.events == [ev.Written(7, "peer gone")]
 
 

@@ -9,13 +9,13 @@
 # - register() also registers the buffer with the agent (DRAM for a numpy array, VRAM for a
 #   CUDA buffer); describe() gives (agent, memory kind, address, length, device) and
 #   register_remote() keeps the peer's region (checking it is of that peer's agent).
-# - post_write() / post_writes() (a layer's regions as ONE WRITE: one request, one completion,
-#   a digest per write) check each span plan against both buffers, make one (local, remote)
-#   descriptor pair per piece of the plan (vectorised) and queue the op; the transport's own
-#   NIXL thread creates and posts one NIXL WRITE per op and polls its state (backing off to
-#   1 ms while writes are in flight, asleep when none are). With checksum=True a hash worker
-#   computes the xxh3-64 of the source stream while the write is in flight. on_done(err,
-#   digest) comes from the callback thread once the write is DONE and the digest is ready.
+# - post_writes() (a job of writes, e.g. a layer's regions, as ONE WRITE: one request, one
+#   completion, a digest per write) checks each span plan against both buffers, makes one (local,
+#   remote) descriptor pair per piece of the plan (vectorised) and queues the op; the transport's
+#   own NIXL thread creates and posts one NIXL WRITE per op and polls its state (backing off to 1 ms
+#   while writes are in flight, asleep when none are). With checksum=True a hash worker computes the
+#   xxh3-64 of the source stream while the write is in flight. on_done(its WriteResult) comes from
+#   the callback thread once the write is DONE and the digest is ready.
 # - cancel(peer, tag) / disconnect / close release each write's NIXL handle before they return:
 #   NIXL aborts an active transfer on release, or refuses (then we wait for it to end, bounded
 #   by stall_timeout_s, and release it): after that nothing of it writes into the peer.
@@ -43,11 +43,12 @@ from kvhandoff.errors import TransportError
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWrittenMany,
+    OnWritten,
     TransportKind,
     TransportStatus,
+    WriteResult,
     WriteSpec,
-    split_writes,
+    _split_writes,
 )
 from kvhandoff.transports.callbacks import CallbackThread
 from kvhandoff.transports.nixl.lib import UcxOffer, nixl_api, nixl_version, ucx_offer
@@ -79,7 +80,7 @@ class _Write:
                  "finished", "landed", "want_digest", "digest", "err", "seq", "parts")
 
     def __init__(self, peer: str, tag: int, total: int, mem: str, ldesc: np.ndarray,
-                 rdesc: np.ndarray, agent: str, on_done: OnWrittenMany, want_digest: bool,
+                 rdesc: np.ndarray, agent: str, on_done: OnWritten, want_digest: bool,
                  seq: int, parts: int = 1) -> None:
         self.peer, self.tag, self.total, self.mem = peer, tag, total, mem
         self.ldesc, self.rdesc, self.agent, self.on_done = ldesc, rdesc, agent, on_done
@@ -262,11 +263,11 @@ class NixlTransport(OneSidedTransport):
         with self._lock:
             self._remotes.setdefault(peer, {})[name] = region
 
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
         """The writes' pieces as ONE NIXL WRITE (one request, one completion) under the first
         write's tag, each write's source hashed on its own; writes of both memory kinds (DRAM
-        and VRAM) in one job: one WRITE each (split_writes)."""
+        and VRAM) in one job: one WRITE each (_split_writes)."""
         with self._lock:
             known = self._peer_agents.get(peer)
             regions = [self._remotes.get(peer, {}).get(w[2]) for w in writes]
@@ -278,12 +279,12 @@ class NixlTransport(OneSidedTransport):
         for (_, name, _, _), mem, plan, region in zip(writes, mems, plans, regions, strict=True):
             assert mem is not None and region is not None  # write_plans checked both
             if checksum and mem.host is None:
-                raise TransportError(f"post_write {name!r}: checksum=True needs a host (DRAM) "
+                raise TransportError(f"post_writes {name!r}: checksum=True needs a host (DRAM) "
                                      "buffer; hash VRAM on the device")
             parts.append((mem, plan, region))
         assert known is not None  # write_plans checked it
         if len({m.mem for m, _, _ in parts}) > 1:  # one NIXL request moves one memory kind
-            split_writes(self, peer, writes, on_done, checksum=checksum)
+            _split_writes(self, peer, writes, on_done, checksum=checksum)
             return
         descs = [write_descs(m, plan, region) for m, plan, region in parts]
         ldesc = descs[0][0] if len(descs) == 1 else np.concatenate([d[0] for d in descs])
@@ -295,9 +296,9 @@ class NixlTransport(OneSidedTransport):
         with self._lock:
             self._check_open()
             if peer not in self._peer_agents:
-                raise TransportError(f"post_write: peer {peer!r} is not connected")
+                raise TransportError(f"post_writes: peer {peer!r} is not connected")
             if (peer, tag) in self._writes:
-                raise TransportError(f"post_write: tag {tag} with peer {peer!r} is already "
+                raise TransportError(f"post_writes: tag {tag} with peer {peer!r} is already "
                                      "pending")
             self._writes[(peer, tag)] = op
             if total == 0:
@@ -391,12 +392,11 @@ class NixlTransport(OneSidedTransport):
             self._writes.pop((op.peer, op.tag), None)
             if err is None:
                 self._written += op.total
-                result: tuple[BaseException | None, tuple[int | None, ...]] = (
-                    None, op.digest if op.want_digest and op.digest is not None
-                    else (None,) * op.parts)
+                result = WriteResult(None, op.digest if op.want_digest and op.digest is not None
+                                     else (None,) * op.parts)
             else:
-                result = (TransportError(err), ())
-            self._callbacks.submit(functools.partial(op.on_done, *result))
+                result = WriteResult(TransportError(err))
+            self._callbacks.submit(functools.partial(op.on_done, result))
 
     def _end_writes(self, ops: list[_Write], reason: str) -> None:
         """Aborts the NIXL transfer of each op (nothing of it writes afterwards), then finishes

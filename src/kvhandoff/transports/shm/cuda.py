@@ -7,7 +7,7 @@
 #   handle and the buffer's offset in it). `parse_device_descriptor` names what is wrong.
 # - register_remote of such a descriptor opens the peer's block once per (peer, block)
 #   (`_cuda_ipc.PeerBlocks`); the other buffers of the block are addressed from its base.
-# - post_write from a CUDA buffer into a peer's CUDA buffer: a `DeviceJob` for the lane's
+# - post_writes from a CUDA buffer into a peer's CUDA buffer: a `DeviceJob` for the lane's
 #   worker thread (never the caller's, never shm's I/O thread): it runs `copy_spans` (async
 #   copies on a private stream, an event recorded behind them), computes the device checksum
 #   of the source spans (`devsum`, on a private stream, while the copies run) when asked, then
@@ -16,7 +16,7 @@
 #   write. A copy once launched cannot be recalled: cancel() marks the job, and its on_done
 #   still waits for the event (nothing of it writes any more then).
 # - Host <-> device writes (one side's buffer host memory, the other's device memory) are
-#   refused: at register_remote, and at post_write. Two-sided sends/receives of CUDA buffers
+#   refused: at register_remote, and at post_writes. Two-sided sends/receives of CUDA buffers
 #   are refused: device memory moves by one-sided writes only.
 # - A dead peer: the writer opened the peer's memory. The I/O thread's pidfd says the peer
 #   exited; from then on writes to it fail before any copy is launched, and disconnect() closes

@@ -11,22 +11,22 @@
 #   then answers b"F" (tag, ok/reason), which completes the receive; the send completes when
 #   its copy ended. The receiver posts one message per receive, nothing per span or chunk.
 # - One-sided (OneSidedTransport): describe(name) gives a buffer's descriptor, the writer installs
-#   it with register_remote(peer, name, descriptor) and post_write()s span plans into it; the
+#   it with register_remote(peer, name, descriptor) and post_writes() span plans into it; the
 #   receiver posts nothing at all. Writes can hash their source while copying (checksum=True);
 #   on the map lane the copy also hashes each destination piece right after copying it (the
-#   writer's check of what landed, in cache) and the job completes with a base.WriteSums (a
+#   writer's check of what landed, in cache) and the job's WriteResult carries `landed` (a
 #   landed sum per write). landed_digest(peer, remote, plan) reads back what a write left in
 #   a mapped target (for a write whose completion had no landed sums). post_writes of host
 #   memory copies several plans (a layer's regions) as ONE job: one op under the first
 #   write's tag, one completion, one digest per write (each region hashed by its own part).
-#   `post_writes_tampered` is the fault-injection seam (testing.faults): the same job with a
-#   destination byte flipped inside the copy, before its landed hash.
+#   `_post_writes_tampered` is the private fault-injection seam (testing.faults calls it): the
+#   same job with a destination byte flipped inside the copy, before its landed hash.
 # - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
 # - CUDA buffers (cuda.py): registered device memory is written one-sided only, through
 #   CUDA IPC (describe gives a CUDA descriptor, register_remote opens the peer's block once,
-#   post_write copies on the lane's worker and completes once the copy's event did; digest =
+#   a write copies on the lane's worker and completes once the copy's event did; digest =
 #   devsum of the source). Host <-> device writes and two-sided device ops are refused.
 #
 # Completion contract (what cancel / disconnect / close promise; the agent relies on it):
@@ -35,7 +35,7 @@
 #   and return. The only wait is for this process's own copy jobs (sends and one-sided writes
 #   into the peer): they stop within one batch of pieces (memcpy into a mapping, or
 #   process_vm_writev, neither of which waits on the peer, stopped or not); bounded by
-#   stall_timeout_s, past which TransportError is raised. So after cancel() of a post_write
+#   stall_timeout_s, past which TransportError is raised. So after cancel() of a write
 #   returns, nothing of that write is written into the peer any more.
 # - An op's on_done is called once nothing of it writes into memory any more: a send or write
 #   once its copy job stopped; a receive the peer was told about (exposed) once the writer
@@ -61,8 +61,8 @@
 # stateless). The receiver's side of the wire (R out, F / A in) stays here: it completes
 # entries of the op table. What is left in this file (~930 lines, half of them comments and
 # docstrings) is one class whose every method takes part in an op's lifecycle under that one
-# lock; the one-sided write path (post_write(s), the host and CUDA jobs) is the next part to
-# move out, with the single write API (docs/ARCHITECTURE.md, Transports).
+# lock; the one-sided write path (post_writes, the host and CUDA jobs) is the next part to
+# move out (docs/ARCHITECTURE.md, Transports).
 from __future__ import annotations
 
 import functools
@@ -83,12 +83,11 @@ from kvhandoff.kv_layout.spans import SpanPlan, pair_spans
 from kvhandoff.transports.base import (
     OnDone,
     OneSidedTransport,
-    OnWrittenMany,
+    OnWritten,
     TransportKind,
     TransportStatus,
     WriteSpec,
-    WriteSums,
-    split_writes,
+    _split_writes,
 )
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
@@ -247,7 +246,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         if name in self._dev:
             raise TransportError(f"{what} {name!r}: the buffer is CUDA memory; over shm device "
                                  "memory moves by one-sided writes only (describe / "
-                                 "register_remote / post_write, which the agent uses when the "
+                                 "register_remote / post_writes, which the agent uses when the "
                                  "decode offers its buffers: one_sided_writes on)")
 
     # ---- one-sided writes (OneSidedTransport) ---------------------------------------------
@@ -262,7 +261,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         return describe_buffer(buf)
 
     def write_digest_alg(self, name: str) -> str | None:
-        """The algorithm of post_write(checksum=True)'s digest for local buffer `name`:
+        """The algorithm of post_writes(checksum=True)'s digest for local buffer `name`:
         "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
         such buffer is registered."""
         return "devsum" if name in self._dev else "xxh3" if name in self._table.buffers else None
@@ -270,7 +269,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
     def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
         """xxh3-64 of the peer's host buffer `remote` at `plan`'s destination pieces, read
         through the mapping the write went through (copy.read_back): a second pass, for a
-        write whose completion had no landed sums (post_write; a job split across lanes);
+        write whose WriteResult had no landed sums (a job split across lanes);
         None on the cma and CUDA lanes (their bytes are not mapped here: the decode verifies
         them)."""
         with self._lock:
@@ -295,21 +294,21 @@ class ShmTransport(TableTransport, OneSidedTransport):
             info.remotes[name] = target
             self._lanes.setdefault(peer, set()).add(target.lane)
 
-    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWrittenMany, *,
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
         """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
         thread, or on this one for a small job), each write's source hashed on its own (a
         digest per write). A CUDA write: a job on the device lane; several, or a layer whose
-        targets lie on both host lanes: one job per write (split_writes)."""
+        targets lie on both host lanes: one job per write (_split_writes)."""
         if not any(w[1] in self._dev for w in writes):
             self._post_host(writes, peer, on_done, checksum)
         elif len(writes) == 1:
             self._post_device(peer, *writes[0], on_done, checksum)
         else:
-            split_writes(self, peer, writes, on_done, checksum=checksum)
+            _split_writes(self, peer, writes, on_done, checksum=checksum)
 
     def _post_device(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                     on_done: OnWrittenMany, checksum: bool) -> None:
+                     on_done: OnWritten, checksum: bool) -> None:
         """A write of CUDA buffer `name` (a job of one), copied on the device lane's worker;
         its digest (devsum of the source) rides along on success."""
         if not callable(on_done):
@@ -323,7 +322,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
                           None if target is None else target.nbytes, connected=info is not None)
         assert info is not None and target is not None  # write_plan checked both
         if not isinstance(target, DeviceTarget):
-            raise TransportError(f"post_write {name!r} -> {remote!r}: a write from CUDA "
+            raise TransportError(f"post_writes {name!r} -> {remote!r}: a write from CUDA "
                                  "memory into host memory; shm writes host to host or "
                                  "device to device, not across")
         op = ShmOp(peer, info.ident, tag, True, buf, None, ignore, total=plan.total_bytes)
@@ -333,10 +332,11 @@ class ShmTransport(TableTransport, OneSidedTransport):
         self._add_write(op)
         self._io.put(self._on_write, op, checksum)
 
-    def post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
-                             on_done: OnWrittenMany, flips: dict[int, int], *,
-                             checksum: bool = False) -> bool:
-        """Fault injection only (testing.faults): `post_writes` of host memory as one copy job
+    def _post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
+                              on_done: OnWritten, flips: dict[int, int], *,
+                              checksum: bool = False) -> bool:
+        """The fault-injection seam, private (testing.faults.post_writes_tampered calls it):
+        `post_writes` of host memory as one copy job
         that flips the first destination byte of write i's piece `flips[i]` right after that
         piece was copied and before it is hashed as landed, so the byte the peer holds is not
         the source's and the landed sum is of what it holds. The job copies from Python (the
@@ -353,7 +353,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         self._post_host(writes, peer, on_done, checksum, flips)
         return True
 
-    def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWrittenMany,
+    def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWritten,
                    checksum: bool, flips: dict[int, int] | None = None) -> None:
         """(any thread) Host writes as one copy job under the first write's tag, started from
         here (no I/O-thread hop); its copy thread completes the op (this thread, for a job of
@@ -370,13 +370,13 @@ class ShmTransport(TableTransport, OneSidedTransport):
                                                            strict=True):
             assert buf is not None  # write_plans checked it
             if not isinstance(target, Target):
-                raise TransportError(f"post_write {name!r} -> {remote!r}: a write from host "
+                raise TransportError(f"post_writes {name!r} -> {remote!r}: a write from host "
                                      "memory into CUDA memory; shm writes host to host or "
                                      "device to device, not across")
             parts.append((buf, target, plan))
         assert info is not None  # write_plans checked it
         if len({t.lane for _, t, _ in parts}) > 1:  # one job copies on one lane
-            split_writes(self, peer, writes, on_done, checksum=checksum)
+            _split_writes(self, peer, writes, on_done, checksum=checksum)
             return
         op = ShmOp(peer, info.ident, check_tag(writes[0][0]), True, parts[0][0], None, ignore,
                    total=sum(p.total_bytes for _, _, p in parts))
@@ -432,10 +432,10 @@ class ShmTransport(TableTransport, OneSidedTransport):
         with self._lock:
             self._table.check_open()
             if op.peer not in self._table.peers:
-                raise TransportError(f"post_write: peer {op.peer!r} is not connected")
+                raise TransportError(f"post_writes: peer {op.peer!r} is not connected")
             key = (op.peer, op.tag, True)
             if key in self._table.ops:
-                raise TransportError(f"post_write: tag {op.tag} with peer {op.peer!r} is "
+                raise TransportError(f"post_writes: tag {op.tag} with peer {op.peer!r} is "
                                      "already pending")
             self._table.ops[key] = op
 
@@ -866,8 +866,8 @@ class ShmTransport(TableTransport, OneSidedTransport):
             self._running.discard(job)
             if ok:
                 self._bytes_sent += job.total
-                op.digests = (WriteSums(job.digests, job.landed) if job.landed[0] is not None
-                              else tuple(job.digests))
+                op.digests = tuple(job.digests)
+                op.landed = tuple(job.landed) if job.landed[0] is not None else ()
             done = self._table.finish_locked([op], None if ok else job.error or "cancelled")
         if done:
             self._held.deliver(done, here=True)

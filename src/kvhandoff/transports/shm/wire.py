@@ -80,8 +80,8 @@ def parse_writer_frame(frames: list[bytes]) -> tuple[bytes, int, bool, str] | No
 
 class ShmOp:
     __slots__ = ("peer", "ident", "tag", "is_send", "buf", "plan", "total", "on_done", "finished",
-                 "exposed", "acked", "job", "is_write", "remote", "digest", "digests", "info",
-                 "result", "delivered", "hold_until")
+                 "exposed", "acked", "job", "is_write", "remote", "digest", "digests", "landed",
+                 "info", "result", "delivered", "hold_until")
 
     def __init__(self, peer: str, ident: bytes, tag: int, is_send: bool, buf: np.ndarray | Any,
                  plan: ChunkPlan | None, on_done: OnDone, *, total: int | None = None) -> None:
@@ -107,6 +107,8 @@ class ShmOp:
         self.digest: int | None = None
         # host write job with checksum: the xxh3-64 of each write's source stream, in order
         self.digests: tuple[int | None, ...] = ()
+        # host write job on the map lane with checksum: each write's landed sum (the copy's)
+        self.landed: tuple[int | None, ...] = ()
         # completion: the outcome once the op finished; on_done is handed on (`delivered`) only
         # once nothing of the op writes into memory any more (shm.py's module comment)
         self.result: BaseException | None = None

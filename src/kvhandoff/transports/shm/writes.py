@@ -1,13 +1,13 @@
 # One-sided writes of the shm transport: installing a peer's buffer descriptor as a write
 # target (host memory: a mapped kvhandoff segment or process_vm_writev; CUDA memory: the peer's
-# IPC block, opened once), and the completion adapter of post_write.
+# IPC block, opened once), and the completion adapters of post_writes.
 #
 # Rules: plain functions over what the caller passes (no transport state): the transport looks
 # the peer up under its lock, calls `open_remote` outside it, and installs the result.
 from __future__ import annotations
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone, OnWrittenMany
+from kvhandoff.transports.base import OnDone, OnWritten, WriteResult
 from kvhandoff.transports.shm.copy import Target, open_target
 from kvhandoff.transports.shm.cuda import (
     DeviceLane,
@@ -87,18 +87,19 @@ def ignore(exc: BaseException | None) -> None:
     """The on_done of a write op until `written_adapter` replaced it."""
 
 
-def written_adapter(op: ShmOp, on_written: OnWrittenMany) -> OnDone:
+def written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
     """A CUDA write job's completion (a job of one write) as the op's on_done: its digest
     rides along on success."""
     def done(exc: BaseException | None) -> None:
-        on_written(exc, (op.digest,) if exc is None else ())
+        on_written(WriteResult(exc, (op.digest,)) if exc is None else WriteResult(exc))
     return done
 
 
-def written_many_adapter(op: ShmOp, on_written: OnWrittenMany) -> OnDone:
-    """A host write job's completion as the op's on_done: one digest per write on success."""
+def written_many_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
+    """A host write job's completion as the op's on_done: one digest per write on success
+    (and the copy's landed sums where it read them)."""
     def done(exc: BaseException | None) -> None:
-        on_written(exc, op.digests if exc is None else ())
+        on_written(WriteResult(None, op.digests, op.landed) if exc is None else WriteResult(exc))
     return done
 
 
