@@ -42,14 +42,33 @@ def main() -> None:
     )
     from kvhandoff.kv_layout import Plane
 
-    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
-    sa = E.server_args("prefill", srv.port)
     manager = get_kv_class(TransferBackend("kvhandoff"), KVClassType.MANAGER)
     for config in ("glm-5.3", "glm-5.3-kpool2"):
+        # a bootstrap server each: the two configs' page sizes differ, and the server refuses
+        # a rank of engine 'sglang' that disagrees with its first registrant (a ConfigError at
+        # the manager's start)
+        srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+        sa = E.server_args("prefill", srv.port)
         args = P.kv_args(P.pools(config))
         mgr = manager(args, DisaggregationMode.PREFILL, sa, True)
         emit(name=config, report=mgr.probe_report)
         mgr.close()
+        srv.close()
+    # a prefill rank whose registration its bootstrap server refuses (another page size than
+    # the engine's first registrant) stops at start, the server's reason named (SGLang's own
+    # registration logs it and serves a prefill no decode finds)
+    from kvhandoff.errors import ConfigError
+
+    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+    sa = E.server_args("prefill", srv.port)
+    manager(P.kv_args(P.pools("glm-5.3")), DisaggregationMode.PREFILL, sa, True).close()
+    try:
+        manager(P.kv_args(P.pools("glm-5.3-kpool2")), DisaggregationMode.PREFILL, sa,
+                True).close()
+        emit(name="disagreeing_rank", refused=False)
+    except ConfigError as e:
+        emit(name="disagreeing_rank", refused=True, message=str(e))
+    srv.close()
     # deliberately wrong layouts over the same scratch pool: refused, the slot named
     args = P.kv_args(P.pools("glm-5.3"))
     from kvhandoff.integrations.sglang.layout import Parallel, build
@@ -75,7 +94,6 @@ def main() -> None:
         except LayoutProbeError as e:
             emit(name=name, refused=True, backend=e.backend, slot=e.slot, plane=e.plane,
                  message=str(e))
-    srv.close()
 
 
 if __name__ == "__main__":

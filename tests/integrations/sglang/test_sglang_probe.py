@@ -58,6 +58,10 @@ def test_probe_verifies_sglangs_pools_and_refuses_wrong_layouts_naming_the_slot(
     bad = r["kv_page_major_planes"]
     assert bad["refused"] and bad["slot"] == 64 and bad["plane"] == "rope"
     assert "region 'kv'" in bad["message"]
+    # a rank its bootstrap server refuses does not start
+    bad = r["disagreeing_rank"]
+    assert bad["refused"] and "PUT /route" in bad["message"], bad
+    assert "disagrees with the first registrant" in bad["message"] and "page_size" in bad["message"]
 
 
 def _manager(monkeypatch: pytest.MonkeyPatch, **env: str) -> Any:
