@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from deploy_helpers import load_deploy_module
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.errors import BootstrapNotFound
 from kvhandoff.kv_layout import preset
 from kvhandoff.settings import Settings
-from kvhandoff.testing.server import run_server
 
 probe = load_deploy_module("bin/probe.py")
 engine = load_deploy_module("bin/placeholder_engine.py")

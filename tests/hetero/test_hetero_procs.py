@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from hetkit import one_copy_bytes
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
 from kvhandoff.kv_layout.presets import glm53, llama31_8b
 from kvhandoff.settings import Settings
 from kvhandoff.sim.process import SimProcess, spawn
-from kvhandoff.testing.server import run_server
 
 START_S = 60.0  # process start (imports torch) with 8 processes on a loaded 2-core machine
 DONE_S = 60.0

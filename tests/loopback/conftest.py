@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.errors import BootstrapUnavailable
 from kvhandoff.settings import Settings
-from kvhandoff.testing.server import run_server
 
 
 @pytest.fixture

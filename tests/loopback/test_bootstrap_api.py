@@ -18,7 +18,7 @@ from kvhandoff.errors import (
     BootstrapUnavailable,
 )
 from kvhandoff.kv_layout import layout_diff, layout_hash, preset
-from kvhandoff.testing.server import FakeClock
+from kvhandoff.testing.clock import FakeClock
 
 GLM = preset("glm-5.3")
 LLAMA = preset("llama-3.1-8b")
@@ -217,7 +217,7 @@ def test_client_retries_503_until_the_room_is_bound(bootstrap_server: Server) ->
 
 
 def test_client_gives_up_on_a_dead_server_within_its_bound() -> None:
-    from kvhandoff.testing.server import bind_socket
+    from kvhandoff.bootstrap_server.sockets import bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -67,7 +67,7 @@ def test_bound_socket_gives_accepted_connections_tcp_nodelay() -> None:
     import asyncio
     import socket
 
-    from kvhandoff.testing.server import bind_socket
+    from kvhandoff.bootstrap_server.sockets import bind_socket
 
     async def main() -> int:
         sock = bind_socket("127.0.0.1", 0)

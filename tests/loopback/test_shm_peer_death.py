@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.sim.process import spawn
-from kvhandoff.testing.server import run_server
 
 
 @pytest.mark.parametrize("lane", ["shm/map", "shm/cma"])

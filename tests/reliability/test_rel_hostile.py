@@ -20,10 +20,10 @@ from relkit import (
     wait_until,
 )
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.runtime.locallane import available
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing import hostile
-from kvhandoff.testing.server import run_server
 
 OWN_LANES = True  # the control surfaces do not depend on the data transport
 

@@ -29,13 +29,13 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
 from kvhandoff.sim.process import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
-from kvhandoff.testing.server import run_server
 
 HB_S = 0.2
 # "within 2 heartbeats": detection runs on the heartbeat tick, so a silence is seen between 2

@@ -20,12 +20,12 @@ import relkit
 from relkit import WAIT_S, Engine, Prober, fast_settings, free_port
 
 from kvhandoff.bootstrap_server import BootstrapClient
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.kv_layout import preset
 from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
 from kvhandoff.sim.process import spawn
 from kvhandoff.state_machine import KVPoll
-from kvhandoff.testing.server import run_server
 
 HB_S = 0.2
 SEQ = 128

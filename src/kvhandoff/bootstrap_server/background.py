@@ -7,8 +7,7 @@ scripts and tests serve it this way.
 Rules: the listening socket is bound (port 0 = any free port) and listening before uvicorn
 starts, so the URL is known at once; `run_server` still waits, with a bound, for uvicorn's
 startup to finish and fails loudly if the server thread dies. Leaving the block stops the
-server and joins the thread (bounded). Product code takes it from here; `kvhandoff.testing.server`
-re-exports it beside the test-only process harnesses.
+server and joins the thread (bounded). This is its one import path (tests and scripts too).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The session (`session.TransferSession`) returns a list of these from every event
 (`runtime.loop.ControlLoop`, one thread) executes them in order: control messages go out on ZMQ,
 transfers are posted on the transport, hashing jobs go to the hasher pool, room views are
 updated and their waiters woken. `EffectFilter` is the one seam tests use to drop, hold or
-rewrite effects before the driver executes them (`kvhandoff.testing.faults.MessageFaults`);
+rewrite effects before the driver executes them (`kvhandoff.testing.faults.MessageFaults`): the
+runtime puts it in front of the session (`runtime.seam.Filtered`), outside the driver's loop;
 production installs none, and no effect exists for tests alone.
 """
 
@@ -191,9 +192,10 @@ class Release(Effect):
 
 
 class EffectFilter(Protocol):
-    """What a driver passes every effect through before executing it (tests only). A filter
-    may hold an effect back and hand it out later: the driver asks for those at every pass
-    and wakes up in time for the next one."""
+    """What every effect of the session passes through before the driver executes it (tests
+    only; `runtime.seam.Filtered` applies it). A filter may hold an effect back and hand it out
+    later: it is asked for those at every tick, and the driver wakes up in time for the next
+    one."""
 
     def __call__(self, effect: Effect, now: float) -> Iterable[Effect]:
         """The effects to execute now instead of `effect` (none: dropped or held)."""

@@ -30,13 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 
 import kvhandoff.integrations.vllm.worker as worker_side  # noqa: E402
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.config import DeclineReq  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 try:
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups

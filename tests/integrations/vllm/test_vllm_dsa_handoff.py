@@ -31,12 +31,12 @@ import vllm_dsa_env as dsa  # noqa: E402
 from test_vllm_worker import Child  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 WARM = 3 * dsa.BLOCK_SIZE + 8  # A1: the decode's local request, 3 full blocks cached
 SEQ1 = 3 * dsa.BLOCK_SIZE + 40  # A1's prompt extends it: 4 blocks, the last one partial

@@ -21,12 +21,12 @@ import torch  # noqa: E402
 import vllm_env as env  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 SEQ = 40
 DONE_S = 60.0

@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vllm is installed by `make setup` (requireme
 import vllm_env as env  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.errors import ConfigError  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector  # noqa: E402
@@ -31,7 +32,6 @@ from kvhandoff.integrations.vllm.lanes import choose_lane  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of  # noqa: E402
 from kvhandoff.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 from kvhandoff.transports.base import TransportKind  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "VLLM.md"

@@ -29,12 +29,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 PROMPT = 40  # 3 blocks of 16, the last one partial
 

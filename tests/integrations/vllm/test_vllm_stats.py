@@ -26,13 +26,13 @@ from prometheus_client import REGISTRY, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_vllm_preempt import forward, worker  # noqa: E402  (two in-process workers, tcp)
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.connector import RecvReq, SendReq  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of, split_addr  # noqa: E402
 from kvhandoff.integrations.vllm.stats import KVHandoffStats  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 SEQ = 40  # 3 blocks of 16
 DONE_S = 60.0

@@ -34,10 +34,10 @@ from test_vllm_scheduler import request, scheduler, step_output  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import init_none_hash  # noqa: E402
 
+from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.integrations.vllm import KVHandoffConnector  # noqa: E402
 from kvhandoff.integrations.vllm.params import room_of  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.testing.server import run_server  # noqa: E402
 
 DONE_S = 60.0
 # ids as vLLM's OpenAI front end makes them (cmpl-<hex>-<n>); each side has its own

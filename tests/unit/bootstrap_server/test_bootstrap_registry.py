@@ -20,7 +20,7 @@ from kvhandoff.errors import (
 )
 from kvhandoff.kv_layout import layout_hash, preset
 from kvhandoff.state_machine.vocabulary import Role
-from kvhandoff.testing.server import FakeClock
+from kvhandoff.testing.clock import FakeClock
 
 GLM = preset("glm-5.3")
 LLAMA = preset("llama-3.1-8b")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.buffers.pool import PagePool
@@ -29,7 +30,6 @@ from kvhandoff.protocol.session import TransferSession
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import FaultyTransport
-from kvhandoff.testing.server import run_server
 from kvhandoff.transfer import TransferAgent
 from kvhandoff.transports.base import load_transport
 
