@@ -7,13 +7,13 @@ without a bound."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import zmq
+from test_conformance import Done  # the shared harness (tests/transports is on sys.path)
 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
@@ -26,19 +26,6 @@ N = 4 * CHUNK  # one receive: four chunks
 WAIT_S = 20.0
 
 
-class Done:
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.results: list[BaseException | None] = []
-
-    def __call__(self, exc: BaseException | None) -> None:
-        self.results.append(exc)
-        self.event.set()
-
-    def wait(self) -> BaseException | None:
-        assert self.event.wait(WAIT_S), "on_done was not called in time"
-        assert len(self.results) == 1
-        return self.results[0]
 
 
 class Pair:
