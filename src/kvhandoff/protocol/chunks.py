@@ -55,7 +55,7 @@ class ChunkedPrefill:
         """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
         which the agent checked)."""
         g = self.rooms.group(e.room, e.token)
-        if g is None or g.done:
+        if g is None or g.state.done:
             return
         if len(g.ready) < len(g.layers) or not g.chunk_end < e.chunk_end <= g.seq_len:
             self.rooms.fail_group(g, Failure(
@@ -68,7 +68,7 @@ class ChunkedPrefill:
         g.chunk_end = e.chunk_end
         g.ready = []
         for r in g.legs:
-            if r.accepted and not r.machine.is_terminal:
+            if r.state.accepted and not r.state.terminal:
                 self._add_leg_chunk(r)
 
     def _add_leg_chunk(self, r: Leg) -> None:
@@ -93,7 +93,7 @@ class ChunkedPrefill:
         r.chunk_ends.append(g.chunk_end)
         r.chunk_plans.append(plans)
         r.chunk_xfers.append(None)
-        r.machine.progressed(self.ctx.now)
+        r.state.progressed(self.ctx.now)
         self.ctx.send(r.peer, P.ChunkAdded(src=self.ctx.me.address, gen=self.ctx.me.generation,
                                         room=r.room, chunk=len(r.chunk_ends) - 1,
                                         chunk_end=g.chunk_end, src_pages=delta, xfer=r.xfer))
@@ -101,7 +101,7 @@ class ChunkedPrefill:
     def on_chunk_added(self, r: Leg, msg: P.ChunkAdded) -> None:
         """Decode: plan the chunk, post its receives, answer `ChunkAccepted`."""
         try:
-            if not r.accepted or msg.chunk != len(r.chunk_ends):
+            if not r.state.accepted or msg.chunk != len(r.chunk_ends):
                 raise ConfigError(f"chunk: {msg.chunk} out of order (expected "
                                   f"{len(r.chunk_ends)})")
             if not r.chunk_ends[-1] < msg.chunk_end <= r.seq_len:
@@ -126,7 +126,7 @@ class ChunkedPrefill:
         r.chunk_ends.append(msg.chunk_end)
         r.chunk_plans.append(plans)
         r.chunk_xfers.append(xfer)
-        r.machine.progressed(self.ctx.now)
+        r.state.progressed(self.ctx.now)
         self.ctx.send(r.peer, P.ChunkAccepted(src=self.ctx.me.address, gen=self.ctx.me.generation,
                                            room=r.room, chunk=msg.chunk, xfer=xfer))
         for layer in r.layers:

@@ -85,8 +85,8 @@ class InFlight:
         """Records an op of `r` about to be posted; its id."""
         self._next += 1
         self.ops[self._next] = Op(r, tags, send, unit, attempt, regions)
-        for tag in tags:  # (a failing leg cancels each: a transport may have split the job)
-            r.fence.tags[tag] = r.fence.tags.get(tag, 0) + 1
+        # (a failing leg cancels each tag: a transport may have split the job)
+        r.state.fence.posted(tags)
         return self._next
 
     def hash(self, job: Job) -> None:
@@ -115,13 +115,8 @@ class InFlight:
         if op is None:
             return None
         r = op.leg
-        for tag in op.tags:
-            left = r.fence.tags.get(tag, 1) - 1
-            if left:
-                r.fence.tags[tag] = left
-            else:
-                r.fence.tags.pop(tag, None)
-        if r.machine.is_terminal:
+        r.state.fence.completed(op.tags)
+        if r.state.terminal:
             self.rooms.maybe_release(r)
             return None
         return op
@@ -135,7 +130,7 @@ class InFlight:
             return None
         r = job.leg
         r.verifying.discard((job.unit, job.attempt))
-        if r.machine.is_terminal or r.posted.get(job.unit) != job.attempt:
+        if r.state.terminal or r.posted.get(job.unit) != job.attempt:
             return None
         if e.error is not None:
             what = "verification" if job.verify else "checksum"

@@ -46,7 +46,7 @@ from kvhandoff.protocol.failures import failure_of
 from kvhandoff.protocol.handshake import Peer, PeerState
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.rooms import Leg
-from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerMatched, PeerWasLost, Role
+from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerWasLost, Role
 
 NO_HANDSHAKE = "no handshake"
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
@@ -218,7 +218,7 @@ class PeerTable:
 
     def attach(self, r: Leg, addr: str) -> None:
         """Ties a decode leg to its prefill peer; starts the handshake."""
-        if r.machine.is_terminal:
+        if r.state.terminal:
             return
         p = self.peer(addr)
         if p.state is PeerState.REJECTED and p.rejected is not None:
@@ -238,8 +238,7 @@ class PeerTable:
 
     def _matched(self, r: Leg, p: Peer) -> None:
         r.peer_gen = p.gen
-        if not r.machine.peer_matched:
-            r.machine.apply(PeerMatched(), self.ctx.now)
+        r.state.match(self.ctx.now)
         self._on_matched(r)
 
     def on_hello(self, msg: P.Hello) -> None:
@@ -402,8 +401,8 @@ class PeerTable:
         """Decode: a lost prefill's process is gone: its one-sided legs' pages go back now
         instead of after `write_quarantine_s`."""
         for r in list(self.rooms.legs.values()):
-            if r.peer == e.peer and r.peer_gen == e.gen and r.fence.remote_writes:
-                r.fence.remote_writes = False
+            if r.peer == e.peer and r.peer_gen == e.gen and r.state.fence.remote_writes:
+                r.state.fence.remote_writes = False
                 self.rooms.maybe_release(r)
 
     # ------------------------------------------------------------------ losing peers

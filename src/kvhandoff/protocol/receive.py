@@ -38,7 +38,8 @@ from kvhandoff.protocol.inflight import InFlight, Job, Op
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import PeerTable
 from kvhandoff.protocol.planning import regions_of, span_plans
-from kvhandoff.protocol.rooms import Leg, LegPhase, Unit
+from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersLanded,
     ChecksumsDiffered,
@@ -64,18 +65,18 @@ class ReceivePath:
     def init_leg(self, r: Leg) -> None:
         """Decode: give a leg the engine's pages once both exist; maybe request."""
         g = r.group
-        if g.pages is None or r.phase is not LegPhase.NEW:
+        if g.pages is None or r.state.phase is not LegPhase.NEW:
             return
         table, prefix = g.pages
         r.seq_len, r.prefix_len, r.pages = g.seq_len, prefix, table
         r.page_size = self.ctx.layout.page_size_tokens
-        r.advance(LegPhase.READY)
+        r.state.advance(LegPhase.READY)
         self.maybe_request(r)
 
     def maybe_request(self, r: Leg) -> None:
         """Decode: send the TransferRequest once matched and initialised."""
-        if (r.role is not Role.DECODE or r.phase is not LegPhase.READY
-                or not r.machine.peer_matched or r.machine.is_terminal):
+        if (r.role is not Role.DECODE or r.state.phase is not LegPhase.READY
+                or not r.state.matched or r.state.terminal):
             return
         p = self.peers.get(r.peer)
         if p is None or p.layout is None:
@@ -97,13 +98,13 @@ class ReceivePath:
             planes[reg.name] = [pl.name for pl in reg.planes
                                 if pl.name in theirs and pl.name not in claimed[reg.name]]
         r.planes = planes
-        r.advance(LegPhase.REQUESTED)
+        r.state.advance(LegPhase.REQUESTED)
         r.xfer = self.ctx.next_xfer()
         # This request carries our buffers' descriptors (offered in our Hello): the prefill
         # may write into the pages it names from the moment it accepts, which can be before
         # its TransferAccepted reaches us. The pages are fenced from now on (released only
         # once its writes stopped, or after the quarantine), cleared by a two-sided accept.
-        r.fence.remote_writes = r.fence.remote_writes or self.ctx.me.writes
+        r.state.fence.remote_writes = r.state.fence.remote_writes or self.ctx.me.writes
         # admission (issue 17): the policy, and what was reserved (early) or is free
         policy = self.ctx.settings.allocation_policy
         early = policy is AllocationPolicy.EARLY
@@ -116,8 +117,8 @@ class ReceivePath:
             if early else None, free_pages=None if early else g.free_pages,
             prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix),
             readers=g.readers))
-        if g.expected is not None and len(g.legs) == g.expected and all(
-                leg.requested for leg in g.legs):
+        if g.state.expected is not None and len(g.legs) == g.state.expected and all(
+                leg.state.requested for leg in g.legs):
             for reg in self.ctx.layout.regions:
                 have = set().union(*(set((leg.planes or {}).get(reg.name, [])) for leg in g.legs))
                 missing = [pl.name for pl in reg.planes if pl.name not in have]
@@ -130,7 +131,7 @@ class ReceivePath:
 
     def on_accepted(self, r: Leg, msg: P.TransferAccepted) -> None:
         """Decode: plan, post every receive, WaitingForInput."""
-        if r.accepted:
+        if r.state.accepted:
             return
         try:
             p = self.peers.get(r.peer)
@@ -150,12 +151,12 @@ class ReceivePath:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid TransferAccepted: {e}"),
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
-        r.advance(LegPhase.ACCEPTED)
+        r.state.advance(LegPhase.ACCEPTED)
         if msg.one_sided:
-            r.one_sided = r.fence.remote_writes = True
+            r.one_sided = r.state.fence.remote_writes = True
             self.ctx.counters["rooms_one_sided"] += 1
         else:  # the prefill sends two-sided: it never writes into our pages
-            r.fence.remote_writes = False
+            r.state.fence.remote_writes = False
         self.rooms.apply(r, TransferAccepted())
         for layer in r.layers:
             self.post_recv_layer(r, Unit(layer), 0)
@@ -190,7 +191,7 @@ class ReceivePath:
 
     def try_verify(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Decode: once a unit's bytes and its LayerDone are both here, verify."""
-        if r.role is not Role.DECODE or r.machine.is_terminal or r.posted.get(unit) != attempt:
+        if r.role is not Role.DECODE or r.state.terminal or r.posted.get(unit) != attempt:
             return
         key = (unit, attempt)
         sums = r.sums.get(key)
@@ -260,16 +261,17 @@ class ReceivePath:
         r.bytes_moved += self.ops.moved(r, unit, regions, "received")
         layer = r.unit_done(unit)
         if layer is None:
-            r.machine.progressed(ctx.now)
+            r.state.progressed(ctx.now)
             return
         self.rooms.apply(r, LayerLanded(layer=layer))
         g = r.group
-        if g.expected is not None and len(g.legs) == g.expected and all(
-                leg.machine.has_layers((layer,)) for leg in g.legs):
+        if g.state.expected is not None and len(g.legs) == g.state.expected and all(
+                leg.state.has_layers((layer,)) for leg in g.legs):
             g.landed.add(layer)
             self.rooms.changed(g)
-        if r.machine.has_layers(r.layers):
-            r.fence.remote_writes = False  # every layer verified: the prefill writes nothing more
+        if r.state.has_layers(r.layers):
+            # every layer verified: the prefill writes nothing more
+            r.state.fence.remote_writes = False
             self.rooms.apply(r, AllLayersLanded())
             ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
 

@@ -45,7 +45,7 @@ class ReadOuts:
         """Room states by name, peers and counters."""
         states: dict[str, int] = {}
         for g in groups:
-            states[g.state.name] = states.get(g.state.name, 0) + 1
+            states[g.state.poll.name] = states.get(g.state.poll.name, 0) + 1
         return {"rooms": states, "peers": [peer_summary(p) for p in peers],
                 "counters": dict(counters),
                 "region_bytes": [[d, r, n] for (d, r), n in sorted(self.region_bytes.items())],
@@ -67,14 +67,14 @@ def room_stats(g: Group, layout: LayoutSpec) -> dict[str, Any]:
             before[k] = before.get(k, 0) + p.descriptors_before * layers
             per_region[k] = per_region.get(k, 0) + p.total_bytes * layers
     return {
-        "room": g.room, "state": g.state.name,
-        "failure": g.failure.reason if g.failure else None,
-        "failure_kind": g.failure.kind.value if g.failure else None,
+        "room": g.room, "state": g.state.poll.name,
+        "failure": g.state.failure.reason if g.state.failure else None,
+        "failure_kind": g.state.failure.kind.value if g.state.failure else None,
         "legs": len(g.legs), "peers": [r.peer for r in g.legs],
         "bytes": sum(r.bytes_moved for r in g.legs),
         "retransmits": sum(r.retransmits for r in g.legs),
         "one_sided": bool(g.legs) and all(r.one_sided for r in g.legs),
         "checksums_verified": sum(r.checksums_verified for r in g.legs),
         "descriptors": desc, "descriptors_before": before, "bytes_per_region": per_region,
-        "t_created": g.t_created, "t_last_ready": g.t_last_ready, "t_done": g.t_done,
+        "t_created": g.t_created, "t_last_ready": g.t_last_ready, "t_done": g.state.t_done,
     }

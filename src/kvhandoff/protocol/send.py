@@ -35,14 +35,14 @@ from kvhandoff.protocol.inflight import InFlight, Job, Op
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import PeerTable
 from kvhandoff.protocol.planning import regions_of, span_plans
-from kvhandoff.protocol.rooms import Leg, LegPhase, Unit
+from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersAcked,
     KVPoll,
     LayerSent,
     LeaseRenewed,
     PeerFailedRoom,
-    PeerMatched,
     TransferAccepted,
 )
 
@@ -67,7 +67,7 @@ class SendPath:
     def on_request(self, r: Leg, msg: P.TransferRequest) -> None:
         """Prefill: validate the request, plan, accept, and send the layers already ready."""
         p = self.peers.get(msg.src)
-        if not r.accepted:  # every message about this leg names this request from now on
+        if not r.state.accepted:  # every message about this leg names this request from now on
             r.xfer = msg.xfer
         if msg.peer_gen != self.ctx.me.generation:
             self.ctx.send(msg.src, P.Failed(
@@ -75,7 +75,7 @@ class SendPath:
                 reason="stale request: it names a previous generation of this prefill agent",
                 failure_kind=FailureKind.PEER_LOST.value, xfer=msg.xfer))
             return
-        if r.accepted:
+        if r.state.accepted:
             return
         try:
             if msg.seq_len != r.seq_len:
@@ -112,12 +112,11 @@ class SendPath:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid transfer request: {e}"),
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
-        if not r.machine.peer_matched:
-            r.machine.apply(PeerMatched(), self.ctx.now)
-        r.machine.apply(TransferAccepted(), self.ctx.now)
-        r.machine.apply(LeaseRenewed(), self.ctx.now)
+        r.state.match(self.ctx.now)
+        r.state.apply(TransferAccepted(), self.ctx.now)
+        r.state.apply(LeaseRenewed(), self.ctx.now)
         self.rooms.changed(r.group)
-        r.advance(LegPhase.ACCEPTED)
+        r.state.advance(LegPhase.ACCEPTED)
         if r.one_sided:
             self.ctx.counters["rooms_one_sided"] += 1
         self.ctx.send(msg.src, P.TransferAccepted(
@@ -237,15 +236,15 @@ class SendPath:
 
     def acked(self, r: Leg) -> None:
         """Prefill: the decode's RoomAck came."""
-        if r.phase is LegPhase.ACCEPTED:
-            r.advance(LegPhase.ACKED)
+        if r.state.phase is LegPhase.ACCEPTED:
+            r.state.advance(LegPhase.ACKED)
             self.maybe_acked(r)
 
     def maybe_acked(self, r: Leg) -> None:
         """Prefill: Success once the RoomAck came AND every layer's send completed (LayerDone
         goes out early, so the decode can verify and ack before our completions arrive)."""
-        if (r.phase is LegPhase.ACKED and r.machine.state is KVPoll.Transferring
-                and r.machine.has_layers(r.layers)):
+        if (r.state.phase is LegPhase.ACKED and r.state.poll is KVPoll.Transferring
+                and r.state.has_layers(r.layers)):
             self.rooms.apply(r, AllLayersAcked())
 
     def on_nack(self, r: Leg, msg: P.LayerNack) -> None:

@@ -53,7 +53,8 @@ from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
 from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.reports import ReadOuts, room_stats
-from kvhandoff.protocol.rooms import Group, Leg, LegPhase
+from kvhandoff.protocol.rooms import Group, Leg
+from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.protocol.send import SendPath
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import (
@@ -217,7 +218,7 @@ class TransferSession:
             return
         failure = Failure(FailureKind.INTERNAL, why)
         for r in g.legs:  # every leg's peer is told, whatever state the bug left it in
-            if not r.machine.is_terminal:
+            if not r.state.terminal:
                 self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
                                 failure=failure)
         self.rooms.fail_group(g, failure)
@@ -227,7 +228,7 @@ class TransferSession:
         engine aborted before its prefill ranks were known, the abort)."""
         reason = r.group.tell_abort
         if reason is not None:
-            if not r.machine.is_terminal:
+            if not r.state.terminal:
                 self.rooms.fail(r, RoomAborted(reason=reason, by=self.role),
                                 notify=Notify.ABORT)
             return
@@ -269,7 +270,7 @@ class TransferSession:
 
     def _attach_peers(self, g: Group, sources: list[tuple[str, int]]) -> None:
         """Decode: one leg per prefill rank to read from; starts the handshakes."""
-        if g.failure is not None:
+        if g.state.failure is not None:
             if g.tell_abort is not None:  # each prefill rank hears of the abort once matched
                 for addr, _gen in sources:
                     self.peers.attach(self.rooms.new_leg(g, addr), addr)
@@ -278,7 +279,7 @@ class TransferSession:
             self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
                                              "no prefill rank to read this room from"))
             return
-        g.expected = len(sources)
+        g.state.expect(len(sources))
         for addr, _gen in sources:
             r = self.rooms.new_leg(g, addr)
             self.peers.attach(r, addr)
@@ -313,7 +314,7 @@ class TransferSession:
         g.ready.append(e.layer)
         g.t_last_ready = self.ctx.now
         for r in g.legs:
-            if r.accepted and not r.machine.is_terminal:
+            if r.state.accepted and not r.state.terminal:
                 self.chunks.post_ready(r, e.layer)
 
     def _on_receiver_init(self, e: ev.ReceiverInit) -> None:
@@ -341,7 +342,7 @@ class TransferSession:
             self._abort(g, reason)
 
     def _abort(self, g: Group, reason: str) -> None:
-        if self.role is Role.DECODE and g.expected is None and g.failure is None:
+        if self.role is Role.DECODE and g.state.expected is None and g.state.failure is None:
             g.tell_abort = reason  # its prefill ranks are not known yet (`_attach_peers`)
         for r in g.legs:
             self.rooms.fail(r, RoomAborted(reason=reason, by=self.role), notify=Notify.ABORT)
@@ -378,8 +379,8 @@ class TransferSession:
         if isinstance(msg, P.Heartbeat):
             for room in msg.rooms:
                 r = self.rooms.legs.get((room, p.addr))
-                if r is not None and not r.machine.is_terminal:
-                    r.machine.apply(LeaseRenewed(), ctx.now)
+                if r is not None and not r.state.terminal:
+                    r.state.apply(LeaseRenewed(), ctx.now)
         elif isinstance(msg, P.Reject):
             ctx.log(WARNING, f"peer {msg.src} rejected a message: {msg.reason}")
             if msg.reason.startswith(NO_HANDSHAKE):
@@ -388,12 +389,12 @@ class TransferSession:
                 # a list in the rooms' own order (a set of legs iterates by object address,
                 # so a replay in another process would re-handshake them in another order)
                 retry = [r for r in self.rooms.open_legs()
-                         if r.peer == p.addr and not r.accepted and r.role is Role.DECODE]
+                         if r.peer == p.addr and not r.state.accepted and r.role is Role.DECODE]
                 self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent "
                                    "(it took this agent for dead)", keep=retry)
                 for r in retry:
-                    if r.requested:
-                        r.advance(LegPhase.READY)
+                    if r.state.requested:
+                        r.state.advance(LegPhase.READY)
                     r.planes = None
                     self.peers.attach(r, p.addr)
         elif p.state is PeerState.CONNECTING:
@@ -417,7 +418,7 @@ class TransferSession:
                     return
                 r = self.rooms.new_leg(g, msg.src)
                 r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
-                r.advance(LegPhase.READY)
+                r.state.advance(LegPhase.READY)
             elif isinstance(msg, P.Failed | P.Abort):
                 told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
                 self.rooms.fail_group(g, remote_failure(told, "peer failed the room: "
@@ -471,9 +472,10 @@ class TransferSession:
                 failure_kind=FailureKind.ADMISSION.value, xfer=msg.xfer))
 
     def _refuse_request(self, g: Group, readers: int) -> Failure | None:
-        if g.failure is not None:
-            return g.failure
-        if g.expected is None or g.readers_told:
+        s = g.state
+        if s.failure is not None:
+            return s.failure
+        if s.expected is None or s.readers_told:
             # the engine left the count to the readers: the first one's stands, and every
             # other must say the same
             if not 1 <= readers <= MAX_READERS:
@@ -481,19 +483,19 @@ class TransferSession:
                                f"room {g.room}: the prefill expects the decode ranks to say "
                                f"how many read it from this rank (readers 1..{MAX_READERS}), "
                                f"this request says {readers}")
-            if g.expected is None:
-                g.expected, g.readers_told = readers, True
-            elif readers != g.expected:
+            if s.expected is None:
+                s.expect(readers, told_by_reader=True)
+            elif readers != s.expected:
                 return Failure(FailureKind.INVALID_REQUEST,
-                               f"room {g.room}: a decode rank said {g.expected} read it from "
+                               f"room {g.room}: a decode rank said {s.expected} read it from "
                                f"this prefill rank, this one says {readers}")
-        elif readers and readers != g.expected:
+        elif readers and readers != s.expected:
             return Failure(FailureKind.INVALID_REQUEST,
-                           f"room {g.room}: the prefill opened it for {g.expected} decode "
+                           f"room {g.room}: the prefill opened it for {s.expected} decode "
                            f"rank(s) on this prefill rank, the decode says {readers}")
-        if g.expected is not None and len(g.legs) >= g.expected:
+        if s.expected is not None and len(g.legs) >= s.expected:
             return Failure(FailureKind.INVALID_REQUEST,
-                           f"room {g.room} already has its {g.expected} decode rank(s) on this "
+                           f"room {g.room} already has its {s.expected} decode rank(s) on this "
                            "prefill rank")
         return None
 
@@ -507,16 +509,16 @@ class TransferSession:
             return False
         if msg.xfer and msg.xfer != r.xfer:
             return True
-        return isinstance(msg, P.LayerDone) and not r.accepted
+        return isinstance(msg, P.LayerDone) and not r.state.accepted
 
     def _dispatch_room_msg(self, r: Leg, msg: Any) -> None:
         rooms, ctx = self.rooms, self.ctx
         if r.role is Role.DECODE and self._stale_for_decode(r, msg):
             ctx.counters["stale_messages"] += 1
             return
-        if (isinstance(msg, P.AbortAck) and r.machine.is_terminal
+        if (isinstance(msg, P.AbortAck) and r.state.terminal
                 or isinstance(msg, P.Failed | P.Abort) and msg.writes_stopped) \
-                and r.fence.remote_writes and msg.xfer:
+                and r.state.fence.remote_writes and msg.xfer:
             # (an AbortAck answers this leg's end: one for a leg still open is stale)
             # one-sided decode: the prefill says its writes into this leg's pages stopped
             # (writes_stopped: its cancels confirmed; else an AbortAck follows once they do),
@@ -538,11 +540,11 @@ class TransferSession:
             rooms.ack_stopped(r)
         elif isinstance(msg, P.AbortAck):
             pass
-        elif r.machine.is_terminal:
-            if isinstance(msg, P.TransferRequest) and r.machine.state is KVPoll.Failed:
+        elif r.state.terminal:
+            if isinstance(msg, P.TransferRequest) and r.state.poll is KVPoll.Failed:
                 # (a request sent again after a Reject names the same pages as the one this
                 # leg took: its writes into them may not have stopped yet)
-                f = r.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
+                f = r.state.failure or Failure(FailureKind.REMOTE_FAILED, "failed")
                 ctx.send(msg.src, P.Failed(src=ctx.me.address, gen=ctx.me.generation,
                                            room=r.room, reason=f.reason,
                                            failure_kind=f.kind.value, xfer=msg.xfer,
@@ -592,15 +594,15 @@ class TransferSession:
             by_peer.setdefault(r.peer, []).append(r.room)
         for g in list(self.rooms.groups.values()):
             waited = now - g.t_created
-            if (not g.done and (g.expected is None or len(g.legs) < g.expected)
+            if (not g.state.done and (g.state.expected is None or len(g.legs) < g.state.expected)
                     and waited > self.settings.bootstrap_timeout_s):
                 self.rooms.fail_group(g, Failure(
                     FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "
                     f"{waited:.1f}s", deadline="bootstrap"))
         self.peers.heartbeats(now, drained_at, by_peer)
         for r in list(self.rooms.legs.values()):
-            if not r.machine.is_terminal:
-                for which in r.machine.expired(now):
+            if not r.state.terminal:
+                for which in r.state.expired(now):
                     self.rooms.fail(r, DeadlinePassed(which=which), notify=Notify.FAILED)
                     break
         self.collect(now)

@@ -3,7 +3,9 @@
 Rules:
 - A handle never touches the session: its calls become events for the control thread
   (`layer_ready`, `init`, `abort`), and it reads the room through a `RoomView` that only the
-  control thread writes (from the session's `RoomUpdate` / `Release` effects).
+  control thread writes (from the session's `RoomUpdate` / `Release` effects). The view is the
+  engine's published copy of the room's `protocol.roomstate.RoomState`, never a second owner:
+  nothing in it feeds back into the session.
 - Each view has its own condition; the control thread notifies it, engine threads wait on it.
   It is the only lock an engine thread and the control thread share, and it guards nothing
   but the view's few fields.
@@ -44,7 +46,8 @@ class RoomOps(Protocol):
 
 
 class RoomView:
-    """What the engine side sees of one room (written by the control thread only)."""
+    """What the engine side sees of one room (written by the control thread only): a copy of
+    what the session published (`RoomUpdate`, `Release`), never read back by it."""
 
     __slots__ = ("room", "layers", "on_release", "state", "failure", "landed", "done",
                  "released", "inited", "_cond", "_waiting", "chunk", "_engine_lock", "t_seen")

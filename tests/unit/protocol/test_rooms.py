@@ -1,31 +1,55 @@
-"""A leg's phase moves only along `LEG_PHASES` and is RELEASED only once its `Fence` holds
-nothing; a room's phase moves only along `ROOM_PHASES` and is RELEASED only once every leg is;
-a chunk of a layer is its own `Unit`."""
+"""A room's state in one place (`roomstate`): a leg's phase moves only along `LEG_PHASES` and
+is RELEASED only once it is terminal and its `Fence` holds nothing; a room's phase moves only
+along `ROOM_PHASES`, DONE once its KVPoll is terminal and RELEASED only once every leg is; the
+first failure wins; a chunk of a layer is its own `Unit`."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvhandoff.errors import InvalidTransition
-from kvhandoff.protocol.rooms import (
+from kvhandoff.errors import Failure, FailureKind, InvalidTransition
+from kvhandoff.protocol.rooms import Group, Leg, Unit
+from kvhandoff.protocol.roomstate import (
     LEG_PHASES,
     ROOM_PHASES,
     Fence,
-    Group,
-    Leg,
     LegPhase,
+    LegState,
     RoomPhase,
-    Unit,
+    RoomState,
 )
-from kvhandoff.state_machine import PeerWasLost, Role, RoomMachine
+from kvhandoff.state_machine import (
+    AllLayersLanded,
+    KVPoll,
+    LayerLanded,
+    PeerWasLost,
+    Role,
+    RoomMachine,
+    TransferAccepted,
+)
 
 LAYERS = (0, 1, 2)
+GONE = Failure(FailureKind.PEER_LOST, "gone")
 
 
-def leg(role: Role = Role.DECODE) -> Leg:
-    g = Group(room=1, role=role, layers=LAYERS, expected=1)
-    return Leg(room=1, role=role, layers=LAYERS, group=g, peer="p:1",
-               machine=RoomMachine(role, now=0.0, layers=LAYERS))
+def leg(role: Role = Role.DECODE, peer: str = "p:1") -> LegState:
+    return LegState(room=1, peer=peer, machine=RoomMachine(role, now=0.0, layers=LAYERS))
+
+
+def room(*legs: LegState, expected: int | None = 1) -> RoomState:
+    s = RoomState(room=1, expected=expected)
+    for x in legs:
+        s.add(x)
+    return s
+
+
+def landed(r: LegState) -> None:
+    """Walks a decode leg to Success."""
+    r.match(0.0)
+    r.apply(TransferAccepted(), 0.0)
+    for layer in LAYERS:
+        r.apply(LayerLanded(layer=layer), 0.0)
+    r.apply(AllLayersLanded(), 0.0)
 
 
 def test_a_decode_leg_walks_new_ready_requested_accepted() -> None:
@@ -60,14 +84,24 @@ def test_a_leg_is_released_only_once_and_only_when_terminal() -> None:
     r = leg()
     with pytest.raises(InvalidTransition):
         r.advance(LegPhase.RELEASED)  # still Bootstrapping
-    r.machine.apply(PeerWasLost(reason="gone"), 1.0)
-    r.advance(LegPhase.RELEASED)
+    assert not r.release()
+    assert r.fail(PeerWasLost(reason="gone"), GONE, 1.0)
+    assert r.release()
     assert r.released and not r.accepted
+    assert not r.release()
     with pytest.raises(InvalidTransition):
         r.advance(LegPhase.RELEASED)
 
 
-HOLDS = {"an op in flight": lambda f: f.tags.update({7: 1}),
+def test_the_first_failure_of_a_leg_wins() -> None:
+    r = leg()
+    assert r.fail(PeerWasLost(reason="gone"), GONE, 1.0)
+    later = Failure(FailureKind.DEADLINE, "late")
+    assert not r.fail(PeerWasLost(reason="late"), later, 2.0)
+    assert r.failure is GONE and r.poll is KVPoll.Failed and r.terminal
+
+
+HOLDS = {"an op in flight": lambda f: f.posted((7,)),
          "a cancel unanswered": lambda f: f.cancelling.add(7),
          "a cancel that failed": lambda f: setattr(f, "stop_failed", True),
          "a one-sided writer not yet stopped": lambda f: setattr(f, "remote_writes", True)}
@@ -76,15 +110,24 @@ HOLDS = {"an op in flight": lambda f: f.tags.update({7: 1}),
 @pytest.mark.parametrize("why", list(HOLDS))
 def test_a_terminal_leg_is_not_released_while_its_fence_holds(why: str) -> None:
     r = leg()
-    r.machine.apply(PeerWasLost(reason="gone"), 1.0)
+    r.fail(PeerWasLost(reason="gone"), GONE, 1.0)
     HOLDS[why](r.fence)
     assert r.fence.holds
     with pytest.raises(InvalidTransition):
         r.advance(LegPhase.RELEASED)
-    assert not r.released
+    assert not r.release() and not r.released
     r.fence = Fence()  # the hold went away
-    r.advance(LegPhase.RELEASED)
-    assert r.released
+    assert r.release() and r.released
+
+
+def test_an_op_holds_the_fence_until_each_of_its_posts_completed() -> None:
+    f = Fence()
+    f.posted((7, 8))
+    f.posted((7,))
+    f.completed((7, 8))
+    assert f.holds and f.tags == {7: 1}
+    f.completed((7,))
+    assert not f.holds and not f.tags
 
 
 def test_an_abort_ack_owed_is_not_a_hold() -> None:
@@ -96,19 +139,23 @@ def test_an_abort_ack_owed_is_not_a_hold() -> None:
 
 def test_a_room_walks_open_done_released_once_its_legs_are_released() -> None:
     r = leg()
-    g = r.group
-    g.legs.append(r)
+    g = room(r)
     assert not g.done and not g.released
+    assert not g.finish(1.0)  # its leg is not terminal
     with pytest.raises(InvalidTransition, match="open -> released"):
         g.advance(RoomPhase.RELEASED)
-    g.advance(RoomPhase.DONE)
-    assert g.done and not g.released
+    r.fail(PeerWasLost(reason="gone"), GONE, 1.0)
+    assert g.poll is KVPoll.Failed
+    assert g.finish(2.0) and g.done and g.t_done == 2.0 and not g.released
+    assert not g.finish(3.0) and g.t_done == 2.0  # once
+    r.fence.remote_writes = True
+    assert not r.release()
+    assert not g.release()  # its leg is not released yet
     with pytest.raises(InvalidTransition, match="done -> released"):
-        g.advance(RoomPhase.RELEASED)  # its leg is not released yet
-    r.machine.apply(PeerWasLost(reason="gone"), 1.0)
-    r.advance(LegPhase.RELEASED)
-    g.advance(RoomPhase.RELEASED)
-    assert g.done and g.released
+        g.advance(RoomPhase.RELEASED)
+    r.fence.remote_writes = False
+    assert r.release() and g.release()
+    assert g.done and g.released and not g.release()
     for to in RoomPhase:
         with pytest.raises(InvalidTransition):
             g.advance(to)
@@ -121,15 +168,51 @@ def test_every_room_transition_outside_the_table_is_refused(frm: RoomPhase) -> N
     for to in RoomPhase:
         if to in ROOM_PHASES[frm]:
             continue
-        g = leg().group
+        g = room(leg())
         g.phase = frm
         with pytest.raises(InvalidTransition, match=f"{frm.value} -> {to.value}"):
             g.advance(to)
         assert g.phase is frm
 
 
+def test_a_room_polls_its_least_advanced_leg_and_bootstraps_while_legs_are_missing() -> None:
+    a, b = leg(peer="a:1"), leg(peer="b:1")
+    g = room(a, expected=None)
+    assert g.poll is KVPoll.Bootstrapping  # its prefill ranks are not known yet
+    landed(a)
+    assert g.poll is KVPoll.Bootstrapping and not g.finish(1.0)
+    g.expect(2)
+    assert g.poll is KVPoll.Bootstrapping  # one leg of two
+    g.add(b)
+    b.match(0.0)
+    b.apply(TransferAccepted(), 0.0)
+    assert g.poll is KVPoll.WaitingForInput
+    landed_b = leg()
+    landed(landed_b)
+    g2 = room(a, landed_b, expected=2)
+    assert g2.poll is KVPoll.Success and g2.finish(1.0)
+    assert room(expected=0).poll is KVPoll.Success  # nothing to read
+
+
+def test_the_first_failure_of_a_room_wins_and_fails_its_poll() -> None:
+    r = leg()
+    landed(r)
+    g = room(r)
+    assert g.poll is KVPoll.Success
+    assert g.fail(GONE) and not g.fail(Failure(FailureKind.DEADLINE, "late"))
+    assert g.failure is GONE and g.poll is KVPoll.Failed
+
+
+def test_a_reader_told_count_is_remembered() -> None:
+    g = room(expected=None)
+    g.expect(2, told_by_reader=True)
+    assert g.expected == 2 and g.readers_told
+
+
 def test_a_layer_is_done_once_its_unit_of_every_chunk_is() -> None:
-    r = leg(Role.PREFILL)
+    g = Group(room=1, role=Role.PREFILL, layers=LAYERS, state=room(expected=1))
+    r = Leg(room=1, role=Role.PREFILL, layers=LAYERS, group=g, peer="p:1",
+            state=leg(Role.PREFILL))
     r.seq_len = 100
     r.chunk_ends = [40, 100]  # two chunks, the last one known
     assert r.unit_done(Unit(1, chunk=1)) is None  # chunk 0 of layer 1 not yet

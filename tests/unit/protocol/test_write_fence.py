@@ -120,10 +120,10 @@ def test_a_stale_abort_ack_does_not_unfence_an_open_room() -> None:
     w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
     w.run()
     leg = d.session.rooms.legs[(1, "prefill:1")]
-    assert leg.fence.remote_writes
+    assert leg.state.fence.remote_writes
     pgen = p.session.ctx.me.generation
     w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1)))
-    assert leg.fence.remote_writes
+    assert leg.state.fence.remote_writes
     w.hold(lambda frm, to, m: frm == "decode:1")
     w.feed(d, ev.AbortRoom(1, 1, "engine gave up"))
     w.run()
@@ -142,17 +142,17 @@ def test_stop_messages_unfence_a_requested_room_only_when_they_name_its_request(
     w.feed(p, ev.LayerReady(1, 1, layers(p.session.layout)[0]))
     w.run()
     leg = d.session.rooms.legs[(1, "prefill:1")]
-    assert leg.fence.remote_writes and leg.xfer
+    assert leg.state.fence.remote_writes and leg.xfer
     pgen = p.session.ctx.me.generation
     stale = d.session.counters["stale_messages"]
     w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="old",
                                           xfer=leg.xfer + 1)))
     assert d.session.counters["stale_messages"] == stale + 1
-    assert not leg.machine.is_terminal and leg.fence.remote_writes
+    assert not leg.state.terminal and leg.state.fence.remote_writes
     w.hold(lambda frm, to, m: True)  # nothing more reaches either side on its own
     w.feed(d, ev.MessageReceived(P.Failed(src="prefill:1", gen=pgen, room=1, reason="older")))
     assert d.views[1].state is KVPoll.Failed
-    assert leg.fence.remote_writes and d.views[1].releases == 0
+    assert leg.state.fence.remote_writes and d.views[1].releases == 0
     w.feed(d, ev.MessageReceived(P.AbortAck(src="prefill:1", gen=pgen, room=1, xfer=leg.xfer)))
     assert d.views[1].releases == 1
     assert d.session.counters["write_quarantines"] == 0
@@ -167,7 +167,7 @@ def test_a_layer_done_before_the_accept_or_of_another_request_lands_nothing() ->
     open_room(w, p, d, 1)
     w.run()
     leg = d.session.rooms.legs[(1, "prefill:1")]
-    assert leg.requested and not leg.accepted
+    assert leg.state.requested and not leg.state.accepted
     pgen = p.session.ctx.me.generation
     empty = [P.LayerInfo(layer=lid, attempt=0, regions=[]) for lid in layers(d.session.layout)]
     stale = d.session.counters["stale_messages"]
@@ -178,7 +178,7 @@ def test_a_layer_done_before_the_accept_or_of_another_request_lands_nothing() ->
     assert not leg.sums and not leg.units_done
     w.release_held()
     w.run()
-    assert leg.accepted
+    assert leg.state.accepted
     w.feed(d, ev.MessageReceived(P.LayerDone(src="prefill:1", gen=pgen, room=1,
                                              layers=empty, xfer=leg.xfer + 1)))
     assert d.session.counters["stale_messages"] == stale + 4

@@ -973,7 +973,7 @@ class Simulation(MemoryWire):
             # FIFO per connection: a LayerDone of this use of the room comes after its
             # TransferAccepted; one before it is from an earlier use of the id
             leg = dest.side.session.rooms.legs.get((msg.room, msg.src))
-            if leg is not None and not leg.accepted and not leg.machine.is_terminal \
+            if leg is not None and not leg.state.accepted and not leg.state.terminal \
                     and isinstance(leg.group.token, Token):
                 self.stale_done[leg.group.token] = msg.src
         try:

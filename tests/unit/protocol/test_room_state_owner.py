@@ -1,0 +1,93 @@
+"""A room's state has one owner (`protocol/roomstate.py`), read from every module's syntax tree:
+
+- no module but `roomstate` touches a leg's `RoomMachine` (`.machine`: no apply, no
+  progressed, no read): the others go through `LegState`'s methods and properties;
+- no module of `protocol/` but `roomstate` assigns a room's or a leg's phase, failure, expected
+  legs or done time (`x.phase = ...`, `x.failure = ...`, tuple targets and `setattr` too): they
+  move through `RoomState` / `LegState` methods, which check the transition tables.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+PKG = ROOT / "src" / "kvhandoff"
+OWNER = PKG / "protocol" / "roomstate.py"
+OWNED = {"phase", "failure", "expected", "readers_told", "t_done"}
+
+
+def modules(top: Path) -> Iterator[Path]:
+    yield from sorted(p for p in top.rglob("*.py") if p != OWNER)
+
+
+def targets(node: ast.AST) -> Iterator[ast.expr]:
+    """The expressions an assignment statement writes (tuple and list targets unpacked)."""
+    if isinstance(node, ast.Assign):
+        todo = list(node.targets)
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        todo = [node.target]
+    else:
+        return
+    while todo:
+        t = todo.pop()
+        if isinstance(t, ast.Tuple | ast.List):
+            todo.extend(t.elts)
+        elif isinstance(t, ast.Starred):
+            todo.append(t.value)
+        else:
+            yield t
+
+
+def where(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if ROOT in path.parents else path.name
+
+
+def machine_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{where(path)}:{n.lineno}: .machine" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr == "machine"]
+
+
+def owned_writes(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for n in ast.walk(tree):
+        for t in targets(n):
+            if isinstance(t, ast.Attribute) and t.attr in OWNED:
+                bad.append(f"{where(path)}:{t.lineno}: .{t.attr} = ...")
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
+                and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant)
+                and n.args[1].value in OWNED):
+            bad.append(f"{where(path)}:{n.lineno}: setattr(..., {n.args[1].value!r})")
+    return bad
+
+
+def test_only_roomstate_touches_a_room_machine() -> None:
+    bad = [x for p in modules(PKG) if "state_machine" not in p.relative_to(PKG).parts
+           for x in machine_uses(p)]
+    assert not bad, "a leg's RoomMachine touched outside protocol/roomstate.py:\n" + \
+        "\n".join(bad)
+
+
+def test_only_roomstate_moves_a_phase_or_a_failure() -> None:
+    bad = [x for p in modules(PKG / "protocol") for x in owned_writes(p)]
+    assert not bad, ("a room's or leg's state assigned outside protocol/roomstate.py (use "
+                     "RoomState / LegState methods):\n" + "\n".join(bad))
+
+
+def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
+    """Each check finds the forms it names (so that an empty result means something)."""
+    p = tmp_path / "m.py"
+    p.write_text("r.state.machine.apply(e, now)\n"
+                 "g.state.failure = f\n"
+                 "r.state.phase, x = LegPhase.READY, 1\n"
+                 "s.t_done += 1.0\n"
+                 "setattr(s, 'expected', 2)\n"
+                 "p.state = PeerState.NEW\n")
+    assert machine_uses(p) == ["m.py:1: .machine"]
+    assert sorted(owned_writes(p)) == [
+        "m.py:2: .failure = ...", "m.py:3: .phase = ...", "m.py:4: .t_done = ...",
+        "m.py:5: setattr(..., 'expected')"]
