@@ -9,7 +9,7 @@ previous one stopped to where this side's pages reach (so a region whose pages c
 an indexer given with the last chunk only, moves everything at once then): no byte moves twice.
 Every (chunk, layer) is a `rooms.Unit`, checksummed and verified on its own; a layer lands
 (`LayerSent` / `LayerLanded`) once its unit of the last chunk and of every earlier one did
-(`rooms.Leg` keeps a leg's chunks).
+(`rooms.LegPlan` keeps a leg's chunks).
 
 It keeps no state of its own: the chunks are the legs', the posts the role paths'
 (`send.SendPath`, `receive.ReceivePath`), the plans `planning.span_plans`.
@@ -47,8 +47,8 @@ class ChunkedPrefill:
     def post_ready(self, r: Leg, layer: int) -> None:
         """Prefill: the engine marked `layer` ready: send it in the leg's current chunk (once
         the decode accepted that chunk)."""
-        c = len(r.chunk_ends) - 1
-        if c <= 0 or r.chunk_xfers[c] is not None:
+        c = len(r.plan.chunk_ends) - 1
+        if c <= 0 or r.plan.chunk_xfers[c] is not None:
             self.send_path.post_layer(r, Unit(layer, max(c, 0)), 0)
 
     def on_add_chunk(self, e: ev.AddChunk) -> None:
@@ -57,75 +57,74 @@ class ChunkedPrefill:
         g = self.rooms.group(e.room, e.token)
         if g is None or g.state.done:
             return
-        if len(g.ready) < len(g.layers) or not g.chunk_end < e.chunk_end <= g.seq_len:
+        given = g.given
+        if len(given.ready) < len(g.layers) or not given.chunk_end < e.chunk_end <= given.seq_len:
             self.rooms.fail_group(g, Failure(
                 FailureKind.INVALID_REQUEST,
-                f"add_chunk(chunk_end={e.chunk_end}): after {g.chunk_end} of {g.seq_len} "
-                f"tokens with {len(g.ready)} of {len(g.layers)} layers ready"))
+                f"add_chunk(chunk_end={e.chunk_end}): after {given.chunk_end} of "
+                f"{given.seq_len} tokens with {len(given.ready)} of {len(g.layers)} layers "
+                "ready"))
             return
-        g.pages = {k: np.concatenate([v, np.asarray(e.pages.get(k, ()), dtype=np.int64)])
-                   for k, v in g.pages.items()}
-        g.chunk_end = e.chunk_end
-        g.ready = []
+        given.pages = {k: np.concatenate([v, np.asarray(e.pages.get(k, ()), dtype=np.int64)])
+                       for k, v in given.pages.items()}
+        given.chunk_end = e.chunk_end
+        given.ready = []
         for r in g.legs:
             if r.state.accepted and not r.state.terminal:
                 self._add_leg_chunk(r)
 
     def _add_leg_chunk(self, r: Leg) -> None:
         """Prefill: plan the leg's next chunk and offer it to the decode (`ChunkAdded`)."""
-        g = r.group
-        old = r.pages
-        r.pages = g.pages
-        r.pages = self.send_path.suffix_pages(r)
-        delta = {k: v[len(old.get(k, ())):].tolist() for k, v in r.pages.items()}
+        g, plan = r.group, r.plan
+        old = plan.pages
+        plan.pages = g.given.pages
+        plan.pages = self.send_path.suffix_pages(plan)
+        delta = {k: v[len(old.get(k, ())):].tolist() for k, v in plan.pages.items()}
         p = self.peers.get(r.peer)
+        end = g.given.chunk_end
         try:
             if p is None or p.layout is None:
                 raise ConfigError("the decode's Hello is gone")
-            plans = span_plans(self.ctx, r, src_pages=r.pages, src_ps=r.page_size,
-                               dst_pages=r.dst_table, dst_ps=r.dst_page_size,
-                               src_layout=self.ctx.layout, dst_layout=p.layout,
-                               end=g.chunk_end)
+            plans = span_plans(self.ctx, plan, src_pages=plan.pages, src_ps=plan.page_size,
+                               dst_pages=plan.dst_table, dst_ps=plan.dst_page_size,
+                               src_layout=self.ctx.layout, dst_layout=p.layout, end=end)
         except KVHandoffError as e:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid chunk: {e}"), notify=Notify.FAILED,
                             kind=FailureKind.INVALID_REQUEST)
             return
-        r.chunk_ends.append(g.chunk_end)
-        r.chunk_plans.append(plans)
-        r.chunk_xfers.append(None)
+        c = plan.add_chunk(end, None, plans)
         r.state.progressed(self.ctx.now)
         self.ctx.send(r.peer, P.ChunkAdded(src=self.ctx.me.address, gen=self.ctx.me.generation,
-                                        room=r.room, chunk=len(r.chunk_ends) - 1,
-                                        chunk_end=g.chunk_end, src_pages=delta, xfer=r.xfer))
+                                           room=r.room, chunk=c, chunk_end=end,
+                                           src_pages=delta, xfer=r.xfer))
 
     def on_chunk_added(self, r: Leg, msg: P.ChunkAdded) -> None:
         """Decode: plan the chunk, post its receives, answer `ChunkAccepted`."""
+        plan = r.plan
         try:
-            if not r.state.accepted or msg.chunk != len(r.chunk_ends):
+            if not r.state.accepted or msg.chunk != len(plan.chunk_ends):
                 raise ConfigError(f"chunk: {msg.chunk} out of order (expected "
-                                  f"{len(r.chunk_ends)})")
-            if not r.chunk_ends[-1] < msg.chunk_end <= r.seq_len:
+                                  f"{len(plan.chunk_ends)})")
+            if not plan.chunk_ends[-1] < msg.chunk_end <= plan.seq_len:
                 raise ConfigError(f"chunk_end: {msg.chunk_end} not in "
-                                  f"{r.chunk_ends[-1] + 1}..{r.seq_len}")
+                                  f"{plan.chunk_ends[-1] + 1}..{plan.seq_len}")
             p = self.peers.get(r.peer)
             if p is None or p.layout is None:
                 raise ConfigError("ChunkAdded before the prefill's Hello")
             for k, v in msg.src_pages.items():
-                if k not in r.src_table:
+                if k not in plan.src_table:
                     raise ConfigError(f"src_pages: unknown region {k!r}")
-                r.src_table[k] = np.concatenate([r.src_table[k], np.asarray(v, np.int64)])
-            plans = span_plans(self.ctx, r, src_pages=r.src_table,
-                               src_ps=p.layout.page_size_tokens, dst_pages=r.pages,
-                               dst_ps=r.page_size, src_layout=p.layout,
+                plan.src_table[k] = np.concatenate([plan.src_table[k], np.asarray(v, np.int64)])
+            plans = span_plans(self.ctx, plan, src_pages=plan.src_table,
+                               src_ps=p.layout.page_size_tokens, dst_pages=plan.pages,
+                               dst_ps=plan.page_size, src_layout=p.layout,
                                dst_layout=self.ctx.layout, end=msg.chunk_end)
         except KVHandoffError as e:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid ChunkAdded: {e}"),
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         xfer = self.ctx.next_xfer()
-        r.chunk_ends.append(msg.chunk_end)
-        r.chunk_plans.append(plans)
-        r.chunk_xfers.append(xfer)
+        plan.add_chunk(msg.chunk_end, xfer, plans)
         r.state.progressed(self.ctx.now)
         self.ctx.send(r.peer, P.ChunkAccepted(src=self.ctx.me.address, gen=self.ctx.me.generation,
                                            room=r.room, chunk=msg.chunk, xfer=xfer))
@@ -135,9 +134,8 @@ class ChunkedPrefill:
     def on_chunk_accepted(self, r: Leg, msg: P.ChunkAccepted) -> None:
         """Prefill: the decode posted the chunk's receives: send its ready layers."""
         c = msg.chunk
-        if not 0 < c < len(r.chunk_xfers) or r.chunk_xfers[c] is not None:
+        if not r.plan.chunk_accepted(c, msg.xfer):
             return
-        r.chunk_xfers[c] = msg.xfer
-        latest = c == len(r.chunk_ends) - 1
-        for layer in (r.group.ready if latest else r.layers):
+        latest = c == len(r.plan.chunk_ends) - 1
+        for layer in (r.group.given.ready if latest else r.layers):
             self.send_path.post_layer(r, Unit(layer, c), 0)

@@ -93,7 +93,7 @@ class InFlight:
         """Asks for the sums of `job` (`HashSpans`) with the room's algorithm."""
         self._next += 1
         self.jobs[self._next] = job
-        plans = job.leg.plans_of(job.unit)
+        plans = job.leg.plan.plans_of(job.unit)
         spans = tuple((buffer_name(n, job.unit.layer), plans[n].src_offsets
                        if not job.verify else plans[n].dst_offsets,
                        plans[n].nbytes) for n in job.hashed)
@@ -129,8 +129,8 @@ class InFlight:
         if job is None:
             return None
         r = job.leg
-        r.verifying.discard((job.unit, job.attempt))
-        if r.state.terminal or r.posted.get(job.unit) != job.attempt:
+        r.progress.verifying.discard((job.unit, job.attempt))
+        if r.state.terminal or r.progress.posted.get(job.unit) != job.attempt:
             return None
         if e.error is not None:
             what = "verification" if job.verify else "checksum"
@@ -144,7 +144,7 @@ class InFlight:
 
     def moved(self, r: Leg, unit: Unit, regions: tuple[str, ...], direction: str) -> int:
         """Counts the bytes of `unit`'s `regions` as sent / received; returns them."""
-        plans = r.plans_of(unit)
+        plans = r.plan.plans_of(unit)
         moved = self.readouts.moved
         total = 0
         for region in regions:

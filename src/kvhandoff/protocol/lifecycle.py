@@ -193,8 +193,8 @@ class RoomTable:
         s = g.state
         if s.finish(self.ctx.now):
             assert s.t_done is not None
-            if s.poll is KVPoll.Success and g.t_last_ready is not None:
-                self.readouts.tail(max(0.0, s.t_done - g.t_last_ready))
+            if s.poll is KVPoll.Success and g.given.t_last_ready is not None:
+                self.readouts.tail(max(0.0, s.t_done - g.given.t_last_ready))
         if s.release():
             self.ctx.emit(Release(g.token, g.room))
 

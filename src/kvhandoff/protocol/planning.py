@@ -1,5 +1,6 @@
 """Span plans of a leg, sans-IO: what both sides of a leg compute from the same arguments
-(its pages, the peer's pages, both layouts), and which regions of a layer a leg moves.
+(its pages, the peer's pages, both layouts), and which regions of a layer a leg moves. Both
+read (and `span_plans` advances) the leg's `rooms.LegPlan`, nothing else of the leg.
 
 Rules:
 - Both sides call `span_plans` with the same arguments and get the same plans: the order of
@@ -16,34 +17,35 @@ import numpy as np
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, SpanPlan, build_spans, page_aligned
 from kvhandoff.protocol.context import Context
-from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.protocol.rooms import LegPlan, Unit
 
 
-def span_plans(ctx: Context, r: Leg, *, src_pages: Mapping[str, np.ndarray], src_ps: int,
-               dst_pages: Mapping[str, np.ndarray], dst_ps: int, src_layout: LayoutSpec,
-               dst_layout: LayoutSpec, end: int | None = None) -> dict[str, SpanPlan]:
+def span_plans(ctx: Context, plan: LegPlan, *, src_pages: Mapping[str, np.ndarray],
+               src_ps: int, dst_pages: Mapping[str, np.ndarray], dst_ps: int,
+               src_layout: LayoutSpec, dst_layout: LayoutSpec, end: int | None = None
+               ) -> dict[str, SpanPlan]:
     """The span plan of each region this leg moves (the same for every layer of the
     region): both sides call this with the same arguments. Regions whose planes this leg
     does not bring (another leg does) are left out.
 
     Chunked prefill (`end` < seq_len, or a later chunk): each region moves from where its
-    previous chunk stopped (`r.covered`) up to `end` or as far as the source pages reach,
-    whichever is less (on a row boundary); `r.covered` is advanced and regions with
+    previous chunk stopped (`plan.covered`) up to `end` or as far as the source pages reach,
+    whichever is less (on a row boundary); `plan.covered` is advanced and regions with
     nothing to move in this chunk are left out. The last chunk (`end` = seq_len) needs
     every region's pages to reach the end."""
-    end = r.seq_len if end is None else end
-    chunked = end < r.seq_len or bool(r.chunk_ends)
+    end = plan.seq_len if end is None else end
+    chunked = end < plan.seq_len or bool(plan.chunk_ends)
     plans = {}
-    covered = dict(r.covered)
+    covered = dict(plan.covered)
     for reg in ctx.layout.regions:
-        wanted = (r.planes or {}).get(reg.name)
-        if r.planes is not None and not wanted:
+        wanted = (plan.planes or {}).get(reg.name)
+        if plan.planes is not None and not wanted:
             continue
         if reg.name not in src_pages or reg.name not in dst_pages:
             raise ConfigError(f"pages: region {reg.name!r} missing")
-        first = r.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
+        first = plan.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
         start, stop = max(first, covered.get(reg.name, 0)), end
-        if end < r.seq_len:
+        if end < plan.seq_len:
             reach = page_aligned(first, src_ps) + len(src_pages[reg.name]) * src_ps
             k = src_layout.region(reg.name).tokens_per_row
             stop = min(end, reach) // k * k
@@ -58,11 +60,11 @@ def span_plans(ctx: Context, r: Leg, *, src_pages: Mapping[str, np.ndarray], src
             dst_pages=dst_pages[reg.name], dst_page_size=dst_ps,
             dst_first_token=page_aligned(first, dst_ps),
             dst_region=dst_layout.region(reg.name), planes=wanted)
-    r.covered = covered
+    plan.covered = covered
     return plans
 
 
-def regions_of(ctx: Context, r: Leg, unit: Unit) -> list[str]:
+def regions_of(ctx: Context, plan: LegPlan, unit: Unit) -> list[str]:
     """The regions of `unit`'s layer the leg moves in its chunk."""
-    plans = r.plans_of(unit)
+    plans = plan.plans_of(unit)
     return [name for name in ctx.layer_regions.get(unit.layer, ()) if name in plans]

@@ -11,7 +11,8 @@ by); those regions are not read again here, a disagreement is a mismatch like an
 
 Rules:
 - It keeps no state of its own: the ops and hashing jobs in flight are `inflight.InFlight`'s,
-  a leg's progress (posted, received, sums, verifying) lives on the leg.
+  a leg's progress (posted, received, sums, verifying) is its `rooms.Progress`, what it
+  moves its `rooms.LegPlan`.
 - A layer lands (`LayerLanded`) only verified (or unsummed by the checksum mode both sides
   agreed on); a unit posted again (a retransmit) makes every word about the earlier attempt
   stale.
@@ -65,11 +66,11 @@ class ReceivePath:
     def init_leg(self, r: Leg) -> None:
         """Decode: give a leg the engine's pages once both exist; maybe request."""
         g = r.group
-        if g.pages is None or r.state.phase is not LegPhase.NEW:
+        if g.given.pages is None or r.state.phase is not LegPhase.NEW:
             return
-        table, prefix = g.pages
-        r.seq_len, r.prefix_len, r.pages = g.seq_len, prefix, table
-        r.page_size = self.ctx.layout.page_size_tokens
+        plan = r.plan
+        plan.pages, plan.prefix_len = g.given.pages
+        plan.seq_len, plan.page_size = g.given.seq_len, self.ctx.layout.page_size_tokens
         r.state.advance(LegPhase.READY)
         self.maybe_request(r)
 
@@ -86,8 +87,8 @@ class ReceivePath:
         g = r.group
         claimed: dict[str, set[str]] = {name: set() for name in self.ctx.region_index}
         for other in g.legs:
-            if other is not r and other.planes:
-                for name, pl in other.planes.items():
+            if other is not r and other.plan.planes:
+                for name, pl in other.plan.planes.items():
                     claimed[name].update(pl)
         planes: dict[str, list[str]] = {}
         for reg in self.ctx.layout.regions:
@@ -97,7 +98,7 @@ class ReceivePath:
                 theirs = set()
             planes[reg.name] = [pl.name for pl in reg.planes
                                 if pl.name in theirs and pl.name not in claimed[reg.name]]
-        r.planes = planes
+        r.plan.planes = planes
         r.state.advance(LegPhase.REQUESTED)
         r.xfer = self.ctx.next_xfer()
         # This request carries our buffers' descriptors (offered in our Hello): the prefill
@@ -108,19 +109,21 @@ class ReceivePath:
         # admission (issue 17): the policy, and what was reserved (early) or is free
         policy = self.ctx.settings.allocation_policy
         early = policy is AllocationPolicy.EARLY
+        plan, given = r.plan, g.given
         self.ctx.send(r.peer, P.TransferRequest(
             src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room, xfer=r.xfer,
-            peer_gen=r.peer_gen, seq_len=r.seq_len, decode_prefix_len=r.prefix_len,
-            page_size=r.page_size, dst_pages={k: v.tolist() for k, v in r.pages.items()},
+            peer_gen=r.peer_gen, seq_len=plan.seq_len, decode_prefix_len=plan.prefix_len,
+            page_size=plan.page_size, dst_pages={k: v.tolist() for k, v in plan.pages.items()},
             lease_s=self.ctx.settings.lease_s, planes=planes, allocation_policy=policy.value,
-            reserved_pages=reserved_pages(self.ctx.layout, r.pages, r.prefix_len, r.page_size)
-            if early else None, free_pages=None if early else g.free_pages,
-            prompt=digest_to_wire(g.prompt), cached_prefix=digest_to_wire(g.cached_prefix),
-            readers=g.readers))
+            reserved_pages=reserved_pages(self.ctx.layout, plan.pages, plan.prefix_len,
+                                          plan.page_size) if early else None,
+            free_pages=None if early else given.free_pages, prompt=digest_to_wire(given.prompt),
+            cached_prefix=digest_to_wire(given.cached_prefix), readers=given.readers))
         if g.state.expected is not None and len(g.legs) == g.state.expected and all(
                 leg.state.requested for leg in g.legs):
             for reg in self.ctx.layout.regions:
-                have = set().union(*(set((leg.planes or {}).get(reg.name, [])) for leg in g.legs))
+                have = set().union(*(set((leg.plan.planes or {}).get(reg.name, []))
+                                     for leg in g.legs))
                 missing = [pl.name for pl in reg.planes if pl.name not in have]
                 if missing:
                     self.rooms.fail(r, PeerFailedRoom(
@@ -133,20 +136,21 @@ class ReceivePath:
         """Decode: plan, post every receive, WaitingForInput."""
         if r.state.accepted:
             return
+        plan = r.plan
         try:
             p = self.peers.get(r.peer)
             if p is None or p.layout is None:
                 raise ConfigError("TransferAccepted before the prefill's Hello")
-            end = r.seq_len if msg.chunk_end < 0 else msg.chunk_end
+            end = plan.seq_len if msg.chunk_end < 0 else msg.chunk_end
             if msg.one_sided and not self.ctx.me.writes:
                 raise ConfigError("one_sided: this decode offered no buffers for writes")
-            if not 0 < end <= r.seq_len:
-                raise ConfigError(f"chunk_end: {msg.chunk_end} not in 1..{r.seq_len}")
-            r.src_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.src_pages.items()}
-            r.plans = span_plans(self.ctx, r, src_pages=r.src_table, src_ps=msg.page_size,
-                                  dst_pages=r.pages, dst_ps=r.page_size,
-                                  src_layout=p.layout, dst_layout=self.ctx.layout, end=end)
-            r.first_chunk(end, r.xfer)
+            if not 0 < end <= plan.seq_len:
+                raise ConfigError(f"chunk_end: {msg.chunk_end} not in 1..{plan.seq_len}")
+            plan.src_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.src_pages.items()}
+            plan.first_chunk(end, r.xfer, span_plans(
+                self.ctx, plan, src_pages=plan.src_table, src_ps=msg.page_size,
+                dst_pages=plan.pages, dst_ps=plan.page_size, src_layout=p.layout,
+                dst_layout=self.ctx.layout, end=end))
         except KVHandoffError as e:
             self.rooms.fail(r, PeerFailedRoom(reason=f"invalid TransferAccepted: {e}"),
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
@@ -164,19 +168,19 @@ class ReceivePath:
     def post_recv_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Decode: post the receives of every region of `unit` (none when the prefill writes
         one-sided: its bytes are in once its LayerDone is)."""
-        r.posted[unit] = attempt
-        r.recv_done[(unit, attempt)] = set()
-        regions = regions_of(self.ctx, r, unit)
+        r.progress.posted[unit] = attempt
+        r.progress.recv_done[(unit, attempt)] = set()
+        regions = regions_of(self.ctx, r.plan, unit)
         if r.one_sided:
-            r.recv_done[(unit, attempt)] = set(regions)
+            r.progress.recv_done[(unit, attempt)] = set(regions)
             self.try_verify(r, unit, attempt)
             return
         if not regions:
             self.try_verify(r, unit, attempt)
-        plans = r.plans_of(unit)
+        plans = r.plan.plans_of(unit)
         for name in regions:
             plan = plans[name]
-            tag = r.tag(unit, self.ctx.region_index[name], attempt)
+            tag = r.plan.tag(unit, self.ctx.region_index[name], attempt)
             op = self.ops.post(r, (tag,), send=False, unit=unit, attempt=attempt, regions=(name,))
             self.ctx.emit(PostRecv(op, r.peer, tag, buffer_name(name, unit.layer),
                                    plan.dst_offsets, plan.nbytes))
@@ -186,19 +190,20 @@ class ReceivePath:
         if error is not None:
             self.ops.failed(r, f"receive of layer {unit.layer} {region} failed: {error}")
             return
-        r.recv_done.setdefault((unit, attempt), set()).add(region)
+        r.progress.recv_done.setdefault((unit, attempt), set()).add(region)
         self.try_verify(r, unit, attempt)
 
     def try_verify(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Decode: once a unit's bytes and its LayerDone are both here, verify."""
-        if r.role is not Role.DECODE or r.state.terminal or r.posted.get(unit) != attempt:
+        prog = r.progress
+        if r.role is not Role.DECODE or r.state.terminal or prog.posted.get(unit) != attempt:
             return
         key = (unit, attempt)
-        sums = r.sums.get(key)
-        if sums is None or key in r.verifying:
+        sums = prog.sums.get(key)
+        if sums is None or key in prog.verifying:
             return
-        regions = tuple(regions_of(self.ctx, r, unit))
-        if len(r.recv_done.get(key, ())) < len(regions):
+        regions = tuple(regions_of(self.ctx, r.plan, unit))
+        if len(prog.recv_done.get(key, ())) < len(regions):
             return
         ctx = self.ctx
         unsummed = [n for n in regions if sums.get(n) is None]
@@ -215,11 +220,11 @@ class ReceivePath:
         # the writer's verification (one-sided, same host): its read-back must equal the
         # source sum, and the plan it wrote by must be this side's; those regions are not
         # read again here. A disagreement is a mismatch like any other (rewrite, then fail).
-        checked = r.landed.get(key) if r.one_sided else None
+        checked = prog.landed.get(key) if r.one_sided else None
         hashed: list[str] = []  # the regions with a source sum
         own: list[str] = []  # those this side hashes (the writer did not verify them)
         bad = None  # the first region whose writer's verification disagrees
-        plans = r.plans_of(unit)
+        plans = r.plan.plans_of(unit)
         for n in regions:
             want = sums.get(n)
             if want is None:
@@ -235,7 +240,7 @@ class ReceivePath:
         if bad is not None or not own:
             self._verified(r, unit, attempt, regions, bad=bad, checked=len(hashed))
             return
-        r.verifying.add(key)
+        prog.verifying.add(key)
         self.ops.hash(Job(r, True, unit, attempt, regions, tuple(own),
                         tuple(sums.get(n) for n in own), trusted=len(hashed) - len(own)))
 
@@ -246,7 +251,7 @@ class ReceivePath:
         if bad is not None:
             ctx.counters["checksum_failures"] += 1
             if attempt + 1 < MAX_ATTEMPTS:
-                r.retransmits += 1
+                r.stats.retransmits += 1
                 ctx.counters["retransmits"] += 1
                 ctx.send(r.peer, P.LayerNack(
                     src=ctx.me.address, gen=ctx.me.generation, room=r.room, layer=unit.layer,
@@ -256,10 +261,10 @@ class ReceivePath:
                 self.rooms.fail(r, ChecksumsDiffered(layer=unit.layer, region=bad),
                                 notify=Notify.FAILED)
             return
-        r.checksums_verified += checked
+        r.stats.checksums_verified += checked
         ctx.counters["checksums_verified"] += checked
-        r.bytes_moved += self.ops.moved(r, unit, regions, "received")
-        layer = r.unit_done(unit)
+        r.stats.bytes_moved += self.ops.moved(r, unit, regions, "received")
+        layer = r.progress.unit_done(unit, r.plan)
         if layer is None:
             r.state.progressed(ctx.now)
             return
@@ -286,9 +291,9 @@ class ReceivePath:
                 sums[x.region] = x.checksum
                 if x.checksum is not None and x.landed is not None and x.plan is not None:
                     checked[x.region] = (x.landed, x.plan)
-            r.sums[key] = sums
+            r.progress.sums[key] = sums
             if checked:
-                r.landed[key] = checked
+                r.progress.landed[key] = checked
             self.try_verify(r, unit, info.attempt)
 
     def on_recv_done(self, op: Op, error: str | None) -> None:

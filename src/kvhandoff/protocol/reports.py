@@ -61,7 +61,7 @@ def room_stats(g: Group, layout: LayoutSpec) -> dict[str, Any]:
     before: dict[str, int] = {}
     per_region: dict[str, int] = {}
     for r in g.legs:
-        for k, p in [kp for plans in (r.chunk_plans or [r.plans]) for kp in plans.items()]:
+        for k, p in [kp for plans in r.plan.chunk_plans for kp in plans.items()]:
             layers = layout.region(k).num_live_layers  # 0-row layers move nothing
             desc[k] = desc.get(k, 0) + p.count * layers
             before[k] = before.get(k, 0) + p.descriptors_before * layers
@@ -71,10 +71,11 @@ def room_stats(g: Group, layout: LayoutSpec) -> dict[str, Any]:
         "failure": g.state.failure.reason if g.state.failure else None,
         "failure_kind": g.state.failure.kind.value if g.state.failure else None,
         "legs": len(g.legs), "peers": [r.peer for r in g.legs],
-        "bytes": sum(r.bytes_moved for r in g.legs),
-        "retransmits": sum(r.retransmits for r in g.legs),
+        "bytes": sum(r.stats.bytes_moved for r in g.legs),
+        "retransmits": sum(r.stats.retransmits for r in g.legs),
         "one_sided": bool(g.legs) and all(r.one_sided for r in g.legs),
-        "checksums_verified": sum(r.checksums_verified for r in g.legs),
+        "checksums_verified": sum(r.stats.checksums_verified for r in g.legs),
         "descriptors": desc, "descriptors_before": before, "bytes_per_region": per_region,
-        "t_created": g.t_created, "t_last_ready": g.t_last_ready, "t_done": g.state.t_done,
+        "t_created": g.t_created, "t_last_ready": g.given.t_last_ready,
+        "t_done": g.state.t_done,
     }

@@ -12,7 +12,8 @@ while copying) and its `LayerDone` leaves once the write landed.
 
 Rules:
 - Its own state is the `LayerDone`s not yet sent; the ops and hashing jobs in flight are
-  `inflight.InFlight`'s, a leg's progress (posted, outstanding, sums) lives on the leg.
+  `inflight.InFlight`'s, a leg's progress (posted, outstanding, sums) is its
+  `rooms.Progress`, what it moves its `rooms.LegPlan`.
 - Admission (`admission.admission_of`) runs before any plan or op: a refused request moves no
   byte.
 - Chunked prefill (`chunks.ChunkedPrefill`) posts each later chunk through `post_layer`.
@@ -35,7 +36,7 @@ from kvhandoff.protocol.inflight import InFlight, Job, Op
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import PeerTable
 from kvhandoff.protocol.planning import regions_of, span_plans
-from kvhandoff.protocol.rooms import Leg, Unit
+from kvhandoff.protocol.rooms import Leg, LegPlan, Unit
 from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersAcked,
@@ -77,33 +78,34 @@ class SendPath:
             return
         if r.state.accepted:
             return
+        plan, given = r.plan, r.group.given
         try:
-            if msg.seq_len != r.seq_len:
-                raise ConfigError(f"seq_len: prefill={r.seq_len} decode={msg.seq_len}")
-            if not 0 <= msg.decode_prefix_len <= r.seq_len:
+            if msg.seq_len != plan.seq_len:
+                raise ConfigError(f"seq_len: prefill={plan.seq_len} decode={msg.seq_len}")
+            if not 0 <= msg.decode_prefix_len <= plan.seq_len:
                 raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} not in "
-                                  f"0..{r.seq_len}")
+                                  f"0..{plan.seq_len}")
             if msg.page_size <= 0 or msg.decode_prefix_len % msg.page_size:
                 raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} is not aligned "
                                   f"to the decode page size {msg.page_size}")
-            r.prefix_len, r.peer_gen = msg.decode_prefix_len, msg.gen
-            r.pages = self.suffix_pages(r)
+            plan.prefix_len, r.peer_gen = msg.decode_prefix_len, msg.gen
+            plan.pages = self.suffix_pages(plan)
             if p is None or p.layout is None:
                 raise ConfigError("transfer request before the decode's Hello")
             refusal = admission_of(msg, decode_layout=p.layout,  # before any byte moves
                                    policy=self.ctx.settings.allocation_policy,
-                                   prompt_tokens=r.group.prompt_tokens, prompt=r.group.prompt)
+                                   prompt_tokens=given.prompt_tokens, prompt=given.prompt)
             if refusal is not None:
                 raise Refusal(refusal)
-            r.planes = msg.planes
-            r.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
-            r.dst_page_size = msg.page_size
+            plan.planes = msg.planes
+            plan.dst_table = {k: np.asarray(v, dtype=np.int64) for k, v in msg.dst_pages.items()}
+            plan.dst_page_size = msg.page_size
             r.one_sided = p.writes
-            end = r.group.chunk_end or r.seq_len
-            r.plans = span_plans(self.ctx, r, src_pages=r.pages, src_ps=r.page_size,
-                                  dst_pages=r.dst_table, dst_ps=msg.page_size,
-                                  src_layout=self.ctx.layout, dst_layout=p.layout, end=end)
-            r.first_chunk(end, msg.xfer)
+            end = given.chunk_end or plan.seq_len
+            plan.first_chunk(end, msg.xfer, span_plans(
+                self.ctx, plan, src_pages=plan.pages, src_ps=plan.page_size,
+                dst_pages=plan.dst_table, dst_ps=msg.page_size, src_layout=self.ctx.layout,
+                dst_layout=p.layout, end=end))
         except Refusal as e:
             self.rooms.fail(r, PeerFailedRoom(reason=str(e)), notify=Notify.FAILED,
                             failure=Failure(FailureKind.ADMISSION, str(e)))
@@ -120,41 +122,42 @@ class SendPath:
         if r.one_sided:
             self.ctx.counters["rooms_one_sided"] += 1
         self.ctx.send(msg.src, P.TransferAccepted(
-            src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room, page_size=r.page_size,
-            src_pages={k: v.tolist() for k, v in r.pages.items()},
-            chunk_end=-1 if end >= r.seq_len else end, one_sided=r.one_sided, xfer=r.xfer))
-        for layer in r.group.ready:
+            src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room,
+            page_size=plan.page_size, src_pages={k: v.tolist() for k, v in plan.pages.items()},
+            chunk_end=-1 if end >= plan.seq_len else end, one_sided=r.one_sided, xfer=r.xfer))
+        for layer in given.ready:
             self.post_layer(r, Unit(layer), 0)
 
     def post_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Prefill: send every region of `unit`, checksum the source spans while the bytes
         are on the wire, and announce it (`LayerDone`) once the sums are in."""
         ctx = self.ctx
-        r.posted[unit] = attempt
-        regions = regions_of(self.ctx, r, unit)
+        r.progress.posted[unit] = attempt
+        regions = regions_of(self.ctx, r.plan, unit)
         key = (unit, attempt)
-        r.sums[key] = {}
+        r.progress.sums[key] = {}
         if not regions:  # another leg of the room brings this layer's planes
-            r.outstanding[key] = 1
+            r.progress.outstanding[key] = 1
             self._queue_done(r, unit, attempt, (), ())
             self._sent(r, unit, attempt, (), None)
             return
-        plans = r.plans_of(unit)
+        plans = r.plan.plans_of(unit)
         want = wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
                               len(ctx.layers))
         if r.one_sided:  # straight into the decode's pages, hashed while copying: one job
-            r.outstanding[key] = 1  # for the layer's regions, one completion, a sum per region
-            parts = tuple(WritePart(r.tag(unit, ctx.region_index[name], attempt),
+            # one job for the layer's regions: one completion, a sum per region
+            r.progress.outstanding[key] = 1
+            parts = tuple(WritePart(r.plan.tag(unit, ctx.region_index[name], attempt),
                                     buffer_name(name, unit.layer), plans[name])
                           for name in regions)
             op = self.ops.post(r, tuple(x.tag for x in parts), send=True, unit=unit,
                           attempt=attempt, regions=tuple(regions))
             ctx.emit(PostWrite(op, r.peer, parts, want, self.ops.checksum_alg(r), r.room))
             return
-        r.outstanding[key] = len(regions)
+        r.progress.outstanding[key] = len(regions)
         for name in regions:
             plan = plans[name]
-            tag = r.tag(unit, ctx.region_index[name], attempt)
+            tag = r.plan.tag(unit, ctx.region_index[name], attempt)
             op = self.ops.post(r, (tag,), send=True, unit=unit, attempt=attempt, regions=(name,))
             ctx.emit(PostSend(op, r.peer, tag, buffer_name(name, unit.layer), plan.src_offsets,
                               plan.nbytes))
@@ -170,8 +173,8 @@ class SendPath:
         message, at the next Tick). `landed`: the writer's read-back sum of each region (one
         per region, None where it has none; empty: none at all), said with the digest of the
         plan it wrote by."""
-        r.sums[(unit, attempt)] = dict(zip(regions, sums, strict=True))
-        plans = r.plans_of(unit)
+        r.progress.sums[(unit, attempt)] = dict(zip(regions, sums, strict=True))
+        plans = r.plan.plans_of(unit)
         done = self._pending_done.get((r.room, r.peer, r.xfer))
         if done is None:
             done = self._pending_done[(r.room, r.peer, r.xfer)] = []
@@ -221,15 +224,15 @@ class SendPath:
             self.ops.failed(r, f"send of layer {unit.layer} {', '.join(regions)} "
                                       f"failed: {error}")
             return
-        r.bytes_moved += self.ops.moved(r, unit, regions, "sent")
+        r.stats.bytes_moved += self.ops.moved(r, unit, regions, "sent")
         key = (unit, attempt)
-        left = r.outstanding[key] - 1
+        left = r.progress.outstanding[key] - 1
         if left:
-            r.outstanding[key] = left
+            r.progress.outstanding[key] = left
             return
-        del r.outstanding[key]
+        del r.progress.outstanding[key]
         if attempt == 0:
-            whole = r.unit_done(unit)
+            whole = r.progress.unit_done(unit, r.plan)
             if whole is not None:
                 self.rooms.apply(r, LayerSent(layer=whole))
                 self.maybe_acked(r)
@@ -250,16 +253,16 @@ class SendPath:
     def on_nack(self, r: Leg, msg: P.LayerNack) -> None:
         """Prefill: the decode asks for a layer again (its checksum did not match)."""
         unit = Unit(msg.layer, msg.chunk)
-        if msg.attempt + 1 < 1 << P.ATTEMPT_BITS and r.posted.get(unit) == msg.attempt:
+        if msg.attempt + 1 < 1 << P.ATTEMPT_BITS and r.progress.posted.get(unit) == msg.attempt:
             self.ctx.counters["retransmits"] += 1
-            r.retransmits += 1
+            r.stats.retransmits += 1
             self.post_layer(r, unit, msg.attempt + 1)
 
-    def suffix_pages(self, r: Leg) -> dict[str, np.ndarray]:
+    def suffix_pages(self, plan: LegPlan) -> dict[str, np.ndarray]:
         """Prefill: the leg's pages per region, suffix-only regions from the page-aligned
         decode prefix on."""
-        return {reg.name: r.pages[reg.name][
-            page_aligned(r.prefix_len, r.page_size) // r.page_size
+        return {reg.name: plan.pages[reg.name][
+            page_aligned(plan.prefix_len, plan.page_size) // plan.page_size
             if reg.send_from is SendFrom.DECODE_PREFIX else 0:]
             for reg in self.ctx.layout.regions}
 

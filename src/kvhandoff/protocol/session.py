@@ -53,7 +53,7 @@ from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
 from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.reports import ReadOuts, room_stats
-from kvhandoff.protocol.rooms import Group, Leg
+from kvhandoff.protocol.rooms import EngineInput, Group, Leg
 from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.protocol.send import SendPath
 from kvhandoff.settings import Settings
@@ -240,9 +240,8 @@ class TransferSession:
         if self.rooms.refuse_reopen(e.room, e.token):
             return
         g = self.rooms.new_group(e.room, e.token, e.expected)
-        g.seq_len, g.pages = e.seq_len, e.pages
-        g.prompt_tokens = e.prompt_tokens
-        g.chunk_end = e.chunk_end or e.seq_len
+        g.given = EngineInput(seq_len=e.seq_len, pages=e.pages, prompt_tokens=e.prompt_tokens,
+                              chunk_end=e.chunk_end or e.seq_len)
         self._early_t.pop(e.room, None)
         for msg in self._early.pop(e.room, []):
             self._room_msg(msg)
@@ -253,7 +252,7 @@ class TransferSession:
         if self.rooms.refuse_reopen(e.room, e.token):
             return
         g = self.rooms.new_group(e.room, e.token, None)
-        g.readers = e.readers
+        g.given.readers = e.readers
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
         self._abort_if_asked(g)
@@ -309,10 +308,10 @@ class TransferSession:
 
     def _on_layer_ready(self, e: ev.LayerReady) -> None:
         g = self.rooms.group(e.room, e.token)
-        if g is None or e.layer in g.ready:
+        if g is None or e.layer in g.given.ready:
             return
-        g.ready.append(e.layer)
-        g.t_last_ready = self.ctx.now
+        g.given.ready.append(e.layer)
+        g.given.t_last_ready = self.ctx.now
         for r in g.legs:
             if r.state.accepted and not r.state.terminal:
                 self.chunks.post_ready(r, e.layer)
@@ -321,9 +320,10 @@ class TransferSession:
         g = self.rooms.group(e.room, e.token)
         if g is None:
             return
-        g.seq_len = e.seq_len
-        g.pages = (e.pages, e.prefix)
-        g.prompt, g.cached_prefix, g.free_pages = e.prompt, e.cached_prefix, e.free_pages
+        given = g.given
+        given.seq_len, given.pages = e.seq_len, (e.pages, e.prefix)
+        given.prompt, given.cached_prefix, given.free_pages = (e.prompt, e.cached_prefix,
+                                                               e.free_pages)
         for r in g.legs:
             self.receive_path.init_leg(r)
 
@@ -395,7 +395,7 @@ class TransferSession:
                 for r in retry:
                     if r.state.requested:
                         r.state.advance(LegPhase.READY)
-                    r.planes = None
+                    r.plan.planes = None
                     self.peers.attach(r, p.addr)
         elif p.state is PeerState.CONNECTING:
             # its transport connects off the driver's thread: read once matched, in order
@@ -417,7 +417,8 @@ class TransferSession:
                         reason=refusal.reason, failure_kind=refusal.kind.value, xfer=msg.xfer))
                     return
                 r = self.rooms.new_leg(g, msg.src)
-                r.seq_len, r.pages, r.page_size = g.seq_len, g.pages, self.layout.page_size_tokens
+                r.plan.seq_len, r.plan.pages = g.given.seq_len, g.given.pages
+                r.plan.page_size = self.layout.page_size_tokens
                 r.state.advance(LegPhase.READY)
             elif isinstance(msg, P.Failed | P.Abort):
                 told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvhandoff.errors import Failure, FailureKind, InvalidTransition
-from kvhandoff.protocol.rooms import Group, Leg, Unit
+from kvhandoff.protocol import wire as P
+from kvhandoff.protocol.rooms import Group, Leg, LegPlan, Unit
 from kvhandoff.protocol.roomstate import (
     LEG_PHASES,
     ROOM_PHASES,
@@ -213,9 +214,24 @@ def test_a_layer_is_done_once_its_unit_of_every_chunk_is() -> None:
     g = Group(room=1, role=Role.PREFILL, layers=LAYERS, state=room(expected=1))
     r = Leg(room=1, role=Role.PREFILL, layers=LAYERS, group=g, peer="p:1",
             state=leg(Role.PREFILL))
-    r.seq_len = 100
-    r.chunk_ends = [40, 100]  # two chunks, the last one known
-    assert r.unit_done(Unit(1, chunk=1)) is None  # chunk 0 of layer 1 not yet
-    assert r.unit_done(Unit(2, chunk=0)) is None
-    assert r.unit_done(Unit(1, chunk=0)) == 1
+    r.plan.seq_len = 100
+    r.plan.chunk_ends = [40, 100]  # two chunks, the last one known
+    done = r.progress.unit_done
+    assert done(Unit(1, chunk=1), r.plan) is None  # chunk 0 of layer 1 not yet
+    assert done(Unit(2, chunk=0), r.plan) is None
+    assert done(Unit(1, chunk=0), r.plan) == 1
     assert Unit(1) == Unit(1, 0) != Unit(0, 1)  # (layer, chunk), never packed in one int
+
+
+def test_a_later_chunk_is_accepted_once_and_its_units_are_tagged_by_its_transfer() -> None:
+    plan = LegPlan()
+    assert plan.plans_of(Unit(0)) == {}  # nothing planned before the transfer is accepted
+    plan.first_chunk(40, 7, {})
+    assert plan.add_chunk(100, None, {}) == 1  # offered; the decode has not accepted it
+    assert not plan.chunk_accepted(0, 9)  # chunk 0 is the request's own
+    assert not plan.chunk_accepted(2, 9)  # never offered
+    assert plan.chunk_accepted(1, 9)
+    assert not plan.chunk_accepted(1, 10)  # once
+    assert plan.chunk_xfers == [7, 9]
+    assert P.split_tag(plan.tag(Unit(3, 0), 2, 1)) == (7, 3, 2, 1)
+    assert P.split_tag(plan.tag(Unit(3, 1), 2, 0)) == (9, 3, 2, 0)

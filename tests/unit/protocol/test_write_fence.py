@@ -175,14 +175,14 @@ def test_a_layer_done_before_the_accept_or_of_another_request_lands_nothing() ->
         w.feed(d, ev.MessageReceived(P.LayerDone(src="prefill:1", gen=pgen, room=1,
                                                  layers=empty, xfer=xfer)))
     assert d.session.counters["stale_messages"] == stale + 3
-    assert not leg.sums and not leg.units_done
+    assert not leg.progress.sums and not leg.progress.units_done
     w.release_held()
     w.run()
     assert leg.state.accepted
     w.feed(d, ev.MessageReceived(P.LayerDone(src="prefill:1", gen=pgen, room=1,
                                              layers=empty, xfer=leg.xfer + 1)))
     assert d.session.counters["stale_messages"] == stale + 4
-    assert not leg.units_done and d.views[1].state is not KVPoll.Success
+    assert not leg.progress.units_done and d.views[1].state is not KVPoll.Success
 
 
 # ---------------------------------------------------------------------------- checksum policy
