@@ -149,20 +149,12 @@ def test_only_a_tampered_job_leaves_the_fused_native_path(monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("flip", [False, True])
-def test_the_hasher_posts_the_copys_landed_sums_without_a_read_back(
-        two: Two, flip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hasher_posts_the_landed_sums_the_job_carried(two: Two, flip: bool) -> None:
     """The driver's completion (`Hasher.write_plan`) of a shm write job: on the map lane
-    `Written` carries the copy's landed sums (the transport's second pass, `landed_digest`,
-    is not called; the peer's bytes read by numpy are the oracle), a flipped byte shows in its
-    region's; on the cma lane it asks `landed_digest` (None there) and the decode verifies."""
-    asked: list[str] = []
-    read_back = two.writer.landed_digest
-
-    def counted(peer: str, remote: str, plan: SpanPlan) -> int | None:
-        asked.append(remote)
-        return read_back(peer, remote, plan)
-
-    monkeypatch.setattr(two.writer, "landed_digest", counted)
+    `Written` carries the copy's landed sums (the peer's bytes read by numpy are the oracle),
+    a flipped byte shows in its region's; on the cma lane it carries none (the decode
+    verifies). The transport has no second call to read back with."""
+    assert not hasattr(two.writer, "landed_digest")
     posted: queue.SimpleQueue[ev.Event] = queue.SimpleQueue()
     h = Hasher(buffers={"kv": two.p.src, "kv2": two.src2}, transport=two.writer, post=posted.put)
     try:
@@ -180,14 +172,63 @@ def test_the_hasher_posts_the_copys_landed_sums_without_a_read_back(
                                                                     strict=True)]
         assert written.digests == tuple(src for src, _ in want)
         if lane(two) == "shm/cma":
-            assert written.landed == () and asked == ["kv", "kv2"]
+            assert written.landed == ()
         else:
-            assert written.landed == tuple(dst for _, dst in want) and asked == []
+            assert written.landed == tuple(dst for _, dst in want)
             assert (written.landed[0] != written.digests[0]) is flip
             assert written.landed[1] == written.digests[1]
         assert posted.empty()  # one Written per job
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_job_split_across_lanes_carries_the_mapped_writes_landed_sum(flip: bool) -> None:
+    """A layer whose regions lie on both host lanes (the peer's main KV in a shared segment,
+    its indexer in plain memory) is posted as one job per write and completes once: its
+    result carries the mapped write's landed sum (None for the cma one: the decode verifies
+    it), the one the copy computed, and `Written` carries it on. The fault wrapper cannot flip
+    inside such a job: it flips the mapped region's byte after it landed, and the landed sum
+    the writer hands on is of the flipped byte (read again through shm's private
+    read-back), so the writer's verification still sees it."""
+    settings = Settings(transport="shm", stall_timeout_s=WAIT_S)
+    a, b = load_transport("shm", settings), load_transport("shm", settings)
+    faulty = FaultyTransport(a, corrupt=[Corrupt(layer=5, region="main_kv")] if flip else [])
+    assert isinstance(faulty, OneSidedTransport)
+    names = ["main_kv/5", "indexer_k/5"]
+    src = {n: np.random.default_rng(i).integers(0, 256, BUF, dtype=np.uint8)
+           for i, n in enumerate(names)}
+    dst = {"main_kv/5": SharedSegment(BUF).array, "indexer_k/5": np.zeros(BUF, np.uint8)}
+    posted: queue.SimpleQueue[ev.Event] = queue.SimpleQueue()
+    h = Hasher(buffers=src, transport=faulty, post=posted.put)
+    try:
+        for n in names:
+            faulty.register(n, src[n])
+            b.register(n, dst[n])
+        faulty.connect("b", b.address)
+        b.connect("a", faulty.address)
+        for n in names:
+            faulty.register_remote("b", n, b.describe(n))
+        writes = [(data_tag(1, 5, r, 0), n, n, plan) for r, (n, plan)
+                  in enumerate(zip(names, [PLAN_A, PLAN_B], strict=True))]
+        eff = PostWrite(9, "b", tuple(WritePart(tag, name, plan)
+                                      for tag, name, _, plan in writes), True, "xxh3")
+        fused, done = h.write_plan(eff)
+        assert fused
+        faulty.post_writes("b", writes, done, checksum=True)
+        written = posted.get(timeout=WAIT_S)
+        assert isinstance(written, ev.Written) and written.error is None
+        assert set(a.status().lanes) == {"shm/map", "shm/cma"}
+        want = [sums(src[n], dst[n], plan) for _, n, _, plan in writes]
+        assert written.digests == tuple(s for s, _ in want)
+        assert written.landed == (want[0][1], None)
+        assert (written.landed[0] != written.digests[0]) is flip
+        assert want[1][0] == want[1][1]  # the cma region landed as it was
+        assert len(faulty.log.corrupted) == int(flip)
+    finally:
+        h.close()
+        faulty.close()
+        b.close()
 
 
 @pytest.mark.parametrize("kind", ["shm", "auto"])

@@ -11,6 +11,7 @@ UCX (skipped where nixl_cu12 is not installed; test_nixl.py has its cross-proces
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -196,31 +197,39 @@ def test_map_lane_copy_paths_agree(helper: str, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("helper", ["python", "native"])
-def test_landed_digest_reads_back_what_the_write_left(wpair: Pair, helper: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's read-back (`landed_digest`): on shm's map lane the xxh3 of the peer's
-    destination pieces as they are now (so a byte changed after the write shows), natively
-    or from Python; None where the writer does not map the peer's memory (cma, nixl)."""
+def test_a_write_result_carries_what_landed_where_the_writer_reads_it(
+        wpair: Pair, helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one write API gives what landed (`WriteResult.landed`, no second public call): on
+    shm's map lane the xxh3 of the peer's destination pieces (the oracle: numpy reading the
+    peer's buffer), natively or from Python; () where the writer does not map the peer's
+    memory (cma, nixl). shm's private read-back (`_landed_digest`, the fault wrapper's)
+    reads a byte changed after the write."""
     from kvhandoff.transports.shm import copy as _shm_copy
     from kvhandoff.transports.shm import native as _native
+    from kvhandoff.transports.shm.transport import ShmTransport
 
     if helper == "python":
         monkeypatch.setattr(_shm_copy, "native", lambda: (None, "python"))
     elif _native.native()[0] is None:
         pytest.skip("the native copy helper is not built here (make setup builds it)")
+    assert not hasattr(wpair.a, "landed_digest")
     rng = np.random.default_rng(11)
     s = random_spans(rng, BUF // 2, BUF, 4 * CHUNK)
     d = random_spans(rng, BUF // 2, BUF, 4 * CHUNK)
     plan = pair_spans(*s, *d)
-    w = Written()
-    wpair.a.post_writes("b", [(1, "kv", "kv", plan)], w, checksum=True)
-    err, digest = w.wait()
-    assert err is None
-    landed = wpair.a.landed_digest("b", "kv", plan)
+    got: queue.SimpleQueue[WriteResult] = queue.SimpleQueue()
+    wpair.a.post_writes("b", [(1, "kv", "kv", plan)], got.put, checksum=True)
+    r = got.get(timeout=WAIT_S)
+    assert r.error is None
     if wpair.a.status().lanes != ("shm/map",):
-        assert landed is None
+        assert r.landed == ()
+        if isinstance(wpair.a, ShmTransport):
+            assert wpair.a._landed_digest("b", "kv", plan) is None
         return
-    assert landed == digest == xxhash.xxh3_64(stream(wpair.dst, *d).data).intdigest()
+    assert isinstance(wpair.a, ShmTransport)
+    assert r.landed == r.digests == (xxhash.xxh3_64(stream(wpair.dst, *d).data).intdigest(),)
     wpair.dst[int(plan.dst_offsets[0])] ^= 0xFF  # the peer's page changed after the write
-    assert wpair.a.landed_digest("b", "kv", plan) != digest
-    assert wpair.a.landed_digest("b", "other", plan) is None  # no such remote buffer
+    read_back = wpair.a._landed_digest
+    assert read_back("b", "kv", plan) == xxhash.xxh3_64(stream(wpair.dst, *d).data).intdigest()
+    assert read_back("b", "kv", plan) != r.landed[0]
+    assert read_back("b", "other", plan) is None  # no such remote buffer

@@ -169,9 +169,10 @@ def test_a_write_job_is_refused_naming_the_bad_write(two: Two) -> None:
 
 def test_a_job_posted_in_groups_completes_once_with_its_results_in_write_order() -> None:
     """`_post_in_groups` (no transport: the groups complete here, out of order): the digests
-    come back in write order; the landed sums only where every group's result carried them;
-    the first error wins and the job has no digests. `WriteResult.writes` hands a caller its
-    slice of a job's result."""
+    come back in write order; the landed sums each group's result carried, None for the
+    writes of a group that read nothing back, () when no group did; the first error wins and
+    the job has no digests. `WriteResult.writes` hands a caller its slice of a job's
+    result."""
     pending: dict[int, OnWritten] = {}
 
     def post(idx: Any, done: OnWritten) -> None:
@@ -184,8 +185,13 @@ def test_a_job_posted_in_groups_completes_once_with_its_results_in_write_order()
         assert not w.event.is_set()  # one group of two still out
         pending[0](WriteResult(None, (10, 12), (110, 112)))
         r = w.result()
-        assert r == WriteResult(None, (10, 11, 12), (110, 111, 112) if with_landed else ())
-        assert r.writes(1, 3) == WriteResult(None, (11, 12), (111, 112) if with_landed else ())
+        assert r == WriteResult(None, (10, 11, 12), (110, 111 if with_landed else None, 112))
+        assert r.writes(1, 3) == WriteResult(None, (11, 12), (111 if with_landed else None, 112))
+    w = WrittenMany()  # no group read anything back: no landed sums at all
+    _post_in_groups(post, [[0], [1]], w)
+    pending[0](WriteResult(None, (10,)))
+    pending[1](WriteResult(None, (11,)))
+    assert w.result() == WriteResult(None, (10, 11))
     w = WrittenMany()
     _post_in_groups(post, [[0], [1]], w)
     pending[0](WriteResult(None, (10,), (110,)))

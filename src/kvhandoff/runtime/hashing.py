@@ -10,11 +10,11 @@ The session asks for sums in two ways, and both end here:
   write goes out unhashed and its source spans are hashed here once it landed (the source does
   not change while its room is open), before `events.Written` is posted. Where the transport
   reads the peer's memory as it writes (shm's mapped lane: each destination piece hashed
-  right after its copy, in cache), the job's `WriteResult` carries those sums (`landed`)
-  and `Written` carries them on as `landed`: the writer's
-  verification, which spares the decode its pass over the landed bytes. A completion without
-  them (a job split across lanes, another transport) is read back here instead
-  (`landed_digest`: a second pass, None where the transport cannot read the peer's memory).
+  right after its copy, in cache, a job split across lanes included), the job's
+  `WriteResult` carries those sums (`landed`) and `Written` carries them on as `landed`: the
+  writer's verification, which spares the decode its pass over the landed bytes. A write
+  without one (another lane, another transport) the decode verifies itself; nothing is read
+  back here.
 
 The algorithms themselves are `buffers.devsum.room_checksum` ("xxh3" over host bytes,
 "devsum" where the buffer lives); this module decides where and when they run.
@@ -79,11 +79,10 @@ class Hasher:
         to = post or self._post
         fused = eff.checksum and all(self.write_digest_alg(x.buffer) == eff.alg
                                      for x in eff.parts)
-        if fused and eff.alg == "xxh3" and isinstance(self._transport, OneSidedTransport):
-            return True, lambda r: self._written_verified(eff, r, to)
+        if fused and eff.alg == "xxh3":  # the landed sums, where the transport read them
+            return True, lambda r: to(_written(eff, r, r.landed))
         if fused or not eff.checksum:
-            return fused, lambda r: to(
-                ev.Written(eff.op, None if r.error is None else str(r.error), r.digests))
+            return fused, lambda r: to(_written(eff, r, ()))
         return False, lambda r: self._written_then_hash(eff, r.error, to)
 
     def write_digest_alg(self, name: str) -> str | None:
@@ -97,28 +96,6 @@ class Hasher:
                 return alg
         buf = self._buffers.get(name)
         return "xxh3" if buf is not None and view_memory(buf)[0] == "host" else None
-
-    def _written_verified(self, eff: PostWrite, result: WriteResult,
-                          post: Callable[[ev.Event], None]) -> None:
-        """(the write's completion thread: shm's copy thread, or its poster) A hashed write
-        job of host memory ended: `Written` carries each part's landed sum, the one the copy
-        computed (`WriteResult.landed`: shm's map lane) or else one read back now where the
-        transport can read the peer's memory (the decode compares them: the writer's verification; a
-        part whose `landed` is None the decode hashes itself)."""
-        if result.error is not None:
-            post(ev.Written(eff.op, str(result.error)))
-            return
-        landed = result.landed
-        if not landed:
-            assert isinstance(self._transport, OneSidedTransport)
-            try:
-                landed = tuple(self._transport.landed_digest(eff.peer, x.buffer, x.plan)
-                               for x in eff.parts)
-            except Exception as e:  # noqa: BLE001 - reported to the session (fails the room)
-                post(ev.Written(eff.op, f"read-back of the written pieces failed: {e!r}"))
-                return
-        post(ev.Written(eff.op, None, result.digests,
-                        landed if any(x is not None for x in landed) else ()))
 
     def _written_then_hash(self, eff: PostWrite, exc: BaseException | None,
                            post: Callable[[ev.Event], None]) -> None:
@@ -143,3 +120,12 @@ class Hasher:
             self._pool.submit(hash_source)
         except RuntimeError as e:  # the pool shut down: the agent is closing
             post(ev.Written(eff.op, f"closing: {e}"))
+
+
+def _written(eff: PostWrite, result: WriteResult, landed: tuple[int | None, ...]) -> ev.Written:
+    """The `Written` of a write job whose digests the transport gave: its error, else the
+    digests and the landed sums (none when no write of the job was read back)."""
+    if result.error is not None:
+        return ev.Written(eff.op, str(result.error))
+    return ev.Written(eff.op, None, result.digests,
+                      landed if any(x is not None for x in landed) else ())

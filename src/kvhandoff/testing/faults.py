@@ -8,8 +8,10 @@
   bytes, the peer holds a flipped one: over shm, directly or through auto, the byte is flipped
   inside the copy job, right after its piece was copied and before the writer hashes what
   landed, `post_writes_tampered` here, so the writer's own verification sees it; over
-  other one-sided transports one flipped byte is written after the real write landed); with
-  one-sided writes configure it on the prefill, the decode then posts nothing to corrupt.
+  other one-sided transports, or a job shm splits, one flipped byte is written after the real
+  write landed, and a landed sum the job's result carries for that write is read again
+  through shm's private read-back, so it is of the flipped byte); with one-sided writes
+  configure it on the prefill, the decode then posts nothing to corrupt.
   `receive_corruption=True` (what `from_config` sets for a decode with corruptions) makes a
   decode offer no buffers for writes, so its corruptions act on the two-sided receives.
   `hang_connect` makes a connect to the named peers wait as one to a peer that never
@@ -33,7 +35,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,9 +254,11 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
     destination byte of the region inside the copy, after that piece's copy and before its
     landed hash (`post_writes_tampered`): the writer's fused verification of what landed must
     catch it. Elsewhere (other transports, a job shm splits) it is a second 1-byte write of a
-    flipped source byte after the real one landed, before any read-back. Either way the
-    writer's checksum is of the true bytes and the landed ones differ. A corruption counts as
-    done once its job is posted."""
+    flipped source byte after the real one landed, before the job's completion is handed on;
+    the landed sum the result carries for that write (shm's copy read it before the flip) is
+    then read again (`ShmTransport._landed_digest`), or dropped (None: the decode verifies)
+    where nothing can read it. Either way the writer's checksum is of the true bytes and the
+    landed ones differ. A corruption counts as done once its job is posted."""
 
     @property
     def _writer(self) -> OneSidedTransport:
@@ -269,9 +273,6 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
 
     def write_digest_alg(self, name: str) -> str | None:
         return self._writer.write_digest_alg(name)
-
-    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
-        return self._writer.landed_digest(peer, remote, plan)
 
     def _corruptions(self, writes: Sequence[WriteSpec]) -> list[_Flip]:
         """The configured corruptions that match a write of `writes` (its layer and region)."""
@@ -324,22 +325,25 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
                         dst, f.remote)
         return True
 
-    def _after_landed(self, peer: str, flips: list[_Flip], exc: BaseException | None,
-                      then: Callable[[BaseException | None], None]) -> None:
+    def _after_landed(self, peer: str, flips: list[_Flip], result: WriteResult,
+                      on_done: OnWritten) -> None:
         """A write (job) landed: flip one byte of each region in `flips` whose corruption is
-        still due, one 1-byte write after the other, then `then` (before the writer's
-        read-back, which runs in the completion `then` calls)."""
+        still due, one 1-byte write after the other, then hand the job's result on with the
+        flipped writes' landed sums read again (`_relanded`)."""
         with self._lock:
-            due = [f for f in flips if exc is None and f.spec.times > 0]
+            due = [f for f in flips if result.error is None and f.spec.times > 0]
             for f in due:
                 f.spec.times -= 1
-        if exc is not None or not due:
-            then(exc)
+        if result.error is not None or not due:
+            on_done(result)
             return
 
         def flip(i: int, err: BaseException | None) -> None:
-            if err is not None or i == len(due):
-                then(err)
+            if err is not None:
+                on_done(WriteResult(err))
+                return
+            if i == len(due):
+                on_done(self._relanded(peer, due, result))
                 return
             f = due[i]
             src, dst = int(f.plan.src_offsets[0]), int(f.plan.dst_offsets[0])
@@ -350,6 +354,27 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
                                      lambda r: flip(i + 1, r.error))
 
         flip(0, None)
+
+    def _relanded(self, peer: str, flipped: list[_Flip], result: WriteResult) -> WriteResult:
+        """`result` with the landed sum of each write in `flipped` read again after its byte
+        was flipped (shm's private read-back of a mapped target), or None where nothing can
+        read it: a sum the copy computed before the flip would vouch for bytes the peer no
+        longer holds."""
+        if not result.landed:
+            return result
+        shm = self._shm_writer(peer)
+        landed = list(result.landed)
+        for f in flipped:
+            if landed[f.index] is None:
+                continue
+            try:
+                landed[f.index] = (None if shm is None
+                                   else shm._landed_digest(peer, f.remote, f.plan))
+            except Exception as e:  # noqa: BLE001 - the job fails, naming it
+                return WriteResult(TransportError(f"fault injection: reading back {f.remote!r} "
+                                                  f"after the flip failed: {e!r}"))
+        return WriteResult(None, result.digests,
+                           tuple(landed) if any(x is not None for x in landed) else ())
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
@@ -376,9 +401,8 @@ class FaultyOneSidedTransport(FaultyTransport, OneSidedTransport):
             return
         if self._in_copy(peer, writes, flips, on_done, checksum):
             return
-        self._writer.post_writes(peer, writes, lambda r:
-                                 self._after_landed(peer, flips, r.error, lambda e: on_done(
-                                     r if e is None else WriteResult(e))),
+        self._writer.post_writes(peer, writes,
+                                 lambda r: self._after_landed(peer, flips, r, on_done),
                                  checksum=checksum)
 
 

@@ -59,7 +59,6 @@ from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.shm.proof import PeerNotProven
 
 if TYPE_CHECKING:
-    from kvhandoff.kv_layout.spans import SpanPlan
     from kvhandoff.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -363,20 +362,12 @@ class AutoTransport(OneSidedTransport):
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
         """To the peer's part as one job (shm copies it as one; a part that cannot splits
-        it, base._split_writes)."""
+        it, base._split_writes); its WriteResult, landed sums included, is the part's."""
         part = self._route(peer, "post_writes")
         if not isinstance(part, OneSidedTransport):
             raise TransportError(f"post_writes: the {self._lane(part)} lane to peer {peer!r} "
                                  "has no one-sided writes; use post_send / post_recv")
         part.post_writes(peer, writes, on_done, checksum=checksum)
-
-    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
-        """The part's read-back (shm's mapped lane; None across hosts: the peer verifies)."""
-        with self._lock:
-            part = self._routes.get(peer)
-        if not isinstance(part, OneSidedTransport):
-            return None
-        return part.landed_digest(peer, remote, plan)
 
     def peer_exited(self, peer: str) -> bool:
         with self._lock:

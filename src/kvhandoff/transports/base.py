@@ -31,15 +31,17 @@
 #   and copies its pieces, it never re-pairs them. Without the capability the agent uses
 #   post_send / post_recv. Whether writes to one connected peer are possible is asked, never
 #   learnt from an error: `can_write(peer)` (auto: whether that peer's route is a one-sided
-#   part). Two queries go with it: `write_digest_alg(name)` (the algorithm of the digests)
-#   and `landed_digest` (the writer's read-back of what a write left, where it can read it).
+#   part). One query goes with it: `write_digest_alg(name)` (the algorithm of the digests:
+#   whether the transport's hash while copying is the room's).
 # - A transport that copies a job as one (shm's host lanes) keeps it under the first write's
 #   tag, and cancel of any of the tags ends it (the others' cancels find nothing); one that
 #   cannot copy a job as one posts each write as a job of its own under its own tag and
-#   completes once the last one did (`_split_writes`, private to the transports).
-#   A transport that reads what it wrote while it copies (shm's map lane, with `checksum`)
-#   fills WriteResult.landed: one sum per write of its destination pieces as the writer read
-#   them right after copying them (the writer's verification; the others leave it empty).
+#   completes once the last one did (`_split_writes`, private to the transports), carrying
+#   each write's digest and landed sum on. A transport that can read the peer's memory
+#   (shm's map lane, with `checksum`) fills WriteResult.landed itself: one sum per write of its
+#   destination pieces as the writer read them right after copying them (the writer's
+#   verification; None for a write it could not read; () when it read none). There is no
+#   second call to read what landed: the result is the one place it comes from.
 from __future__ import annotations
 
 import importlib
@@ -47,7 +49,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -72,8 +74,9 @@ class WriteResult:
             else None; () when the job failed.
         landed: one per write, the xxh3-64 of its destination pieces in plan order as the
             writer read them right after copying each (shm's map lane, with `checksum`: the
-            writer's verification), None for a write it did not read; () where the
-            transport read nothing back (every other lane, or a failed job).
+            writer's verification, a job split across lanes included), None for a write it
+            did not read; () where the transport read nothing back (every other lane, or a
+            failed job).
     """
 
     error: BaseException | None
@@ -211,16 +214,16 @@ class OneSidedTransport(Transport):
         when the transport does not say (the caller then takes it for xxh3 of host memory)."""
         return None
 
-    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
-        """The xxh3-64 of what is now in the peer's buffer `remote` at the destination pieces
-        of `plan`, in plan order, read where the peer reads them: the writer's check of a
-        write that just landed and whose WriteResult carried no `landed` sums (call it from that
-        write's on_done). None when this transport cannot read the peer's memory
-        (across hosts; then the peer verifies what landed)."""
-        return None
+
+class _PostsWrites(Protocol):
+    """Whatever has the `post_writes` of a one-sided transport (the transport, or the part
+    of it that writes: shm's writer)."""
+
+    def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
+                    checksum: bool = False) -> None: ...
 
 
-def _split_writes(transport: OneSidedTransport, peer: str, writes: Sequence[WriteSpec],
+def _split_writes(transport: _PostsWrites, peer: str, writes: Sequence[WriteSpec],
                  on_done: OnWritten, *, checksum: bool = False) -> None:
     """`post_writes` as one job per write, each under its own tag (`_post_in_groups`); the
     transport's `post_writes` of a single write must not come back here."""
@@ -237,31 +240,28 @@ def _post_in_groups(post: Callable[[Sequence[int], OnWritten], None],
                     groups: Sequence[Sequence[int]], on_done: OnWritten) -> None:
     """A `post_writes` job of writes 0..n-1 posted as several jobs, `post(indices, done)` for
     each group of write indices (every index in one group): `on_done` once the last group's
-    completion came, with the first error, else the digests in write order (and the landed
-    sums when every group's result carried them). Groups already posted when a later one is
-    refused are waited for, and the refusal is the job's error; a refusal of the first
-    raises."""
+    completion came, with the first error, else the digests in write order and the landed
+    sums each group's result carried (None for the writes of a group that read nothing back;
+    () when none did). Groups already posted when a later one is refused are waited for, and
+    the refusal is the job's error; a refusal of the first raises."""
     n = sum(len(g) for g in groups)
     if not n:
         raise TransportError("post_writes: writes must name at least one write")
     digests: list[int | None] = [None] * n
-    landed: list[int | None] | None = [None] * n
+    landed: list[int | None] = [None] * n
     lock = threading.Lock()
     state: dict[str, Any] = {"left": len(groups), "error": None}
 
     def group(idx: Sequence[int]) -> OnWritten:
         def done(got: WriteResult) -> None:
-            nonlocal landed
             with lock:
                 if got.error is None:
                     whole = len(got.digests) == len(idx)  # else: no digests (unhashed)
-                    sums = got.landed if whole else ()
+                    sums = got.landed if whole and len(got.landed) == len(idx) else ()
                     for k, i in enumerate(idx):
                         digests[i] = got.digests[k] if whole else None
-                        if landed is not None and len(sums) == len(idx):
+                        if sums:
                             landed[i] = sums[k]
-                    if len(sums) != len(idx):
-                        landed = None  # a group that read nothing back: no landed sums
                 elif state["error"] is None:
                     state["error"] = got.error
                 state["left"] -= 1
@@ -270,7 +270,8 @@ def _post_in_groups(post: Callable[[Sequence[int], OnWritten], None],
                 err = state["error"]
                 on_done(WriteResult(err) if err is not None else
                         WriteResult(None, tuple(digests),
-                                    tuple(landed) if landed is not None else ()))
+                                    tuple(landed) if any(x is not None for x in landed)
+                                    else ()))
         return done
 
     for k, idx in enumerate(groups):

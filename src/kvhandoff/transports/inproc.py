@@ -7,8 +7,16 @@
 #
 # Rules: one module lock (_LOCK) guards every table and every op state; the copy of each chunk
 # happens under it after checking the job was not cancelled, so once cancel() returns nothing of
-# that tag writes into memory. An op is finished exactly once (Op.finish under _LOCK); its
-# callback runs on its owner's CallbackThread, outside the lock.
+# that tag writes into memory. An op is finished exactly once (_Op.finish_locked under _LOCK);
+# its callback runs on its owner's CallbackThread, outside the lock.
+#
+# Why it keeps its own op record instead of optable.OpTable (which tcp, ucx and shm share): an
+# inproc op lives in two transports at once (its owner's table and, until matched, the peer's
+# unmatched table), a job ends both halves (two transports' ops) together, and cancel of one
+# side ends the other half, all under the one process-global lock; OpTable is one transport's
+# table under that transport's own lock. And OpTable.post completes an empty span list at once,
+# where inproc pairs it with the peer's op (a 0-byte send meeting a 10-byte receive fails both
+# with a size mismatch): as the reference the conformance kit runs on, that must not change.
 from __future__ import annotations
 
 import threading

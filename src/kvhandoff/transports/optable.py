@@ -15,9 +15,10 @@
 # - Hooks, given at construction, are the transport's policy: `make_op` (its op type),
 #   `check_plan` (a plan it cannot carry), `hold` (a completion held back while memory may
 #   still be written: ucx), `deliver` (shm's held receives).
-# - `TableTransport` is the one base the three share: their register / post_send / post_recv
-#   are the table's, and close() ends the table, then stops the I/O thread (shm adds its
-#   workers). It holds no state (each transport builds and owns its table and thread).
+# - `TableTransport` is the one base the three share: their address, register / post_send /
+#   post_recv are the table's, and close() ends the table, then stops the I/O thread (shm adds
+#   its workers). It holds no state (each transport builds and owns its table, thread and
+#   address).
 from __future__ import annotations
 
 import threading
@@ -203,6 +204,11 @@ class TableTransport(Transport):
 
     _table: OpTable
     _io: IoThread
+    _address: bytes
+
+    @property
+    def address(self) -> bytes:
+        return self._address
 
     def register(self, name: str, buf: np.ndarray) -> None:
         self._table.register(name, buf)

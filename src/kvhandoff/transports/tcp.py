@@ -162,10 +162,6 @@ class TcpTransport(TableTransport):
 
     # ---- public API (any thread) ----------------------------------------------------------
 
-    @property
-    def address(self) -> bytes:
-        return self._address
-
     def bind_session(self, peer: str, key: bytes) -> None:
         with self._lock:
             self._session_keys[peer] = bytes(key)

@@ -23,11 +23,11 @@
 #
 # The map lane copies through the native helper when it is built (native.py: one foreign call
 # per batch of pieces, both hashes fused in C); else piece by piece from Python, with the same
-# sums. `read_back` hashes what is now in a mapped target (landed_digest: the verification of
-# a write whose job gave no landed sums). `Job.tamper` is the fault-injection seam
-# (testing.faults): a destination byte flipped inside the copy, after its piece was copied and
-# before its landed hash, so the sum is of the byte the peer holds; a job with it copies from
-# Python (a job without it, every real one, runs the fast path).
+# sums. `read_back` hashes what is now in a mapped target (the writer's private read-back,
+# for a byte the fault wrapper flipped after a write landed). `Job.tamper` is the
+# fault-injection seam (testing.faults): a destination byte flipped inside the copy, after its
+# piece was copied and before its landed hash, so the sum is of the byte the peer holds; a job
+# with it copies from Python (a job without it, every real one, runs the fast path).
 #
 # Rules: a job ends exactly once (`_end`), after every part stopped; `cancel()` makes parts stop
 # at their next batch boundary and `wait()` returns once none runs, so after it nothing of that
@@ -378,8 +378,8 @@ def _copy_mapped_native(job: Job, lo: int, hi: int, rlo: int, rhi: int,
 def read_back(target: Target, offsets: np.ndarray, nbytes: np.ndarray) -> int | None:
     """The xxh3-64 of the pieces (`offsets` into the peer's buffer, `nbytes` each) of a mapped
     `target` as they are now, in order: what a write just left there, read at the addresses
-    the peer reads (the writer's verification, shm.transport.landed_digest). None on the cma
-    lane (its bytes are not mapped here) or when a piece lies outside the target."""
+    the peer reads (writer.OneSidedWriter.read_back). None on the cma lane (its bytes are not
+    mapped here) or when a piece lies outside the target."""
     if target.lane != "map" or target.mapping is None or target.mapping.closed:
         return None
     if nbytes.size and int((offsets + nbytes).max()) > target.nbytes:

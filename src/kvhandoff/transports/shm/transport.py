@@ -12,15 +12,16 @@
 #   its copy ended. The receiver posts one message per receive, nothing per span or chunk.
 # - One-sided (OneSidedTransport): describe(name) gives a buffer's descriptor, the writer installs
 #   it with register_remote(peer, name, descriptor) and post_writes() span plans into it; the
-#   receiver posts nothing at all. Writes can hash their source while copying (checksum=True);
-#   on the map lane the copy also hashes each destination piece right after copying it (the
-#   writer's check of what landed, in cache) and the job's WriteResult carries `landed` (a
-#   landed sum per write). landed_digest(peer, remote, plan) reads back what a write left in
-#   a mapped target (for a write whose completion had no landed sums). post_writes of host
-#   memory copies several plans (a layer's regions) as ONE job: one op under the first
-#   write's tag, one completion, one digest per write (each region hashed by its own part).
-#   `_post_writes_tampered` is the private fault-injection seam (testing.faults calls it): the
-#   same job with a destination byte flipped inside the copy, before its landed hash.
+#   receiver posts nothing at all. The writes and their copy jobs are an owned part,
+#   `OneSidedWriter` (writer.py, which says how they run): post_writes of host memory copies
+#   several plans (a layer's regions) as ONE job (one op under the first write's tag, one
+#   completion, one digest per write); with checksum=True the source is hashed while copying
+#   and, on the map lane, each destination piece right after its copy, so the job's
+#   WriteResult carries `landed` (the writer's verification) without a second call. The
+#   transport keeps describe / register_remote (installing a peer's buffer: targets.py) and
+#   two private seams for testing.faults: `_post_writes_tampered` (a destination byte flipped
+#   inside the copy, before its landed hash) and `_landed_digest` (the read-back of a mapped
+#   target, for a byte flipped after a write landed).
 # - Peer death: the I/O thread polls a pidfd of every peer process; when it exits, every op
 #   with that peer fails ("peer process N exited"). On the map lane the mapping stays valid, on
 #   the cma lane the syscall returns ESRCH: a dying peer is an error, never a signal or abort.
@@ -46,27 +47,24 @@
 # - close() calls every pending op's on_done before it returns (held receives too, with a
 #   warning when their writer never confirmed).
 #
-# Rules: one I/O thread owns the sockets; copy threads copy and report back through the
-# command queue, except one-sided writes of host memory: the poster's thread starts their copy
-# job and its copy thread completes the op and calls on_done itself (two hand-offs per write,
-# poster -> copy thread -> on_done, instead of four through the I/O and callback threads).
-# `_lock` (the op table's lock) guards the op table, the peer table, the running copy jobs,
+# Rules: one I/O thread owns the sockets; copy threads copy two-sided sends and report back
+# through the command queue (one-sided host writes complete on their copy thread: writer.py).
+# `_lock` (the op table's lock) guards the op table, the peer table, the running send jobs,
 # `finished` / `result` / `delivered` of ops and the `exposed` / `acked` state of receives. The
 # transport composes owned parts, each with its own state: the op table (optable.OpTable:
 # buffers, peers, pending ops, the checks of post_*), the I/O thread (iothread.IoThread: its
-# commands are this class's `_on_*` methods), `HeldReceives` (hold.py: completions held until
-# nothing writes, and the drains of disconnected peers; the op table delivers through it and
-# it shares `_lock`, which guards those op fields), `ExposedWriter` (expose.py: the two-sided
-# writer's tables, I/O thread only), and the target opening of one-sided writes (writes.py,
-# stateless). The receiver's side of the wire (R out, F / A in) stays here: it completes
-# entries of the op table. What is left in this file (~930 lines, half of them comments and
-# docstrings) is one class whose every method takes part in an op's lifecycle under that one
-# lock; the one-sided write path (post_writes, the host and CUDA jobs) is the next part to
-# move out (docs/ARCHITECTURE.md, Transports).
+# commands are this class's and the writer's `_on_*` methods), `HeldReceives` (hold.py:
+# completions held until nothing writes, and the drains of disconnected peers; the op table
+# delivers through it and it shares `_lock`, which guards those op fields), `ExposedWriter`
+# (expose.py: the two-sided writer's tables, I/O thread only), `OneSidedWriter` (writer.py:
+# post_writes and its host and CUDA jobs; it reads the op table, the peer table and the CUDA
+# buffers under `_lock` and owns its running jobs), and the opening of write targets
+# (targets.py, stateless). What stays here is the transport's own: connect (the peer proves
+# its process, proof.py) / disconnect / cancel / close / status, registration, the two-sided
+# wire (R out, F / A in, the sends' copy jobs) and the I/O loop with the peers' pidfds.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 import select
@@ -87,16 +85,14 @@ from kvhandoff.transports.base import (
     TransportKind,
     TransportStatus,
     WriteSpec,
-    _split_writes,
 )
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.optable import OpTable, TableTransport
-from kvhandoff.transports.shm.copy import CopyPool, Job, Target, read_back
+from kvhandoff.transports.shm.copy import CopyPool, Job, Target
 from kvhandoff.transports.shm.cuda import (
     DeviceJob,
     DeviceLane,
-    DeviceTarget,
     encode_device_descriptor,
     is_device_descriptor,
 )
@@ -104,6 +100,7 @@ from kvhandoff.transports.shm.expose import ExposedWriter, Key
 from kvhandoff.transports.shm.hold import HeldReceives
 from kvhandoff.transports.shm.native import native
 from kvhandoff.transports.shm.proof import PeerNotProven, Proof, Voucher, prove
+from kvhandoff.transports.shm.targets import check_vouched, open_host, open_remote
 from kvhandoff.transports.shm.wire import (
     EXPOSE,
     MAGIC,
@@ -116,16 +113,8 @@ from kvhandoff.transports.shm.wire import (
     parse_writer_frame,
     split_address,
 )
-from kvhandoff.transports.shm.writes import (
-    check_vouched,
-    ignore,
-    open_host,
-    open_remote,
-    written_adapter,
-    written_many_adapter,
-)
+from kvhandoff.transports.shm.writer import OneSidedWriter
 from kvhandoff.transports.sockets import bind_router, connect_dealer
-from kvhandoff.transports.streams import check_tag, write_plan, write_plans
 
 if TYPE_CHECKING:
     from kvhandoff.settings import Settings
@@ -185,27 +174,24 @@ class ShmTransport(TableTransport, OneSidedTransport):
         self._held = HeldReceives(lock=self._lock, submit=self._table.callbacks.submit,
                                   bound_s=self._bound_s,
                                   wake=functools.partial(self._io.put, self._on_hold))
-        self._writer = ExposedWriter(router=self._router, finish=self._table.finish,
+        self._exposed = ExposedWriter(router=self._router, finish=self._table.finish,
                                      resolve=self._receive_target, start_job=self._start_copy)
         # owned by the I/O thread
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._dealer_info: dict[str, ShmPeer] = {}  # the peer each dealer is connected to
-        # copy jobs started, end not yet reported (guarded by _lock: writes start on the
-        # poster's thread and end on their copy thread)
-        self._running: set[Job | DeviceJob] = set()
-        # host buffer name -> (the array, its address): a write job looks up each of its
-        # regions' addresses (64 for a short room), numpy's lookup costs ~1.5 us each
-        self._addrs: dict[str, tuple[np.ndarray, int]] = {}
+        # two-sided sends' copy jobs started, end not yet reported (I/O thread; guarded by
+        # _lock, which close() reads them under)
+        self._running: set[Job] = set()
         # CUDA buffers (one-sided only): name -> (1-D uint8 view, size in bytes)
         self._dev_lane = device_lane or DeviceLane(self._ident[:8].decode())
-        self._dev: dict[str, tuple[object, int]] = {}
+        self._dev: dict[str, tuple[Any, int]] = {}
+        self._one_sided = OneSidedWriter(table=self._table, peers=self._peer_info,
+                                         devices=self._dev, held=self._held, io=self._io,
+                                         copier=self._copier, device_lane=self._dev_lane,
+                                         dead=self._dead, exited=self.peer_exited)
         self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
-
-    @property
-    def address(self) -> bytes:
-        return self._address
 
     def register(self, name: str, buf: Any) -> None:
         """Host buffers as every transport takes them; CUDA buffers (torch CUDA tensors,
@@ -260,25 +246,6 @@ class ShmTransport(TableTransport, OneSidedTransport):
             raise TransportError(f"describe: no buffer registered as {name!r}")
         return describe_buffer(buf)
 
-    def write_digest_alg(self, name: str) -> str | None:
-        """The algorithm of post_writes(checksum=True)'s digest for local buffer `name`:
-        "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
-        such buffer is registered."""
-        return "devsum" if name in self._dev else "xxh3" if name in self._table.buffers else None
-
-    def landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
-        """xxh3-64 of the peer's host buffer `remote` at `plan`'s destination pieces, read
-        through the mapping the write went through (copy.read_back): a second pass, for a
-        write whose WriteResult had no landed sums (a job split across lanes);
-        None on the cma and CUDA lanes (their bytes are not mapped here: the decode verifies
-        them)."""
-        with self._lock:
-            info = self._peer_info.get(peer)
-            target = info.remotes.get(remote) if info is not None else None
-        if not isinstance(target, Target):
-            return None
-        return read_back(target, plan.dst_offsets, plan.nbytes)
-
     def register_remote(self, peer: str, name: str, descriptor: bytes) -> None:
         with self._lock:
             self._table.check_open()
@@ -296,125 +263,32 @@ class ShmTransport(TableTransport, OneSidedTransport):
 
     def post_writes(self, peer: str, writes: Sequence[WriteSpec], on_done: OnWritten, *,
                     checksum: bool = False) -> None:
-        """Host memory: the writes' pieces as ONE copy job (one completion, on its copy
-        thread, or on this one for a small job), each write's source hashed on its own (a
-        digest per write). A CUDA write: a job on the device lane; several, or a layer whose
-        targets lie on both host lanes: one job per write (_split_writes)."""
-        if not any(w[1] in self._dev for w in writes):
-            self._post_host(writes, peer, on_done, checksum)
-        elif len(writes) == 1:
-            self._post_device(peer, *writes[0], on_done, checksum)
-        else:
-            _split_writes(self, peer, writes, on_done, checksum=checksum)
+        """Host memory: the writes as ONE copy job (one completion, on its copy thread, or on
+        this one for a small job), a digest per write, and on the map lane with `checksum` a
+        landed sum per write (the writer's verification); CUDA memory: a job per write on the
+        device lane (writer.py)."""
+        self._one_sided.post_writes(peer, writes, on_done, checksum=checksum)
 
-    def _post_device(self, peer: str, tag: int, name: str, remote: str, plan: SpanPlan,
-                     on_done: OnWritten, checksum: bool) -> None:
-        """A write of CUDA buffer `name` (a job of one), copied on the device lane's worker;
-        its digest (devsum of the source) rides along on success."""
-        if not callable(on_done):
-            raise TransportError("post_writes: on_done must be callable")
-        tag = check_tag(tag)
-        buf, size = self._dev[name]
-        with self._lock:
-            info = self._peer_info.get(peer)
-            target = info.remotes.get(remote) if info is not None else None
-        plan = write_plan(peer, name, plan, size, remote,
-                          None if target is None else target.nbytes, connected=info is not None)
-        assert info is not None and target is not None  # write_plan checked both
-        if not isinstance(target, DeviceTarget):
-            raise TransportError(f"post_writes {name!r} -> {remote!r}: a write from CUDA "
-                                 "memory into host memory; shm writes host to host or "
-                                 "device to device, not across")
-        op = ShmOp(peer, info.ident, tag, True, buf, None, ignore, total=plan.total_bytes)
-        op.is_write = True
-        op.remote = (target, plan)  # its pieces are the copy's, as they are
-        op.on_done = written_adapter(op, on_done)
-        self._add_write(op)
-        self._io.put(self._on_write, op, checksum)
+    def write_digest_alg(self, name: str) -> str | None:
+        """The algorithm of post_writes(checksum=True)'s digest for local buffer `name`:
+        "xxh3" (host buffers, hashed while copying), "devsum" (CUDA buffers); None when no
+        such buffer is registered."""
+        return self._one_sided.digest_alg(name)
 
     def _post_writes_tampered(self, peer: str, writes: Sequence[WriteSpec],
                               on_done: OnWritten, flips: dict[int, int], *,
                               checksum: bool = False) -> bool:
         """The fault-injection seam, private (testing.faults.post_writes_tampered calls it):
-        `post_writes` of host memory as one copy job
-        that flips the first destination byte of write i's piece `flips[i]` right after that
-        piece was copied and before it is hashed as landed, so the byte the peer holds is not
-        the source's and the landed sum is of what it holds. The job copies from Python (the
-        fast path never sees this). False, and nothing posted, where the writes are not one
-        host job (CUDA buffers, or targets on both host lanes): the caller corrupts otherwise."""
-        if any(w[1] in self._dev for w in writes):
-            return False
-        with self._lock:
-            info = self._peer_info.get(peer)
-            lanes = {getattr(info.remotes.get(w[2]), "lane", None) if info is not None else None
-                     for w in writes}
-        if len(lanes) != 1:
-            return False
-        self._post_host(writes, peer, on_done, checksum, flips)
-        return True
+        `post_writes` of host memory as one copy job that flips the first destination byte
+        of write i's piece `flips[i]` inside the copy, before its landed hash
+        (`OneSidedWriter.post_tampered`); False, nothing posted, where it is not one job."""
+        return self._one_sided.post_tampered(peer, writes, on_done, flips, checksum=checksum)
 
-    def _post_host(self, writes: Sequence[WriteSpec], peer: str, on_done: OnWritten,
-                   checksum: bool, flips: dict[int, int] | None = None) -> None:
-        """(any thread) Host writes as one copy job under the first write's tag, started from
-        here (no I/O-thread hop); its copy thread completes the op (this thread, for a job of
-        at most copy.INLINE_MAX bytes)."""
-        with self._lock:
-            info = self._peer_info.get(peer)
-            targets = [info.remotes.get(w[2]) if info is not None else None for w in writes]
-        bufs = [self._table.buffers.get(w[1]) for w in writes]
-        plans = write_plans(peer, writes, on_done, [None if b is None else b.size for b in bufs],
-                            [None if t is None else t.nbytes for t in targets],
-                            connected=info is not None)
-        parts: list[tuple[np.ndarray, Target, SpanPlan]] = []
-        for (_, name, remote, _), buf, target, plan in zip(writes, bufs, targets, plans,
-                                                           strict=True):
-            assert buf is not None  # write_plans checked it
-            if not isinstance(target, Target):
-                raise TransportError(f"post_writes {name!r} -> {remote!r}: a write from host "
-                                     "memory into CUDA memory; shm writes host to host or "
-                                     "device to device, not across")
-            parts.append((buf, target, plan))
-        assert info is not None  # write_plans checked it
-        if len({t.lane for _, t, _ in parts}) > 1:  # one job copies on one lane
-            _split_writes(self, peer, writes, on_done, checksum=checksum)
-            return
-        op = ShmOp(peer, info.ident, check_tag(writes[0][0]), True, parts[0][0], None, ignore,
-                   total=sum(p.total_bytes for _, _, p in parts))
-        op.is_write = True
-        op.on_done = written_many_adapter(op, on_done)
-        self._add_write(op)
-        if self._dead(op):
-            return
-        bounds: tuple[int, ...]
-        if len(parts) == 1:
-            buf, target, plan = parts[0]
-            src = plan.src_offsets + self._buffer_address(writes[0][1], buf)
-            dst = plan.dst_offsets + target.base
-            lens, bounds = plan.nbytes, (0, len(plan))
-        else:  # every write's offsets back to back, each moved by its buffer's address
-            counts = [len(p) for _, _, p in parts]
-            src = np.concatenate([p.src_offsets for _, _, p in parts]) + np.repeat(
-                np.array([self._buffer_address(w[1], b) for w, (b, _, _) in zip(writes, parts,
-                                                                         strict=True)],
-                         np.int64), counts)
-            dst = np.concatenate([p.dst_offsets for _, _, p in parts]) + np.repeat(
-                np.array([t.base for _, t, _ in parts], np.int64), counts)
-            lens = np.concatenate([p.nbytes for _, _, p in parts])
-            bounds = (0, *itertools.accumulate(counts))
-        tamper = None if flips is None else {bounds[i] + k: 0 for i, k in flips.items()}
-        self._run_job(op, Job(src, dst, lens, parts[0][1], checksum, self._write_ended,
-                              owner=(op, None), bounds=bounds,
-                              keep=tuple(t for _, t, _ in parts[1:]), tamper=tamper), None)
-
-    def _buffer_address(self, name: str, buf: np.ndarray) -> int:
-        """The address of registered host buffer `name` (`buf`: the array registered under
-        it now; a name registered again gets the new array's)."""
-        known = self._addrs.get(name)
-        if known is not None and known[0] is buf:
-            return known[1]
-        addr = int(buf.ctypes.data)
-        self._addrs[name] = (buf, addr)
-        return addr
+    def _landed_digest(self, peer: str, remote: str, plan: SpanPlan) -> int | None:
+        """Private read-back (testing.faults calls it after it flipped a byte behind a write's
+        back): xxh3-64 of the peer's mapped buffer `remote` at `plan`'s destination pieces
+        as they are now; None where the writer does not map it (cma, CUDA)."""
+        return self._one_sided.read_back(peer, remote, plan)
 
     def _vouched(self) -> list[tuple[bytes, int]]:
         """(I/O thread) What a proving peer is handed: the descriptor of every registered host
@@ -426,18 +300,6 @@ class ShmTransport(TableTransport, OneSidedTransport):
             desc = describe_buffer(buf)
             out.append((desc, parse_descriptor(desc)[1]))
         return out
-
-    def _add_write(self, op: ShmOp) -> None:
-        """Enters a write op in the op table (its tag must not be pending with the peer)."""
-        with self._lock:
-            self._table.check_open()
-            if op.peer not in self._table.peers:
-                raise TransportError(f"post_writes: peer {op.peer!r} is not connected")
-            key = (op.peer, op.tag, True)
-            if key in self._table.ops:
-                raise TransportError(f"post_writes: tag {op.tag} with peer {op.peer!r} is "
-                                     "already pending")
-            self._table.ops[key] = op
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -527,7 +389,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
             if info.proof is not None:  # its memfds (what was mapped stays mapped)
                 info.proof.close()
             # what arrived before this call is dropped, not what a reconnected peer sends after
-            self._io.put(self._on_disconnect, peer, info, self._writer.cut())
+            self._io.put(self._on_disconnect, peer, info, self._exposed.cut())
 
     def cancel(self, peer: str, tag: int) -> None:
         ops = self._table.end_tag(peer, tag)
@@ -573,7 +435,8 @@ class ShmTransport(TableTransport, OneSidedTransport):
                        f"(at most {self._bound_s} s)")
         return TransportStatus(kind=self.kind,
                                lanes=tuple(names[x] for x in lanes) or ("shm",),
-                               degraded=False, reason=reason, bytes_sent=self._bytes_sent,
+                               degraded=False, reason=reason,
+                               bytes_sent=self._bytes_sent + self._one_sided.bytes_written,
                                bytes_received=self._bytes_received)
 
     def close(self) -> None:
@@ -629,7 +492,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
                         poller.unregister(fd)
                         del pidfds[fd]
                         self._peer_exited(info)
-                self._writer.drain_router()
+                self._exposed.drain_router()
                 for peer, sock in list(self._dealers.items()):
                     self._drain_dealer(self._dealer_info[peer], sock, live=True)
                 for info, sock in self._held.drains:
@@ -644,7 +507,8 @@ class ShmTransport(TableTransport, OneSidedTransport):
 
     def _shutdown(self, pidfds: dict[int, ShmPeer]) -> None:
         with self._lock:
-            running = list(self._running)
+            sends: list[Job | DeviceJob] = list(self._running)
+        running = sends + self._one_sided.running()
         for job in running:
             job.cancel()
         for job in running:
@@ -652,11 +516,12 @@ class ShmTransport(TableTransport, OneSidedTransport):
                 log.warning("shm: closing while a copy job did not stop within %s s",
                             self._bound_s)
         # the receivers whose memory we were allowed to write: nothing writes it any more
-        self._writer.confirm_all()
+        self._exposed.confirm_all()
         # every op's on_done comes before close() returns (ops of jobs whose end was not
         # reported yet, receives still held: module comment)
         with self._lock:
             owners = [job.owner[0] for job in self._running]
+        owners += [job.owner[0] for job in self._one_sided.running()]
         with self._lock:
             for op in owners:
                 if op.job is not None and not op.job.ended_event.is_set():
@@ -709,7 +574,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
                 poller.unregister(info.pidfd)
             os.close(info.pidfd)
         # what this peer exposed to us: forget it, and confirm nothing of it is written
-        self._writer.drop_peer(info, cut)
+        self._exposed.drop_peer(info, cut)
 
     def _peer_exited(self, info: ShmPeer) -> None:
         """`info`'s process exited: its ops fail, and nothing of it writes into our memory
@@ -742,7 +607,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
     def _on_send(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
         if op.finished or self._dead(op):
             return
-        self._writer.add_send(op)
+        self._exposed.add_send(op)
 
     def _on_recv(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp) -> None:
         if self._dead(op):
@@ -769,7 +634,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
     def _on_forget(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], ops: list[ShmOp]) -> None:
         for op in ops:
             if op.is_send:
-                self._writer.forget_send(op)
+                self._exposed.forget_send(op)
             elif op.exposed:
                 sock = self._dealers.get(op.peer)
                 if sock is not None:
@@ -828,7 +693,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         try:
             plan = pair_spans(*op.plan.spans(), doff, dnb)
         except ConfigError as e:  # a malformed receive (negative spans)
-            self._writer.refuse(key, str(e))
+            self._exposed.refuse(key, str(e))
             self._table.finish(op, str(e))
             return
         src = plan.src_offsets + int(op.buf.ctypes.data)
@@ -837,87 +702,29 @@ class ShmTransport(TableTransport, OneSidedTransport):
                               lambda j: self._io.put(self._on_written, j), owner=(op, key)),
                       key)
 
-    def _run_job(self, op: ShmOp, job: Job, key: Key | None) -> None:
-        """Starts `op`'s copy job unless the op ended meanwhile: a two-sided send's (`key`:
-        its exposed receive; I/O thread; it ends on the I/O thread, WRITTEN) or a one-sided
-        write job's (no key; the poster's thread; it ends on its copy thread, `_write_ended`,
-        or, a small one, on this thread before this returns: copy.INLINE_MAX)."""
+    def _run_job(self, op: ShmOp, job: Job, key: Key) -> None:
+        """(I/O thread) Starts a two-sided send's copy job into its exposed receive (`key`)
+        unless the op ended meanwhile; it ends on the I/O thread (`_on_written`)."""
         with self._lock:
             cancelled = op.finished
             if not cancelled:
                 op.job = job
                 self._running.add(job)
         if cancelled:  # cancelled meanwhile
-            if key is not None:
-                self._writer.refuse(key, "sender cancelled")
+            self._exposed.refuse(key, "sender cancelled")
             return
-        if key is not None:
-            self._writer.started(key, job)
+        self._exposed.started(key, job)
         self._copier.submit(job)
 
-    def _write_ended(self, job: Job) -> None:
-        """(copy thread, or the poster's for a small job) A one-sided write's copy ended: the
-        op completes here and its on_done runs on this thread (nothing of the write copies any
-        more), instead of two more hand-offs (to the I/O thread, then to the callback
-        thread)."""
-        op, _ = job.owner
-        ok = job.error is None and not job.cancelled
-        with self._lock:
-            self._running.discard(job)
-            if ok:
-                self._bytes_sent += job.total
-                op.digests = tuple(job.digests)
-                op.landed = tuple(job.landed) if job.landed[0] is not None else ()
-            done = self._table.finish_locked([op], None if ok else job.error or "cancelled")
-        if done:
-            self._held.deliver(done, here=True)
-        else:  # ended earlier (cancel, disconnect): its on_done waited for this
-            self._held.settle([op], here=True)
-
-    def _on_write(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], op: ShmOp,
-                  checksum: bool) -> None:
-        if op.finished or op.remote is None or self._dead(op):
-            return
-        target, plan = op.remote  # a CUDA write (host write jobs start on the poster's thread)
-        assert isinstance(target, DeviceTarget)
-        self._start_device_job(op, target, plan, checksum)
-
-    def _start_device_job(self, op: ShmOp, target: DeviceTarget, plan: SpanPlan,
-                          checksum: bool) -> None:
-        """(I/O thread) A write between CUDA buffers: to the lane's worker (cuda.py). The
-        peer's pidfd is read first: a copy into the IPC memory of a process that exited is
-        never launched (its pidfd event may not have been handled yet)."""
-        if self.peer_exited(op.peer):
-            self._table.finish(op, f"peer {op.peer!r}: its process exited; no copy into its "
-                             "device memory")
-            return
-        job = DeviceJob(op.buf, target.tensor, plan, checksum,
-                        lambda j: self._io.put(self._on_written, j), owner=(op, None))
-        with self._lock:
-            cancelled = op.finished
-            if not cancelled:
-                op.job = job
-        if cancelled:  # cancelled meanwhile: nothing launched
-            return
-        with self._lock:
-            self._running.add(job)
-        try:
-            self._dev_lane.submit(job)
-        except TransportError as e:
-            job._end(str(e))
-
-    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer],
-                    job: Job | DeviceJob) -> None:
+    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], job: Job) -> None:
+        """A two-sided send's copy ended: its exposed receive learns it (F), the op ends."""
         op, key = job.owner
         with self._lock:
             self._running.discard(job)
-        if key is not None:
-            assert isinstance(job, Job)
-            self._writer.ended(key, job)
+        self._exposed.ended(key, job)
         if job.error is None and not job.cancelled:
             with self._lock:
                 self._bytes_sent += job.total
-            op.digest = job.digest
             self._table.finish(op, None)
         else:
             self._table.finish(op, job.error or "cancelled")

@@ -189,10 +189,6 @@ class UcxTransport(TableTransport):
 
     # ---- public API (any thread) ----------------------------------------------------------
 
-    @property
-    def address(self) -> bytes:
-        return self._address
-
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
             raise TransportError(f"connect {peer!r}: address must be non-empty bytes")

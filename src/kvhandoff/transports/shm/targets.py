@@ -1,13 +1,12 @@
-# One-sided writes of the shm transport: installing a peer's buffer descriptor as a write
-# target (host memory: a mapped kvhandoff segment or process_vm_writev; CUDA memory: the peer's
-# IPC block, opened once), and the completion adapters of post_writes.
+# The targets of the shm transport's one-sided writes: installing a peer's buffer descriptor
+# as a write target (host memory: a mapped kvhandoff segment or process_vm_writev; CUDA memory:
+# the peer's IPC block, opened once), after checking the peer's process vouched for it.
 #
 # Rules: plain functions over what the caller passes (no transport state): the transport looks
 # the peer up under its lock, calls `open_remote` outside it, and installs the result.
 from __future__ import annotations
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.base import OnDone, OnWritten, WriteResult
 from kvhandoff.transports.shm.copy import Target, open_target
 from kvhandoff.transports.shm.cuda import (
     DeviceLane,
@@ -15,7 +14,7 @@ from kvhandoff.transports.shm.cuda import (
     is_device_descriptor,
     parse_device_descriptor,
 )
-from kvhandoff.transports.shm.wire import ShmOp, ShmPeer, parse_descriptor
+from kvhandoff.transports.shm.wire import ShmPeer, parse_descriptor
 
 
 def descriptor_pid(descriptor: bytes) -> int:
@@ -83,25 +82,4 @@ def open_host(info: ShmPeer, descriptor: bytes, allow_map: bool) -> Target:
     return open_target(info.pid, memfd, seg_n, off, addr, n, allow_map, info.maps, key=fd)
 
 
-def ignore(exc: BaseException | None) -> None:
-    """The on_done of a write op until `written_adapter` replaced it."""
-
-
-def written_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
-    """A CUDA write job's completion (a job of one write) as the op's on_done: its digest
-    rides along on success."""
-    def done(exc: BaseException | None) -> None:
-        on_written(WriteResult(exc, (op.digest,)) if exc is None else WriteResult(exc))
-    return done
-
-
-def written_many_adapter(op: ShmOp, on_written: OnWritten) -> OnDone:
-    """A host write job's completion as the op's on_done: one digest per write on success
-    (and the copy's landed sums where it read them)."""
-    def done(exc: BaseException | None) -> None:
-        on_written(WriteResult(None, op.digests, op.landed) if exc is None else WriteResult(exc))
-    return done
-
-
-__all__ = ["check_vouched", "descriptor_pid", "ignore", "open_host", "open_remote",
-           "written_adapter", "written_many_adapter"]
+__all__ = ["check_vouched", "descriptor_pid", "open_host", "open_remote"]
