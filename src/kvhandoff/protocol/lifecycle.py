@@ -149,7 +149,7 @@ class RoomTable:
                                  reason=f.reason, failure_kind=f.kind.value,
                                  writes_stopped=stopped, xfer=r.xfer))
             if not stopped:
-                r.state.fence.ack_when_stopped = True  # the AbortAck follows once cancels confirm
+                r.state.fence.owe_ack()  # the AbortAck follows once cancels confirm
         self._terminal(r)
 
     def _terminal(self, r: Leg) -> None:
@@ -160,7 +160,7 @@ class RoomTable:
             for tag in list(fence.tags):
                 if (r.peer, tag) not in self._cancelling:
                     self._cancelling[(r.peer, tag)] = r
-                    fence.cancelling.add(tag)
+                    fence.cancel_sent(tag)
                     self.ctx.emit(Cancel(r.peer, tag))
             if fence.remote_writes:  # the prefill may still write into our pages: see quarantine
                 self.ctx.later(write_quarantine(self.ctx.settings),
@@ -216,16 +216,16 @@ class RoomTable:
         or once the leg's cancels confirmed (never, when one failed: the decode's
         write_quarantine_s bounds its wait)."""
         if self.writes_in_flight(r):
-            r.state.fence.ack_when_stopped = True
+            r.state.fence.owe_ack()
             return
-        r.state.fence.ack_when_stopped = False
+        r.state.fence.ack_sent()
         me = self.ctx.me
         self.ctx.send(r.peer, P.AbortAck(src=me.address, gen=me.generation, room=r.room,
                                          xfer=r.xfer))
 
     def writes_stopped(self, r: Leg) -> None:
         """Decode, one-sided: the prefill says its writes into this leg's pages stopped."""
-        r.state.fence.remote_writes = False
+        r.state.fence.writer_stopped()
         if r.state.terminal:
             self.maybe_release(r)
 
@@ -238,7 +238,7 @@ class RoomTable:
             r0 = self._cancelling.pop((e.peer, e.tag), None)
             legs = [] if r0 is None else [r0]
             if r0 is not None:
-                r0.state.fence.cancelling.discard(e.tag)
+                r0.state.fence.cancel_answered(e.tag)
         for r in legs:
             if e.error is not None:
                 self._stop_failed(r, e)
@@ -254,14 +254,13 @@ class RoomTable:
         bound = self.ctx.settings.write_quarantine_s
         self.ctx.log(WARNING, f"room {r.room}: {what} with {r.peer} failed ({e.error}); its "
                               f"pages stay held for write_quarantine_s={bound:g}s")
-        if not r.state.fence.stop_failed:
-            r.state.fence.stop_failed = True
+        if r.state.fence.stop_failed_now():
             self.ctx.later(bound, lambda: self._stop_bound(r))
 
     def _stop_bound(self, r: Leg) -> None:
         """write_quarantine_s after a failed cancel: the pages go back (what the decode does
         to a prefill that never confirmed)."""
-        r.state.fence.stop_failed = False
+        r.state.fence.stop_bound_passed()
         self.ctx.log(WARNING, f"room {r.room}: releasing its pages write_quarantine_s after "
                               f"a failed cancel with {r.peer}")
         self.maybe_release(r)
@@ -269,9 +268,8 @@ class RoomTable:
     def _quarantined(self, r: Leg) -> None:
         """Decode, one-sided: a failed leg's prefill never confirmed that its writes stopped
         (it died, or is stopped or cut off): after `write_quarantine` the pages go back."""
-        if not r.state.fence.remote_writes:
+        if not r.state.fence.writer_stopped():
             return
-        r.state.fence.remote_writes = False
         self.ctx.counters["write_quarantines"] += 1
         self.ctx.log(WARNING, f"room {r.room}: prefill {r.peer} never confirmed that its "
                               f"writes into this room's pages stopped; releasing them after "

@@ -401,8 +401,7 @@ class PeerTable:
         """Decode: a lost prefill's process is gone: its one-sided legs' pages go back now
         instead of after `write_quarantine_s`."""
         for r in list(self.rooms.legs.values()):
-            if r.peer == e.peer and r.peer_gen == e.gen and r.state.fence.remote_writes:
-                r.state.fence.remote_writes = False
+            if r.peer == e.peer and r.peer_gen == e.gen and r.state.fence.writer_stopped():
                 self.rooms.maybe_release(r)
 
     # ------------------------------------------------------------------ losing peers

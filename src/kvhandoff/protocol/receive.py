@@ -105,7 +105,7 @@ class ReceivePath:
         # may write into the pages it names from the moment it accepts, which can be before
         # its TransferAccepted reaches us. The pages are fenced from now on (released only
         # once its writes stopped, or after the quarantine), cleared by a two-sided accept.
-        r.state.fence.remote_writes = r.state.fence.remote_writes or self.ctx.me.writes
+        r.state.fence.buffers_offered(self.ctx.me.writes)
         # admission (issue 17): the policy, and what was reserved (early) or is free
         policy = self.ctx.settings.allocation_policy
         early = policy is AllocationPolicy.EARLY
@@ -119,7 +119,7 @@ class ReceivePath:
                                           plan.page_size) if early else None,
             free_pages=None if early else given.free_pages, prompt=digest_to_wire(given.prompt),
             cached_prefix=digest_to_wire(given.cached_prefix), readers=given.readers))
-        if g.state.expected is not None and len(g.legs) == g.state.expected and all(
+        if g.state.all_legs and all(
                 leg.state.requested for leg in g.legs):
             for reg in self.ctx.layout.regions:
                 have = set().union(*(set((leg.plan.planes or {}).get(reg.name, []))
@@ -156,11 +156,10 @@ class ReceivePath:
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         r.state.advance(LegPhase.ACCEPTED)
+        r.state.fence.accepted(msg.one_sided)
         if msg.one_sided:
-            r.one_sided = r.state.fence.remote_writes = True
+            r.one_sided = True
             self.ctx.counters["rooms_one_sided"] += 1
-        else:  # the prefill sends two-sided: it never writes into our pages
-            r.state.fence.remote_writes = False
         self.rooms.apply(r, TransferAccepted())
         for layer in r.layers:
             self.post_recv_layer(r, Unit(layer), 0)
@@ -270,13 +269,13 @@ class ReceivePath:
             return
         self.rooms.apply(r, LayerLanded(layer=layer))
         g = r.group
-        if g.state.expected is not None and len(g.legs) == g.state.expected and all(
+        if g.state.all_legs and all(
                 leg.state.has_layers((layer,)) for leg in g.legs):
             g.landed.add(layer)
             self.rooms.changed(g)
         if r.state.has_layers(r.layers):
             # every layer verified: the prefill writes nothing more
-            r.state.fence.remote_writes = False
+            r.state.fence.writer_stopped()
             self.rooms.apply(r, AllLayersLanded())
             ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
 

@@ -10,8 +10,9 @@ Rules:
   layers moved, the deadlines), its `LegPhase` (how far its exchange with its peer got,
   moved only by `advance` along `LEG_PHASES`, never by an ad-hoc flag), its `Fence` (what the
   release of its pages still waits for: ops in flight, cancels unanswered, a failed cancel, a
-  one-sided writer not yet stopped) and its `Failure`. `release` moves it to RELEASED only once
-  its machine is terminal and its fence holds nothing.
+  one-sided writer not yet stopped; each flag moved only by the `Fence` method named for the
+  event that moves it) and its `Failure`. `release` moves it to RELEASED only once its machine
+  is terminal and its fence holds nothing.
 - A `RoomState` is the room's `RoomPhase` (OPEN -> DONE -> RELEASED), its `Failure` (the
   first one wins), the legs it expects and its legs' states. `poll` derives the room's KVPoll
   from them; `finish` moves it to DONE once that is terminal, `release` to RELEASED once every
@@ -100,6 +101,50 @@ class Fence:
     #: prefill: an AbortAck is owed to the peer once this side's writes are known stopped
     #: (an obligation, not a hold)
     ack_when_stopped: bool = False
+
+    # Every flag moves through one of these methods (`tests/unit/protocol/
+    # test_room_state_owner.py`): each names the event of the protocol that moves it.
+
+    def buffers_offered(self, writable: bool) -> None:
+        """Decode: a TransferRequest offered this leg's buffers for one-sided writes
+        (`writable`): the prefill may write into its pages from the moment it accepts, which
+        can be before its TransferAccepted reaches us."""
+        self.remote_writes = self.remote_writes or writable
+
+    def accepted(self, one_sided: bool) -> None:
+        """Decode: the prefill accepted, writing one-sided (its writes may land) or sending
+        two-sided (it never writes into our pages)."""
+        self.remote_writes = one_sided
+
+    def writer_stopped(self) -> bool:
+        """Decode: the prefill writes nothing more into the leg's pages (every layer landed,
+        it said so, its process is gone, or the write quarantine passed). True when it
+        still counted as writing until now."""
+        was, self.remote_writes = self.remote_writes, False
+        return was
+
+    def cancel_sent(self, tag: int) -> None:
+        """A cancel of this side's op of data tag `tag` went out (held until answered)."""
+        self.cancelling.add(tag)
+
+    def cancel_answered(self, tag: int) -> None:
+        self.cancelling.discard(tag)
+
+    def stop_failed_now(self) -> bool:
+        """A cancel or disconnect failed: held until the bound passes (`stop_bound_passed`).
+        True when this is the first such failure (the caller starts the bound)."""
+        first, self.stop_failed = not self.stop_failed, True
+        return first
+
+    def stop_bound_passed(self) -> None:
+        self.stop_failed = False
+
+    def owe_ack(self) -> None:
+        """Prefill: an AbortAck is owed once this side's writes are known stopped."""
+        self.ack_when_stopped = True
+
+    def ack_sent(self) -> None:
+        self.ack_when_stopped = False
 
     def posted(self, tags: Iterable[int]) -> None:
         """An op of these data tags is in flight."""
@@ -247,12 +292,17 @@ class RoomState:
     # ------------------------------------------------------------------ reads
 
     @property
+    def all_legs(self) -> bool:
+        """Every leg the room expects is there (False while the count is not known)."""
+        return self.expected is not None and len(self.legs) >= self.expected
+
+    @property
     def poll(self) -> KVPoll:
         """The room's KVPoll state: Failed once it failed; else the least advanced leg's
         (Bootstrapping while legs are missing)."""
         if self.failure is not None:
             return KVPoll.Failed
-        if self.expected is not None and len(self.legs) >= self.expected:
+        if self.all_legs:
             if not self.legs:
                 return KVPoll.Success
             return min(leg.machine.state for leg in self.legs)

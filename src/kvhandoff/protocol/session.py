@@ -494,7 +494,7 @@ class TransferSession:
             return Failure(FailureKind.INVALID_REQUEST,
                            f"room {g.room}: the prefill opened it for {s.expected} decode "
                            f"rank(s) on this prefill rank, the decode says {readers}")
-        if s.expected is not None and len(g.legs) >= s.expected:
+        if s.all_legs:
             return Failure(FailureKind.INVALID_REQUEST,
                            f"room {g.room} already has its {s.expected} decode rank(s) on this "
                            "prefill rank")
@@ -595,7 +595,7 @@ class TransferSession:
             by_peer.setdefault(r.peer, []).append(r.room)
         for g in list(self.rooms.groups.values()):
             waited = now - g.t_created
-            if (not g.state.done and (g.state.expected is None or len(g.legs) < g.state.expected)
+            if (not g.state.done and not g.state.all_legs
                     and waited > self.settings.bootstrap_timeout_s):
                 self.rooms.fail_group(g, Failure(
                     FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "

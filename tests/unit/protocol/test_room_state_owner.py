@@ -4,7 +4,10 @@
   progressed, no read): the others go through `LegState`'s methods and properties;
 - no module of `protocol/` but `roomstate` assigns a room's or a leg's phase, failure, expected
   legs or done time (`x.phase = ...`, `x.failure = ...`, tuple targets and `setattr` too): they
-  move through `RoomState` / `LegState` methods, which check the transition tables.
+  move through `RoomState` / `LegState` methods, which check the transition tables;
+- no module but `roomstate` writes a leg's `Fence` (`fence.remote_writes = ...`,
+  `fence.cancelling.add(...)`, `fence.tags[t] = ...`): each flag moves through the `Fence`
+  method that names the protocol event moving it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,34 @@ def owned_writes(path: Path) -> list[str]:
     return bad
 
 
+FENCE = {"tags", "cancelling", "stop_failed", "remote_writes", "ack_when_stopped"}
+MUTATORS = {"add", "discard", "remove", "pop", "clear", "update", "setdefault", "popitem"}
+
+
+def _of_fence(node: ast.expr) -> bool:
+    """`node` is a flag of a fence: `<...>.fence.<flag>` or `fence.<flag>`."""
+    if not (isinstance(node, ast.Attribute) and node.attr in FENCE):
+        return False
+    owner = node.value
+    return ((isinstance(owner, ast.Attribute) and owner.attr == "fence")
+            or (isinstance(owner, ast.Name) and owner.id == "fence"))
+
+
+def fence_writes(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for n in ast.walk(tree):
+        for t in targets(n):
+            flag = t.value if isinstance(t, ast.Subscript) else t
+            if isinstance(flag, ast.expr) and _of_fence(flag):
+                bad.append(f"{where(path)}:{t.lineno}: fence.{flag.attr} written")
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in MUTATORS and _of_fence(n.func.value)):
+            assert isinstance(n.func.value, ast.Attribute)
+            bad.append(f"{where(path)}:{n.lineno}: fence.{n.func.value.attr}.{n.func.attr}()")
+    return bad
+
+
 def test_only_roomstate_touches_a_room_machine() -> None:
     bad = [x for p in modules(PKG) if "state_machine" not in p.relative_to(PKG).parts
            for x in machine_uses(p)]
@@ -78,6 +109,12 @@ def test_only_roomstate_moves_a_phase_or_a_failure() -> None:
                      "RoomState / LegState methods):\n" + "\n".join(bad))
 
 
+def test_only_roomstate_writes_a_fence() -> None:
+    bad = [x for p in modules(PKG) for x in fence_writes(p)]
+    assert not bad, ("a leg's Fence written outside protocol/roomstate.py (use the Fence "
+                     "method of the event):\n" + "\n".join(bad))
+
+
 def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
     """Each check finds the forms it names (so that an empty result means something)."""
     p = tmp_path / "m.py"
@@ -86,8 +123,15 @@ def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
                  "r.state.phase, x = LegPhase.READY, 1\n"
                  "s.t_done += 1.0\n"
                  "setattr(s, 'expected', 2)\n"
-                 "p.state = PeerState.NEW\n")
+                 "p.state = PeerState.NEW\n"
+                 "r.state.fence.remote_writes = False\n"
+                 "fence.cancelling.add(3)\n"
+                 "r.state.fence.tags[4] = 1\n"
+                 "if fence.remote_writes: pass\n")
     assert machine_uses(p) == ["m.py:1: .machine"]
     assert sorted(owned_writes(p)) == [
         "m.py:2: .failure = ...", "m.py:3: .phase = ...", "m.py:4: .t_done = ...",
         "m.py:5: setattr(..., 'expected')"]
+    assert sorted(fence_writes(p)) == ["m.py:7: fence.remote_writes written",
+                               "m.py:8: fence.cancelling.add()",
+                               "m.py:9: fence.tags written"]
