@@ -42,6 +42,7 @@ from kvhandoff.kv_layout.spans import SpanPlan
 from kvhandoff.transports.shm.cuda_ipc import (
     IpcExport,
     PeerBlocks,
+    StreamPool,
     copy_spans,
     decode_export,
     export_buffer,
@@ -212,7 +213,7 @@ class DeviceLane:
         if getattr(getattr(src, "device", None), "type", None) == "cuda":
             import torch
 
-            with torch.cuda.stream(_hash_stream(src.device)):
+            with torch.cuda.stream(_hash_streams.of(src.device)):
                 return devsum(src, job.plan.src_offsets, job.plan.nbytes)
         return devsum(src, job.plan.src_offsets, job.plan.nbytes)
 
@@ -306,16 +307,4 @@ class DeviceLane:
         pending.append((job, event))
 
 
-_hash_streams: dict[int, Any] = {}
-_hash_lock = threading.Lock()
-
-
-def _hash_stream(device: Any) -> Any:
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _hash_lock:
-        s = _hash_streams.get(idx)
-        if s is None:
-            s = _hash_streams[idx] = torch.cuda.Stream(device=idx)  # type: ignore[no-untyped-call]
-        return s
+_hash_streams = StreamPool()

@@ -234,19 +234,27 @@ class _Done:
         return None
 
 
-_streams: dict[int, Any] = {}
-_streams_lock = threading.Lock()
+class StreamPool:
+    """Private CUDA streams, one per device, made on first use and kept for the process
+    (a pool per purpose: the copies here, the source checksums in `cuda`). Any thread."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def of(self, device: Any) -> Any:
+        """The pool's stream on `device` (a torch device; no index: the current one)."""
+        import torch
+
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            s = self._streams.get(idx)
+            if s is None:
+                s = self._streams[idx] = torch.cuda.Stream(device=idx)  # type: ignore[no-untyped-call]
+            return s
 
 
-def _stream(device: Any) -> Any:
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _streams_lock:
-        s = _streams.get(idx)
-        if s is None:
-            s = _streams[idx] = torch.cuda.Stream(device=idx)  # type: ignore[no-untyped-call]
-        return s
+_copy_streams = StreamPool()
 
 
 def copy_spans(src: Any, dst: Any, plan: SpanPlan, *, after: Any = None,
@@ -276,7 +284,7 @@ def copy_spans(src: Any, dst: Any, plan: SpanPlan, *, after: Any = None,
     if src.device.type != "cuda":
         _run(batches, src, dst)
         return _Done()
-    s_stream, d_stream = _stream(src.device), _stream(dst.device)
+    s_stream, d_stream = _copy_streams.of(src.device), _copy_streams.of(dst.device)
     if after is not None:
         s_stream.wait_event(after)
     else:
