@@ -37,8 +37,10 @@ What maps to what (docs/VLLM.md has the whole flow):
   ``kv_load_failure_policy`` (``fail`` / ``recompute``) applies;
 - hybrid models: the connector is ``SupportsHMA`` (vLLM keeps its hybrid allocator on and calls
   ``request_finished_all_groups``); a model whose every layer has one sliding window moves only
-  the pages in the window (`scheduler`); several groups and Mamba / SSM state are refused when
-  the connector is built, naming the model, the specs and the flag that helps (`groups`);
+  the pages in the window (`scheduler`); a model of several groups (full-attention beside
+  sliding-window layers) moves every group in one room, each sliding-window group from its
+  window on; Mamba / SSM state is refused when the connector is built, naming the model and
+  the specs (`groups`);
 - ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention,
   sliding-window or MLA layers, or of a DSA model's MLA + indexer layers), takes the attention
   backend from vLLM's own layers (one backend of the `backends` table, else refused), builds
@@ -113,7 +115,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, vllm_config,
                                         sliding_window=plan.sliding_window,
-                                        group_block_size=plan.block_size)
+                                        group_block_size=plan.block_size,
+                                        group_windows=plan.group_windows,
+                                        group_extra=plan.group_extra)
         else:
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
@@ -171,9 +175,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         # SupportsHMA: vLLM keeps its hybrid allocator on (a sliding-window group frees the
-        # blocks out of the window); one group is all this connector accepts (`groups`)
-        (ids,) = block_ids
-        return self._s().request_finished(request, ids)
+        # blocks out of the window); the workers' senders hold every group's table already,
+        # group 0's ids go in the params (for the record: the decode reads none of them)
+        return self._s().request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ---- worker side
 
