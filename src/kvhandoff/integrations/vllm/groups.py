@@ -172,7 +172,7 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
 
 def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
     """Several groups of full-attention and sliding-window GQA layers (module docstring)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     regions, windows, extra, sizes = [], [], [], []
     roles: dict[str, CacheRole] = {}
@@ -186,7 +186,7 @@ def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
             region = f"swa{window}_g{i}"
-        elif isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+        elif type(spec) is FullAttentionSpec:  # subclasses (MLA, R-SWA, sinks ...) differ
             window, region = 0, f"kv_g{i}"
         else:
             raise ConfigError(
