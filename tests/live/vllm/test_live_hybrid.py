@@ -90,3 +90,34 @@ def test_hybrid_all_groups_async_bit_equal(fleet: Fleet, http: httpx.Client,
     # the long prompts moved fewer sliding-window pages than their table holds
     assert window_pages(80) == 2 and window_pages(161) == 3
     idle(http, prefill, decode)
+
+
+def test_hybrid_decode_prefix_hit(fleet: Fleet, http: httpx.Client, figures: list[str]) -> None:
+    """A 161-token prompt extending a 100-token one the decode loaded before: vLLM's hybrid
+    prefix cache gives the decode a local hit on every group; the room moves the full layers'
+    pages from the hit on and the sliding-window layers' from their window, and the output is
+    still the engine's, bit for bit."""
+    prefill, decode, proxy = fleet[P], fleet[D], fleet.proxy(P, D)
+    first = prompt_of(4_711, 100)
+    second = first + prompt_of(4_712, 61)
+    generate(http, proxy, body(MODEL, first))  # the decode now caches the first prompt
+    want = generate(http, prefill.url, body(MODEL, second, salt="alone-prefix"))
+    rooms = decode.metric(http, ROOMS_DONE, role="decode")
+    nbytes = decode.metric(http, BYTES, role="decode")
+    ext = external(http, decode)
+    got = generate(http, proxy, body(MODEL, second))
+    wait_until("the extended prompt's room done on the decode",
+               lambda: decode.metric(http, ROOMS_DONE, role="decode") > rooms, timeout_s=30)
+    n = len(second)
+    local = n - int(external(http, decode) - ext)  # the decode's own prefix hit
+    moved = int(decode.metric(http, BYTES, role="decode") - nbytes)
+    kept = max(local, max(0, n - WINDOW + 1) // BLOCK * BLOCK)
+    pages = (FULL_LAYERS * (-(-n // BLOCK) - local // BLOCK)
+             + SWA_LAYERS * (-(-n // BLOCK) - kept // BLOCK))
+    figures.append(f"hybrid decode prefix hit: {n} tokens, {local} cached on the decode, "
+                   f"{moved} bytes moved ({pages} pages), max |dlogprob| "
+                   f"{max_diff(want, got):.3g}")
+    assert got.tokens == want.tokens and max_diff(want, got) == 0.0
+    assert local > 0 and local % BLOCK == 0, local
+    assert moved == pages * PAGE_BYTES
+    idle(http, prefill, decode)
