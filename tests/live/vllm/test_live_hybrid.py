@@ -45,10 +45,11 @@ BYTES = "vllm:kvhandoff_bytes_total"
 CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
 
 
-def window_pages(n: int) -> int:
-    """The blocks vLLM keeps for a sliding-window layer of a request with `n` prompt tokens
-    computed: its sliding-window manager drops the blocks before ``n - window + 1``."""
-    return -(-n // BLOCK) - max(0, n - WINDOW + 1) // BLOCK
+def window_pages(n: int, computed: int) -> int:
+    """The blocks vLLM keeps for a sliding-window layer of an `n`-token request with
+    `computed` tokens computed: its sliding-window manager drops the blocks before
+    ``computed - window + 1``."""
+    return -(-n // BLOCK) - max(0, computed - WINDOW + 1) // BLOCK
 
 
 def concurrency(e: Engine) -> str:
@@ -57,17 +58,20 @@ def concurrency(e: Engine) -> str:
     return str(found[-1])
 
 
-def test_hybrid_all_groups_async_bit_equal(fleet: Fleet, http: httpx.Client,
-                                           figures: list[str]) -> None:
-    prefill, decode, proxy = fleet[P], fleet[D], fleet.proxy(P, D)
+def run_pair(http: httpx.Client, figures: list[str], *, prefill: Engine, decode: Engine,
+             proxy: str, label: str, computed_at_load: int, seed: int) -> None:
+    """Prompts of 20, 49, 80, 161 tokens alone (the prefill engine, its own cache salt) and
+    through the pair: bit-equal, every prompt token but `computed_at_load` (layerwise: 1, the
+    decode computes the last one) external, the bytes moved the full layers' pages plus the
+    window's (module docstring)."""
     log = decode.log.read_text(errors="replace")
     assert "3 KV cache groups" in log and "swa48_g1" in log, decode.tail()
     assert concurrency(decode) == concurrency(prefill)
     moved: dict[int, tuple[int, int]] = {}
     bad = []
     for n in (20, 49, 80, 161):
-        prompt = prompt_of(47_000 + n, n)
-        want = generate(http, prefill.url, body(MODEL, prompt, salt=f"alone-{n}"))
+        prompt = prompt_of(seed + n, n)
+        want = generate(http, prefill.url, body(MODEL, prompt, salt=f"alone-{seed}-{n}"))
         rooms = decode.metric(http, ROOMS_DONE, role="decode")
         nbytes = decode.metric(http, BYTES, role="decode")
         ext = external(http, decode)
@@ -75,21 +79,29 @@ def test_hybrid_all_groups_async_bit_equal(fleet: Fleet, http: httpx.Client,
         if got.tokens != want.tokens or max_diff(want, got) != 0.0:
             bad.append(f"{n} tokens: max |dlogprob| {max_diff(want, got):.3g} nats, tokens "
                        f"{'equal' if got.tokens == want.tokens else 'DIFFER'}")
-        wait_until(f"a room of the {n}-token prompt done on the decode",
+        wait_until(f"{label}: a room of the {n}-token prompt done on the decode",
                    lambda r=rooms: decode.metric(http, ROOMS_DONE, role="decode") > r,
                    timeout_s=30)
-        assert external(http, decode) - ext == n, n
-        pages = FULL_LAYERS * -(-n // BLOCK) + SWA_LAYERS * window_pages(n)
+        assert external(http, decode) - ext == n - computed_at_load, n
+        pages = (FULL_LAYERS * -(-n // BLOCK)
+                 + SWA_LAYERS * window_pages(n, n - computed_at_load))
         moved[n] = (pages * PAGE_BYTES, int(decode.metric(http, BYTES, role="decode") - nbytes))
-    figures.append("hybrid (S S F S S F, window 48, block 32) async: (bytes of the full "
-                   "layers' pages + the window's, bytes moved) per prompt length: "
+    figures.append(f"{label}: (bytes of the full layers' pages + the window's, bytes moved) "
+                   "per prompt length: "
                    + ", ".join(f"{n}: {w}, {b}" for n, (w, b) in moved.items())
                    + f"; max concurrency {concurrency(decode)}x on both engines")
-    assert not bad, "the decode's output is not the engine's: " + "; ".join(bad)
+    assert not bad, f"{label}: the decode's output is not the engine's: " + "; ".join(bad)
     assert all(w == b for w, b in moved.values()), moved
+
+
+def test_hybrid_all_groups_async_bit_equal(fleet: Fleet, http: httpx.Client,
+                                           figures: list[str]) -> None:
+    run_pair(http, figures, prefill=fleet[P], decode=fleet[D], proxy=fleet.proxy(P, D),
+             label="hybrid (S S F S S F, window 48, block 32) async", computed_at_load=0,
+             seed=47_000)
     # the long prompts moved fewer sliding-window pages than their table holds
-    assert window_pages(80) == 2 and window_pages(161) == 3
-    idle(http, prefill, decode)
+    assert window_pages(80, 80) == 2 and window_pages(161, 161) == 3
+    idle(http, fleet[P], fleet[D])
 
 
 def test_hybrid_decode_prefix_hit(fleet: Fleet, http: httpx.Client, figures: list[str]) -> None:
