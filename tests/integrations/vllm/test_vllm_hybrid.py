@@ -22,7 +22,9 @@ connector says; the tests set it as vLLM sets it on a GPU for a connector that s
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.errors import ConfigError  # noqa: E402
-from kvhandoff.integrations.vllm import KVHandoffConnector  # noqa: E402
+from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffMetadata  # noqa: E402
 from kvhandoff.integrations.vllm.groups import plan_group  # noqa: E402
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
@@ -71,8 +73,11 @@ MAMBA = MambaSpec(block_size=env.BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.bfl
 
 def plan(tmp_path: Path, specs: list[Any], *, hybrid: bool, role: str = "kv_consumer",
          engine: str = env.ENGINE_D, extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """vLLM's config and its KV cache plan for the tiny model's layers with `specs`."""
-    cfg = env.vllm_config(env.model_dir(tmp_path), role=role, engine_id=engine, extra=extra)
+    """vLLM's config and its KV cache plan for the tiny model's layers with `specs` (a decode
+    loads async unless `extra` says: a decode of several groups must)."""
+    extra = {"load_mode": "async", **(extra or {})} if role == "kv_consumer" else extra
+    cfg = env.vllm_config(env.model_dir(tmp_path), role=role, engine_id=engine, extra=extra,
+                          policy="recompute")
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
     per_layer = dict(zip(env.layer_names(), specs, strict=True))
     groups = get_kv_cache_groups(cfg, per_layer)
@@ -192,11 +197,11 @@ def _request(rid: str, params: dict[str, Any]) -> Request:
                    block_hasher=get_request_block_hasher(env.BLOCK_SIZE, sha256))
 
 
-def _output(out: Any, sampled: dict[str, int]) -> ModelRunnerOutput:
+def _output(out: Any, sampled: dict[str, int], **kv: Any) -> ModelRunnerOutput:
     ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
-                             kv_connector_output=KVConnectorOutput())
+                             kv_connector_output=KVConnectorOutput(**kv))
 
 
 def test_scheduler_hands_every_group_window_groups_from_their_window(
@@ -244,3 +249,61 @@ def test_decode_window_before_the_prefills_pages_declines(tmp_path: Path,
     meta = out.kv_connector_metadata
     assert "d2" not in meta.recvs and "d2" in meta.declines
     assert "window starts at token 48" in meta.declines["d2"].reason
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_layerwise_decode_of_several_groups_refused_at_start(tmp_path: Path,
+                                                             role: KVConnectorRole) -> None:
+    # vLLM takes a failed load of a model of several groups by request only while it waits
+    # for its KV (async): a failed layerwise load could not be reported
+    cfg, kcc = plan(tmp_path, [FULL, SWA, SWA], hybrid=True, extra={"load_mode": "layerwise"})
+    with pytest.raises(ConfigError, match=r"load_mode='layerwise': this model has 3 KV cache "
+                                          r"groups .* use load_mode 'async'"):
+        KVHandoffConnector(cfg, role, kcc)
+
+
+def test_failed_load_reported_by_request_and_vllm_recomputes(tmp_path: Path,
+                                                             bootstrap: str) -> None:
+    """A failed async load of a hybrid decode: the worker reports the request in
+    ``failed_recving`` (and ``finished_recving``) and no block ids; vLLM's own scheduler takes
+    that output and recomputes the prompt (policy recompute). Block ids would stop vLLM's
+    engine: it refuses block-level errors with several groups."""
+    init_none_hash(sha256)
+    s = _scheduler(tmp_path / "p", "kv_producer", bootstrap_url=bootstrap)
+    s.add_request(_request("p3", {"do_remote_decode": True}))
+    out = s.schedule()
+    outputs = s.update_from_output(out, _output(out, {"p3": 7}))
+    params = next(o.kv_transfer_params for eco in outputs.values() for o in eco.outputs
+                  if o.request_id == "p3")
+    d = _scheduler(tmp_path / "d", "kv_consumer", load_mode="async")
+    d.add_request(_request("d3", dict(params)))
+    out = d.schedule()
+    rv = out.kv_connector_metadata.recvs["d3"]
+    cfg, kcc = plan(tmp_path / "w", [FULL, SWA, SWA], hybrid=True,
+                    extra={"load_mode": "async"})
+    worker = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
+    try:
+        worker.register_kv_caches(env.allocate(cfg, kcc))
+        meta = KVHandoffMetadata(recvs={"d3": dataclasses.replace(
+            rv, refuse="the test refuses this load")})
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        res = worker.get_transfer_results(set())
+        deadline = time.monotonic() + 30
+        while "d3" not in res.finished_recving and time.monotonic() < deadline:
+            time.sleep(0.02)  # one engine step
+            res = worker.get_transfer_results(set())
+        assert res.finished_recving == {"d3"} and res.failed_recving == {"d3"}
+        invalid = worker.get_block_ids_with_load_errors()
+        assert invalid == set()
+    finally:
+        worker.shutdown()
+    # vLLM's scheduler takes the output: the prompt is computed locally
+    d.update_from_output(out, _output(out, {}, finished_recving=res.finished_recving,
+                                      failed_recving=res.failed_recving,
+                                      invalid_block_ids=invalid))
+    out = d.schedule()
+    assert out.num_scheduled_tokens == {"d3": PROMPT}
+    # what block ids would have done to the engine
+    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
+        d.update_from_output(out, _output(out, {}, invalid_block_ids={rv.block_ids[0]}))

@@ -104,7 +104,6 @@ CATALOG: dict[str, EngineDef] = {
     # reference
     "hybrid-prefill": ("hybrid", 32, 1, "prefill", {}),
     "hybrid-decode": ("hybrid", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
-    "hybrid-decode-layerwise": ("hybrid", 32, 1, "decode", LAYERWISE_FAIL),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),

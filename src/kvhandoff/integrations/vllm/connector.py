@@ -67,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.integrations.vllm.config import (
     DEFAULT_LOAD_MODE,
     LOAD_MODES,
@@ -110,6 +111,14 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler process too, before the engine serves a request
         mc = vllm_config.model_config
         plan = plan_group(kv_cache_config, model=str(mc.model) if mc is not None else "")
+        if plan.group_regions and self._cfg.role == "decode" and \
+                self._cfg.load_mode == "layerwise":
+            raise ConfigError(
+                f"kv_connector_extra_config.load_mode='layerwise': this model has "
+                f"{len(plan.group_regions)} KV cache groups (vLLM's hybrid allocator); vLLM "
+                "takes a failed load of such a model by request only while the request waits "
+                "for its KV (async), so a failed layerwise load could not be reported: use "
+                "load_mode 'async' (the default)")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -213,6 +222,20 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         return self._w().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM 0.32+: a failed load of a model with several KV cache groups is reported by
+        # request (vLLM takes no block-level errors there: its block ids are per group); it
+        # is in finished_recving too, as vLLM expects
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sent, recvd = self.get_finished(finished_req_ids)
+        done = set(recvd or ())
+        return KVConnectorTransferResults(finished_sending=set(sent or ()),
+                                          finished_recving=done,
+                                          failed_recving=self._w().take_failed_loads(done))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().take_load_errors()

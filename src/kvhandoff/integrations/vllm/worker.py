@@ -98,6 +98,9 @@ class WorkerSide:
         self._device: Any = None  # of the KV caches (CUDA events of wait_for_save)
         self._warned_whole = False
         self._idle_step = False  # this step schedules no token (`IDLE_LOAD_WAIT_S`)
+        # several KV cache groups: vLLM takes no block-level load errors (its block ids are
+        # per group), so a failed (async) load is reported by request (`failed_recving`)
+        self._failed_loads: set[str] = set()
 
     def layers(self, names: Any = None) -> dict[str, Any]:
         """vLLM's attention layers of the KV cache groups (or of `names`), from the forward
@@ -397,11 +400,20 @@ class WorkerSide:
         if ld.failed is not None:
             return
         ld.failed = reason
-        log.error("request %s (room %d): KV load failed, %d blocks reported: %s", ld.rid,
-                  ld.spec.room, len(ld.pages), reason)
+        by_request = self._by_request()
+        log.error("request %s (room %d): KV load failed, %s: %s", ld.rid, ld.spec.room,
+                  "the request reported" if by_request else f"{len(ld.pages)} blocks reported",
+                  reason)
         ld.receiver.abort(reason)
         with self._lock:
-            self._errors.update(ld.pages)
+            if by_request:
+                self._failed_loads.add(ld.rid)
+            else:
+                self._errors.update(ld.pages)
+
+    def _by_request(self) -> bool:
+        """Load failures go to vLLM by request, not by block: several KV cache groups."""
+        return bool(self.plan is not None and self.plan.group_regions)
 
     def start_load(self) -> None:
         """Before the forward: a DSA layout's layerwise loads are waited for whole here (module
@@ -523,6 +535,14 @@ class WorkerSide:
                 recvd.add(rid)
                 mark("decode.loaded", rid=rid, room=ld.spec.room)
         return (sent or None), (recvd or None)
+
+    def take_failed_loads(self, done: set[str]) -> set[str]:
+        """The failed loads among `done` (the requests reported in ``finished_recving``), for
+        vLLM's ``failed_recving`` (several groups: `_fail`)."""
+        with self._lock:
+            out = self._failed_loads & done
+            self._failed_loads -= out
+        return out
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
