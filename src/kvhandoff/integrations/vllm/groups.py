@@ -102,8 +102,10 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
         who = f"model {model!r}" if model else "the model"
         raise ConfigError(
             f"kv_cache_groups: {who} has Mamba / SSM state layers ({mamba}, groups {kinds}); "
-            "KVHandoffConnector moves attention KV pages, not a request's SSM "
-            "state: serve this model without a KV connector, or with one that moves SSM state")
+            "KVHandoffConnector moves attention KV pages, not a request's SSM / conv "
+            "state (a state block covers another number of tokens than the attention page, "
+            "docs/VLLM.md 'Hybrid models'): serve this model without a KV connector, or with "
+            "one that moves SSM state (vLLM's NixlConnector)")
     if len(groups) > 1:
         return _plan_hybrid(groups, kinds)
     group = groups[0]
