@@ -49,12 +49,40 @@ def digest_from_wire(d: P.Digest, field_name: str) -> PromptDigest:
 
 
 def reserved_pages(layout: LayoutSpec, pages: Mapping[str, Sized], prefix_len: int,
-                   page_size: int) -> dict[str, int]:
+                   page_size: int, starts: Mapping[str, int] | None = None
+                   ) -> dict[str, int]:
     """Decode (`early`): the new pages its table holds per region: the pages beyond the
-    page-aligned cached prefix (suffix-only regions' tables start there already)."""
+    page-aligned cached prefix (suffix-only regions' tables start there already). A region
+    that starts later (`starts`: a sliding window, whose decode holds no page before it)
+    counts the pages it skips as held: it needs none there."""
     held = prefix_len // page_size
-    return {reg.name: len(pages[reg.name]) - (held if reg.send_from is SendFrom.START else 0)
-            for reg in layout.regions if reg.name in pages}
+    out = {}
+    for reg in layout.regions:
+        if reg.name not in pages:
+            continue
+        n = len(pages[reg.name]) - (held if reg.send_from is SendFrom.START else 0)
+        start = (starts or {}).get(reg.name, 0) // page_size
+        base = held if reg.send_from is SendFrom.DECODE_PREFIX else 0
+        out[reg.name] = n + max(0, start - base)
+    return out
+
+
+def region_starts(msg: P.TransferRequest, layout: LayoutSpec) -> dict[str, int]:
+    """Prefill: the decode's per-region starts (`TransferRequest.region_starts`), validated:
+    regions of the layout, tokens in 0..seq_len aligned to the decode's page size.
+    `ConfigError` naming the field otherwise."""
+    out: dict[str, int] = {}
+    names = {reg.name for reg in layout.regions}
+    for name, start in (msg.region_starts or {}).items():
+        if name not in names:
+            raise ConfigError(f"region_starts[{name!r}]: not a region of this layout "
+                              f"({sorted(names)})")
+        if not 0 <= start <= msg.seq_len or (msg.page_size > 0 and start % msg.page_size):
+            raise ConfigError(f"region_starts[{name!r}]: {start} is not a token in "
+                              f"0..{msg.seq_len} aligned to the decode page size "
+                              f"{msg.page_size}")
+        out[name] = start
+    return out
 
 
 def admission_of(msg: P.TransferRequest, *, decode_layout: LayoutSpec,

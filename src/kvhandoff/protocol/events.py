@@ -8,6 +8,7 @@ room ended; the token tells the two apart).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,9 @@ class ReceiverInit(Event):
     prompt: Any = None
     cached_prefix: Any = None
     free_pages: int | None = None
+    # per region, a later token the region starts at (a sliding window: the decode holds no
+    # page before it; its pages above start there); None: every region from `prefix`
+    starts: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.kv_layout import LayoutSpec, SendFrom, SpanPlan, build_spans, page_aligned
+from kvhandoff.kv_layout import LayoutSpec, SpanPlan, build_spans, page_aligned
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.rooms import LegPlan, Unit
 
@@ -43,7 +43,7 @@ def span_plans(ctx: Context, plan: LegPlan, *, src_pages: Mapping[str, np.ndarra
             continue
         if reg.name not in src_pages or reg.name not in dst_pages:
             raise ConfigError(f"pages: region {reg.name!r} missing")
-        first = plan.prefix_len if reg.send_from is SendFrom.DECODE_PREFIX else 0
+        first = plan.first_token(reg)
         start, stop = max(first, covered.get(reg.name, 0)), end
         if end < plan.seq_len:
             reach = page_aligned(first, src_ps) + len(src_pages[reg.name]) * src_ps

@@ -69,7 +69,7 @@ class ReceivePath:
         if g.given.pages is None or r.state.phase is not LegPhase.NEW:
             return
         plan = r.plan
-        plan.pages, plan.prefix_len = g.given.pages
+        plan.pages, plan.prefix_len, plan.starts = g.given.pages
         plan.seq_len, plan.page_size = g.given.seq_len, self.ctx.layout.page_size_tokens
         r.state.advance(LegPhase.READY)
         self.maybe_request(r)
@@ -115,8 +115,9 @@ class ReceivePath:
             peer_gen=r.peer_gen, seq_len=plan.seq_len, decode_prefix_len=plan.prefix_len,
             page_size=plan.page_size, dst_pages={k: v.tolist() for k, v in plan.pages.items()},
             lease_s=self.ctx.settings.lease_s, planes=planes, allocation_policy=policy.value,
+            region_starts=dict(plan.starts) or None,
             reserved_pages=reserved_pages(self.ctx.layout, plan.pages, plan.prefix_len,
-                                          plan.page_size) if early else None,
+                                          plan.page_size, plan.starts) if early else None,
             free_pages=None if early else given.free_pages, prompt=digest_to_wire(given.prompt),
             cached_prefix=digest_to_wire(given.cached_prefix), readers=given.readers))
         if g.state.all_legs and all(

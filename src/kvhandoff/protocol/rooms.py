@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvhandoff.kv_layout import SpanPlan
+from kvhandoff.kv_layout import RegionSpec, SendFrom, SpanPlan
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.roomstate import LegState, RoomState
 from kvhandoff.state_machine import Role
@@ -52,7 +52,8 @@ class EngineInput:
     """What the engine gave for a room (its open, its init, its chunks and ready layers)."""
 
     seq_len: int = 0
-    pages: Any = None  # prefill: per-region table; decode: (table, page-aligned prefix)
+    # prefill: per-region table; decode: (table, page-aligned prefix, per-region starts)
+    pages: Any = None
     ready: list[int] = field(default_factory=list)  # prefill: layers marked ready, in order
     t_last_ready: float | None = None  # prefill: when the last of them was
     chunk_end: int = 0  # prefill: the tokens whose pages the engine gave so far (chunked)
@@ -100,6 +101,9 @@ class LegPlan:
 
     seq_len: int = 0
     prefix_len: int = 0  # page-aligned decode prefix
+    # per region, a later token (page-aligned on the decode) the region starts at: a sliding-
+    # window region whose decode holds no page before its window (absent: `prefix_len`)
+    starts: dict[str, int] = field(default_factory=dict)
     page_size: int = 0  # this side's page size
     pages: dict[str, np.ndarray] = field(default_factory=dict)  # this side, per region
     src_table: dict[str, np.ndarray] = field(default_factory=dict)  # decode: prefill's pages
@@ -110,6 +114,12 @@ class LegPlan:
     chunk_ends: list[int] = field(default_factory=list)
     chunk_plans: list[dict[str, SpanPlan]] = field(default_factory=list)
     chunk_xfers: list[int | None] = field(default_factory=list)
+
+    def first_token(self, region: RegionSpec) -> int:
+        """The token `region`'s transfer starts at (not page-aligned): the decode prefix for a
+        suffix-only region (0 for a whole-sequence one), or the region's later start."""
+        base = self.prefix_len if region.send_from is SendFrom.DECODE_PREFIX else 0
+        return max(base, self.starts.get(region.name, 0))
 
     def first_chunk(self, end: int, xfer: int, plans: dict[str, SpanPlan]) -> None:
         """`plans` cover chunk 0, up to `end` tokens, under transfer id `xfer`."""

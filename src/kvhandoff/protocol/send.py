@@ -25,10 +25,10 @@ import numpy as np
 
 from kvhandoff.buffers.bufferset import buffer_name
 from kvhandoff.errors import ConfigError, Failure, FailureKind, KVHandoffError
-from kvhandoff.kv_layout import SendFrom, page_aligned
+from kvhandoff.kv_layout import page_aligned
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
-from kvhandoff.protocol.admission import Refusal, admission_of
+from kvhandoff.protocol.admission import Refusal, admission_of, region_starts
 from kvhandoff.protocol.checksums import wants_checksum
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import Notify, PostSend, PostWrite, WritePart
@@ -89,6 +89,7 @@ class SendPath:
                 raise ConfigError(f"decode_prefix_len: {msg.decode_prefix_len} is not aligned "
                                   f"to the decode page size {msg.page_size}")
             plan.prefix_len, r.peer_gen = msg.decode_prefix_len, msg.gen
+            plan.starts = region_starts(msg, self.ctx.layout)
             plan.pages = self.suffix_pages(plan)
             if p is None or p.layout is None:
                 raise ConfigError("transfer request before the decode's Hello")
@@ -262,8 +263,7 @@ class SendPath:
         """Prefill: the leg's pages per region, suffix-only regions from the page-aligned
         decode prefix on."""
         return {reg.name: plan.pages[reg.name][
-            page_aligned(plan.prefix_len, plan.page_size) // plan.page_size
-            if reg.send_from is SendFrom.DECODE_PREFIX else 0:]
+            page_aligned(plan.first_token(reg), plan.page_size) // plan.page_size:]
             for reg in self.ctx.layout.regions}
 
     def on_send_done(self, op: Op, error: str | None) -> None:

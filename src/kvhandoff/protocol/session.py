@@ -321,7 +321,7 @@ class TransferSession:
         if g is None:
             return
         given = g.given
-        given.seq_len, given.pages = e.seq_len, (e.pages, e.prefix)
+        given.seq_len, given.pages = e.seq_len, (e.pages, e.prefix, dict(e.starts or {}))
         given.prompt, given.cached_prefix, given.free_pages = (e.prompt, e.cached_prefix,
                                                                e.free_pages)
         for r in g.legs:

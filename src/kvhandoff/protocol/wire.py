@@ -166,6 +166,11 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     # how many decode ranks read this room from the prefill rank asked (each reader says; a
     # prefill that opened the room without a count takes it from the first; 0: not said)
     readers: int = 0
+    # per region, a later token than decode_prefix_len the region's dst_pages start at (a
+    # sliding-window region: the decode holds no page before its window; aligned to
+    # page_size). None or a region left out: decode_prefix_len. A peer that does not know the
+    # field plans those regions from decode_prefix_len and fails the room (too few pages).
+    region_starts: dict[str, int] | None = None
 
 
 class TraceContext(msgspec.Struct, frozen=True):

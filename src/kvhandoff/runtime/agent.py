@@ -378,13 +378,16 @@ class TransferAgent:
 
     _open_high = 256
 
-    def _page_table(self, pages: Any, seq_len: int, prefix: int, *, side: str
-                    ) -> dict[str, np.ndarray]:
-        """Per region, the pages that take part, validated against the buffers."""
+    def _page_table(self, pages: Any, seq_len: int, prefix: int, *, side: str,
+                    starts: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Per region, the pages that take part, validated against the buffers. `starts`:
+        per region, a later token it starts at (`Receiver.init`'s ``region_starts``)."""
         ps = self.layout.page_size_tokens
         out: dict[str, np.ndarray] = {}
         for reg in self.layout.regions:
             start_tok = page_aligned(prefix, ps) if reg.send_from is SendFrom.DECODE_PREFIX else 0
+            if starts and reg.name in starts:
+                start_tok = max(start_tok, page_aligned(starts[reg.name], ps))
             need = -(-seq_len // ps) - start_tok // ps
             if isinstance(pages, Mapping):
                 if reg.name not in pages:
@@ -405,6 +408,24 @@ class TransferAgent:
             if len(np.unique(arr)) != len(arr):
                 raise ConfigError(f"{side}[{reg.name}]: a page id appears twice")
             out[reg.name] = arr
+        return out
+
+    def _region_starts(self, starts: Mapping[str, int] | None, seq_len: int, prefix: int
+                       ) -> dict[str, int]:
+        """`Receiver.init`'s ``region_starts`` validated and page-aligned down; regions whose
+        start is not past the page-aligned prefix are left out (they start there anyway)."""
+        ps = self.layout.page_size_tokens
+        names = {reg.name for reg in self.layout.regions}
+        out: dict[str, int] = {}
+        for name, tok in (starts or {}).items():
+            if name not in names:
+                raise ConfigError(f"region_starts[{name!r}]: not a region of the layout "
+                                  f"({sorted(names)})")
+            if not 0 <= int(tok) <= seq_len:
+                raise ConfigError(f"region_starts[{name!r}]: expected 0..{seq_len}, got {tok}")
+            start = page_aligned(int(tok), ps)
+            if start > page_aligned(prefix, ps):
+                out[name] = start
         return out
 
     def _writes(self) -> bool:
@@ -447,14 +468,16 @@ class TransferAgent:
                             layer=layers[0])
 
     def init_receiver(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
-                       prompt_tokens: Any = None, prefix_tokens: Any = None,
-                       free_pages: int | None = None) -> None:
+                      prompt_tokens: Any = None, prefix_tokens: Any = None,
+                      free_pages: int | None = None,
+                      region_starts: Mapping[str, int] | None = None) -> None:
         if seq_len <= 0:
             raise ConfigError(f"seq_len: expected > 0, got {seq_len}")
         if not 0 <= prefix <= seq_len:
             raise ConfigError(f"decode_prefix_len: expected 0..{seq_len}, got {prefix}")
-        table = self._page_table(dst_pages, seq_len, prefix, side="dst_pages")
         ps = self.layout.page_size_tokens
+        starts = self._region_starts(region_starts, seq_len, prefix)
+        table = self._page_table(dst_pages, seq_len, prefix, side="dst_pages", starts=starts)
         if self.settings.allocation_policy is AllocationPolicy.PREFILL_COMPLETE:
             if free_pages is None or free_pages < 0:
                 raise ConfigError(f"free_pages: required (>= 0) under allocation_policy="
@@ -479,6 +502,7 @@ class TransferAgent:
                 raise ConfigError(f"room {v.room}: init() called twice")
             v.inited = True
         self._loop.post(ev.ReceiverInit(v.room, v, table, seq_len, page_aligned(prefix, ps),
+                                        starts=starts or None,
                                         prompt=prompt, cached_prefix=cached,
                                         free_pages=free_pages))
 

@@ -38,7 +38,8 @@ class RoomOps(Protocol):
     def layers_ready(self, v: RoomView, layers: tuple[int, ...], event: Any = None) -> None: ...
     def init_receiver(self, v: RoomView, dst_pages: Any, seq_len: int, prefix: int, *,
                       prompt_tokens: Any = None, prefix_tokens: Any = None,
-                      free_pages: int | None = None) -> None: ...
+                      free_pages: int | None = None,
+                      region_starts: Mapping[str, int] | None = None) -> None: ...
     def abort_room(self, v: RoomView, reason: str) -> None: ...
     def room_stats(self, v: RoomView) -> dict[str, Any]: ...
     def add_chunk(self, v: RoomView, pages: Any, *, seq_len: int, chunk_end: int,
@@ -317,6 +318,7 @@ class Receiver(_Handle):
         prompt_tokens: Any = None,
         prefix_tokens: Any = None,
         free_pages: int | None = None,
+        region_starts: Mapping[str, int] | None = None,
     ) -> None:
         """Offers destination pages: one page table covering the whole sequence from token 0
         (suffix-only regions use its pages from the page-aligned prefix on), or a dict per
@@ -326,10 +328,15 @@ class Receiver(_Handle):
         `prompt_tokens` (the `seq_len` prompt token ids) and `prefix_tokens` (the ids the
         cached prefix holds; default: the prompt's) are hashed per page and compared with the
         prefill's prompt when it gave one too; `free_pages` is required under
-        ``allocation_policy=prefill_complete`` (the pages this decode has free now)."""
+        ``allocation_policy=prefill_complete`` (the pages this decode has free now).
+
+        `region_starts`: per region, a later token than `decode_prefix_len` where the region
+        starts (page-aligned down): a sliding-window region whose decode holds no page before
+        its window. Its table (in a dict) then covers the sequence from that token on (or
+        from token 0, cut there); the prefill sends its pages from there only."""
         self._agent.init_receiver(self._v, dst_pages, seq_len, decode_prefix_len,
                                   prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens,
-                                  free_pages=free_pages)
+                                  free_pages=free_pages, region_starts=region_starts)
 
     def wait_for_layer(self, layer_id: int, timeout: float) -> bool:
         """Blocks until `layer_id` landed and verified on every leg; returns True. The caller

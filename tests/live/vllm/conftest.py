@@ -99,6 +99,15 @@ CATALOG: dict[str, EngineDef] = {
     "swa-prefill": ("swa", 32, 1, "prefill", {}),
     "swa-decode": ("swa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
     "swa-decode-layerwise": ("swa", 32, 1, "decode", LAYERWISE_FAIL),
+    # test_live_hybrid: a Gemma-3-like pair (sliding-window beside full-attention layers,
+    # vLLM's hybrid allocator on: three KV cache groups), async decode; the prefill is its own
+    # reference
+    "hybrid-prefill": ("hybrid", 32, 1, "prefill", {}),
+    "hybrid-decode": ("hybrid", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
+    # test_live_hybrid_long (`make test-long`): another prefill page size (the CPU build's
+    # hybrid allocator raises a 16-token block to 32, so the decode keeps 32), a TP 2 decode
+    "hybrid-prefill-b64": ("hybrid", 64, 1, "prefill", {}),
+    "hybrid-decode-tp2": ("hybrid", 32, 2, "decode", {"load_mode": None, "policy": "fail"}),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),

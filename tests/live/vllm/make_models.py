@@ -14,7 +14,11 @@ ignores the context. Models (all float32):
   drawn with std 0.02, the attention output projections then scaled by 4;
 - ``mla-other``: the same config, other weights;
 - ``swa``: Mistral-like, the ``gqa`` shapes with a 48-token sliding window on every layer
-  (vLLM gives it one `SlidingWindowSpec` group and frees the blocks out of the window).
+  (vLLM gives it one `SlidingWindowSpec` group and frees the blocks out of the window);
+- ``hybrid``: Gemma-3-like layering on the ``gqa`` shapes, 6 layers: sliding-window layers
+  (window 48) beside full-attention ones, ``S S F S S F`` (Llama with ``layer_types``, which
+  vLLM's Llama reads per layer). vLLM's hybrid allocator makes three groups of two layers: one
+  full-attention, two sliding-window.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ MAX_POSITIONS = 512
 GQA_MAX_POSITIONS = 2048  # the TTFT bench's prompts reach 1,024 tokens (plain RoPE: no effect)
 MLA_ATTN_OUT_SCALE = 4.0
 SWA_WINDOW_TOKENS = 48
+HYBRID_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
+                      "sliding_attention", "sliding_attention", "full_attention"]
 
 
 def _tokenizer(out: Path) -> int:
@@ -77,6 +83,25 @@ def _swa(out: Path, seed: int, vocab: int) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
+def _hybrid(out: Path, seed: int, vocab: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=len(HYBRID_LAYER_TYPES), num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=MAX_POSITIONS,
+                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                      initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    # the per-layer windows, as vLLM's Llama reads them (`layer_types`, `sliding_window`)
+    path = out / "config.json"
+    written = json.loads(path.read_text())
+    written.update(layer_types=HYBRID_LAYER_TYPES, sliding_window=SWA_WINDOW_TOKENS)
+    path.write_text(json.dumps(written, indent=1))
+
+
 def _mla(out: Path, seed: int, vocab: int) -> None:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -102,7 +127,7 @@ def _mla(out: Path, seed: int, vocab: int) -> None:
 def make_models(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     made = {"gqa": (_gqa, 1), "gqa-other": (_gqa, 2), "mla": (_mla, 3), "mla-other": (_mla, 4),
-            "swa": (_swa, 5)}
+            "swa": (_swa, 5), "hybrid": (_hybrid, 6)}
     for name, (make, seed) in made.items():
         out = root / name
         out.mkdir(exist_ok=True)

@@ -42,6 +42,10 @@ class SendReq:
     # leading blocks a sliding window dropped (vLLM's null block): never read, since the
     # decode's load starts after them (`scheduler`)
     dropped_blocks: int = 0
+    # several KV cache groups (vLLM's hybrid allocator): every group's table and its dropped
+    # blocks, in group order (`block_ids`, `dropped_blocks`: group 0's); empty: one group
+    group_blocks: list[list[int]] = field(default_factory=list)
+    group_dropped: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +62,19 @@ class RecvReq:
     sync: bool  # layerwise: waited on inside this step's forward
     prefill_tp_size: int = 1  # the prefill's TP size (kv_transfer_params.tp_size)
     refuse: str | None = None  # why this load fails at once (the room is aborted)
+    # several KV cache groups: every group's table (`block_ids`: group 0's) and the token its
+    # load starts at (`local_tokens` for a full-attention group, later for a sliding window
+    # whose earlier blocks vLLM never allocated); empty: one group
+    group_blocks: list[list[int]] = field(default_factory=list)
+    group_starts: list[int] = field(default_factory=list)
+
+    def loaded_blocks(self, block_size: int) -> list[int]:
+        """The vLLM block ids this load writes (every group's, from its start)."""
+        end = -(-self.load_tokens // block_size)
+        if not self.group_blocks:
+            return self.block_ids[self.local_tokens // block_size:end]
+        return [b for ids, start in zip(self.group_blocks, self.group_starts, strict=True)
+                for b in ids[start // block_size:end]]
 
 
 @dataclass

@@ -37,8 +37,10 @@ What maps to what (docs/VLLM.md has the whole flow):
   ``kv_load_failure_policy`` (``fail`` / ``recompute``) applies;
 - hybrid models: the connector is ``SupportsHMA`` (vLLM keeps its hybrid allocator on and calls
   ``request_finished_all_groups``); a model whose every layer has one sliding window moves only
-  the pages in the window (`scheduler`); several groups and Mamba / SSM state are refused when
-  the connector is built, naming the model, the specs and the flag that helps (`groups`);
+  the pages in the window (`scheduler`); a model of several groups (full-attention beside
+  sliding-window layers) moves every group in one room, each sliding-window group from its
+  window on; Mamba / SSM state is refused when the connector is built, naming the model and
+  the specs (`groups`);
 - ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention,
   sliding-window or MLA layers, or of a DSA model's MLA + indexer layers), takes the attention
   backend from vLLM's own layers (one backend of the `backends` table, else refused), builds
@@ -65,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.integrations.vllm.config import (
     DEFAULT_LOAD_MODE,
     LOAD_MODES,
@@ -108,12 +111,22 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler process too, before the engine serves a request
         mc = vllm_config.model_config
         plan = plan_group(kv_cache_config, model=str(mc.model) if mc is not None else "")
+        if plan.group_regions and self._cfg.role == "decode" and \
+                self._cfg.load_mode == "layerwise":
+            raise ConfigError(
+                f"kv_connector_extra_config.load_mode='layerwise': this model has "
+                f"{len(plan.group_regions)} KV cache groups (vLLM's hybrid allocator); vLLM "
+                "takes a failed load of such a model by request only while the request waits "
+                "for its KV (async), so a failed layerwise load could not be reported: use "
+                "load_mode 'async' (the default)")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self._cfg, vllm_config,
                                         sliding_window=plan.sliding_window,
-                                        group_block_size=plan.block_size)
+                                        group_block_size=plan.block_size,
+                                        group_windows=plan.group_windows,
+                                        group_extra=plan.group_extra)
         else:
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
@@ -171,9 +184,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         # SupportsHMA: vLLM keeps its hybrid allocator on (a sliding-window group frees the
-        # blocks out of the window); one group is all this connector accepts (`groups`)
-        (ids,) = block_ids
-        return self._s().request_finished(request, ids)
+        # blocks out of the window); the workers' senders hold every group's table already,
+        # group 0's ids go in the params (for the record: the decode reads none of them)
+        return self._s().request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ---- worker side
 
@@ -209,6 +222,20 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         return self._w().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM 0.32+: a failed load of a model with several KV cache groups is reported by
+        # request (vLLM takes no block-level errors there: its block ids are per group); it
+        # is in finished_recving too, as vLLM expects
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        sent, recvd = self.get_finished(finished_req_ids)
+        done = set(recvd or ())
+        return KVConnectorTransferResults(finished_sending=set(sent or ()),
+                                          finished_recving=done,
+                                          failed_recving=self._w().take_failed_loads(done))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().take_load_errors()

@@ -21,12 +21,20 @@ Accepted: ONE KV cache group, whose spec is
   block), so only the pages in the window move: the decode's first page that vLLM allocated
   is its ``decode_prefix_len`` (`scheduler`).
 
-Refused at start with the reason: several groups (vLLM's hybrid allocator gives a model that
-mixes full-attention and sliding-window layers one group per kind, and the handoff protocol has
-one prefix per room: run such a model with ``--disable-hybrid-kv-cache-manager``, vLLM then
-allocates its sliding-window layers as full attention and they move whole), Mamba / SSM state
-(`MambaSpec`: a state per request, not pages per token), sliding-window MLA, two indexer specs
-...
+- SEVERAL groups (vLLM's hybrid allocator, on by default for this connector: a model that mixes
+  full-attention and sliding-window layers, Gemma 3, gpt-oss, Cohere 2 ...), each a
+  `FullAttentionSpec` (GQA) or a `SlidingWindowSpec`: one region per group, since each group
+  has its own block table (vLLM splits the layers of one kind into groups of one size, so two
+  sliding-window groups are usual). Region ``kv_g<i>`` for a full-attention group,
+  ``swa<window>_g<i>`` for a sliding-window one: the window is part of the layout identity
+  both sides compare. A full-attention group moves whole from the decode's prefix; a
+  sliding-window group only from its window on (`scheduler`: the room's per-region starts).
+  Every group must use one block size (vLLM's hybrid allocator gives attention groups one
+  page; another is refused naming both).
+
+Refused at start with the reason: Mamba / SSM state (`MambaSpec`: a state per request, not
+pages per token), several groups of which one is MLA, DSA or not moved by vLLM's connectors
+(``enable_kv_transfer`` false), sliding-window MLA, two indexer specs ...
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ class GroupPlan:
     indexer_layers: tuple[str, ...]
     num_layers: int  # target-model layers (0: from the layer ids)
     sliding_window: int = 0  # tokens of the window of every layer (0: full attention)
+    # several groups (vLLM's hybrid allocator): per group, its region and window (0: full
+    # attention); empty for one group
+    group_regions: tuple[str, ...] = ()
+    group_windows: tuple[int, ...] = ()
+    group_extra: tuple[int, ...] = ()  # per group, vLLM's extra_retained_tokens of the window
 
 
 def _dtype(spec: Any) -> str:
@@ -89,14 +102,12 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
         who = f"model {model!r}" if model else "the model"
         raise ConfigError(
             f"kv_cache_groups: {who} has Mamba / SSM state layers ({mamba}, groups {kinds}); "
-            "KVHandoffConnector moves attention KV pages, not a request's SSM "
-            "state: serve this model without a KV connector, or with one that moves SSM state")
-    if len(groups) != 1:
-        raise ConfigError(
-            f"kv_cache_groups: KVHandoffConnector moves one KV cache group, vLLM's hybrid "
-            f"allocator made {len(groups)} ({kinds}); a model that mixes full-attention and "
-            "sliding-window layers runs with --disable-hybrid-kv-cache-manager (vLLM then "
-            "allocates the sliding-window layers as full attention and they move whole)")
+            "KVHandoffConnector moves attention KV pages, not a request's SSM / conv "
+            "state (a state block covers another number of tokens than the attention page, "
+            "docs/VLLM.md 'Hybrid models'): serve this model without a KV connector, or with "
+            "one that moves SSM state (vLLM's NixlConnector)")
+    if len(groups) > 1:
+        return _plan_hybrid(groups, kinds)
     group = groups[0]
     spec = group.kv_cache_spec
     names = tuple(group.layer_names)
@@ -159,6 +170,52 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
                      roles=roles, main_layers=main,
                      indexer_layers=tuple(n for n in names if roles[n].indexer),
                      num_layers=num_layers)
+
+
+def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
+    """Several groups of full-attention and sliding-window GQA layers (module docstring)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    regions, windows, extra, sizes = [], [], [], []
+    roles: dict[str, CacheRole] = {}
+    layers: list[str] = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if not getattr(g, "enable_kv_transfer", True):
+            raise ConfigError(f"kv_cache_groups[{i}]: a group vLLM does not transfer "
+                              "(enable_kv_transfer=false); KVHandoffConnector moves hybrid "
+                              "models whose every group is transferred")
+        if type(spec) is SlidingWindowSpec:
+            window = int(spec.sliding_window)
+            region = f"swa{window}_g{i}"
+        elif type(spec) is FullAttentionSpec:  # subclasses (MLA, R-SWA, sinks ...) differ
+            window, region = 0, f"kv_g{i}"
+        else:
+            raise ConfigError(
+                f"kv_cache_groups[{i}]: vLLM's hybrid allocator made {len(groups)} groups "
+                f"({kinds}); KVHandoffConnector moves several groups when each is "
+                f"full-attention or sliding-window GQA, got {type(spec).__name__}")
+        regions.append(region)
+        windows.append(window)
+        extra.append(int(getattr(spec, "extra_retained_tokens", 0) or 0))
+        sizes.append(int(spec.block_size))
+        for n in g.layer_names:
+            roles[n] = CacheRole(region=region)
+            layers.append(n)
+    if len(set(sizes)) > 1:
+        other = next(i for i, s in enumerate(sizes) if s != sizes[0])
+        raise ConfigError(f"kv_cache_groups: block sizes {sizes} per group; KVHandoffConnector "
+                          "moves the groups of a hybrid model when they share one block size: "
+                          f"group 0 ({regions[0]}) has {sizes[0]} tokens, group {other} "
+                          f"({regions[other]}) {sizes[other]}")
+    dtypes = sorted({_dtype(g.kv_cache_spec) for g in groups})
+    if len(dtypes) > 1:
+        raise ConfigError(f"kv_cache_groups: the groups' KV dtypes differ ({dtypes}); "
+                          "KVHandoffConnector moves one KV dtype")
+    return GroupPlan(mla=False, block_size=sizes[0], dtype=dtypes[0], roles=roles,
+                     main_layers=tuple(layers), indexer_layers=(), num_layers=0,
+                     group_regions=tuple(regions), group_windows=tuple(windows),
+                     group_extra=tuple(extra))
 
 
 def _spec_diff(a: Any, b: Any) -> str:

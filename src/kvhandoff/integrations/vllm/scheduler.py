@@ -10,7 +10,13 @@ decode's table starts at the first block vLLM allocated for it, which is where i
 starts (its ``decode_prefix_len``), so no page is read from or written to the null block. A
 decode that would need a token the prefill no longer holds (a layerwise decode computes the
 last prompt token itself, so its window starts one token earlier) declines the room before it
-announces any token, and computes the prompt itself (said in the log)."""
+announces any token, and computes the prompt itself (said in the log).
+
+A hybrid model (several groups: full-attention and sliding-window layers) is one room over
+every group's table: a full-attention group loads from the decode's prefix, a sliding-window
+group from the first block vLLM allocated for it (the room's per-region start), so the decode
+holds exactly the blocks vLLM alone would. ``remote_window_start`` is then the latest start of
+the prefill's sliding-window groups, which every decode group's window must not precede."""
 
 from __future__ import annotations
 
@@ -75,11 +81,17 @@ def _table(blocks: Any) -> tuple[list[int], int]:
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, *,
-                 sliding_window: int = 0, group_block_size: int = 0) -> None:
+                 sliding_window: int = 0, group_block_size: int = 0,
+                 group_windows: tuple[int, ...] = (), group_extra: tuple[int, ...] = ()
+                 ) -> None:
         self.cfg = cfg
         self.window = sliding_window  # tokens (0: full attention)
+        # several groups (hybrid allocator): per group its window (0: full attention) and
+        # vLLM's extra retained tokens behind it
+        self.windows = group_windows
+        self.extra = group_extra or tuple(0 for _ in group_windows)
         self.block_size = int(vllm_config.cache_config.block_size)
-        if sliding_window and group_block_size:
+        if (sliding_window or group_windows) and group_block_size:
             # the block of vLLM's KV cache group, in which it drops the window's blocks
             self.block_size = group_block_size
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -158,10 +170,14 @@ class SchedulerSide:
         count = upto - num_computed_tokens
         if count <= 0:
             return 0, False
-        if self.window:
+        if self.window or any(self.windows):
             # the first token vLLM keeps a block for once `upto` tokens are computed (its
-            # sliding-window manager's rule): the prefill must still hold it
-            first = max(0, upto - self.window + 1) // self.block_size * self.block_size
+            # sliding-window manager's rule), in each sliding-window group: the prefill must
+            # still hold it
+            kept = [(w, e) for w, e in zip(self.windows, self.extra, strict=True) if w] or [
+                (self.window, 0)]
+            first = min(max(0, upto - w + 1 - e) // self.block_size * self.block_size
+                        for w, e in kept)
             if first < rp.window_start:
                 why = (f"the decode's window starts at token {first}, the prefill kept its "
                        f"pages from token {rp.window_start} (load_mode={self.cfg.load_mode})")
@@ -210,18 +226,23 @@ class SchedulerSide:
         self._declined.pop(rid, None)
         sync = self.cfg.load_mode == "layerwise"
         local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
-        ids, dropped = _table(blocks.blocks[0])
+        tables = [_table(b) for b in blocks.blocks]
         # a sliding window: the load starts at the first block vLLM allocated (module doc)
-        start = max(local, dropped * self.block_size)
+        starts = [max(local, dropped * self.block_size) for _, dropped in tables]
+        windowed = [s for (_, dropped), s in zip(tables, starts, strict=True) if dropped] or [
+            starts[0]]
         refuse = None
-        if start < rp.window_start:
-            refuse = (f"the decode's table starts at token {start}, the prefill kept its pages "
-                      f"from token {rp.window_start}")
+        if min(windowed) < rp.window_start:
+            refuse = (f"the decode's table starts at token {min(windowed)}, the prefill kept "
+                      f"its pages from token {rp.window_start}")
+        several = len(tables) > 1
         self._meta.recvs[rid] = RecvReq(
-            room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=ids,
-            num_tokens=rp.num_tokens, local_tokens=start,
+            room=rp.room, bootstrap_addr=rp.bootstrap_addr, block_ids=tables[0][0],
+            num_tokens=rp.num_tokens, local_tokens=local if several else starts[0],
             load_tokens=local + num_external_tokens, sync=sync,
-            prefill_tp_size=rp.prefill_tp_size, refuse=refuse)
+            prefill_tp_size=rp.prefill_tp_size, refuse=refuse,
+            group_blocks=[ids for ids, _ in tables] if several else [],
+            group_starts=starts if several else [])
         mark("decode.alloc", rid=rid, room=rp.room)
         if not sync:
             self._async_loads.add(rid)
@@ -282,13 +303,16 @@ class SchedulerSide:
                 req = p.request
                 if req.num_computed_tokens + n < req.num_prompt_tokens:
                     continue  # not the last prompt chunk yet
-                ids, dropped = self._block_ids(rid)
+                tables = self._tables(rid)
+                ids, dropped = tables[0]
+                several = len(tables) > 1
                 p.sent = True
                 mark("prefill.step", rid=rid, room=p.room)
-                self._meta.sends[rid] = SendReq(room=p.room, block_ids=ids,
-                                                num_tokens=int(req.num_prompt_tokens),
-                                                decode_tp_size=p.decode_tp,
-                                                dropped_blocks=dropped)
+                self._meta.sends[rid] = SendReq(
+                    room=p.room, block_ids=ids, num_tokens=int(req.num_prompt_tokens),
+                    decode_tp_size=p.decode_tp, dropped_blocks=dropped,
+                    group_blocks=[t for t, _ in tables] if several else [],
+                    group_dropped=[d for _, d in tables] if several else [])
         self._keep_loads_unzeroed(scheduler_output)
         self._meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta, self._meta = self._meta, KVHandoffMetadata()
@@ -303,18 +327,17 @@ class SchedulerSide:
         zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
         if not zero:
             return
-        bs = self.block_size
         loaded = {b for r in self._meta.recvs.values() if r.sync
-                  for b in r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]}
+                  for b in r.loaded_blocks(self.block_size)}
         if loaded:
             scheduler_output.new_block_ids_to_zero = [b for b in zero if b not in loaded] or None
 
-    def _block_ids(self, rid: str) -> tuple[list[int], int]:
-        """The request's block ids and how many lead as the null block (`_table`)."""
+    def _tables(self, rid: str) -> list[tuple[list[int], int]]:
+        """Per KV cache group, the request's block ids and how many lead as the null block
+        (`_table`)."""
         if self.kv_manager is None:
             raise ConfigError("KVHandoffConnector: the scheduler never bound its KV cache manager")
-        (blocks,) = self.kv_manager.get_blocks(rid).blocks
-        return _table(blocks)
+        return [_table(blocks) for blocks in self.kv_manager.get_blocks(rid).blocks]
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -358,10 +381,11 @@ class SchedulerSide:
         if p.decode_tp is not None:
             out["decode_tp_size"] = p.decode_tp
         mark("prefill.params", rid=rid, room=p.room)
-        if self.window:
+        if self.window or any(self.windows):
             # vLLM freed the blocks out of the window just before this call: the pages the
-            # prefill still holds start here (module docstring)
-            out["remote_window_start"] = self._block_ids(rid)[1] * self.block_size
+            # prefill still holds start here, in its latest sliding-window group (module
+            # docstring)
+            out["remote_window_start"] = max(d for _, d in self._tables(rid)) * self.block_size
         return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:

@@ -98,14 +98,17 @@ class WorkerSide:
         self._device: Any = None  # of the KV caches (CUDA events of wait_for_save)
         self._warned_whole = False
         self._idle_step = False  # this step schedules no token (`IDLE_LOAD_WAIT_S`)
+        # several KV cache groups: vLLM takes no block-level load errors (its block ids are
+        # per group), so a failed (async) load is reported by request (`failed_recving`)
+        self._failed_loads: set[str] = set()
 
     def layers(self, names: Any = None) -> dict[str, Any]:
-        """vLLM's attention layers of the (one) KV cache group (or of `names`), from the forward
+        """vLLM's attention layers of the KV cache groups (or of `names`), from the forward
         context (empty when no model registered any: tools and tests driving the worker side
         alone)."""
         ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
         if names is None:
-            names = self.kv_cache_config.kv_cache_groups[0].layer_names
+            names = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names]
         return {n: ctx[n] for n in names if n in ctx and hasattr(ctx[n], "get_attn_backend")}
 
     @staticmethod
@@ -184,7 +187,6 @@ class WorkerSide:
 
         vc = self.vllm_config
         plan = self.plan = plan_group(self.kv_cache_config)
-        group = self.kv_cache_config.kv_cache_groups[0]
         mla = plan.mla
         mc = vc.model_config
         pc = vc.parallel_config
@@ -194,7 +196,8 @@ class WorkerSide:
         layers = self.layers(plan.main_layers)
         backend = self._backend(layers, mla)
         self._check_indexers(self.layers(plan.indexer_layers))
-        mine = {n: t for n, t in kv_caches.items() if n in group.layer_names}
+        moved = set(plan.main_layers) | set(plan.indexer_layers)
+        mine = {n: t for n, t in kv_caches.items() if n in moved}
         self._device = next((getattr(t, "device", None) for t in mine.values()), None)
         total = 1 if mla else int(mc.get_total_num_kv_heads())
         tp_size = int(pc.tensor_parallel_size)
@@ -221,6 +224,12 @@ class WorkerSide:
             engine_id=self.cfg.engine_id, dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size,
             tp_rank=tp_rank, tp_size=int(pc.tensor_parallel_size))
         self.stats.transport = str(self.agent.status()["transport"]["kind"])
+        if plan.group_regions:
+            log.info("KVHandoffConnector %s: %d KV cache groups (vLLM's hybrid allocator), each "
+                     "its own region: %s", self.cfg.role, len(plan.group_regions),
+                     ", ".join(f"{r} ({f'window {w}' if w else 'full attention'})"
+                               for r, w in zip(plan.group_regions, plan.group_windows,
+                                               strict=True)))
         log.info("KVHandoffConnector %s: %s, %s pages, %d layers, page %d tokens (whole pages "
                  "where both sides use this size), agent %s", self.cfg.role, backend.name,
                  self.vl.order, len(self.vl.layer_ids), self.vl.layout.page_size_tokens,
@@ -269,7 +278,7 @@ class WorkerSide:
                 if readers == 0:  # a replicated cache read from another prefill rank
                     self._unsent.add(rid)
                     continue
-                sender = self.agent.sender(s.room, pages=vl.expand_blocks(self._send_table(s)),
+                sender = self.agent.sender(s.room, pages=self._send_pages(s),
                                            seq_len=s.num_tokens, num_decode_ranks=readers,
                                            request_id=rid)
             except KVHandoffError as e:
@@ -293,16 +302,39 @@ class WorkerSide:
             else:
                 self._loads[rid] = ld
 
-    def _send_table(self, s: Any) -> list[int]:
+    def _send_pages(self, s: Any) -> Any:
+        """The sender's pages: one table (one group), or one per group's region, each cut to
+        the prompt's pages (a table that is exactly that long is one from token 0)."""
+        vl = self.vl
+        assert vl is not None
+        if not s.group_blocks:
+            return vl.expand_blocks(self._send_table(s.block_ids, s.dropped_blocks))
+        return self._group_pages(
+            [self._send_table(ids, d) for ids, d in zip(s.group_blocks, s.group_dropped,
+                                                         strict=True)], s.num_tokens)
+
+    def _group_pages(self, tables: list[list[int]], num_tokens: int) -> dict[str, Any]:
+        """Per group's region, its expanded table cut to the pages of `num_tokens` tokens."""
+        vl, plan = self.vl, self.plan
+        assert vl is not None and plan is not None
+        if len(tables) != len(plan.group_regions):
+            raise KVHandoffError(f"{len(tables)} block tables for the "
+                                 f"{len(plan.group_regions)} KV cache groups")
+        n = -(-num_tokens // vl.layout.page_size_tokens)
+        return {region: vl.expand_blocks(ids)[:n]
+                for region, ids in zip(plan.group_regions, tables, strict=True)}
+
+    def _send_table(self, block_ids: list[int], dropped: int) -> list[int]:
         """The sender's table from token 0: the blocks a sliding window dropped (vLLM's null
         block, repeated) stand as distinct blocks the request does not hold. They are never
         read: every decode's load starts after them (`scheduler`: a decode whose window starts
-        earlier declines the room), and the agent reads only from the decode's prefix on."""
-        if not s.dropped_blocks:
-            return list(s.block_ids)
-        held = set(s.block_ids[s.dropped_blocks:])
+        earlier declines the room), and the agent reads only from the decode's prefix (or the
+        region's start) on."""
+        if not dropped:
+            return list(block_ids)
+        held = set(block_ids[dropped:])
         spare = (b for b in range(int(self.kv_cache_config.num_blocks)) if b not in held)
-        return [next(spare) for _ in range(s.dropped_blocks)] + list(s.block_ids[s.dropped_blocks:])
+        return [next(spare) for _ in range(dropped)] + list(block_ids[dropped:])
 
     def _decline(self, rid: str, d: DeclineReq) -> None:
         """Aborts a room this decode does not load: the receiver tells each prefill rank it
@@ -331,8 +363,10 @@ class WorkerSide:
     def _open_load(self, rid: str, r: RecvReq) -> _Load:
         vl = self.vl
         assert vl is not None
-        bs = self.vllm_config.cache_config.block_size
-        loaded = r.block_ids[r.local_tokens // bs: -(-r.load_tokens // bs)]
+        bs = int(self.vllm_config.cache_config.block_size)
+        if r.group_blocks and self.plan is not None:  # the groups' block (`groups`)
+            bs = self.plan.block_size
+        loaded = r.loaded_blocks(bs)
         try:
             receiver: Any = self._receiver(rid, r.room, r.bootstrap_addr, r.prefill_tp_size)
         except KVHandoffError as e:
@@ -347,8 +381,17 @@ class WorkerSide:
             self._fail(ld, r.refuse)
             return ld
         try:
-            receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
-                          decode_prefix_len=r.local_tokens)
+            if r.group_blocks:
+                plan = self.plan
+                assert plan is not None
+                receiver.init(self._group_pages(r.group_blocks, r.num_tokens), r.num_tokens,
+                              decode_prefix_len=r.local_tokens,
+                              region_starts={reg: s for reg, s in zip(
+                                  plan.group_regions, r.group_starts, strict=True)
+                                  if s > r.local_tokens})
+            else:
+                receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
+                              decode_prefix_len=r.local_tokens)
         except KVHandoffError as e:
             self._fail(ld, f"receiver init: {e}")
         return ld
@@ -357,11 +400,20 @@ class WorkerSide:
         if ld.failed is not None:
             return
         ld.failed = reason
-        log.error("request %s (room %d): KV load failed, %d blocks reported: %s", ld.rid,
-                  ld.spec.room, len(ld.pages), reason)
+        by_request = self._by_request()
+        log.error("request %s (room %d): KV load failed, %s: %s", ld.rid, ld.spec.room,
+                  "the request reported" if by_request else f"{len(ld.pages)} blocks reported",
+                  reason)
         ld.receiver.abort(reason)
         with self._lock:
-            self._errors.update(ld.pages)
+            if by_request:
+                self._failed_loads.add(ld.rid)
+            else:
+                self._errors.update(ld.pages)
+
+    def _by_request(self) -> bool:
+        """Load failures go to vLLM by request, not by block: several KV cache groups."""
+        return bool(self.plan is not None and self.plan.group_regions)
 
     def start_load(self) -> None:
         """Before the forward: a DSA layout's layerwise loads are waited for whole here (module
@@ -483,6 +535,14 @@ class WorkerSide:
                 recvd.add(rid)
                 mark("decode.loaded", rid=rid, room=ld.spec.room)
         return (sent or None), (recvd or None)
+
+    def take_failed_loads(self, done: set[str]) -> set[str]:
+        """The failed loads among `done` (the requests reported in ``finished_recving``), for
+        vLLM's ``failed_recving`` (several groups: `_fail`)."""
+        with self._lock:
+            out = self._failed_loads & done
+            self._failed_loads -= out
+        return out
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
