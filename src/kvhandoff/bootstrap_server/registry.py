@@ -324,16 +324,18 @@ class Registry:
         stops at ``limit``, so a sample costs at most ``max_world_size`` per engine."""
         self._now()
         out: list[RankKey] = []
+        if limit is not None and limit <= 0:
+            return out
         for eid in sorted(self._engines) if engine_id is None else [engine_id]:
             eng = self._engines.get(eid)
             if eng is None or not self._missing_of(eng):
                 continue
             live = self._by_engine[eid]
             for k in eng.topology.keys(eid):
-                if limit is not None and len(out) >= limit:
-                    return out
                 if k not in live:
                     out.append(k)
+                    if limit is not None and len(out) >= limit:
+                        return out
         return out
 
     def _missing_of(self, eng: EngineRecord) -> int:
@@ -355,11 +357,6 @@ class Registry:
     def engine_count(self) -> int:
         self._now()
         return len(self._engines)
-
-    def live_count_of(self, engine_id: str) -> int:
-        """Live ranks of one engine: O(1)."""
-        self._now()
-        return len(self._by_engine.get(engine_id, ()))
 
     def transports_of(self, engine_id: str) -> dict[str, int]:
         """How many live ranks of an engine use each transport: O(transports)."""

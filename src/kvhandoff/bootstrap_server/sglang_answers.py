@@ -159,7 +159,7 @@ class SglangRoutes:
                 "Prefill server not fully registered yet (0 workers registered).") from None
         n_missing = reg.missing_count(SGLANG_ENGINE_ID)
         if n_missing:
-            n = reg.live_count_of(SGLANG_ENGINE_ID)
+            n = sum(reg.transports_of(SGLANG_ENGINE_ID).values())
             missing = reg.missing(SGLANG_ENGINE_ID, limit=8)
             raise BootstrapUnavailable(
                 f"Prefill server not fully registered yet ({n} workers registered, "
