@@ -111,3 +111,20 @@ def ready_status(reg: Registry, *, require_rdma: bool) -> ReadyStatus:
         missing=[key_public(k) for k in reg.missing(limit=READY_LIST_MAX)],
         degraded=_degraded_sample(reg, engines, READY_LIST_MAX),
     )
+
+
+class ReadyCache:
+    """`/ready`'s answer, kept while the registry's `rank_version` stays (heartbeats do not
+    move it; registrations, departures and expiry do): repeated reads — which need no token —
+    cost a dict hit, not the samples' walk."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, bool] | None = None
+        self._status: ReadyStatus | None = None
+
+    def get(self, reg: Registry, *, require_rdma: bool) -> ReadyStatus:
+        reg.engine_count()  # the expiry pass first: it moves rank_version
+        key = (reg.rank_version, require_rdma)
+        if self._status is None or key != self._key:
+            self._status, self._key = ready_status(reg, require_rdma=require_rdma), key
+        return self._status

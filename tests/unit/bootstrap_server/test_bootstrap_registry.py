@@ -16,7 +16,7 @@ from kvhandoff.bootstrap_server.registry import (
     Topology,
 )
 from kvhandoff.bootstrap_server.schemas import READY_LIST_MAX
-from kvhandoff.bootstrap_server.views import ready_status
+from kvhandoff.bootstrap_server.views import ReadyCache, ready_status
 from kvhandoff.errors import (
     BootstrapConflict,
     BootstrapNotFound,
@@ -353,3 +353,24 @@ def test_ready_walks_no_more_keys_as_ranks_are_added(monkeypatch: pytest.MonkeyP
     walked[0] = 0
     st = ready_status(r, require_rdma=False)
     assert st.ready and st.live_ranks == 1064 and walked[0] == 0  # complete: nothing walked
+
+
+def test_ready_cache_follows_every_change_and_only_changes() -> None:
+    clock = FakeClock()
+    r = Registry(clock=clock, rank_ttl_s=30, room_retention_s=60)
+    cache = ReadyCache()
+    r.register(reg("a", topo=Topology(1, 2)))
+    first = cache.get(r, require_rdma=False)
+    clock.advance(20)
+    r.heartbeat(RankKey("a", 0, 0, 0, 0))
+    assert cache.get(r, require_rdma=False) is first  # a heartbeat changes nothing
+    assert cache.get(r, require_rdma=True) is not first
+    r.register(reg("a", tp=1, topo=Topology(1, 2)))
+    ready = cache.get(r, require_rdma=False)
+    assert ready.ready
+    clock.advance(15)
+    r.heartbeat(RankKey("a", 0, 0, 0, 0))
+    assert cache.get(r, require_rdma=False) is ready
+    clock.advance(20)  # tp1 expires (35 s silent): the cached "ready" must not survive it
+    st = cache.get(r, require_rdma=False)
+    assert not st.ready and st.missing_ranks == 1
