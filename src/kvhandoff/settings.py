@@ -84,6 +84,17 @@ class Settings(BaseSettings):
         "bound or aborted, until room_retention_s after their last change). Every route that "
         "adds a room (allocate, bind, abort of an unknown room, SGLang's register_dp_rank) is "
         "refused with 503 past it.")
+    max_world_size: int = Field(
+        1024, gt=0, le=65536, description="Largest engine the bootstrap server takes: a "
+        "registration whose dp x tp x cp x pp is larger is refused with 400 naming the sizes "
+        "(SGLang's PUT /route too). Ranks per engine are bounded by it.")
+    max_engines: int = Field(
+        256, gt=0, description="Most engines the bootstrap server knows at once (an engine is "
+        "forgotten when its last rank deregisters or misses rank_ttl_s). A registration that "
+        "would add one more is refused with 409 naming engine_id and the bound.")
+    max_live_ranks: int = Field(
+        65536, gt=0, description="Most ranks the bootstrap server holds at once, all engines "
+        "together. A registration of a new rank past it is refused with 409.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     route_access_log: bool = Field(
         False, description="Write an access-log line for every answered GET /route (SGLang's "

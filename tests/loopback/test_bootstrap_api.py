@@ -81,7 +81,9 @@ def test_ttl_expiry_drops_rank_and_heartbeat_answers_404(bootstrap_server: Serve
         assert time.monotonic() < deadline, "rank was never dropped"
         time.sleep(0.05)
     st = c.ready()
-    assert st.missing[0].tp_rank == 0 and st.live_ranks == 0
+    # the engine left with its last rank: nothing is expected of it any more
+    assert st.live_ranks == 0 and st.engine_count == 0 and st.expected_ranks == 0
+    assert "missed rank_ttl_s" in st.reason
     with pytest.raises(BootstrapNotFound, match="register it again"):
         c.heartbeat(engine_id="p", tp_rank=0, generation="g1")
     register(c, tp=0, tp_size=1)  # what the agent does on that 404

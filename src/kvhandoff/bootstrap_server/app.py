@@ -65,7 +65,8 @@ def create_app(
                          secret_setting="auth_token")
     registry = registry or Registry(
         clock=clock, rank_ttl_s=settings.rank_ttl_s, room_retention_s=settings.room_retention_s,
-        max_live_rooms=settings.max_live_rooms,
+        max_live_rooms=settings.max_live_rooms, max_world_size=settings.max_world_size,
+        max_engines=settings.max_engines, max_live_ranks=settings.max_live_ranks,
     )
     metrics = Metrics(registry)
     app = BootstrapApp(

@@ -1,5 +1,6 @@
-"""Checks of the registry: a rank inside its topology, room ids, process generations, and the
-comparison of a registrant with its engine's first registrant (what makes a conflict).
+"""Checks of the registry: a rank inside its topology, room ids, process generations, the
+bounds of what a registration may add (`bound_problem`), and the comparison of a registrant
+with its engine's first registrant (what makes a conflict).
 
 Rules: a registrant conflicts with its engine when the role, a size, the shared layout hash or
 a compared attribute differs. An attribute the registrant does not send (``None``) is no
@@ -11,6 +12,7 @@ engine is filled by the first registrant that sends it (as SGLang does). Pure fu
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.bootstrap_server.records import (
@@ -96,3 +98,37 @@ def merge_attributes(engine: EngineRecord, reg: Registration) -> None:
     for k, v in reg.attributes.items():
         if v is not None and engine.attributes.get(k) is None:
             engine.attributes[k] = v
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a registration may add (Settings.max_world_size, max_engines, max_live_ranks)."""
+
+    max_world_size: int
+    max_engines: int
+    max_live_ranks: int
+
+
+def bound_problem(reg: Registration, *, new_engine: bool, new_rank: bool, engines: int,
+                  ranks: int, limits: Limits, ttl_s: float
+                  ) -> ConfigError | BootstrapConflict | None:
+    """Why `reg` would take the registry past a bound (naming the field and the bound), or
+    None: the world size (400), a new engine past max_engines or a new rank past
+    max_live_ranks (409)."""
+    t = reg.topology
+    if t.world_size > limits.max_world_size:
+        return ConfigError(
+            f"world size: dp_size*tp_size*cp_size*pp_size = {t.dp_size}*{t.tp_size}*"
+            f"{t.cp_size}*{t.pp_size} = {t.world_size} exceeds max_world_size="
+            f"{limits.max_world_size} (KVHANDOFF_MAX_WORLD_SIZE)")
+    if new_engine and engines >= limits.max_engines:
+        return BootstrapConflict(
+            f"engine_id: {reg.key.engine_id!r} would be a new engine and the server holds "
+            f"max_engines={limits.max_engines} (KVHANDOFF_MAX_ENGINES); an engine is "
+            f"forgotten when its last rank deregisters or misses rank_ttl_s={ttl_s:g} s")
+    if new_rank and ranks >= limits.max_live_ranks:
+        return BootstrapConflict(
+            f"rank {reg.key}: the server holds max_live_ranks={limits.max_live_ranks} ranks "
+            f"(KVHANDOFF_MAX_LIVE_RANKS); a rank is dropped when it deregisters or misses "
+            f"rank_ttl_s={ttl_s:g} s")
+    return None

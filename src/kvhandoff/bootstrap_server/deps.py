@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from kvhandoff.bootstrap_server.metrics import Metrics
 from kvhandoff.bootstrap_server.registry import Registry
 from kvhandoff.bootstrap_server.sglang_answers import SglangRoutes
+from kvhandoff.bootstrap_server.views import ReadyCache
 from kvhandoff.errors import BootstrapUnauthorized
 from kvhandoff.settings import AuthMode, Settings
 
@@ -31,6 +32,7 @@ class ServerState:
     clock: Callable[[], float]
     sglang_routes: SglangRoutes
     auth: AuthMode = AuthMode.SECRET
+    ready_cache: ReadyCache = field(default_factory=ReadyCache)
 
 
 async def get_state(request: Request) -> ServerState:

@@ -2,7 +2,8 @@
 tests, the demo — must not collide in the global one).
 
 Counters of the registry (registrations, rooms, ...) are read from `Registry.stats` at scrape
-time by a custom collector, so they cannot drift from the state; request latency and route
+time by a custom collector, so they cannot drift from the state; its gauges are counts the
+registry keeps (O(1) per scrape, whatever the number of ranks); request latency and route
 lookup outcomes are recorded by the HTTP layer.
 """
 
@@ -35,6 +36,11 @@ class _RegistryCollector(Collector):
             "rooms_allocated": ("Room ids allocated.", st.rooms_allocated),
             "rooms_bound": ("Rooms bound to a prefill dp rank.", st.rooms_bound),
             "rooms_aborted": ("Rooms aborted.", st.rooms_aborted),
+            "engines_forgotten": ("Engines forgotten with their last rank (deregistered or "
+                                  "expired).", st.engines_forgotten),
+            "registrations_refused": ("Registrations refused by a bound (max_world_size, "
+                                      "max_engines, max_live_ranks).",
+                                      st.registrations_refused),
             "rooms_refused": ("Rooms not created (allocate, bind, abort, register_dp_rank): "
                               "the server held its cap of live rooms.", st.rooms_refused),
         }
@@ -49,7 +55,10 @@ class _RegistryCollector(Collector):
         g.add_metric([], self._registry.live_room_count())
         yield g
         g = GaugeMetricFamily(_PREFIX + "ranks_missing", "Expected ranks not live.")
-        g.add_metric([], len(self._registry.missing()))
+        g.add_metric([], self._registry.missing_count())
+        yield g
+        g = GaugeMetricFamily(_PREFIX + "engines_live", "Engines known (each has a live rank).")
+        g.add_metric([], self._registry.engine_count())
         yield g
 
 

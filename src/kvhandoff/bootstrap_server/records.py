@@ -13,6 +13,9 @@ from kvhandoff.state_machine.vocabulary import Role
 ROOM_BITS = 63
 MAX_ROOMS_PER_CALL = 4096
 MAX_LIVE_ROOMS = 1_000_000
+MAX_WORLD_SIZE = 1024
+MAX_ENGINES = 256
+MAX_LIVE_RANKS = 65536
 
 
 class RoomState(enum.Enum):
@@ -158,3 +161,6 @@ class Stats:
     rooms_aborted: int = 0
     rooms_forgotten: int = 0
     rooms_refused: int = 0  # rooms not created: the registry held its cap of live rooms
+    engines_forgotten: int = 0  # engines dropped with their last rank (deregister or expiry)
+    # registrations refused by a bound: max_world_size, max_engines, max_live_ranks
+    registrations_refused: int = 0

@@ -7,6 +7,12 @@ Rules:
   registrant; a later registrant that disagrees is refused with `BootstrapConflict` carrying
   the differing fields. When an engine has no live rank left, the next registrant sets them
   afresh (a redeploy with another topology must not need a server restart).
+- An engine lives while it has a live rank: it is forgotten with its last one (deregistered or
+  expired), so a crashed engine leaves after ``rank_ttl_s``.
+- Bounds (`compat.bound_problem`): world size <= ``max_world_size`` (so ranks per engine too),
+  at most ``max_engines`` engines and ``max_live_ranks`` ranks.
+- Counts (expected, live, missing, per transport) are kept as ranks come and go: readiness
+  costs O(engines); rank lists are paged (``ranks_page``) or sampled (``missing(limit=)``).
 - A rank is live while ``now - last_seen <= rank_ttl_s``; expired ranks are dropped lazily on
   each call (``_expire``), so a heartbeat from a dropped rank gets `BootstrapNotFound` and the
   agent registers again. Ranks registered with ``expires=False`` (SGLang's, which never
@@ -26,10 +32,12 @@ The records live in `records`, the conflict rules in `compat`.
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from kvhandoff.bootstrap_server.compat import (
+    Limits,
+    bound_problem,
     check_generation,
     check_key_in_topology,
     check_room_id,
@@ -38,8 +46,11 @@ from kvhandoff.bootstrap_server.compat import (
 )
 from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
 from kvhandoff.bootstrap_server.records import (
+    MAX_ENGINES,
+    MAX_LIVE_RANKS,
     MAX_LIVE_ROOMS,
     MAX_ROOMS_PER_CALL,
+    MAX_WORLD_SIZE,
     ROOM_BITS,
     EngineRecord,
     RankKey,
@@ -80,12 +91,19 @@ class Registry:
         room_retention_s: float,
         randbits: Callable[[int], int] = _default_randbits,
         max_live_rooms: int = MAX_LIVE_ROOMS,
+        max_world_size: int = MAX_WORLD_SIZE,
+        max_engines: int = MAX_ENGINES,
+        max_live_ranks: int = MAX_LIVE_RANKS,
     ) -> None:
         if rank_ttl_s <= 0 or room_retention_s <= 0:
             raise ConfigError("rank_ttl_s and room_retention_s must be > 0")
-        if max_live_rooms <= 0:
-            raise ConfigError(f"max_live_rooms: expected > 0, got {max_live_rooms}")
+        for name, value in (("max_live_rooms", max_live_rooms),
+                            ("max_world_size", max_world_size), ("max_engines", max_engines),
+                            ("max_live_ranks", max_live_ranks)):
+            if value <= 0:
+                raise ConfigError(f"{name}: expected > 0, got {value}")
         self._max_rooms = max_live_rooms
+        self.limits = Limits(max_world_size, max_engines, max_live_ranks)
         self._clock = clock
         self._ttl_s = rank_ttl_s
         self._retention_s = room_retention_s
@@ -94,6 +112,11 @@ class Registry:
         # ordered by last_seen (a heartbeat moves a rank to the end): expiry pops from the front
         self._ranks: OrderedDict[RankKey, RankRecord] = OrderedDict()
         self._immortal: dict[RankKey, RankRecord] = {}
+        # the live ranks of each known engine (an engine is known while this is non-empty),
+        # and how many of them use each transport
+        self._by_engine: dict[str, dict[RankKey, RankRecord]] = {}
+        self._transports: dict[str, Counter[str]] = {}
+        self._expected = 0  # sum of the world sizes of the known engines
         # ordered by updated_at, same reason
         self._rooms: OrderedDict[int, RoomRecord] = OrderedDict()
         self.stats = Stats()
@@ -113,7 +136,7 @@ class Registry:
             key, rec = next(iter(self._ranks.items()))
             if now - rec.last_seen <= self._ttl_s:
                 break
-            del self._ranks[key]
+            self._drop_rank(key)
             self.stats.ranks_expired += 1
             self.rank_version += 1
         while self._rooms:
@@ -129,23 +152,59 @@ class Registry:
         return self._ranks.get(key) or self._immortal.get(key)
 
     def _live_ranks_of(self, engine_id: str) -> list[RankRecord]:
-        out = [r for r in self._ranks.values() if r.key.engine_id == engine_id]
-        out += [r for r in self._immortal.values() if r.key.engine_id == engine_id]
-        return out
+        return list(self._by_engine.get(engine_id, {}).values())
+
+    def _add_rank(self, rec: RankRecord) -> None:
+        (self._ranks if rec.expires else self._immortal)[rec.key] = rec
+        self._by_engine.setdefault(rec.key.engine_id, {})[rec.key] = rec
+        self._transports.setdefault(rec.key.engine_id, Counter())[rec.transport] += 1
+
+    def _drop_rank(self, key: RankKey, *, forget_engine: bool = True) -> RankRecord | None:
+        """Remove a live rank; its engine too when it was the last one (unless
+        ``forget_engine`` is False: the caller adds a rank of the engine at once)."""
+        rec = self._ranks.pop(key, None) or self._immortal.pop(key, None)
+        if rec is None:
+            return None
+        eid = key.engine_id
+        ranks = self._by_engine[eid]
+        del ranks[key]
+        transports = self._transports[eid]
+        transports[rec.transport] -= 1
+        if transports[rec.transport] <= 0:
+            del transports[rec.transport]
+        if not ranks and forget_engine:
+            del self._by_engine[eid], self._transports[eid]
+            eng = self._engines.pop(eid)
+            self._expected -= eng.topology.world_size
+            self.stats.engines_forgotten += 1
+        return rec
+
+    def _check_bounds(self, reg: Registration, engine: EngineRecord | None) -> None:
+        problem = bound_problem(
+            reg, new_engine=engine is None, new_rank=self._rank(reg.key) is None,
+            engines=len(self._engines), ranks=self.live_ranks(), limits=self.limits,
+            ttl_s=self._ttl_s)
+        if problem is not None:
+            self.stats.registrations_refused += 1
+            raise problem
+
+    def live_ranks(self) -> int:  # no expiry pass: see `live_rank_count`
+        return len(self._ranks) + len(self._immortal)
 
     def register(self, reg: Registration) -> tuple[RankRecord, bool]:
         """Add or replace a rank. Returns ``(record, replaced)``.
 
         Raises:
-            ConfigError: a rank is outside its size.
+            ConfigError: a rank is outside its size, or the world size exceeds
+                ``max_world_size``.
             BootstrapConflict: topology, role, layout hash or attributes disagree with the
-                engine's first registrant (``diff`` names each field).
+                engine's first registrant (``diff`` names each field); or a new engine past
+                ``max_engines``, a new rank past ``max_live_ranks``.
         """
         now = self._now()
-        check_key_in_topology(reg.key, reg.topology)
         engine = self._engines.get(reg.key.engine_id)
-        if engine is not None and not self._live_ranks_of(engine.engine_id):
-            engine = None  # nobody left: the next registrant defines the engine afresh
+        self._check_bounds(reg, engine)
+        check_key_in_topology(reg.key, reg.topology)
         if engine is not None:
             diff = engine_diff(engine, reg)
             if diff:
@@ -167,7 +226,8 @@ class Registry:
                 strict_attributes=dict(reg.strict_attributes),
             )
             self._engines[engine.engine_id] = engine
-        old = self._ranks.pop(reg.key, None) or self._immortal.pop(reg.key, None)
+            self._expected += engine.topology.world_size
+        old = self._drop_rank(reg.key, forget_engine=False)
         rec = RankRecord(
             key=reg.key,
             role=reg.role,
@@ -180,10 +240,7 @@ class Registry:
             last_seen=now,
             expires=reg.expires,
         )
-        if reg.expires:
-            self._ranks[reg.key] = rec
-        else:
-            self._immortal[reg.key] = rec
+        self._add_rank(rec)
         self.rank_version += 1
         if old is None:
             self.stats.registrations += 1
@@ -224,12 +281,9 @@ class Registry:
         if rec is None:
             raise BootstrapNotFound(f"rank {key} is not registered")
         check_generation(rec, generation)
-        self._ranks.pop(key, None)
-        self._immortal.pop(key, None)
+        self._drop_rank(key)
         self.stats.deregistrations += 1
         self.rank_version += 1
-        if not self._live_ranks_of(key.engine_id):
-            del self._engines[key.engine_id]
         return rec
 
     def engine(self, engine_id: str) -> EngineRecord:
@@ -238,9 +292,11 @@ class Registry:
         try:
             return self._engines[engine_id]
         except KeyError:
+            known = sorted(self._engines)
             raise BootstrapNotFound(
                 f"engine {engine_id!r} is not registered "
-                f"(known: {', '.join(sorted(self._engines)) or 'none'})"
+                f"(known: {', '.join(known[:8]) or 'none'}"
+                f"{f' and {len(known) - 8} more' if len(known) > 8 else ''})"
             ) from None
 
     def engines(self) -> list[EngineRecord]:
@@ -260,24 +316,76 @@ class Registry:
             raise BootstrapNotFound(f"rank {key} is not registered")
         return rec
 
-    def missing(self, engine_id: str | None = None) -> list[RankKey]:
-        """Expected ranks (dp x cp x tp x pp of each engine) with no live registration."""
+    def missing(self, engine_id: str | None = None, *, limit: int | None = None
+                ) -> list[RankKey]:
+        """Expected ranks (dp x cp x tp x pp of each engine) with no live registration, in
+        identity order: the first ``limit`` of them (None: all; the count is
+        `missing_count`). Engines with none missing are not walked, and the walk of an engine
+        stops at ``limit``, so a sample costs at most ``max_world_size`` per engine."""
         self._now()
-        out = []
+        out: list[RankKey] = []
+        if limit is not None and limit <= 0:
+            return out
         for eid in sorted(self._engines) if engine_id is None else [engine_id]:
             eng = self._engines.get(eid)
-            if eng is None:
+            if eng is None or not self._missing_of(eng):
                 continue
-            out += [k for k in eng.topology.keys(eid) if self._rank(k) is None]
+            live = self._by_engine[eid]
+            for k in eng.topology.keys(eid):
+                if k not in live:
+                    out.append(k)
+                    if limit is not None and len(out) >= limit:
+                        return out
         return out
+
+    def _missing_of(self, eng: EngineRecord) -> int:
+        return eng.topology.world_size - len(self._by_engine[eng.engine_id])
+
+    def missing_count(self, engine_id: str | None = None) -> int:
+        """How many expected ranks are not live (one engine, or all): O(1)."""
+        self._now()
+        if engine_id is None:
+            return self._expected - self.live_ranks()
+        eng = self._engines.get(engine_id)
+        return 0 if eng is None else self._missing_of(eng)
+
+    def expected_count(self) -> int:
+        """Expected ranks of every known engine (sum of world sizes): O(1)."""
+        self._now()
+        return self._expected
+
+    def engine_count(self) -> int:
+        self._now()
+        return len(self._engines)
+
+    def transports_of(self, engine_id: str) -> dict[str, int]:
+        """How many live ranks of an engine use each transport: O(transports)."""
+        self._now()
+        return dict(self._transports.get(engine_id, {}))
 
     def live_rank_count(self) -> int:
         self._now()
-        return len(self._ranks) + len(self._immortal)
+        return self.live_ranks()
 
-    def all_ranks(self) -> list[RankRecord]:
+    def ranks_page(self, offset: int, limit: int) -> list[RankRecord]:
+        """Live ranks ``offset .. offset+limit-1`` in identity order; engines before the page
+        are skipped by their count: O(engines + world sizes of the engines it touches)."""
         self._now()
-        return sorted([*self._ranks.values(), *self._immortal.values()], key=lambda r: r.key)
+        out: list[RankRecord] = []
+        skip = offset
+        for eid in sorted(self._by_engine):
+            ranks = self._by_engine[eid]
+            if skip >= len(ranks):
+                skip -= len(ranks)
+                continue
+            for rec in sorted(ranks.values(), key=lambda r: r.key)[skip:]:
+                if len(out) >= limit:
+                    return out
+                out.append(rec)
+            skip = 0
+            if len(out) >= limit:
+                break
+        return out
 
     # -- rooms --------------------------------------------------------------------------------
 

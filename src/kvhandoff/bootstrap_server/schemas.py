@@ -16,7 +16,11 @@ from kvhandoff.netaddr import split_host_port
 from kvhandoff.state_machine.vocabulary import Role
 
 MAX_AXIS_SIZE = 4096
-MAX_WORLD_SIZE = 65536
+MAX_WORLD_SIZE = 65536  # the schema's hard bound; the server's is Settings.max_world_size
+#: most engines, missing ranks and degraded ranks `/ready` lists (the counts are exact)
+READY_LIST_MAX = 16
+#: most items a page of `/v1/engines` or `/v1/ranks` holds
+PAGE_MAX = 1000
 ROOM_MAX = (1 << 63) - 1
 
 EngineId = Annotated[
@@ -155,6 +159,7 @@ class EngineSummary(BaseModel):
     role: Role
     world_size: int
     live_ranks: int
+    missing_ranks: int = 0
     layout_hash: str
     transports: list[str]
 
@@ -228,19 +233,37 @@ class RouteAnswer(BaseModel):
 
 
 class ReadyStatus(BaseModel):
-    """`/ready`: ready only when every expected rank of every engine is registered and live."""
+    """`/ready`: ready when at least one engine is known and every expected rank of every known
+    engine is registered and live (an engine is known while it has a live rank).
+
+    Counts are exact; the lists are samples of at most `READY_LIST_MAX` items (the full lists
+    are paged at ``/v1/engines`` and ``/v1/ranks``), so the answer's size does not grow with
+    the ranks registered."""
 
     ready: bool
     reason: str
     expected_ranks: int
     live_ranks: int
-    engines: list[EngineSummary]
-    missing: list[RankKeyPublic]
+    missing_ranks: int = Field(0, description="Expected ranks not live (all engines).")
+    engine_count: int = Field(0, description="Engines known (each has a live rank).")
+    degraded_ranks: int = Field(0, description="Live ranks on a degraded (tcp) transport.")
+    engines: list[EngineSummary] = Field(
+        description=f"Up to {READY_LIST_MAX} engines, incomplete ones first.")
+    missing: list[RankKeyPublic] = Field(
+        description=f"The first {READY_LIST_MAX} missing ranks, in identity order.")
     degraded: list[str] = Field(
-        default_factory=list, description="Ranks on a degraded (tcp) transport."
+        default_factory=list,
+        description=f"Up to {READY_LIST_MAX} ranks on a degraded (tcp) transport.",
     )
     auth: str = Field(
         "secret", description="How this server authenticates writes: secret (auth_token set), "
         "loopback (no token, loopback host only) or off (no token on a non-loopback host, "
         "allowed by allow_unauthenticated)."
     )
+
+
+class Page(_Request):
+    """``?offset=&limit=`` of a listing."""
+
+    offset: int = Field(0, ge=0, le=1 << 31, description="Items to skip.")
+    limit: int = Field(PAGE_MAX, ge=1, le=PAGE_MAX, description="Most items to return.")

@@ -157,13 +157,14 @@ class SglangRoutes:
         except BootstrapNotFound:
             raise BootstrapUnavailable(
                 "Prefill server not fully registered yet (0 workers registered).") from None
-        missing = reg.missing(SGLANG_ENGINE_ID)
-        if missing:
-            n = len(reg.ranks_of(SGLANG_ENGINE_ID))
+        n_missing = reg.missing_count(SGLANG_ENGINE_ID)
+        if n_missing:
+            n = sum(reg.transports_of(SGLANG_ENGINE_ID).values())
+            missing = reg.missing(SGLANG_ENGINE_ID, limit=8)
             raise BootstrapUnavailable(
                 f"Prefill server not fully registered yet ({n} workers registered, "
-                f"{len(missing)} missing: {', '.join(map(str, missing[:8]))}"
-                f"{' ...' if len(missing) > 8 else ''})."
+                f"{n_missing} missing: {', '.join(map(str, missing))}"
+                f"{' ...' if n_missing > 8 else ''})."
             )
         if all(v == -1 for v in ranks):
             return server_info(eng.topology.tp_size, eng.topology.cp_size, eng.topology.dp_size,

@@ -10,8 +10,8 @@ from kvhandoff.bootstrap_server.registry import (
     RoomRecord,
 )
 from kvhandoff.bootstrap_server.schemas import (
+    READY_LIST_MAX,
     EngineSummary,
-    EngineTopology,
     PrefillRankInfo,
     RankKeyPublic,
     RankPublic,
@@ -56,42 +56,75 @@ def room_public(rr: RoomRecord, now: float) -> RoomPublic:
                       seconds_since_change=max(0.0, now - rr.updated_at))
 
 
-def engine_topology(reg: Registry, eng: EngineRecord, now: float) -> EngineTopology:
-    t = eng.topology
-    return EngineTopology(
-        engine_id=eng.engine_id, role=eng.role, dp_size=t.dp_size, tp_size=t.tp_size,
-        cp_size=t.cp_size, pp_size=t.pp_size, world_size=t.world_size,
-        layout_hash=eng.layout_hash, layout=dict(eng.layout),
-        ranks=[rank_public(r, now) for r in reg.ranks_of(eng.engine_id)],
-        missing=[key_public(k) for k in reg.missing(eng.engine_id)],
+def engine_summary(reg: Registry, eng: EngineRecord) -> EngineSummary:
+    """O(transports): counts kept by the registry, no walk over ranks."""
+    transports = reg.transports_of(eng.engine_id)
+    live = sum(transports.values())
+    return EngineSummary(
+        engine_id=eng.engine_id, role=eng.role, world_size=eng.topology.world_size,
+        live_ranks=live, missing_ranks=eng.topology.world_size - live,
+        layout_hash=eng.layout_hash, transports=sorted(transports),
     )
 
 
-def ready_status(reg: Registry, *, require_rdma: bool) -> ReadyStatus:
-    engines = reg.engines()
-    summaries = []
-    degraded: list[str] = []
-    live = 0
-    expected = 0
+def _degraded_sample(reg: Registry, engines: list[EngineRecord], limit: int) -> list[str]:
+    """Up to `limit` degraded ranks; walks only engines that have one, and stops at `limit`."""
+    out: list[str] = []
     for eng in engines:
-        ranks = reg.ranks_of(eng.engine_id)
-        live += len(ranks)
-        expected += eng.topology.world_size
-        summaries.append(EngineSummary(
-            engine_id=eng.engine_id, role=eng.role, world_size=eng.topology.world_size,
-            live_ranks=len(ranks), layout_hash=eng.layout_hash,
-            transports=sorted({r.transport for r in ranks}),
-        ))
-        degraded += [f"{r.key} ({r.transport})" for r in ranks
-                     if r.transport in DEGRADED_TRANSPORTS]
-    missing = [key_public(k) for k in reg.missing()]
-    if not engines:
+        if not any(t in DEGRADED_TRANSPORTS for t in reg.transports_of(eng.engine_id)):
+            continue
+        for r in reg.ranks_of(eng.engine_id):
+            if len(out) >= limit:
+                return out
+            if r.transport in DEGRADED_TRANSPORTS:
+                out.append(f"{r.key} ({r.transport})")
+    return out
+
+
+def ready_status(reg: Registry, *, require_rdma: bool) -> ReadyStatus:
+    """`/ready`: counts plus bounded samples (`READY_LIST_MAX` engines, missing and degraded
+    ranks), so its size and cost do not grow with the ranks registered; the full lists are
+    paged at ``/v1/engines`` and ``/v1/ranks``."""
+    engines = reg.engines()
+    summaries = [engine_summary(reg, e) for e in engines]
+    expected, live = reg.expected_count(), reg.live_rank_count()
+    missing_n = reg.missing_count()
+    degraded_n = sum(n for e in engines for t, n in reg.transports_of(e.engine_id).items()
+                     if t in DEGRADED_TRANSPORTS)
+    if not engines and not (reg.stats.registrations or reg.stats.re_registrations):
         ready, reason = False, "no rank has registered yet"
-    elif missing:
-        ready, reason = False, f"{len(missing)} of {expected} expected ranks are not live"
-    elif require_rdma and degraded:
-        ready, reason = False, f"require_rdma is set and {len(degraded)} ranks use tcp"
+    elif not engines:
+        ready, reason = False, ("no engine has a live rank: each one's ranks deregistered or "
+                                "missed rank_ttl_s")
+    elif missing_n:
+        ready, reason = False, f"{missing_n} of {expected} expected ranks are not live"
+    elif require_rdma and degraded_n:
+        ready, reason = False, f"require_rdma is set and {degraded_n} ranks use tcp"
     else:
         ready, reason = True, f"all {expected} expected ranks are live"
-    return ReadyStatus(ready=ready, reason=reason, expected_ranks=expected, live_ranks=live,
-                       engines=summaries, missing=missing, degraded=degraded)
+    # incomplete engines first: they are the ones an operator looks for
+    summaries.sort(key=lambda s: (s.missing_ranks == 0, s.engine_id))
+    return ReadyStatus(
+        ready=ready, reason=reason, expected_ranks=expected, live_ranks=live,
+        missing_ranks=missing_n, engine_count=len(engines), degraded_ranks=degraded_n,
+        engines=summaries[:READY_LIST_MAX],
+        missing=[key_public(k) for k in reg.missing(limit=READY_LIST_MAX)],
+        degraded=_degraded_sample(reg, engines, READY_LIST_MAX),
+    )
+
+
+class ReadyCache:
+    """`/ready`'s answer, kept while the registry's `rank_version` stays (heartbeats do not
+    move it; registrations, departures and expiry do): repeated reads — which need no token —
+    cost a dict hit, not the samples' walk."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, bool] | None = None
+        self._status: ReadyStatus | None = None
+
+    def get(self, reg: Registry, *, require_rdma: bool) -> ReadyStatus:
+        reg.engine_count()  # the expiry pass first: it moves rank_version
+        key = (reg.rank_version, require_rdma)
+        if self._status is None or key != self._key:
+            self._status, self._key = ready_status(reg, require_rdma=require_rdma), key
+        return self._status

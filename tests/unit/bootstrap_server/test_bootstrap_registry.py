@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+
 import pytest
 
 from kvhandoff.bootstrap_server.registry import (
@@ -12,6 +15,8 @@ from kvhandoff.bootstrap_server.registry import (
     RoomState,
     Topology,
 )
+from kvhandoff.bootstrap_server.schemas import READY_LIST_MAX
+from kvhandoff.bootstrap_server.views import ReadyCache, ready_status
 from kvhandoff.errors import (
     BootstrapConflict,
     BootstrapNotFound,
@@ -248,3 +253,124 @@ def test_every_way_of_adding_a_room_respects_the_cap(clock: FakeClock) -> None:
     clock.advance(101)  # forgotten after their retention: room again
     registry.abort_room(203, "x")
     assert registry.live_room_count() == 1
+
+
+# -- bounds, engine expiry and the kept counts (issue 48) ----------------------------------------
+
+def test_world_size_engines_and_ranks_are_bounded() -> None:
+    r = Registry(clock=FakeClock(), rank_ttl_s=30, room_retention_s=60, max_world_size=64,
+                 max_engines=2, max_live_ranks=3)
+    with pytest.raises(ConfigError, match=r"= 65 exceeds max_world_size=64"):
+        r.register(reg("p", topo=Topology(5, 13)))
+    r.register(reg("a"))
+    r.register(reg("b"))
+    with pytest.raises(BootstrapConflict, match="engine_id: 'c'.*max_engines=2"):
+        r.register(reg("c"))
+    r.register(reg("a", tp=1))
+    with pytest.raises(BootstrapConflict, match="max_live_ranks=3"):
+        r.register(reg("b", tp=1))
+    r.register(reg("a", tp=1, gen="g2"))  # a known identity again is no new rank
+    assert r.stats.registrations_refused == 3 and r.engine_count() == 2
+
+
+def test_engine_is_forgotten_with_its_last_rank_and_counts_follow() -> None:
+    clock = FakeClock()
+    r = Registry(clock=clock, rank_ttl_s=30, room_retention_s=60)
+    r.register(reg("a", topo=Topology(1, 4)))
+    r.register(reg("b", topo=Topology(2, 1)))
+    r.register(reg("s", topo=Topology(1, 2), expires=False))
+    assert (r.expected_count(), r.live_rank_count(), r.missing_count()) == (8, 3, 5)
+    clock.advance(31)
+    # the mortal engines left with their ranks; the SGLang-style one (no TTL) stays
+    assert [e.engine_id for e in r.engines()] == ["s"]
+    assert (r.expected_count(), r.missing_count(), r.stats.engines_forgotten) == (2, 1, 2)
+    r.register(reg("a", topo=Topology(1, 1)))  # back with another topology: a fresh engine
+    assert r.engine("a").topology == Topology(1, 1) and r.missing_count("a") == 0
+
+
+def test_kept_counts_match_a_recount_through_any_history() -> None:
+    import random
+
+    rng = random.Random(48)
+    clock = FakeClock()
+    r = Registry(clock=clock, rank_ttl_s=10, room_retention_s=60)
+    topos = {"a": Topology(2, 2), "b": Topology(1, 4, pp_size=2), "c": Topology(1, 1)}
+    for _ in range(2000):
+        eid = rng.choice(sorted(topos))
+        t = topos[eid]
+        key = RankKey(eid, rng.randrange(t.dp_size), 0, rng.randrange(t.tp_size),
+                      rng.randrange(t.pp_size))
+        op = rng.randrange(4)
+        if op == 0:
+            clock.advance(rng.choice((0.5, 3, 11)))
+        elif op == 1:
+            try:
+                r.deregister(key)
+            except BootstrapNotFound:
+                pass
+        else:
+            base = reg(eid, dp=key.dp_rank, tp=key.tp_rank, pp=key.pp_rank, topo=t)
+            r.register(Registration(**{**{f: getattr(base, f) for f in (
+                "key", "role", "topology", "agent_address", "generation", "layout_hash",
+                "layout")}, "transport": rng.choice(("tcp", "inproc"))}))
+        live = {e.engine_id: r.ranks_of(e.engine_id) for e in r.engines()}
+        assert all(live.values())  # an engine is known only while it has a live rank
+        assert r.expected_count() == sum(r.engine(e).topology.world_size for e in live)
+        assert r.live_rank_count() == sum(map(len, live.values()))
+        assert r.missing_count() == len(r.missing())
+        for e, ranks in live.items():
+            assert r.transports_of(e) == dict(Counter(x.transport for x in ranks))
+        assert r.ranks_page(1, 5) == sorted(
+            [x for v in live.values() for x in v], key=lambda x: x.key)[1:6]
+
+
+def test_ready_walks_no_more_keys_as_ranks_are_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost of /ready, counted in topology keys walked: the same with 1 or 1,000 ranks."""
+    walked = [0]
+    keys = Topology.keys
+
+    def counting(self: Topology, engine_id: str) -> Iterator[RankKey]:
+        for k in keys(self, engine_id):
+            walked[0] += 1
+            yield k
+
+    monkeypatch.setattr(Topology, "keys", counting)
+    r = Registry(clock=FakeClock(), rank_ttl_s=30, room_retention_s=60)
+    r.register(reg("big", topo=Topology(1, 1024)))
+    ready_status(r, require_rdma=False)
+    first = walked[0]
+    for tp in range(1, 1000):  # 999 more ranks; tp 1..23 and 1023 stay missing
+        r.register(reg("big", tp=1023 - tp, topo=Topology(1, 1024)))
+    for i in range(40):
+        r.register(reg(f"e{i}", topo=Topology(1, 1)))
+    walked[0] = 0
+    st = ready_status(r, require_rdma=False)
+    assert st.missing_ranks == 24 and len(st.missing) == READY_LIST_MAX
+    assert st.engine_count == 41 and len(st.engines) == READY_LIST_MAX
+    assert first == walked[0] == READY_LIST_MAX + 1  # tp0 live, then 16 missing
+    for tp in (*range(1, 24), 1023):
+        r.register(reg("big", tp=tp, topo=Topology(1, 1024)))
+    walked[0] = 0
+    st = ready_status(r, require_rdma=False)
+    assert st.ready and st.live_ranks == 1064 and walked[0] == 0  # complete: nothing walked
+
+
+def test_ready_cache_follows_every_change_and_only_changes() -> None:
+    clock = FakeClock()
+    r = Registry(clock=clock, rank_ttl_s=30, room_retention_s=60)
+    cache = ReadyCache()
+    r.register(reg("a", topo=Topology(1, 2)))
+    first = cache.get(r, require_rdma=False)
+    clock.advance(20)
+    r.heartbeat(RankKey("a", 0, 0, 0, 0))
+    assert cache.get(r, require_rdma=False) is first  # a heartbeat changes nothing
+    assert cache.get(r, require_rdma=True) is not first
+    r.register(reg("a", tp=1, topo=Topology(1, 2)))
+    ready = cache.get(r, require_rdma=False)
+    assert ready.ready
+    clock.advance(15)
+    r.heartbeat(RankKey("a", 0, 0, 0, 0))
+    assert cache.get(r, require_rdma=False) is ready
+    clock.advance(20)  # tp1 expires (35 s silent): the cached "ready" must not survive it
+    st = cache.get(r, require_rdma=False)
+    assert not st.ready and st.missing_ranks == 1

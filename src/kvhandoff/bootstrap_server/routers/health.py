@@ -8,7 +8,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kvhandoff.bootstrap_server.deps import MetricsDep, RegistryDep, SettingsDep, StateDep
 from kvhandoff.bootstrap_server.metrics import CONTENT_TYPE
 from kvhandoff.bootstrap_server.schemas import ReadyStatus
-from kvhandoff.bootstrap_server.views import ready_status
 
 health = APIRouter(tags=["health"])
 
@@ -22,10 +21,11 @@ async def alive() -> str:
 @health.get("/ready", response_model=ReadyStatus,
             responses={503: {"model": ReadyStatus, "description": "Ranks missing."}})
 async def ready(registry: RegistryDep, settings: SettingsDep, state: StateDep) -> JSONResponse:
-    """200 only when every expected rank (dp x tp x cp x pp of each engine, by unique
-    identity) is registered and live; else 503 with what is missing. ``auth`` says how the
-    server authenticates writes (``off``: no token on a non-loopback host)."""
-    st = ready_status(registry, require_rdma=settings.require_rdma).model_copy(
+    """200 only when an engine is known and every expected rank (dp x tp x cp x pp of each
+    known engine, by unique identity) is registered and live; else 503 with what is missing
+    (exact counts, samples of at most 16; an engine is known while it has a live rank).
+    ``auth`` says how the server authenticates writes (``off``: no token on a non-loopback host)."""
+    st = state.ready_cache.get(registry, require_rdma=settings.require_rdma).model_copy(
         update={"auth": state.auth.value})
     return JSONResponse(st.model_dump(mode="json"), status_code=200 if st.ready else 503)
 

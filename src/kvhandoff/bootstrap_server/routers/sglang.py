@@ -20,6 +20,9 @@ page size, dtype or layout disagrees with the first is refused (400, each differ
 a field the rank leaves out is no disagreement, and fills the value when the engine lacks it;
 like SGLang 0.5.23, a rank whose ``decode_allocation_policy`` (absent = ``early``) or
 ``dsv41_spec_layout`` (absent = none) differs is refused (400);
+``kv_layout`` is SGLang's string or a kvhandoff `LayoutSpec` object (anything else: 422 naming
+``kv_layout``), ``dsv41_spec_layout`` the typed, bounded `Dsv41SpecLayout` (an unknown or junk
+field: 422 naming it); the world size is bounded by ``max_world_size`` like native ranks;
 malformed JSON, wrong types, missing fields -> 400/422 naming the field, never 500; writes
 need the bearer token when one is configured. The ranks are kept in the shared registry under
 the engine id ``sglang``, without TTL (SGLang ranks send no heartbeat).
@@ -27,21 +30,15 @@ the engine id ``sglang``, without TTL (SGLang ranks send no heartbeat).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvhandoff.bootstrap_server.deps import RegistryDep, StateDep, WriteAuth
 from kvhandoff.bootstrap_server.records import RankKey, Registration, Topology
-from kvhandoff.bootstrap_server.schemas import (
-    MAX_AXIS_SIZE,
-    MAX_WORLD_SIZE,
-    ROOM_MAX,
-)
+from kvhandoff.bootstrap_server.schemas import MAX_AXIS_SIZE, ROOM_MAX
 from kvhandoff.bootstrap_server.sglang_answers import (
     SGLANG_ENGINE_ID,
     Answer,
@@ -56,6 +53,30 @@ sglang = APIRouter(tags=["sglang-compatible"])
 
 _Rank = Annotated[int, Field(ge=0, lt=MAX_AXIS_SIZE)]
 _Size = Annotated[int, Field(ge=1, le=MAX_AXIS_SIZE)]
+# bounds of a DSpark layout: layers and state pools of a real model, with room to spare
+_MAX_LAYERS = 4096
+_MAX_STATES = 64
+_Count = Annotated[int, Field(ge=0, le=1 << 20)]
+_Bytes = Annotated[int, Field(ge=0, le=1 << 40)]
+
+
+class Dsv41SpecLayout(BaseModel):
+    """SGLang 0.5.23's DeepSeek-V4.1 DSpark transfer layout (what its
+    ``get_dsv41_spec_layout`` sends): both sides must send the same one. Typed and bounded; an
+    unknown field or a value of another type is refused (422 naming it): a field this server
+    dropped could not be compared, and the decode would learn a layout the prefill never sent.
+    Fields left out stay out of the server info (``exclude_unset``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    num_draft_tokens: _Count | None = None
+    compression_ratios: list[_Count] | None = Field(None, max_length=_MAX_LAYERS)
+    kv_layer_ids: list[_Count] | None = Field(None, max_length=_MAX_LAYERS)
+    kv_item_lens: list[_Bytes] | None = Field(None, max_length=_MAX_LAYERS)
+    state_types: list[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")]] | None = Field(
+        None, max_length=_MAX_STATES)
+    state_item_lens: list[Annotated[list[_Bytes], Field(max_length=_MAX_LAYERS)]] | None = (
+        Field(None, max_length=_MAX_STATES))
 
 
 class SglangRouteRegister(BaseModel):
@@ -81,10 +102,20 @@ class SglangRouteRegister(BaseModel):
     enable_dsa_cache_layer_split: bool | None = None
     enable_kv_cache_sharding: bool | None = None
     prefill_http_port: int | None = Field(None, ge=1, le=65535)
-    # SGLang sends a string (its KVArgs.kv_layout); a dict is a kvhandoff LayoutSpec
+    # SGLang sends a string (its KVArgs.kv_layout); an object must be a kvhandoff LayoutSpec
     kv_layout: Annotated[str, Field(max_length=256)] | dict[str, Any] | None = None
     decode_allocation_policy: str = Field("early", max_length=64)
-    dsv41_spec_layout: dict[str, Any] | None = None
+    dsv41_spec_layout: Dsv41SpecLayout | None = None
+
+    @field_validator("kv_layout")
+    @classmethod
+    def _layout_object(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, dict):
+            try:
+                LayoutSpec.from_dict(v)
+            except ConfigError as e:
+                raise ValueError(f"an object must be a kvhandoff LayoutSpec ({e})") from e
+        return v
 
 
 class SglangRegisterDpRank(BaseModel):
@@ -133,13 +164,7 @@ class SglangRankInfo(BaseModel):
 def _layout_identity(kv_layout: dict[str, Any] | None) -> str | None:
     if not kv_layout:
         return None
-    try:
-        spec = LayoutSpec.from_dict(kv_layout)
-    except ConfigError:
-        # not a kvhandoff layout: compare it as opaque canonical JSON
-        canon = json.dumps(kv_layout, sort_keys=True, separators=(",", ":"), default=str)
-        return "opaque:" + hashlib.sha256(canon.encode()).hexdigest()
-    return layout_hash(spec)
+    return layout_hash(LayoutSpec.from_dict(kv_layout))  # validated by the model
 
 
 @sglang.put("/route", dependencies=[WriteAuth], response_class=PlainTextResponse,
@@ -157,8 +182,6 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
         if rank >= size:
             raise ConfigError(f"{rank_name}: {rank} is not < {size_name}={size}")
     topo = Topology(dp_size, body.attn_tp_size, body.attn_cp_size, body.pp_size)
-    if topo.world_size > MAX_WORLD_SIZE:
-        raise ConfigError(f"sizes: world size {topo.world_size} exceeds {MAX_WORLD_SIZE}")
     layout = body.kv_layout
     lbm = body.load_balance_method
     reg = Registration(
@@ -184,7 +207,8 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
         },
         strict_attributes={
             "decode_allocation_policy": body.decode_allocation_policy,
-            "dsv41_spec_layout": body.dsv41_spec_layout,
+            "dsv41_spec_layout": None if body.dsv41_spec_layout is None
+            else body.dsv41_spec_layout.model_dump(exclude_unset=True),
         },
         expires=False,
     )
