@@ -94,6 +94,10 @@ CATALOG: dict[str, EngineDef] = {
     # test_live_stall: a prefill to stop (SIGSTOP) and a decode with the default load mode
     "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
     "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
+    # test_live_drain: two decodes (async load) under `kvhandoff route`: one is drained, then
+    # killed (SIGKILL); with gqa-ref and gqa-prefill-b32
+    "gqa-mig-a": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
+    "gqa-mig-b": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
     # test_live_swa: a sliding-window (Mistral-like) pair, the async (default) decode in the
     # default run, a layerwise decode in `make test-long`; the prefill is its own reference
     "swa-prefill": ("swa", 32, 1, "prefill", {}),
