@@ -26,6 +26,10 @@ def register(app: typer.Typer) -> None:
             "generated tokens) or fail (the stream ends with an error event). Both counted "
             "in GET /status."),
         timeout_s: float = typer.Option(600.0, help="HTTP timeout towards the engines."),
+        move: str = typer.Option(
+            "resume", help="How a request moves: resume (the prefill offers the prompt's pages "
+            "again, the next decode computes only the generated tokens) or replay (the next "
+            "decode computes prompt and generated tokens: the comparison baseline)."),
     ) -> None:
         """Route completions prefill -> decode as vLLM's disaggregated proxy does
         (POST /v1/completions), and keep them alive when their decode leaves: POST /drain
@@ -40,15 +44,17 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from kvhandoff.bootstrap_server.sockets import bind_socket
-        from kvhandoff.integrations.vllm.router import ON_LOST, Router, make_app
+        from kvhandoff.integrations.vllm.router import MOVES, ON_LOST, Router, make_app
 
         if on_lost not in ON_LOST:
             raise typer.BadParameter(f"--on-lost: expected one of {ON_LOST}, got {on_lost!r}")
+        if move not in MOVES:
+            raise typer.BadParameter(f"--move: expected one of {MOVES}, got {move!r}")
         sock = bind_socket(host, port)
 
         async def serve() -> None:
             async with httpx.AsyncClient(timeout=timeout_s) as client:
-                router = Router(prefill, decode, client, on_lost=on_lost)
+                router = Router(prefill, decode, client, on_lost=on_lost, move=move)
                 config = uvicorn.Config(make_app(router), log_level="info")
                 server = uvicorn.Server(config)
                 typer.echo(f"kvhandoff router listening on http://{host}:"

@@ -13,8 +13,9 @@ requests are mid-stream whatever the host's speed; nothing is timed), then:
   moved requests, every block back).
 - kill: SIGKILL A instead; the router sees the streams break and moves them the same way.
 
-Prompt tokens recomputed: the prefill's ``local_compute`` grows by 1 per move (the last
-prompt token, vLLM's rule for a whole-prompt prefix hit), none on B.
+Prompt tokens recomputed: none on B; on the prefill, per move, the tokens of the prompt's last
+block (`REOFFER`: vLLM's prefix cache hits whole blocks only and never the last prompt token;
+8 of the 40 here, with 32-token blocks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ REF, PREFILL, A, B = "gqa-ref", "gqa-prefill-b32", "gqa-mig-a", "gqa-mig-b"
 ENGINES = (REF, PREFILL, A, B)
 N_REQ, PROMPT, MAX_TOKENS, BEFORE = 4, 40, 64, 4
 BOUND_S = 300.0
+BLOCK = 32  # the prefill's block size (gqa-prefill-b32)
+REOFFER = PROMPT - (PROMPT - 1) // BLOCK * BLOCK  # the prefill computes these per move
 
 
 class Streams:
@@ -162,9 +165,9 @@ def test_drain_moves_running_requests_without_a_token_lost(
     assert moving and out["moved"] == len(moving), (moving, out)
     assert {x["id"] for x in out["requests"]} == moving
     assert all(x["to"] == fleet[B].url for x in out["requests"])
-    # B loaded each moved prompt's pages; the prefill computed one token per move
+    # B loaded each moved prompt's pages; the prefill computed its last block per move
     assert external(http, fleet[B]) - ext0 == PROMPT * len(moving)
-    assert prefill_computed(http, fleet) - computed0 == len(moving)
+    assert prefill_computed(http, fleet) - computed0 == REOFFER * len(moving)
     assert router.counters["moved_drain"] == len(moving)
     figures.append("drain (router, CPU build): " + "; ".join(
         f"{x['tokens_before']} tokens before, drain {x['drain_s'] * 1e3:.0f} ms, client gap "
@@ -189,9 +192,10 @@ def test_killed_decode_requests_continue_on_the_other(
     check_outputs(st, want)
     assert moving and router.counters["moved_lost"] == len(moving), (moving, router.counters)
     assert external(http, fleet[B]) - ext0 == PROMPT * len(moving)
-    assert prefill_computed(http, fleet) - computed0 == len(moving)
+    assert prefill_computed(http, fleet) - computed0 == REOFFER * len(moving)
     status = http.get(f"{url}/status").json()
     assert {d["url"]: d["state"] for d in status["decodes"]}[fleet[A].url] == "lost"
     figures.append(f"killed decode: {len(moving)} requests moved to the other decode, prompt "
-                   f"tokens recomputed 0 on the decode, 1 per move on the prefill")
+                   f"tokens recomputed 0 on the decode, {REOFFER} of {PROMPT} per move on the "
+                   f"prefill (its last block)")
     idle(http, fleet[B])

@@ -58,6 +58,9 @@ from starlette.routing import Route
 log = logging.getLogger("kvhandoff.route")
 
 ON_LOST = ("recompute", "fail")
+# resume: the prefill offers the prompt's pages again; replay: the next decode computes prompt
+# and generated tokens (what a router without kvhandoff does; the baseline of the figures)
+MOVES = ("resume", "replay")
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 LAND_BOUND_S = 300.0
 
@@ -95,11 +98,15 @@ class Flight:
 
 class Router:
     def __init__(self, prefill: str, decodes: list[str], client: httpx.AsyncClient, *,
-                 on_lost: str = "recompute", max_moves: int = 4) -> None:
+                 on_lost: str = "recompute", max_moves: int = 4, move: str = "resume"
+                 ) -> None:
         if not decodes:
             raise ValueError("route: give at least one decode URL")
         if on_lost not in ON_LOST:
             raise ValueError(f"on_lost: expected one of {ON_LOST}, got {on_lost!r}")
+        if move not in MOVES:
+            raise ValueError(f"move: expected one of {MOVES}, got {move!r}")
+        self.move = move
         self.prefill = prefill.rstrip("/")
         self.decodes = [Decode(u.rstrip("/")) for u in decodes]
         self.client = client
@@ -249,6 +256,10 @@ class Router:
                     yield _error("the request's decode went away and no other decode is up")
                     return
                 f.decode = nxt
+                if self.move == "replay":
+                    self.counters["moved_replayed"] += 1
+                    params = None
+                    continue
                 try:
                     params, _ = await self.offer(f.body, f.prompt)
                     self.counters[f"moved_{outcome}"] += 1
