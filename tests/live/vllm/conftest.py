@@ -9,8 +9,8 @@ Engine starts are what a live run costs (each `vllm serve` is three Python proce
 torch and vLLM), so every engine is started once per run, all together, and shared by the
 modules: each test module names the engines it uses (its ``ENGINES``, names of `CATALOG`), and
 `fleet` starts those of every module with a selected test in one wave, never a second one
-(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa; `make
-test-long` adds five, and more). The fleet
+(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa, the two
+decodes of test_live_drain; `make test-long` adds five, and more). The fleet
 stops right after the last test that uses it, not at the end of the run: six idle engines hold
 gigabytes and wake up now and then, and the rest of the suite (real servers, heartbeats of
 0.2 s) must not run beside them.

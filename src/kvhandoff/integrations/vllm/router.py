@@ -45,7 +45,8 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,32 +207,38 @@ class Router:
             while True:
                 outcome = "done"
                 try:
-                    async for chunk in self._one_decode(f, params):
-                        ch = chunk["choices"][0]
-                        toks = ch.get("token_ids") or []
-                        f.generated.extend(toks)
-                        now = time.monotonic()
-                        if toks and f.stop_t:
-                            f.figures.update(drain_s=now - f.stop_t,
-                                             gap_s=now - f.last_token_t, to=f.decode.url)
-                            f.stop_t = 0.0
-                            f.landed.set()
-                        if toks:
-                            f.last_token_t = now
-                        chunk["id"] = f.id
-                        if not want_ids:
-                            ch.pop("token_ids", None)
-                            ch.pop("prompt_token_ids", None)
-                        elif not first_chunk:
-                            ch.pop("prompt_token_ids", None)
-                        first_chunk = False
-                        yield chunk
-                        if ch.get("finish_reason") is not None:
-                            return
-                        if f.move.is_set():
-                            break
-                    else:
-                        outcome = "lost"  # the stream ended without a finish reason
+                    # aclosing: closed on a break too, so the old decode's request is aborted
+                    # at once, not when the generator is collected
+                    async with aclosing(self._one_decode(f, params)) as stream:
+                        async for chunk in stream:
+                            if "choices" not in chunk:  # the engine's error event: the end
+                                yield chunk
+                                return
+                            ch = chunk["choices"][0]
+                            toks = ch.get("token_ids") or []
+                            f.generated.extend(toks)
+                            now = time.monotonic()
+                            if toks and f.stop_t:
+                                f.figures.update(drain_s=now - f.stop_t,
+                                                 gap_s=now - f.last_token_t, to=f.decode.url)
+                                f.stop_t = 0.0
+                                f.landed.set()
+                            if toks:
+                                f.last_token_t = now
+                            chunk["id"] = f.id
+                            if not want_ids:
+                                ch.pop("token_ids", None)
+                                ch.pop("prompt_token_ids", None)
+                            elif not first_chunk:
+                                ch.pop("prompt_token_ids", None)
+                            first_chunk = False
+                            yield chunk
+                            if ch.get("finish_reason") is not None:
+                                return
+                            if f.move.is_set():
+                                break
+                        else:
+                            outcome = "lost"  # the stream ended without a finish reason
                     if f.move.is_set():
                         outcome = "drain"
                 except _Lost as e:
@@ -278,7 +285,7 @@ class Router:
             self.flights.pop(f.id, None)
 
     async def _one_decode(self, f: Flight, params: dict[str, Any] | None
-                          ) -> AsyncIterator[dict[str, Any]]:
+                          ) -> AsyncGenerator[dict[str, Any], None]:
         """One decode's stream, until it ends, breaks (`_Lost`) or the flight is moved."""
         req = self.client.build_request("POST", f"{f.decode.url}/v1/completions",
                                         json=self._decode_body(f, params))
