@@ -67,3 +67,4 @@ def test_drain_with_nothing_in_flight_marks_the_decode_draining() -> None:
     out, status = asyncio.run(run())
     assert out == {"decode": NOWHERE + "1", "moved": 0, "requests": []}
     assert [d["state"] for d in status["decodes"]] == ["draining", "up"]
+    assert status["recent_moves"] == [] and status["counters"] == {"drains": 1}

@@ -18,7 +18,9 @@ HTTP API (the one vLLM's disaggregated-serving proxy example serves, plus the ro
 - ``POST /undrain`` ``{"decode": URL}``: the decode takes new requests again (also one marked
   lost).
 - ``GET /routes``: the requests in flight: id, decode, tokens so far, moves.
-- ``GET /status``: each decode's state (``up``, ``draining``, ``lost``) and the counters.
+- ``GET /status``: each decode's state (``up``, ``draining``, ``lost``), the counters, and the
+  last moves (``recent_moves``: id, why (``drain`` / ``lost``), from, to, tokens_before,
+  drain_s, gap_s).
 
 Moving a request (a drain, or a decode whose stream broke: killed, crashed, unreachable): the
 client has received the tokens ``G`` of its prompt ``P`` (token ids; the router counts only
@@ -44,7 +46,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ ON_LOST = ("recompute", "fail")
 MOVES = ("resume", "replay")
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 LAND_BOUND_S = 300.0
+RECENT = 256  # moves kept for GET /status
 
 
 class RouteError(Exception):
@@ -115,6 +118,7 @@ class Router:
         self.max_moves = max_moves
         self.flights: dict[str, Flight] = {}
         self.counters: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # the last moves
         self._rr = itertools.count()
 
     # ---- decodes
@@ -221,6 +225,10 @@ class Router:
                             if toks and f.stop_t:
                                 f.figures.update(drain_s=now - f.stop_t,
                                                  gap_s=now - f.last_token_t, to=f.decode.url)
+                                self.recent.append({
+                                    "id": f.id, **{k: f.figures.get(k) for k in (
+                                        "why", "from", "to", "tokens_before", "drain_s",
+                                        "gap_s")}})
                                 f.stop_t = 0.0
                                 f.landed.set()
                             if toks:
@@ -249,6 +257,8 @@ class Router:
                     return
                 # move the request: a drain, or a decode lost under it
                 f.stop_t = f.stop_t or time.monotonic()
+                f.figures.update(why=outcome, tokens_before=len(f.generated),
+                                 **{"from": f.decode.url})
                 if outcome == "lost":
                     f.decode.state = "lost"
                     self.counters["decodes_lost"] += 1
@@ -351,8 +361,8 @@ class Router:
     def status(self) -> dict[str, Any]:
         return {"prefill": self.prefill,
                 "decodes": [{"url": d.url, "state": d.state} for d in self.decodes],
-                "on_lost": self.on_lost, "counters": dict(self.counters),
-                "in_flight": len(self.flights)}
+                "on_lost": self.on_lost, "move": self.move, "counters": dict(self.counters),
+                "in_flight": len(self.flights), "recent_moves": list(self.recent)}
 
 
 class _Lost(Exception):
