@@ -25,8 +25,8 @@ HTTP API (the one vLLM's disaggregated-serving proxy example serves, plus the ro
 Moving a request (a drain, or a decode whose stream broke: killed, crashed, unreachable): the
 client has received the tokens ``G`` of its prompt ``P`` (token ids; the router counts only
 tokens it forwarded). The router asks the prefill again for ``P`` (its prefix cache still holds
-the pages: vLLM computes the last prompt token only, and opens a new room over ``P``), then
-sends the decode ``P + G`` with ``max_tokens`` less ``len(G)`` and those ``kv_transfer_params``
+the pages: vLLM computes the tokens of the last block only, and opens a new room over ``P``),
+then sends the decode ``P + G`` with ``max_tokens`` less ``len(G)`` and those ``kv_transfer_params``
 plus ``kvhandoff_resume: true``: the new decode loads ``P``'s pages and computes only ``G``'s,
 then goes on; its tokens are spliced onto the client's stream (one completion id, nothing
 lost, repeated or changed with greedy sampling). Where the prefill cannot offer the pages
