@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_fleet import Engine, Fleet
+from live_fleet import Engine, Fleet, wait_until
 from live_outputs import body, prompt_of
 from live_pairs import EXT, external, idle
 from live_proxy import serve_app
@@ -146,6 +146,26 @@ def check_outputs(st: Streams, want: list[list[int]]) -> None:
 
 def prefill_computed(http: httpx.Client, fleet: Fleet) -> int:
     return int(fleet[PREFILL].metric(http, EXT, source="local_compute"))
+
+
+def test_client_gone_mid_stream_aborts_the_decode_request(
+        fleet: Fleet, http: httpx.Client, routed: tuple[str, Router]) -> None:
+    """A client that closes its stream: the router closes the decode's, vLLM aborts the
+    request and frees its blocks; nothing stays in flight at the router."""
+    url, router = routed
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload(0, seed=9400),
+                      timeout=BOUND_S) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+            if got >= BEFORE:
+                break  # closes the client's stream mid-way (64 tokens asked)
+    wait_until("the router has nothing in flight", lambda: not http.get(
+        f"{url}/routes").json(), timeout_s=60)
+    idle(http, fleet[A], fleet[B])
+    assert router.counters["requests"] == 1 and not any(
+        k.startswith("moved") for k in router.counters)
 
 
 def test_drain_moves_running_requests_without_a_token_lost(
