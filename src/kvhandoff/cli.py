@@ -1,4 +1,4 @@
-"""The `kvhandoff` command: serve, demo, bench, plan, inspect, doctor, verify.
+"""The `kvhandoff` command: serve, route, drain, demo, bench, plan, inspect, doctor, verify.
 
 Each subcommand lives in `kvhandoff.commands.<name>` and exposes `register(app)`; modules are
 imported here so `kvhandoff --help` lists all of them, but heavy imports (torch, ucxx) happen
@@ -25,7 +25,7 @@ def _root() -> None:
     """kvhandoff: per-layer, checksummed KV-cache handoff from prefill to decode."""
 
 
-_COMMANDS = ("plan", "inspect", "serve", "demo", "bench", "doctor", "verify")
+_COMMANDS = ("plan", "inspect", "serve", "route", "demo", "bench", "doctor", "verify")
 
 for _name in _COMMANDS:
     try:

@@ -89,3 +89,12 @@ def test_readers_agree() -> None:
     assert readers_agree(2, 2, 1, replicated=False)  # GQA: one reader per prefill rank either way
     assert not readers_agree(2, 2, 1, replicated=True)  # MLA: prefill rank 1 has none at TP 1
     assert not readers_agree(2, 2, 3, replicated=False)  # 3 and 2 do not divide
+
+
+def test_resume_flag() -> None:
+    """``kvhandoff_resume`` (a request continued on another decode by ``kvhandoff route``):
+    off unless said, a boolean or refused naming the field."""
+    assert RemotePrefill.parse(GOOD).resume is False
+    assert RemotePrefill.parse({**GOOD, "kvhandoff_resume": True}).resume is True
+    with pytest.raises(ConfigError, match="kv_transfer_params.kvhandoff_resume"):
+        RemotePrefill.parse({**GOOD, "kvhandoff_resume": "yes"})

@@ -416,3 +416,35 @@ def test_plugin_registers_the_connector_by_name() -> None:
     register()
     kt = KVTransferConfig(kv_connector="KVHandoffConnector", kv_role="kv_consumer")
     assert KVConnectorFactory.get_connector_class(kt) is KVHandoffConnector
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "async"])
+def test_resumed_request_loads_the_room_and_computes_the_generated_tokens(
+        model: Path, bootstrap: str, mode: str) -> None:
+    """A request continued on this decode (``kvhandoff route``): its prompt is the original
+    prompt plus 6 tokens generated elsewhere, the room covers the original prompt only
+    (``kvhandoff_resume``). The decode loads the room's 40 tokens (layerwise too: the last
+    token it computes is a generated one) and computes the 6 generated tokens. Without the flag
+    the length mismatch is declined: the decode computes all 46."""
+    _, params = prefill_params(model, bootstrap, rid="p-resume-" + mode)
+    generated = list(range(200, 206))
+    s = scheduler(model, "kv_consumer", extra={"load_mode": mode})
+    req = request("d-resume", {**params, "kvhandoff_resume": True}, n=PROMPT + 6)
+    req.prompt_token_ids[PROMPT:] = generated  # the original prompt, then what it generated
+    s.add_request(req)
+    out = s.schedule()
+    rv = out.kv_connector_metadata.recvs["d-resume"]
+    assert (rv.num_tokens, rv.local_tokens, rv.load_tokens) == (PROMPT, 0, PROMPT)
+    if mode == "layerwise":
+        assert rv.sync and out.num_scheduled_tokens == {"d-resume": 6}
+    else:
+        assert out.num_scheduled_tokens == {}
+        s.update_from_output(out, step_output(out, {}, finished_recving={"d-resume"}))
+        out = s.schedule()
+        assert out.num_scheduled_tokens == {"d-resume": 6}
+
+    plain = scheduler(model, "kv_consumer", extra={"load_mode": mode})
+    plain.add_request(request("d-plain", dict(params), n=PROMPT + 6))
+    out = plain.schedule()
+    assert "d-plain" not in out.kv_connector_metadata.recvs
+    assert out.num_scheduled_tokens == {"d-plain": PROMPT + 6}

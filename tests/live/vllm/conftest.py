@@ -9,8 +9,8 @@ Engine starts are what a live run costs (each `vllm serve` is three Python proce
 torch and vLLM), so every engine is started once per run, all together, and shared by the
 modules: each test module names the engines it uses (its ``ENGINES``, names of `CATALOG`), and
 `fleet` starts those of every module with a selected test in one wave, never a second one
-(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa; `make
-test-long` adds five, and more). The fleet
+(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa, the two
+decodes of test_live_drain; `make test-long` adds five, and more). The fleet
 stops right after the last test that uses it, not at the end of the run: six idle engines hold
 gigabytes and wake up now and then, and the rest of the suite (real servers, heartbeats of
 0.2 s) must not run beside them.
@@ -94,6 +94,10 @@ CATALOG: dict[str, EngineDef] = {
     # test_live_stall: a prefill to stop (SIGSTOP) and a decode with the default load mode
     "gqa-prefill-stall": ("gqa", 32, 1, "prefill", {}),
     "gqa-decode-default": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "recompute"}),
+    # test_live_drain: two decodes (async load) under `kvhandoff route`: one is drained, then
+    # killed (SIGKILL); with gqa-ref and gqa-prefill-b32
+    "gqa-mig-a": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
+    "gqa-mig-b": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
     # test_live_swa: a sliding-window (Mistral-like) pair, the async (default) decode in the
     # default run, a layerwise decode in `make test-long`; the prefill is its own reference
     "swa-prefill": ("swa", 32, 1, "prefill", {}),

@@ -9,14 +9,15 @@ client that goes away mid-stream closes the decode request, so vLLM aborts it (t
 case).
 
 `run_proxy(prefill_url, decode_url, decode_tp=None)` serves it on 127.0.0.1 (a socket bound on
-port 0 before uvicorn starts) in a background thread and yields its URL.
+port 0 before uvicorn starts) in a background thread and yields its URL (`serve_app`: any
+app).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,6 +73,14 @@ def make_app(prefill_url: str, decode_url: str, client: httpx.AsyncClient,
 @contextmanager
 def run_proxy(prefill_url: str, decode_url: str, decode_tp: int | None = None
               ) -> Iterator[str]:
+    with serve_app(lambda client: make_app(prefill_url, decode_url, client, decode_tp)) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(factory: Callable[[httpx.AsyncClient], Starlette]) -> Iterator[str]:
+    """Serves ``factory(client)`` on 127.0.0.1 (a free port) in a background thread; yields
+    its URL."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     started = threading.Event()
@@ -81,8 +90,7 @@ def run_proxy(prefill_url: str, decode_url: str, decode_tp: int | None = None
     async def serve() -> None:
         nonlocal server
         async with httpx.AsyncClient(timeout=120.0) as client:
-            config = uvicorn.Config(make_app(prefill_url, decode_url, client, decode_tp),
-                                    log_level="warning", access_log=False,
+            config = uvicorn.Config(factory(client), log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=2)
             server = uvicorn.Server(config)
             task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -8,6 +8,11 @@ id), ``remote_bootstrap_addr`` (the prefill's bootstrap server, ``host:port``, w
 ``remote_host``/``remote_port``), ``remote_num_tokens`` (the sequence the prefill sends) and
 ``decode_tp_size``.
 
+Resuming a request (``kvhandoff route``: a drained or lost decode's request continues on
+another): ``kvhandoff_resume: true`` says the room covers only the first ``remote_num_tokens``
+tokens of the decode request's prompt (the original prompt; the prompt it is sent with is that
+plus the tokens already generated). The decode loads those and computes the rest itself.
+
 Decode TP size: a prefill rank opens each room for the decode ranks that will read it from
 that rank, so it must know the decode's TP size before the decode exists (NixlConnector learns
 it later, from the count each reader's completion notice carries; a kvhandoff room is opened
@@ -50,6 +55,8 @@ class RemotePrefill:
     prefill_tp_size: int = 1
     decode_tp_size: int | None = None  # the decode TP the room was opened for (None: not said)
     window_start: int = 0  # a sliding window: the first token whose page the prefill holds
+    # ``kvhandoff_resume``: the room may cover a prefix of the prompt only (module docstring)
+    resume: bool = False
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
@@ -76,8 +83,12 @@ class RemotePrefill:
                else None)
         ws = (_int(params, "remote_window_start", lo=0, hi=n) if "remote_window_start" in params
               else 0)
+        resume = params.get("kvhandoff_resume", False)
+        if not isinstance(resume, bool):
+            raise ConfigError(f"kv_transfer_params.kvhandoff_resume: expected true or false, "
+                              f"got {resume!r}")
         return cls(room=room, bootstrap_addr=addr, num_tokens=n, engine_id=eng, request_id=rid,
-                   prefill_tp_size=ptp, decode_tp_size=dtp, window_start=ws)
+                   prefill_tp_size=ptp, decode_tp_size=dtp, window_start=ws, resume=resume)
 
 
 def decode_tp_size_of(params: Mapping[str, Any], *, default: int | None,

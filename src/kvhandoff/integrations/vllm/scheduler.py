@@ -66,6 +66,11 @@ class _PrefillReq:
     sent: bool = False  # a SendReq went out: the workers hold a sender
 
 
+def _partial(rp: RemotePrefill, request: Any) -> bool:
+    """A resumed request whose room covers a prefix of its prompt only (`params`)."""
+    return rp.resume and rp.num_tokens < request.num_prompt_tokens
+
+
 def _table(blocks: Any) -> tuple[list[int], int]:
     """One group's vLLM blocks -> (block ids, how many of them lead as the null block: the
     blocks a sliding window dropped)."""
@@ -140,7 +145,9 @@ class SchedulerSide:
             log.warning("request %s: bad kv_transfer_params, computing the prompt locally: %s",
                         request.request_id, e)
             return None
-        if rp.num_tokens != request.num_prompt_tokens:
+        if rp.resume and rp.num_tokens < request.num_prompt_tokens:
+            pass  # a resumed request: the room covers the original prompt (`params`)
+        elif rp.num_tokens != request.num_prompt_tokens:
             log.warning("request %s: kv_transfer_params.remote_num_tokens=%d but the prompt has "
                         "%d tokens; computing the prompt locally", request.request_id,
                         rp.num_tokens, request.num_prompt_tokens)
@@ -165,8 +172,9 @@ class SchedulerSide:
             return 0, False
         mark("decode.matched", rid=request.request_id, room=rp.room)
         sync = self.cfg.load_mode == "layerwise"
-        # layerwise: the last prompt token is computed in the step that loads the rest
-        upto = rp.num_tokens - (1 if sync else 0)
+        # layerwise: the last prompt token is computed in the step that loads the rest (a
+        # resumed request computes its generated tokens after the room's: it loads it whole)
+        upto = rp.num_tokens - (1 if sync and not _partial(rp, request) else 0)
         count = upto - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -225,7 +233,8 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one transfer per request
         self._declined.pop(rid, None)
         sync = self.cfg.load_mode == "layerwise"
-        local = rp.num_tokens - (1 if sync else 0) - num_external_tokens
+        local = rp.num_tokens - (1 if sync and not _partial(rp, request) else 0) \
+            - num_external_tokens
         tables = [_table(b) for b in blocks.blocks]
         # a sliding window: the load starts at the first block vLLM allocated (module doc)
         starts = [max(local, dropped * self.block_size) for _, dropped in tables]

@@ -1,0 +1,464 @@
+"""`kvhandoff route`: the disaggregated-serving proxy flow for vLLM engines running
+`KVHandoffConnector`, which keeps a request alive when its decode goes away.
+
+HTTP API (the one vLLM's disaggregated-serving proxy example serves, plus the router's own):
+
+- ``POST /v1/completions``: as vLLM's proxy flow: the request goes to the prefill with
+  ``max_tokens=1``, ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true}``; then
+  to a decode (round robin over the decodes that are up) with the ``kv_transfer_params`` the
+  prefill returned. The answer is the decode's: an SSE stream when ``stream`` is set, else one
+  JSON completion. One prompt per request, ``n=1``, no ``echo`` (refused with 400 naming the
+  field). The router always asks the engines for token ids (``return_token_ids``); they reach
+  the client only where it asked for them.
+- ``POST /drain`` ``{"decode": URL}``: the decode takes no new request, and each request
+  streaming from it moves to another decode (below). Answers once each moved request has its
+  first token from its new decode: ``{"decode", "moved", "requests": [{"id", "tokens_before",
+  "to", "drain_s", "gap_s"}]}`` (drain_s: from the stop to the first token on the new decode;
+  gap_s: the client's time between the last token before the move and the first after).
+- ``POST /undrain`` ``{"decode": URL}``: the decode takes new requests again (also one marked
+  lost).
+- ``GET /routes``: the requests in flight: id, decode, tokens so far, moves.
+- ``GET /status``: each decode's state (``up``, ``draining``, ``lost``), the counters, and the
+  last moves (``recent_moves``: id, why (``drain`` / ``lost``), from, to, tokens_before,
+  drain_s, gap_s).
+
+Moving a request (a drain, or a decode whose stream broke: killed, crashed, unreachable): the
+client has received the tokens ``G`` of its prompt ``P`` (token ids; the router counts only
+tokens it forwarded). The router asks the prefill again for ``P`` (its prefix cache still holds
+the pages: vLLM computes the tokens of the last block only, and opens a new room over ``P``),
+then sends the decode ``P + G`` with ``max_tokens`` less ``len(G)`` and those ``kv_transfer_params``
+plus ``kvhandoff_resume: true``: the new decode loads ``P``'s pages and computes only ``G``'s,
+then goes on; its tokens are spliced onto the client's stream (one completion id, nothing
+lost, repeated or changed with greedy sampling). Where the prefill cannot offer the pages
+(down, refused), ``on_lost`` decides: ``recompute`` sends ``P + G`` without
+``kv_transfer_params`` (the decode computes all of it), ``fail`` ends the stream with an error
+event; both are counted in ``/status``.
+
+Limits: a stop string straddling the move is not seen (each decode checks its own text);
+seeded random sampling does not continue the engine's random stream (greedy does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+log = logging.getLogger("kvhandoff.route")
+
+ON_LOST = ("recompute", "fail")
+# resume: the prefill offers the prompt's pages again; replay: the next decode computes prompt
+# and generated tokens (what a router without kvhandoff does; the baseline of the figures)
+MOVES = ("resume", "replay")
+ASK = {"do_remote_decode": True, "do_remote_prefill": False}
+LAND_BOUND_S = 300.0
+RECENT = 256  # moves kept for GET /status
+
+
+class RouteError(Exception):
+    """A request the router refuses (HTTP status, message naming the field)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Decode:
+    url: str
+    state: str = "up"  # up | draining | lost
+
+
+@dataclass
+class Flight:
+    """One request in flight: what the client has received, where it streams from."""
+
+    id: str
+    body: dict[str, Any]
+    prompt: list[int]
+    decode: Decode
+    generated: list[int] = field(default_factory=list)
+    moves: int = 0
+    move: asyncio.Event = field(default_factory=asyncio.Event)
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+    last_token_t: float = 0.0
+    stop_t: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, prefill: str, decodes: list[str], client: httpx.AsyncClient, *,
+                 on_lost: str = "recompute", max_moves: int = 4, move: str = "resume"
+                 ) -> None:
+        if not decodes:
+            raise ValueError("route: give at least one decode URL")
+        if on_lost not in ON_LOST:
+            raise ValueError(f"on_lost: expected one of {ON_LOST}, got {on_lost!r}")
+        if move not in MOVES:
+            raise ValueError(f"move: expected one of {MOVES}, got {move!r}")
+        self.move = move
+        self.prefill = prefill.rstrip("/")
+        self.decodes = [Decode(u.rstrip("/")) for u in decodes]
+        self.client = client
+        self.on_lost = on_lost
+        self.max_moves = max_moves
+        self.flights: dict[str, Flight] = {}
+        self.counters: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # the last moves
+        self._rr = itertools.count()
+
+    # ---- decodes
+
+    def decode_of(self, url: str) -> Decode:
+        for d in self.decodes:
+            if d.url == url.rstrip("/"):
+                return d
+        raise RouteError(404, f"decode: {url!r} is not one of {[d.url for d in self.decodes]}")
+
+    def pick(self, avoid: Decode | None = None) -> Decode | None:
+        up = [d for d in self.decodes if d.state == "up" and d is not avoid]
+        return up[next(self._rr) % len(up)] if up else None
+
+    # ---- the prefill
+
+    async def offer(self, body: dict[str, Any], prompt: Any) -> tuple[dict[str, Any],
+                                                                       list[int]]:
+        """The prefill computes (or finds in its prefix cache) `prompt` and opens a room over
+        its pages: (kv_transfer_params, prompt token ids). Raises RouteError."""
+        first = {**body, "prompt": prompt, "max_tokens": 1, "stream": False,
+                 "return_token_ids": True, "kv_transfer_params": ASK}
+        for k in ("min_tokens", "stream_options"):
+            first.pop(k, None)
+        try:
+            r = await self.client.post(f"{self.prefill}/v1/completions", json=first)
+        except httpx.HTTPError as e:
+            raise RouteError(502, f"prefill {self.prefill}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise RouteError(r.status_code, r.text)
+        out = r.json()
+        params = out.get("kv_transfer_params")
+        ids = (out.get("choices") or [{}])[0].get("prompt_token_ids")
+        if not isinstance(params, dict):
+            raise RouteError(502, f"prefill {self.prefill}: no kv_transfer_params in its answer "
+                                  "(is it running KVHandoffConnector as kv_producer?)")
+        if not isinstance(ids, list):
+            raise RouteError(502, f"prefill {self.prefill}: no prompt_token_ids in its answer")
+        return params, ids
+
+    # ---- a request
+
+    @staticmethod
+    def check(body: dict[str, Any]) -> None:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise RouteError(400, "prompt: one prompt (a string or a list of token ids)")
+        if body.get("n", 1) != 1 or body.get("best_of", 1) not in (1, None):
+            raise RouteError(400, "n/best_of: the router streams one completion per request")
+        if body.get("echo"):
+            raise RouteError(400, "echo: not supported through the router")
+        mt = body.get("max_tokens", 16)
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            raise RouteError(400, f"max_tokens: expected an integer >= 1, got {mt!r}")
+
+    async def start(self, body: dict[str, Any]) -> Flight:
+        self.check(body)
+        params, ids = await self.offer(body, body["prompt"])
+        d = self.pick()
+        if d is None:
+            raise RouteError(503, "no decode is up (see GET /status)")
+        f = Flight(id=f"cmpl-route-{uuid.uuid4().hex}", body=body, prompt=ids, decode=d)
+        f.figures["params"] = params
+        self.counters["requests"] += 1
+        self.flights[f.id] = f
+        return f
+
+    def _decode_body(self, f: Flight, params: dict[str, Any] | None) -> dict[str, Any]:
+        b = {**f.body, "stream": True, "return_token_ids": True}
+        b.pop("stream_options", None)
+        k = len(f.generated)
+        if k:
+            b["prompt"] = f.prompt + f.generated
+            b["max_tokens"] = int(f.body.get("max_tokens", 16)) - k
+            if "min_tokens" in b:
+                b["min_tokens"] = max(0, int(b["min_tokens"]) - k)
+        if params is not None:
+            b["kv_transfer_params"] = {**params, "kvhandoff_resume": True} if k else params
+        else:
+            b.pop("kv_transfer_params", None)
+        return b
+
+    async def chunks(self, f: Flight) -> AsyncIterator[dict[str, Any]]:
+        """The completion's chunks as the client gets them, across moves."""
+        params: dict[str, Any] | None = f.figures.pop("params")
+        want_ids = bool(f.body.get("return_token_ids"))
+        first_chunk = True
+        try:
+            while True:
+                outcome = "done"
+                try:
+                    # aclosing: closed on a break too, so the old decode's request is aborted
+                    # at once, not when the generator is collected
+                    async with aclosing(self._one_decode(f, params)) as stream:
+                        async for chunk in stream:
+                            if "choices" not in chunk:  # the engine's error event: the end
+                                yield chunk
+                                return
+                            ch = chunk["choices"][0]
+                            toks = ch.get("token_ids") or []
+                            f.generated.extend(toks)
+                            now = time.monotonic()
+                            if toks and f.stop_t:
+                                f.figures.update(drain_s=now - f.stop_t,
+                                                 gap_s=now - f.last_token_t, to=f.decode.url)
+                                self.recent.append({
+                                    "id": f.id, **{k: f.figures.get(k) for k in (
+                                        "why", "from", "to", "tokens_before", "drain_s",
+                                        "gap_s")}})
+                                f.stop_t = 0.0
+                                f.landed.set()
+                            if toks:
+                                f.last_token_t = now
+                            chunk["id"] = f.id
+                            if not want_ids:
+                                ch.pop("token_ids", None)
+                                ch.pop("prompt_token_ids", None)
+                            elif not first_chunk:
+                                ch.pop("prompt_token_ids", None)
+                            first_chunk = False
+                            yield chunk
+                            if ch.get("finish_reason") is not None:
+                                return
+                            if f.move.is_set():
+                                break
+                        else:
+                            outcome = "lost"  # the stream ended without a finish reason
+                    if f.move.is_set():
+                        outcome = "drain"
+                except _Lost as e:
+                    outcome = "drain" if f.move.is_set() else "lost"
+                    if outcome == "lost":
+                        log.warning("request %s: decode %s lost: %s", f.id, f.decode.url, e)
+                if outcome == "done":
+                    return
+                # move the request: a drain, or a decode lost under it
+                f.stop_t = f.stop_t or time.monotonic()
+                f.figures.update(why=outcome, tokens_before=len(f.generated),
+                                 **{"from": f.decode.url})
+                if outcome == "lost":
+                    f.decode.state = "lost"
+                    self.counters["decodes_lost"] += 1
+                f.move.clear()
+                f.moves += 1
+                if f.moves > self.max_moves:
+                    yield _error(f"request moved {f.moves - 1} times; giving up")
+                    return
+                nxt = self.pick(avoid=f.decode)
+                if nxt is None:
+                    self.counters["moves_failed"] += 1
+                    yield _error("the request's decode went away and no other decode is up")
+                    return
+                f.decode = nxt
+                if self.move == "replay":
+                    self.counters["moved_replayed"] += 1
+                    params = None
+                    continue
+                try:
+                    params, _ = await self.offer(f.body, f.prompt)
+                    self.counters[f"moved_{outcome}"] += 1
+                except RouteError as e:
+                    if self.on_lost == "fail":
+                        self.counters["moves_failed"] += 1
+                        yield _error(f"the request's decode went away and the prefill cannot "
+                                     f"offer its prompt again: {e}")
+                        return
+                    log.warning("request %s: the prefill cannot offer the prompt again (%s); "
+                                "the decode computes it (on_lost=recompute)", f.id, e)
+                    self.counters["moved_recomputed"] += 1
+                    params = None
+        finally:
+            f.landed.set()
+            self.flights.pop(f.id, None)
+
+    async def _one_decode(self, f: Flight, params: dict[str, Any] | None
+                          ) -> AsyncGenerator[dict[str, Any], None]:
+        """One decode's stream, until it ends, breaks (`_Lost`) or the flight is moved."""
+        req = self.client.build_request("POST", f"{f.decode.url}/v1/completions",
+                                        json=self._decode_body(f, params))
+        try:
+            upstream = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            raise _Lost(f"{type(e).__name__}: {e}") from e
+        try:
+            if upstream.status_code != 200:
+                text = (await upstream.aread()).decode(errors="replace")
+                if upstream.status_code >= 500:
+                    raise _Lost(f"HTTP {upstream.status_code}: {text[:200]}")
+                yield {"error": {"message": text, "code": upstream.status_code}}
+                return
+            lines = upstream.aiter_lines()
+            moved = asyncio.ensure_future(f.move.wait())
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(lines.__anext__())
+                    await asyncio.wait({nxt, moved}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # moved: this decode's request is stopped (aborted)
+                        nxt.cancel()
+                        return
+                    try:
+                        line = nxt.result()
+                    except StopAsyncIteration:
+                        return
+                    except httpx.HTTPError as e:
+                        raise _Lost(f"{type(e).__name__}: {e}") from e
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "choices" not in data:  # vLLM's error event: the stream's end
+                        yield data
+                        return
+                    yield data
+            finally:
+                moved.cancel()
+        finally:
+            await upstream.aclose()
+
+    # ---- drain
+
+    async def drain(self, url: str) -> dict[str, Any]:
+        d = self.decode_of(url)
+        if d.state == "up":
+            d.state = "draining"
+        moving = [f for f in self.flights.values() if f.decode is d]
+        before = {f.id: len(f.generated) for f in moving}
+        for f in moving:
+            f.landed.clear()
+            f.stop_t = time.monotonic()
+            f.move.set()
+        self.counters["drains"] += 1
+        await asyncio.wait_for(asyncio.gather(*(f.landed.wait() for f in moving)),
+                               LAND_BOUND_S)
+        rows = [{"id": f.id, "tokens_before": before[f.id], "to": f.figures.get("to"),
+                 "drain_s": f.figures.get("drain_s"), "gap_s": f.figures.get("gap_s")}
+                for f in moving]
+        return {"decode": d.url, "moved": sum(r["to"] is not None for r in rows),
+                "requests": rows}
+
+    def status(self) -> dict[str, Any]:
+        return {"prefill": self.prefill,
+                "decodes": [{"url": d.url, "state": d.state} for d in self.decodes],
+                "on_lost": self.on_lost, "move": self.move, "counters": dict(self.counters),
+                "in_flight": len(self.flights), "recent_moves": list(self.recent)}
+
+
+class _Lost(Exception):
+    """A decode's stream broke."""
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "kvhandoff_route"}}
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def _merged(chunks: list[dict[str, Any]], fid: str) -> dict[str, Any]:
+    """A non-streaming client's completion from the chunks."""
+    ch0: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+    base: dict[str, Any] = {"id": fid, "object": "text_completion", "choices": [ch0]}
+    for c in chunks:
+        if "error" in c:
+            return c
+        ch = c["choices"][0]
+        base.setdefault("model", c.get("model"))
+        base.setdefault("created", c.get("created"))
+        ch0["text"] += ch.get("text") or ""
+        ch0["finish_reason"] = ch.get("finish_reason") or ch0["finish_reason"]
+        ch0["stop_reason"] = ch.get("stop_reason")
+        for k in ("token_ids", "prompt_token_ids"):
+            if ch.get(k) is not None:
+                ch0[k] = (ch0.get(k) or []) + list(ch[k])
+        lp = ch.get("logprobs")
+        if lp:
+            if ch0["logprobs"] is None:
+                ch0["logprobs"] = {k: [] for k in lp}
+            for k, v in lp.items():
+                ch0["logprobs"].setdefault(k, []).extend(v or [])
+    return base
+
+
+def make_app(router: Router) -> Starlette:
+    async def completions(request: Request) -> Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise RouteError(400, "body: expected a JSON object")
+            f = await router.start(body)
+        except RouteError as e:
+            return JSONResponse({"error": {"message": str(e)}}, e.status)
+        except json.JSONDecodeError as e:
+            return JSONResponse({"error": {"message": f"body: not JSON: {e}"}}, 400)
+        if body.get("stream"):
+            async def relay() -> AsyncIterator[bytes]:
+                async for c in router.chunks(f):
+                    yield _sse(c)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(relay(), media_type="text/event-stream")
+        got = [c async for c in router.chunks(f)]
+        out = _merged(got, f.id)
+        return JSONResponse(out, 502 if "error" in out else 200)
+
+    async def drain(request: Request) -> Response:
+        try:
+            body = await request.json()
+            out = await router.drain(str(body.get("decode", "")))
+        except RouteError as e:
+            return JSONResponse({"error": {"message": str(e)}}, e.status)
+        except (json.JSONDecodeError, AttributeError):
+            return JSONResponse({"error": {"message": 'body: expected {"decode": URL}'}}, 400)
+        except TimeoutError:
+            return JSONResponse({"error": {"message": "drain: the moved requests did not "
+                                           f"resume within {LAND_BOUND_S} s"}}, 504)
+        return JSONResponse(out)
+
+    async def undrain(request: Request) -> Response:
+        try:
+            body = await request.json()
+            d = router.decode_of(str(body.get("decode", "")))
+        except RouteError as e:
+            return JSONResponse({"error": {"message": str(e)}}, e.status)
+        except (json.JSONDecodeError, AttributeError):
+            return JSONResponse({"error": {"message": 'body: expected {"decode": URL}'}}, 400)
+        d.state = "up"
+        return JSONResponse(router.status())
+
+    async def routes(request: Request) -> Response:
+        return JSONResponse([{"id": f.id, "decode": f.decode.url, "tokens": len(f.generated),
+                              "moves": f.moves} for f in router.flights.values()])
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(router.status())
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/drain", drain, methods=["POST"]),
+        Route("/undrain", undrain, methods=["POST"]),
+        Route("/routes", routes, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+    ])
