@@ -42,6 +42,7 @@ Nothing here is used by kvhandoff itself (it is under `kvhandoff.testing`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -396,26 +397,39 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
 
 def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     """Sends each case on a ZMQ DEALER connection of its own to a tcp transport's data port
-    (its `Transport.address`); returns the frame sets sent. Each connection is closed only
-    once what it queued went out (linger)."""
+    (its `Transport.address`) and closes them; returns the frame sets sent. What the receiver
+    had not read when a connection closed is dropped by ZMQ there: a test that counts every
+    frame the receiver took keeps the connections open (`tcp_connections`)."""
+    with tcp_connections(transport_address, cases) as n:
+        return n
+
+
+@contextlib.contextmanager
+def tcp_connections(transport_address: bytes, cases: Iterable[TcpCase]) -> Iterator[int]:
+    """`send_tcp_frames` with the connections kept open until the block ends: yields the
+    frame sets sent. A ZMQ ROUTER discards the messages of a connection that closed before it
+    read them, so on a busy host a flood sent and closed at once arrives only in part."""
     import zmq
 
     endpoint = transport_address.decode().rsplit("/", 1)[0]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    socks: list[zmq.Socket[bytes]] = []
     n = 0
-    for case in cases:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 5000)
-        if case.identity is not None:
-            sock.setsockopt(zmq.IDENTITY, case.identity)
-        sock.connect(endpoint)
-        try:
+    try:
+        for case in cases:
+            sock = ctx.socket(zmq.DEALER)
+            socks.append(sock)
+            sock.setsockopt(zmq.LINGER, 5000)
+            if case.identity is not None:
+                sock.setsockopt(zmq.IDENTITY, case.identity)
+            sock.connect(endpoint)
             for frames in case.frame_sets:
                 sock.send_multipart(frames)
                 n += 1
-        finally:
+        yield n
+    finally:
+        for sock in socks:
             sock.close()
-    return n
 
 
 def http_requests(seed: int, count: int, *, paths: Sequence[str] = ("/",)) -> Iterator[bytes]:
