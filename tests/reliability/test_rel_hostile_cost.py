@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import threading
+import time
 
 import pytest
 from relkit import WAIT_S, Engine, engine_pair, fast_settings, handoff, wait_until
 
+from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing import hostile
 
 OWN_LANES = True  # the control surfaces do not depend on the data transport
@@ -115,34 +116,35 @@ def test_junk_claims_do_not_push_out_the_real_connection(secret: str | None) -> 
 
 
 def test_junk_proofs_before_the_key_do_not_strand_a_connection() -> None:
-    """With a secret: junk proofs (260 every 0.1 s, from another user) arrive while the
-    prefill and the decode say Hello; rooms still end Success byte-exact, during the flood and
-    after it. Before, a proof that came before its key waited in a 256-slot table the junk
-    pushed it out of, and its connection was never proven (rooms WaitingForInput for good)."""
-    with engine_pair(settings=fast_settings(**tcp_pair_settings("s3cret")),
-                     num_pages=8) as (p, d):
+    """With a secret: a process of another user floods the decode's tcp data port with junk
+    proofs (thousands a second, each on a connection of its own) while the decode's control
+    thread is stalled between its Hello and the prefill's HelloAck (as a slow flood of its
+    control socket would stall it). The room still ends Success byte-exact, and so does one
+    after the flood. Before, the prefill's proof came before the decode had the session key,
+    waited in a 256-slot table the junk pushed it out of, and the connection was never proven
+    (the room stayed WaitingForInput for good)."""
+    # heartbeats of 2 s: the stall (1 s) is not long enough for either side to give up
+    with engine_pair(settings=fast_settings(**tcp_pair_settings("s3cret"),
+                                            heartbeat_interval_s=2.0), num_pages=8) as (p, d):
         target = d.agent.transport.address.decode()
-        stop = threading.Event()
-
-        def flood() -> None:
-            seed = 10
-            while not stop.is_set():
-                attack(hostile.attack_argv("junk_claims", target, seed=seed, count=260,
-                                           uid=OTHER_UID))
-                seed += 1
-                stop.wait(0.1)
-
-        t = threading.Thread(target=flood, daemon=True)
-        t.start()
+        flood = subprocess.Popen(hostile.attack_argv("junk_claims", target, seed=5,
+                                                     count=50_000, uid=OTHER_UID),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            assert wait_until(lambda: counters(d)["data_unproven_chunks"] >= 260, WAIT_S)
-            for _ in range(3):
-                r = secrets.randbits(63)
-                handoff(p, d, r, 40)
-                assert d.bad_bytes(r, 40) == 0
+            assert wait_until(lambda: counters(d)["data_refused_proofs"] >= 300, WAIT_S)
+            out0 = counters(d)["messages_out"]
+            r = secrets.randbits(63)
+            s = p.send(r, 40)
+            rv = d.recv(r, 40, p.address)
+            # the decode's Hello is out: stall its control thread before the HelloAck is read
+            assert wait_until(lambda: counters(d)["messages_out"] > out0, WAIT_S)
+            d.agent._loop.query(lambda _: time.sleep(1.0), timeout=WAIT_S)
+            assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+            assert d.bad_bytes(r, 40) == 0
         finally:
-            stop.set()
-            t.join(WAIT_S)
+            flood.kill()
+            flood.wait(WAIT_S)
         r = secrets.randbits(63)
         handoff(p, d, r, 40)
         assert d.bad_bytes(r, 40) == 0

@@ -402,8 +402,10 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
     in `proofs` replayed on a connection of its own, then chunks; a connection whose ZMQ
     identity is a peer's id (what ROUTER_HANDOVER let take a connection over), chunks only;
     chunks with made-up MACs for `tags`; and a flood of `flood_bytes`-byte chunks for random
-    tags after a proof-shaped claim (without a secret that claim is taken: the flood then
-    measures the store's bound). Seeded."""
+    tags after a proof-shaped claim in the name of `claims`' first (without a secret that
+    claim is taken: the flood then
+    measures the store's bound, when the claim names a peer the receiver is bound to). Seeded.
+    """
     from kvhandoff.transports.chunkauth import PROOF
 
     rng = random.Random(seed)
@@ -430,8 +432,7 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
     for _ in range(per):
         size = max(1, flood_bytes)
         flood.append(tcp_chunk(rng.getrandbits(40), 0, 1, size, rng.randbytes(size)))
-    cases.append(TcpCase("early_flood", None,
-                         [[proof(os.urandom(16).hex().encode())], *flood]))
+    cases.append(TcpCase("early_flood", None, [[proof(claim[0])], *flood]))
     return cases
 
 
@@ -442,20 +443,24 @@ def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     import zmq
 
     endpoint = transport_address.decode().rsplit("/", 1)[0]
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    # a context of its own: its term() returns once every connection's frames went out
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     n = 0
-    for case in cases:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 5000)
-        if case.identity is not None:
-            sock.setsockopt(zmq.IDENTITY, case.identity)
-        sock.connect(endpoint)
-        try:
-            for frames in case.frame_sets:
-                sock.send_multipart(frames)
-                n += 1
-        finally:
-            sock.close()
+    try:
+        for case in cases:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 5000)
+            if case.identity is not None:
+                sock.setsockopt(zmq.IDENTITY, case.identity)
+            sock.connect(endpoint)
+            try:
+                for frames in case.frame_sets:
+                    sock.send_multipart(frames)
+                    n += 1
+            finally:
+                sock.close()
+    finally:
+        ctx.term()
     return n
 
 
