@@ -443,11 +443,15 @@ def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     import zmq
 
     endpoint = transport_address.decode().rsplit("/", 1)[0]
-    # a context of its own: its term() returns once every connection's frames went out
+    # a context of its own per 256 connections: its term() returns once their frames went out
+    # (and a context holds at most 1,023 sockets, closed ones included until they are reaped)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     n = 0
     try:
-        for case in cases:
+        for i, case in enumerate(cases):
+            if i and i % 256 == 0:
+                ctx.term()
+                ctx = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 5000)
             if case.identity is not None:
