@@ -10,10 +10,19 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import threading
 import time
 
 import pytest
-from relkit import WAIT_S, Engine, engine_pair, fast_settings, handoff, wait_until
+from relkit import (
+    WAIT_S,
+    Engine,
+    engine_pair,
+    fast_settings,
+    handoff,
+    layers_of,
+    wait_until,
+)
 
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing import hostile
@@ -148,3 +157,38 @@ def test_junk_proofs_before_the_key_do_not_strand_a_connection() -> None:
         r = secrets.randbits(63)
         handoff(p, d, r, 40)
         assert d.bad_bytes(r, 40) == 0
+
+
+def test_a_flood_refused_before_decoding_does_not_hide_a_dead_peer() -> None:
+    """With a secret: while frames sealed in the prefill's name under made-up seals flood the
+    decode (refused over their raw bytes, never decoded), the prefill falls silent mid-room
+    (its control thread frozen for 20 heartbeats): the decode's room still fails as silent.
+    A batch of such frames counts as read (none taken), as a batch of garbage does."""
+    with engine_pair(settings=fast_settings(hmac_secret="s3cret"), num_pages=8) as (p, d):
+        r = secrets.randbits(63)
+        s = p.send(r, 40, ready=2)
+        rv = d.recv(r, 40, p.address)
+        assert rv.wait_for_layer(layers_of(p.layout)[1], WAIT_S)
+        stop = threading.Event()
+        junk = [hostile.sealed_garbage(p.address, int(p.agent.generation))] * 200
+
+        def flood() -> None:
+            while not stop.is_set():
+                hostile.send_control(d.address, junk)
+
+        floods = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+        for t in floods:
+            t.start()
+        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
+            lambda _: time.sleep(20 * 0.2), timeout=WAIT_S))
+        try:
+            assert wait_until(lambda: counters(d)["unauthenticated_messages"] > 1000, WAIT_S)
+            frozen.start()
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert "silent" in (rv.failure or ""), rv.failure
+        finally:
+            stop.set()
+            for t in floods:
+                t.join(WAIT_S)
+            frozen.join(WAIT_S)
+        s.abort("test over")

@@ -187,7 +187,9 @@ class PeerTable:
         MAC of its own, checked once decoded), or a message whose seal verifies under a key
         `admit` would try for its sender and generation. Checked over the raw bytes, so a
         frame that proves nothing costs one MAC pass at most, never a decode. What is refused
-        here is counted as `admit` counts it; nothing else changes (`admit` takes the seal)."""
+        here is counted as the session counts a message `admit` refuses (in, stale,
+        unauthenticated: the control loop's "read a batch none of which was taken" depends on
+        it); nothing else changes (`admit` takes the seal)."""
         if opened.kind in P.UNSEALED_KINDS and opened.seal is None:
             return True
         s = opened.seal
@@ -201,6 +203,7 @@ class PeerTable:
                              (f.key, f.gen) if f is not None else (b"", 0)):
                 if key and gen == opened.gen and P.verify_seal(s, key=key, recipient=me):
                     return True
+        self.ctx.counters["messages_in"] += 1
         self.ctx.counters["unauthenticated_messages"] += 1
         self.ctx.counters["stale_messages"] += 1
         return False
