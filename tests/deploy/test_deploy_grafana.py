@@ -46,8 +46,11 @@ def exported() -> dict[str, set[str]]:
     app = create_app(Settings(port=0, auth_token=None))
     server = _series_names(app.state.kvhandoff.metrics.collector_registry)
     spec = preset("glm-5.3")
-    with TransferAgent("prefill", spec, allocate(spec, 2), Settings(transport="inproc")) as ag:
-        agent = _series_names(registry_for(ag))
+    agent: set[str] = set()
+    for transport in ("inproc", "tcp"):  # tcp adds the data plane's counters
+        with TransferAgent("prefill", spec, allocate(spec, 2),
+                           Settings(transport=transport)) as ag:
+            agent |= _series_names(registry_for(ag))
     assert any(n.startswith("kvhandoff_bootstrap_") for n in server)
     assert any(n.startswith("kvhandoff_agent_") for n in agent)
     return {"server": server, "agent": agent}

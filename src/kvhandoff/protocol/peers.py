@@ -181,6 +181,33 @@ class PeerTable:
         ctx.counters["stale_messages"] += 1
         return False
 
+    def screen(self, opened: P.Opened) -> bool:
+        """(with a shared secret) Whether a frame set opened but not decoded
+        (`wire.open_frames`) may be decoded: a Hello, HelloAck or HelloReject (each carries a
+        MAC of its own, checked once decoded), or a message whose seal verifies under a key
+        `admit` would try for its sender and generation. Checked over the raw bytes, so a
+        frame that proves nothing costs one MAC pass at most, never a decode. What is refused
+        here is counted as the session counts a message `admit` refuses (in, stale,
+        unauthenticated: the control loop's "read a batch none of which was taken" depends on
+        it); nothing else changes (`admit` takes the seal)."""
+        if opened.kind in P.UNSEALED_KINDS and opened.seal is None:
+            return True
+        s = opened.seal
+        if s is not None:
+            me = self.ctx.me.address
+            k = self._keys.get(opened.src)
+            pend = k.pending if k is not None else None
+            f = self._forgotten_keys.get(opened.src)
+            for key, gen in ((k.key, k.gen) if k is not None else (b"", 0),
+                             (pend.key, pend.hello.gen) if pend is not None else (b"", 0),
+                             (f.key, f.gen) if f is not None else (b"", 0)):
+                if key and gen == opened.gen and P.verify_seal(s, key=key, recipient=me):
+                    return True
+        self.ctx.counters["messages_in"] += 1
+        self.ctx.counters["unauthenticated_messages"] += 1
+        self.ctx.counters["stale_messages"] += 1
+        return False
+
     def _take(self, k: _Keys, seal: P.Seal) -> bool:
         if seal.seq <= k.seen:
             self.ctx.counters["replayed_messages"] += 1

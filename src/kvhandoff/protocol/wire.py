@@ -331,6 +331,33 @@ def decode_sealed(frames: list[bytes], *, max_bytes: int) -> tuple[Message, Seal
     """The message in `frames` and its `Seal` (None: the message is not sealed; whether it
     verifies is the session's to check, it holds the keys); `ProtocolError` for anything
     else."""
+    body, seal = _split(frames, max_bytes=max_bytes)
+    return decode_body(body), seal
+
+
+class Opened(msgspec.Struct, frozen=True):
+    """A frame set whose header, size and seal were checked and split (`open_frames`), its
+    body not decoded: `kind`, `src` and `gen` are read from the body's first three fields
+    (`peek`), which is all a receiver needs to choose the key a seal must verify under."""
+
+    body: memoryview
+    seal: Seal | None
+    kind: str
+    src: str
+    gen: int
+
+
+def open_frames(frames: list[bytes], *, max_bytes: int) -> Opened:
+    """`frames` checked (two frames, a kvhandoff header of this version, the body within
+    `max_bytes`, a seal where the header says so) and split, without decoding the body: its
+    cost does not grow with what the body holds (one copy of the signed bytes of a sealed
+    frame, for its MAC). `ProtocolError` for anything else."""
+    body, seal = _split(frames, max_bytes=max_bytes)
+    kind, src, gen = peek(body)
+    return Opened(body=body, seal=seal, kind=kind, src=src, gen=gen)
+
+
+def _split(frames: list[bytes], *, max_bytes: int) -> tuple[memoryview, Seal | None]:
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames (header, body), got {len(frames)}")
     header, body = bytes(frames[0]), memoryview(frames[1])
@@ -351,13 +378,97 @@ def decode_sealed(frames: list[bytes], *, max_bytes: int) -> tuple[Message, Seal
         body = body[:len(body) - SEAL_BYTES]
         seal = Seal(seq=int.from_bytes(tail[:_SEQ], "big"), mac=tail[_SEQ:],
                     signed=header + tail[:_SEQ] + bytes(body))
+    return body, seal
+
+
+def decode_body(body: memoryview | bytes) -> Message:
+    """The message a body (`Opened.body`) holds; `ProtocolError` when it holds none."""
     try:
         msg: Message = _DECODER.decode(body)
-        return msg, seal
+        return msg
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed message: {e}") from e
     except RecursionError as e:  # the types bound nesting; never let it escape regardless
         raise ProtocolError("malformed message: nested too deep") from e
+
+
+_PEEK_STR_MAX = 1024  # a kind or an address longer than this is no message of ours
+
+
+def peek(body: memoryview | bytes) -> tuple[str, str, int]:
+    """(kind, src, gen) of a message body, read from its first three fields without decoding
+    the rest: every message is a map whose first keys are ``kind``, ``src`` and ``gen`` in that
+    order (msgspec writes a tagged struct's tag first, then its fields in order, `_Msg`'s
+    first). O(1) in the body's size; `ProtocolError` when the body does not start so."""
+    b = bytes(body[:3 * (_PEEK_STR_MAX + 16)])
+    i = 0
+
+    def need(n: int) -> None:
+        if i + n > len(b):
+            raise ProtocolError("malformed message: truncated before its sender")
+
+    def string() -> str:
+        nonlocal i
+        need(1)
+        t = b[i]
+        if 0xA0 <= t <= 0xBF:
+            n, i = t & 0x1F, i + 1
+        elif t == 0xD9:
+            need(2)
+            n, i = b[i + 1], i + 2
+        elif t == 0xDA:
+            need(3)
+            n, i = int.from_bytes(b[i + 1:i + 3], "big"), i + 3
+        else:
+            raise ProtocolError("malformed message: a string expected before its sender")
+        if n > _PEEK_STR_MAX:
+            raise ProtocolError(f"malformed message: a string of {n} bytes in its header")
+        need(n)
+        try:
+            out = b[i:i + n].decode()
+        except UnicodeDecodeError as e:
+            raise ProtocolError("malformed message: its header is not utf-8") from e
+        i += n
+        return out
+
+    def key(name: str) -> None:
+        if string() != name:
+            raise ProtocolError(f"malformed message: {name!r} is not where a message has it")
+
+    need(1)
+    t = b[0]
+    if 0x83 <= t <= 0x8F:
+        i = 1
+    elif t == 0xDE:
+        i = 3
+    elif t == 0xDF:
+        i = 5
+    else:
+        raise ProtocolError("malformed message: not a map of at least three fields")
+    key("kind")
+    kind = string()
+    key("src")
+    src = string()
+    key("gen")
+    need(1)
+    t = b[i]
+    if t <= 0x7F:
+        gen = t
+    elif t in _INTS:
+        n, signed = _INTS[t]
+        need(1 + n)
+        gen = int.from_bytes(b[i + 1:i + 1 + n], "big", signed=signed)
+    elif t >= 0xE0:
+        gen = t - 0x100
+    else:
+        raise ProtocolError("malformed message: its generation is not an integer")
+    return kind, src, gen
+
+
+_INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+         0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+#: the kinds that come unsealed with a shared secret (each carries a MAC of its own)
+UNSEALED_KINDS = frozenset({"hello", "hello_ack", "hello_reject"})
 
 
 def _hello_body(msg: Hello) -> bytes:

@@ -88,9 +88,18 @@ MIN_IDLE_BATCH = 64
 # is closed after DEALER_IDLE_S, and the least recently used go beyond MAX_STRANGER_DEALERS
 DEALER_IDLE_S = 30.0
 MAX_STRANGER_DEALERS = 256
-# Messages one connection may have queued for this agent before ZMQ stops reading it (TCP flow
-# control then holds the sender back; nothing is dropped)
-CONTROL_RCVHWM = 10_000
+# Bytes one connection may have queued for this agent before ZMQ stops reading it (TCP flow
+# control then holds the sender back; nothing is dropped). ZMQ bounds a connection's queue in
+# messages (RCVHWM), each at most MAXMSGSIZE (the largest honest message, max_message_bytes,
+# plus its seal): the queue is held to this budget by `control_rcvhwm`, at least
+# MIN_CONTROL_RCVHWM messages (a burst of small ones is read in batches of at least that)
+CONTROL_CONN_BYTES = 256 << 20
+MIN_CONTROL_RCVHWM = 16
+
+
+def control_rcvhwm(max_message_bytes: int) -> int:
+    """The control ROUTER's RCVHWM: CONTROL_CONN_BYTES worth of the largest messages."""
+    return max(MIN_CONTROL_RCVHWM, CONTROL_CONN_BYTES // (max_message_bytes + P.SEAL_BYTES))
 
 
 class ControlLoop:
@@ -119,8 +128,8 @@ class ControlLoop:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes + 64)
-        self._router.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
+        self._router.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes + P.SEAL_BYTES)
+        self._router.setsockopt(zmq.RCVHWM, control_rcvhwm(settings.max_message_bytes))
         host, port = settings.agent_host, settings.agent_port
         self._router.setsockopt(zmq.IPV6, zmq_ipv6(host))
         try:
@@ -545,8 +554,14 @@ class ControlLoop:
         """Feeds one control message (its frames), then what it made due. Nothing a sender
         puts in a frame ends the loop: a frame that does not decode is counted in
         ``rejected_messages`` and logged at a bounded rate (a flood must not fill the log)."""
+        assert self.session is not None
         try:
-            msg, seal = P.decode_sealed(frames, max_bytes=self.settings.max_message_bytes)
+            # header, size and seal first; with a secret the seal is checked over the raw
+            # bytes before anything is decoded (a stranger's frame costs a MAC pass at most)
+            opened = P.open_frames(frames, max_bytes=self.settings.max_message_bytes)
+            if self.settings.hmac_secret and not self.session.peers.screen(opened):
+                return  # counted by the session (unauthenticated_messages)
+            msg, seal = P.decode_body(opened.body), opened.seal
         except Exception as e:  # noqa: BLE001 - ProtocolError, or anything a decoder bug raises
             self.counters["rejected_messages"] += 1
             self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)

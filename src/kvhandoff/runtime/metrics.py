@@ -48,13 +48,15 @@ _COUNTER_HELP = {
     "data_unproven_chunks": "tcp data plane: chunks dropped because their connection had not "
                             "proven the control session with their sender (hmac_secret set), "
                             "or named no sender.",
-    "data_refused_proofs": "tcp data plane: connection proofs that did not verify.",
+    "data_refused_proofs": "tcp data plane: connection proofs (claims without hmac_secret) "
+                           "refused: they did not verify, or named no peer of this transport.",
     "data_replayed_proofs": "tcp data plane: connection proofs refused as replays (a nonce "
                             "already taken in this session).",
     "data_forged_chunks": "tcp data plane: chunks on a proven connection whose MAC did not "
                           "verify or whose sequence number was taken already.",
     "data_early_dropped": "tcp data plane: chunks for receives not posted yet dropped over "
-                          "the bound (tcp_early_bytes); their room fails or is retried.",
+                          "the bound (tcp_early_bytes) or held past stall_timeout_s; their "
+                          "room fails or is retried.",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
     "checksums_verified": "Landed (layer, region) checksums that matched.",

@@ -241,22 +241,61 @@ def _flood(c: _Ctx) -> list[bytes]:
     return [P.HEADER, os.urandom(c.rng.randrange(1, 16))]
 
 
+def heavy_heartbeat(src: str, gen: int, rooms: int, *, sealed: bool, seed: int = 0
+                    ) -> list[bytes]:
+    """A well-typed Heartbeat in the name of (`src`, `gen`) naming `rooms` made-up rooms (5
+    bytes each: a million is a 4.9 MB frame that takes tens of ms to decode); `sealed`: with a
+    made-up seal (as if sent within a session with the agent)."""
+    rng = random.Random(seed)
+    body = P.encode(P.Heartbeat(src=src, gen=gen,
+                                rooms=[rng.randrange(1 << 16, 1 << 32) for _ in range(rooms)]))[1]
+    return [P.SEALED_HEADER, body + os.urandom(P.SEAL_BYTES)] if sealed else [P.HEADER, body]
+
+
+def sealed_garbage(src: str, gen: int, nbytes: int = 64) -> list[bytes]:
+    """A sealed frame in the name of (`src`, `gen`) whose body starts as a message does (kind,
+    src, gen) and goes on with `nbytes` bytes that are no msgpack, under a made-up seal: an
+    agent that checks the seal before it decodes refuses it as unauthenticated; one that
+    decodes first refuses it as malformed."""
+    head = msgspec.msgpack.encode({"kind": "heartbeat", "src": src, "gen": gen})
+    body = bytes([0x84]) + head[1:] + b"\xc1" * nbytes
+    return [P.SEALED_HEADER, body + os.urandom(P.SEAL_BYTES)]
+
+
+def junk_claims(count: int, *, seed: int = 0) -> list[TcpCase]:
+    """`count` connections to a tcp data port, each with a proof-shaped frame naming a made-up
+    transport id (without a secret such a frame is a claim; with one, a proof whose MAC is
+    made up), then one chunk: what used to push the real connections' claims and proofs out of
+    the receiver's tables."""
+    from kvhandoff.transports.chunkauth import PROOF
+
+    rng = random.Random(seed)
+    return [TcpCase("junk_claim", None, [
+        [PROOF.pack(b"P", rng.randbytes(16).hex().encode(), rng.randbytes(16),
+                    rng.randbytes(32))],
+        tcp_chunk(rng.getrandbits(40), 0, 1, 64, rng.randbytes(64))]) for _ in range(count)]
+
+
 # ---------------------------------------------------------------------------- senders
 
 
-def send_control(address: str, frame_sets: Iterable[list[bytes]]) -> int:
+def send_control(address: str, frame_sets: Iterable[list[bytes]], *,
+                 linger_ms: int = 5000) -> int:
     """Sends each frame set to the agent whose control address is `address` (``host:port``)
     from a fresh ZMQ DEALER; returns how many were sent. The sends are queued by ZMQ: to know
     the agent read them, follow with something it answers (see the reliability tests'
-    ``Prober.barrier``)."""
+    ``Prober.barrier``). `linger_ms`: how long closing waits for the queue to go out (-1:
+    until it did)."""
     import zmq
 
     from kvhandoff.netaddr import split_host_port, zmq_endpoint, zmq_ipv6
 
     host, port = split_host_port(address)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    # a context of its own when closing waits for the queue: its term() is that wait
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if linger_ms < 0 \
+        else zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 5000)  # the frames leave before close returns
+    sock.setsockopt(zmq.LINGER, linger_ms)  # the frames leave before close returns
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.IPV6, zmq_ipv6(host))
     sock.connect(zmq_endpoint(host, port))
@@ -267,6 +306,8 @@ def send_control(address: str, frame_sets: Iterable[list[bytes]]) -> int:
             n += 1
     finally:
         sock.close()
+        if linger_ms < 0:
+            ctx.term()
     return n
 
 
@@ -362,8 +403,10 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
     in `proofs` replayed on a connection of its own, then chunks; a connection whose ZMQ
     identity is a peer's id (what ROUTER_HANDOVER let take a connection over), chunks only;
     chunks with made-up MACs for `tags`; and a flood of `flood_bytes`-byte chunks for random
-    tags after a proof-shaped claim (without a secret that claim is taken: the flood then
-    measures the store's bound). Seeded."""
+    tags after a proof-shaped claim in the name of `claims`' first (without a secret that
+    claim is taken: the flood then
+    measures the store's bound, when the claim names a peer the receiver is bound to). Seeded.
+    """
     from kvhandoff.transports.chunkauth import PROOF
 
     rng = random.Random(seed)
@@ -390,34 +433,45 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
     for _ in range(per):
         size = max(1, flood_bytes)
         flood.append(tcp_chunk(rng.getrandbits(40), 0, 1, size, rng.randbytes(size)))
-    cases.append(TcpCase("early_flood", None,
-                         [[proof(os.urandom(16).hex().encode())], *flood]))
+    cases.append(TcpCase("early_flood", None, [[proof(claim[0])], *flood]))
     return cases
 
 
 def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     """Sends each case on a ZMQ DEALER connection of its own to a tcp transport's data port
-    (its `Transport.address`) and closes them; returns the frame sets sent. What the receiver
-    had not read when a connection closed is dropped by ZMQ there: a test that counts every
-    frame the receiver took keeps the connections open (`tcp_connections`)."""
-    with tcp_connections(transport_address, cases) as n:
+    (its `Transport.address`), closing each once its frames are queued; returns the frame sets
+    sent. What the receiver had not read when a connection closed is dropped by ZMQ there: a
+    test that counts every frame the receiver took keeps them open (`tcp_connections`)."""
+    with _tcp_cases(transport_address, cases, keep_open=False) as n:
         return n
 
 
-@contextlib.contextmanager
-def tcp_connections(transport_address: bytes, cases: Iterable[TcpCase]) -> Iterator[int]:
+def tcp_connections(transport_address: bytes,
+                    cases: Iterable[TcpCase]) -> contextlib.AbstractContextManager[int]:
     """`send_tcp_frames` with the connections kept open until the block ends: yields the
     frame sets sent. A ZMQ ROUTER discards the messages of a connection that closed before it
     read them, so on a busy host a flood sent and closed at once arrives only in part."""
+    return _tcp_cases(transport_address, cases, keep_open=True)
+
+
+@contextlib.contextmanager
+def _tcp_cases(transport_address: bytes, cases: Iterable[TcpCase], *,
+               keep_open: bool) -> Iterator[int]:
     import zmq
 
     endpoint = transport_address.decode().rsplit("/", 1)[0]
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    # a context of its own per 256 connections (a context holds at most 1,023 sockets,
+    # closed ones included until they are reaped); term() returns once their frames went out
+    ctxs: list[zmq.Context[zmq.Socket[bytes]]] = []
     socks: list[zmq.Socket[bytes]] = []
     n = 0
     try:
-        for case in cases:
-            sock = ctx.socket(zmq.DEALER)
+        for i, case in enumerate(cases):
+            if i % 256 == 0:
+                if ctxs and not keep_open:
+                    ctxs.pop().term()
+                ctxs.append(zmq.Context())
+            sock = ctxs[-1].socket(zmq.DEALER)
             socks.append(sock)
             sock.setsockopt(zmq.LINGER, 5000)
             if case.identity is not None:
@@ -426,10 +480,14 @@ def tcp_connections(transport_address: bytes, cases: Iterable[TcpCase]) -> Itera
             for frames in case.frame_sets:
                 sock.send_multipart(frames)
                 n += 1
+            if not keep_open:
+                socks.pop().close()
         yield n
     finally:
         for sock in socks:
             sock.close()
+        for ctx in ctxs:
+            ctx.term()
 
 
 def http_requests(seed: int, count: int, *, paths: Sequence[str] = ("/",)) -> Iterator[bytes]:
@@ -565,12 +623,15 @@ def attack_http(base_url: str, *, seed: int, count: int,
 
 def attack_argv(surface: str, target: str, *, seed: int, count: int,
                 known_peers: Sequence[tuple[str, int]] = (),
-                known_rooms: Sequence[int] = (), claims: Sequence[bytes] = ()) -> list[str]:
+                known_rooms: Sequence[int] = (), claims: Sequence[bytes] = (),
+                rooms: int = 0, uid: int | None = None) -> list[str]:
     """The command line that runs an attack in a process of its own (`main`): an attacker in
     the agents' process would share its interpreter lock with them and starve them, which a
-    real attacker cannot. `target`: the control address (control, lane), the transport
-    address (tcp_data) or the base URL (http); `claims`: transport ids to impersonate
-    (tcp_data)."""
+    real attacker cannot. `target`: the control address (control, lane, heavy_control,
+    sealed_garbage), the transport address (tcp_data, junk_claims) or the base URL (http);
+    `claims`: transport ids to impersonate (tcp_data); `rooms`: rooms per heavy_control
+    Heartbeat; `uid`: the user the attack runs as (it starts as this one, imports what it
+    needs, then drops to `uid`: an unprivileged process of another user; needs root)."""
     import json
     import sys
 
@@ -578,7 +639,8 @@ def attack_argv(surface: str, target: str, *, seed: int, count: int,
             "--seed", str(seed), "--count", str(count),
             "--known-peers", json.dumps([list(x) for x in known_peers]),
             "--known-rooms", json.dumps(list(known_rooms)),
-            "--claims", json.dumps([c.decode("ascii") for c in claims])]
+            "--claims", json.dumps([c.decode("ascii") for c in claims]),
+            "--rooms", str(rooms), *(["--uid", str(uid)] if uid is not None else [])]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -591,7 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvhandoff.testing.hostile",
                                  description="Throws a seeded hostile corpus at one surface "
                                              "of a kvhandoff agent or bootstrap server.")
-    ap.add_argument("surface", choices=["control", "lane", "tcp_data", "http"])
+    ap.add_argument("surface", choices=["control", "lane", "tcp_data", "http",
+                                        "heavy_control", "sealed_garbage", "junk_claims"])
     ap.add_argument("target", help="control address host:port (control, lane), transport "
                                    "address (tcp_data) or base URL (http)")
     ap.add_argument("--seed", type=int, default=0)
@@ -601,12 +664,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--known-rooms", default="[]", help="JSON list of room ids")
     ap.add_argument("--claims", default="[]",
                     help="JSON list of tcp transport ids to impersonate (tcp_data)")
+    ap.add_argument("--rooms", type=int, default=1_000_000,
+                    help="rooms per Heartbeat (heavy_control)")
+    ap.add_argument("--uid", type=int, default=None,
+                    help="run as this user (drops to it after the imports; needs root)")
     a = ap.parse_args(argv)
+    if a.uid is not None:
+        import zmq  # noqa: F401 - loaded before the user changes (it may not read the venv)
+
+        import kvhandoff.netaddr  # noqa: F401 - likewise
+        import kvhandoff.transports.chunkauth  # noqa: F401 - likewise
+
+        os.setgid(a.uid)
+        os.setuid(a.uid)
+    peers = [(str(x), int(g)) for x, g in json.loads(a.known_peers)]
     kw: dict[str, Any] = {"known_peers": [(str(x), int(g)) for x, g in
                                           json.loads(a.known_peers)],
                           "known_rooms": [int(r) for r in json.loads(a.known_rooms)]}
-    if a.surface == "control":
-        out: Any = attack_control(a.target, seed=a.seed, count=a.count, **kw)
+    if a.surface in ("heavy_control", "sealed_garbage"):
+        # in the name of the first known peer; sealed when it is one (a session is assumed)
+        src, gen = peers[0] if peers else ("127.0.0.1:1", 1)
+        if a.surface == "heavy_control":
+            one = heavy_heartbeat(src, gen, a.rooms, sealed=bool(peers), seed=a.seed)
+        else:
+            one = sealed_garbage(src, gen)
+        out: Any = send_control(a.target, [one] * a.count, linger_ms=-1)  # one connection
+    elif a.surface == "junk_claims":
+        out = send_tcp_frames(a.target.encode(), junk_claims(a.count, seed=a.seed))
+    elif a.surface == "control":
+        out = attack_control(a.target, seed=a.seed, count=a.count, **kw)
     elif a.surface == "lane":
         out = attack_lane(a.target, seed=a.seed, count=a.count, **kw)
     elif a.surface == "tcp_data":

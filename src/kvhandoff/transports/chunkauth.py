@@ -25,14 +25,17 @@
 # and finals are not MAC'd: it can fail a send or stall it, never make a byte land).
 #
 # Rules: a `Gate` and an `EarlyStore` belong to the transport's I/O thread, except the key
-# table, which `bind`/`unbind` change from any thread under the gate's own lock. A proof that
-# does not verify under its peer's key is counted and held (checked again once that key
-# changes: the sender may be a handshake ahead). What a stranger costs is bounded: proofs
-# waiting for their key or held after a refusal (PENDING_MAX, oldest dropped),
-# connections taken on a claim without a secret (CLAIMS_MAX, oldest dropped), early chunks per
-# peer and in total (bytes; over the bound the tag's held chunks are dropped, counted, and its
-# receive fails when posted, its sender is told at once), and nothing at all for a chunk from
-# an unproven connection (dropped and counted).
+# table, which `bind`/`unbind` change from any thread under the gate's own lock. A sender
+# proves a connection with its first chunk after each (re)key or reconnect, so the receiver,
+# which binds the key before it asks for any chunk, checks a proof at once: a proof or claim
+# for a peer this transport is not bound to, or that does not verify, is refused and counted,
+# never held (no table a stranger can fill holds an honest proof). What a stranger costs is
+# bounded: proven or claimed connections per bound peer (CONNS_PER_PEER, that peer's oldest
+# dropped), one "not taken" reply per proof-shaped frame (`Gate.tell`), early chunks per peer
+# and in total (bytes; over the bound the tag's held chunks are dropped, counted, and its
+# receive fails when posted, its sender is told at once) and in age (EARLY_KEEP_S: a tag whose
+# receive is never posted is dropped likewise), and nothing at all for a chunk from an
+# unproven connection (dropped and counted).
 from __future__ import annotations
 
 import collections
@@ -51,8 +54,8 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 PROOF = struct.Struct("<c32s16s32s")  # b"P", sender's transport id, nonce, MAC
 TRAILER = struct.Struct("<Q32s")  # after a chunk's header: sequence number, MAC
-PENDING_MAX = 256  # proofs held until their peer's key is bound
-CLAIMS_MAX = 1024  # connections taken on a claim (no secret)
+CONNS_PER_PEER = 16  # proven (or, without a secret, claimed) connections kept per peer
+TOLD_MAX = 4096  # connections told their chunk was not taken, remembered (told once)
 NONCES_MAX = 4096  # proofs taken per session key (reconnects): more are refused
 OVERFLOWED_MAX = 4096  # tags whose early chunks went over the bound, remembered
 
@@ -113,7 +116,17 @@ class _Conn:
 
 class Gate:
     """The receiving end: which connection proved which peer (see the module comment).
-    `me`: this transport's id; `required`: a secret is set (proofs and MACs are checked)."""
+    `me`: this transport's id; `required`: a secret is set (proofs and MACs are checked).
+
+    Every table is keyed by what its entries proved, so nothing a stranger sends pushes an
+    honest entry out: a proof or claim is taken only for a peer this transport is bound to
+    (`bind`: it connected to that peer, so the peer's control session came first), checked at
+    once (a sender proves a connection with its first chunk, after the receiver asked for it
+    under the session: the key is bound by then), and otherwise refused and counted, never
+    held. Proven connections are kept per peer (CONNS_PER_PEER, that peer's oldest go). A
+    connection whose chunk is not taken is told so once per proof it sent (`tell`), so an
+    honest sender proves itself again; `_told` is the one table a stranger can fill, and
+    what it pushes out is only a reply not sent twice."""
 
     def __init__(self, me: bytes, *, required: bool, counters: dict[str, int]) -> None:
         self._me = me
@@ -122,13 +135,12 @@ class Gate:
         self._keys_lock = threading.Lock()
         self._keys: dict[bytes, bytes] = {}  # peer id -> data key (any thread, the lock)
         self._nonces: dict[bytes, tuple[bytes, set[bytes]]] = {}  # peer id -> (key, taken)
-        self._conns: collections.OrderedDict[bytes, _Conn] = collections.OrderedDict()
+        self._conns: dict[bytes, _Conn] = {}  # routing id -> what it proved
+        # peer id -> its proven routing ids, oldest first (at most CONNS_PER_PEER)
+        self._by_peer: dict[bytes, collections.OrderedDict[bytes, None]] = {}
         self._route: dict[bytes, bytes] = {}  # peer id -> routing id of its latest proof
-        # routing id -> (proof frame, the key it failed under: b"" not checked yet)
-        self._pending: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
-            collections.OrderedDict())
-        # routing ids that proved a peer once (a sender worth telling its chunk was not taken)
-        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # routing ids told their chunk was not taken since their last proof
+        self._told: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -156,72 +168,63 @@ class Gate:
         return rid if conn is not None and conn.ident == ident else None
 
     def on_proof(self, rid: bytes, frame: bytes) -> None:
-        """A proof frame on connection `rid`: taken now, held until its key is bound, or
-        refused (counted)."""
+        """A proof frame on connection `rid`: taken now, or refused (counted)."""
+        self._drop_conn(rid)  # a new proof replaces what the connection proved
+        self._told.pop(rid, None)
         if len(frame) != PROOF.size:
             self.counters["data_refused_proofs"] += 1
             return
-        self._conns.pop(rid, None)  # a new proof replaces what the connection proved
-        if self.required:
-            self._pending.pop(rid, None)
-            self._pending[rid] = (frame, b"")
-            while len(self._pending) > PENDING_MAX:
-                _, (_, tried) = self._pending.popitem(last=False)
-                if not tried:
-                    self.counters["data_refused_proofs"] += 1
-            self._try_pending(rid)
-            return
-        _, ident, nonce, _ = PROOF.unpack(frame)
-        self._take(rid, ident, b"", nonce)
-
-    def _try_pending(self, rid: bytes) -> _Conn | None:
-        held = self._pending.get(rid)
-        if held is None:
-            return None
-        frame, tried = held
         _, ident, nonce, mac = PROOF.unpack(frame)
         key = self._key_of(ident)
-        if not key or key == tried:
-            return None  # not bound yet (the control session is being set up): held
+        if key is None or (self.required and not key):
+            self.counters["data_refused_proofs"] += 1  # no peer of ours (or no session yet)
+            return
+        if not self.required:
+            self._take(rid, ident, b"", nonce)
+            return
         if not hmac.compare_digest(_proof_mac(key, ident, self._me, nonce), mac):
-            # counted, and held: the sender may be a session ahead of this side (its new
-            # handshake's key is bound here a moment later); checked again under that key
             self.counters["data_refused_proofs"] += 1
-            self._pending[rid] = (frame, key)
-            return None
-        del self._pending[rid]
+            return
         taken = self._nonces.get(ident)
         if taken is None or taken[0] != key:
             taken = self._nonces[ident] = (key, set())
         if nonce in taken[1] or len(taken[1]) >= NONCES_MAX:
             self.counters["data_replayed_proofs"] += 1
-            return None
+            return
         taken[1].add(nonce)
-        return self._take(rid, ident, key, nonce)
+        self._take(rid, ident, key, nonce)
 
     def _take(self, rid: bytes, ident: bytes, key: bytes, nonce: bytes) -> _Conn:
         conn = self._conns[rid] = _Conn(ident, key, nonce)
         self._route[ident] = rid
-        self._known[rid] = None
-        for table in (self._conns, self._known):
-            while len(table) > CLAIMS_MAX:
-                table.popitem(last=False)
+        mine = self._by_peer.setdefault(ident, collections.OrderedDict())
+        mine[rid] = None
+        while len(mine) > CONNS_PER_PEER:
+            old, _ = mine.popitem(last=False)
+            self._conns.pop(old, None)
         return conn
+
+    def _drop_conn(self, rid: bytes) -> None:
+        conn = self._conns.pop(rid, None)
+        if conn is not None:
+            mine = self._by_peer.get(conn.ident)
+            if mine is not None:
+                mine.pop(rid, None)
+                if not mine:
+                    del self._by_peer[conn.ident]
 
     def check(self, rid: bytes, head: bytes, trailer: bytes, payload: Buffer) -> bytes | None:
         """The peer id a chunk (`head`, its `trailer`, `payload`) on connection `rid` comes
         from, or None (dropped, counted): an unproven connection, a connection proven under a
         key since replaced, a MAC that does not verify, a sequence number already taken."""
         conn = self._conns.get(rid)
-        if conn is None and self.required:
-            conn = self._try_pending(rid)
         if conn is None:
             self.counters["data_unproven_chunks"] += 1
             return None
         if not self.required:
             return conn.ident
         if self._key_of(conn.ident) != conn.key:
-            del self._conns[rid]  # proven under a key of an older session
+            self._drop_conn(rid)  # proven under a key of an older session
             self.counters["data_unproven_chunks"] += 1
             return None
         seq, mac = TRAILER.unpack(trailer)
@@ -232,19 +235,25 @@ class Gate:
         conn.seq = seq
         return conn.ident
 
-    def was_proven(self, rid: bytes) -> bool:
-        """Whether connection `rid` proved (or is waiting to prove) a peer: worth telling that
-        its chunk was not taken. A stranger's connection is told nothing."""
-        return rid in self._pending or rid in self._known
+    def tell(self, rid: bytes) -> bool:
+        """Whether to tell connection `rid` that its chunk was not taken: once per proof it
+        sent (an honest sender then proves itself again; a stranger gets one reply per
+        proof-shaped frame it sent, never one per chunk)."""
+        if rid in self._told:
+            return False
+        self._told[rid] = None
+        while len(self._told) > TOLD_MAX:
+            self._told.popitem(last=False)
+        return True
 
     def forget(self, ident: bytes) -> None:
         """Peer `ident` was disconnected: with a secret, unless it is bound again already, its
         connections and nonces go (their next chunk is answered: not taken). Without one,
-        claims stay (the oldest go past CLAIMS_MAX): a peer that did not disconnect goes on."""
+        claims stay (at most CONNS_PER_PEER of it): a peer that did not disconnect goes on."""
         if not self.required or self._key_of(ident) is not None:
             return
-        for rid in [r for r, c in self._conns.items() if c.ident == ident]:
-            del self._conns[rid]
+        for rid in list(self._by_peer.get(ident, ())):
+            self._drop_conn(rid)
         self._route.pop(ident, None)
         self._nonces.pop(ident, None)
 
@@ -254,10 +263,15 @@ class EarlyStore:
     per peer (`peer_bytes`) and in total (`total_bytes`). Each item is held with the order it
     came in (`order`), so a disconnect drops only what came before it."""
 
-    def __init__(self, *, peer_bytes: int, total_bytes: int, counters: dict[str, int]) -> None:
+    def __init__(self, *, peer_bytes: int, total_bytes: int, counters: dict[str, int],
+                 keep_s: float = 30.0) -> None:
         self.peer_bytes = peer_bytes
         self.total_bytes = total_bytes
+        self.keep_s = keep_s
         self.counters = counters
+        # each held key's first arrival, oldest first (`expire`)
+        self._since: collections.OrderedDict[tuple[bytes, int], float] = (
+            collections.OrderedDict())
         self._items: dict[tuple[bytes, int], list[Any]] = {}
         self._order: dict[tuple[bytes, int], int] = {}
         self._size: dict[tuple[bytes, int], int] = {}
@@ -272,18 +286,18 @@ class EarlyStore:
     def overflowed(self, key: tuple[bytes, int]) -> bool:
         return key in self._overflowed
 
-    def hold(self, key: tuple[bytes, int], item: Any, nbytes: int, order: int) -> bool:
+    def hold(self, key: tuple[bytes, int], item: Any, nbytes: int, order: int, *,
+             now: float = 0.0) -> bool:
         """Holds `item` (`nbytes` of payload) for `key`; False when that would go over a bound:
         then what was held for `key` is dropped too, and `key` is marked overflowed."""
         if (key in self._overflowed or self._peer[key[0]] + nbytes > self.peer_bytes
                 or self.total + nbytes > self.total_bytes):
             self.counters["data_early_dropped"] += 1 + len(self._items.get(key, ()))
             self.discard(key)
-            self._overflowed[key] = None
-            while len(self._overflowed) > OVERFLOWED_MAX:
-                self._overflowed.popitem(last=False)
+            self._mark(key)
             return False
         if key not in self._items:
+            self._since[key] = now
             self._order[key] = order
             self._items[key] = []
             self._size[key] = 0
@@ -293,6 +307,27 @@ class EarlyStore:
         self.total += nbytes
         return True
 
+    def _mark(self, key: tuple[bytes, int]) -> None:
+        self._overflowed[key] = None
+        while len(self._overflowed) > OVERFLOWED_MAX:
+            self._overflowed.popitem(last=False)
+
+    def expire(self, now: float) -> list[tuple[tuple[bytes, int], list[Any]]]:
+        """Drops the keys first held more than `keep_s` before `now` (their receive was never
+        posted), counted and marked overflowed like a key over the bound; returns each with
+        what it held (to tell its senders)."""
+        out = []
+        while self._since:
+            key, t = next(iter(self._since.items()))
+            if now - t <= self.keep_s:
+                break
+            items = self._items.get(key, [])
+            self.counters["data_early_dropped"] += len(items)
+            self.discard(key)
+            self._mark(key)
+            out.append((key, items))
+        return out
+
     def take(self, key: tuple[bytes, int]) -> list[Any]:
         """What was held for `key`, now handed over (its receive was posted)."""
         items = self._items.get(key, [])
@@ -300,6 +335,7 @@ class EarlyStore:
         return items
 
     def discard(self, key: tuple[bytes, int]) -> None:
+        self._since.pop(key, None)
         self._items.pop(key, None)
         self._order.pop(key, None)
         size = self._size.pop(key, 0)

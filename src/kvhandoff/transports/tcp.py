@@ -12,8 +12,9 @@
 # arrive before their receive is posted are held (as zmq frames, bounded per peer and in total:
 # chunkauth.EarlyStore) until it is, and answered b"C" only then.
 # Each data connection is bound to the control session with its peer (chunkauth: the DEALER
-# sends a proof under the session's key first, and on every reconnect; each header frame ends
-# with a sequence number and a MAC of header and payload); the ROUTER assigns routing ids itself
+# sends a proof under the session's key before its first chunk, and again after every
+# reconnect or rekey; each header frame ends with a sequence number and a MAC of header and
+# payload); the ROUTER assigns routing ids itself
 # (no ROUTER_HANDOVER: a sender cannot pick, reuse or take over another's) and lands a chunk
 # only from a connection that proved its peer. High-water marks and the largest message are
 # bounded.
@@ -34,6 +35,7 @@ import functools
 import itertools
 import logging
 import struct
+import time
 import uuid
 from typing import TYPE_CHECKING, ClassVar
 
@@ -145,10 +147,11 @@ class TcpTransport(TableTransport):
                           counters=self._counters)
         self._early = EarlyStore(peer_bytes=settings.tcp_early_bytes,
                                  total_bytes=4 * settings.tcp_early_bytes,
-                                 counters=self._counters)
+                                 counters=self._counters, keep_s=settings.stall_timeout_s)
         self._session_keys: dict[str, bytes] = {}  # (the lock) peer -> bind_session's key
         self._bound: dict[str, bytes] = {}  # (the lock) peer -> the key its connect used
         self._signers: dict[str, Signer] = {}
+        self._unproved: set[str] = set()  # peers whose next chunk goes after a fresh proof
         # peer -> (its DEALER's monitor, its transport id, the session key); connections made
         self._monitors: dict[str, tuple[zmq.Socket[bytes], bytes, bytes]] = {}
         self._connects: dict[str, int] = {}
@@ -252,10 +255,12 @@ class TcpTransport(TableTransport):
         return True
 
     def _prove(self, peer: str) -> None:
-        """A fresh proof (new nonce) ahead of whatever this peer's connection sends next."""
-        _, ident, key = self._monitors[peer]
-        signer = self._signers[peer] = Signer(key)
-        self._dealers[peer].send(signer.proof(self._ident, ident))
+        """A fresh proof (new nonce), sent ahead of the next chunk to this peer (`_emit`): by
+        then the peer asked for chunks under the session, so it holds the key and checks the
+        proof at once (it holds none for later)."""
+        key = self._monitors[peer][2]
+        self._signers[peer] = Signer(key)
+        self._unproved.add(peer)
 
     def _drain_monitor(self, peer: str) -> None:
         """A reconnected connection is a new one to the peer's ROUTER: prove it again (the
@@ -286,6 +291,7 @@ class TcpTransport(TableTransport):
             poller.unregister(mon[0])
             mon[0].close(linger=0)
         self._signers.pop(peer, None)
+        self._unproved.discard(peer)
         self._connects.pop(peer, None)
         self._gate.forget(ident)
         self._early.drop_peer(ident, cut)
@@ -351,6 +357,9 @@ class TcpTransport(TableTransport):
             op.staging[k] = stage  # back to the pool when the receiver's credit comes
         plan = op.plan
         head = _DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total)
+        if op.peer in self._unproved:
+            self._unproved.discard(op.peer)
+            channel.send(self._signers[op.peer].proof(self._ident, self._monitors[op.peer][1]))
         channel.send_multipart([head + self._signers[op.peer].trailer(head, view), view.data],
                                copy=False)
         self._bytes_sent += view.size
@@ -398,8 +407,8 @@ class TcpTransport(TableTransport):
                 continue
             ident = self._gate.check(rid, head[:_DATA.size], head[_DATA.size:],
                                      frames[2].buffer)
-            if ident is None:  # dropped (counted); a stranger is told nothing
-                if self._gate.was_proven(rid):
+            if ident is None:  # dropped (counted); told once per proof it sent
+                if self._gate.tell(rid):
                     self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0),
                                                  _NOT_TAKEN.encode()])
                 continue
@@ -410,11 +419,22 @@ class TcpTransport(TableTransport):
                 self._land(op, k, n, total, frames[2], rid)
             elif key in self._tombstones:
                 self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
-            elif not self._early.hold(key, (k, n, total, frames[2], rid), len(frames[2]),
-                                      next(self._seq)):
+            elif not self._hold_early(key, (k, n, total, frames[2], rid), len(frames[2])):
                 self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0), (
                     f"tcp: tag {tag}: chunks sent before the receiver posted its receive went "
                     "over its bound (tcp_early_bytes); dropped").encode()])
+
+    def _hold_early(self, key: tuple[bytes, int], item: tuple[int, int, int, zmq.Frame, bytes],
+                    nbytes: int) -> bool:
+        """Holds an early chunk; first drops the tags held longer than the store keeps them
+        (their receive was never posted: each sender is told, as over the bound)."""
+        now = time.monotonic()
+        for (_, tag), items in self._early.expire(now):
+            for rid in {it[4] for it in items}:
+                self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0), (
+                    f"tcp: tag {tag}: chunks held {self._early.keep_s:.0f} s without a "
+                    "receive posted (stall_timeout_s); dropped").encode()])
+        return self._early.hold(key, item, nbytes, next(self._seq), now=now)
 
     def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame, rid: bytes) -> None:
         op.rid = rid

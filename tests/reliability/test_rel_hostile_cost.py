@@ -1,0 +1,194 @@
+"""What a stranger's bytes cost an agent (issue 48): a frame is authenticated over its raw
+bytes before it is decoded, a connection's queue is bounded in bytes, and nothing a stranger
+sends pushes an honest connection's proof or claim out of the tcp data plane's tables. Each
+attack runs as a process of its own, as another user when this one is root (the case of an
+unprivileged local process); each test runs with and without a secret where both apply.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import threading
+import time
+
+import pytest
+from relkit import (
+    WAIT_S,
+    Engine,
+    engine_pair,
+    fast_settings,
+    handoff,
+    layers_of,
+    wait_until,
+)
+
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.testing import hostile
+
+OWN_LANES = True  # the control surfaces do not depend on the data transport
+OTHER_UID = 65534 if os.geteuid() == 0 else None  # nobody: an unprivileged local process
+
+
+def counters(e: Engine) -> dict[str, int]:
+    return e.agent.status()["counters"]
+
+
+def attack(argv: list[str]) -> None:
+    """Runs one attack process to its end (its sends queued, its sockets closed)."""
+    subprocess.run(argv, check=True, capture_output=True, timeout=120)
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def test_a_sealed_frame_is_authenticated_before_it_is_decoded() -> None:
+    """Frames sealed in the decode's name (its address and generation are public) whose
+    bodies are no msgpack after their first fields, under made-up seals, from another user:
+    the prefill refuses each as unauthenticated, having checked the seal over the raw bytes,
+    and never decodes one (none counted as malformed). Before, every one was decoded first
+    and counted as malformed (`rejected_messages`), the seal never looked at."""
+    with engine_pair(settings=fast_settings(hmac_secret="s3cret"), num_pages=8) as (p, d):
+        handoff(p, d, secrets.randbits(63), 40)  # a session between the two
+        c0 = counters(p)
+        n = 200
+        attack(hostile.attack_argv("sealed_garbage", p.address, seed=1, count=n,
+                                   known_peers=[(d.address, int(d.agent.generation))],
+                                   uid=OTHER_UID))
+        assert wait_until(lambda: counters(p)["unauthenticated_messages"]
+                          - c0["unauthenticated_messages"] >= n, WAIT_S), counters(p)
+        assert counters(p)["rejected_messages"] == c0["rejected_messages"]
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)
+        assert d.bad_bytes(r, 40) == 0
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_one_connection_of_heavy_frames_costs_a_bounded_queue(secret: str | None) -> None:
+    """One connection of another user sends 160 well-typed Heartbeats of a million rooms each
+    (4.9 MB, 779 MB in all; with a secret, sealed in the decode's name under made-up seals)
+    to the prefill, in this process. Its resident memory grows by less than 300 MB at its peak
+    (the queue of one connection is bounded in bytes: loop.CONTROL_CONN_BYTES); before, ZMQ
+    queued 10,000 messages per connection and this process grew by about 690 MB. Every frame
+    is refused and counted, and a handoff afterwards is byte-exact."""
+    with engine_pair(settings=fast_settings(hmac_secret=secret), num_pages=8) as (p, d):
+        handoff(p, d, secrets.randbits(63), 40)
+        n = 160
+        argv = hostile.attack_argv(
+            "heavy_control", p.address, seed=2, count=n, rooms=1_000_000,
+            known_peers=[(d.address, int(d.agent.generation))] if secret else [],
+            uid=OTHER_UID)
+        c0 = counters(p)
+        key = "unauthenticated_messages" if secret else "stale_messages"
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident size starts again from now
+        rss0 = _rss_kb("VmRSS")
+        attack(argv)
+        assert wait_until(lambda: counters(p)[key] - c0[key] >= n, 120), counters(p)
+        grew_mb = (_rss_kb("VmHWM") - rss0) / 1024
+        print(f"peak resident growth: {grew_mb:.0f} MB")
+        assert grew_mb < 300, grew_mb
+        assert counters(p)["rejected_messages"] == c0["rejected_messages"]
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)
+        assert d.bad_bytes(r, 40) == 0
+
+
+def tcp_pair_settings(secret: str | None) -> dict[str, object]:
+    return {"transport": "tcp", "hmac_secret": secret}
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_junk_claims_do_not_push_out_the_real_connection(secret: str | None) -> None:
+    """1,100 connections of another user each send a proof-shaped frame naming a made-up
+    transport id (a claim without a secret, a forged proof with one), then a chunk, to the
+    decode's tcp data port after a handoff proved the prefill's connection. Rooms after it
+    still end Success byte-exact. Before, the claims table kept the latest 1,024 connections
+    and the proofs table the latest 256: the junk pushed the real connection out, and its
+    chunks were dropped as unproven for good (rooms WaitingForInput)."""
+    with engine_pair(settings=fast_settings(**tcp_pair_settings(secret)), num_pages=8) as (p, d):
+        handoff(p, d, secrets.randbits(63), 40)
+        attack(hostile.attack_argv("junk_claims", d.agent.transport.address.decode(), seed=3,
+                                   count=1100, uid=OTHER_UID))
+        assert wait_until(lambda: counters(d)["data_unproven_chunks"] >= 1100, WAIT_S), \
+            counters(d)
+        for _ in range(2):
+            r = secrets.randbits(63)
+            handoff(p, d, r, 40)
+            assert d.bad_bytes(r, 40) == 0
+
+
+def test_junk_proofs_before_the_key_do_not_strand_a_connection() -> None:
+    """With a secret: a process of another user floods the decode's tcp data port with junk
+    proofs (thousands a second, each on a connection of its own) while the decode's control
+    thread is stalled between its Hello and the prefill's HelloAck (as a slow flood of its
+    control socket would stall it). The room still ends Success byte-exact, and so does one
+    after the flood. Before, the prefill's proof came before the decode had the session key,
+    waited in a 256-slot table the junk pushed it out of, and the connection was never proven
+    (the room stayed WaitingForInput for good)."""
+    # heartbeats of 2 s: the stall (1 s) is not long enough for either side to give up
+    with engine_pair(settings=fast_settings(**tcp_pair_settings("s3cret"),
+                                            heartbeat_interval_s=2.0), num_pages=8) as (p, d):
+        target = d.agent.transport.address.decode()
+        flood = subprocess.Popen(hostile.attack_argv("junk_claims", target, seed=5,
+                                                     count=50_000, uid=OTHER_UID),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert wait_until(lambda: counters(d)["data_refused_proofs"] >= 300, WAIT_S)
+            out0 = counters(d)["messages_out"]
+            r = secrets.randbits(63)
+            s = p.send(r, 40)
+            rv = d.recv(r, 40, p.address)
+            # the decode's Hello is out: stall its control thread before the HelloAck is read
+            assert wait_until(lambda: counters(d)["messages_out"] > out0, WAIT_S)
+            d.agent._loop.query(lambda _: time.sleep(1.0), timeout=WAIT_S)
+            assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+            assert d.bad_bytes(r, 40) == 0
+        finally:
+            flood.kill()
+            flood.wait(WAIT_S)
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)
+        assert d.bad_bytes(r, 40) == 0
+
+
+def test_a_flood_refused_before_decoding_does_not_hide_a_dead_peer() -> None:
+    """With a secret: while frames sealed in the prefill's name under made-up seals flood the
+    decode (refused over their raw bytes, never decoded), the prefill falls silent mid-room
+    (its control thread frozen for 20 heartbeats): the decode's room still fails as silent.
+    A batch of such frames counts as read (none taken), as a batch of garbage does."""
+    with engine_pair(settings=fast_settings(hmac_secret="s3cret"), num_pages=8) as (p, d):
+        r = secrets.randbits(63)
+        s = p.send(r, 40, ready=2)
+        rv = d.recv(r, 40, p.address)
+        assert rv.wait_for_layer(layers_of(p.layout)[1], WAIT_S)
+        stop = threading.Event()
+        junk = [hostile.sealed_garbage(p.address, int(p.agent.generation))] * 200
+
+        def flood() -> None:
+            while not stop.is_set():
+                hostile.send_control(d.address, junk)
+
+        floods = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+        for t in floods:
+            t.start()
+        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
+            lambda _: time.sleep(20 * 0.2), timeout=WAIT_S))
+        try:
+            assert wait_until(lambda: counters(d)["unauthenticated_messages"] > 1000, WAIT_S)
+            frozen.start()
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert "silent" in (rv.failure or ""), rv.failure
+        finally:
+            stop.set()
+            for t in floods:
+                t.join(WAIT_S)
+            frozen.join(WAIT_S)
+        s.abort("test over")
