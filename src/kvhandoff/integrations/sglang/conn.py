@@ -101,6 +101,7 @@ class Meta(msgspec.Struct, frozen=True):
     is_dummy: bool
     tail_tokens: int = 0  # live DSA kpool tail tokens of the decode's request (0: none)
     attn_tp_size: int = 0  # the decode's attention TP size (0: not stated)
+    swa_pages: int = 0  # pages of the decode's SWA state indices (its window; 0: none)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -128,6 +129,7 @@ class DecodeInfo:
     decode_prefix_len: int
     num_pages: int
     tail_tokens: int = 0
+    swa_pages: int = 0
 
 
 def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings:
@@ -337,7 +339,15 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             decode_port=self.rank_port, decode_prefix_len=int(decode_prefix_len or 0),
             num_pages=len(kv_indices), required_dst_info_num=int(required_dst_info_num or 1),
             is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices),
-            attn_tp_size=int(self.attn_tp_size)))]
+            attn_tp_size=int(self.attn_tp_size),
+            swa_pages=self._state_len(self.built.swa_slot, state_indices)))]
+
+    @staticmethod
+    def _state_len(slot: int | None, state_indices: list[Any] | None) -> int:
+        if slot is None or state_indices is None or slot >= len(state_indices) \
+                or state_indices[slot] is None:
+            return 0
+        return len(state_indices[slot])
 
     def tp_refusal(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
         """Why this pair cannot hand off a non-MLA pool (None: it can). Such a pool holds a
@@ -428,7 +438,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 endpoint=m.decode_ip, dst_port=m.decode_port, is_dummy=m.is_dummy,
                 required_dst_info_num=m.required_dst_info_num,
                 decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages,
-                tail_tokens=m.tail_tokens)
+                tail_tokens=m.tail_tokens, swa_pages=m.swa_pages)
             if len(infos) < m.required_dst_info_num:
                 return  # more decode ranks of this room still to come
             # every TP rank of the prefill must start its chunks at the same token, dummy

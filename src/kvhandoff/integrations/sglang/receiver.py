@@ -18,7 +18,7 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import tail_pages
+from kvhandoff.integrations.sglang.layout import swa_start_pages, tail_pages
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -76,6 +76,20 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             else:
                 for name in b.indexer_regions:
                     table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
+        starts: dict[str, int] = {}
+        if problem is None and b.swa_slot is not None and len(pages):
+            slot = b.swa_slot
+            swa = None if state_indices is None or slot >= len(state_indices) \
+                else state_indices[slot]
+            try:
+                start = swa_start_pages(len(pages), swa, f"state_indices[{slot}] (swa)")
+            except ConfigError as e:
+                problem = str(e)
+            else:
+                for name in b.swa_regions:
+                    table[name] = np.asarray(swa, dtype=np.int64).reshape(-1)
+                    if start:
+                        starts[name] = start * ps
         tail = np.zeros(0, np.int64)
         if problem is None and b.tail_slot is not None:
             try:
@@ -108,7 +122,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             if len(pages):
                 h = mgr.agent.receiver(room, peer=kv_addr)
                 self._handles.append(h)
-                h.init(table, len(pages) * ps, 0)
+                h.init(table, len(pages) * ps, 0, region_starts=starts or None)
             if mgr.aux_agent is not None and aux_addr is not None:
                 assert b.aux_layout is not None
                 ah = mgr.aux_agent.receiver(room, peer=aux_addr)
