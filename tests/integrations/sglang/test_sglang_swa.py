@@ -139,9 +139,10 @@ def _fill(pool: Any, meta: Any, seed: int) -> None:
 
 
 def prefill_send(pre: S.Side, eng: Engine, sender: Any, row: int, seq_len: int,
-                 window: int) -> None:
-    """SGLang's ``_send_kv_chunk`` of the request's last chunk: it makes the KV pages and the
-    state indices (its ``_swa_payload``) and calls the sender's ``send``. The scheduler is a
+                 window: int, chunk_at: int | None = None) -> None:
+    """SGLang's ``_send_kv_chunk`` of the request (with `chunk_at`: a first chunk ending
+    there, then the last): it makes the KV pages and, with the last chunk, the state indices
+    (its ``_swa_payload``) and calls the sender's ``send``. The scheduler is a
     stand-in of the fields that method reads (prefill.py 0.5.23, 1528-1790)."""
     from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
@@ -158,12 +159,16 @@ def prefill_send(pre: S.Side, eng: Engine, sender: Any, row: int, seq_len: int,
                           origin_input_ids=list(range(seq_len)), extend_end=seq_len,
                           disagg_decode_prefix_len=0, kv=SimpleNamespace(req_pool_idx=row),
                           disagg_kv_sender=sender)
+    if chunk_at is not None:
+        SchedulerDisaggregationPrefillMixin._send_kv_chunk(sched, req, last_chunk=False,
+                                                           end_idx=chunk_at)
+        assert req.start_send_idx == chunk_at
     SchedulerDisaggregationPrefillMixin._send_kv_chunk(sched, req, last_chunk=True)
 
 
 def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: int,
-            seq_len: int, *, windows: tuple[int, int] = (WINDOW, WINDOW)
-            ) -> tuple[int, int, str | None, Any, Any, Any]:
+            seq_len: int, *, windows: tuple[int, int] = (WINDOW, WINDOW),
+            chunk_at: int | None = None) -> tuple[int, int, str | None, Any, Any, Any]:
     """One request of `seq_len` tokens: SGLang allocates it on both sides (prefill row 1,
     decode row 2), the decode sends its metadata, the prefill's ``_send_kv_chunk`` sends.
     The final states, the decode's failure, the decode's KV pages and both SWA index lists."""
@@ -184,15 +189,19 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
     assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
     assert s.pop_decode_prefix_len() == 0
     s.init(len(d_kv), S_AUX)
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"kv": [], "calls": 0}
     send = s.send
 
     def recorded(kv: Any, state: Any = None, **kw: Any) -> None:  # what SGLang hands us
-        seen["kv"], seen["swa"] = np.asarray(kv), np.asarray(state[0])
+        seen["kv"].append(np.asarray(kv))
+        seen["calls"] += 1
+        if state is not None:
+            seen["swa"] = np.asarray(state[0])
         send(kv, state, **kw)
 
     s.send = recorded
-    prefill_send(pre, pe, s, 1, seq_len, windows[0])
+    prefill_send(pre, pe, s, 1, seq_len, windows[0], chunk_at)
+    assert seen["calls"] == (1 if chunk_at is None else 2)
     rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
     reason = None
     if rs == KVPoll.Failed:
@@ -201,7 +210,7 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
         except Exception as e:  # SGLang's KVTransferError
             reason = str(e)
     ss = _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed))
-    return rs, ss, reason, (seen["kv"], d_kv), seen["swa"], d_swa
+    return rs, ss, reason, (np.concatenate(seen["kv"]), d_kv), seen["swa"], d_swa
 
 
 def _sides(bootstrap: Any, *, dec_layers: tuple[tuple[int, ...], tuple[int, ...]] = (
@@ -216,9 +225,12 @@ def _sides(bootstrap: Any, *, dec_layers: tuple[tuple[int, ...], tuple[int, ...]
     return pre, dec, Engine(pp), Engine(dp)
 
 
-@pytest.mark.parametrize("seq_len", [30, 100], ids=["inside-window", "past-window"])
+@pytest.mark.parametrize(("seq_len", "chunk_at"), [(30, None), (100, None), (100, 48)],
+                         ids=["inside-window", "past-window", "past-window-two-chunks"])
 def test_swa_pair_built_by_sglangs_queues_hands_off_the_window_byte_exact(
-        bootstrap: Any, seq_len: int) -> None:
+        bootstrap: Any, seq_len: int, chunk_at: int | None) -> None:
+    """With two chunks the first streams the full layers' pages only (SGLang gives the
+    window's indices with the last chunk) and the window moves with the last."""
     import torch
     from sglang.srt.disaggregation.base.conn import KVPoll, StateType
 
@@ -235,7 +247,7 @@ def test_swa_pair_built_by_sglangs_queues_hands_off_the_window_byte_exact(
         _fill(pre.pool, pre.metadata, seq_len)
         d_full0, d_swa0 = (list(map(torch.clone, v)) for v in views(dec.pool))
         rs, ss, reason, (p_kv, d_kv), p_swa, d_swa = handoff(
-            pre, dec, pe, de, bootstrap.port, 9500 + seq_len, seq_len)
+            pre, dec, pe, de, bootstrap.port, 9500 + seq_len, seq_len, chunk_at=chunk_at)
         assert rs == KVPoll.Success, reason
         assert ss == KVPoll.Success
         n_pages = -(-seq_len // PAGE)
@@ -296,3 +308,20 @@ def test_decode_window_of_another_page_count_is_refused_naming_both(bootstrap: A
     finally:
         dec.kv_manager.close()
         pre.kv_manager.close()
+
+
+def test_window_tables_are_the_suffixs_last_pages_and_refuse_what_is_not() -> None:
+    from kvhandoff.errors import ConfigError
+    from kvhandoff.integrations.sglang.layout import swa_send_table, swa_start_pages
+
+    assert swa_start_pages(7, [9, 4, 5, 1], "w") == 3
+    table = swa_send_table(7, [9, 4, 5, 1], 12, "w")
+    # the window last, in SGLang's order; the three pages before it distinct and outside it
+    assert table[3:].tolist() == [9, 4, 5, 1]
+    assert len(set(table.tolist())) == 7 and not {9, 4, 5, 1} & set(table[:3].tolist())
+    assert swa_send_table(2, [3, 0], 12, "w").tolist() == [3, 0]
+    for bad in (None, [], list(range(8))):
+        with pytest.raises(ConfigError, match=r"w: expected 1\.\.7 window pages"):
+            swa_start_pages(7, bad, "w")
+    with pytest.raises(ConfigError, match="the window pool has 5 pages, too few"):
+        swa_send_table(7, [0, 1, 2, 3], 5, "w")
