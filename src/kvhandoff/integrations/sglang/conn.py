@@ -81,6 +81,7 @@ log = logging.getLogger("kvhandoff.sglang")
 ENGINE_KV = "sglang-kvhandoff"
 ENGINE_AUX = "sglang-kvhandoff-aux"
 ENGINE_TAIL = "sglang-kvhandoff-tail"
+ENGINE_STATE = "sglang-kvhandoff-state"
 META_TAG = b"KVH_META"
 REG_TAG = b"KVH_REG"
 STATUS_TAG = b"KVH_STATUS"
@@ -178,7 +179,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._stop = threading.Event()
         self._agents: list[TransferAgent] = []
         self._room_lock = threading.Lock()
-        self._routes: dict[tuple[str, int, int], tuple[str, str | None, str | None]] = {}
+        self._routes: dict[tuple[str, int, int],
+                           tuple[str, str | None, str | None, str | None]] = {}
         # decode: the agent rooms of each request, until SGLang forgets it (deferred release)
         self.room_handles: dict[int, list[Any]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -213,6 +215,11 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 self.tail_agent = TransferAgent(role, built.tail_layout, built.tail_buffers,
                                                 settings, engine_id=ENGINE_TAIL, **ident)
                 self._agents.append(self.tail_agent)
+            self.state_agent: TransferAgent | None = None
+            if built.state_layout is not None:
+                self.state_agent = TransferAgent(role, built.state_layout, built.state_buffers,
+                                                 settings, engine_id=ENGINE_STATE, **ident)
+                self._agents.append(self.state_agent)
         except BaseException:
             self.close()
             raise
@@ -459,8 +466,9 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     # ---------------------------------------------------------------- decode: routes
 
     def route(self, bootstrap_addr: str, dp_rank: int, tp_rank: int, tp_size: int
-              ) -> tuple[str, str | None, str | None]:
-        """The control addresses of the prefill rank's KV, aux and tail agents (cached)."""
+              ) -> tuple[str, str | None, str | None, str | None]:
+        """The control addresses of the prefill rank's KV, aux, tail and state agents
+        (cached)."""
         key = (bootstrap_addr, dp_rank, tp_rank)
         hit = self._routes.get(key)
         if hit is not None:
@@ -472,7 +480,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         deadline = time.monotonic() + ROUTE_WAIT_S
         with BootstrapClient(url, total_wait_s=ROUTE_WAIT_S) as c:
             for engine in (ENGINE_KV, ENGINE_AUX if self.aux_agent is not None else None,
-                           ENGINE_TAIL if self.tail_agent is not None else None):
+                           ENGINE_TAIL if self.tail_agent is not None else None,
+                           ENGINE_STATE if self.state_agent is not None else None):
                 if engine is None:
                     addrs.append(None)
                     continue
@@ -493,7 +502,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 addrs.append(ranks[0].agent_address)
         kv = addrs[0]
         assert kv is not None
-        out = (kv, addrs[1], addrs[2])
+        out = (kv, addrs[1], addrs[2], addrs[3])
         self._routes[key] = out
         return out
 

@@ -26,6 +26,16 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   they are the last pages of the room's suffix (the decode states where they start: the
   agent's ``region_starts``), so nothing before the window moves or is read.
 
+- the **state layout** (page size 1, only with ``StateType.MAMBA``: SGLang's ``MambaPool`` of a
+  ``HybridLinearKVPool``): one region ``mamba<t>`` per state tensor in SGLang's order (the conv
+  state(s), then the temporal/SSM state), layer ids the global Mamba / linear-attention layer
+  ids SGLang gives (``state_layer_ids``), a page being one request row of ``item_len`` bytes
+  (plane ``row``). A request's page is its Mamba row (SGLang's one-element state index), on
+  each side its own. The identity holds each tensor's sliceable dimension and outer row count
+  (``state_dim_per_tensor``, ``state_slice_outer_counts``) and the attention TP size (the state
+  is split by heads across ranks; this backend moves it rank to rank), so another state shape
+  or TP fails the handshake.
+
 Every other state type is refused at startup, naming it.
 
 A page of a main KV region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of
@@ -66,7 +76,8 @@ from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
 DSA_STATE = "dsa"
 DSA_TAIL_STATE = "dsa_tail"
 SWA_STATE = "swa"
-SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE)
+MAMBA_STATE = "mamba"
+SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -96,6 +107,9 @@ class Built:
     swa_slot: int | None = None  # index of the SWA component
     swa_regions: tuple[str, ...] = ()  # regions fed by the SWA state's page list
     swa_capacity: int = 0  # pages of the window pool (its smallest buffer)
+    state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
+    state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
+    mamba_slot: int | None = None  # index of the MAMBA component
 
     @property
     def indexer_regions(self) -> tuple[str, ...]:
@@ -144,7 +158,8 @@ def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
             f"kv_args.state_types[{i}]: state type {name!r} is not supported by the kvhandoff "
             f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
             f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
-            f"'{SWA_STATE}'); use another transfer backend for this model")
+            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}'); use another "
+            f"transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
     return found
@@ -260,7 +275,7 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     dtype = str(kv_args.kv_cache_dtype_str)
     slots = state_slots(getattr(kv_args, "state_types", []) or [])
     dsa_slot, tail_slot = slots.get(DSA_STATE), slots.get(DSA_TAIL_STATE)
-    swa_slot = slots.get(SWA_STATE)
+    swa_slot, mamba_slot = slots.get(SWA_STATE), slots.get(MAMBA_STATE)
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
@@ -353,11 +368,74 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     if tail_slot is not None:
         tail_layout, tail_buffers = _tail_layout(kv_args, tail_slot, target, draft, device,
                                                  num_layers, ident)
+    state_layout: LayoutSpec | None = None
+    state_buffers: dict[str, dict[int, Any]] = {}
+    if mamba_slot is not None:
+        state_layout, state_buffers = _mamba_layout(kv_args, mamba_slot, device, ident,
+                                                    parallel)
     return Built(kv_layout=kv_layout, kv_buffers=buffers, aux_layout=aux_layout,
                  aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions,
                  tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
                  swa_slot=swa_slot, swa_regions=tuple(swa_regions),
-                 swa_capacity=swa_capacity)
+                 swa_capacity=swa_capacity, state_layout=state_layout,
+                 state_buffers=state_buffers, mamba_slot=mamba_slot)
+
+
+def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Parallel
+                  ) -> tuple[LayoutSpec, dict[str, dict[int, Any]]]:
+    """The state layout of SGLang's Mamba component: its entries are tensor-major x layer
+    (``MambaPool.get_contiguous_buf_infos``), one region per tensor."""
+    where = f"kv_args.state_data_ptrs[{slot}] ({MAMBA_STATE})"
+    sp = list(kv_args.state_data_ptrs[slot])
+    sl = list(kv_args.state_data_lens[slot])
+    si = list(kv_args.state_item_lens[slot])
+    ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])[slot:slot + 1]
+                            or [[]])[0]]
+    n = len(sp)
+    if not n or not len(sl) == len(si) == n:
+        raise ConfigError(f"{where}: expected equal non-zero ptrs/lens/item_lens, got "
+                          f"{n}/{len(sl)}/{len(si)}")
+    if len(ids) != n:
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected one layer id per "
+                          f"{MAMBA_STATE} entry ({n}), got {len(ids)}")
+    layers = list(dict.fromkeys(ids))
+    nl = len(layers)
+    if n % nl or any(ids[t * nl:(t + 1) * nl] != layers for t in range(n // nl)):
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected the same layers for "
+                          f"every state tensor (tensor-major x layer), got {ids}")
+    order = sorted(range(nl), key=lambda i: layers[i])
+    dims = list(getattr(kv_args, "state_dim_per_tensor", None) or [])
+    outer = list(getattr(kv_args, "state_slice_outer_counts", None) or [])
+
+    def per_tensor(v: list[Any]) -> list[int]:
+        part = v[slot] if slot < len(v) else []
+        return [int(part[t * nl]) for t in range(n // nl)] if len(part) == n else []
+
+    regions: list[RegionSpec] = []
+    buffers: dict[str, dict[int, Any]] = {}
+    for t in range(n // nl):
+        g = _Entries(f"mamba{t}", [t * nl + i for i in order], [layers[i] for i in order])
+        built = _region(g, sp, sl, si, device, where, send_from=SendFrom.START,
+                        planes=lambda item, w: ([Plane("row", item)], 1))
+        if built is None:
+            raise ConfigError(f"{where}: every entry of state tensor {t} has item length 0")
+        regions.append(built[0])
+        buffers[g.name] = built[1]
+    model = (f"{ident};mamba;dims={per_tensor(dims)};outer={per_tensor(outer)};"
+             f"attn_tp={parallel.attn_tp_size}")
+    return LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(regions),
+                      model=model, num_layers=max(layers) + 1), buffers
+
+
+def mamba_row(indices: Any, where: str) -> int:
+    """The request's Mamba row from SGLang's state index (``[row]``, the row a one-element
+    array or an int, as its ``_mamba_payload`` gives it)."""
+    if indices is None or len(indices) != 1:
+        raise ConfigError(f"{where}: expected SGLang's one Mamba row index, got {indices!r}")
+    flat = np.asarray(indices[0]).reshape(-1)
+    if len(flat) != 1 or int(flat[0]) < 0:
+        raise ConfigError(f"{where}: expected one row index >= 0, got {flat.tolist()}")
+    return int(flat[0])
 
 
 def _swa_entries(kv_args: Any, slot: int, per_layer: int) -> list[_Entries]:

@@ -18,7 +18,7 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import swa_start_pages, tail_pages
+from kvhandoff.integrations.sglang.layout import mamba_row, swa_start_pages, tail_pages
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -32,7 +32,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                  bootstrap_room: int | None = None) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._handles: list[Any] = []
-        self._agent_addrs: tuple[str, str | None, str | None] | None = None
+        self._agent_addrs: tuple[str, str | None, str | None, str | None] | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
@@ -99,6 +99,14 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                                   f"state_indices[{b.tail_slot}] (dsa_tail)")
             except ConfigError as e:
                 problem = str(e)
+        row = None
+        if problem is None and b.mamba_slot is not None:
+            slot = b.mamba_slot
+            try:
+                row = mamba_row(None if state_indices is None or slot >= len(state_indices)
+                                else state_indices[slot], f"state_indices[{slot}] (mamba)")
+            except ConfigError as e:
+                problem = str(e)
         if problem is None and mgr.aux_agent is not None and aux_index is None:
             problem = "aux_index: missing (SGLang's metadata buffer slot)"
         if problem is not None:
@@ -113,7 +121,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         if refused is not None:
             self._local_failure(refused)
             return
-        kv_addr, aux_addr, tail_addr = self._agent_addrs
+        kv_addr, aux_addr, tail_addr, state_addr = self._agent_addrs
         room = self.bootstrap_room
         assert room is not None
         mgr.forget_released_rooms()
@@ -134,6 +142,11 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 self._handles.append(th)
                 th.init(dict.fromkeys((r.name for r in b.tail_layout.regions), tail),
                         len(tail), 0)
+            if row is not None and mgr.state_agent is not None and state_addr is not None:
+                assert b.state_layout is not None
+                sh = mgr.state_agent.receiver(room, peer=state_addr)
+                self._handles.append(sh)
+                sh.init({r.name: [row] for r in b.state_layout.regions}, 1, 0)
         except KVHandoffError as e:
             for h in self._handles:
                 h.abort(str(e))

@@ -20,7 +20,7 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import swa_send_table, tail_pages
+from kvhandoff.integrations.sglang.layout import mamba_row, swa_send_table, tail_pages
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -207,6 +207,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                 self._handles.append(ah)
                 ah.layers_ready([r.layer_ids[0] for r in b.aux_layout.regions], event)
             self._open_tail(state_indices, real, event)
+            self._open_state(state_indices, real, event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
 
@@ -227,6 +228,22 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                               f"{sorted(theirs)} (another seq_len, window or page size)")
         table = swa_send_table(num_pages, swa, b.swa_capacity, where)
         return dict.fromkeys(b.swa_regions, table)
+
+    def _open_state(self, state_indices: list[Any] | None, real: list[DecodeInfo],
+                    event: Any) -> None:
+        """The Mamba state room: the request's row of every state tensor and layer."""
+        mgr, b = self.kv_mgr, self.kv_mgr.built
+        if mgr.state_agent is None or b.mamba_slot is None or b.state_layout is None:
+            return
+        slot = b.mamba_slot
+        row = mamba_row(None if state_indices is None or slot >= len(state_indices)
+                        else state_indices[slot], f"state_indices[{slot}] (mamba)")
+        sh = mgr.state_agent.sender(
+            self.bootstrap_room, pages={r.name: [row] for r in b.state_layout.regions},
+            seq_len=1, num_decode_ranks=len(real))
+        self._handles.append(sh)
+        sh.layers_ready(sorted({lid for r in b.state_layout.regions for lid in r.layer_ids}),
+                        event)
 
     def _open_tail(self, state_indices: list[Any] | None, real: list[DecodeInfo],
                    event: Any) -> None:
@@ -285,7 +302,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         metric = KVTransferMetric()
         if not self._handles:
             return metric
-        rooms = [t for a in (mgr.agent, mgr.aux_agent, mgr.tail_agent) if a is not None
+        rooms = [t for a in (mgr.agent, mgr.aux_agent, mgr.tail_agent, mgr.state_agent)
+                 if a is not None
                  if (t := a.room_timings(self.bootstrap_room)) is not None]
         if rooms and rooms[0]["state"] == "Success" and rooms[0]["total_ms"] is not None:
             metric.transfer_latency_s = rooms[0]["total_ms"] / 1e3
