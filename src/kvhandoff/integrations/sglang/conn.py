@@ -81,6 +81,7 @@ log = logging.getLogger("kvhandoff.sglang")
 ENGINE_KV = "sglang-kvhandoff"
 ENGINE_AUX = "sglang-kvhandoff-aux"
 ENGINE_TAIL = "sglang-kvhandoff-tail"
+ENGINE_STATE = "sglang-kvhandoff-state"
 META_TAG = b"KVH_META"
 REG_TAG = b"KVH_REG"
 STATUS_TAG = b"KVH_STATUS"
@@ -101,6 +102,7 @@ class Meta(msgspec.Struct, frozen=True):
     is_dummy: bool
     tail_tokens: int = 0  # live DSA kpool tail tokens of the decode's request (0: none)
     attn_tp_size: int = 0  # the decode's attention TP size (0: not stated)
+    swa_pages: int = 0  # pages of the decode's SWA state indices (its window; 0: none)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -128,6 +130,7 @@ class DecodeInfo:
     decode_prefix_len: int
     num_pages: int
     tail_tokens: int = 0
+    swa_pages: int = 0
 
 
 def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings:
@@ -176,7 +179,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self._stop = threading.Event()
         self._agents: list[TransferAgent] = []
         self._room_lock = threading.Lock()
-        self._routes: dict[tuple[str, int, int], tuple[str, str | None, str | None]] = {}
+        self._routes: dict[tuple[str, int, int],
+                           tuple[str, str | None, str | None, str | None]] = {}
         # decode: the agent rooms of each request, until SGLang forgets it (deferred release)
         self.room_handles: dict[int, list[Any]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -211,6 +215,11 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 self.tail_agent = TransferAgent(role, built.tail_layout, built.tail_buffers,
                                                 settings, engine_id=ENGINE_TAIL, **ident)
                 self._agents.append(self.tail_agent)
+            self.state_agent: TransferAgent | None = None
+            if built.state_layout is not None:
+                self.state_agent = TransferAgent(role, built.state_layout, built.state_buffers,
+                                                 settings, engine_id=ENGINE_STATE, **ident)
+                self._agents.append(self.state_agent)
         except BaseException:
             self.close()
             raise
@@ -337,7 +346,15 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             decode_port=self.rank_port, decode_prefix_len=int(decode_prefix_len or 0),
             num_pages=len(kv_indices), required_dst_info_num=int(required_dst_info_num or 1),
             is_dummy=bool(is_dummy), tail_tokens=self._tail_tokens(state_indices),
-            attn_tp_size=int(self.attn_tp_size)))]
+            attn_tp_size=int(self.attn_tp_size),
+            swa_pages=self._state_len(self.built.swa_slot, state_indices)))]
+
+    @staticmethod
+    def _state_len(slot: int | None, state_indices: list[Any] | None) -> int:
+        if slot is None or state_indices is None or slot >= len(state_indices) \
+                or state_indices[slot] is None:
+            return 0
+        return len(state_indices[slot])
 
     def tp_refusal(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
         """Why this pair cannot hand off a non-MLA pool (None: it can). Such a pool holds a
@@ -428,7 +445,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 endpoint=m.decode_ip, dst_port=m.decode_port, is_dummy=m.is_dummy,
                 required_dst_info_num=m.required_dst_info_num,
                 decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages,
-                tail_tokens=m.tail_tokens)
+                tail_tokens=m.tail_tokens, swa_pages=m.swa_pages)
             if len(infos) < m.required_dst_info_num:
                 return  # more decode ranks of this room still to come
             # every TP rank of the prefill must start its chunks at the same token, dummy
@@ -449,8 +466,9 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
     # ---------------------------------------------------------------- decode: routes
 
     def route(self, bootstrap_addr: str, dp_rank: int, tp_rank: int, tp_size: int
-              ) -> tuple[str, str | None, str | None]:
-        """The control addresses of the prefill rank's KV, aux and tail agents (cached)."""
+              ) -> tuple[str, str | None, str | None, str | None]:
+        """The control addresses of the prefill rank's KV, aux, tail and state agents
+        (cached)."""
         key = (bootstrap_addr, dp_rank, tp_rank)
         hit = self._routes.get(key)
         if hit is not None:
@@ -462,7 +480,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         deadline = time.monotonic() + ROUTE_WAIT_S
         with BootstrapClient(url, total_wait_s=ROUTE_WAIT_S) as c:
             for engine in (ENGINE_KV, ENGINE_AUX if self.aux_agent is not None else None,
-                           ENGINE_TAIL if self.tail_agent is not None else None):
+                           ENGINE_TAIL if self.tail_agent is not None else None,
+                           ENGINE_STATE if self.state_agent is not None else None):
                 if engine is None:
                     addrs.append(None)
                     continue
@@ -483,7 +502,7 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 addrs.append(ranks[0].agent_address)
         kv = addrs[0]
         assert kv is not None
-        out = (kv, addrs[1], addrs[2])
+        out = (kv, addrs[1], addrs[2], addrs[3])
         self._routes[key] = out
         return out
 

@@ -17,6 +17,25 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   (`TAIL_SLOT_BYTES`): page ``row * tail_size + slot``, so the live slots of prefill and decode
   pair up one by one even when their rings differ in size (speculative slots).
 
+- the **sliding-window pool** (state component ``StateType.SWA``: SGLang's ``SWAKVPool``, the
+  pages of its window layers, from ``swa_kv_pool.get_contiguous_buf_infos``): regions
+  ``swa_k`` / ``swa_v`` (MHA; ``swa_kv`` for an MLA-class window pool) in the KV layout, same
+  page size, their own layer band (SGLang lists the window layers by position, as it lists the
+  full ones for this pool). Their pages are SGLang's SWA state indices: the window's pages
+  ``[max(decode_prefix_len, seq_len - window), seq_len)`` page-aligned down, on both sides;
+  they are the last pages of the room's suffix (the decode states where they start: the
+  agent's ``region_starts``), so nothing before the window moves or is read.
+
+- the **state layout** (page size 1, only with ``StateType.MAMBA``: SGLang's ``MambaPool`` of a
+  ``HybridLinearKVPool``): one region ``mamba<t>`` per state tensor in SGLang's order (the conv
+  state(s), then the temporal/SSM state), layer ids the global Mamba / linear-attention layer
+  ids SGLang gives (``state_layer_ids``), a page being one request row of ``item_len`` bytes
+  (plane ``row``). A request's page is its Mamba row (SGLang's one-element state index), on
+  each side its own. The identity holds each tensor's sliceable dimension and outer row count
+  (``state_dim_per_tensor``, ``state_slice_outer_counts``) and the attention TP size (the state
+  is split by heads across ranks; this backend moves it rank to rank), so another state shape
+  or TP fails the handshake.
+
 Every other state type is refused at startup, naming it.
 
 A page of a main KV region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of
@@ -56,6 +75,9 @@ from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
 
 DSA_STATE = "dsa"
 DSA_TAIL_STATE = "dsa_tail"
+SWA_STATE = "swa"
+MAMBA_STATE = "mamba"
+SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -82,11 +104,18 @@ class Built:
     tail_layout: LayoutSpec | None = None
     tail_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
     tail_slot: int | None = None  # index of the DSA_TAIL component
+    swa_slot: int | None = None  # index of the SWA component
+    swa_regions: tuple[str, ...] = ()  # regions fed by the SWA state's page list
+    swa_capacity: int = 0  # pages of the window pool (its smallest buffer)
+    state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
+    state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
+    mamba_slot: int | None = None  # index of the MAMBA component
 
     @property
     def indexer_regions(self) -> tuple[str, ...]:
         """The regions fed by the DSA state's page list (target and draft indexer)."""
-        return tuple(r.name for r in self.kv_layout.regions if r.name not in self.kv_regions)
+        return tuple(r.name for r in self.kv_layout.regions
+                     if r.name not in self.kv_regions and r.name not in self.swa_regions)
 
 
 class _CudaBytes:
@@ -116,22 +145,29 @@ def _state_name(t: Any) -> str:
     return str(getattr(t, "value", t))
 
 
-def check_state_types(state_types: Sequence[Any]) -> tuple[int | None, int | None]:
-    """The slots of the DSA component and of its kpool tail; any other state type is
-    refused, named."""
+def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
+    """The slot (index in ``state_types`` / ``state_indices``) of each state component this
+    backend moves, by its SGLang value; any other state type is refused, named."""
     found: dict[str, int] = {}
     for i, t in enumerate(state_types or ()):
         name = _state_name(t)
-        if name in (DSA_STATE, DSA_TAIL_STATE) and name not in found:
+        if name in SUPPORTED_STATES and name not in found:
             found[name] = i
             continue
         raise ConfigError(
             f"kv_args.state_types[{i}]: state type {name!r} is not supported by the kvhandoff "
             f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
-            f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}'); use another transfer "
-            f"backend for this model")
+            f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
+            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}'); use another "
+            f"transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
+    return found
+
+
+def check_state_types(state_types: Sequence[Any]) -> tuple[int | None, int | None]:
+    """The slots of the DSA component and of its kpool tail (`state_slots`)."""
+    found = state_slots(state_types)
     return found.get(DSA_STATE), found.get(DSA_TAIL_STATE)
 
 
@@ -237,7 +273,9 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     if ps <= 0:
         raise ConfigError(f"kv_args.page_size: expected > 0, got {ps}")
     dtype = str(kv_args.kv_cache_dtype_str)
-    dsa_slot, tail_slot = check_state_types(getattr(kv_args, "state_types", []) or [])
+    slots = state_slots(getattr(kv_args, "state_types", []) or [])
+    dsa_slot, tail_slot = slots.get(DSA_STATE), slots.get(DSA_TAIL_STATE)
+    swa_slot, mamba_slot = slots.get(SWA_STATE), slots.get(MAMBA_STATE)
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
@@ -255,6 +293,10 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     target = given[:nt] if len(given) == n and given[:nt] == sorted(set(given[:nt])) \
         and min(given[:nt]) >= 0 else list(range(nt))
     num_layers = max(target) + 1
+    swa_groups: list[_Entries] = []
+    if swa_slot is not None:
+        swa_groups = _swa_entries(kv_args, swa_slot, per_layer)
+        num_layers = max(num_layers, *(max(g.layer_ids) + 1 for g in swa_groups))
     draft = list(range(num_layers, num_layers + nd))
     groups: list[_Entries] = []
     names = ("kv",) if is_mla else ("k", "v")
@@ -290,6 +332,24 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
             if built is not None:
                 regions.append(built[0])
                 buffers[g.name] = built[1]
+    swa_regions: list[str] = []
+    swa_capacity = 0
+    if swa_slot is not None:
+        where = f"kv_args.state_data_ptrs[{swa_slot}] ({SWA_STATE})"
+        sp = kv_args.state_data_ptrs[swa_slot]
+        sl = kv_args.state_data_lens[swa_slot]
+        si = kv_args.state_item_lens[swa_slot]
+        for g in swa_groups:
+            built = _region(g, sp, sl, si, device, where, send_from=SendFrom.START,
+                            planes=_opaque(ps))
+            if built is None:
+                raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+            regions.append(built[0])
+            buffers[g.name] = built[1]
+            swa_regions.append(g.name)
+            page_bytes = built[0].bytes_per_token * ps
+            cap = min(len(v) // page_bytes for v in built[1].values())
+            swa_capacity = cap if not swa_capacity else min(swa_capacity, cap)
     # Only what both sides are given: SGLang's decode fills ``kv_head_num`` and
     # ``total_kv_head_num`` only for its staging buffers (refused here), its prefill always for
     # a non-MLA pool, so the head counts cannot be part of it. A rank's heads are in its bytes
@@ -297,6 +357,9 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     ident = f"sglang;mla={int(is_mla)};dtype={dtype};page_size={ps};pp={parallel.pp_size}"
     if not is_mla:
         ident += f";attn_tp={parallel.attn_tp_size}"
+    swa_layout = getattr(kv_args, "swa_kv_cache_layout", None)
+    if swa_slot is not None and swa_layout is not None:
+        ident += f";swa_kv_cache_layout={swa_layout}"
     kv_layout = LayoutSpec(page_size_tokens=ps, kv_dtype=dtype, regions=tuple(regions),
                            model=ident, num_layers=num_layers)
     aux_layout, aux_buffers = _aux(kv_args)
@@ -305,9 +368,125 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     if tail_slot is not None:
         tail_layout, tail_buffers = _tail_layout(kv_args, tail_slot, target, draft, device,
                                                  num_layers, ident)
+    state_layout: LayoutSpec | None = None
+    state_buffers: dict[str, dict[int, Any]] = {}
+    if mamba_slot is not None:
+        state_layout, state_buffers = _mamba_layout(kv_args, mamba_slot, device, ident,
+                                                    parallel)
     return Built(kv_layout=kv_layout, kv_buffers=buffers, aux_layout=aux_layout,
                  aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions,
-                 tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot)
+                 tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
+                 swa_slot=swa_slot, swa_regions=tuple(swa_regions),
+                 swa_capacity=swa_capacity, state_layout=state_layout,
+                 state_buffers=state_buffers, mamba_slot=mamba_slot)
+
+
+def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Parallel
+                  ) -> tuple[LayoutSpec, dict[str, dict[int, Any]]]:
+    """The state layout of SGLang's Mamba component: its entries are tensor-major x layer
+    (``MambaPool.get_contiguous_buf_infos``), one region per tensor."""
+    where = f"kv_args.state_data_ptrs[{slot}] ({MAMBA_STATE})"
+    sp = list(kv_args.state_data_ptrs[slot])
+    sl = list(kv_args.state_data_lens[slot])
+    si = list(kv_args.state_item_lens[slot])
+    ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])[slot:slot + 1]
+                            or [[]])[0]]
+    n = len(sp)
+    if not n or not len(sl) == len(si) == n:
+        raise ConfigError(f"{where}: expected equal non-zero ptrs/lens/item_lens, got "
+                          f"{n}/{len(sl)}/{len(si)}")
+    if len(ids) != n:
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected one layer id per "
+                          f"{MAMBA_STATE} entry ({n}), got {len(ids)}")
+    layers = list(dict.fromkeys(ids))
+    nl = len(layers)
+    if n % nl or any(ids[t * nl:(t + 1) * nl] != layers for t in range(n // nl)):
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected the same layers for "
+                          f"every state tensor (tensor-major x layer), got {ids}")
+    order = sorted(range(nl), key=lambda i: layers[i])
+    dims = list(getattr(kv_args, "state_dim_per_tensor", None) or [])
+    outer = list(getattr(kv_args, "state_slice_outer_counts", None) or [])
+
+    def per_tensor(v: list[Any]) -> list[int]:
+        part = v[slot] if slot < len(v) else []
+        return [int(part[t * nl]) for t in range(n // nl)] if len(part) == n else []
+
+    regions: list[RegionSpec] = []
+    buffers: dict[str, dict[int, Any]] = {}
+    for t in range(n // nl):
+        g = _Entries(f"mamba{t}", [t * nl + i for i in order], [layers[i] for i in order])
+        built = _region(g, sp, sl, si, device, where, send_from=SendFrom.START,
+                        planes=lambda item, w: ([Plane("row", item)], 1))
+        if built is None:
+            raise ConfigError(f"{where}: every entry of state tensor {t} has item length 0")
+        regions.append(built[0])
+        buffers[g.name] = built[1]
+    model = (f"{ident};mamba;dims={per_tensor(dims)};outer={per_tensor(outer)};"
+             f"attn_tp={parallel.attn_tp_size}")
+    return LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(regions),
+                      model=model, num_layers=max(layers) + 1), buffers
+
+
+def mamba_row(indices: Any, where: str) -> int:
+    """The request's Mamba row from SGLang's state index (``[row]``, the row a one-element
+    array or an int, as its ``_mamba_payload`` gives it)."""
+    if indices is None or len(indices) != 1:
+        raise ConfigError(f"{where}: expected SGLang's one Mamba row index, got {indices!r}")
+    flat = np.asarray(indices[0]).reshape(-1)
+    if len(flat) != 1 or int(flat[0]) < 0:
+        raise ConfigError(f"{where}: expected one row index >= 0, got {flat.tolist()}")
+    return int(flat[0])
+
+
+def _swa_entries(kv_args: Any, slot: int, per_layer: int) -> list[_Entries]:
+    """The regions of SGLang's sliding-window pool (``SWAKVPool.get_state_buf_infos``: its
+    window pool's K buffers then V buffers, or one buffer per layer for an MLA-class window
+    pool, as the main pool's), layer ids by position."""
+    sp = kv_args.state_data_ptrs[slot]
+    n = len(sp)
+    where = f"kv_args.state_data_ptrs[{slot}] ({SWA_STATE})"
+    if not n or not len(sp) == len(kv_args.state_data_lens[slot]) \
+            == len(kv_args.state_item_lens[slot]):
+        raise ConfigError(f"{where}: expected equal non-zero ptrs/lens/item_lens, got "
+                          f"{n}/{len(kv_args.state_data_lens[slot])}/"
+                          f"{len(kv_args.state_item_lens[slot])}")
+    if n % per_layer:
+        raise ConfigError(f"{where}: a non-MLA window pool has K and V buffers per layer, got "
+                          f"{n} entries")
+    ns = n // per_layer
+    names = ("swa_kv",) if per_layer == 1 else ("swa_k", "swa_v")
+    return [_Entries(nm, list(range(i * ns, (i + 1) * ns)), list(range(ns)))
+            for i, nm in enumerate(names)]
+
+
+def swa_start_pages(num_pages: int, swa: Sequence[int] | None, where: str) -> int:
+    """The suffix page the sliding window starts at: SGLang's SWA state indices are the last
+    pages of the request's suffix (its window, or the whole suffix when the decode's prefix
+    reaches into the window)."""
+    n = 0 if swa is None else len(swa)
+    if swa is None or not 0 < n <= num_pages:
+        raise ConfigError(f"{where}: expected 1..{num_pages} window pages (the last pages of "
+                          f"the {num_pages} suffix pages), got {None if swa is None else n}")
+    return num_pages - n
+
+
+def swa_send_table(num_pages: int, swa: Sequence[int] | None, capacity: int,
+                   where: str) -> np.ndarray:
+    """The prefill's SWA table from suffix page 0: SGLang's window pages last, the pages before
+    the window (which the request no longer holds in the window pool) as distinct page ids
+    outside the window. They are never read: the decode's window starts at the same page (its
+    SWA page count is checked equal to the prefill's before the room opens) and the agent reads
+    a region from its start on."""
+    start = swa_start_pages(num_pages, swa, where)
+    win = np.asarray(swa, dtype=np.int64).reshape(-1)
+    if not start:
+        return win
+    held = set(win.tolist())
+    spare = [p for p in range(capacity) if p not in held][:start]
+    if len(spare) < start:
+        raise ConfigError(f"{where}: the window pool has {capacity} pages, too few to stand "
+                          f"for the {start} pages before the window")
+    return np.concatenate([np.asarray(spare, dtype=np.int64), win])
 
 
 def _aux(kv_args: Any) -> tuple[LayoutSpec | None, dict[str, dict[int, Any]]]:

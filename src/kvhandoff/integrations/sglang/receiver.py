@@ -18,7 +18,7 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import tail_pages
+from kvhandoff.integrations.sglang.layout import mamba_row, swa_start_pages, tail_pages
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -32,7 +32,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                  bootstrap_room: int | None = None) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._handles: list[Any] = []
-        self._agent_addrs: tuple[str, str | None, str | None] | None = None
+        self._agent_addrs: tuple[str, str | None, str | None, str | None] | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
@@ -76,6 +76,20 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             else:
                 for name in b.indexer_regions:
                     table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
+        starts: dict[str, int] = {}
+        if problem is None and b.swa_slot is not None and len(pages):
+            slot = b.swa_slot
+            swa = None if state_indices is None or slot >= len(state_indices) \
+                else state_indices[slot]
+            try:
+                start = swa_start_pages(len(pages), swa, f"state_indices[{slot}] (swa)")
+            except ConfigError as e:
+                problem = str(e)
+            else:
+                for name in b.swa_regions:
+                    table[name] = np.asarray(swa, dtype=np.int64).reshape(-1)
+                    if start:
+                        starts[name] = start * ps
         tail = np.zeros(0, np.int64)
         if problem is None and b.tail_slot is not None:
             try:
@@ -83,6 +97,14 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                                   or b.tail_slot >= len(state_indices)
                                   else state_indices[b.tail_slot],
                                   f"state_indices[{b.tail_slot}] (dsa_tail)")
+            except ConfigError as e:
+                problem = str(e)
+        row = None
+        if problem is None and b.mamba_slot is not None:
+            slot = b.mamba_slot
+            try:
+                row = mamba_row(None if state_indices is None or slot >= len(state_indices)
+                                else state_indices[slot], f"state_indices[{slot}] (mamba)")
             except ConfigError as e:
                 problem = str(e)
         if problem is None and mgr.aux_agent is not None and aux_index is None:
@@ -99,7 +121,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         if refused is not None:
             self._local_failure(refused)
             return
-        kv_addr, aux_addr, tail_addr = self._agent_addrs
+        kv_addr, aux_addr, tail_addr, state_addr = self._agent_addrs
         room = self.bootstrap_room
         assert room is not None
         mgr.forget_released_rooms()
@@ -108,7 +130,7 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             if len(pages):
                 h = mgr.agent.receiver(room, peer=kv_addr)
                 self._handles.append(h)
-                h.init(table, len(pages) * ps, 0)
+                h.init(table, len(pages) * ps, 0, region_starts=starts or None)
             if mgr.aux_agent is not None and aux_addr is not None:
                 assert b.aux_layout is not None
                 ah = mgr.aux_agent.receiver(room, peer=aux_addr)
@@ -120,6 +142,11 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 self._handles.append(th)
                 th.init(dict.fromkeys((r.name for r in b.tail_layout.regions), tail),
                         len(tail), 0)
+            if row is not None and mgr.state_agent is not None and state_addr is not None:
+                assert b.state_layout is not None
+                sh = mgr.state_agent.receiver(room, peer=state_addr)
+                self._handles.append(sh)
+                sh.init({r.name: [row] for r in b.state_layout.regions}, 1, 0)
         except KVHandoffError as e:
             for h in self._handles:
                 h.abort(str(e))

@@ -20,7 +20,7 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import tail_pages
+from kvhandoff.integrations.sglang.layout import mamba_row, swa_send_table, tail_pages
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -124,7 +124,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         try:
             if self._kv is None:
                 table: dict[str, Any] = dict.fromkeys(b.kv_regions, new)
-                for name in b.indexer_regions:
+                for name in (*b.indexer_regions, *b.swa_regions):
                     table[name] = np.zeros(0, np.int64)  # with the last chunk
                 self._kv = mgr.agent.sender(self.bootstrap_room, pages=table,
                                             seq_len=min(total) * ps, chunk_end=len(pages) * ps,
@@ -182,6 +182,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                             f"{None if dsa is None else len(dsa)}")
                     for name in b.indexer_regions:
                         table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
+                if b.swa_slot is not None:
+                    table.update(self._swa_table(state_indices, len(pages), real))
                 ps = b.kv_layout.page_size_tokens
                 if self._kv is None:
                     h = mgr.agent.sender(room, pages=table, seq_len=len(pages) * ps,
@@ -205,8 +207,43 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                 self._handles.append(ah)
                 ah.layers_ready([r.layer_ids[0] for r in b.aux_layout.regions], event)
             self._open_tail(state_indices, real, event)
+            self._open_state(state_indices, real, event)
         except KVHandoffError as e:
             self._fail(f"kvhandoff: {e}")
+
+    def _swa_table(self, state_indices: list[Any] | None, num_pages: int,
+                   real: list[DecodeInfo]) -> dict[str, Any]:
+        """The SWA regions' table (`layout.swa_send_table`), once the decode ranks' window
+        starts at the same suffix page as this side's."""
+        b = self.kv_mgr.built
+        slot = b.swa_slot
+        assert slot is not None
+        where = f"state_indices[{slot}] (swa)"
+        swa = None if state_indices is None or slot >= len(state_indices) \
+            else state_indices[slot]
+        n = 0 if swa is None else len(swa)
+        theirs = {i.swa_pages for i in real}
+        if theirs != {n}:
+            raise ConfigError(f"swa: the prefill's window covers {n} pages, the decode's "
+                              f"{sorted(theirs)} (another seq_len, window or page size)")
+        table = swa_send_table(num_pages, swa, b.swa_capacity, where)
+        return dict.fromkeys(b.swa_regions, table)
+
+    def _open_state(self, state_indices: list[Any] | None, real: list[DecodeInfo],
+                    event: Any) -> None:
+        """The Mamba state room: the request's row of every state tensor and layer."""
+        mgr, b = self.kv_mgr, self.kv_mgr.built
+        if mgr.state_agent is None or b.mamba_slot is None or b.state_layout is None:
+            return
+        slot = b.mamba_slot
+        row = mamba_row(None if state_indices is None or slot >= len(state_indices)
+                        else state_indices[slot], f"state_indices[{slot}] (mamba)")
+        sh = mgr.state_agent.sender(
+            self.bootstrap_room, pages={r.name: [row] for r in b.state_layout.regions},
+            seq_len=1, num_decode_ranks=len(real))
+        self._handles.append(sh)
+        sh.layers_ready(sorted({lid for r in b.state_layout.regions for lid in r.layer_ids}),
+                        event)
 
     def _open_tail(self, state_indices: list[Any] | None, real: list[DecodeInfo],
                    event: Any) -> None:
@@ -265,7 +302,8 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         metric = KVTransferMetric()
         if not self._handles:
             return metric
-        rooms = [t for a in (mgr.agent, mgr.aux_agent, mgr.tail_agent) if a is not None
+        rooms = [t for a in (mgr.agent, mgr.aux_agent, mgr.tail_agent, mgr.state_agent)
+                 if a is not None
                  if (t := a.room_timings(self.bootstrap_room)) is not None]
         if rooms and rooms[0]["state"] == "Success" and rooms[0]["total_ms"] is not None:
             metric.transfer_latency_s = rooms[0]["total_ms"] / 1e3
