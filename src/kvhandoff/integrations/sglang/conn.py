@@ -148,6 +148,17 @@ def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings
     return s.model_copy(update=upd)
 
 
+def dp_group_of(mgr: Any) -> tuple[int, int]:
+    """The DP group a rank's agents register under, and how many there are: the key SGLang's
+    bootstrap server files a prefill rank under (``dp_group``) and a decode looks it up by
+    (``prefill_dp_rank``): the attention-DP rank, or with system DP (``--dp-size`` > 1 without
+    DP attention, where every replica's attention-DP rank is 0) the replica's
+    ``system_dp_rank``."""
+    if int(getattr(mgr, "system_dp_size", 1) or 1) > 1:
+        return int(mgr.system_dp_rank or 0), int(mgr.system_dp_size)
+    return int(mgr.attn_dp_rank), int(mgr.attn_dp_size)
+
+
 def agent_lane(settings: Settings, buffers: Any, name: str, role: str) -> tuple[Settings, str]:
     """The settings one agent of a rank starts with for `buffers` (`integrations.lanes`: CUDA
     memory takes shm's CUDA IPC lane on this host and nixl to other hosts), logged; raises
@@ -209,7 +220,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                         "write into them; raise the former", hold_s,
                         settings.write_quarantine_s)
         self.probe_report = self._probe(args, settings, device)
-        ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
+        self.dp_group, self.dp_groups = dp_group_of(self)
+        ident = {"dp_rank": self.dp_group, "dp_size": self.dp_groups,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
         # each agent's lane from where its buffers live (the KV pool and the DSA tail on the
         # GPU, SGLang's metadata buffers in host memory): refused here, naming the setting or
