@@ -23,7 +23,11 @@
 #      one-sided with devsum on both sides, byte-exact; the writer survives a decode that
 #      dies mid-room) and tests/integrations/vllm/test_vllm_gpu_probe.py (the vLLM connector's
 #      layout probe against vLLM's own FLASH_ATTN, FLASHINFER, TRITON_ATTN layers, HND and NHD
-#      pages, and FLASHMLA: each must log "layout verified against <backend>").
+#      pages, FLASHMLA, and vLLM 0.33's dense MLA picks FLASH_ATTN_MLA, FLASHINFER_MLA,
+#      CUTLASS_MLA, TRITON_MLA, bfloat16 and per-tensor fp8 caches (fp8, fp8_e5m2) where the
+#      backend takes them: each must log "layout verified against <backend>") and
+#      tests/unit/gpu/test_lanes_cuda.py (the lane choice SGLang and vLLM share, on real CUDA
+#      pages: the default settings start an agent, shm CUDA IPC + nixl; host-only lanes refused).
 #   2. `python -m kvhandoff.bench.devsum --device cuda` (cap 2 x 30 s): devsum against a
 #      contiguous device copy and a page gather copy of the same page set, page-granular
 #      (16-token pages of 656 B) and token-granular (132 B) sets.
@@ -36,7 +40,10 @@
 #   5. `kvhandoff doctor --json` (cap 60 s) on the node.
 #
 # What it does NOT cover (docs/GPU.md): the agent-to-agent GPU handoff over shm is checked
-# (pytest) but not timed; nixl's VRAM registration is untested on a GPU; devsum uses torch
+# (pytest) but not timed; nixl's VRAM registration is registered once (test_lanes_cuda.py) but
+# no room moves over it; the sparse MLA backends (FLASH_ATTN_MLA_SPARSE, _FA4,
+# FLASHINFER_MLA_SPARSE) are not probed (no DSA model layers in the probe process); SGLang's
+# system DP needs no GPU (CPU tests); devsum uses torch
 # ops (several passes per chunk), not a fused kernel. When this script was written nothing in it
 # had run on a GPU: its first run on a lent machine is the first GPU check.
 set -uo pipefail

@@ -114,6 +114,18 @@ class AbortRoom(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class HoldRooms(Event):
+    """Decode: the engine has requests of `rooms` queued, to be read from the prefill agent
+    `peer`: ask it (at every heartbeat, while the handshake with it stands) to keep them
+    `hold_s` past their bootstrap bound. Replaces the rooms held with `peer`; empty: none. A
+    room the engine opens a receiver for stops being held."""
+
+    peer: str
+    rooms: tuple[int, ...]
+    hold_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class OpDone(Event):
     """A posted transport op completed (`error`: why it failed, None: it succeeded)."""
 

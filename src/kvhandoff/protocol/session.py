@@ -97,6 +97,10 @@ class TransferSession:
         self._early: dict[int, list[P.Message]] = {}  # room -> messages before the engine opened it
         self._early_t: dict[int, float] = {}
         self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
+        # prefill: room -> until when a decode holds it past its bootstrap bound (`P.Hold`)
+        self._holds: dict[int, float] = {}
+        # decode: prefill peer -> (rooms held with it, hold_s) (`ev.HoldRooms`)
+        self._held: dict[str, tuple[tuple[int, ...], float]] = {}
         self._next_heartbeat = now
         self._heartbeat_at = now  # when this session last sent its peers heartbeats
         self._woke_at = -1.0  # the _heartbeat_at of the silence _woke was last told of
@@ -110,7 +114,7 @@ class TransferSession:
             ev.Written: self.send_path.on_written,
             ev.RemoteRegistered: self.peers.on_remote_registered,
             ev.PeerExited: self.peers.on_peer_exited, ev.Cancelled: self.rooms.on_cancelled,
-            ev.Batch: self._on_batch,
+            ev.Batch: self._on_batch, ev.HoldRooms: self._on_hold_rooms,
         }
 
     # ------------------------------------------------------------------ what others read
@@ -249,6 +253,7 @@ class TransferSession:
         self._abort_if_asked(g)
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
+        self._unhold(e.room)  # no longer queued: its request follows
         if self.rooms.refuse_reopen(e.room, e.token):
             return
         g = self.rooms.new_group(e.room, e.token, None)
@@ -256,6 +261,52 @@ class TransferSession:
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
         self._abort_if_asked(g)
+
+    # ------------------------------------------------------------------ holds (queued decodes)
+
+    def _on_hold_rooms(self, e: ev.HoldRooms) -> None:
+        """Decode: the rooms the engine has queued with prefill `e.peer` (see `ev.HoldRooms`);
+        told at once when the handshake with it stands, then at every heartbeat."""
+        if self.role is not Role.DECODE:
+            return
+        if not e.rooms:
+            self._held.pop(e.peer, None)
+            return
+        self._held[e.peer] = (tuple(e.rooms), float(e.hold_s))
+        self._send_holds(only=e.peer)
+
+    def _unhold(self, room: int) -> None:
+        for peer, (rooms, hold_s) in list(self._held.items()):
+            if room in rooms:
+                rest = tuple(r for r in rooms if r != room)
+                if rest:
+                    self._held[peer] = (rest, hold_s)
+                else:
+                    del self._held[peer]
+
+    def _send_holds(self, only: str | None = None) -> None:
+        """Decode: a `P.Hold` to each prefill peer it holds rooms with whose handshake stands
+        (a peer not matched yet is told once it is: at the next heartbeat)."""
+        ctx = self.ctx
+        for peer, (rooms, hold_s) in self._held.items():
+            if only is not None and peer != only:
+                continue
+            p = self.peers.get(peer)
+            if p is not None and p.matched:
+                ctx.send(peer, P.Hold(src=ctx.me.address, gen=ctx.me.generation,
+                                      rooms=list(rooms), hold_s=hold_s))
+
+    def _on_hold(self, msg: P.Hold) -> None:
+        """Prefill: a decode holds these rooms (it has their requests queued): each waits for
+        it `hold_s` more past its bootstrap bound, from now."""
+        if self.role is not Role.PREFILL:
+            return
+        ctx = self.ctx
+        until = ctx.now + max(0.0, float(msg.hold_s))
+        for room in msg.rooms[:EARLY_LIMIT]:
+            if until > self._holds.get(room, -1.0):
+                self._holds[room] = until
+            ctx.counters["holds_renewed"] += 1
 
     def _on_resolved(self, e: ev.PeersResolved) -> None:
         g = self.rooms.group(e.room, e.token)
@@ -376,7 +427,9 @@ class TransferSession:
                 self.peers.tell_forgotten(msg.src)
             return
         p.last_seen = ctx.now
-        if isinstance(msg, P.Heartbeat):
+        if isinstance(msg, P.Hold):
+            self._on_hold(msg)
+        elif isinstance(msg, P.Heartbeat):
             for room in msg.rooms:
                 r = self.rooms.legs.get((room, p.addr))
                 if r is not None and not r.state.terminal:
@@ -597,9 +650,19 @@ class TransferSession:
             waited = now - g.t_created
             if (not g.state.done and not g.state.all_legs
                     and waited > self.settings.bootstrap_timeout_s):
-                self.rooms.fail_group(g, Failure(
-                    FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "
-                    f"{waited:.1f}s", deadline="bootstrap"))
+                held = self._holds.get(g.room)
+                if held is not None and now < held:
+                    continue  # a decode has its request queued and holds it
+                why = f"bootstrap deadline expired: no peer after {waited:.1f}s"
+                if held is not None:
+                    self.ctx.counters["holds_expired"] += 1
+                    bound = self.settings.bootstrap_timeout_s
+                    why += (f" (a decode held the room past the {bound:g}s bound until "
+                            f"{waited - (now - held):.1f}s, then its hold lapsed: not renewed)")
+                    self.ctx.log(WARNING, f"room {g.room}: {why}")
+                self.rooms.fail_group(g, Failure(FailureKind.DEADLINE, why,
+                                                 deadline="bootstrap"))
+        self._send_holds()
         self.peers.heartbeats(now, drained_at, by_peer)
         for r in list(self.rooms.legs.values()):
             if not r.state.terminal:
@@ -608,6 +671,10 @@ class TransferSession:
                     break
         self.collect(now)
 
+    def _open_unpeered(self, room: int) -> bool:
+        g = self.rooms.groups.get(room)
+        return g is not None and not g.state.done and not g.state.all_legs
+
     def collect(self, now: float) -> None:
         """Forgets what is kept only for a while: early messages of rooms never opened, peers
         declared lost, finished and released rooms after `room_retention_s`."""
@@ -615,5 +682,9 @@ class TransferSession:
                      if now - t > self.settings.bootstrap_timeout_s]:
             self._early.pop(room, None)
             self._early_t.pop(room, None)
+        for room in [k for k, t in self._holds.items()
+                     if now - t > self.settings.bootstrap_timeout_s
+                     and not self._open_unpeered(k)]:
+            del self._holds[room]
         self.peers.collect(now)
         self.rooms.collect(now)

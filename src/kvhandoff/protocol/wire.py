@@ -295,6 +295,15 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     rooms: list[int]  # rooms with the receiver of this heartbeat: renews their leases
 
 
+class Hold(_Msg, tag="hold", frozen=True):
+    """Decode -> prefill: the decode has requests of these rooms queued and will read them:
+    keep each room waiting for it `hold_s` more seconds past its bootstrap bound (renewed at
+    every heartbeat while queued; a hold not renewed lapses)."""
+
+    rooms: list[int]
+    hold_s: float
+
+
 class Reject(_Msg, tag="reject", frozen=True):
     reason: str
 
@@ -302,6 +311,7 @@ class Reject(_Msg, tag="reject", frozen=True):
 Message = (
     Hello | HelloAck | HelloReject | TransferRequest | TransferAccepted | Failed | LayerDone
     | LayerNack | RoomAck | Abort | AbortAck | Heartbeat | Reject | ChunkAdded | ChunkAccepted
+    | Hold
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -525,6 +525,17 @@ class TransferAgent:
         if self._loop.running_elsewhere():
             v.wait_until(lambda: v.done, _ABORT_WAIT_S)
 
+    def hold_rooms(self, peer: str, rooms: Any, hold_s: float | None = None) -> None:
+        """Decode: the engine has the requests of `rooms` queued and will read them from the
+        prefill agent at `peer`: this agent asks it, at every heartbeat while the handshake
+        with it stands, to keep those rooms waiting `hold_s` (default: 4 heartbeats) past
+        their bootstrap bound. Replaces the rooms held with `peer` (empty: none); a room this
+        agent opens a receiver for stops being held. A hold not renewed (this agent stopped
+        holding or died) lapses on the prefill, which then fails the room and counts it
+        (``holds_expired``)."""
+        hs = 4 * self.settings.heartbeat_interval_s if hold_s is None else float(hold_s)
+        self._loop.post(ev.HoldRooms(str(peer), tuple(int(r) for r in rooms), hs))
+
     def room_timings(self, room: int) -> dict[str, Any] | None:
         """When `room` did what on this side, in ms (`runtime.tracing.RoomTimeline.timings`:
         the figures its trace spans have); None for a room this agent does not know (or

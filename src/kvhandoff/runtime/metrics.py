@@ -39,6 +39,10 @@ _COUNTER_HELP = {
     "lane_squatted": "1 when this agent's own same-host lane name was already held by another "
                      "process at start (its peers reach it over ZMQ).",
     "stale_messages": "Messages of an unknown peer or an older peer generation, ignored.",
+    "holds_renewed": "Prefill: rooms whose wait for their decode a decode's hold renewed (it "
+                     "has the request queued), one per room per hold message.",
+    "holds_expired": "Prefill: rooms failed by their bootstrap bound after a decode's hold on "
+                     "them lapsed (not renewed: the decode stopped holding them or died).",
     "unauthenticated_messages": "With hmac_secret set: messages dropped because they did "
                                 "not authenticate (a Hello or HelloReject whose MAC does not "
                                 "verify, a message not sealed under its sender's session).",

@@ -561,3 +561,102 @@ def test_settings_this_backend_cannot_serve_are_refused_at_start(
                     disaggregation_bootstrap_port=bootstrap.port, enable_hisparse=True)
     with pytest.raises(ConfigError, match="--enable-hisparse"):
         S.prefill_queue(mc, pool(), hs)
+
+
+def test_decode_abort_before_the_prefill_opened_its_room_frees_no_page_a_write_can_reach(
+        bootstrap: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/SGLANG.md's former known gap, through SGLang's release path: the decode aborts while
+    the prefill still holds its transfer request unopened (the prefill's forward not done, its
+    agent's control thread held by the test so the abort is not handled yet), then the prefill
+    opens the room and its chunk's event fires, one-sided over the shared-memory lane. SGLang's
+    deferred release must keep the decode's pages until no write can land, and no byte may land
+    in them once SGLang freed them."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "shm")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(S.LLAMA)
+    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
+    gate = threading.Event()
+    holder: threading.Thread | None = None
+    try:
+        tq = dec.transfer_queue
+        freed: list[int] = []
+        views = page_views(dec)
+        src, dst = [2, 7, 4], [6, 1, 3]
+        sentinel = 0xA5
+
+        def release(d: Any) -> None:  # SGLang's release of the request's KV: the pages are
+            freed.append(d.req.bootstrap_room)  # free from here, someone else's soon
+            for v in views:
+                for p in dst:
+                    v[p] = sentinel
+
+        tq._release_request = release
+        addr, room = f"127.0.0.1:{bootstrap.port}", 9440
+        rs, _, reason = handoff(pre, dec, bootstrap.port, room - 1, [5], [5])
+        assert rs == KVPoll.Success, reason  # the agents know each other; one-sided from here
+        s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
+        r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+        r.init(0)
+        slot = tq.req_to_metadata_buffer_idx_allocator.alloc()
+        r.send_metadata(np.asarray(dst, np.int32), slot, None, decode_prefix_len=0)
+        assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+        # the decode's request reached the prefill agent before its room exists
+        entered = threading.Event()
+
+        def hold(_session: Any) -> None:
+            entered.set()
+            gate.wait(60)
+
+        holder = threading.Thread(target=lambda: pre.kv_manager.agent._loop.query(hold, 90))
+        holder.start()
+        assert entered.wait(20)  # the prefill agent handles nothing from here
+        r.abort()  # SGLang's AbortReq on the decode
+        assert int(r.poll()) == KVPoll.Failed
+        with pytest.raises(Exception, match="Aborted"):
+            r.failure_exception()
+        d = DecodeRequest(req=SimpleNamespace(bootstrap_room=room), kv_receiver=r,
+                          metadata_buffer_index=slot)
+        tq._defer_release(d)
+        tq.resolve_deferred_releases()
+        handles = dec.kv_manager.room_handles.get(room, [])
+        assert handles and not any(h.released for h in handles), \
+            "the decode's pages were released at once"
+        assert freed == []
+        # the prefill's forward ends: the engine opens the room and its chunk's event fires
+        # while the abort still waits behind the held control thread
+        s.init(len(src), S_AUX)
+        ev = ForwardEvent()
+        ev.fired = True
+        for v in page_views(pre):
+            for p in src:
+                v[p] = 0x5A
+        s.send(np.asarray(src, np.int32), indices_event=ev)
+        gate.set()  # the prefill agent runs again
+        assert all(h.wait_released(30) for h in handles)
+        tq.resolve_deferred_releases()
+        assert freed == [room]  # SGLang freed the pages (and the test marked them)
+        assert _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
+        # the prefill is done with the room: nothing of it may land in the freed pages
+        if holder is not None:
+            holder.join(30)
+        pre.kv_manager.agent._loop.query(lambda _s: None, 30)  # its last events are handled
+        for i, v in enumerate(views):
+            for p in dst:
+                assert bool((v[p] == sentinel).all()), (i, p, torch.unique(v[p])[:4])
+    finally:
+        gate.set()
+        if holder is not None:
+            holder.join(30)
+        dec.kv_manager.close()
+        pre.kv_manager.close()

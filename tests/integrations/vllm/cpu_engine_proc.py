@@ -107,6 +107,7 @@ def build(cfg_json: dict[str, Any]) -> tuple[Any, Any, dict[str, torch.Tensor], 
     cfg = vllm_config(root, block_size=bs, dtype=dtype, extra=extra, device=device)
     # what the engine core resolves from the backends' supported layouts (CPU_ATTN: LBHNC)
     cfg.cache_config.kv_cache_layout = cfg_json.get("layout", "LBHNC")
+    cfg.cache_config.cache_dtype = cfg_json.get("cache_dtype", "auto")  # e.g. fp8 (GPU cases)
     lnames = names(2)
     with set_current_vllm_config(cfg):
         if not _DIST:

@@ -15,13 +15,19 @@ from kvhandoff.integrations.vllm.backends import BACKENDS, CPU_ISAS, resolve
 
 def test_table_and_refusals() -> None:
     assert set(BACKENDS) == {"CPU_ATTN", "CPU_MLA", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN",
-                             "FLASHMLA", "FLASHMLA_SPARSE"}
+                             "FLASHMLA", "FLASHMLA_SPARSE", "FLASH_ATTN_MLA", "FLASHINFER_MLA",
+                             "CUTLASS_MLA", "TRITON_MLA", "FLASH_ATTN_MLA_SPARSE",
+                             "FLASH_ATTN_MLA_SPARSE_FA4", "FLASHINFER_MLA_SPARSE"}
     assert resolve("CPU_ATTN", cache_dtype="auto", isa="vec").k_columns
     assert resolve("FLASHMLA", cache_dtype="auto").mla
     with pytest.raises(ConfigError, match=r"'XFORMERS'.*will not guess it from tensor shapes"):
         resolve("XFORMERS", cache_dtype="auto")
-    with pytest.raises(ConfigError, match=r"cache_dtype: 'fp8'.*--kv-cache-dtype auto"):
-        resolve("FLASH_ATTN", cache_dtype="fp8")
+    assert resolve("FLASH_ATTN", cache_dtype="fp8").fp8_dtype("fp8") == "float8_e4m3fn"
+    with pytest.raises(ConfigError, match=r"cache_dtype: 'fp8_e5m2' with FLASH_ATTN.*"
+                                          r"--kv-cache-dtype with one of auto, float16"):
+        resolve("FLASH_ATTN", cache_dtype="fp8_e5m2")
+    with pytest.raises(ConfigError, match=r"cache_dtype: 'nvfp4' with FLASHINFER"):
+        resolve("FLASHINFER", cache_dtype="nvfp4")
     with pytest.raises(ConfigError,
                        match=r"ISA 'amx'.*--dtype float16 or float32, or --block-size 16"):
         resolve("CPU_ATTN", cache_dtype="auto", isa="amx")

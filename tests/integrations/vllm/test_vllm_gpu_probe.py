@@ -2,9 +2,11 @@
 scripts/gpu_check.sh): the layout probe against vLLM's GPU attention backends (the CUDA build,
 vLLM 0.33), each forced on vLLM's own layers (`cpu_engine_proc.py` with ``"device": "cuda"``):
 FLASH_ATTN, FLASHINFER and TRITON_ATTN with head-major (LBHNC) and token-major (LBNHC) pages,
-FLASHMLA (pages of 64, bfloat16). For each, `register_kv_caches` must log "layout verified
-against <backend>": the cache write (``reshape_and_cache_flash``, Triton's,
-``concat_and_cache_mla``) put every probed token where the connector's layout says. A backend
+FLASHMLA (pages of 64, bfloat16), vLLM 0.33's dense MLA picks (FLASH_ATTN_MLA, FLASHINFER_MLA,
+CUTLASS_MLA, TRITON_MLA) and per-tensor fp8 caches of each backend that takes one. For each,
+`register_kv_caches` must log "layout verified against <backend>": the cache write
+(``reshape_and_cache_flash``, Triton's, ``concat_and_cache_mla``) put every probed token where
+the connector's layout says. A backend
 whose kernel library this machine lacks (e.g. no flashinfer wheel) is skipped naming what
 failed to load.
 
@@ -33,6 +35,23 @@ CASES = [{"case": "gqa", "device": "cuda", "backend": b, "layout": lay, "dtype":
           "head_dim": 64, "block_size": 16} for b, lay in GQA]
 CASES.append({"case": "mla", "device": "cuda", "backend": "FLASHMLA", "layout": "LBHNC",
               "dtype": "bfloat16", "block_size": 64})
+# vLLM 0.33's dense MLA backends (Hopper's first pick FLASH_ATTN_MLA, Blackwell's FLASHINFER_MLA,
+# CUTLASS_MLA, TRITON_MLA), each at a page size its kernel runs, bfloat16 and (where vLLM takes
+# it) a per-tensor fp8 cache: the probe compares the kernel's quantised write with the same
+# quantisation of its input
+MLA = {"FLASH_ATTN_MLA": 64, "FLASHINFER_MLA": 64, "CUTLASS_MLA": 128, "TRITON_MLA": 64,
+       "FLASHMLA": 64}
+for b, bs in MLA.items():
+    for cd in ("auto", "fp8"):
+        if (b, cd) in (("FLASHMLA", "auto"), ("FLASH_ATTN_MLA", "fp8")):
+            continue  # FLASHMLA auto: above; FLASH_ATTN_MLA takes no fp8 cache
+        CASES.append({"case": "mla", "device": "cuda", "backend": b, "layout": "LBHNC",
+                      "dtype": "bfloat16", "block_size": bs, "cache_dtype": cd})
+# per-tensor fp8 GQA caches (head-major pages)
+CASES += [{"case": "gqa", "device": "cuda", "backend": b, "layout": "LBHNC", "dtype": "bfloat16",
+           "head_dim": 64, "block_size": 16, "cache_dtype": cd}
+          for b, cd in (("FLASH_ATTN", "fp8"), ("FLASHINFER", "fp8"), ("TRITON_ATTN", "fp8"),
+                        ("TRITON_ATTN", "fp8_e5m2"))]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +66,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("i", range(len(CASES)),
-                         ids=[f"{c['backend']}-{c['layout']}" for c in CASES])
+                         ids=[f"{c['backend']}-{c['layout']}-{c.get('cache_dtype', 'auto')}"
+                              for c in CASES])
 def test_probe_verifies_gpu_backend(results: list[dict[str, Any]], i: int) -> None:
     r, case = results[i], CASES[i]
     if "unavailable" in r:

@@ -132,9 +132,12 @@ def _distributed(init_file: Path) -> None:
     _DIST["up"] = True
 
 
-def build_layers(cfg: Any, scratch: Path, mtp: bool = False) -> dict[str, Any]:
+def build_layers(cfg: Any, scratch: Path, mtp: bool = False, backend: Any = None
+                 ) -> dict[str, Any]:
     """The model's attention layers (and their indexer caches), registered in `cfg`'s forward
-    context as vLLM's model loading does; returns layer name -> spec (the runner's loop)."""
+    context as vLLM's model loading does; returns layer name -> spec (the runner's loop).
+    `backend`: the sparse MLA backend class the layers are built with (default
+    FlashMLASparseBackend)."""
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v32.attention import DeepseekV32Attention
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
@@ -152,7 +155,8 @@ def build_layers(cfg: Any, scratch: Path, mtp: bool = False) -> dict[str, Any]:
                            dtype=torch.int32)
         for i in range(NUM_LAYERS + (1 if mtp else 0)):
             DeepseekV32Attention(cfg, hf, prefix=f"model.layers.{i}.self_attn",
-                                 topk_indices_buffer=topk, attn_backend=FlashMLASparseBackend)
+                                 topk_indices_buffer=topk,
+                                 attn_backend=backend or FlashMLASparseBackend)
         specs: dict[str, Any] = {}
         for name, layer in cfg.compilation_config.static_forward_context.items():
             spec = customize_attention_spec(layer.get_attn_backend(),

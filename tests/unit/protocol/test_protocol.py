@@ -62,6 +62,7 @@ SAMPLES: list[P.Message] = [
     P.Abort(src=ADDR, gen=GEN, room=42, reason="decode aborted the request", xfer=7),
     P.AbortAck(src=ADDR, gen=GEN, room=42, xfer=7),
     P.Heartbeat(src=ADDR, gen=GEN, rooms=[1, 2, (1 << 63) - 1]),
+    P.Hold(src=ADDR, gen=GEN, rooms=[7, (1 << 63) - 1], hold_s=2.0),
     P.Reject(src=ADDR, gen=GEN, reason="protocol version 2 not supported"),
     P.ChunkAdded(src=ADDR, gen=GEN, room=42, chunk=2, chunk_end=12_288,
                  src_pages={"main_kv": [7, 8], "indexer_k": []}, xfer=7),

@@ -71,6 +71,7 @@ from sglang.srt.runtime_context import get_disagg, get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from kvhandoff.errors import BootstrapNotFound, ConfigError, KVHandoffError
+from kvhandoff.integrations.lanes import buffers_memory, choose_lane
 from kvhandoff.integrations.sglang.layout import Built, Parallel, build, tail_pages
 from kvhandoff.netaddr import bare_host, url_for
 from kvhandoff.settings import Settings
@@ -150,6 +151,30 @@ def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings
     return s.model_copy(update=upd)
 
 
+def dp_group_of(mgr: Any) -> tuple[int, int]:
+    """The DP group a rank's agents register under, and how many there are: the key SGLang's
+    bootstrap server files a prefill rank under (``dp_group``) and a decode looks it up by
+    (``prefill_dp_rank``): the attention-DP rank, or with system DP (``--dp-size`` > 1 without
+    DP attention, where every replica's attention-DP rank is 0) the replica's
+    ``system_dp_rank``."""
+    if int(getattr(mgr, "system_dp_size", 1) or 1) > 1:
+        return int(mgr.system_dp_rank or 0), int(mgr.system_dp_size)
+    return int(mgr.attn_dp_rank), int(mgr.attn_dp_size)
+
+
+def agent_lane(settings: Settings, buffers: Any, name: str, role: str) -> tuple[Settings, str]:
+    """The settings one agent of a rank starts with for `buffers` (`integrations.lanes`: CUDA
+    memory takes shm's CUDA IPC lane on this host and nixl to other hosts), logged; raises
+    `ConfigError` naming the setting (or the install line) when nothing configured moves them."""
+    memory = buffers_memory(buffers, f"SGLang {name} buffers")
+    try:
+        out, line = choose_lane(settings, memory)
+    except ConfigError as e:
+        raise ConfigError(f"kvhandoff SGLang {role} backend, {name} agent: {e}") from e
+    log.info("kvhandoff SGLang %s backend, %s agent: %s", role, name, line)
+    return out, line
+
+
 def bootstrap_url_for(host: str, port: int) -> str:
     """The kvhandoff bootstrap server of this node: ``KVHANDOFF_BOOTSTRAP_URL`` (a sidecar) or
     the in-process server SGLang starts on ``--disaggregation-bootstrap-port``."""
@@ -199,21 +224,31 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                         "write into them; raise the former", hold_s,
                         settings.write_quarantine_s)
         self.probe_report = self._probe(args, settings, device)
-        ident = {"dp_rank": self.attn_dp_rank, "dp_size": self.attn_dp_size,
+        self.dp_group, self.dp_groups = dp_group_of(self)
+        ident = {"dp_rank": self.dp_group, "dp_size": self.dp_groups,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
+        # each agent's lane from where its buffers live (the KV pool and the DSA tail on the
+        # GPU, SGLang's metadata buffers in host memory): refused here, naming the setting or
+        # the install line, when the transport cannot move them
+        # (inside the try: a refusal closes SGLang's zmq context of this manager too)
         try:
-            self.agent = TransferAgent(role, built.kv_layout, built.kv_buffers, settings,
+            lanes = {name: agent_lane(settings, bufs, name, role)
+                     for name, bufs in (("kv", built.kv_buffers), ("aux", built.aux_buffers),
+                                        ("tail", built.tail_buffers))}
+            self.lanes = {name: line for name, (_, line) in lanes.items()}
+            self.agent = TransferAgent(role, built.kv_layout, built.kv_buffers, lanes["kv"][0],
                                        engine_id=ENGINE_KV, **ident)
             self._agents.append(self.agent)
             self.aux_agent: TransferAgent | None = None
             if built.aux_layout is not None:
                 self.aux_agent = TransferAgent(role, built.aux_layout, built.aux_buffers,
-                                               settings, engine_id=ENGINE_AUX, **ident)
+                                               lanes["aux"][0], engine_id=ENGINE_AUX, **ident)
                 self._agents.append(self.aux_agent)
             self.tail_agent: TransferAgent | None = None
             if built.tail_layout is not None:
                 self.tail_agent = TransferAgent(role, built.tail_layout, built.tail_buffers,
-                                                settings, engine_id=ENGINE_TAIL, **ident)
+                                                lanes["tail"][0], engine_id=ENGINE_TAIL,
+                                                **ident)
                 self._agents.append(self.tail_agent)
             self.state_agent: TransferAgent | None = None
             if built.state_layout is not None:

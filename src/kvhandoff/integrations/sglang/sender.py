@@ -74,12 +74,14 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         """SGLang's ``POST /register_dp_rank`` of this request (SGLang calls it from its
         constructor when the decode must look the prefill's dp rank up), made with this
         process's KVHANDOFF_AUTH_TOKEN (SGLang's own sends none). One try, as SGLang's; a
-        refusal fails the request with the reason (SGLang's logs it and lets the decode wait)."""
+        refusal fails the request with the reason (SGLang's logs it and lets the decode wait).
+        The rank posted is this rank's DP group (`conn.dp_group_of`: the replica's
+        ``system_dp_rank`` under system DP, where SGLang's own posts attention-DP rank 0)."""
         from kvhandoff.integrations.sglang.bootstrap import write
 
         try:
             write("POST", f"http://{self.bootstrap_server_url}/register_dp_rank",
-                  {"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.attn_dp_rank},
+                  {"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.dp_group},
                   attempts=1, what=f"room {self.bootstrap_room}'s prefill dp rank")
         except ConfigError as e:
             log.error("kvhandoff SGLang prefill: %s", e)

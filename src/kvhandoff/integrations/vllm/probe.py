@@ -61,7 +61,7 @@ def scratch_like(view: Any, pages: int = SCRATCH_PAGES) -> Any:
 
 def probe_layer(vl: VllmLayout, layer_name: str, view: Any, layer: Any, *, total_kv_heads: int,
                 tp_rank: int, tp_size: int, cache_dtype: str = "auto",
-                backend: Backend | None = None) -> str:
+                backend: Backend | None = None, input_dtype: Any = None) -> str:
     """Probes `layer_name` of `vl` (see the module docstring) and returns the log line.
 
     Args:
@@ -74,6 +74,10 @@ def probe_layer(vl: VllmLayout, layer_name: str, view: Any, layer: Any, *, total
         cache_dtype: vLLM's cache dtype string.
         backend: the description to check (default: the one `vl` was built with; a test passes
             a wrong one to see it refused).
+        input_dtype: the model's dtype (what the layer's write is given); default: the cache's.
+            A per-tensor fp8 cache (`Backend.fp8_dtype`) stores each element quantised with the
+            layer's scale: the expected bytes are the same quantisation of the input
+            (``(x / scale)`` cast to the fp8 dtype), so the probe checks placement and scale.
 
     Raises:
         LayoutProbeError: the kernel put a (slot, plane) elsewhere than the layout says.
@@ -103,10 +107,11 @@ def probe_layer(vl: VllmLayout, layer_name: str, view: Any, layer: Any, *, total
     slots = probe_slots(n)
     idx = torch.tensor(slots, dtype=torch.long, device=scratch.device)
     g = torch.Generator().manual_seed(20260)
+    q = _Quant.of(b, cache_dtype, layer, scratch, input_dtype)
     if b.mla:
-        expected = _write_mla(impl, layer, scratch, idx, slots, g, cache_dtype)
+        expected = _write_mla(impl, layer, scratch, idx, slots, g, cache_dtype, q)
     else:
-        expected = _write_gqa(impl, layer, scratch, idx, slots, g, sreg)
+        expected = _write_gqa(impl, layer, scratch, idx, slots, g, sreg, q)
     if scratch.device.type == "cuda":
         torch.cuda.synchronize(scratch.device)
     require_agreement(_label(b, layer), sv.layout, sreg.name, sv.buffers, expected, layer=lid)
@@ -140,17 +145,47 @@ def _bytes(t: Any) -> bytes:
     return out
 
 
+class _Quant:
+    """What the cache stores of an input element: the element itself, or (per-tensor fp8) the
+    element divided by the layer's scale, cast to the fp8 dtype."""
+
+    def __init__(self, dtype: Any, fp8: Any, k_scale: float, v_scale: float) -> None:
+        self.dtype = dtype  # the input's dtype
+        self.fp8 = fp8  # the stored torch fp8 dtype, or None
+        self.k_scale, self.v_scale = k_scale, v_scale
+
+    @classmethod
+    def of(cls, b: Backend, cache_dtype: str, layer: Any, scratch: Any,
+           input_dtype: Any) -> _Quant:
+        import torch
+
+        name = b.fp8_dtype(cache_dtype)
+        if name is None:
+            return cls(scratch.dtype, None, 1.0, 1.0)  # rows in the input's own dtype
+        k = float(getattr(layer, "_k_scale_float", 1.0))
+        v = float(getattr(layer, "_v_scale_float", k))
+        dt = input_dtype if isinstance(input_dtype, torch.dtype) else torch.bfloat16
+        return cls(dt, getattr(torch, name), k, v)
+
+    def stored(self, x: Any, value: bool = False) -> Any:
+        if self.fp8 is None:
+            return x
+        scale = self.v_scale if value else self.k_scale
+        return (x.float() / scale).to(self.fp8)
+
+
 def _write_gqa(impl: Any, layer: Any, scratch: Any, idx: Any, slots: list[int], g: Any,
-               reg: RegionSpec) -> dict[tuple[int, str], bytes]:
+               reg: RegionSpec, q: _Quant) -> dict[tuple[int, str], bytes]:
     """Keys and values of every local head through the layer's cache write; per (slot, plane)
-    what the op was given, in the plane order `reg` claims."""
+    what the cache should hold of them (`q`), in the plane order `reg` claims."""
     import torch
 
     _, h, _, c = (int(s) for s in scratch.shape)
     d = c // 2
-    key = _rand((len(slots), h, d), g, scratch.dtype, scratch.device)
-    value = _rand((len(slots), h, d), g, scratch.dtype, scratch.device)
+    key = _rand((len(slots), h, d), g, q.dtype, scratch.device)
+    value = _rand((len(slots), h, d), g, q.dtype, scratch.device)
     impl.do_kv_cache_update(layer, key, value, scratch, idx)
+    key, value = q.stored(key), q.stored(value, value=True)
     names = [p.name for p in reg.planes]
     expected: dict[tuple[int, str], bytes] = {}
     for t, s in enumerate(slots):
@@ -178,17 +213,18 @@ def _head_names(names: list[str]) -> list[str]:
 
 
 def _write_mla(impl: Any, layer: Any, scratch: Any, idx: Any, slots: list[int], g: Any,
-               cache_dtype: str) -> dict[tuple[int, str], bytes]:
+               cache_dtype: str, q: _Quant) -> dict[tuple[int, str], bytes]:
     """Latent and RoPE key through the layer's cache write (on vLLM's ``[B, N, C]`` view)."""
     import torch
 
     c = int(scratch.shape[-1])
     rank = int(getattr(impl, "kv_lora_rank", 0) or c - 64)
-    kv_c = _rand((len(slots), rank), g, scratch.dtype, scratch.device)
-    k_pe = _rand((len(slots), 1, c - rank), g, scratch.dtype, scratch.device)
+    kv_c = _rand((len(slots), rank), g, q.dtype, scratch.device)
+    k_pe = _rand((len(slots), 1, c - rank), g, q.dtype, scratch.device)
     k_scale = getattr(layer, "_k_scale", None)
     if k_scale is None:
-        k_scale = torch.ones((), dtype=torch.float32, device=scratch.device)
+        k_scale = torch.full((), q.k_scale, dtype=torch.float32, device=scratch.device)
     impl.do_kv_cache_update(kv_c, k_pe, scratch.squeeze(1), idx, cache_dtype, k_scale)
+    kv_c, k_pe = q.stored(kv_c), q.stored(k_pe)
     return {(s, "latent"): _bytes(torch.cat([kv_c[t], k_pe[t, 0]]))
             for t, s in enumerate(slots)}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.integrations.vllm.backends import Backend, resolve
+from kvhandoff.integrations.vllm.backends import Backend, dtype_identity, layer_scales, resolve
 from kvhandoff.integrations.vllm.config import (
     ConnectorConfig,
     DeclineReq,
@@ -179,7 +179,8 @@ class WorkerSide:
             reports.append(probe_layer(
                 vl, name, kv_caches[name], layers.get(name), total_kv_heads=total_kv_heads,
                 tp_rank=tp_rank, tp_size=tp_size,
-                cache_dtype=str(self.vllm_config.cache_config.cache_dtype)))
+                cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+                input_dtype=self.vllm_config.model_config.dtype))
         return "; ".join(reports)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -191,10 +192,12 @@ class WorkerSide:
         mc = vc.model_config
         pc = vc.parallel_config
         tp_rank = _tp_rank()
-        kv_dtype = f"{vc.cache_config.cache_dtype}:{plan.dtype}"
         model = model_label(vc)
         layers = self.layers(plan.main_layers)
         backend = self._backend(layers, mla)
+        # per-tensor fp8 caches: the layers' scales are part of the layout identity
+        kv_dtype = dtype_identity(str(vc.cache_config.cache_dtype), str(plan.dtype), backend,
+                                  layer_scales(layers))
         self._check_indexers(self.layers(plan.indexer_layers))
         moved = set(plan.main_layers) | set(plan.indexer_layers)
         mine = {n: t for n, t in kv_caches.items() if n in moved}
@@ -206,6 +209,7 @@ class WorkerSide:
                                tp_rank=tp_rank, tp_size=tp_size, roles=plan.roles,
                                num_layers=plan.num_layers,
                                indexer_scale=indexer_scale_format())
+        backend.check_block(self.vl.layout.page_size_tokens)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # as the bootstrap server maps decode ranks to prefill ranks for this layout
         self.replicated = all(r.tp_split is TPSplit.REPLICATED for r in self.vl.layout.regions)
