@@ -30,6 +30,20 @@ def _manager(mode: str, port: int, dp_rank: int) -> Any:
     return E.kv_class("MANAGER")(args, m, sa, True)
 
 
+@pytest.fixture(autouse=True)
+def _replica_stamp() -> Any:
+    """`_manager` stamps this process's SGLang parallel context with a replica of --dp-size 2;
+    what was stamped before is put back after the test, so later tests in this process do not
+    run as replica 1 of 2 (their decode then never found its prefill)."""
+    from sglang.srt import runtime_context as rc
+
+    par = rc.get_parallel()
+    saved = dict(par._stamp)
+    yield
+    par.clear_stamp()
+    par._stamp.update(saved)
+
+
 def test_each_replica_is_found_by_its_system_dp_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
     from kvhandoff.integrations.sglang.conn import ENGINE_KV
@@ -55,7 +69,7 @@ def test_each_replica_is_found_by_its_system_dp_rank(monkeypatch: pytest.MonkeyP
         made.append(decode)
         addr = f"127.0.0.1:{srv.port}"
         for k, p in ((0, p0), (1, p1)):
-            kv, _aux, _tail = decode.route(addr, k, 0, 1)
+            kv, _aux, _tail, _state = decode.route(addr, k, 0, 1)
             assert kv == p.agent.address, (k, kv)
         from kvhandoff.bootstrap_server.client import BootstrapClient
 

@@ -11,9 +11,11 @@ Two planes, as in SGLang's own backends:
   endpoint; the prefill answers failures it sees before any transfer exists with SGLang's status
   message (tag ``KVH_STATUS``, with the reason). Decode aborts use SGLang's ``AbortNotification``.
 - **kvhandoff's data plane**: each rank runs one agent for the KV layout (main KV, draft KV,
-  DSA indexer, draft indexer), one for SGLang's metadata ("aux") buffers and, with
-  ``index_kpool`` compression, one for the DSA kpool tail; prefill agents register with the
-  kvhandoff bootstrap server under the engine ids `ENGINE_KV` / `ENGINE_AUX` / `ENGINE_TAIL`,
+  DSA indexer, draft indexer, the sliding-window pool), one for SGLang's metadata ("aux")
+  buffers, with ``index_kpool`` compression one for the DSA kpool tail, and for Mamba / linear
+  attention models one for the state rows; prefill agents register with the kvhandoff
+  bootstrap server under the engine ids `ENGINE_KV` / `ENGINE_AUX` / `ENGINE_TAIL` /
+  `ENGINE_STATE`,
   decode agents find them there (``/v1/route``) and open their rooms with the pages SGLang
   gives. Handshake with layout-hash check, per-layer checksums (one retransmit, then Failed),
   heartbeats and abort are the agent's.
@@ -186,7 +188,8 @@ def bootstrap_url_for(host: str, port: int) -> str:
 
 
 class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
-    """One per SGLang scheduler rank: SGLang's control plane plus two kvhandoff agents."""
+    """One per SGLang scheduler rank: SGLang's control plane plus its kvhandoff agents (KV, aux,
+    and the DSA tail and the Mamba state where the model has them)."""
 
     kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
@@ -227,14 +230,16 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self.dp_group, self.dp_groups = dp_group_of(self)
         ident = {"dp_rank": self.dp_group, "dp_size": self.dp_groups,
                  "tp_rank": self.attn_tp_rank, "tp_size": self.attn_tp_size}
-        # each agent's lane from where its buffers live (the KV pool and the DSA tail on the
-        # GPU, SGLang's metadata buffers in host memory): refused here, naming the setting or
-        # the install line, when the transport cannot move them
+        # each agent's lane from where its buffers live (the KV pool, the DSA tail and the
+        # Mamba state on the GPU, SGLang's metadata buffers in host memory): refused here,
+        # naming the setting or the install line, when the transport cannot move them
         # (inside the try: a refusal closes SGLang's zmq context of this manager too)
         try:
-            lanes = {name: agent_lane(settings, bufs, name, role)
-                     for name, bufs in (("kv", built.kv_buffers), ("aux", built.aux_buffers),
-                                        ("tail", built.tail_buffers))}
+            parts = [("kv", built.kv_buffers), ("aux", built.aux_buffers),
+                     ("tail", built.tail_buffers)]
+            if built.state_layout is not None:  # a Mamba / linear-attention model's state rows
+                parts.append(("state", built.state_buffers))
+            lanes = {name: agent_lane(settings, bufs, name, role) for name, bufs in parts}
             self.lanes = {name: line for name, (_, line) in lanes.items()}
             self.agent = TransferAgent(role, built.kv_layout, built.kv_buffers, lanes["kv"][0],
                                        engine_id=ENGINE_KV, **ident)
@@ -253,7 +258,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
             self.state_agent: TransferAgent | None = None
             if built.state_layout is not None:
                 self.state_agent = TransferAgent(role, built.state_layout, built.state_buffers,
-                                                 settings, engine_id=ENGINE_STATE, **ident)
+                                                 lanes["state"][0], engine_id=ENGINE_STATE,
+                                                 **ident)
                 self._agents.append(self.state_agent)
         except BaseException:
             self.close()
