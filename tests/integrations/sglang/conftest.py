@@ -5,6 +5,8 @@ and loads the kvhandoff plugin through SGLang's own plugin loader (this process)
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -18,3 +20,20 @@ def sglang_loaded() -> None:
 
     sglang_env.import_sglang()
     sglang_env.load_plugins()
+
+
+@pytest.fixture
+def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """SGLang's bootstrap server class of the kvhandoff backend on 127.0.0.1 port 0, with the
+    agents on UCX (no sidecar URL from the environment)."""
+    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
+
+    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
+    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
+    # several agents and the test in one process on a loaded 2-core machine: a lenient heartbeat
+    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
+    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
+    try:
+        yield srv
+    finally:
+        srv.close()

@@ -45,20 +45,6 @@ QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_ne
 MAMBA_LAYERS = [0, 1, 2]
 
 
-@pytest.fixture
-def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
-
-    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
-    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
-    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
-    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
-    try:
-        yield srv
-    finally:
-        srv.close()
-
-
 class Engine:
     """SGLang's request pool (with its ``MambaPool``), ``HybridLinearKVPool`` and allocator."""
 

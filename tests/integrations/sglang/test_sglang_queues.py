@@ -24,21 +24,6 @@ PAGE = 16
 S_AUX, D_AUX = 1, 5  # the request's metadata buffer slot on prefill and on decode
 
 
-@pytest.fixture
-def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
-
-    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
-    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
-    # four agents and the test in one process on a loaded 2-core machine: a lenient heartbeat
-    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
-    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
-    try:
-        yield srv
-    finally:
-        srv.close()
-
-
 def _until(h: Any, done: Any, bound_s: float = 20.0) -> int:
     end = time.monotonic() + bound_s
     while not done(int(h.poll())) and time.monotonic() < end:

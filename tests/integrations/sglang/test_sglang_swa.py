@@ -38,20 +38,6 @@ GEMMA_LIKE = dict(S.LLAMA, num_hidden_layers=6)
 SWA_LAYERS, FULL_LAYERS = (0, 1, 3, 4), (2, 5)
 
 
-@pytest.fixture
-def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from kvhandoff.integrations.sglang.bootstrap import KVHandoffKVBootstrapServer
-
-    monkeypatch.delenv("KVHANDOFF_BOOTSTRAP_URL", raising=False)
-    monkeypatch.setenv("KVHANDOFF_TRANSPORT", "ucx")
-    monkeypatch.setenv("KVHANDOFF_HEARTBEAT_INTERVAL_S", "3")
-    srv = KVHandoffKVBootstrapServer("127.0.0.1", 0)
-    try:
-        yield srv
-    finally:
-        srv.close()
-
-
 def swa_pool(mc: Any, *, pages: int, swa_pages: int,
              swa_layers: tuple[int, ...] = SWA_LAYERS,
              full_layers: tuple[int, ...] = FULL_LAYERS) -> Any:
