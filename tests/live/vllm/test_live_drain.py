@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 MODEL = "gqa"
 REF, PREFILL, A, B = "gqa-ref", "gqa-prefill-b32", "gqa-mig-a", "gqa-mig-b"
 ENGINES = (REF, PREFILL, A, B)
-N_REQ, PROMPT, MAX_TOKENS, BEFORE = 4, 40, 64, 4
+N_REQ, PROMPT, MAX_TOKENS, BEFORE = 4, 40, 128, 4  # long enough that A, stopped, has work left
 BOUND_S = 300.0
 BLOCK = 32  # the prefill's block size (gqa-prefill-b32)
 REOFFER = PROMPT - (PROMPT - 1) // BLOCK * BLOCK  # the prefill computes these per move
@@ -160,7 +160,7 @@ def test_client_gone_mid_stream_aborts_the_decode_request(
             if line.startswith("data: ") and line != "data: [DONE]":
                 got += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
             if got >= BEFORE:
-                break  # closes the client's stream mid-way (64 tokens asked)
+                break  # closes the client's stream mid-way (MAX_TOKENS asked)
     wait_until("the router has nothing in flight", lambda: not http.get(
         f"{url}/routes").json(), timeout_s=60)
     idle(http, fleet[A], fleet[B])
@@ -187,9 +187,11 @@ def test_drain_moves_running_requests_without_a_token_lost(
     for t in threads:
         t.join(BOUND_S)
     check_outputs(st, want)
-    # the streams still on A when it stopped (one that ended as it stopped is not moved)
+    # the streams still on A when it stopped: A may have generated a stream's last token
+    # before the stop while the router (on a busy host) had not relayed it yet; such a stream
+    # ends before the drain and is not moved (its tokens are checked above all the same)
     moved = [x for x in out["requests"] if x["to"] is not None]
-    assert {x["id"] for x in out["requests"]} == moving
+    assert {x["id"] for x in out["requests"]} <= moving, (out, moving)
     assert moved and out["moved"] == len(moved) == router.counters["moved_drain"], out
     assert all(x["to"] == fleet[B].url for x in moved)
     # B loaded each moved prompt's pages; the prefill computed its last block per move
