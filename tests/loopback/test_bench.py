@@ -346,7 +346,7 @@ def test_target_lines_say_by_how_much_a_target_is_missed() -> None:
         "target b>=0.5: 0.100 (missed by 5.00x)"
     assert target_line("c<=1.1", {"value": 1.05, "met": True, "bound": 1.1, "op": "<=",
                                   "mode": "full", "cpu_ratio": 1.2}) == \
-        "target c<=1.1: 1.050 (met) [mode full, cpu_ratio 1.200]"
+        "target c<=1.1: 1.050 (met; mode full, cpu_ratio 1.200)"
     assert target_line("d", {"value": None, "met": None, "why": "needs tcp"}) == \
         "target d: - (not measured: needs tcp)"
 
@@ -373,3 +373,27 @@ def test_the_secret_target_compares_tcp_rooms_with_and_without_a_secret() -> Non
     assert got["context_tokens"] == 1024 and got["cpu_ratio"] == pytest.approx(1.5)
     bench = RoomsBench(RoomsConfig(transport="shm", modes=("full", "full+hmac"), nixl=False))
     assert bench._targets(rows, {})["tcp_secret_over_tcp<=1.10"]["met"] is None
+
+
+def test_cpu_per_descriptor_is_the_slope_over_rooms_of_a_job_per_layer() -> None:
+    """The prefill control thread's CPU per room against the room's pieces: the slope over
+    the contexts of >= 512 tokens when two were run (a 16-token room's layers share one job,
+    so its point would count jobs, not descriptors), else over every context measured."""
+    from kvhandoff.bench.rooms import RoomsBench, RoomsConfig
+
+    def row(ctx: int, pieces: int, ctl_s: float) -> dict[str, Any]:
+        return {"model": "llama-3.1-8b", "context_tokens": ctx, "inflight": 1,
+                "bytes": ctx, "pieces": pieces, "ratios": {},
+                "cases": {"handoff_full": {"p50_s": 1.0, "rooms_per_s": 1.0,
+                                           "cpu_s_per_room": {"prefill": 1.0, "decode": 1.0},
+                                           "control_cpu_s_per_room": {"prefill": ctl_s,
+                                                                      "decode": 0.0}}}}
+
+    bench = RoomsBench(RoomsConfig(modes=("full",), inflight=(1,), nixl=False))
+    # 3 ms + 1 us per piece from 512 tokens on; the 16-token room's point is off that line
+    rows = [row(16, 64, 3e-3), row(512, 2048, 5e-3 + 2048e-6), row(1024, 4096, 5e-3 + 4096e-6)]
+    got = bench._targets(rows, {})["cpu_us_per_descriptor<=0.5"]
+    assert got["value"] == pytest.approx(1.0) and got["met"] is False
+    assert "512" in got["how"]
+    got = bench._targets(rows[:2], {})["cpu_us_per_descriptor<=0.5"]  # one long context
+    assert got["value"] == pytest.approx((7.048e-3 - 3e-3) / (2048 - 64) * 1e6)

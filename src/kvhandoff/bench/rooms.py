@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 ROOMS_MODELS = ("llama-3.1-8b", "glm-5.3")
 ROOMS_CONTEXTS = (256, 512, 1024, 2048, 4096)
 SETUP_S = 300.0  # added to --timeout for a worker's start
+DESC_MIN_TOKENS = 512  # Llama-8B: a layer of 2 MiB and more leaves as a job of its own
 
 
 @dataclass
@@ -393,22 +394,33 @@ class RoomsBench:
                            judged: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         """CPU of the prefill's control thread (planning, posting, completions, LayerDone)
         per descriptor (piece) of a room: the slope of its CPU per room against the room's
-        pieces over the contexts of one model; with one context, per room / pieces (an upper
-        bound: the room's fixed cost included)."""
+        pieces over the contexts of one model, those of at least DESC_MIN_TOKENS tokens where
+        two were measured (each of their layers leaves as a write job of its own, so the slope
+        counts descriptors, not jobs: shorter rooms share jobs between layers,
+        batching.WRITE_BATCH_BYTES); with one context, per room / pieces (an upper bound: the
+        room's fixed cost included)."""
         case = f"handoff_{mode}"
         best: dict[str, Any] | None = None
         for model in dict.fromkeys(r["model"] for r in rows):
             pts = [(r["pieces"], r["cases"][case].get("control_cpu_s_per_room", {})
                     .get("prefill")) for r in rows
                    if r["model"] == model and r["inflight"] == low and case in r["cases"]]
+            ctxs = [r["context_tokens"] for r in rows
+                    if r["model"] == model and r["inflight"] == low and case in r["cases"]]
             pts = [(n, c) for n, c in pts if c is not None and n]
             if not pts:
                 continue
+            long = [(n, c) for (n, c), t in zip(pts, ctxs, strict=True)
+                    if t >= DESC_MIN_TOKENS]
+            if len({n for n, _ in long}) >= 2:
+                pts, where = long, f" of >= {DESC_MIN_TOKENS} tokens (a job per layer)"
+            else:
+                where = ""
             if len({n for n, _ in pts}) >= 2:
                 x = np.asarray([n for n, _ in pts], np.float64)
                 y = np.asarray([c for _, c in pts], np.float64)
                 slope = float(np.polyfit(x, y, 1)[0])
-                got = {"value": slope * 1e6, "how": f"slope over {len(pts)} contexts",
+                got = {"value": slope * 1e6, "how": f"slope over {len(pts)} contexts{where}",
                        "model": model}
             else:
                 n, c = pts[0]

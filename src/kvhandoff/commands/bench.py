@@ -354,8 +354,8 @@ def target_line(name: str, tg: dict[str, Any]) -> str:
     info = ", ".join(f"{k} {tg[k]:.3f}" if isinstance(tg[k], float) else f"{k} {tg[k]}"
                      for k in ("mode", "model", "context_tokens", "how", "cpu_ratio")
                      if tg.get(k) is not None)
-    return (f"target {name}: {'-' if v is None else f'{v:.3f}'} ({mark})"
-            + (f" [{info}]" if info else ""))
+    return (f"target {name}: {'-' if v is None else f'{v:.3f}'} ({mark}"
+            + (f"; {info}" if info else "") + ")")
 
 
 def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw: Any) -> None:
