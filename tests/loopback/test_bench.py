@@ -227,12 +227,29 @@ def test_bench_rooms_mode_tiny(tmp_path: Path) -> None:
         assert row["lanes"]["full"]["rooms_one_sided"] == row["lanes"]["full"]["rooms"]
     assert r["fixed_cost"]["llama-3.1-8b"]["handoff_full"] is None  # one size: no line
     assert set(r["targets"]) == {"llama512_full_over_nixl_write<=1.0", "fixed_cost_ms<=5",
-                                 "llama1024_rooms_per_s>=1000"}
-    # 512 and 1,024 tokens were not measured, nor two sizes: not judged
-    assert r["targets"]["llama512_full_over_nixl_write<=1.0"] == {"value": None, "met": None}
-    assert r["targets"]["fixed_cost_ms<=5"] == {"value": None, "met": None}
+                                 "llama1024_rooms_per_s>=1000",
+                                 "room16_p50_over_nixl_rooms_p50<=2",
+                                 "room16_rooms_per_s_over_nixl>=0.5", "tcp_secret_over_tcp<=1.10",
+                                 "cpu_us_per_descriptor<=0.5"}
+    # 16, 512 and 1,024 tokens were not measured, nor two sizes, nor tcp: not judged
+    for name in ("llama512_full_over_nixl_write<=1.0", "fixed_cost_ms<=5",
+                 "room16_p50_over_nixl_rooms_p50<=2", "room16_rooms_per_s_over_nixl>=0.5",
+                 "tcp_secret_over_tcp<=1.10"):
+        assert (r["targets"][name]["value"], r["targets"][name]["met"]) == (None, None), name
+    # the prefill's control thread, per room and per descriptor (one context: an upper bound,
+    # per room over the room's pieces)
+    for row in r["rows"]:
+        for case in ("handoff_full", "handoff_off"):
+            ctl = row["cases"][case]["control_cpu_s_per_room"]
+            assert 0 < ctl["prefill"] <= row["cases"][case]["cpu_s_per_room"]["prefill"]
+            assert 0 < ctl["decode"] <= row["cases"][case]["cpu_s_per_room"]["decode"]
+    per_desc = r["targets"]["cpu_us_per_descriptor<=0.5"]
+    ctl = r["rows"][0]["cases"]["handoff_full"]["control_cpu_s_per_room"]["prefill"]
+    assert per_desc["value"] == pytest.approx(ctl / r["rows"][0]["pieces"] * 1e6)
+    assert "upper bound" in per_desc["how"] and per_desc["met"] is (per_desc["value"] <= 0.5)
     text = " ".join(p.stdout.split())
     assert "rooms mode" in text and "target fixed_cost_ms<=5: - (not measured)" in text
+    assert "target cpu_us_per_descriptor<=0.5: " in text and "control-thread CPU ms" in text
 
 
 def test_bench_rooms_refuses_bad_lists() -> None:
@@ -318,3 +335,65 @@ def test_bench_rooms_mode_with_a_secret(tmp_path: Path) -> None:
     bad = subprocess.run([KVHANDOFF, "bench", "--rooms", "2", "--modes", "full+tls"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "full+hmac" in bad.stderr
+
+
+def test_target_lines_say_by_how_much_a_target_is_missed() -> None:
+    from kvhandoff.commands.bench import target_line
+
+    assert target_line("a<=2", {"value": 5.0, "met": False, "bound": 2.0, "op": "<="}) == \
+        "target a<=2: 5.000 (missed by 2.50x)"
+    assert target_line("b>=0.5", {"value": 0.1, "met": False, "bound": 0.5, "op": ">="}) == \
+        "target b>=0.5: 0.100 (missed by 5.00x)"
+    assert target_line("c<=1.1", {"value": 1.05, "met": True, "bound": 1.1, "op": "<=",
+                                  "mode": "full", "cpu_ratio": 1.2}) == \
+        "target c<=1.1: 1.050 (met; mode full, cpu_ratio 1.200)"
+    assert target_line("d", {"value": None, "met": None, "why": "needs tcp"}) == \
+        "target d: - (not measured: needs tcp)"
+
+
+def test_the_secret_target_compares_tcp_rooms_with_and_without_a_secret() -> None:
+    """The judged pair is the largest context's, at the lowest concurrency; only on tcp."""
+    from kvhandoff.bench.rooms import RoomsBench, RoomsConfig
+
+    def row(ctx: int, inflight: int, p50: float, p50_secret: float) -> dict[str, Any]:
+        cpu = {"prefill": 1.0, "decode": 1.0}
+        return {"model": "llama-3.1-8b", "context_tokens": ctx, "inflight": inflight,
+                "bytes": ctx * 1000, "pieces": ctx, "ratios": {},
+                "cases": {"handoff_full": {"p50_s": p50, "cpu_s_per_room": cpu,
+                                           "rooms_per_s": 1 / p50},
+                          "handoff_full+hmac": {"p50_s": p50_secret, "rooms_per_s": 1 / p50,
+                                                "cpu_s_per_room": {"prefill": 1.5,
+                                                                   "decode": 1.5}}}}
+
+    rows = [row(256, 1, 1.0, 3.0), row(1024, 1, 2.0, 2.1), row(1024, 4, 1.0, 9.0)]
+    bench = RoomsBench(RoomsConfig(transport="tcp", modes=("full", "full+hmac"),
+                                   inflight=(1, 4), nixl=False))
+    got = bench._targets(rows, {})["tcp_secret_over_tcp<=1.10"]
+    assert got["value"] == pytest.approx(1.05) and got["met"] is True
+    assert got["context_tokens"] == 1024 and got["cpu_ratio"] == pytest.approx(1.5)
+    bench = RoomsBench(RoomsConfig(transport="shm", modes=("full", "full+hmac"), nixl=False))
+    assert bench._targets(rows, {})["tcp_secret_over_tcp<=1.10"]["met"] is None
+
+
+def test_cpu_per_descriptor_is_the_slope_over_rooms_of_a_job_per_layer() -> None:
+    """The prefill control thread's CPU per room against the room's pieces: the slope over
+    the contexts of >= 512 tokens when two were run (a 16-token room's layers share one job,
+    so its point would count jobs, not descriptors), else over every context measured."""
+    from kvhandoff.bench.rooms import RoomsBench, RoomsConfig
+
+    def row(ctx: int, pieces: int, ctl_s: float) -> dict[str, Any]:
+        return {"model": "llama-3.1-8b", "context_tokens": ctx, "inflight": 1,
+                "bytes": ctx, "pieces": pieces, "ratios": {},
+                "cases": {"handoff_full": {"p50_s": 1.0, "rooms_per_s": 1.0,
+                                           "cpu_s_per_room": {"prefill": 1.0, "decode": 1.0},
+                                           "control_cpu_s_per_room": {"prefill": ctl_s,
+                                                                      "decode": 0.0}}}}
+
+    bench = RoomsBench(RoomsConfig(modes=("full",), inflight=(1,), nixl=False))
+    # 3 ms + 1 us per piece from 512 tokens on; the 16-token room's point is off that line
+    rows = [row(16, 64, 3e-3), row(512, 2048, 5e-3 + 2048e-6), row(1024, 4096, 5e-3 + 4096e-6)]
+    got = bench._targets(rows, {})["cpu_us_per_descriptor<=0.5"]
+    assert got["value"] == pytest.approx(1.0) and got["met"] is False
+    assert "512" in got["how"]
+    got = bench._targets(rows[:2], {})["cpu_us_per_descriptor<=0.5"]  # one long context
+    assert got["value"] == pytest.approx((7.048e-3 - 3e-3) / (2048 - 64) * 1e6)

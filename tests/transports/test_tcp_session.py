@@ -18,6 +18,7 @@ from test_conformance import Done  # the shared harness (tests/transports is on 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
 from kvhandoff.testing import hostile
+from kvhandoff.transports import chunkauth
 from kvhandoff.transports.chunkauth import PROOF, Signer
 from kvhandoff.transports.tcp import TcpTransport
 
@@ -157,8 +158,8 @@ def test_a_replayed_proof_is_refused(keyed: Pair) -> None:
     own transfers go on under each session."""
     p = keyed
     assert p.both(1)
-    captured = Signer(p.key)  # what the sender's connection put on the wire
-    captured.nonce = p.a._signers["b"].nonce
+    # what the sender's connection put on the wire
+    captured = Signer(p.key, nonce=p.a._signers["b"].nonce)
     proof = captured.proof(ident(p.a), ident(p.b))
     payload = os.urandom(N)
     chunks = [hostile.tcp_chunk(7, k, N // CHUNK, N, payload[k * CHUNK:(k + 1) * CHUNK],
@@ -248,3 +249,32 @@ def test_a_sender_a_handshake_ahead_is_taken_once_the_receiver_has_the_key(keyed
     assert p.both(2, at=N)
     assert counter(p.b, "data_unproven_chunks") == 0
     assert counter(p.b, "data_refused_proofs") == 0
+
+
+def test_chunks_are_macd_with_gmac_and_without_cryptography_with_hmac(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keyed pair MACs its chunks with AES-256-GMAC (the status says so); the same pair in a
+    process where `cryptography` does not import falls back to HMAC-SHA256, says so in its
+    status, and still lands its transfers byte-exact, a forged chunk still refused."""
+    p = Pair("s3cret")
+    try:
+        assert p.both(1)
+        assert p.a._signers["b"].kind == chunkauth.GMAC
+        assert "AES-256-GMAC" in p.a.status().reason
+    finally:
+        p.close()
+    monkeypatch.setattr(chunkauth, "_AESGCM", None)
+    p = Pair("s3cret")
+    try:
+        assert p.both(1)
+        assert p.a._signers["b"].kind == chunkauth.HMAC_SHA256
+        reason = p.b.status().reason
+        assert "HMAC-SHA256" in reason and "fallback" in reason
+        got = p.recv(2, at=N)
+        hostile.send_tcp_frames(p.b.address, [hostile.TcpCase(
+            "identity_reuse", ident(p.a), whole_receive(2, os.urandom(N)))])
+        assert wait_for(lambda: counter(p.b, "data_unproven_chunks") >= N // CHUNK)
+        assert not p.dst[N:2 * N].any()
+        assert p.send(2, at=N).wait() is None and got.wait() is None and p.exact(N)
+    finally:
+        p.close()

@@ -36,6 +36,16 @@ _out_lock = threading.Lock()
 BENCH_SECRET = "kvhandoff-bench-secret"  # the "+hmac" modes' shared secret
 
 
+def control_cpu_s(agent: Any) -> float | None:
+    """CPU seconds the agent's control thread has used so far (its thread's CPU clock), or
+    None where it cannot be read (no such thread, or no per-thread clock on this platform)."""
+    th = getattr(getattr(agent, "_loop", None), "_thread", None)
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(th.ident))  # type: ignore[union-attr]
+    except (AttributeError, OSError, TypeError, ValueError):
+        return None
+
+
 def say(**obj: Any) -> None:
     with _out_lock:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -215,8 +225,9 @@ class _AgentSide:
         were released. Prefill: sender, wait until the decode's pages are known, every layer
         ready at once (`layers_ready`; t0 = just before it). Decode: receiver, init, wait (t_seen =
         when the engine could see Success). Answers {rooms: [[room, t, state, failure, timings],
-        ...], cpu_s (this process, every thread), wall_s}; timings are the agent's
-        `room_timings` (the figures the room's trace spans carry)."""
+        ...], cpu_s (this process, every thread), control_cpu_s (the agent's control thread
+        alone; None where unreadable), wall_s}; timings are the agent's `room_timings` (the
+        figures the room's trace spans carry)."""
         from kvhandoff.bench.pageset import PageSet
 
         ps = PageSet.from_msg(msg["pageset"])
@@ -252,6 +263,7 @@ class _AgentSide:
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 errors.append(f"{type(e).__name__}: {e}")
 
+        ctl0 = control_cpu_s(agent)
         cpu0, t0 = time.process_time(), time.monotonic()
         threads = [threading.Thread(target=lane, args=(k,), daemon=True)
                    for k in range(min(inflight, n))]
@@ -259,7 +271,9 @@ class _AgentSide:
             th.start()
         for th in threads:
             th.join()
+        ctl1 = control_cpu_s(agent)
         say(rooms=records, cpu_s=time.process_time() - cpu0, wall_s=time.monotonic() - t0,
+            control_cpu_s=None if ctl0 is None or ctl1 is None else ctl1 - ctl0,
             errors=errors)
 
     def status(self) -> dict[str, Any]:

@@ -316,10 +316,18 @@ def _print_rooms(r: dict[str, Any], con: Any) -> None:
                   "tokens; prefill, decode; heartbeats included): " + "; ".join(
                       f"{m} {v['prefill']:.1f}, {v['decode']:.1f}"
                       for m, v in row["messages_per_room"].items()))
+    for row in r["rows"]:  # the control threads alone: where a short room's time goes
+        ctl_parts: list[str] = []
+        for m in modes:
+            ctl = row["cases"][f"handoff_{m}"].get("control_cpu_s_per_room") or {}
+            if ctl.get("prefill") is not None and ctl.get("decode") is not None:
+                ctl_parts.append(f"{m} {ctl['prefill'] * 1e3:.2f} + {ctl['decode'] * 1e3:.2f}")
+        if ctl_parts:
+            con.print(f"control-thread CPU ms per room, prefill + decode ({row['model']}, "
+                      f"{row['context_tokens']:,} tokens, {row['pieces']:,} pieces, "
+                      f"{row['inflight']} in flight): " + "; ".join(ctl_parts))
     for name, tg in r["targets"].items():
-        v = tg["value"]
-        mark = "not measured" if tg["met"] is None else ("met" if tg["met"] else "missed")
-        con.print(f"target {name}: {'-' if v is None else f'{v:.3f}'} ({mark})")
+        con.print(target_line(name, tg))
     if r.get("nixl_missing"):
         con.print(f"NIXL baselines not run: {r['nixl_missing']}")
     ld = r["load"]
@@ -329,6 +337,25 @@ def _print_rooms(r: dict[str, Any], con: Any) -> None:
     con.print("verified byte-exact (baselines): "
               + ("all" if all(r["verified"].values()) else
                  ", ".join(k for k, v in r["verified"].items() if not v) + " FAILED"))
+
+
+def target_line(name: str, tg: dict[str, Any]) -> str:
+    """One target as the bench prints it: its value, and met, or missed by how much (the
+    value over its bound, or the bound over the value for a floor), or not measured."""
+    v = tg["value"]
+    if tg["met"] is None:
+        mark = "not measured" + (f": {tg['why']}" if tg.get("why") else "")
+    elif tg["met"]:
+        mark = "met"
+    else:
+        bound, op = tg.get("bound"), tg.get("op")
+        by = (v / bound if op == "<=" else bound / v) if bound and v else None
+        mark = "missed" + (f" by {by:.2f}x" if by else "")
+    info = ", ".join(f"{k} {tg[k]:.3f}" if isinstance(tg[k], float) else f"{k} {tg[k]}"
+                     for k in ("mode", "model", "context_tokens", "how", "cpu_ratio")
+                     if tg.get(k) is not None)
+    return (f"target {name}: {'-' if v is None else f'{v:.3f}'} ({mark}"
+            + (f"; {info}" if info else "") + ")")
 
 
 def _bench_on_device(device: str, con: Any, out: str | None, as_json: bool, **kw: Any) -> None:

@@ -45,7 +45,17 @@ import zmq
 from kvhandoff.errors import TransportError
 from kvhandoff.netaddr import split_zmq_endpoint
 from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
-from kvhandoff.transports.chunkauth import COUNTERS, TRAILER, EarlyStore, Gate, Signer
+from kvhandoff.transports.chunkauth import (
+    COUNTERS,
+    GMAC,
+    MAC_NAMES,
+    TRAILER,
+    EarlyStore,
+    Gate,
+    Signer,
+    default_mac,
+    mac_note,
+)
 from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.optable import OpTable, TableTransport
 from kvhandoff.transports.sockets import bind_router, connect_dealer
@@ -63,6 +73,7 @@ _CREDIT = struct.Struct("<cQI")  # b"C", tag, chunk index
 _FINAL = struct.Struct("<cQB")  # b"F", tag, ok (1) / failed (0); then a utf-8 reason
 _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are dropped
 _HWM = 65536  # messages queued per connection and direction (credits are 17 bytes each)
+PROOF_KINDS = frozenset(MAC_NAMES)  # a proof frame's first byte (chunkauth)
 _NOT_TAKEN = "tcp: chunk not taken: its connection has not proven this session (say Hello)"
 
 
@@ -145,6 +156,8 @@ class TcpTransport(TableTransport):
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._gate = Gate(self._ident, required=settings.hmac_secret is not None,
                           counters=self._counters)
+        if self._gate.required and default_mac() != GMAC:
+            log.warning("tcp: %s", mac_note())
         self._early = EarlyStore(peer_bytes=settings.tcp_early_bytes,
                                  total_bytes=4 * settings.tcp_early_bytes,
                                  counters=self._counters, keep_s=settings.stall_timeout_s)
@@ -196,7 +209,8 @@ class TcpTransport(TableTransport):
 
     def status(self) -> TransportStatus:
         return TransportStatus(kind=self.kind, lanes=("tcp",), degraded=True,
-                               reason="tcp transport: no RDMA (pyzmq over TCP sockets)",
+                               reason="tcp transport: no RDMA (pyzmq over TCP sockets)"
+                               + (f"; {mac_note()}" if self._gate.required else ""),
                                bytes_sent=self._bytes_sent, bytes_received=self._bytes_received,
                                counters=dict(self._counters))
 
@@ -395,7 +409,7 @@ class TcpTransport(TableTransport):
             except zmq.Again:
                 return
             rid = frames[0].bytes
-            if len(frames) == 2 and frames[1].bytes[:1] == b"P":
+            if len(frames) == 2 and frames[1].bytes[:1] in PROOF_KINDS:
                 self._gate.on_proof(rid, frames[1].bytes)
                 continue
             if len(frames) != 3 or len(frames[1].bytes) != _HEAD_BYTES:
