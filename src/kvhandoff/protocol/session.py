@@ -586,9 +586,9 @@ class TransferSession:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.ctx.hb
             self._heartbeat_at = now
-            self._heartbeats(now, e.drained_at)
+            self._heartbeats(now, e.read_at)
 
-    def _heartbeats(self, now: float, drained_at: float) -> None:
+    def _heartbeats(self, now: float, read_at: float) -> None:
         """Heartbeats out, dead peers and expired deadlines in."""
         by_peer: dict[str, list[int]] = {}
         for r in self.rooms.open_legs():
@@ -600,7 +600,7 @@ class TransferSession:
                 self.rooms.fail_group(g, Failure(
                     FailureKind.DEADLINE, f"bootstrap deadline expired: no peer after "
                     f"{waited:.1f}s", deadline="bootstrap"))
-        self.peers.heartbeats(now, drained_at, by_peer)
+        self.peers.heartbeats(now, read_at, by_peer)
         for r in list(self.rooms.legs.values()):
             if not r.state.terminal:
                 for which in r.state.expired(now):

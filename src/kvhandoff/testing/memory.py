@@ -153,7 +153,7 @@ class MemoryWire:
         """Moves the clock `dt` seconds and ticks every side."""
         self.clock.advance(dt)
         for side in list(self.sides.values()):
-            self.feed(side, ev.Tick(drained_at=self.clock()))
+            self.feed(side, ev.Tick(read_at=self.clock()))
 
     # ------------------------------------------------------------------ delivery
 

@@ -993,7 +993,7 @@ class Simulation(MemoryWire):
     def _tick(self, a: Agent) -> None:
         if not any(q for k, q in self.channels.items() if k[1] == a.name):
             a.drained_at = self.clock()
-        self.feed(a.side, ev.Tick(drained_at=a.drained_at))
+        self.feed(a.side, ev.Tick(read_at=a.drained_at))
 
     def _resume(self) -> None:
         now = self.clock()
@@ -1112,7 +1112,7 @@ class Simulation(MemoryWire):
                           + 1)
             for a in self.agents.values():
                 if a.alive:
-                    self.feed(a.side, ev.Tick(drained_at=self.clock()))
+                    self.feed(a.side, ev.Tick(read_at=self.clock()))
         for a in self.agents.values():
             if not a.alive:
                 continue
