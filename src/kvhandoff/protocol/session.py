@@ -279,9 +279,14 @@ class TransferSession:
                                              "no prefill rank to read this room from"))
             return
         g.state.expect(len(sources))
-        for addr, _gen in sources:
-            r = self.rooms.new_leg(g, addr)
-            self.peers.attach(r, addr)
+        # every leg first: one whose peer is known to refuse us fails at its attach, and
+        # fails the room with its other legs (a leg added after that would join a room
+        # already released, and later request writes into pages its engine got back)
+        legs = [self.rooms.new_leg(g, addr) for addr, _gen in sources]
+        for r in legs:
+            if r.state.terminal:
+                continue
+            self.peers.attach(r, r.peer)
             self.receive_path.init_leg(r)
         self.rooms.group_update(g)
 

@@ -106,20 +106,23 @@ class Parts:
 
 class Executor:
     """Feeds events to a `Stepper` and carries out the effects it returns (module doc).
-    `survive`: an error of the stepper is counted and logged, not raised (production: the
-    control thread serves every room); the simulator lets it raise."""
+    `on_error`: an error of the stepper goes there (production: counted and logged, the
+    control thread serves every room) instead of being raised (the simulator); `observe` sees
+    every event with its effects, `settle` runs after them (production's room timelines);
+    `stale_s`: a pass's writes held longer are never posted (`PassBatch`)."""
 
     def __init__(self, parts: Parts, step: Stepper, *,
                  observe: Callable[[ev.Event, list[Effect]], list[Effect]] | None = None,
                  settle: Callable[[], None] | None = None,
-                 on_error: Callable[[ev.Event, float], None] | None = None) -> None:
+                 on_error: Callable[[ev.Event, float], None] | None = None,
+                 stale_s: float = float("inf")) -> None:
         self.parts = parts
         self.step = step
         self._observe = observe  # a driver's observer of every event and its effects
         self._settle = settle
         self._on_error = on_error
         self.batch = PassBatch(transport=parts.transport, hashing=parts.hashing,
-                               post=parts.post)
+                               post=parts.post, clock=parts.clock, stale_s=stale_s)
 
     # ------------------------------------------------------------------ the driver's calls
 

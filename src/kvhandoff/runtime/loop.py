@@ -145,7 +145,9 @@ class ControlLoop:
         self._exec = Executor(parts, session if step is None else step,
                               observe=None if tl is None else tl.observe,
                               settle=None if tl is None else tl.settle,  # a room's trace
-                              on_error=self._step_failed)
+                              on_error=self._step_failed,
+                              # as long as the session's own silence rule (`_woke`)
+                              stale_s=2 * self.settings.heartbeat_interval_s)
         # the Hello says where the buffers live; it decides the rooms' checksum algorithm
         kinds = {view_memory(v)[0] for v in self._buffers.values()}
         session.set_memory("cuda" if "cuda" in kinds else "host")
