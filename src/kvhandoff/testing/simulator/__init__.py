@@ -28,7 +28,8 @@ What is simulated, and how the real system is followed:
   seed says; the ops it names end at once ("cancelled", as the transports' do) while each copy
   is stopped, or lands first (the call waits, and that peer's later calls behind it), or is
   stuck (one in ten): the call fails and the copy may land later, within its bound.
-  Two-sided sends and receives are matched by (sender, receiver, tag) and land the same way. The transport gives up a write that did not land within the writer's
+  Two-sided sends and receives are matched by (sender, receiver, tag) and land the same way.
+  The transport gives up a write that did not land within the writer's
   `stall_timeout_s` of its post (`SimConfig.frozen_writer_resumes`: a write whose writer was
   stopped meanwhile may land whenever it wakes, as shm's copy does today); a write from a
   stopped (paused) writer does not progress until it resumes; a dead writer's writes never
