@@ -390,6 +390,15 @@ class Simulation:
             return effects
         return observe
 
+    def queue_call(self, a: Agent, peer: str, call: Call) -> None:
+        """A peer call of `a` (`parts.SimCalls`): it runs when the seed says, after `a`'s
+        earlier calls to `peer`."""
+        self.calls.setdefault((a.name, peer), []).append(call)
+
+    def queue_completion(self, a: Agent, fn: Callable[[], None]) -> None:
+        """A completion of `a`'s hasher pool or transport, run when the seed says."""
+        self.pending.append((a, fn))
+
     def alive(self, name: str) -> bool:
         a = self.agents.get(name)
         return a is not None and a.alive

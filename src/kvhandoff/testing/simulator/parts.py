@@ -18,7 +18,7 @@ their outcomes, its hashing dispatch), over parts whose timing the simulation's 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -35,8 +35,39 @@ from kvhandoff.transports.base import (
     WriteSpec,
 )
 
-if TYPE_CHECKING:
-    from kvhandoff.testing.simulator.core import Agent, Simulation
+#: one simulated agent (`core.Agent`): the parts hand it back to their world as it is
+Agent = Any
+
+
+class World(Protocol):
+    """What the parts ask of the simulated world (`core.Simulation`), which decides when
+    everything they hand it happens."""
+
+    def alive(self, name: str) -> bool: ...
+
+    def exited(self, name: str) -> bool: ...
+
+    def queue_call(self, a: Agent, peer: str, call: Call) -> None: ...
+
+    def queue_completion(self, a: Agent, fn: Callable[[], None]) -> None: ...
+
+    def _stop_ops(self, a: Agent, peer: str, tag: int | None) -> None: ...
+
+    def _post_op(self, a: Agent, send: bool, peer: str, tag: int, buffer: str,
+                 offsets: np.ndarray, nbytes: np.ndarray, on_done: OnDone) -> None: ...
+
+    def _post_writes(self, a: Agent, peer: str, writes: Sequence[WriteSpec],
+                     on_done: OnWritten, checksum: bool) -> None: ...
+
+    def _sending(self, a: Agent, to: str, msg: Any) -> None: ...
+
+    def _send(self, a: Agent, to: str, msg: Any) -> None: ...
+
+    def _room_update(self, a: Agent, eff: RoomUpdate) -> None: ...
+
+    def _release(self, a: Agent, eff: Release) -> None: ...
+
+    def _log(self, a: Agent, eff: Log) -> None: ...
 
 
 class SimTransport(OneSidedTransport):
@@ -44,13 +75,13 @@ class SimTransport(OneSidedTransport):
 
     kind: ClassVar[TransportKind] = TransportKind.INPROC
 
-    def __init__(self, world: Simulation, agent: Agent) -> None:  # noqa: D107
+    def __init__(self, world: World, agent: Agent) -> None:  # noqa: D107
         self._world = world
         self._agent = agent
 
     @property
     def address(self) -> bytes:
-        return self._agent.name.encode()
+        return f"{self._agent.name}".encode()
 
     def register(self, name: str, buf: np.ndarray) -> None:
         return None
@@ -98,29 +129,29 @@ class SimCalls:
     """One agent's peer-call workers (see the module doc): the world runs a call when its
     seed picks it (`Simulation._answer_call`)."""
 
-    def __init__(self, world: Simulation, agent: Agent) -> None:
+    def __init__(self, world: World, agent: Agent) -> None:
         self._world = world
         self._agent = agent
 
     def run(self, peer: str, call: Call) -> None:
-        self._world.calls.setdefault((self._agent.name, peer), []).append(call)
+        self._world.queue_call(self._agent, peer, call)
 
 
 class SimPool:
     """One agent's hasher pool: a job runs (reading the buffers then) when the seed says."""
 
-    def __init__(self, world: Simulation, agent: Agent) -> None:
+    def __init__(self, world: World, agent: Agent) -> None:
         self._world = world
         self._agent = agent
 
     def submit(self, fn: Callable[[], None]) -> None:
-        self._world.pending.append((self._agent, fn))
+        self._world.queue_completion(self._agent, fn)
 
 
 class SimOutbox:
     """One agent's outbox: the messages of a pass leave at its end (`flush`)."""
 
-    def __init__(self, world: Simulation, agent: Agent) -> None:
+    def __init__(self, world: World, agent: Agent) -> None:
         self._world = world
         self._agent = agent
         self.queue: list[tuple[str, P.Message]] = []
@@ -141,7 +172,7 @@ class SimOutbox:
 class SimViews:
     """One agent's engine views: the world records them and checks its invariants."""
 
-    def __init__(self, world: Simulation, agent: Agent) -> None:
+    def __init__(self, world: World, agent: Agent) -> None:
         self._world = world
         self._agent = agent
 
@@ -152,7 +183,7 @@ class SimViews:
         self._world._release(self._agent, eff)
 
 
-def log_part(world: Simulation, agent: Agent) -> Callable[[Log], None]:
+def log_part(world: World, agent: Agent) -> Callable[[Log], None]:
     def log(eff: Log) -> None:
         world._log(agent, eff)
     return log
