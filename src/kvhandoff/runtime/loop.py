@@ -19,6 +19,8 @@ Liveness is measured by time: the `Tick` says when the loop last read its contro
 (`read_at`), whatever it found there, and a peer is silent when nothing authenticated came from
 it since (a flood of junk or of strangers' messages neither hides a dead peer nor makes a live
 one look dead: ZMQ reads its connections in turn, so a peer's messages are never far behind).
+The same-host lane's inbox is one queue of this agent's own for every local peer (all of its
+uid): there `read_at` is no later than when that queue was last found empty.
 Nothing a sender puts in a frame ends the thread: every error of a message or a pass is caught,
 counted and logged at a bounded rate (`RateLog`), and a stranger's socket is closed once idle.
 Nothing here takes a lock another kind of thread holds, so heartbeats leave on time however
@@ -125,6 +127,7 @@ class ControlLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._read_at = time.monotonic()  # when the control sockets were last read
+        self._lane_read_at = self._read_at  # when the lane's inbox was last found empty
         self._rejects_log = RateLog(log, logging.WARNING)
         self._errors_log = RateLog(log, logging.ERROR)
         self._closing = False
@@ -298,11 +301,17 @@ class ControlLoop:
         self._read_at = time.monotonic()
         if self._router in events:
             self._read(hb)
+        read_at = self._read_at
         if lane is not None:
+            if not lane.inbox:  # what the lane brought before now was all fed
+                self._lane_read_at = read_at
             lane.service(events)
             if lane.inbox:
                 self._read_lane(lane, hb)
-        self._feed(ev.Tick(read_at=self._read_at))
+            # the lane's inbox is this agent's own backlog (one queue for every same-host
+            # peer, all of this uid): a peer's message may wait behind another's there
+            read_at = min(read_at, self._lane_read_at)
+        self._feed(ev.Tick(read_at=read_at))
         self._exec.end_pass()  # the writes of the whole pass, then its messages
         now = time.monotonic()
         if now - self._collected > hb:
