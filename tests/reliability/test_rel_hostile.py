@@ -95,14 +95,58 @@ def test_a_garbage_flood_does_not_suspend_dead_peer_detection() -> None:
         s.abort("test over")
 
 
+def test_a_flood_of_heavy_heartbeats_does_not_hide_a_frozen_peer() -> None:
+    """A stranger floods the decode with well-typed Heartbeats naming a million rooms each
+    (tens of ms to decode: every read pass ends on its time limit, never on an empty socket)
+    while the prefill's control thread is frozen for 8 heartbeats mid-room: the decode still
+    fails the room as silent, since silence is measured by time from the prefill's last
+    message. Before: silence was measured only up to the last "drained" read, which the flood
+    never let come, so the frozen prefill stayed alive. (Heartbeats of 0.5 s: a message takes
+    up to ~0.1 s to decode on a loaded host, and the decode must stay responsive itself.)"""
+    hb = 0.5
+    with engine_pair(settings=fast_settings(heartbeat_interval_s=hb), num_pages=8) as (p, d):
+        r = secrets.randbits(63)
+        s = p.send(r, 40, ready=2)
+        rv = d.recv(r, 40, p.address)
+        assert rv.wait_for_layer(layers_of(p.layout)[1], WAIT_S)
+        stop = threading.Event()
+        # a stranger's Heartbeat naming a million rooms: a 4.9 MB frame
+        heavy = hostile.P.encode(hostile.P.Heartbeat(src="127.0.0.1:1", gen=1,
+                                                     rooms=list(range(1_000_000))))
+        sent = 0
+
+        def flood() -> None:  # kept a few messages ahead of what the decode has read
+            nonlocal sent
+            while not stop.is_set():
+                if sent - counters(d)["stale_messages"] < 8:
+                    sent += hostile.send_control(d.address, [heavy] * 4)
+                else:
+                    stop.wait(0.005)
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
+            lambda _: time.sleep(8 * hb), timeout=WAIT_S))
+        try:
+            assert wait_until(lambda: counters(d)["stale_messages"] > 20, WAIT_S)
+            frozen.start()
+            assert rv.wait(WAIT_S) is KVPoll.Failed
+            assert "silent" in (rv.failure or ""), rv.failure
+        finally:
+            stop.set()
+            flooder.join(WAIT_S)
+            frozen.join(WAIT_S)
+        s.abort("test over")
+
+
 def test_strangers_cost_a_bounded_number_of_sockets() -> None:
     """Each refused Hello (no valid MAC) from another made-up address is answered over a ZMQ
     DEALER of its own: those sockets are capped (the least recently used closed) and closed
     once idle, and no peer record is kept for any of them."""
-    from kvhandoff.runtime import loop as loop_mod
+    from kvhandoff.runtime import outbox as outbox_mod
 
     with engine_pair(settings=fast_settings(hmac_secret="s3cret"), num_pages=8) as (p, d):
-        n = loop_mod.MAX_STRANGER_DEALERS + 100
+        n = outbox_mod.MAX_STRANGER_DEALERS + 100
         hellos = []
         for i in range(n):
             h = hostile.P.Hello(src=f"127.0.0.1:{20000 + i}", gen=i + 1, agent_id="x",
@@ -112,8 +156,8 @@ def test_strangers_cost_a_bounded_number_of_sockets() -> None:
         hostile.send_control(p.address, hellos)
         assert wait_until(lambda: counters(p)["unauthenticated_messages"] >= n, WAIT_S)
         loop = p.agent._loop
-        assert wait_until(lambda: loop.query(lambda _: len(loop._dealers))
-                          <= loop_mod.MAX_STRANGER_DEALERS + 1, WAIT_S)
+        assert wait_until(lambda: loop.query(lambda _: len(loop.outbox._dealers))
+                          <= outbox_mod.MAX_STRANGER_DEALERS + 1, WAIT_S)
         assert p.agent._loop.query(lambda s: sum(1 for _ in s.peers)) <= 1
         r = secrets.randbits(63)
         handoff(p, d, r, 40)

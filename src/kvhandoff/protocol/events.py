@@ -207,8 +207,10 @@ class Cancelled(Event):
 
 @dataclass(frozen=True, slots=True)
 class Tick(Event):
-    """Time passed: heartbeats, liveness, deadlines, timers, collection. `drained_at` is when
-    the driver last found no control message waiting (a peer's silence is measured up to it,
-    so a busy driver does not take its own backlog for a dead peer)."""
+    """Time passed: heartbeats, liveness, deadlines, timers, collection. `read_at` is when the
+    driver last read its control sockets, whatever it found there: a peer's silence is
+    measured up to it from the peer's last authenticated message, by time alone (a driver that
+    did not read for a while does not take its own backlog for a dead peer, and no flood of
+    other messages makes it wait for a "drained" socket that never comes)."""
 
-    drained_at: float
+    read_at: float

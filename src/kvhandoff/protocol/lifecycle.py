@@ -231,7 +231,7 @@ class RoomTable:
 
     def on_cancelled(self, e: ev.Cancelled) -> None:
         """A `Cancel` (tag) or `DropPeer` (tag None) was executed. A failure (a copy that did
-        not stop) keeps the legs' pages held until write_quarantine_s: counted and logged."""
+        not stop) keeps the legs' pages held for `write_quarantine`: counted and logged."""
         if e.tag is None:
             legs = [r for r in self.legs.values() if r.peer == e.peer and not r.state.released]
         else:
@@ -249,11 +249,14 @@ class RoomTable:
             self.ctx.log(WARNING, f"peer {e.peer}: {what} failed: {e.error}")
 
     def _stop_failed(self, r: Leg, e: ev.Cancelled) -> None:
+        # the copy that did not stop may go on until its writer's bound (the same reasoning
+        # as the decode's quarantine: `write_quarantine`); its op already completed
         what = "disconnect" if e.tag is None else f"cancel of tag {e.tag}"
         self.ctx.counters["cancel_failures"] += 1
-        bound = self.ctx.settings.write_quarantine_s
+        bound = write_quarantine(self.ctx.settings)
         self.ctx.log(WARNING, f"room {r.room}: {what} with {r.peer} failed ({e.error}); its "
-                              f"pages stay held for write_quarantine_s={bound:g}s")
+                              f"pages stay held for {bound:g}s (write_quarantine_s, at least "
+                              "stall_timeout_s + 2 heartbeats)")
         if r.state.fence.stop_failed_now():
             self.ctx.later(bound, lambda: self._stop_bound(r))
 

@@ -471,7 +471,7 @@ class PeerTable:
         self._forgotten[p.addr] = self.ctx.now
         self.ctx.emit(DropPeer(p.addr, p.gen))
 
-    def heartbeats(self, now: float, drained_at: float, rooms_by_peer: dict[str, list[int]]
+    def heartbeats(self, now: float, read_at: float, rooms_by_peer: dict[str, list[int]]
                    ) -> None:
         """Heartbeats out (naming the open rooms with each peer), silent peers declared
         lost."""
@@ -480,9 +480,9 @@ class PeerTable:
             if p.talking:
                 ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
                                              rooms=rooms_by_peer.get(p.addr, [])))
-            # silence is measured up to the last moment the driver had read every message it
-            # was sent: a busy control loop must not take its own backlog for a dead peer
-            silent = min(now, drained_at) - p.last_seen
+            # silence is measured by time, up to when the driver last read its sockets
+            # (`Tick.read_at`): a stalled driver must not take its own backlog for a dead peer
+            silent = min(now, read_at) - p.last_seen
             if (p.matched or p.waiting) and silent > 2 * hb:
                 self.lost(p, f"peer {p.addr} silent for {silent:.2f}s "
                              f"(> 2 heartbeats of {hb:g}s)")

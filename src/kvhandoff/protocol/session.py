@@ -330,9 +330,14 @@ class TransferSession:
                                              "no prefill rank to read this room from"))
             return
         g.state.expect(len(sources))
-        for addr, _gen in sources:
-            r = self.rooms.new_leg(g, addr)
-            self.peers.attach(r, addr)
+        # every leg first: one whose peer is known to refuse us fails at its attach, and
+        # fails the room with its other legs (a leg added after that would join a room
+        # already released, and later request writes into pages its engine got back)
+        legs = [self.rooms.new_leg(g, addr) for addr, _gen in sources]
+        for r in legs:
+            if r.state.terminal:
+                continue
+            self.peers.attach(r, r.peer)
             self.receive_path.init_leg(r)
         self.rooms.group_update(g)
 
@@ -639,9 +644,9 @@ class TransferSession:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.ctx.hb
             self._heartbeat_at = now
-            self._heartbeats(now, e.drained_at)
+            self._heartbeats(now, e.read_at)
 
-    def _heartbeats(self, now: float, drained_at: float) -> None:
+    def _heartbeats(self, now: float, read_at: float) -> None:
         """Heartbeats out, dead peers and expired deadlines in."""
         by_peer: dict[str, list[int]] = {}
         for r in self.rooms.open_legs():
@@ -663,7 +668,7 @@ class TransferSession:
                 self.rooms.fail_group(g, Failure(FailureKind.DEADLINE, why,
                                                  deadline="bootstrap"))
         self._send_holds()
-        self.peers.heartbeats(now, drained_at, by_peer)
+        self.peers.heartbeats(now, read_at, by_peer)
         for r in list(self.rooms.legs.values()):
             if not r.state.terminal:
                 for which in r.state.expired(now):

@@ -16,12 +16,18 @@ Rules: control thread only, except the completions (a transport's thread posts t
 leave in the order asked: a write over WRITE_BATCH_BYTES (a long prompt's layer, announced on
 its own) first sends what is held, and so does anything that must find the writes posted
 (`flush` before a cancel or a dropped peer); the loop flushes once per pass, before the outbox,
-and the batch never holds more than a job's worth.
+and the batch never holds more than a job's worth. A write held longer than `stale_s` (the
+control thread stalled mid-pass: the process was stopped, or starved) is never posted: it
+completes with an error instead. Its decode may have given the room's pages back meanwhile
+(its write quarantine counts from its own failure, and the writer's bound from the post), and
+a session that stalled that long takes its peers for having given it up anyway (found by the
+simulator: a prefill stopped for 35 s between its accept and the end of that pass).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,12 +50,16 @@ class PassBatch:
     """The loop's batch of one pass (see the module doc). Keyword-only arguments."""
 
     def __init__(self, *, transport: Transport, hashing: Hasher,
-                 post: Callable[[ev.Event], None]) -> None:
+                 post: Callable[[ev.Event], None], clock: Callable[[], float] = time.monotonic,
+                 stale_s: float = float("inf")) -> None:
         self._transport = transport
         self._hashing = hashing
         self._post = post
+        self._clock = clock
+        self._stale_s = stale_s
         self._writes: list[PostWrite] = []
         self._held_bytes = 0
+        self._held_at = 0.0  # when the first of the held writes was held
 
     @property
     def pending(self) -> bool:
@@ -83,6 +93,8 @@ class PassBatch:
         if eff.room is not None and n <= WRITE_BATCH_BYTES:
             if self._held_bytes + n > WRITE_BATCH_BYTES:
                 self.flush()
+            if not self._writes:
+                self._held_at = self._clock()
             self._writes.append(eff)
             self._held_bytes += n
             return
@@ -95,6 +107,12 @@ class PassBatch:
         if not self._writes:
             return
         writes, self._writes, self._held_bytes = self._writes, [], 0
+        held = self._clock() - self._held_at
+        if held > self._stale_s:
+            for eff in writes:
+                self._post(ev.Written(eff.op, f"held {held:.2f}s by a stalled control thread "
+                                              f"(> {self._stale_s:g}s): never posted"))
+            return
         jobs: dict[tuple[str, int | None], list[tuple[int, list[PostWrite]]]] = {}
         for eff in writes:
             runs = jobs.setdefault((eff.peer, eff.room), [])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from kvhandoff.buffers.bufferset import view_memory
 from kvhandoff.buffers.devsum import room_checksum
@@ -34,19 +34,36 @@ from kvhandoff.transports.base import OneSidedTransport, OnWritten, Transport, W
 
 HASH_WORKERS = 2
 _UNKNOWN: Any = object()  # not asked yet (`Hasher._digest_alg`)
+# A hashing job of host memory up to this size runs on the control thread, its `Hashed` fed in
+# the same pass: xxh3 of 2 MiB takes about 0.2 ms here, and a hasher job costs two thread
+# hand-offs (a worker's wake-up, then the control thread's through the wake pipe), which on a
+# loaded 2-core host cost more than that. Small layers are the short prompts' case, where
+# the hand-offs are most of a layer's verification; larger jobs keep the pool's parallelism.
+HASH_INLINE_BYTES = 2 << 20
+
+
+class Pool(Protocol):
+    """Where the hasher's jobs run (a thread pool; the simulator's queue of jobs)."""
+
+    def submit(self, fn: Callable[[], None]) -> object: ...
 
 
 class Hasher:
     """The driver's checksums (see the module doc). Keyword-only arguments: `buffers`
     (transport buffer name -> bytes), the `transport` (asked which digest its writes give),
-    `post` (hands an event back to the control thread; any thread)."""
+    `post` (hands an event back to the control thread; any thread), `pool` (where jobs run:
+    HASH_WORKERS threads unless given) and `inline_bytes` (`inline`)."""
 
     def __init__(self, *, buffers: dict[str, Any], transport: Transport,
-                 post: Callable[[ev.Event], None]) -> None:
+                 post: Callable[[ev.Event], None], pool: Pool | None = None,
+                 inline_bytes: int = HASH_INLINE_BYTES) -> None:
         self._buffers = buffers
         self._transport = transport
         self._post = post
-        self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="kvh-hash")
+        self._threads = ThreadPoolExecutor(max_workers=HASH_WORKERS,
+                                           thread_name_prefix="kvh-hash") if pool is None else None
+        self._pool: Pool = pool if pool is not None else self._threads  # type: ignore[assignment]
+        self._inline_bytes = inline_bytes
         # buffer name -> write_digest_alg's answer (control thread; the agent's buffers and
         # the transport's registrations do not change while it runs): asked for every part of
         # every write, it was ~5 % of a short room's control-thread time
@@ -54,9 +71,22 @@ class Hasher:
 
     def close(self) -> None:
         """Waits for running jobs; queued ones are dropped (the agent is closing)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ HashSpans
+
+    def inline(self, job: HashSpans) -> bool:
+        """Whether `job` is hashed on the control thread (`hashed`, its event fed in the same
+        pass): at most `inline_bytes`, all of it in host memory (a device sum may wait on the
+        device)."""
+        total = 0
+        for name, _, nbytes in job.spans:
+            buf = self._buffers.get(name)
+            if buf is None or view_memory(buf)[0] != "host":
+                return False
+            total += int(nbytes.sum())
+        return total <= self._inline_bytes
 
     def submit(self, job: HashSpans) -> None:
         """(control thread) Hashes `job` on the pool; `Hashed` follows."""

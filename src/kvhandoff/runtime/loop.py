@@ -1,31 +1,34 @@
 """`ControlLoop`: the one thread that drives a `TransferSession` and does its I/O.
 
-It owns every ZMQ socket (a ROUTER bound on the agent's control address; one DEALER per peer),
-the same-host lane's Unix sockets (`runtime.locallane`: peers of this host are sent to there,
-not over ZMQ), the wake pipe and the event queue. Engine threads, transport callbacks, hasher
-workers and the route-lookup threads never touch the session: they `post` an event (a deque
-append plus one byte on the wake pipe) and, when they must wait, wait on a room's view. The
-loop feeds the session one event at a time with the current time and executes the effects it
-returns, in order: messages to the outbox, transfers to the transport (one-sided writes through
-the pass's batch, `runtime.batching`), hashing jobs to the hasher pool (a small one of host
-memory is hashed right here: see HASH_INLINE_BYTES), room updates to the views. It drives a
-`Stepper`: the session itself, or what a test installed in front of it (`runtime.seam`); the
-loop has no test branches.
+It owns the control sockets (a ROUTER bound on the agent's control address; the outbox's
+DEALERs, `runtime.outbox`), the same-host lane's Unix sockets (`runtime.locallane`: peers of
+this host are sent to there, not over ZMQ), the wake pipe and the event queue. Engine threads,
+transport callbacks, hasher workers, peer-call workers and the route-lookup threads never touch
+the session: they `post` an event (a deque append plus one byte on the wake pipe) and, when
+they must wait, wait on a room's view. The loop feeds the session one event at a time and its
+`runtime.executor.Executor` carries out the effects, with production's parts: the real clock,
+the transport, the ZMQ outbox, the peer-call threads (`runtime.calls`), the hasher's pool and
+the room views. The simulator (`kvhandoff.testing.simulator`) runs the same executor with
+simulated parts. The loop drives a `Stepper`: the session itself, or what a test installed in
+front of it (`runtime.seam`); it has no test branches.
 
-Each pass: read the wake pipe, feed the queued events, read control messages (at most a quarter
-heartbeat's worth, so a burst cannot hold back heartbeats), feed a `Tick`, post the writes the
-pass held (`PassBatch.flush`, once per pass), and send the outbox (each message as the session's
-peer table frames it: sealed under the session with its recipient when ``hmac_secret`` is set,
-`PeerTable.frames`). Nothing a sender puts in a frame ends the thread: every error of a message
-or a pass is caught, counted and logged at a bounded rate (`RateLog`), and a stranger's socket
-is closed once idle (`_collect_dealers`).
+Each pass: read the wake pipe, start the peer calls due, feed the queued events, read control
+messages (at most a quarter heartbeat's worth, so a burst cannot hold back heartbeats), feed a
+`Tick`, then end the pass (`Executor.end_pass`: the writes the pass held, then the outbox).
+Liveness is measured by time: the `Tick` says when the loop last read its control sockets
+(`read_at`), whatever it found there, and a peer is silent when nothing authenticated came from
+it since (a flood of junk or of strangers' messages neither hides a dead peer nor makes a live
+one look dead: ZMQ reads its connections in turn, so a peer's messages are never far behind).
+The same-host lane's inbox is one queue of this agent's own for every local peer (all of its
+uid): there `read_at` is no later than when that queue was last found empty.
+Nothing a sender puts in a frame ends the thread: every error of a message or a pass is caught,
+counted and logged at a bounded rate (`RateLog`), and a stranger's socket is closed once idle.
 Nothing here takes a lock another kind of thread holds, so heartbeats leave on time however
 busy the engine threads are.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -33,61 +36,33 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import zmq
 
 from kvhandoff.buffers.bufferset import view_memory
-from kvhandoff.errors import ConfigError, KVHandoffError, TransportError
-from kvhandoff.netaddr import join_host_port, split_host_port, zmq_endpoint, zmq_ipv6
+from kvhandoff.errors import ConfigError
+from kvhandoff.netaddr import join_host_port, zmq_endpoint, zmq_ipv6
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
-from kvhandoff.protocol.effects import (
-    Cancel,
-    Connect,
-    DropPeer,
-    Effect,
-    HashSpans,
-    Log,
-    PostRecv,
-    PostSend,
-    PostWrite,
-    RegisterRemote,
-    Release,
-    RoomUpdate,
-    Send,
-)
+from kvhandoff.protocol.effects import Release, RoomUpdate
 from kvhandoff.protocol.session import TransferSession
-from kvhandoff.runtime.batching import PassBatch
+from kvhandoff.runtime.calls import ThreadPeerCalls
+from kvhandoff.runtime.executor import Executor, Parts, log_effect
 from kvhandoff.runtime.handles import RoomView
 from kvhandoff.runtime.hashing import Hasher
 from kvhandoff.runtime.locallane import LocalLane, available
+from kvhandoff.runtime.outbox import ControlOutbox
 from kvhandoff.runtime.seam import Stepper
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings
-from kvhandoff.transports.base import OneSidedTransport, Transport
+from kvhandoff.transports.base import Transport
 
 log = logging.getLogger("kvhandoff.agent")
 
 _Query = Callable[[TransferSession], Any]
-LINGER_DROPPED_MS = 2000  # how long a dropped peer's last messages may take to leave
-PEER_CALL_WORKERS = 4  # peers whose blocking transport calls run at once
-# A hashing job of host memory up to this size runs on the control thread, its `Hashed` fed in
-# the same pass: xxh3 of 2 MiB takes about 0.2 ms here, and a hasher job costs two thread
-# hand-offs (a worker's wake-up, then the control thread's through the wake pipe), which on a
-# loaded 2-core host cost more than that. Small layers are the short prompts' case, where
-# the hand-offs are most of a layer's verification; larger jobs keep the pool's parallelism.
-HASH_INLINE_BYTES = 2 << 20
-# A batch of this many messages read from the control socket of which the session took none
-# (see _read) counts as having read every peer's messages
-MIN_IDLE_BATCH = 64
-# Senders' connections that cost this agent nothing once idle: a ZMQ DEALER to an address the
-# session has no peer record for (it only answered a stranger's Hello, or told a forgotten peer)
-# is closed after DEALER_IDLE_S, and the least recently used go beyond MAX_STRANGER_DEALERS
-DEALER_IDLE_S = 30.0
-MAX_STRANGER_DEALERS = 256
 # Bytes one connection may have queued for this agent before ZMQ stops reading it (TCP flow
 # control then holds the sender back; nothing is dropped). ZMQ bounds a connection's queue in
 # messages (RCVHWM), each at most MAXMSGSIZE (the largest honest message, max_message_bytes,
@@ -102,27 +77,32 @@ def control_rcvhwm(max_message_bytes: int) -> int:
     return max(MIN_CONTROL_RCVHWM, CONTROL_CONN_BYTES // (max_message_bytes + P.SEAL_BYTES))
 
 
+class RoomViews:
+    """Production's `views` part: a room's `RoomView` (its engine handle) takes each update."""
+
+    def update(self, eff: RoomUpdate) -> None:
+        assert isinstance(eff.token, RoomView)
+        eff.token.update(eff.state, eff.failure, eff.landed, eff.done)
+
+    def release(self, eff: Release) -> None:
+        assert isinstance(eff.token, RoomView)
+        eff.token.release()
+
+
 class ControlLoop:
     """Drives `session` on its own thread (see the module doc). Keyword-only arguments."""
 
     def __init__(self, *, transport: Transport, buffers: dict[str, np.ndarray],
                  settings: Settings, timelines: RoomTimelines | None = None) -> None:
         self.session: TransferSession | None = None  # given to start()
-        self._step: Stepper | None = None  # the session, or a test's seam in front of it
         self._timelines = timelines  # sees every handled event and its effects
         self.transport = transport
         self.settings = settings
         self._buffers = buffers  # transport buffer name -> bytes
         self._queue: deque[tuple[ev.Event | None, _Query | None, Future[Any] | None]] = deque()
         self._ahead: deque[ev.Event] = deque()
-        self._outbox: deque[tuple[str, P.Message]] = deque()
-        self._to_close: list[zmq.Socket[bytes]] = []
         self._hashing = Hasher(buffers=buffers, transport=transport, post=self.post)
-        self._batch = PassBatch(transport=transport, hashing=self._hashing, post=self.post)
-        self._calls = ThreadPoolExecutor(max_workers=PEER_CALL_WORKERS,
-                                         thread_name_prefix="kvh-peer-call")
-        self._calls_waiting: dict[str, deque[Callable[[], None]]] = {}  # control thread only
-        self._calls_done: deque[str] = deque()  # peers whose call ended (workers append)
+        self._calls = ThreadPeerCalls(post=self.post, wake=self._wake_if_asleep)
         self.counters = {"messages_out": 0, "messages_out_local": 0, "rejected_messages": 0,
                          "loop_errors": 0}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -143,25 +123,26 @@ class ControlLoop:
                               f"cannot bind there ({e}); give an address of this host (an "
                               f"IPv6 one bare or in brackets)") from e
         self.address = join_host_port(host, port)
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._dealer_used: dict[str, float] = {}  # address -> when last sent to
-        self._dealers_collected = time.monotonic()
         # same-host peers: control messages over a Unix socket (runtime.locallane)
         # a sealed message's body carries its seal (wire.SEAL_BYTES) beyond the limit
         self._lane = LocalLane(self.address,
                                max_message_bytes=settings.max_message_bytes + P.SEAL_BYTES,
                                counters=self.counters) \
             if settings.local_control_lane and available() else None
-        self._lane_drops: list[str] = []  # peers whose lane closes once the outbox went out
+        self.outbox = ControlOutbox(ctx=self._ctx, lane=self._lane, frames=self._frames,
+                                    known=self._known, counters=self.counters)
+        self._collected = time.monotonic()  # when stranger sockets were last collected
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._drained_at = time.monotonic()  # when the control socket was last read empty
+        self._read_at = time.monotonic()  # when the control sockets were last read
+        self._lane_read_at = self._read_at  # when the lane's inbox was last found empty
         self._rejects_log = RateLog(log, logging.WARNING)
         self._errors_log = RateLog(log, logging.ERROR)
         self._closing = False
         self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
+        self._exec: Executor | None = None  # made by start()
 
     def start(self, session: TransferSession, name: str, *, step: Stepper | None = None
               ) -> None:
@@ -169,7 +150,16 @@ class ControlLoop:
         events go to `step` (a test's seam in front of the session, `runtime.seam`) when given,
         else to the session itself."""
         self.session = session
-        self._step = session if step is None else step
+        parts = Parts(clock=time.monotonic, transport=self.transport, outbox=self.outbox,
+                      calls=self._calls, hashing=self._hashing, views=RoomViews(),
+                      post=self.post, post_now=self._post_now, log=log_effect(log))
+        tl = self._timelines
+        self._exec = Executor(parts, session if step is None else step,
+                              observe=None if tl is None else tl.observe,
+                              settle=None if tl is None else tl.settle,  # a room's trace
+                              on_error=self._step_failed,
+                              # as long as the session's own silence rule (`_woke`)
+                              stale_s=2 * self.settings.heartbeat_interval_s)
         # the Hello says where the buffers live; it decides the rooms' checksum algorithm
         kinds = {view_memory(v)[0] for v in self._buffers.values()}
         session.set_memory("cuda" if "cuda" in kinds else "host")
@@ -181,14 +171,14 @@ class ControlLoop:
     @property
     def stepper(self) -> Stepper | None:
         """What the loop feeds events to: the session, or a test's seam in front of it."""
-        return self._step
+        return None if self._exec is None else self._exec.step
 
     def install(self, wrap: Callable[[Stepper], Stepper]) -> None:
         """Puts `wrap(stepper)` in front of what the loop drives now (a test's seam,
         `runtime.seam.Filtered`), on the control thread between two events."""
         def swap(_: TransferSession) -> None:
-            assert self._step is not None
-            self._step = wrap(self._step)
+            assert self._exec is not None
+            self._exec.step = wrap(self._exec.step)
 
         self.query(swap)
 
@@ -223,6 +213,10 @@ class ControlLoop:
         self._wake()
         return fut.result(timeout)
 
+    def _wake_if_asleep(self) -> None:
+        if self._asleep:
+            self._wake()
+
     def _wake(self) -> None:
         w = self._wake_w
         if w < 0:  # closed: never write into a file descriptor number reused since
@@ -240,10 +234,8 @@ class ControlLoop:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
         self._hashing.close()
-        # a call still waiting on its peer ends when the agent closes the transport
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        for s in [*self._dealers.values(), *self._to_close]:
-            s.close(0)
+        self._calls.close()
+        self.outbox.close()
         self._router.close(0)
         if self._lane is not None:
             self._lane.close()
@@ -253,175 +245,28 @@ class ControlLoop:
 
     # ------------------------------------------------------------------ control thread
 
+    def _post_now(self, event: ev.Event) -> None:
+        """An event the executor made to be fed in this pass (a hashing job done inline)."""
+        self._queue.append((event, None, None))
+
+    def _frames(self, addr: str, msg: P.Message) -> list[bytes]:
+        assert self.session is not None
+        return self.session.peers.frames(addr, msg)
+
+    def _known(self, addr: str) -> bool:
+        assert self.session is not None
+        return self.session.peers.get(addr) is not None
+
+    def _step_failed(self, event: ev.Event, now: float) -> None:
+        """The session fails the room of a room's event itself (both sides told); this is an
+        event of no room (a tick, a peer's message): counted and logged."""
+        self.counters["loop_errors"] += 1
+        self._errors_log.log(now, "agent: error handling %s", type(event).__name__,
+                             exc_info=True)
+
     def _feed(self, event: ev.Event) -> None:
-        assert self._step is not None
-        try:
-            now = time.monotonic()
-            effects = self._step.handle(event, now)
-        except Exception:  # noqa: BLE001 - the control loop must survive anything an event does
-            # the session fails the room of a room's event itself (both sides told); this is
-            # an event of no room (a tick, a peer's message): counted and logged
-            self.counters["loop_errors"] += 1
-            self._errors_log.log(now, "agent: error handling %s", type(event).__name__,
-                                 exc_info=True)
-            return
-        if self._timelines is not None:
-            effects = self._timelines.observe(event, effects)
-        for eff in effects:
-            self._execute(eff)
-        if self._timelines is not None:
-            self._timelines.settle()  # a room's trace once its engine was told it ended
-
-    def _execute(self, eff: Effect) -> None:
-        if isinstance(eff, Send):
-            self._outbox.append((eff.addr, eff.msg))
-        elif isinstance(eff, PostSend | PostRecv):
-            done = functools.partial(self._op_done, eff.op)
-            post = self.transport.post_send if isinstance(eff, PostSend) else \
-                self.transport.post_recv
-            try:
-                post(eff.peer, eff.tag, eff.buffer, eff.offsets, eff.nbytes, done)
-            except KVHandoffError as e:
-                self.post(ev.OpDone(eff.op, str(e)))
-        elif isinstance(eff, PostWrite):
-            self._batch.hold(eff)  # with the room's others of this pass
-        elif isinstance(eff, RegisterRemote):
-            self._call(eff.peer, functools.partial(self._register_remote, eff))
-        elif isinstance(eff, RoomUpdate):
-            assert isinstance(eff.token, RoomView)
-            eff.token.update(eff.state, eff.failure, eff.landed, eff.done)
-        elif isinstance(eff, Release):
-            assert isinstance(eff.token, RoomView)
-            eff.token.release()
-        elif isinstance(eff, HashSpans):
-            if self._inline_hash(eff):
-                self._queue.append((self._hashing.hashed(eff), None, None))  # this pass
-            else:
-                self._hashing.submit(eff)
-        elif isinstance(eff, Cancel):
-            self._batch.flush()  # the cancel finds the writes it cancels posted
-            self._call(eff.peer, functools.partial(self._cancel, eff))
-        elif isinstance(eff, Connect):
-            self._call(eff.peer, functools.partial(self._connect, eff))
-        elif isinstance(eff, DropPeer):
-            self._batch.flush()
-            self._call(eff.peer, functools.partial(self._drop, eff))
-            sock = self._dealers.pop(eff.peer, None)
-            self._dealer_used.pop(eff.peer, None)
-            if sock is not None:
-                self._to_close.append(sock)  # after the outbox went out
-            if self._lane is not None:
-                self._lane_drops.append(eff.peer)
-        elif isinstance(eff, Log):
-            log.log(eff.level, "%s", eff.message, exc_info=eff.exc)
-        else:
-            raise TypeError(f"unknown effect {eff!r}")
-
-    # ------------------------------------------------------------------ peer calls
-    # A transport call that may wait on its peer (connect, register_remote, cancel,
-    # disconnect) never runs on the control thread: it goes to the peer-call pool and its
-    # outcome comes back as an event. Each peer's calls run one at a time, in the order the
-    # session asked for them (a cancel never overtakes its connect); the control thread alone
-    # keeps the per-peer queues, the workers only hand back the peer whose call ended.
-
-    def _call(self, peer: str, fn: Callable[[], None]) -> None:
-        """(control thread) Runs `fn` on the peer-call pool after `peer`'s earlier calls."""
-        waiting = self._calls_waiting.get(peer)
-        if waiting is not None:
-            waiting.append(fn)
-            return
-        self._calls_waiting[peer] = deque()
-        self._start_call(peer, fn)
-
-    def _start_call(self, peer: str, fn: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                self._calls_done.append(peer)
-                if self._asleep:
-                    self._wake()
-
-        try:
-            self._calls.submit(run)
-        except RuntimeError:  # the pool shut down: the agent is closing
-            self._calls_waiting.pop(peer, None)
-
-    def _next_calls(self) -> None:
-        """(control thread) Starts each peer's next call once its previous one ended."""
-        while self._calls_done:
-            peer = self._calls_done.popleft()
-            waiting = self._calls_waiting.get(peer)
-            if waiting:
-                self._start_call(peer, waiting.popleft())
-            else:
-                self._calls_waiting.pop(peer, None)
-
-    def _connect(self, eff: Connect) -> None:
-        """(peer-call worker) May wait on the peer up to the transport's bound."""
-        def connect() -> None:
-            self.transport.bind_session(eff.peer, eff.key)  # the data plane's session too
-            self.transport.connect(eff.peer, eff.address)
-
-        error = _outcome(connect)
-        self.post(ev.Connected(eff.peer, error, eff.gen))
-
-    def _register_remote(self, eff: RegisterRemote) -> None:
-        """(peer-call worker) A refusal: the session sends to that peer two-sided."""
-        def register() -> None:
-            tr = self.transport
-            if not isinstance(tr, OneSidedTransport) or not tr.can_write(eff.peer):
-                raise TransportError(f"register_remote: the {tr.kind} transport's lane to peer "
-                                     f"{eff.peer!r} has no one-sided writes (can_write)")
-            for name, descriptor in eff.descriptors:
-                tr.register_remote(eff.peer, name, descriptor)
-
-        self.post(ev.RemoteRegistered(eff.peer, _outcome(register)))
-
-    def _cancel(self, eff: Cancel) -> None:
-        """(peer-call worker) shm waits here (bounded) for a local copy to stop; a failure
-        keeps the room's pages held (the session counts and logs it)."""
-        error = _outcome(lambda: self.transport.cancel(eff.peer, eff.tag))
-        self.post(ev.Cancelled(eff.peer, eff.tag, error))
-
-    def _drop(self, eff: DropPeer) -> None:
-        """(peer-call worker) A failed disconnect is answered like a failed cancel."""
-        def drop() -> None:
-            if self.transport.peer_exited(eff.peer):
-                self.post(ev.PeerExited(eff.peer, eff.gen))
-            self.transport.disconnect(eff.peer)
-
-        self.post(ev.Cancelled(eff.peer, None, _outcome(drop)))
-
-    # ------------------------------------------------------------------ completions
-
-    def _op_done(self, op: int, exc: BaseException | None) -> None:
-        """(transport thread) A posted op completed."""
-        self.post(ev.OpDone(op, None if exc is None else str(exc)))
-
-    def _inline_hash(self, job: HashSpans) -> bool:
-        """Whether `job` is hashed on the control thread: at most HASH_INLINE_BYTES, all of it
-        in host memory (a device sum may wait on the device)."""
-        total = 0
-        for name, _, nbytes in job.spans:
-            buf = self._buffers.get(name)
-            if buf is None or view_memory(buf)[0] != "host":
-                return False
-            total += int(nbytes.sum())
-        return total <= HASH_INLINE_BYTES
-
-    def _dealer(self, addr: str) -> zmq.Socket[bytes]:
-        sock = self._dealers.get(addr)
-        if sock is None:
-            host, port = split_host_port(addr)  # ValueError: _flush logs it, sends nothing
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 0)
-            sock.setsockopt(zmq.IPV6, zmq_ipv6(host))
-            sock.connect(zmq_endpoint(host, port))
-            self._dealers[addr] = sock
-        return sock
+        assert self._exec is not None
+        self._exec.feed(event)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -450,46 +295,37 @@ class ControlLoop:
 
     def _pass(self, events: dict[Any, int], lane: LocalLane | None, hb: float) -> None:
         """One pass of the loop (see the module doc), once `poll` returned `events`."""
+        assert self._exec is not None
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
                     pass
             except (BlockingIOError, OSError):
                 pass
-        self._next_calls()
+        self._calls.next_calls()
         self._drain_ahead()
         self._drain_queue(time.monotonic() + hb / 4)
-        # read empty (polled: nothing waiting) on both lanes: the session's peers'
-        # silence is theirs, not a backlog of ours
-        drained = self._router not in events or self._read(hb)
+        # the control sockets are read now (polled, then read for up to a quarter heartbeat
+        # whatever comes): a peer's silence is measured up to here, by time alone
+        self._read_at = time.monotonic()
+        if self._router in events:
+            self._read(hb)
+        read_at = self._read_at
         if lane is not None:
+            if not lane.inbox:  # what the lane brought before now was all fed
+                self._lane_read_at = read_at
             lane.service(events)
             if lane.inbox:
                 self._read_lane(lane, hb)
-            drained = drained and not lane.inbox
-        if drained:
-            self._drained_at = time.monotonic()
-        self._feed(ev.Tick(drained_at=self._drained_at))
-        self._batch.flush()  # the writes of the whole pass, before its messages
-        self._flush()
+            # the lane's inbox is this agent's own backlog (one queue for every same-host
+            # peer, all of this uid): a peer's message may wait behind another's there
+            read_at = min(read_at, self._lane_read_at)
+        self._feed(ev.Tick(read_at=read_at))
+        self._exec.end_pass()  # the writes of the whole pass, then its messages
         now = time.monotonic()
-        if now - self._dealers_collected > hb:
-            self._dealers_collected = now
-            self._collect_dealers(now)
-
-    def _collect_dealers(self, now: float) -> None:
-        """Closes the DEALERs of addresses the session has no peer record for once idle for
-        DEALER_IDLE_S, and the least recently used beyond MAX_STRANGER_DEALERS: a stranger
-        (whose Hello was refused, say) costs a socket for a while, not for good."""
-        assert self.session is not None
-        peers = self.session.peers
-        strangers = sorted((self._dealer_used.get(a, 0.0), a) for a in self._dealers
-                           if peers.get(a) is None)
-        extra = len(strangers) - MAX_STRANGER_DEALERS
-        for i, (used, addr) in enumerate(strangers):
-            if i < extra or now - used > DEALER_IDLE_S:
-                self._dealers.pop(addr).close(linger=0)
-                self._dealer_used.pop(addr, None)
+        if now - self._collected > hb:
+            self._collected = now
+            self.outbox.collect(now)
 
     def _drain_ahead(self) -> None:
         while self._ahead:
@@ -499,13 +335,15 @@ class ControlLoop:
         """Feeds queued events until the queue is empty or the clock passes `until` (a burst
         of engine calls must not hold back heartbeats: the rest waits for the next pass). A
         room's layers ready one after the other are fed as one `Batch` (`PassBatch`)."""
+        assert self._exec is not None
+        batch = self._exec.batch
         left = len(self._queue)
         for i in itertools.count():
             if left <= 0 or (i % 64 == 63 and time.monotonic() > until):
                 return
             event, fn, fut = self._queue.popleft()
             left -= 1
-            event, taken = self._batch.take_ready(event, self._queue, left)
+            event, taken = batch.take_ready(event, self._queue, left)
             left -= taken
             if event is not None:
                 self._feed(event)
@@ -516,27 +354,20 @@ class ControlLoop:
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
 
-    def _read(self, hb: float) -> bool:
+    def _read(self, hb: float) -> None:
         """A batch of control messages: a burst (hundreds of rooms' requests) must not hold
-        back heartbeats and answers: after a quarter heartbeat, tick, then read on. Whether
-        it read every message a peer sent: the socket read empty, or a batch of messages none
-        of which the session took (garbage, forgeries, strangers). ZMQ's ROUTER reads its
-        connections in turn, so a batch of those has no peer's message waiting behind it: a
-        flood from outside must not stop this agent from seeing a peer's silence."""
+        back heartbeats and answers: after a quarter heartbeat, tick, then read on in the
+        next pass. ZMQ's ROUTER reads its connections in turn, so however much one sender
+        sends, every peer's next message is read within a few passes."""
         batch_end = time.monotonic() + hb / 4
-        assert self.session is not None
-        c = self.session.counters
-        taken0 = c["messages_in"] - c["stale_messages"]
-        n = 0
-        for n in range(1, 1001):  # noqa: B007 - n counts the batch
+        for _ in range(1000):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return True
+                return
             self._message(frames[1:], batch_end)
             if time.monotonic() > batch_end:
-                break
-        return n >= MIN_IDLE_BATCH and c["messages_in"] - c["stale_messages"] == taken0
+                return
 
     def _read_lane(self, lane: LocalLane, hb: float) -> None:
         """The same-host lane's messages read this pass, as `_read` (what a quarter heartbeat
@@ -572,39 +403,14 @@ class ControlLoop:
             self._drain_queue(batch_end)
 
     def _timeout_ms(self, hb: float) -> int:
-        if (self._outbox or self._queue or self._ahead or self._closing or self._calls_done
-                or self._batch.pending or (self._lane is not None and self._lane.inbox)):
+        assert self._exec is not None
+        if (self.outbox.pending or self._queue or self._ahead or self._closing
+                or self._calls.ended or self._exec.batch.pending
+                or (self._lane is not None and self._lane.inbox)):
             return 0
         now = time.monotonic()
-        assert self._step is not None
-        when = self._step.next_wakeup()
+        when = self._exec.step.next_wakeup()
         return max(0, min(int((when - now) * 1e3) + 1, int(hb * 1e3)))
-
-    def _flush(self) -> None:
-        while self._outbox:
-            addr, msg = self._outbox.popleft()
-            if not addr:
-                continue
-            try:
-                assert self.session is not None
-                frames = self.session.peers.frames(addr, msg)  # sealed with a secret
-                if self._lane is None or not self._lane.send(addr, frames):
-                    self._dealer(addr).send_multipart(frames, zmq.NOBLOCK)
-                    self._dealer_used[addr] = time.monotonic()
-                self.counters["messages_out"] += 1
-            except (zmq.ZMQError, ValueError) as e:
-                log.warning("could not send %s to %s: %s", type(msg).__name__, addr, e)
-        if self._lane_drops:
-            assert self._lane is not None
-            for peer in self._lane_drops:
-                self._lane.drop(peer)  # what was written stays queued for the peer
-            self._lane_drops.clear()
-        for sock in self._to_close:
-            # a dropped peer's last messages (the Failed of its rooms) still go out in the
-            # background for a while: a peer that was only frozen reads them when it wakes,
-            # instead of finishing rooms this side already failed (a split outcome)
-            sock.close(linger=LINGER_DROPPED_MS)
-        self._to_close.clear()
 
 
 class RateLog:
@@ -628,15 +434,3 @@ class RateLog:
             return
         self._count += 1
         self._log.log(self._level, fmt, *args, exc_info=exc_info)
-
-
-def _outcome(call: Callable[[], None]) -> str | None:
-    """Runs a transport call for the session: None, or why it failed (any exception: the
-    session must hear of it, never the worker's log alone)."""
-    try:
-        call()
-    except KVHandoffError as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - reported to the session as the call's outcome
-        return repr(e)
-    return None

@@ -72,6 +72,26 @@ class Side:
     log: list[str] = field(default_factory=list)
 
 
+def make_side(name: str, role: Role, layout: LayoutSpec, buffers: dict[str, Any], *,
+              settings: Settings, writes: bool, generation: int, now: float) -> Side:
+    """An agent called `name` (its control address) over `buffers` (`buffers.allocate`'s
+    shape) with its session; `writes`: its "transport" takes one-sided writes (a decode
+    offers its buffers, a prefill writes into decodes that do)."""
+    bufs = BufferSet(layout, buffers)
+    descs = buffer_descs(bufs.extents())
+    if writes and role is Role.DECODE:
+        descs = tuple(msgspec.structs.replace(d, descriptor=f"{name}:{d.region}".encode())
+                      for d in descs)
+    st = settings
+    ident = Identity(address=name, generation=generation, agent_id=name, role=role,
+                     transport_kind="memory", transport_address=name.encode(), layout=layout,
+                     layout_hash=layout_hash(layout), buffers=descs, writes=writes,
+                     hmac_secret=st.hmac_secret.get_secret_value().encode()
+                     if st.hmac_secret else None)
+    return Side(name, TransferSession(identity=ident, settings=st, now=now),
+                dict(bufs.views()))
+
+
 @dataclass
 class _Op:
     side: Side
@@ -123,24 +143,10 @@ class MemoryWire:
         prefill writes into decodes that do)."""
         st = settings or Settings(transport="inproc", heartbeat_interval_s=0.5)
         writes = self.writes if writes is None else writes
-        bufs = BufferSet(layout, self._allocate(layout, num_pages))
-        descs = buffer_descs(bufs.extents())
-        if writes and role is Role.DECODE:
-            descs = tuple(msgspec.structs.replace(d, descriptor=f"{name}:{d.region}".encode())
-                          for d in descs)
-        ident = Identity(address=name, generation=len(self.sides) + 11, agent_id=name,
-                         role=role, transport_kind="memory", transport_address=name.encode(),
-                         layout=layout, layout_hash=layout_hash(layout), buffers=descs,
-                         writes=writes, hmac_secret=st.hmac_secret.get_secret_value().encode()
-                         if st.hmac_secret else None)
-        side = Side(name, TransferSession(identity=ident, settings=st, now=self.clock()),
-                    dict(bufs.views()))
+        side = make_side(name, role, layout, allocate(layout, num_pages), settings=st,
+                         writes=writes, generation=len(self.sides) + 11, now=self.clock())
         self.sides[name] = side
         return side
-
-    def _allocate(self, layout: LayoutSpec, num_pages: int) -> dict[str, Any]:
-        """The buffers of a side (`buffers.allocate`'s; a subclass may give its own)."""
-        return allocate(layout, num_pages)
 
     # ------------------------------------------------------------------ engine calls
 
@@ -153,7 +159,7 @@ class MemoryWire:
         """Moves the clock `dt` seconds and ticks every side."""
         self.clock.advance(dt)
         for side in list(self.sides.values()):
-            self.feed(side, ev.Tick(drained_at=self.clock()))
+            self.feed(side, ev.Tick(read_at=self.clock()))
 
     # ------------------------------------------------------------------ delivery
 

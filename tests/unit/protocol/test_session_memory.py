@@ -431,10 +431,10 @@ def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> Non
     w, _, d = written_while_decode_holds(8)
     w.clock.advance(HB)
     heartbeats = kinds(w, "decode:1").count("Heartbeat")
-    w.feed(d, ev.Tick(drained_at=w.clock()))  # its heartbeat is due: sent
+    w.feed(d, ev.Tick(read_at=w.clock()))  # its heartbeat is due: sent
     assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
     w.clock.advance(0.9 * HB)
-    w.feed(d, ev.Tick(drained_at=w.clock()))  # no heartbeat due: none sent
+    w.feed(d, ev.Tick(read_at=w.clock()))  # no heartbeat due: none sent
     assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
     w.clock.advance(1.3 * HB)  # stopped
     assert_failed_unread(w, d, 8)

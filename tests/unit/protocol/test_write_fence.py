@@ -12,10 +12,19 @@ from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.lifecycle import write_quarantine
-from kvhandoff.state_machine import KVPoll
+from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 
-from .test_session_memory import HB, bad_bytes, kinds, layers, open_room, settings
+from .test_session_memory import (
+    HB,
+    SEQ,
+    bad_bytes,
+    kinds,
+    layers,
+    layout,
+    open_room,
+    settings,
+)
 from .test_session_memory import pair as mem_pair
 from .test_session_one_sided import QUARANTINE, all_ready, pair
 
@@ -320,3 +329,35 @@ def test_an_abort_before_the_prefill_opened_the_room_releases_at_once_and_is_nev
     fp = p.views[8].failure
     assert fp is not None and "request cancelled" in fp.reason
     assert p.views[8].releases == 1
+
+
+def test_a_fan_in_room_failed_at_one_ranks_attach_never_requests_from_the_other() -> None:
+    """Found by the simulator once it ran engine calls through the driver's queue (seed 240):
+    a decode opens a room read from two prefill ranks, the first of which it already knows
+    refuses it (checksum off against full). The room fails at that rank's attach and, with
+    only that leg made, was released at once; the second rank's leg then joined the released
+    room, and the engine's `ReceiverInit` (which the engine sends before it sees the room
+    fail) made it request writes into pages the engine had got back. Now every leg exists
+    before any attaches: the room fails whole and nothing is requested."""
+    w = MemoryWire()
+    weak = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(checksum="off"))
+    good = w.add("prefill:2", Role.PREFILL, layout(), settings=settings())
+    d = w.add("decode:1", Role.DECODE, layout(), settings=settings())
+    open_room(w, weak, d, 1)  # the decode learns that prefill:1 refuses it
+    w.run()
+    assert d.views[1].state is KVPoll.Failed
+    lay = d.session.layout
+    w.feed(good, ev.OpenSender(2, 2, {r.name: np.arange(3) for r in lay.regions}, SEQ, 1))
+    w.feed(d, ev.OpenReceiver(2, 2, (("prefill:1", 0), ("prefill:2", 0))))
+    assert d.views[2].state is KVPoll.Failed
+    w.feed(d, ev.ReceiverInit(2, 2, {r.name: np.arange(5, 8) for r in lay.regions}, SEQ, 0))
+    w.run()
+    for lid in layers(lay):
+        w.feed(good, ev.LayerReady(2, 2, lid))
+    w.run()
+    w.tick(HB)
+    w.run()
+    assert not [m for f, to, m in w.sent if f == "decode:1" and to == "prefill:2"
+                and isinstance(m, P.TransferRequest)]
+    assert d.views[2].releases == 1
+    assert good.views[2].state is KVPoll.Failed

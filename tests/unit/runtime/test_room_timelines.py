@@ -32,7 +32,7 @@ def test_a_rooms_figures_are_made_once_its_end_was_executed(
     tls.observe(ev.OpenReceiver(7, token, (("prefill:1", 1),)), [])
     tls.settle()  # nothing ended: nothing to make
     assert made == []
-    tls.observe(ev.Tick(drained_at=0.0),
+    tls.observe(ev.Tick(read_at=0.0),
                 [RoomUpdate(token, KVPoll.Success, None, frozenset({0, 1}), True)])
     assert made == []  # ended, stamped, but its figures wait for settle
     assert tls.timings(7)["state"] == "Success"  # asked meanwhile: made on demand
@@ -65,7 +65,7 @@ def test_timeline_lines_only_when_enabled_and_a_rooms_stamps_when_it_ends(
         tls.engine_opened(token, "r1")
         tls.observe(ev.OpenReceiver(7, token, None), [])
         tls.observe(ev.PeersResolved(7, token, (("prefill:1", 1),)), [])
-        tls.observe(ev.Tick(drained_at=0.0),
+        tls.observe(ev.Tick(read_at=0.0),
                     [RoomUpdate(token, KVPoll.Success, None, frozenset({0, 1}), True)])
         assert [x["what"] for x in lines()] == ["decode.alloc"]  # the room's: at settle
         tls.settle()

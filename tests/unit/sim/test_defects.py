@@ -195,3 +195,29 @@ def test_a_layer_done_of_an_earlier_use_of_the_id_never_lands_a_layer_of_the_new
     sim.engine(new, other)
     run(sim)
     assert sim.views[new.tokens[DECODE]].releases == 1
+
+
+def test_writes_held_by_a_pass_that_stalls_past_the_quarantine_are_never_posted() -> None:
+    """Found by the simulator once it ran production's executor (seed 1241): the prefill
+    accepts a request, and its one-sided writes wait in the pass's batch for the end of the
+    pass (`PassBatch`); the process is stopped right there for longer than the decode's write
+    quarantine, while the decode's engine aborts the room. The decode gives its pages back
+    once the quarantine passed; the prefill, waking, used to post the held writes then (their
+    bound counting from that post), into pages the decode no longer holds. A write held longer
+    than two heartbeats is now never posted."""
+    sim = scripted()
+    inst = sim.add_instance(7, [PREFILL], [DECODE])
+    sim.engine(inst, PREFILL)
+    sim.engine(inst, DECODE)
+    sim.drain(land=False, until=lambda: any(isinstance(m, P.TransferRequest)
+                                           for m in sim.queued(DECODE, PREFILL)))
+    prefill = sim.agents[PREFILL]
+    while not prefill.executor.batch.pending:  # read in a pass that has not ended yet
+        sim._deliver((DECODE, PREFILL))
+    quarantine = sim.agents[DECODE].side.session.settings.write_quarantine_s
+    stall = prefill.side.session.settings.stall_timeout_s
+    sim.pause(PREFILL, max(quarantine, stall) + 10.0)
+    sim.abort(inst, DECODE)
+    run(sim)
+    assert sim.views[inst.tokens[DECODE]].releases == 1
+    assert sim.views[inst.tokens[PREFILL]].state is KVPoll.Failed

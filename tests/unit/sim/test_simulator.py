@@ -10,11 +10,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 
-from kvhandoff.protocol import events as ev
 from kvhandoff.testing.simulator import (
     SimConfig,
     Simulation,
@@ -122,16 +120,9 @@ class LyingTransport(Simulation):
     the write goes on landing."""
 
     def _stop_ops(self, a: Agent, peer: str, tag: int | None) -> None:
-        for fl in self.flights.values():
-            if fl.writer is a and fl.dest.name == peer and fl.write_op is not None and (
-                    tag is None or tag in fl.tags):
-                self.pending.append((a, _written(fl.write_op)))
-                fl.write_op = None  # its completion is spent; the bytes still land later
-        self._call(a, peer, ev.Cancelled(peer, tag, None))
-
-
-def _written(op: int) -> Callable[[], ev.Event]:
-    return lambda: ev.Written(op, "cancelled")
+        for fl in list(self.flights.values()):
+            if fl.writer is a and fl.dest.name == peer and (tag is None or tag in fl.tags):
+                self._spend(fl, a, "cancelled")  # its completion is spent; the bytes land later
 
 
 def test_a_transport_that_confirms_a_cancel_it_did_not_do_is_caught() -> None:

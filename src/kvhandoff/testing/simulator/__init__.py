@@ -1,29 +1,35 @@
-"""A deterministic simulator of the kvhandoff transfer protocol (`TransferSession`s, sans-IO).
+"""A deterministic simulator of the kvhandoff transfer protocol (`TransferSession`s, sans-IO),
+each driven by production's effect driver (`runtime.executor.Executor`) over simulated parts
+(`parts`: transport, peer calls, hasher pool, outbox, views).
 
 One seeded PRNG (`random.Random(seed)`) decides everything: how many prefill and decode agents
 (1-2 of each), which rooms they open (one prefill rank to one decode rank, TP fan-in: a decode
 room read from two prefill ranks, TP fan-out: a prefill room served to two decode ranks), the
 settings (one-sided writes or two-sided sends per agent, checksums full or off per agent), and
 then, step by step, which of the pending things happens next: a control message delivered, a
-transport completion, a peer-call answer (connect, register, cancel, disconnect), a one-sided
-write or a two-sided transfer landing into the destination's memory, a timer, an engine call
-(open, offer pages, mark a layer ready, abort), or a fault. The same seed gives the same run;
+transport or hasher completion handed back, a queued event fed (engine calls and completions
+wait in the agent's queue, as in the control loop's), a pass ended (the writes it held, then
+its messages), a peer call run (connect, register, cancel, disconnect), a one-sided write or a
+two-sided transfer landing into the destination's memory, a timer, an engine call (open,
+offer pages, mark a layer ready, abort), or a fault. The same seed gives the same run;
 `python -m kvhandoff.testing.simulator --seed N --trace` replays one with its step trace.
 
 What is simulated, and how the real system is followed:
 - Control messages go through the real wire format (`protocol.encode` / `decode`) into one
   FIFO per (sender, receiver), as a ZMQ DEALER or the same-host Unix socket keeps them; across
   connections, and between messages, completions and writes, any order may happen.
-- Page contents are real byte buffers (`MemoryWire.add`'s `BufferSet`s): each room instance
+- Page contents are real byte buffers (`memory.make_side`'s `BufferSet`s): each room instance
   writes its own byte pattern (`kvhandoff.sim`'s, seeded per instance) into the prefill's
   pages, a decode page the engine takes is filled with 0xFF, and a page a room hands back is
   scribbled (0xFE on the prefill), so a stale or misplaced byte shows.
 - A one-sided write (`PostWrite`) stays in flight until the PRNG lands it, one part (region)
   at a time, reading the source when it lands; its `Written` completes later, in any order with
-  other completions. A `Cancel` or `DropPeer` either stops it before it lands, or lets it land
-  first and confirms after, or (rarely) fails: `Cancelled(error)` at once and the write may
-  still land. Two-sided sends and receives are matched by (sender, receiver, tag) and land the
-  same way. The transport gives up a write that did not land within the writer's
+  other completions. A `Cancel` or `DropPeer` runs on the agent's peer-call worker when the
+  seed says; the ops it names end at once ("cancelled", as the transports' do) while each copy
+  is stopped, or lands first (the call waits, and that peer's later calls behind it), or is
+  stuck (one in ten): the call fails and the copy may land later, within its bound.
+  Two-sided sends and receives are matched by (sender, receiver, tag) and land the same way.
+  The transport gives up a write that did not land within the writer's
   `stall_timeout_s` of its post (`SimConfig.frozen_writer_resumes`: a write whose writer was
   stopped meanwhile may land whenever it wakes, as shm's copy does today); a write from a
   stopped (paused) writer does not progress until it resumes; a dead writer's writes never
@@ -59,12 +65,11 @@ A test may also script the start of a schedule (`Simulation.add_instance`, `engi
 (`tests/unit/sim/test_defects.py`).
 
 Left out (real transport semantics the simulator does not model): partial pieces of one
-region's write (a part lands whole), the driver's batching of several layers into one write
-job (`runtime.batching.WRITE_BATCH_BYTES`) and of events (`Batch`), shm's writer read-back
-(`Written.landed`), chunked prefill (`AddChunk`), a decode's cached prefix, route lookups
-(`PeersResolved`: the decode names its prefill ranks), HMAC, peers restarting under a new
-generation, message loss other than by death, `Reject` / `HelloReject` paths of mismatched
-layouts, and CUDA memory. A replay is exact within one Python build and process layout: the
+region's write (a part lands whole), shm's writer read-back (`Written.landed`), chunked
+prefill (`AddChunk`), a decode's cached prefix, route lookups (`PeersResolved`: the decode
+names its prefill ranks), HMAC, peers restarting under a new generation, message loss other
+than by death, CUDA memory, and the control loop's own pass (its socket reads and their
+quarter-heartbeat bounds). A replay is exact within one Python build and process layout: the
 session iterates one set of legs (re-handshaking after a peer's `Reject`) in the order of
 their addresses.
 """

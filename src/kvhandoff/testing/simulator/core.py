@@ -1,6 +1,11 @@
 """The simulator's world: agents, the simulated network and transport, the engines, the faults,
 and the invariants (see the package doc for what each models and what it leaves out).
 
+Each agent is its `TransferSession` driven by production's `runtime.executor.Executor`, handed
+the simulated parts of `parts` (transport, peer calls, hasher pool, outbox, views): what the
+executor does (a pass's held writes, the flush before a cancel, the peer calls' outcomes, the
+hashing dispatch) is production's code; when each part's work happens is this world's seed.
+
 Rules:
 - One PRNG (`random.Random(seed)`) makes every choice, and nothing iterates a set of objects
   or reads a real clock, so a seed replays exactly.
@@ -16,37 +21,36 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvhandoff.buffers.checksum import span_checksum
+from kvhandoff.buffers.devsum import room_checksum
+from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
-from kvhandoff.protocol.effects import (
-    Cancel,
-    Connect,
-    DropPeer,
-    Effect,
-    HashSpans,
-    Log,
-    PostRecv,
-    PostSend,
-    PostWrite,
-    RegisterRemote,
-    Release,
-    RoomUpdate,
-    Send,
-)
+from kvhandoff.protocol.effects import Effect, HashSpans, Log, Release, RoomUpdate
 from kvhandoff.protocol.peers import FORGOTTEN_KEEP_S
+from kvhandoff.runtime.executor import Call, Executor, Parts
+from kvhandoff.runtime.hashing import HASH_INLINE_BYTES, Hasher
 from kvhandoff.settings import Settings
 from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
-from kvhandoff.testing.memory import MemoryWire, Side, View
+from kvhandoff.testing.clock import FakeClock
+from kvhandoff.testing.memory import Side, View, make_side
+from kvhandoff.testing.simulator.parts import (
+    SimCalls,
+    SimOutbox,
+    SimPool,
+    SimTransport,
+    SimViews,
+    log_part,
+)
+from kvhandoff.transports.base import OnDone, OnWritten, WriteResult, WriteSpec
 
 PAGE_TOKENS = 16
 DECODE_FILL = 0xFF  # a decode page the engine takes (never a pattern byte: those are < 251)
@@ -140,9 +144,13 @@ class Instance:
     flipped: bool = False  # a byte of one of its writes was flipped
 
 
+_Queued = tuple[ev.Event | None, None, None]  # the executor's queue entries, as the loop's
+
+
 @dataclass(eq=False)
 class Agent:
-    """One simulated process: its `MemoryWire` side plus what the simulator knows of it."""
+    """One simulated process: its session (`side`), the production executor that drives it
+    with this world's parts, its event queue, and what the simulator knows of it."""
 
     side: Side
     role: Role
@@ -153,7 +161,13 @@ class Agent:
     alive: bool = True
     paused_until: float | None = None
     exit_known: bool = False  # its peers' transport learns that its process ended
-    drained_at: float = 0.0
+    read_at: float = 0.0
+    #: what its executor's parts posted (completions, call outcomes, engine calls), fed when
+    #: the seed says, as the control loop's queue
+    queue: deque[_Queued] = field(default_factory=deque)
+    pass_open: bool = False  # events were fed since its pass last ended
+    executor: Executor = field(init=False)
+    outbox: SimOutbox = field(init=False)
 
     @property
     def name(self) -> str:
@@ -162,6 +176,15 @@ class Agent:
     @property
     def running(self) -> bool:
         return self.alive and self.paused_until is None
+
+    def post(self, event: ev.Event) -> None:
+        self.queue.append((event, None, None))
+
+    @property
+    def holds(self) -> bool:
+        """Its pass holds writes or messages that leave when it ends."""
+        return self.pass_open and (self.executor.batch.pending or bool(self.outbox.queue))
+
 
 
 @dataclass(eq=False)
@@ -187,25 +210,39 @@ class Flight:
     tags: tuple[int, ...]
     posted_at: float
     bound_at: float
-    write_op: int | None  # one-sided: the writer's op
+    on_written: OnWritten | None  # one-sided: the write job's completion (None once spent)
     checksum: bool
-    send_op: int | None = None  # two-sided: the sender's and the receiver's ops
-    recv_op: int | None = None
+    send_done: OnDone | None = None  # two-sided: the sender's and the receiver's completions
+    recv_done: OnDone | None = None
     xfer: int = 0
     src_token: Token | None = None
     dst_token: Token | None = None
     landed: int = 0
     frozen: bool = False  # its writer was stopped while it was in flight
+    stuck_until: float = 0.0  # a copy that did not stop when cancelled lands no sooner
     digests: list[int | None] = field(default_factory=list)
     waiters: list[CancelWait] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class CancelWait:
+    """A cancel or disconnect call that waits for copies to stop (they land first)."""
+
     agent: Agent
     peer: str
     tag: int | None
     left: set[int]  # flight ids still to end
+
+
+@dataclass(eq=False)
+class _Op:
+    """A two-sided send or receive posted and not yet matched."""
+
+    agent: Agent
+    on_done: OnDone
+    buffer: str
+    offsets: np.ndarray
+    nbytes: np.ndarray
 
 
 @dataclass(eq=False)
@@ -217,14 +254,14 @@ class Script:
     actions: deque[tuple[str, int]]
 
 
-class Simulation(MemoryWire):
+class Simulation:
     """One seeded run (see the package doc). `play()` raises `Violation` or returns an
     `Outcome`. A test may script the start of a schedule (`add_instance`, `engine`,
     `deliver`, `drain`, `pause`, `abort`) and `play()` the rest."""
 
     def __init__(self, seed: int, config: SimConfig | None = None, *,
                  trace: bool = False) -> None:
-        super().__init__()
+        self.clock = FakeClock()
         self.seed = seed
         self.config = config or SimConfig()
         self.rng = random.Random(seed)
@@ -236,16 +273,22 @@ class Simulation(MemoryWire):
         self.scripts: list[Script] = []
         self.views: dict[Token, View] = {}
         self.channels: dict[tuple[str, str], deque[tuple[Any, int]]] = {}
-        self.pending: list[tuple[Agent, Callable[[], ev.Event]]] = []
-        self.calls: dict[tuple[str, str], deque[ev.Event]] = {}
+        #: completions of the transport and the hasher not yet handed back, run in any order
+        self.pending: list[tuple[Agent, Callable[[], None]]] = []
+        #: each (agent, peer)'s peer calls, in order; a call that waits on copies to stop
+        #: (`blocked`) holds the later ones, its outcome posted once they stopped
+        self.calls: dict[tuple[str, str], list[Call]] = {}
+        self.blocked: dict[tuple[str, str], tuple[CancelWait, list[ev.Event]]] = {}
+        self._waiting: CancelWait | None = None  # set by a call that must wait (`_stop_ops`)
+        self._sends: dict[tuple[str, str, int], deque[_Op]] = {}
+        self._recvs: dict[tuple[str, str, int], deque[_Op]] = {}
         self.flights: dict[int, Flight] = {}
-        self.waits: list[CancelWait] = []
         self.xfers: dict[tuple[str, int], tuple[Token | None, dict[str, set[int]]]] = {}
         self.faults: list[str] = []
         self.faults_left = 0
         self.last_fault = 0.0
         self.flip_next = False
-        #: scripted runs: what every cancel does (< 0.7: stops the write, < 0.95: the write
+        #: scripted runs: what every cancel does (< 0.65: stops the write, < 0.9: the write
         #: lands first and the cancel is confirmed after, else the cancel fails); None: the PRNG
         self.cancel_roll: float | None = None
         self._fid = 0
@@ -277,11 +320,14 @@ class Simulation(MemoryWire):
                 checksum = self._force(f"checksum_{role.value}",
                                        "full" if rng.random() < 0.8 else "off")
                 st = _make_settings({**base, "checksum": checksum})
-                side = self.add(name, role, lay, num_pages=cfg.pages, settings=st,
-                                writes=writes)
-                self.agents[name] = Agent(side, role, writes, checksum, list(range(cfg.pages)),
-                                          [None] * cfg.pages,
-                                          exit_known=rng.random() < 0.5)
+                side = make_side(name, role, lay, self._allocate(lay, cfg.pages), settings=st,
+                                 writes=writes, generation=len(self.agents) + 11,
+                                 now=self.clock())
+                a = self.agents[name] = Agent(side, role, writes, checksum,
+                                              list(range(cfg.pages)), [None] * cfg.pages,
+                                              exit_known=rng.random() < 0.5)
+                # the hasher hashes small jobs inline (production's threshold) or never
+                self._wire(a, inline_bytes=rng.choice((HASH_INLINE_BYTES, -1)))
         prefills = [a for a in self.agents if a.startswith("prefill")]
         decodes = [a for a in self.agents if a.startswith("decode")]
         n_inst = self._force("instances", rng.randint(1, cfg.max_instances))
@@ -321,6 +367,46 @@ class Simulation(MemoryWire):
         for inst in self.instances:
             self.note(f"instance {inst.serial}: room {inst.room} seq {inst.seq_len} "
                       f"prefill {inst.prefills} -> decode {inst.decodes}")
+
+    def _wire(self, a: Agent, *, inline_bytes: int) -> None:
+        """`a`'s executor, production's, with this world's parts."""
+        transport = SimTransport(self, a)
+        a.outbox = SimOutbox(self, a)
+        hashing = Hasher(buffers=a.side.buffers, transport=transport, post=a.post,
+                         pool=SimPool(self, a), inline_bytes=inline_bytes)
+        parts = Parts(clock=self.clock, transport=transport, outbox=a.outbox,
+                      calls=SimCalls(self, a), hashing=hashing, views=SimViews(self, a),
+                      post=a.post, post_now=a.post, log=log_part(self, a))
+        a.executor = Executor(parts, a.side.session, observe=self._observer(a),
+                              stale_s=2 * a.side.session.settings.heartbeat_interval_s)
+
+    def _observer(self, a: Agent) -> Callable[[ev.Event, list[Effect]], list[Effect]]:
+        def observe(event: ev.Event, effects: list[Effect]) -> list[Effect]:
+            if self.tracing:
+                self.note(f"{a.name} <- {_short(event)}")
+                for eff in effects:
+                    if not isinstance(eff, Log | HashSpans):
+                        self.note(f"{a.name} -> {_short(eff)}")
+            return effects
+        return observe
+
+    def queue_call(self, a: Agent, peer: str, call: Call) -> None:
+        """A peer call of `a` (`parts.SimCalls`): it runs when the seed says, after `a`'s
+        earlier calls to `peer`."""
+        self.calls.setdefault((a.name, peer), []).append(call)
+
+    def queue_completion(self, a: Agent, fn: Callable[[], None]) -> None:
+        """A completion of `a`'s hasher pool or transport, run when the seed says."""
+        self.pending.append((a, fn))
+
+    def alive(self, name: str) -> bool:
+        a = self.agents.get(name)
+        return a is not None and a.alive
+
+    def exited(self, name: str) -> bool:
+        """Whether a transport of `name`'s peers knows its process ended (a pidfd)."""
+        a = self.agents.get(name)
+        return a is not None and not a.alive and a.exit_known
 
     def _allocate(self, layout: LayoutSpec, num_pages: int) -> dict[str, Any]:
         """Zeroed numpy buffers in `buffers.allocate`'s shape (a torch allocation per agent
@@ -369,99 +455,99 @@ class Simulation(MemoryWire):
                     "write")
         return ""
 
-    # ------------------------------------------------------------------ executing effects
+    # ------------------------------------------------------------------ driving the agents
 
-    def feed(self, side: Side, event: ev.Event) -> None:
+    def feed(self, a: Agent, event: ev.Event) -> None:
+        """Feeds `event` to `a` now through its executor (its effects carried out by the
+        simulated parts); its pass stays open until `_end_pass`."""
+        a.executor.feed(event)
+        a.pass_open = True
+
+    def _end_pass(self, a: Agent) -> None:
+        """`a`'s pass ends: the writes it held leave, then its messages."""
+        a.pass_open = False
+        a.executor.end_pass()
+
+    def _run_queued(self, a: Agent) -> None:
+        """Feeds `a`'s next queued event (a room's `LayerReady`s one after the other as one
+        `Batch`, as the control loop does)."""
+        event, _, _ = a.queue.popleft()
+        event, _ = a.executor.batch.take_ready(event, a.queue, len(a.queue))
+        assert event is not None
+        self.feed(a, event)
+
+    def _log(self, a: Agent, eff: Log) -> None:
+        if "never confirmed that its writes" in eff.message:
+            self.quarantined.add((a.name, int(eff.message.split()[1].rstrip(":"))))
         if self.tracing:
-            self.note(f"{side.name} <- {_short(event)}")
-        for eff in side.session.handle(event, self.clock()):
-            self._execute(side, eff)
+            self.note(f"{a.name} log: {eff.message}")
 
-    def _execute(self, side: Side, eff: Effect) -> None:
-        a = self.agents[side.name]
-        if isinstance(eff, Send):
-            self._send(side, eff.addr, eff.msg)
-        elif isinstance(eff, PostWrite):
-            self._post_write(a, eff)
-        elif isinstance(eff, PostSend | PostRecv):
-            super()._execute(side, eff)
-        elif isinstance(eff, RegisterRemote):
-            self._call(a, eff.peer, ev.RemoteRegistered(eff.peer, None))
-        elif isinstance(eff, Connect):
-            peer = self.agents.get(eff.peer)
-            error = None if peer is not None and peer.alive else f"no process at {eff.peer}"
-            self._call(a, eff.peer, ev.Connected(eff.peer, error, eff.gen))
-        elif isinstance(eff, Cancel):
-            self._stop_ops(a, eff.peer, eff.tag)
-        elif isinstance(eff, DropPeer):
-            peer = self.agents.get(eff.peer)
-            if peer is not None and not peer.alive and peer.exit_known:
-                self._call(a, eff.peer, ev.PeerExited(eff.peer, eff.gen))
-            self._stop_ops(a, eff.peer, None)
-        elif isinstance(eff, HashSpans):
-            self.pending.append((a, _hasher(side, eff)))
-        elif isinstance(eff, RoomUpdate):
-            self._room_update(a, eff)
-        elif isinstance(eff, Release):
-            self._release(a, eff)
-        elif isinstance(eff, Log):
-            if "never confirmed that its writes" in eff.message:
-                self.quarantined.add((side.name, int(eff.message.split()[1].rstrip(":"))))
-            if self.tracing:
-                self.note(f"{side.name} log: {eff.message}")
-        else:  # pragma: no cover - a new effect the simulator does not know
-            raise TypeError(f"the simulator does not execute {type(eff).__name__}")
-        if self.tracing and not isinstance(eff, Log | HashSpans):
-            self.note(f"{side.name} -> {_short(eff)}")
+    # ------------------------------------------------------------------ the network
 
-    def _call(self, a: Agent, peer: str, event: ev.Event) -> None:
-        """A peer-call answer: each (agent, peer)'s calls run one at a time, in order."""
-        q = self.calls.get((a.name, peer))
-        if q is None:
-            q = self.calls[(a.name, peer)] = deque()
-        q.append(event)
-
-    def _send(self, side: Side, to: str, msg: Any) -> None:
-        wire = P.decode(P.encode(msg), max_bytes=1 << 24)  # through the real wire format
-        if isinstance(wire, P.TransferRequest):
-            g = side.session.rooms.groups.get(wire.room)
+    def _sending(self, a: Agent, to: str, msg: Any) -> None:
+        """A message enters `a`'s outbox: what a TransferRequest offers is noted now."""
+        if isinstance(msg, P.TransferRequest):
+            g = a.side.session.rooms.groups.get(msg.room)
             token = g.token if g is not None and isinstance(g.token, Token) else None
-            self.xfers[(side.name, wire.xfer % (1 << P.XFER_BITS))] = (
-                token, {k: set(v) for k, v in wire.dst_pages.items()})
-        dest = self.agents.get(to)
-        if dest is None or not dest.alive:
-            return
-        q = self.channels.get((side.name, to))
-        if q is None:
-            q = self.channels[(side.name, to)] = deque()
-        self._sent += 1
-        q.append((wire, self._sent))
+            self.xfers[(a.name, msg.xfer % (1 << P.XFER_BITS))] = (
+                token, {k: set(v) for k, v in msg.dst_pages.items()})
 
-    def _match(self, key: tuple[str, str, int]) -> None:
-        """Two-sided: a send and a receive of one (sender, receiver, tag) become a transfer in
-        flight (it lands later)."""
+    def _send(self, a: Agent, to: str, msg: Any) -> None:
+        """A message leaves `a` (its pass ended): through the real wire format, framed as the
+        session frames it (sealed with a secret), into the FIFO of (a, to)."""
+        wire, seal = P.decode_sealed(a.side.session.peers.frames(to, msg), max_bytes=1 << 24)
+        dest = self.agents.get(to)
+        if dest is None or not dest.alive or not a.alive:
+            return
+        self._sent += 1
+        self.channels.setdefault((a.name, to), deque()).append(((wire, seal), self._sent))
+
+    # ------------------------------------------------------------------ the transport
+
+    def _post_op(self, a: Agent, send: bool, peer: str, tag: int, buffer: str,
+                 offsets: np.ndarray, nbytes: np.ndarray, on_done: OnDone) -> None:
+        """A two-sided send or receive: matched by (sender, receiver, tag), it becomes a
+        transfer in flight (it lands later)."""
+        if not self.alive(peer):
+            self.pending.append((a, _done(on_done, f"peer {peer} is gone")))
+            return
+        key = (a.name, peer, tag) if send else (peer, a.name, tag)
+        table = self._sends if send else self._recvs
+        table.setdefault(key, deque()).append(_Op(a, on_done, buffer, offsets, nbytes))
         sends, recvs = self._sends.get(key), self._recvs.get(key)
         while sends and recvs:
             s, r = sends.popleft(), recvs.popleft()
-            writer, dest = self.agents[s.side.name], self.agents[r.side.name]
             region = r.buffer.rsplit("/", 1)[0]
             part = Part(s.buffer, s.offsets, s.nbytes, r.buffer, r.offsets, r.nbytes,
-                        self._pages(dest, region, r.offsets, r.nbytes), region)
-            fl = self._flight(writer, dest, [part], (key[2],), None, False)
-            fl.send_op, fl.recv_op = s.op, r.op
+                        self._pages(r.agent, region, r.offsets, r.nbytes), region)
+            fl = self._flight(s.agent, r.agent, [part], (key[2],), None, False)
+            fl.send_done, fl.recv_done = s.on_done, r.on_done
+
+    def _post_writes(self, a: Agent, peer: str, writes: Sequence[WriteSpec],
+                     on_done: OnWritten, checksum: bool) -> None:
+        """A one-sided write job: in flight until it lands, one part (write) at a time."""
+        dest = self.agents.get(peer)
+        if dest is None or not dest.alive:
+            error = TransportError(f"peer {peer} is gone")
+            self.pending.append((a, lambda: on_done(WriteResult(error))))
+            return
+        parts = []
+        for _, name, remote, plan in writes:
+            region = name.rsplit("/", 1)[0]
+            parts.append(Part(name, plan.src_offsets, plan.nbytes, remote, plan.dst_offsets,
+                              plan.nbytes,
+                              self._pages(dest, region, plan.dst_offsets, plan.nbytes), region))
+        self._flight(a, dest, parts, tuple(w[0] for w in writes), on_done, checksum)
 
     def _flight(self, writer: Agent, dest: Agent, parts: list[Part], tags: tuple[int, ...],
-                op: int | None, checksum: bool, room: int | None = None) -> Flight:
+                on_written: OnWritten | None, checksum: bool) -> Flight:
         self._fid += 1
         now = self.clock()
         xfer = P.split_tag(tags[0])[0]
         dst_token = self.xfers.get((dest.name, xfer), (None, {}))[0]
-        g = writer.side.session.rooms.groups.get(room if room is not None else -1)
-        src = g.token if g is not None and isinstance(g.token, Token) else None
-        if src is None:  # two-sided: the writer's room of that transfer id
-            src = self._src_token(writer, dest.name, xfer)
+        src = self._src_token(writer, dest.name, xfer)
         fl = Flight(self._fid, writer, dest, parts, tags, now,
-                    now + writer.side.session.settings.stall_timeout_s, op, checksum,
+                    now + writer.side.session.settings.stall_timeout_s, on_written, checksum,
                     xfer=xfer, src_token=src, dst_token=dst_token)
         self.flights[fl.fid] = fl
         return fl
@@ -482,22 +568,6 @@ class Simulation(MemoryWire):
             if n:
                 pages.extend(range(o // pn, (o + n - 1) // pn + 1))
         return tuple(sorted(set(pages)))
-
-    def _post_write(self, a: Agent, eff: PostWrite) -> None:
-        dest = self.agents.get(eff.peer)
-        if dest is None or not dest.alive:
-            op = eff.op
-            self.pending.append((a, lambda: ev.Written(op, f"peer {eff.peer} is gone")))
-            return
-        parts = []
-        for part in eff.parts:
-            plan = part.plan
-            region = part.buffer.rsplit("/", 1)[0]
-            parts.append(Part(part.buffer, plan.src_offsets, plan.nbytes, part.buffer,
-                              plan.dst_offsets, plan.nbytes,
-                              self._pages(dest, region, plan.dst_offsets, plan.nbytes), region))
-        self._flight(a, dest, parts, tuple(x.tag for x in eff.parts), eff.op, eff.checksum,
-                     eff.room)
 
     # ------------------------------------------------------------------ landing and ending
 
@@ -529,8 +599,9 @@ class Simulation(MemoryWire):
                     if fl.dst_token in inst.tokens.values():
                         inst.flipped = True
             self.note(f"flipped a byte of {part.dst_buf} in {fl.dest.name}")
-        if fl.checksum:
-            fl.digests.append(span_checksum(src, part.src_off, part.src_len))
+        # the source stream's digest, as a transport that hashes while it copies gives it
+        fl.digests.append(room_checksum(src, part.src_off, part.src_len, "xxh3")
+                          if fl.checksum else None)
         fl.landed += 1
         self.note(f"landed {part.dst_buf} pages {list(part.pages)} of flight {fl.fid} "
                   f"({fl.writer.name} -> {fl.dest.name}, {fl.dst_token})")
@@ -558,40 +629,63 @@ class Simulation(MemoryWire):
                     f"the TransferRequest of {fl.dst_token} never offered")
 
     def _end(self, fl: Flight, error: str | None) -> None:
-        """The flight ends: its completions are queued (in any order with others)."""
+        """The flight ends: its completions not yet spent are queued (in any order with
+        others), and the calls that waited for it may answer."""
         self.flights.pop(fl.fid, None)
-        if fl.write_op is not None:
-            op, digests = fl.write_op, tuple(fl.digests) if error is None else ()
+        if fl.on_written is not None:
+            done, fl.on_written = fl.on_written, None
+            result = WriteResult(None, tuple(fl.digests)) if error is None else \
+                WriteResult(TransportError(error))
             if fl.writer.alive:
-                self.pending.append((fl.writer, lambda: ev.Written(op, error, digests)))
-        else:
-            for agent, opn in ((fl.writer, fl.send_op), (fl.dest, fl.recv_op)):
-                if agent.alive and opn is not None:
-                    self.pending.append((agent, _op_done(opn, error)))
+                self.pending.append((fl.writer, lambda: done(result)))
+        for agent, cb in ((fl.writer, fl.send_done), (fl.dest, fl.recv_done)):
+            if agent.alive and cb is not None:
+                self.pending.append((agent, _done(cb, error)))
+        fl.send_done = fl.recv_done = None
         for w in fl.waiters:
             w.left.discard(fl.fid)
             if not w.left:
-                self._answer(w, None)
+                self._unblock(w)
 
-    def _answer(self, w: CancelWait, error: str | None) -> None:
-        if w in self.waits:
-            self.waits.remove(w)
+    def _spend(self, fl: Flight, a: Agent, error: str) -> None:
+        """The transport ends `a`'s op of the flight now (its completion says `error`); the
+        copy it started may go on."""
+        if fl.writer is a and fl.on_written is not None:
+            done, fl.on_written = fl.on_written, None
+            result = WriteResult(TransportError(error))
+            self.pending.append((a, lambda: done(result)))
+        if fl.writer is a and fl.send_done is not None:
+            self.pending.append((a, _done(fl.send_done, error)))
+            fl.send_done = None
+        if fl.dest is a and fl.recv_done is not None:
+            self.pending.append((a, _done(fl.recv_done, error)))
+            fl.recv_done = None
+
+    def _unblock(self, w: CancelWait) -> None:
+        """A call that waited for copies to stop returns: its outcome is posted, and its
+        peer's next call may run."""
+        key = (w.agent.name, w.peer)
+        held = self.blocked.get(key)
+        if held is not None and held[0] is w:
+            del self.blocked[key]
             if w.agent.alive:
-                self._call(w.agent, w.peer, ev.Cancelled(w.peer, w.tag, error))
+                for event in held[1]:
+                    w.agent.post(event)
 
     def _stop_ops(self, a: Agent, peer: str, tag: int | None) -> None:
-        """`Cancel` (a tag) or `DropPeer` (tag None) of `a`'s ops with `peer`: ops not yet
-        matched end at once; a flight is stopped before it lands, or lands first (the answer
-        waits for it), or the cancel fails (answered with an error; the flight may land)."""
+        """The transport's `cancel` (a tag) or `disconnect` (tag None) of `a`'s ops with
+        `peer`, run on `a`'s peer-call worker: every op it names ends now, saying
+        "cancelled", as the transports' do; a copy in flight is stopped, or lands first (the
+        call waits for it), or does not stop: the call fails, and the copy may land until
+        its bound."""
         for table, mine in ((self._sends, 0), (self._recvs, 1)):
             for key, ops in table.items():
                 if key[1 - mine] != peer or (tag is not None and key[2] != tag):
                     continue
-                for op in [o for o in ops if o.side is a.side]:
+                for op in [o for o in ops if o.agent is a]:
                     ops.remove(op)
-                    self.pending.append((a, _op_done(op.op, "cancelled")))
+                    self.pending.append((a, _done(op.on_done, "cancelled")))
         w = CancelWait(a, peer, tag, set())
-        self.waits.append(w)
         failed = False
         for fl in list(self.flights.values()):
             if not ((fl.writer is a and fl.dest.name == peer)
@@ -599,18 +693,23 @@ class Simulation(MemoryWire):
                 continue
             if tag is not None and tag not in fl.tags:
                 continue
+            self._spend(fl, a, "cancelled")
             roll = self.rng.random() if self.cancel_roll is None else self.cancel_roll
-            if roll < 0.7:
+            if roll < 0.65:
                 self._end(fl, "cancelled")
-            elif roll < 0.95 or not fl.writer.alive:
+            elif roll < 0.9 or not fl.writer.alive:
                 w.left.add(fl.fid)
                 fl.waiters.append(w)
-            else:
+            else:  # a stuck copy: it lands later, if at all (within its bound)
                 failed = True
+                now = self.clock()
+                fl.stuck_until = min(fl.bound_at, now + self.rng.uniform(0.05, 5.0))
         if failed:
-            self._answer(w, "the copy did not stop within its bound")
-        elif not w.left:
-            self._answer(w, None)
+            for fid in w.left:
+                self.flights[fid].waiters.remove(w)
+            raise TransportError("the copy did not stop within its bound")
+        if w.left:
+            self._waiting = w
 
     # ------------------------------------------------------------------ engine views
 
@@ -720,7 +819,16 @@ class Simulation(MemoryWire):
         n = -(-s.inst.seq_len // PAGE_TOKENS)
         return s.agent.role is Role.DECODE or len(s.agent.free) >= n
 
-    def _engine(self, s: Script) -> None:
+    def _engine_call(self, a: Agent, direct: bool, event: ev.Event) -> None:
+        """An engine call: posted to the agent's queue (an engine thread's `post`), or, from
+        a test's script (`direct`), fed in a pass of its own."""
+        if direct:
+            self.feed(a, event)
+            self._end_pass(a)
+        else:
+            a.post(event)
+
+    def _engine(self, s: Script, direct: bool = False) -> None:
         what, arg = s.actions.popleft()
         inst, a = s.inst, s.agent
         lay = a.side.session.layout
@@ -735,19 +843,19 @@ class Simulation(MemoryWire):
                     for lid in reg.layer_ids:
                         write_tokens(a.side.buffers[f"{reg.name}/{lid}"], lay, ri, lid, pages,
                                      0, inst.seq_len, inst.pattern)
-                self.feed(a.side, ev.OpenSender(inst.room, tok, {r.name: pages
-                                                                 for r in lay.regions},
-                                                inst.seq_len, len(inst.decodes)))
+                self._engine_call(a, direct, ev.OpenSender(
+                    inst.room, tok, {r.name: pages for r in lay.regions}, inst.seq_len,
+                    len(inst.decodes)))
             else:
-                self.feed(a.side, ev.OpenReceiver(inst.room, tok,
-                                                  tuple((p, 0) for p in inst.prefills)))
+                self._engine_call(a, direct, ev.OpenReceiver(
+                    inst.room, tok, tuple((p, 0) for p in inst.prefills)))
             return
         tok = inst.tokens[a.name]
         if self.views.get(tok, View(0)).done:
             s.actions.clear()  # the engine stops calling a room that ended
             return
         if what == "ready":
-            self.feed(a.side, ev.LayerReady(inst.room, tok, arg))
+            self._engine_call(a, direct, ev.LayerReady(inst.room, tok, arg))
         elif what == "init":
             pages = self._alloc(a, n, tok)
             if pages is None:
@@ -759,9 +867,8 @@ class Simulation(MemoryWire):
                     view = a.side.buffers[f"{reg.name}/{lid}"].reshape(
                         -1, reg.page_nbytes(PAGE_TOKENS))
                     view[pages] = DECODE_FILL
-            self.feed(a.side, ev.ReceiverInit(inst.room, tok, {r.name: pages
-                                                               for r in lay.regions},
-                                              inst.seq_len, 0))
+            self._engine_call(a, direct, ev.ReceiverInit(
+                inst.room, tok, {r.name: pages for r in lay.regions}, inst.seq_len, 0))
 
     # ------------------------------------------------------------------ faults
 
@@ -795,7 +902,8 @@ class Simulation(MemoryWire):
             reason = "engine abort" if kind == "abort" else "engine timeout"
             desc = f"{reason} of {tok}"
             self.note(f"FAULT {desc}")
-            self.feed(self.agents[tok.side].side, ev.AbortRoom(tok.room, tok, reason))
+            # the engine's abort goes ahead of the queued events (`post_ahead`)
+            self.feed(self.agents[tok.side], ev.AbortRoom(tok.room, tok, reason))
         elif kind == "flip":
             self.flip_next = True
             desc = "the next landing flips a byte"
@@ -823,17 +931,21 @@ class Simulation(MemoryWire):
         for table in (self._sends, self._recvs):
             for key, ops in table.items():
                 for op in list(ops):
-                    if op.side is a.side:
+                    if op.agent is a:
                         ops.remove(op)
                     elif a.name in key[:2]:
                         ops.remove(op)
-                        self.pending.append((self.agents[op.side.name],
-                                             _op_done(op.op, f"peer {a.name} is gone")))
+                        self.pending.append((op.agent, _done(op.on_done,
+                                                             f"peer {a.name} is gone")))
         self.pending = [(x, f) for x, f in self.pending if x is not a]
         for pair in [k for k in self.channels if k[1] == a.name]:
             del self.channels[pair]
         for pair in [k for k in self.calls if k[0] == a.name]:
             del self.calls[pair]
+        for pair in [k for k in self.blocked if k[0] == a.name]:
+            del self.blocked[pair]
+        a.queue.clear()
+        a.pass_open = False  # what its pass held never leaves
         for s in self.scripts:
             if s.agent is a:
                 s.actions.clear()
@@ -861,7 +973,7 @@ class Simulation(MemoryWire):
             if s.inst is inst and s.agent.name == side:
                 n = 0
                 while s.actions and self._script_ready(s) and (calls is None or n < calls):
-                    self._engine(s)
+                    self._engine(s, direct=True)
                     n += 1
 
     def abort(self, inst: Instance, side: str, reason: str = "engine abort") -> None:
@@ -870,7 +982,9 @@ class Simulation(MemoryWire):
         self.note(f"FAULT {reason} of {tok}")
         self.faults.append(f"{reason} of {tok}")
         self.last_fault = self.clock()
-        self.feed(self.agents[side].side, ev.AbortRoom(tok.room, tok, reason))
+        a = self.agents[side]
+        self.feed(a, ev.AbortRoom(tok.room, tok, reason))
+        self._end_pass(a)
 
     def pause(self, side: str, seconds: float) -> None:
         """Stops `side` (SIGSTOP) for `seconds` of simulated time."""
@@ -880,24 +994,32 @@ class Simulation(MemoryWire):
 
     def queued(self, src: str, dst: str) -> list[Any]:
         """The control messages in flight from `src` to `dst`, oldest first."""
-        return [m for m, _ in self.channels.get((src, dst), ())]
+        return [m for (m, _), _ in self.channels.get((src, dst), ())]
 
     def deliver(self, src: str, dst: str, n: int = 1) -> None:
-        """Delivers the next `n` control messages from `src` to `dst`."""
+        """Delivers the next `n` control messages from `src` to `dst` (each in a pass of its
+        own: what it makes `dst` send is queued at once)."""
         for _ in range(n):
             self._deliver((src, dst))
+            self._end_pass(self.agents[dst])
+
+    def _callable(self, key: tuple[str, str]) -> bool:
+        """Whether (agent, peer)'s next peer call may run now."""
+        return bool(self.calls.get(key)) and key not in self.blocked \
+            and self.agents[key[0]].running
 
     def busy(self) -> bool:
-        """Whether a message, completion or peer-call answer of a running agent is waiting
-        (what `drain` runs)."""
+        """Whether a message, completion, queued event, pass end or peer call of a running
+        agent is waiting (what `drain` runs)."""
         return (any(q and self.agents[k[1]].running for k, q in self.channels.items())
                 or any(a.running for a, _ in self.pending)
-                or any(q and self.agents[k[0]].running for k, q in self.calls.items()))
+                or any(a.running and (a.queue or a.holds) for a in self.agents.values())
+                or any(self._callable(k) for k in self.calls))
 
     def drain(self, *, land: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Runs every pending message, completion, peer-call answer and due tick (and lands
-        every write when `land`) until none is left or `until()` holds, without moving the
-        clock.
+        """Runs every pending message, completion, queued event, pass end, peer call and due
+        tick (and lands every write when `land`) until none is left or `until()` holds,
+        without moving the clock.
 
         Raises:
             AssertionError: `until` was given and never held.
@@ -911,13 +1033,20 @@ class Simulation(MemoryWire):
             if key is not None:
                 self._deliver(key)
                 continue
+            a = next((a for a in self.agents.values() if a.running and a.queue), None)
+            if a is not None:
+                self._run_queued(a)
+                continue
             ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
             if ready:
-                a, make = self.pending.pop(ready[0])
-                self.feed(a.side, make())
+                _, run = self.pending.pop(ready[0])
+                run()
                 continue
-            key = next((k for k, q in self.calls.items() if q
-                        and self.agents[k[0]].running), None)
+            a = next((a for a in self.agents.values() if a.running and a.holds), None)
+            if a is not None:
+                self._end_pass(a)
+                continue
+            key = next((k for k in self.calls if self._callable(k)), None)
             due = next((a for a in self.agents.values() if a.running
                         and self.clock() >= a.side.session.next_wakeup()), None)
             if key is None and due is not None:  # LayerDones out, timers due now
@@ -939,24 +1068,30 @@ class Simulation(MemoryWire):
                 out.append((4.0, _bind(self._deliver, key)))
         if any(a.running for a, _ in self.pending):
             out.append((3.0 * min(3, len(self.pending)), self._complete))
-        for key, calls in self.calls.items():
-            if calls and self.agents[key[0]].running:
+        for key in self.calls:
+            if self._callable(key):
                 out.append((3.0, _bind(self._answer_call, key)))
         for fl in self.flights.values():
-            if fl.writer.running:
+            if fl.writer.running and now >= fl.stuck_until:
                 out.append((3.0, _bind(self._land, fl)))
         for s in self.scripts:
             if s.actions and s.agent.running and self._script_ready(s):
                 out.append((2.0, _bind(self._engine, s)))
         for a in self.agents.values():
-            if a.running and now >= a.side.session.next_wakeup():
+            if not a.running:
+                continue
+            if a.queue:
+                out.append((3.0, _bind(self._run_queued, a)))
+            if a.pass_open:
+                out.append((3.0, _bind(self._end_pass, a)))
+            if now >= a.side.session.next_wakeup():
                 out.append((3.0, _bind(self._tick, a)))
         if faults and self.faults_left > 0:
             out.append((0.15, self._fault))
         return out
 
     def _deliver(self, key: tuple[str, str]) -> None:
-        msg, sent = self._delivering = self.channels[key].popleft()
+        (msg, seal), sent = self._delivering = self.channels[key].popleft()
         dest = self.agents[key[1]]
         if dest.role is Role.DECODE and (isinstance(msg, P.AbortAck) or isinstance(
                 msg, P.Failed | P.Abort) and msg.writes_stopped):
@@ -977,23 +1112,36 @@ class Simulation(MemoryWire):
                     and isinstance(leg.group.token, Token):
                 self.stale_done[leg.group.token] = msg.src
         try:
-            self.feed(self.agents[key[1]].side, ev.MessageReceived(msg))
+            self.feed(dest, ev.MessageReceived(msg, seal))
         finally:
             self._delivering = None
 
     def _complete(self) -> None:
         ready = [i for i, (a, _) in enumerate(self.pending) if a.running]
         i = self.rng.choice(ready)
-        a, make = self.pending.pop(i)
-        self.feed(a.side, make())
+        _, run = self.pending.pop(i)
+        run()
 
     def _answer_call(self, key: tuple[str, str]) -> None:
-        self.feed(self.agents[key[0]].side, self.calls[key].popleft())
+        """(agent, peer)'s next peer call runs; its outcome is posted when it returns, or
+        once the copies it waits for stopped."""
+        a = self.agents[key[0]]
+        call = self.calls[key].pop(0)
+        self._waiting = None
+        events = call()
+        w, self._waiting = self._waiting, None
+        if w is not None and w.left:
+            self.blocked[key] = (w, events)
+            return
+        for event in events:
+            a.post(event)
 
     def _tick(self, a: Agent) -> None:
-        if not any(q for k, q in self.channels.items() if k[1] == a.name):
-            a.drained_at = self.clock()
-        self.feed(a.side, ev.Tick(drained_at=a.drained_at))
+        """`a`'s control loop ticks at the end of a pass, its sockets just read (messages
+        still in its channels wait for the next pass), then the pass ends."""
+        a.read_at = self.clock()
+        self.feed(a, ev.Tick(read_at=a.read_at))
+        self._end_pass(a)
 
     def _resume(self) -> None:
         now = self.clock()
@@ -1034,7 +1182,9 @@ class Simulation(MemoryWire):
             return False
         if any(q for k, q in self.channels.items() if self.agents[k[1]].alive):
             return False
-        if self.pending or any(q for q in self.calls.values()):
+        if self.pending or any(q for q in self.calls.values()) or self.blocked:
+            return False
+        if any(a.alive and (a.queue or a.holds) for a in self.agents.values()):
             return False
         return all(v.done and v.releases == 1 for t, v in self.views.items()
                    if self.agents[t.side].alive)
@@ -1066,6 +1216,8 @@ class Simulation(MemoryWire):
             nxt += [a.paused_until for a in self.agents.values()
                     if a.alive and a.paused_until is not None]
             nxt += [fl.bound_at + 1e-6 for fl in self.flights.values()]
+            nxt += [fl.stuck_until for fl in self.flights.values()
+                    if fl.stuck_until > self.clock()]
             at = max(min(nxt), self.clock() + 1e-3) if nxt else self.clock() + 0.5
             if at > deadline:
                 raise self.violation("not-terminal", self._unsettled())
@@ -1112,7 +1264,7 @@ class Simulation(MemoryWire):
                           + 1)
             for a in self.agents.values():
                 if a.alive:
-                    self.feed(a.side, ev.Tick(drained_at=self.clock()))
+                    self._tick(a)
         for a in self.agents.values():
             if not a.alive:
                 continue
@@ -1147,16 +1299,10 @@ def _bind(fn: Callable[[Any], None], arg: Any) -> Callable[[], None]:
     return lambda: fn(arg)
 
 
-def _op_done(op: int, error: str | None) -> Callable[[], ev.Event]:
-    return lambda: ev.OpDone(op, error)
-
-
-def _hasher(side: Side, eff: HashSpans) -> Callable[[], ev.Event]:
-    """The hasher reads the buffers when it runs (later), not when it is asked."""
-    def run() -> ev.Event:
-        sums = tuple(span_checksum(side.buffers[b], o, n) for b, o, n in eff.spans)
-        return ev.Hashed(eff.job, sums)
-    return run
+def _done(on_done: OnDone, error: str | None) -> Callable[[], None]:
+    """A send's or receive's completion, as the transport's thread calls it."""
+    exc = None if error is None else TransportError(error)
+    return lambda: on_done(exc)
 
 
 def _short(x: object) -> str:
