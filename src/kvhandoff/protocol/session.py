@@ -47,7 +47,7 @@ from kvhandoff.protocol.chunks import ChunkedPrefill
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import ERROR, WARNING, Effect, Notify
 from kvhandoff.protocol.failures import remote_failure
-from kvhandoff.protocol.handshake import Identity, PeerState
+from kvhandoff.protocol.handshake import Identity
 from kvhandoff.protocol.inflight import InFlight
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
@@ -397,7 +397,7 @@ class TransferSession:
                         r.state.advance(LegPhase.READY)
                     r.plan.planes = None
                     self.peers.attach(r, p.addr)
-        elif p.state is PeerState.CONNECTING:
+        elif p.state.connecting:
             # its transport connects off the driver's thread: read once matched, in order
             p.backlog.append(msg)
         else:
