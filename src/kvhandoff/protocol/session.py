@@ -370,8 +370,11 @@ class TransferSession:
         if p is None or (p.gen and msg.gen != p.gen):
             # no handshake with this sender (or an older generation of it)
             ctx.counters["stale_messages"] += 1
-            if isinstance(msg, P.Failed | P.Abort) and p is None:
-                self._room_msg(msg)  # a failure for a room may precede any handshake
+            if isinstance(msg, P.Failed | P.Abort | P.AbortAck) and p is None:
+                # a failure for a room may precede any handshake; and a peer this agent
+                # declared lost (a prefill stopped, then woken) still says when its writes
+                # into a leg's pages stopped (an AbortAck naming the leg's request)
+                self._room_msg(msg)
             elif p is None and not isinstance(msg, P.Reject | P.AbortAck):
                 self.peers.tell_forgotten(msg.src)
             return

@@ -60,6 +60,11 @@ KINDS = ("nested", "huge_header", "wrong_types", "truncated", "random", "forged"
          "flood")
 
 _LANE_PREFIX = b"\0kvhandoff-control/"  # runtime.locallane's abstract names
+# how long a closed sender's queued frames are still delivered (zmq's LINGER: close returns at
+# once, and what is still queued then is dropped after this long). Longer than any caller
+# waits for them to be read: 5 s dropped frames of a flood on a loaded host, and the test
+# counting them waited in vain.
+LINGER_MS = 120_000
 _LENGTHS = struct.Struct("<II")
 
 
@@ -255,7 +260,7 @@ def send_control(address: str, frame_sets: Iterable[list[bytes]]) -> int:
     host, port = split_host_port(address)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 5000)  # the frames leave before close returns
+    sock.setsockopt(zmq.LINGER, LINGER_MS)  # queued frames still leave after close
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.IPV6, zmq_ipv6(host))
     sock.connect(zmq_endpoint(host, port))
@@ -396,8 +401,8 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
 
 def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     """Sends each case on a ZMQ DEALER connection of its own to a tcp transport's data port
-    (its `Transport.address`); returns the frame sets sent. Each connection is closed only
-    once what it queued went out (linger)."""
+    (its `Transport.address`); returns the frame sets sent. Each connection is closed once
+    its frames are queued; they still go out after (for up to LINGER_MS)."""
     import zmq
 
     endpoint = transport_address.decode().rsplit("/", 1)[0]
@@ -405,7 +410,7 @@ def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:
     n = 0
     for case in cases:
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 5000)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
         if case.identity is not None:
             sock.setsockopt(zmq.IDENTITY, case.identity)
         sock.connect(endpoint)
@@ -517,7 +522,7 @@ def attack_tcp_data(transport_address: bytes, *, seed: int, count: int,
         n += 1 if send_tcp(host, port, tcp_chunks(seed + i, 20)) else 0
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
     sock.connect(endpoint)
     try:
