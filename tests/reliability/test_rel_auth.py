@@ -63,12 +63,12 @@ def in_flight(p: Engine, d: Engine) -> tuple[int, object, object]:
     return r, s, rv
 
 
-def signed_hello(e: Engine, *, generation: int) -> P.Hello:
-    """A Hello of `e` with a valid MAC, as captured on the wire (of this generation of `e`,
-    or of an earlier one)."""
+def signed_hello(e: Engine, to: Engine, *, generation: int) -> P.Hello:
+    """A Hello of `e` to `to` with a valid MAC, as captured on the wire (of this generation
+    of `e`, or of an earlier one)."""
     me = e.agent._loop.session.me  # type: ignore[union-attr]
-    msg = msgspec.structs.replace(me.hello(P.Hello), gen=generation, mac=b"")
-    return P.sign_hello(msg, SECRET.encode())
+    msg = msgspec.structs.replace(me.hello(P.Hello, to.address), gen=generation, mac=b"")
+    return P.sign_hello(msg, SECRET.encode(), recipient=to.address)
 
 
 def test_unsigned_hello_in_the_name_of_the_decode_fails_no_room() -> None:
@@ -77,7 +77,7 @@ def test_unsigned_hello_in_the_name_of_the_decode_fails_no_room() -> None:
     with engine_pair(settings=fast_settings(hmac_secret=SECRET), num_pages=8) as (p, d):
         r, s, rv = in_flight(p, d)
         with Prober(p.address) as pr:
-            forged = msgspec.structs.replace(signed_hello(d, generation=gen(d) + 2),
+            forged = msgspec.structs.replace(signed_hello(d, p, generation=gen(d) + 2),
                                              mac=b"\0" * 32)
             pr.send(P.encode(forged))
             pr.barrier("prefill")
@@ -92,7 +92,7 @@ def test_replayed_hello_of_an_earlier_generation_fails_no_room() -> None:
         r, s, rv = in_flight(p, d)
         with Prober(p.address) as pr:
             for g in (gen(d) + 2, gen(d)):  # an earlier generation, then this one
-                pr.send(P.encode(signed_hello(d, generation=g)))
+                pr.send(P.encode(signed_hello(d, p, generation=g)))
             pr.barrier("prefill")
         assert counter(p, "peers_lost") == 0
         finish(p, d, r, s, rv, 2)

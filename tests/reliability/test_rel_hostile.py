@@ -15,6 +15,7 @@ from relkit import (
     Prober,
     engine_pair,
     fast_settings,
+    free_port,
     handoff,
     layers_of,
     wait_until,
@@ -162,6 +163,100 @@ def test_strangers_cost_a_bounded_number_of_sockets() -> None:
         r = secrets.randbits(63)
         handoff(p, d, r, 40)
         assert d.bad_bytes(r, 40) == 0
+
+
+SECRET = "s3cret"
+
+
+def _frozen(e: Engine, release: threading.Event) -> threading.Thread:
+    """`e`'s control thread held (by a call on it) until `release` is set; returned once it
+    is held (every pass before has ended, its sends flushed)."""
+    held = threading.Event()
+
+    def hold(_: object) -> None:
+        held.set()
+        release.wait(WAIT_S)
+
+    t = threading.Thread(daemon=True, target=lambda: e.agent._loop.query(hold, WAIT_S + 5))
+    t.start()
+    assert held.wait(WAIT_S)
+    return t
+
+
+def test_a_replayed_hello_does_not_replace_a_restarted_decodes_handshake() -> None:
+    """A decode restarts on its address (a new generation) while the prefill still holds the
+    old one's session; its Hello waits at the prefill for a sealed message to confirm it. An
+    outsider replays that Hello (captured on the wire: its MAC verifies). Before: the replay
+    replaced the pending handshake with a new key, the decode's sealed request under the first
+    key no longer verified and it refused the second HelloAck as a replay: the room failed
+    `silent` and the prefill's stayed in Bootstrapping. Now the copy is dropped as a replay and
+    the room hands off."""
+    from kvhandoff.protocol import wire as P
+
+    # heartbeats of 5 s: the prefill keeps the old decode's session (in use) across the
+    # restart, and the decode held below is not taken for having slept
+    port = free_port()
+    st = fast_settings(hmac_secret=SECRET, heartbeat_interval_s=5.0)
+    with engine_pair(settings=st, num_pages=8,
+                     decode_settings=fast_settings(hmac_secret=SECRET, agent_port=port,
+                                                   heartbeat_interval_s=5.0)) as (p, d0):
+        handoff(p, d0, secrets.randbits(63), 40)
+        d0.close()
+        d = Engine("decode", p.layout, 8, fast_settings(hmac_secret=SECRET, agent_port=port,
+                                                        heartbeat_interval_s=5.0))
+        release = threading.Event()
+        try:
+            assert gen_of(d) != gen_of(p) and d.address == d0.address
+            r = secrets.randbits(63)
+            s = p.send(r, 40)
+            rv = d.recv(r, 40, p.address)
+            # the Hello the decode said, byte for byte (what a wire tap captured)
+            nonce = d.agent._loop.query(lambda ses: ses.peers._keys[p.address].nonce)
+            hello = d.agent._loop.session.me.hello(P.Hello, p.address, nonce=nonce)
+            held = _frozen(d, release)  # it reads the prefill's answer only once released
+            # the prefill answered it and waits for a sealed message to confirm it
+            assert wait_until(lambda: bool(p.agent._loop.query(
+                lambda ses: ses.peers._keys[d.address].pending)), WAIT_S)
+            replayed0 = counters(p)["replayed_messages"]
+            with Prober(p.address) as pr:
+                pr.send(P.encode(hello))
+                pr.barrier("prefill")  # the replay was read
+            assert counters(p)["replayed_messages"] - replayed0 == 1
+            release.set()
+            held.join(WAIT_S)
+            assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
+            assert s.wait(WAIT_S) is KVPoll.Success, s.failure
+            assert d.bad_bytes(r, 40) == 0
+        finally:
+            release.set()
+            d.close()
+
+
+def test_a_hello_said_to_one_agent_does_not_verify_at_another() -> None:
+    """The Hello's MAC covers its recipient: one the decode said to a prefill (captured on
+    the wire), replayed to another prefill of the same secret, is refused there as not
+    authenticated and leaves no peer record. Before: the second prefill took it and started a
+    handshake the decode never asked for."""
+    from kvhandoff.protocol import wire as P
+
+    with engine_pair(settings=fast_settings(hmac_secret=SECRET), num_pages=8) as (p, d):
+        handoff(p, d, secrets.randbits(63), 40)
+        other = Engine("prefill", p.layout, 8, fast_settings(hmac_secret=SECRET))
+        try:
+            hello = d.agent._loop.session.me.hello(P.Hello, p.address,
+                                                   nonce=secrets.token_bytes(P.NONCE_BYTES))
+            assert d.agent._loop.session.me.verifies(hello) is False  # not said to d
+            before = counters(other)["unauthenticated_messages"]
+            with Prober(other.address) as pr:
+                pr.send(P.encode(hello))
+                pr.barrier("prefill")  # itself unsigned: one more refused
+            assert counters(other)["unauthenticated_messages"] - before == 2
+            assert d.address not in [x["addr"] for x in other.agent.status()["peers"]]
+            r = secrets.randbits(63)  # the session it was meant for is untouched
+            handoff(p, d, r, 40)
+            assert d.bad_bytes(r, 40) == 0
+        finally:
+            other.close()
 
 
 def _hostile_run(surface: str, secret: str | None, count: int, rooms: int) -> None:

@@ -8,8 +8,9 @@ room ends and when its pages go back), `peers` (the peer table and the handshake
 decode's data path), `chunks` (chunked prefill) and `reports` (status figures). `wire` holds
 the versioned msgpack messages two agents exchange, `roomstate` a room's state in one place
 (`RoomState`: its phase, failure, expected legs; per leg a `LegState`: machine, phase, fence,
-failure), `rooms` a room and its legs as the data path uses them, `handshake` a peer's
-record and the Hello checks, `checksums` the checksum policy, `admission` a request's
+failure), `rooms` a room and its legs as the data path uses them, `peerstate` a peer's
+record and where its handshake stands (`PeerState`), `handshake` this agent's `Identity` and
+the checks of a peer's Hello, `checksums` the checksum policy, `admission` a request's
 admission, `planning` the span plans, `failures` the mapping to typed failures. Nothing
 under this folder imports zmq, a transport, threading or a clock (a test reads every module
 of the folder to hold that). It may import `buffers`; `buffers` never imports it

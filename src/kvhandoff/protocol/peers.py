@@ -1,6 +1,7 @@
 """`PeerTable`: the peers of one session and the handshake with each, sans-IO.
 
-It owns the peer records (`handshake.Peer`, by control address) and the peers declared lost.
+It owns the peer records (`peerstate.Peer`, by control address; where each handshake stands is
+its `peerstate.PeerState`, moved only by its methods) and the peers declared lost.
 Decode legs start the handshake (`attach`: a `Hello`); a peer's Hello or HelloAck is checked
 (`handshake.Identity.check_hello`), the transport connects (the `Connect` effect, answered by
 the `Connected` event) and, for a prefill writing one-sided, the peer's buffers are installed
@@ -21,7 +22,12 @@ With a shared secret (``hmac_secret``) the table also owns each peer's session (
 - A verified Hello from a peer whose record is in use (matched, connecting, or with open
   rooms) may be a replay, of this generation or an older one: it is answered (HelloAck) but
   acted on (a changed generation declares the old one lost) only once a message sealed under
-  the new session key proves the sender holds it (`admit`).
+  the new session key proves the sender holds it (`admit`). Such pending Hellos are kept by
+  their nonce (at most PENDING_PER_PEER per peer, none evicted by another): a copy of a Hello
+  already taken or pending is dropped as a replay, never answered with a new key, so a replay
+  cannot replace the handshake its sender is completing.
+- A Hello's MAC covers its recipient (`wire.sign_hello`): one said to another agent does not
+  verify here.
 - Every other message must come sealed under the session with its sender, with a sequence
   number above the last one taken (`admit`); what does not is counted and dropped.
 """
@@ -34,8 +40,6 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvhandoff.buffers.bufferset import buffer_name
 from kvhandoff.errors import FailureKind
 from kvhandoff.protocol import events as ev
@@ -43,8 +47,8 @@ from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Connect, DropPeer, Notify, RegisterRemote
 from kvhandoff.protocol.failures import failure_of
-from kvhandoff.protocol.handshake import Peer, PeerState
 from kvhandoff.protocol.lifecycle import RoomTable
+from kvhandoff.protocol.peerstate import Peer, PeerPhase
 from kvhandoff.protocol.rooms import Leg
 from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerWasLost, Role
 
@@ -52,6 +56,9 @@ NO_HANDSHAKE = "no handshake"
 FORGOTTEN_KEEP_S = 60.0  # how long a lost peer is remembered, to tell it so if it talks on
 REJECTED_KEEP_S = 10.0  # how long a rejected peer's rejection fails new rooms at once
 PENDING_KEEP_S = 60.0  # how long a Hello waiting for its confirmation is kept
+# pending Hellos kept per peer at most; one beyond is dropped (never one kept: a stranger
+# replaying recorded Hellos must not evict the one its real sender is confirming)
+PENDING_PER_PEER = 8
 # refused Hellos answered per heartbeat at most: each answer goes to the address the Hello
 # names, so an outsider could otherwise make this agent send one message per Hello it sends
 REFUSALS_PER_HEARTBEAT = 64
@@ -78,7 +85,8 @@ class _Keys:
     seen: int = 0  # the last sequence number taken under `key`
     nonce: bytes = b""  # of our Hello / HelloAck a reply must echo (b"": none out)
     their_nonce: bytes = b""  # of the peer's last Hello taken (our HelloReject echoes it)
-    pending: _Pending | None = field(default=None)
+    #: verified Hellos of a peer in use, not acted on yet, by their nonce
+    pending: dict[bytes, _Pending] = field(default_factory=dict)
 
 
 class PeerTable:
@@ -129,17 +137,17 @@ class PeerTable:
             self._forgotten_told.pop(addr, None)
             self._forgotten_keys.pop(addr, None)
         for k in self._keys.values():
-            if k.pending is not None and now - k.pending.t > PENDING_KEEP_S:
-                k.pending = None
+            for nonce in [n for n, pend in k.pending.items() if now - pend.t > PENDING_KEEP_S]:
+                del k.pending[nonce]
         for addr in [a for a, t in self._rejected_at.items() if now - t > REJECTED_KEEP_S]:
             del self._rejected_at[addr]
             p = self._peers.get(addr)
-            if p is not None and p.state is PeerState.REJECTED and not p.waiting:
+            if p is not None and p.state.phase is PeerPhase.REJECTED and not p.waiting:
                 del self._peers[addr]
                 self._keys.pop(addr, None)
 
     def _rejected(self, p: Peer, failure: Any) -> None:
-        p.state, p.rejected = PeerState.REJECTED, failure
+        p.state.refused(failure)
         self._rejected_at[p.addr] = self.ctx.now
 
     # ------------------------------------------------------------------ authentication
@@ -168,11 +176,11 @@ class PeerTable:
         if k is not None and seal is not None:
             if k.key and msg.gen == k.gen and P.verify_seal(seal, key=k.key, recipient=me):
                 return self._take(k, seal)
-            pend = k.pending
-            if (pend is not None and msg.gen == pend.hello.gen
-                    and P.verify_seal(seal, key=pend.key, recipient=me)):
-                self._confirm(msg.src, pend)
-                return self._take(self._keys[msg.src], seal)
+            for pend in list(k.pending.values()):
+                if msg.gen == pend.hello.gen and P.verify_seal(seal, key=pend.key,
+                                                               recipient=me):
+                    self._confirm(msg.src, pend)
+                    return self._take(self._keys[msg.src], seal)
         f = self._forgotten_keys.get(msg.src) if seal is not None else None
         if (f is not None and seal is not None and msg.gen == f.gen
                 and P.verify_seal(seal, key=f.key, recipient=me)):
@@ -223,14 +231,8 @@ class PeerTable:
         self._accept(pend.hello, pend.key, pend.nonce, acked=True)
 
     def _in_use(self, p: Peer) -> bool:
-        return (p.state in (PeerState.CONNECTING, PeerState.MATCHED) or p.registering
-                or bool(p.waiting) or any(r.peer == p.addr for r in self.rooms.open_legs()))
-
-    def _hello(self, cls: type[P.Hello], addr: str, *, nonce: bytes, echo: bytes = b""
-               ) -> P.Hello:
-        me = self.ctx.me
-        msg = msgspec.structs.replace(me.hello(cls), nonce=nonce, echo=echo, mac=b"")
-        return P.sign_hello(msg, me.hmac_secret) if me.hmac_secret else msg
+        return (p.state.connecting or p.state.matched or bool(p.waiting)
+                or any(r.peer == p.addr for r in self.rooms.open_legs()))
 
     def _reject(self, addr: str, reason: str, *, echo: bytes, diff: list[str] | None = None
                 ) -> None:
@@ -248,20 +250,21 @@ class PeerTable:
         if r.state.terminal:
             return
         p = self.peer(addr)
-        if p.state is PeerState.REJECTED and p.rejected is not None:
-            self.rooms.fail(r, PeerWasLost(reason=p.rejected.reason), notify=Notify.FAILED,
-                            failure=p.rejected)
+        rejected = p.state.rejected
+        if rejected is not None:
+            self.rooms.fail(r, PeerWasLost(reason=rejected.reason), notify=Notify.FAILED,
+                            failure=rejected)
             return
         if p.matched:
             self._matched(r, p)
             return
         p.waiting.append(r)
-        if p.state is PeerState.NEW:
-            p.state, p.initiated = PeerState.HELLO_SENT, True
+        if p.state.phase is PeerPhase.NEW:
+            p.state.hello_sent()
             p.last_seen = self.ctx.now  # a peer that never answers dies in 2 heartbeats
             k = self._keys.setdefault(addr, _Keys())
             k.nonce = self.new_nonce()
-            self.ctx.send(addr, self._hello(P.Hello, addr, nonce=k.nonce))
+            self.ctx.send(addr, self.ctx.me.hello(P.Hello, addr, nonce=k.nonce))
 
     def _matched(self, r: Leg, p: Peer) -> None:
         r.peer_gen = p.gen
@@ -281,7 +284,7 @@ class PeerTable:
                     and msg.echo == k.nonce and p.waiting):
                 # the answer to our Hello from a peer keyed otherwise: this attempt failed
                 k.nonce = b""
-                p.state = PeerState.NEW
+                p.state.attempt_failed()
                 self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
             start, sent = self._refusals
             if ctx.now - start > ctx.hb:
@@ -310,8 +313,16 @@ class PeerTable:
         if key is not None and p is not None and self._in_use(p):
             # perhaps a replay: answered, acted on once a sealed message confirms it
             k = self._keys.setdefault(msg.src, _Keys())
-            k.pending = _Pending(hello=msg, key=key, nonce=nonce, t=ctx.now)
-            ctx.send(msg.src, self._hello(P.HelloAck, msg.src, nonce=nonce, echo=msg.nonce))
+            if ((msg.gen == k.gen and msg.nonce == k.their_nonce) or msg.nonce in k.pending
+                    or len(k.pending) >= PENDING_PER_PEER):
+                # a copy of the Hello this session came from or of one answered already (a
+                # new key for it would fail the handshake its sender is completing), or
+                # more than a real peer has out: dropped, nothing kept is replaced
+                ctx.counters["replayed_messages"] += 1
+                ctx.counters["stale_messages"] += 1
+                return
+            k.pending[msg.nonce] = _Pending(hello=msg, key=key, nonce=nonce, t=ctx.now)
+            ctx.send(msg.src, me.hello(P.HelloAck, msg.src, nonce=nonce, echo=msg.nonce))
             return
         self._accept(msg, key, nonce)
 
@@ -332,7 +343,6 @@ class PeerTable:
                                     their_nonce=msg.nonce)
         problems, layout = ctx.me.check_hello(msg)
         p.gen, p.agent_id, p.last_seen = msg.gen, msg.agent_id, ctx.now
-        p.authenticated = True
         if problems:
             lm = LayoutsDiffered(diff=tuple(problems))
             self._rejected(p, failure_of(lm))
@@ -340,13 +350,12 @@ class PeerTable:
                 self._reject(msg.src, lm.reason, echo=msg.nonce, diff=problems)
             self.fail_waiting(p, lm)
             return
+        p.state.hello_taken(answer=not isinstance(msg, P.HelloAck) and not acked)
         p.layout = layout
-        p.state = PeerState.CONNECTING
         p.transport_address = msg.transport_address
         p.memory = msg.memory
         p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
                          if b.descriptor}
-        p.ack_hello = not isinstance(msg, P.HelloAck) and not acked
         # answered by Connected, later: room messages from the peer wait in its backlog
         ctx.emit(Connect(msg.src, msg.transport_address, p.gen, key or b""))
 
@@ -365,8 +374,7 @@ class PeerTable:
         secret = ctx.me.hmac_secret
         if secret and not P.verify_hello_reject(msg, secret):
             ctx.counters["unauthenticated_messages"] += 1
-            if not p.matched:
-                p.state = PeerState.NEW
+            p.state.attempt_failed()
             self.fail_waiting(p, lm)
             return
         self._rejected(p, failure_of(lm))
@@ -375,7 +383,7 @@ class PeerTable:
     def on_connected(self, e: ev.Connected) -> None:
         ctx = self.ctx
         p = self._peers.get(e.peer)
-        if p is None or p.state is not PeerState.CONNECTING or p.gen != e.gen or p.registering:
+        if p is None or p.state.phase is not PeerPhase.CONNECTING or p.gen != e.gen:
             return  # an answer for a generation forgotten since
         if e.error is not None:
             lost = PeerWasLost(reason=f"transport connect to {e.peer} failed: {e.error}")
@@ -387,18 +395,18 @@ class PeerTable:
         if ctx.me.writes and ctx.role is Role.PREFILL and p.descriptors:
             # answered by RemoteRegistered; the peer is matched (and its HelloAck sent, its
             # backlog read) only then, so its first request finds the writes decided
-            p.registering = True
+            p.state.connected(register=True)
             ctx.emit(RegisterRemote(p.addr, tuple(sorted(p.descriptors.items()))))
             return
+        p.state.connected(register=False)
         self._ready(p)
 
     def _ready(self, p: Peer) -> None:
-        """The transport is connected (and the writes decided): the peer is matched."""
-        p.state, p.rejected = PeerState.MATCHED, None
-        if p.ack_hello:
-            p.ack_hello = False
+        """The peer is matched (the transport connected and the writes decided): answer its
+        Hello, hand over the legs and the room messages that waited."""
+        if p.state.answer_hello():
             k = self._keys.get(p.addr)
-            self.ctx.send(p.addr, self._hello(
+            self.ctx.send(p.addr, self.ctx.me.hello(
                 P.HelloAck, p.addr, nonce=k.nonce if k is not None else b"",
                 echo=k.their_nonce if k is not None else b""))
         waiting, p.waiting = p.waiting, []
@@ -412,10 +420,9 @@ class PeerTable:
         """Prefill: the decode's buffers are installed (one-sided writes from now on), or
         refused (its rooms are sent two-sided; said once, as a warning)."""
         p = self._peers.get(e.peer)
-        if p is None or not p.registering:
-            return
-        p.registering = False
-        p.writes = e.error is None
+        if p is None or p.state.phase is not PeerPhase.REGISTERING:
+            return  # an answer for a handshake replaced since
+        p.state.registered(writes=e.error is None)
         if e.error is None:
             self.ctx.log(INFO, f"peer {e.peer}: one-sided writes into its "
                                f"{len(p.descriptors)} buffers")
@@ -477,7 +484,7 @@ class PeerTable:
         lost."""
         ctx, hb = self.ctx, self.ctx.hb
         for p in list(self._peers.values()):
-            if p.talking:
+            if p.state.talking:
                 ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
                                              rooms=rooms_by_peer.get(p.addr, [])))
             # silence is measured by time, up to when the driver last read its sockets
@@ -489,6 +496,6 @@ class PeerTable:
 
     def woke(self, gap: float) -> None:
         """Nothing reached this session for `gap` > 2 heartbeats: see `TransferSession`."""
-        for p in [p for p in self._peers.values() if p.talking or p.waiting]:
+        for p in [p for p in self._peers.values() if p.state.talking or p.waiting]:
             self.lost(p, f"this agent was unresponsive for {gap:.2f}s (> 2 heartbeats "
                          f"of {self.ctx.hb:g}s): peer {p.addr} has given its rooms up")

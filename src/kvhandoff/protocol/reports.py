@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvhandoff.kv_layout import LayoutSpec
-from kvhandoff.protocol.handshake import Peer, peer_summary
+from kvhandoff.protocol.peerstate import Peer
 from kvhandoff.protocol.rooms import Group
 
 # upper bounds (s) of the tail histogram (last layer_ready -> Success); one more bucket: +Inf
@@ -79,3 +79,12 @@ def room_stats(g: Group, layout: LayoutSpec) -> dict[str, Any]:
         "t_created": g.t_created, "t_last_ready": g.given.t_last_ready,
         "t_done": g.state.t_done,
     }
+
+
+def peer_summary(p: Peer) -> dict[str, Any]:
+    """A peer as `status()` shows it."""
+    st = p.state
+    return {"addr": p.addr, "matched": st.matched, "state": st.phase.value,
+            "rejected": st.rejected.reason if st.rejected else None,
+            # how this side moves data to it: one-sided writes into its buffers, or two-sided
+            "one_sided_writes": st.writes, "memory": p.memory}

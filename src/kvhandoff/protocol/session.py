@@ -47,7 +47,7 @@ from kvhandoff.protocol.chunks import ChunkedPrefill
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import ERROR, WARNING, Effect, Notify
 from kvhandoff.protocol.failures import remote_failure
-from kvhandoff.protocol.handshake import Identity, PeerState
+from kvhandoff.protocol.handshake import Identity
 from kvhandoff.protocol.inflight import InFlight
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
@@ -426,8 +426,11 @@ class TransferSession:
         if p is None or (p.gen and msg.gen != p.gen):
             # no handshake with this sender (or an older generation of it)
             ctx.counters["stale_messages"] += 1
-            if isinstance(msg, P.Failed | P.Abort) and p is None:
-                self._room_msg(msg)  # a failure for a room may precede any handshake
+            if isinstance(msg, P.Failed | P.Abort | P.AbortAck) and p is None:
+                # a failure for a room may precede any handshake; and a peer this agent
+                # declared lost (a prefill stopped, then woken) still says when its writes
+                # into a leg's pages stopped (an AbortAck naming the leg's request)
+                self._room_msg(msg)
             elif p is None and not isinstance(msg, P.Reject | P.AbortAck):
                 self.peers.tell_forgotten(msg.src)
             return
@@ -455,7 +458,7 @@ class TransferSession:
                         r.state.advance(LegPhase.READY)
                     r.plan.planes = None
                     self.peers.attach(r, p.addr)
-        elif p.state is PeerState.CONNECTING:
+        elif p.state.connecting:
             # its transport connects off the driver's thread: read once matched, in order
             p.backlog.append(msg)
         else:

@@ -16,7 +16,8 @@ Rules:
 - Every message names its sender (`src`, the sender's control address) and the sender's
   `gen` (a nonce per process start), so a restarted peer's stale messages are recognised.
 - With a shared secret (``hmac_secret``) every message is authenticated. A Hello / HelloAck
-  carries a fresh random `nonce` and an HMAC under the secret (`sign_hello`); the HelloAck
+  carries a fresh random `nonce` and an HMAC under the secret over its recipient's address and
+  its body (`sign_hello`: said to one agent, it does not verify at another); the HelloAck
   echoes the Hello's nonce (`echo`), so it cannot be replayed to the agent that said Hello, and
   a HelloReject echoes the nonce of the Hello it refuses (it is MAC'd too). Both nonces and both
   (address, generation) pairs derive a per-session key (`session_key`: HKDF-SHA256, RFC 5869).
@@ -499,17 +500,23 @@ def _hello_body(msg: Hello) -> bytes:
     return _ENCODER.encode(m)
 
 
-def sign_hello(msg: Hello, secret: bytes) -> Hello:
-    """`msg` with its `mac` set (HMAC-SHA256 over the body with an empty mac)."""
-    body = _hello_body(msg)
-    return msgspec.structs.replace(msg, mac=hmac.new(secret, body, hashlib.sha256).digest())
+def _hello_mac(secret: bytes, recipient: str, msg: Hello) -> bytes:
+    # the recipient's control address is covered too: a Hello said to one agent does not
+    # verify at another (it cannot be replayed to a third agent of the same secret)
+    return hmac.new(secret, recipient.encode() + b"\0" + _hello_body(msg),
+                    hashlib.sha256).digest()
 
 
-def verify_hello(msg: Hello, secret: bytes) -> bool:
-    """Whether `msg.mac` authenticates it with `secret` (constant-time compare)."""
-    body = _hello_body(msg)
-    want = hmac.new(secret, body, hashlib.sha256).digest()
-    return hmac.compare_digest(want, msg.mac)
+def sign_hello(msg: Hello, secret: bytes, *, recipient: str) -> Hello:
+    """`msg` with its `mac` set: HMAC-SHA256 over `recipient` (the control address it is
+    said to) and the body with an empty mac."""
+    return msgspec.structs.replace(msg, mac=_hello_mac(secret, recipient, msg))
+
+
+def verify_hello(msg: Hello, secret: bytes, *, recipient: str) -> bool:
+    """Whether `msg.mac` authenticates it with `secret` for `recipient` (this agent's control
+    address); constant-time compare."""
+    return hmac.compare_digest(_hello_mac(secret, recipient, msg), msg.mac)
 
 
 def sign_hello_reject(msg: HelloReject, secret: bytes) -> HelloReject:

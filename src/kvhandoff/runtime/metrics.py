@@ -48,7 +48,8 @@ _COUNTER_HELP = {
                                 "verify, a message not sealed under its sender's session).",
     "replayed_messages": "With hmac_secret set: messages dropped as replays (a sequence number "
                          "not above the last one taken, a HelloAck that echoes no Hello of "
-                         "ours).",
+                         "ours, a copy of a Hello already taken or waiting for its "
+                         "confirmation).",
     "data_unproven_chunks": "tcp data plane: chunks dropped because their connection had not "
                             "proven the control session with their sender (hmac_secret set), "
                             "or named no sender.",

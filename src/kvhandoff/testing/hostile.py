@@ -61,6 +61,11 @@ KINDS = ("nested", "huge_header", "wrong_types", "truncated", "random", "forged"
          "flood")
 
 _LANE_PREFIX = b"\0kvhandoff-control/"  # runtime.locallane's abstract names
+# how long a closed sender's queued frames are still delivered (zmq's LINGER: close returns at
+# once, and what is still queued then is dropped after this long). Longer than any caller
+# waits for them to be read: 5 s dropped frames of a flood on a loaded host, and the test
+# counting them waited in vain.
+LINGER_MS = 120_000
 _LENGTHS = struct.Struct("<II")
 
 
@@ -589,7 +594,7 @@ def attack_tcp_data(transport_address: bytes, *, seed: int, count: int,
         n += 1 if send_tcp(host, port, tcp_chunks(seed + i, 20)) else 0
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
     sock.connect(endpoint)
     try:

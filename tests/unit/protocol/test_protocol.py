@@ -170,28 +170,33 @@ def test_unknown_extra_fields_are_tolerated() -> None:
 # ---------------------------------------------------------------------------- HMAC
 
 
+TO = "127.0.0.1:7"  # the Hello's recipient
+
+
 def test_hmac_sign_and_verify() -> None:
     secret = b"s3cret"
-    signed = P.sign_hello(_hello(), secret)
+    signed = P.sign_hello(_hello(), secret, recipient=TO)
     assert len(signed.mac) == 32
-    assert P.verify_hello(signed, secret)
+    assert P.verify_hello(signed, secret, recipient=TO)
     # the MAC survives the wire
     back = P.decode(P.encode(signed), max_bytes=MAX)
-    assert isinstance(back, P.Hello) and P.verify_hello(back, secret)
+    assert isinstance(back, P.Hello) and P.verify_hello(back, secret, recipient=TO)
 
 
-def test_hmac_rejects_wrong_secret_tampering_and_unsigned() -> None:
+def test_hmac_rejects_wrong_secret_tampering_unsigned_and_another_recipient() -> None:
     secret = b"s3cret"
-    signed = P.sign_hello(_hello(), secret)
-    assert not P.verify_hello(signed, b"other")
-    assert not P.verify_hello(_hello(), secret)  # no MAC at all
+    signed = P.sign_hello(_hello(), secret, recipient=TO)
+    assert not P.verify_hello(signed, b"other", recipient=TO)
+    assert not P.verify_hello(_hello(), secret, recipient=TO)  # no MAC at all
+    # said to one agent, it does not verify at another (no replay to a third agent)
+    assert not P.verify_hello(signed, secret, recipient="127.0.0.1:8")
     for field, value in [("layout_hash", "0" * 64), ("transport_address", b"elsewhere"),
                          ("gen", 2), ("role", "decode")]:
         tampered = msgspec.structs.replace(signed, **{field: value})
-        assert not P.verify_hello(tampered, secret), field
+        assert not P.verify_hello(tampered, secret, recipient=TO), field
     # HelloAck is signed over its own kind: a Hello's MAC does not authenticate an ack
     as_ack = P.HelloAck(**{f: getattr(signed, f) for f in signed.__struct_fields__})
-    assert not P.verify_hello(as_ack, secret)
+    assert not P.verify_hello(as_ack, secret, recipient=TO)
 
 
 # ---------------------------------------------------------------------------- data_tag

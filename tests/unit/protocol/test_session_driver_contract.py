@@ -64,7 +64,7 @@ def test_a_late_connect_answer_reads_the_messages_that_came_meanwhile() -> None:
     w.hang_connect.add("decode:1")
     open_room(w, p, d, 1)
     w.run()
-    assert len(w.hung) == 1 and p.session.peers["decode:1"].state.value == "connecting"
+    assert len(w.hung) == 1 and p.session.peers["decode:1"].state.phase.value == "connecting"
     w.hang_connect.clear()
     for side, answer in w.hung:
         w.completions.append((side, answer))

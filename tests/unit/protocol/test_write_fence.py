@@ -361,3 +361,46 @@ def test_a_fan_in_room_failed_at_one_ranks_attach_never_requests_from_the_other(
                 and isinstance(m, P.TransferRequest)]
     assert d.views[2].releases == 1
     assert good.views[2].state is KVPoll.Failed
+
+
+def test_a_woken_prefills_abort_ack_releases_the_pages_it_was_writing() -> None:
+    """The prefill is stopped (SIGSTOP) with one-sided writes in flight: the decode declares it
+    lost (silent) and keeps the pages fenced. Woken, the prefill declares the decode lost too;
+    its Failed says its writes have not stopped yet (a copy was in flight), and once that
+    copy's cancel is answered its AbortAck says they have. The decode takes that AbortAck,
+    though it forgot the prefill, and releases the pages then, not after the quarantine.
+    Before: an AbortAck of a forgotten peer was dropped as stale, and the pages waited for
+    `write_quarantine` (30 s by default: `test_rel_peer_death`'s SIGSTOP case, on a loaded
+    host where a copy was in flight at the stop)."""
+    w, p, d = pair()
+    w.hold_writes = True
+    open_room(w, p, d, 1)
+    w.run()
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(1, 1, lid))
+    w.run()
+    assert w._writes_held  # copies in flight when the prefill stops
+    # stopped: nothing reaches it, nothing it sends goes out, only the decode's clock ticks
+    w.hold(lambda frm, to, m: "prefill:1" in (frm, to))
+    for _ in range(3):
+        w.clock.advance(HB)
+        w.feed(d, ev.Tick(drained_at=w.clock()))
+        w.run()
+    assert d.views[1].state is KVPoll.Failed and "silent" in str(d.views[1].failure)
+    assert d.views[1].releases == 0  # the stopped writer may still write
+    # woken: it sees its own silence first, fails the room while a copy is in flight (Failed
+    # with writes_stopped=False), cancels the copy and says AbortAck once that is answered
+    w._hold.clear()
+    w.tick(0.0)
+    w.run()
+    stop_words = [m for frm, to, m in w.sent if frm == "prefill:1" and to == "decode:1"
+                  and isinstance(m, P.Failed | P.AbortAck)]
+    assert [type(m) for m in stop_words] == [P.Failed, P.AbortAck], stop_words
+    assert not stop_words[0].writes_stopped
+    w.release_held()  # what the decode said while the prefill slept, read late
+    w.run()
+    assert d.views[1].releases == 1  # at the AbortAck, well before the quarantine
+    assert d.session.counters["write_quarantines"] == 0
+    w.tick(QUARANTINE)
+    w.run()
+    assert d.views[1].releases == 1 and p.views[1].releases == 1

@@ -170,35 +170,43 @@ def _hello_kw() -> dict[str, Any]:
             "buffers": [P.BufferDesc(region="main_kv", layer=0, nbytes=64, descriptor=b"d")]}
 
 
-def test_an_older_peers_hello_means_host_and_its_mac_still_verifies() -> None:
-    secret = b"s3cret"
+def test_an_older_peers_hello_means_host_and_its_body_is_what_we_sign() -> None:
+    """A Hello without `memory` (a peer that predates the field) means host memory, and the
+    body such a peer rebuilds from ours is the one our MAC covers (with the recipient's
+    address before it). A MAC made without the recipient (before Hellos named it) does not
+    verify: the secret's holders must run a release that signs it."""
+    secret, to = b"s3cret", "127.0.0.1:7"
     old = _OldHello(**_hello_kw())
     body = msgspec.msgpack.encode(old)
-    old = msgspec.structs.replace(old, mac=hmac.new(secret, body, hashlib.sha256).digest())
-    msg = P.decode([P.HEADER, msgspec.msgpack.encode(old)], max_bytes=1 << 20)
+    msg = P.decode([P.HEADER, msgspec.msgpack.encode(msgspec.structs.replace(
+        old, mac=hmac.new(secret, to.encode() + b"\0" + body, hashlib.sha256).digest()))],
+        max_bytes=1 << 20)
     assert isinstance(msg, P.Hello) and msg.memory == "host"
-    assert P.verify_hello(msg, secret)  # an older peer's signature verifies here
-    # and an older peer verifies ours: the body it rebuilds is what we signed
-    ours = P.sign_hello(P.Hello(**_hello_kw()), secret)
+    assert P.verify_hello(msg, secret, recipient=to)
+    unbound = msgspec.structs.replace(msg, mac=hmac.new(secret, body, hashlib.sha256).digest())
+    assert not P.verify_hello(unbound, secret, recipient=to)
+    ours = P.sign_hello(P.Hello(**_hello_kw()), secret, recipient=to)
     theirs = msgspec.msgpack.Decoder(_OldHello).decode(P.encode(ours)[1])
     rebuilt = msgspec.msgpack.encode(msgspec.structs.replace(theirs, mac=b""))
-    assert hmac.compare_digest(hmac.new(secret, rebuilt, hashlib.sha256).digest(), ours.mac)
+    assert hmac.compare_digest(
+        hmac.new(secret, to.encode() + b"\0" + rebuilt, hashlib.sha256).digest(), ours.mac)
 
 
 def test_the_mac_covers_a_cuda_memory_field() -> None:
-    secret = b"s3cret"
-    signed = P.sign_hello(P.Hello(**_hello_kw(), memory="cuda"), secret)
+    secret, to = b"s3cret", "127.0.0.1:7"
+    signed = P.sign_hello(P.Hello(**_hello_kw(), memory="cuda"), secret, recipient=to)
     back = P.decode(P.encode(signed), max_bytes=1 << 20)
     assert isinstance(back, P.Hello) and back.memory == "cuda"
-    assert P.verify_hello(back, secret)
-    assert not P.verify_hello(msgspec.structs.replace(back, memory="host"), secret)
+    assert P.verify_hello(back, secret, recipient=to)
+    assert not P.verify_hello(msgspec.structs.replace(back, memory="host"), secret,
+                              recipient=to)
 
 
 def test_an_unknown_memory_kind_is_refused_naming_the_field() -> None:
     w = MemoryWire()
     d = w.add("decode:1", Role.DECODE, layout(), settings=settings())
     me = w.add("prefill:1", Role.PREFILL, layout(), settings=settings()).session.me
-    hello = dataclasses.replace(me, memory="tpu").hello(P.Hello)
+    hello = dataclasses.replace(me, memory="tpu").hello(P.Hello, "decode:1")
     w.feed(d, ev.MessageReceived(hello))
     rejects = [m for f, _, m in w.sent if isinstance(m, P.HelloReject)]
     assert rejects and "memory" in rejects[0].reason and "'tpu'" in rejects[0].reason
