@@ -204,11 +204,13 @@ class PeerTable:
         if s is not None:
             me = self.ctx.me.address
             k = self._keys.get(opened.src)
-            pend = k.pending if k is not None else None
             f = self._forgotten_keys.get(opened.src)
-            for key, gen in ((k.key, k.gen) if k is not None else (b"", 0),
-                             (pend.key, pend.hello.gen) if pend is not None else (b"", 0),
-                             (f.key, f.gen) if f is not None else (b"", 0)):
+            tries = [(k.key, k.gen)] if k is not None else []
+            if k is not None:  # every pending handshake's key (kept by nonce, a few a peer)
+                tries += [(pend.key, pend.hello.gen) for pend in k.pending.values()]
+            if f is not None:
+                tries.append((f.key, f.gen))
+            for key, gen in tries:
                 if key and gen == opened.gen and P.verify_seal(s, key=key, recipient=me):
                     return True
         self.ctx.counters["messages_in"] += 1
