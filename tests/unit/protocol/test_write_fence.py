@@ -384,7 +384,7 @@ def test_a_woken_prefills_abort_ack_releases_the_pages_it_was_writing() -> None:
     w.hold(lambda frm, to, m: "prefill:1" in (frm, to))
     for _ in range(3):
         w.clock.advance(HB)
-        w.feed(d, ev.Tick(drained_at=w.clock()))
+        w.feed(d, ev.Tick(read_at=w.clock()))
         w.run()
     assert d.views[1].state is KVPoll.Failed and "silent" in str(d.views[1].failure)
     assert d.views[1].releases == 0  # the stopped writer may still write

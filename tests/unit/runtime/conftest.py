@@ -145,7 +145,10 @@ def pair() -> Iterator[Callable[..., Pair]]:
              decode_faults: dict[str, Any] | None = None, **common: Any) -> Pair:
         """Faults: a `kvhandoff.testing.faults.from_config` dict per side."""
         lp = layout or tiny_layout()
-        base = {"transport": "inproc", "heartbeat_interval_s": 0.2, **common}
+        # heartbeats of 1 s: the pair runs in the test process, and on a loaded host a pause of
+        # the whole process (a generation-2 collection took 3.4 s under load) longer than two
+        # heartbeats makes each agent declare itself unresponsive and give its rooms up
+        base = {"transport": "inproc", "heartbeat_interval_s": 1.0, **common}
         p = _side("prefill", lp, Settings(**{**base, **(prefill_settings or {})}), num_pages, 1,
                   prefill_faults)
         try:
