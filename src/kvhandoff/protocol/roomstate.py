@@ -240,6 +240,10 @@ class LegState:
         """Part of a layer moved (a chunk): the stall deadline counts from `now`."""
         self.machine.progressed(now)
 
+    def started(self, now: float) -> None:
+        """The leg's first write was posted: the stall deadline runs from `now` if not yet."""
+        self.machine.started(now)
+
     def fail(self, event: FailureEvent, failure: Failure, now: float) -> bool:
         """Fails the leg with `failure` (the first failure wins: False when it is terminal
         already, and nothing changes)."""

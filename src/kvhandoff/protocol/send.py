@@ -133,6 +133,7 @@ class SendPath:
         """Prefill: send every region of `unit`, checksum the source spans while the bytes
         are on the wire, and announce it (`LayerDone`) once the sums are in."""
         ctx = self.ctx
+        r.state.started(ctx.now)  # a first write that never completes fails at the stall bound
         r.progress.posted[unit] = attempt
         regions = regions_of(self.ctx, r.plan, unit)
         key = (unit, attempt)

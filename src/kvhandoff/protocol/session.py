@@ -45,6 +45,7 @@ from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.chunks import ChunkedPrefill
 from kvhandoff.protocol.context import Context
+from kvhandoff.protocol.early import EARLY_ROOMS, EarlyMessages
 from kvhandoff.protocol.effects import ERROR, WARNING, Effect, Notify
 from kvhandoff.protocol.failures import remote_failure
 from kvhandoff.protocol.handshake import Identity
@@ -67,8 +68,6 @@ from kvhandoff.state_machine import (
 )
 
 MAX_READERS = 1 << 16  # decode ranks per room and prefill rank (a TP size)
-EARLY_LIMIT = 4096  # rooms the engine has not opened yet whose messages are kept
-EARLY_PER_ROOM = 16  # messages kept per such room (a request, an abort: a few at most)
 # the messages a prefill sends about a leg, each naming its request's transfer id (`xfer`)
 _FROM_PREFILL = (P.TransferAccepted, P.Failed, P.Abort, P.AbortAck, P.LayerDone, P.ChunkAdded)
 
@@ -94,8 +93,7 @@ class TransferSession:
                                         ops=self.inflight)
         self.chunks = ChunkedPrefill(ctx=ctx, rooms=self.rooms, peers=self.peers,
                                      send_path=self.send_path, receive_path=self.receive_path)
-        self._early: dict[int, list[P.Message]] = {}  # room -> messages before the engine opened it
-        self._early_t: dict[int, float] = {}
+        self._early = EarlyMessages()  # messages for rooms before the engine opened them
         self._aborts_ahead: dict[object, str] = {}  # token -> reason, before its open came
         # prefill: room -> until when a decode holds it past its bootstrap bound (`P.Hold`)
         self._holds: dict[int, float] = {}
@@ -246,8 +244,7 @@ class TransferSession:
         g = self.rooms.new_group(e.room, e.token, e.expected)
         g.given = EngineInput(seq_len=e.seq_len, pages=e.pages, prompt_tokens=e.prompt_tokens,
                               chunk_end=e.chunk_end or e.seq_len)
-        self._early_t.pop(e.room, None)
-        for msg in self._early.pop(e.room, []):
+        for msg in self._early.pop(e.room):
             self._room_msg(msg)
         self.rooms.group_update(g)
         self._abort_if_asked(g)
@@ -303,7 +300,7 @@ class TransferSession:
             return
         ctx = self.ctx
         until = ctx.now + max(0.0, float(msg.hold_s))
-        for room in msg.rooms[:EARLY_LIMIT]:
+        for room in msg.rooms[:EARLY_ROOMS]:
             if until > self._holds.get(room, -1.0):
                 self._holds[room] = until
             ctx.counters["holds_renewed"] += 1
@@ -387,7 +384,7 @@ class TransferSession:
         g = self.rooms.group(e.room, e.token)
         if g is None:
             # the driver feeds aborts ahead of the queue: the room's open may still be queued
-            if len(self._aborts_ahead) < EARLY_LIMIT:
+            if len(self._aborts_ahead) < EARLY_ROOMS:
                 self._aborts_ahead.setdefault(e.token, e.reason)
             return
         self._abort(g, e.reason)
@@ -490,12 +487,7 @@ class TransferSession:
         if r is None:
             if g is None and isinstance(msg, P.Failed | P.Abort):
                 self._ack_unwritten(msg)
-            held = self._early.get(msg.room)
-            if g is None and (len(held) < EARLY_PER_ROOM if held is not None
-                              else len(self._early) < EARLY_LIMIT):
-                self._early.setdefault(msg.room, []).append(msg)
-                self._early_t.setdefault(msg.room, ctx.now)
-            elif g is None:
+            if g is None and not self._early.add(msg.room, msg, ctx.now):
                 self._early_full(msg)
             return
         self._dispatch_room_msg(r, msg)
@@ -509,28 +501,28 @@ class TransferSession:
         Hello we took (never to an arbitrary sender address)."""
         if self.role is not Role.PREFILL or self.peers.get(msg.src) is None:
             return
-        held = self._early.get(msg.room)
-        if held:
-            held[:] = [m for m in held
-                       if not (isinstance(m, P.TransferRequest) and m.src == msg.src)]
+        self._early.drop_requests(msg.room, msg.src)
         me = self.ctx.me
         self.ctx.send(msg.src, P.AbortAck(src=me.address, gen=me.generation, room=msg.room,
                                           xfer=msg.xfer))
 
     def _early_full(self, msg: Any) -> None:
-        """A message for a room the engine has not opened, with EARLY_LIMIT such rooms already
-        held: never dropped silently. Counted, logged, and a transfer request is refused at once
+        """A message for a room the engine has not opened that the early store cannot take
+        (`EarlyMessages`: its rooms, its messages per room or its bytes are at their bound):
+        never dropped silently. Counted, logged, and a transfer request is refused at once
         (the decode fails with the reason instead of waiting out its deadline)."""
-        ctx = self.ctx
+        ctx, e = self.ctx, self._early
         ctx.counters["early_dropped"] += 1
-        ctx.log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: "
-                         f"{EARLY_LIMIT} rooms not yet opened by this engine are held, or "
-                         f"{EARLY_PER_ROOM} messages for this one")
+        why = (f"{len(e)} rooms not yet opened by this engine are held (at most {e.max_rooms}), "
+               f"{len(e.held(msg.room))} messages for this one (at most {e.per_room}), "
+               f"{e.nbytes:,} bytes in all (at most {e.max_bytes:,})")
+        ctx.log(WARNING, f"room {msg.room}: {type(msg).__name__} from {msg.src} dropped: {why}")
         if isinstance(msg, P.TransferRequest):
             ctx.send(msg.src, P.Failed(
                 src=ctx.me.address, gen=ctx.me.generation, room=msg.room,
-                reason=f"the {self.role.value} agent holds {EARLY_LIMIT} requests for rooms its "
-                       "engine has not opened yet; this one was refused (retry later)",
+                reason=f"the {self.role.value} agent cannot hold another request for a room "
+                       f"its engine has not opened yet ({why}); this one was refused (retry "
+                       "later)",
                 failure_kind=FailureKind.ADMISSION.value, xfer=msg.xfer))
 
     def _refuse_request(self, g: Group, readers: int) -> Failure | None:
@@ -686,10 +678,7 @@ class TransferSession:
     def collect(self, now: float) -> None:
         """Forgets what is kept only for a while: early messages of rooms never opened, peers
         declared lost, finished and released rooms after `room_retention_s`."""
-        for room in [k for k, t in self._early_t.items()
-                     if now - t > self.settings.bootstrap_timeout_s]:
-            self._early.pop(room, None)
-            self._early_t.pop(room, None)
+        self._early.collect(now, self.settings.bootstrap_timeout_s)
         for room in [k for k, t in self._holds.items()
                      if now - t > self.settings.bootstrap_timeout_s
                      and not self._open_unpeered(k)]:

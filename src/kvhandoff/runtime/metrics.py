@@ -75,7 +75,8 @@ _COUNTER_HELP = {
     "rooms_failed": "Room legs that ended in Failed.",
     "peers_lost": "Peers declared dead (missed heartbeats) or restarted.",
     "early_dropped": "Messages for rooms not yet opened by the engine, dropped because the "
-                     "agent already held its limit of such rooms (transfer requests are refused).",
+                     "agent already held its limit of such rooms, messages or bytes (transfer "
+                     "requests are refused).",
     "rooms_one_sided": "Room legs moved by one-sided writes (the prefill writes straight into "
                        "the decode's pages; the rest are sent two-sided).",
     "write_quarantines": "Failed one-sided room legs whose pages the decode held for the "

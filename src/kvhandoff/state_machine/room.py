@@ -18,7 +18,9 @@ Rules:
 Deadlines, armed and cleared as the state changes:
     BOOTSTRAP          armed at creation, cleared on leaving Bootstrapping
     WAITING_FOR_INPUT  armed on entering WaitingForInput, cleared on leaving it
-    TRANSFER_STALL     armed on entering Transferring, re-armed by every LayerSent/LayerLanded
+    TRANSFER_STALL     armed by `started` (the prefill posted its first write: a room whose
+                       first layer never lands is bounded by it, not by WAITING_FOR_INPUT) or on
+                       entering Transferring, re-armed by every LayerSent/LayerLanded
     LEASE              armed at creation, re-armed by LeaseRenewed
 A terminal state clears them all. A duration of None leaves that deadline unarmed.
 """
@@ -177,6 +179,15 @@ class RoomMachine:
         armed, counts from `now` (whole layers re-arm it through `LayerSent` / `LayerLanded`,
         and they land only after the last chunk)."""
         if Deadline.TRANSFER_STALL in self._deadlines:
+            self._arm(Deadline.TRANSFER_STALL, now)
+
+    def started(self, now: float) -> None:
+        """The first bytes of this room were handed to the transport (the prefill posted a
+        write): the stall deadline counts from `now` if it is not armed yet. Before, it was
+        armed only once a first layer had moved, so a room whose first write never completed
+        (its bytes refused or lost on the way) held its pages for the whole WAITING_FOR_INPUT
+        bound (`waiting_timeout_s`, 300 s by default) instead of `stall_timeout_s`."""
+        if not self.state.is_terminal and Deadline.TRANSFER_STALL not in self._deadlines:
             self._arm(Deadline.TRANSFER_STALL, now)
 
     def _arm(self, which: Deadline, now: float) -> None:

@@ -105,13 +105,34 @@ def test_a_restarted_decode_is_taken_once_a_sealed_message_confirms_it() -> None
 def test_early_messages_per_unopened_room_are_capped() -> None:
     """A sender that floods a room the engine has not opened yet holds EARLY_PER_ROOM of its
     messages there, not all of them (each one more is counted and dropped)."""
-    from kvhandoff.protocol.session import EARLY_PER_ROOM
+    from kvhandoff.protocol.early import EARLY_PER_ROOM
 
     w, p, d = pair()
     for i in range(EARLY_PER_ROOM + 40):
         w.feed(p, ev.MessageReceived(P.Failed(src="x:1", gen=5, room=77, reason=f"{i}")))
-    assert len(p.session._early[77]) == EARLY_PER_ROOM
+    assert len(p.session._early.held(77)) == EARLY_PER_ROOM
     assert p.session.counters["early_dropped"] == 40
+
+
+def test_early_messages_are_bounded_in_bytes_not_only_in_count() -> None:
+    """Without a secret any local process can send well-typed messages naming rooms no engine
+    opened: heavy ones (here 1 MiB reasons over 64 rooms) are held only up to the store's byte
+    bound, each one past it counted and dropped; counted only, 4,096 rooms x 16 messages of up
+    to max_message_bytes could be held. What is held is still taken when its room opens."""
+    w, p, d = pair()
+    early = p.session._early
+    early.max_bytes = 8 << 20  # the default is 256 MiB: the same rule, a test-sized bound
+    heavy = "x" * (1 << 20)
+    for room in range(100, 164):
+        w.feed(p, ev.MessageReceived(P.Failed(src="x:1", gen=5, room=room, reason=heavy)))
+    assert early.nbytes <= early.max_bytes
+    kept = len(early)
+    assert 0 < kept < 64 and p.session.counters["early_dropped"] == 64 - kept
+    # a message that fits still gets in, and popping a room gives its bytes back
+    before = early.nbytes
+    assert early.pop(100) and early.nbytes < before
+    w.feed(p, ev.MessageReceived(P.Failed(src="x:1", gen=5, room=500, reason="small")))
+    assert early.held(500)
 
 
 def test_hkdf_matches_rfc_5869_test_case_1() -> None:

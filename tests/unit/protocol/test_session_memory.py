@@ -361,13 +361,11 @@ def test_an_abort_fed_before_its_open_applies_when_the_room_opens() -> None:
     assert d.views[12].releases == 1 and p.views[12].releases == 1
 
 
-def test_requests_beyond_the_early_limit_are_refused_not_dropped(monkeypatch) -> None:
+def test_requests_beyond_the_early_limit_are_refused_not_dropped() -> None:
     # the prefill engine has opened none of these rooms yet: the agent holds the first requests
-    # (up to EARLY_LIMIT rooms) and refuses the next one at once, counted and with the reason
-    from kvhandoff.protocol import session as session_mod
-
-    monkeypatch.setattr(session_mod, "EARLY_LIMIT", 2)
+    # (up to its bound of rooms) and refuses the next one at once, counted and with the reason
     w, p, d = pair()
+    p.session._early.max_rooms = 2
     lay = d.session.layout
     dst = pages(3, offset=5)
     for room in (1, 2, 3):

@@ -404,3 +404,37 @@ def test_a_woken_prefills_abort_ack_releases_the_pages_it_was_writing() -> None:
     w.tick(QUARANTINE)
     w.run()
     assert d.views[1].releases == 1 and p.views[1].releases == 1
+
+
+def test_a_first_write_that_never_lands_fails_at_the_stall_bound_not_the_waiting_one() -> None:
+    """The prefill accepted and posted its first layer's write, which never completes (its
+    bytes refused or lost on the way: junk claims that pushed out a tcp connection's, a lane
+    that stopped). Before, the stall bound was armed only once a first layer had moved, so
+    both sides held the room's pages for `waiting_timeout_s` (300 s by default). Now the
+    prefill's first post arms it: the room fails at `stall_timeout_s` (`transfer_stall`) and
+    the decode is told; its pages go back once the prefill's write was cancelled."""
+    w = MemoryWire()
+    p = w.add("prefill:1", Role.PREFILL, layout(),
+              settings=settings(stall_timeout_s=3.0, waiting_timeout_s=300.0), writes=True)
+    d = w.add("decode:1", Role.DECODE, layout(),
+              settings=settings(write_quarantine_s=QUARANTINE, stall_timeout_s=3.0,
+                                waiting_timeout_s=300.0), writes=True)
+    w.hold_writes = True  # posted, never completed
+    open_room(w, p, d, 1)
+    w.run()
+    first = layers(p.session.layout)[0]
+    w.feed(p, ev.LayerReady(1, 1, first))
+    w.run()
+    assert w._writes_held and p.views[1].state is KVPoll.WaitingForInput
+    elapsed = 0.0
+    while elapsed < 3.0 + HB and p.views[1].state is not KVPoll.Failed:
+        w.tick(HB)  # heartbeats flow: both peers stay alive, only the write is stuck
+        w.run()
+        elapsed += HB
+    fp = p.views[1].failure
+    assert fp is not None and fp.kind is FailureKind.DEADLINE and "transfer_stall" in fp.reason
+    assert d.views[1].state is KVPoll.Failed  # told by the prefill, not at its own 300 s
+    # the prefill cancelled its stuck write; the decode's pages went back once it said so
+    assert not w._writes_held
+    assert d.views[1].releases == 1 and p.views[1].releases == 1
+    assert d.session.counters["write_quarantines"] == 0

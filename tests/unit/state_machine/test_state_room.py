@@ -291,3 +291,18 @@ def test_expired_lists_every_due_deadline_earliest_first() -> None:
     # The second due deadline arrives after the room failed: ignored.
     assert m.apply(DeadlinePassed(Deadline.BOOTSTRAP), 10.0) is False
     assert m.failure == "lease deadline expired"
+
+
+def test_started_arms_the_stall_deadline_before_the_first_layer_moves() -> None:
+    """`started` (the prefill posted its first write) bounds a room whose first layer never
+    moves by the stall deadline, beside WaitingForInput's; a second call does not push it."""
+    clock = FakeClock(0.0)
+    m = RoomMachine(Role.PREFILL, now=clock(), deadlines=DeadlineConfig(
+        waiting_for_input_s=300.0, transfer_stall_s=2.0))
+    to_state(m, KVPoll.WaitingForInput, clock())
+    assert m.deadline(Deadline.TRANSFER_STALL) is None
+    m.started(clock.advance(1.0))
+    m.started(clock.advance(1.0))  # already armed: still due at 3.0
+    assert m.next_deadline() == (Deadline.TRANSFER_STALL, 3.0)
+    assert m.apply(DeadlinePassed(Deadline.TRANSFER_STALL), 3.0)
+    assert m.state is KVPoll.Failed and m.failure == "transfer_stall deadline expired"
