@@ -159,6 +159,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None, "scheduler-side call on a worker connector"
         return self._sched
 
+    def on_new_request(self, request: Request) -> None:
+        self._s().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
