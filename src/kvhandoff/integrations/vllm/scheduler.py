@@ -16,7 +16,13 @@ A hybrid model (several groups: full-attention and sliding-window layers) is one
 every group's table: a full-attention group loads from the decode's prefix, a sliding-window
 group from the first block vLLM allocated for it (the room's per-region start), so the decode
 holds exactly the blocks vLLM alone would. ``remote_window_start`` is then the latest start of
-the prefill's sliding-window groups, which every decode group's window must not precede."""
+the prefill's sliding-window groups, which every decode group's window must not precede.
+
+A decode request of a remote prefill that vLLM queues (no slot yet) is held: recorded at
+`on_new_request`, handed to the workers in the next step's ``holds`` (their agents hold its
+room at the prefill ranks, `holds`), and in ``unholds`` once it leaves the queue (its blocks
+allocated, in the step that opens its receiver, or ended while queued). Changes only; the
+workers keep the set."""
 
 from __future__ import annotations
 
