@@ -73,6 +73,7 @@ def bootstrap_url(vllm_cpu: Path) -> Iterator[str]:
 # role "nixl": vLLM's own NixlConnector (the baseline of bench_live_ttft.py)
 EngineDef = tuple[str, int, int, str | None, dict[str, Any]]
 LAYERWISE_FAIL: dict[str, Any] = {"load_mode": "layerwise", "policy": "fail"}
+HOLD_METRICS_PORT = free_port()  # the agent of gqa-prefill-hold serves its metrics there
 
 CATALOG: dict[str, EngineDef] = {
     # the default run (`make test`): one GQA pair with its reference, the MLA pair with its
@@ -120,6 +121,13 @@ CATALOG: dict[str, EngineDef] = {
                                                "max_model_len": 1100, "timeline": True}),
     "nixl-prefill-1k": ("gqa", 32, 1, "nixl", {"max_model_len": 1100}),
     "nixl-decode-1k": ("gqa", 32, 1, "nixl", {"max_model_len": 1100}),
+    # test_live_hold: a prefill whose rooms wait 3 s for their decode (its agent's counters on
+    # a metrics port), a decode of one sequence at a time (a real queue; async load); with
+    # gqa-ref
+    "gqa-prefill-hold": ("gqa", 32, 1, "prefill", {"settings": {
+        "bootstrap_timeout_s": 3.0, "agent_metrics_port": HOLD_METRICS_PORT}}),
+    "gqa-decode-queue": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail",
+                                                  "max_num_seqs": 1, "max_model_len": 2000}),
 }
 
 
@@ -127,6 +135,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     model, block, tp, role, extra = d
     extra = dict(extra)
     max_model_len = int(extra.pop("max_model_len", 512))
+    max_num_seqs = int(extra.pop("max_num_seqs", 8))
     cfg = None
     env: dict[str, str] = {}
     if role == "nixl":
@@ -138,7 +147,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
                   attention_backend="CPU_MLA" if model.startswith("mla") else None,
-                  max_model_len=max_model_len, env=env)
+                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, env=env)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

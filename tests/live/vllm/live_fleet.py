@@ -51,15 +51,17 @@ def free_port() -> int:
 
 def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None = None,
                        load_mode: str | None = "layerwise", policy: str = "fail",
-                       layer_timeout_s: float = 10.0, timeline: bool = False) -> str:
-    """The ``--kv-transfer-config`` docs/VLLM.md gives for a prefill or a decode."""
+                       layer_timeout_s: float = 10.0, timeline: bool = False,
+                       settings: dict[str, Any] | None = None) -> str:
+    """The ``--kv-transfer-config`` docs/VLLM.md gives for a prefill or a decode (`settings`:
+    kvhandoff settings on top of the heartbeat below)."""
     cfg: dict[str, Any] = {"kv_connector": "KVHandoffConnector",
                            "kv_connector_module_path": "kvhandoff.integrations.vllm",
                            "engine_id": engine_id}
     # heartbeats every 2 s (default 0.5 s): a peer silent for 2 intervals is dead, and with a
     # dozen engine processes on 2 shared cores a control thread can starve for over a second
     # (seen: "this agent was unresponsive for 1.04s (> 2 heartbeats of 0.5s)")
-    settings = {"heartbeat_interval_s": 2.0}
+    settings = {"heartbeat_interval_s": 2.0, **(settings or {})}
     if role == "prefill":
         cfg["kv_role"] = "kv_producer"
         cfg["kv_connector_extra_config"] = {"bootstrap_url": bootstrap_url,
@@ -100,6 +102,7 @@ class Engine:
     # weight packing takes bfloat16 only), with or without kvhandoff
     attention_backend: str | None = None
     max_model_len: int = 512
+    max_num_seqs: int = 8
     env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -119,7 +122,8 @@ class Engine:
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--enforce-eager", "--block-size", str(self.block_size),
                 "--max-model-len", str(self.max_model_len), "--num-gpu-blocks-override", "64",
-                "--max-num-seqs", "8", "--seed", "0", "--tensor-parallel-size", str(self.tp),
+                "--max-num-seqs", str(self.max_num_seqs), "--seed", "0",
+                "--tensor-parallel-size", str(self.tp),
                 "--disable-uvicorn-access-log"]
         if self.served is not None:
             argv += ["--served-model-name", self.served]

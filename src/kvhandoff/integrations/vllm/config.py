@@ -89,6 +89,16 @@ class DeclineReq:
 
 
 @dataclass
+class HoldReq:
+    """A remote prefill whose decode request vLLM has queued (no slot yet): each worker holds
+    its room at the prefill ranks it will read it from (`holds`) until its receiver opens or
+    the request ends."""
+
+    room: int
+    bootstrap_addr: str
+
+
+@dataclass
 class KVHandoffMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
@@ -98,6 +108,10 @@ class KVHandoffMetadata(KVConnectorMetadata):
     # preempted prefills: their blocks were freed, the room restarts at the next last chunk
     resets: dict[str, str] = field(default_factory=dict)
     declines: dict[str, DeclineReq] = field(default_factory=dict)
+    # queued decode requests: held from this step on, and those no longer held (admitted,
+    # declined or ended); changes only, the workers keep the set (`holds`)
+    holds: dict[str, HoldReq] = field(default_factory=dict)
+    unholds: list[str] = field(default_factory=list)
     # no token scheduled in this step: the engine only polls (a decode whose requests all wait
     # for their KV), so the workers may wait a moment for a load instead of returning at once
     idle: bool = False

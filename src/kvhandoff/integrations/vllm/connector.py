@@ -26,6 +26,8 @@ What maps to what (docs/VLLM.md has the whole flow):
   workers open a `Receiver` (``decode_prefix_len`` = the local hit, so only the suffix moves);
   a remote prefill the decode declines (bad params, its whole prompt cached) is aborted at the
   prefill, which frees the blocks at once;
+- a decode request vLLM queues (no slot yet) is held at its prefill ranks until it is
+  allocated or ends, so its room outlives the prefill's ``bootstrap_timeout_s`` (`holds`);
 - ``load_mode = "async"`` (default): the load runs between steps and the request comes back
   through ``finished_recving``, so a slow prefill holds only its own request;
   ``"layerwise"``: a synchronous load: each attention layer's ``wait_for_layer_load`` is that
@@ -158,6 +160,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def _s(self) -> SchedulerSide:
         assert self._sched is not None, "scheduler-side call on a worker connector"
         return self._sched
+
+    def on_new_request(self, request: Request) -> None:
+        self._s().on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

@@ -16,7 +16,13 @@ A hybrid model (several groups: full-attention and sliding-window layers) is one
 every group's table: a full-attention group loads from the decode's prefix, a sliding-window
 group from the first block vLLM allocated for it (the room's per-region start), so the decode
 holds exactly the blocks vLLM alone would. ``remote_window_start`` is then the latest start of
-the prefill's sliding-window groups, which every decode group's window must not precede."""
+the prefill's sliding-window groups, which every decode group's window must not precede.
+
+A decode request of a remote prefill that vLLM queues (no slot yet) is held: recorded at
+`on_new_request`, handed to the workers in the next step's ``holds`` (their agents hold its
+room at the prefill ranks, `holds`), and in ``unholds`` once it leaves the queue (its blocks
+allocated, in the step that opens its receiver, or ended while queued). Changes only; the
+workers keep the set."""
 
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.integrations.vllm.config import (
     ConnectorConfig,
     DeclineReq,
+    HoldReq,
     KVHandoffMetadata,
     RecvReq,
     SendReq,
@@ -105,6 +112,11 @@ class SchedulerSide:
         self._async_loads: set[str] = set()  # decode requests loading between steps
         self._loaded: set[str] = set()  # timeline only: loaded, their first step not seen yet
         self._declined: dict[str, str] = {}  # decode request -> why it computes the prompt
+        # decode: requests of a remote prefill vLLM has queued (no blocks yet), and the
+        # changes not told to the workers yet (`on_new_request`)
+        self._queued: set[str] = set()
+        self._hold_new: dict[str, HoldReq] = {}
+        self._hold_end: set[str] = set()
         self.kv_manager: Any = None
         self._meta = KVHandoffMetadata()
         self._binder: ThreadPoolExecutor | None = None
@@ -163,6 +175,25 @@ class SchedulerSide:
             return None
         return rp
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM queued a new request. A decode request of a remote prefill is held at its
+        prefill ranks (`holds`) until its blocks are allocated (its receiver opens) or it
+        ends: while vLLM has no slot for it, the prefill's room outlives its bootstrap bound."""
+        if self.cfg.role != "decode":
+            return
+        rp = self._parsed(request)
+        if rp is not None:
+            rid = request.request_id
+            self._queued.add(rid)
+            self._hold_new[rid] = HoldReq(room=rp.room, bootstrap_addr=rp.bootstrap_addr)
+
+    def _unqueue(self, rid: str) -> None:
+        """The request is no longer queued: its hold stops (never told if it was not yet)."""
+        if rid in self._queued:
+            self._queued.discard(rid)
+            if self._hold_new.pop(rid, None) is None:
+                self._hold_end.add(rid)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         if self.cfg.role != "decode":
@@ -215,6 +246,7 @@ class SchedulerSide:
                 self._prefills[rid] = _PrefillReq(request=request, room=room,
                                                   bind=self._bind(room), decode_tp=dtp)
             return
+        self._unqueue(rid)  # allocated: loaded, declined or computed here
         rp = self._remote(request)
         if rp is None or num_external_tokens <= 0:
             # declined (bad or mismatched params, or the whole prompt is cached here): the
@@ -323,6 +355,11 @@ class SchedulerSide:
                     group_blocks=[t for t, _ in tables] if several else [],
                     group_dropped=[d for _, d in tables] if several else [])
         self._keep_loads_unzeroed(scheduler_output)
+        if self._hold_new or self._hold_end:
+            # what changed since the last step (a request admitted in the step it arrived in
+            # is never held); the workers keep the set
+            self._meta.holds, self._hold_new = self._hold_new, {}
+            self._meta.unholds, self._hold_end = sorted(self._hold_end), set()
         self._meta.idle = not scheduler_output.total_num_scheduled_tokens
         meta, self._meta = self._meta, KVHandoffMetadata()
         return meta
@@ -355,6 +392,7 @@ class SchedulerSide:
         rid = request.request_id
         mark("scheduler.finished", rid=rid)
         self._declined.pop(rid, None)
+        self._unqueue(rid)  # ended while queued (aborted): its hold stops
         if rid in self._async_loads:
             # finished (aborted) while its KV is loading: vLLM keeps the blocks until
             # finished_recving; abort the room so that comes now

@@ -26,6 +26,7 @@ from kvhandoff.integrations.vllm.config import (
     RecvReq,
 )
 from kvhandoff.integrations.vllm.groups import GroupPlan, plan_group
+from kvhandoff.integrations.vllm.holds import RoomHolds
 from kvhandoff.integrations.vllm.lanes import choose_lane
 from kvhandoff.integrations.vllm.layout import (
     INDEXER_SCALE_FP32,
@@ -101,6 +102,7 @@ class WorkerSide:
         # several KV cache groups: vLLM takes no block-level load errors (its block ids are
         # per group), so a failed (async) load is reported by request (`failed_recving`)
         self._failed_loads: set[str] = set()
+        self.holds: RoomHolds | None = None  # decode: rooms of queued requests (`holds`)
 
     def layers(self, names: Any = None) -> dict[str, Any]:
         """vLLM's attention layers of the KV cache groups (or of `names`), from the forward
@@ -260,6 +262,8 @@ class WorkerSide:
         self._step_senders = []
         self._readied = set()
         self._idle_step = meta.idle
+        if meta.holds or meta.unholds:
+            self._hold_queued(meta)
         for rid, reason in meta.resets.items():
             snd = self._senders.pop(rid, None)
             if snd is not None:  # not reported: the request runs on and sends again
@@ -305,6 +309,13 @@ class WorkerSide:
                 self._sync.append(ld)
             else:
                 self._loads[rid] = ld
+
+    def _hold_queued(self, meta: KVHandoffMetadata) -> None:
+        """The step's changes to the queued requests whose rooms this rank holds (`holds`);
+        before any receiver of the step opens, so a request admitted now is no longer held."""
+        if self.holds is None:
+            self.holds = RoomHolds(self.agent)
+        self.holds.update(meta.holds, meta.unholds)
 
     def _send_pages(self, s: Any) -> Any:
         """The sender's pages: one table (one group), or one per group's region, each cut to
@@ -554,6 +565,8 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        if self.holds is not None:
+            self.holds.close()
         if self.agent is not None:
             self.agent.close()
 
