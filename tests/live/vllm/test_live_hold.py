@@ -34,7 +34,10 @@ from live_outputs import body, generate, prompt_of
 from live_pairs import external, idle
 from test_live_gqa import MODEL, prefill_only
 
-pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
+# `make test-long`: two engines of their own and about 3 minutes on a 2-core host; `make test`
+# covers the same holds with real agents, a real bootstrap server and vLLM's own scheduler
+# (tests/integrations/vllm/test_vllm_hold.py, test_vllm_holds_agents.py)
+pytestmark = [pytest.mark.live, pytest.mark.long, pytest.mark.timeout(900)]
 
 REF, PREFILL, DECODE = "gqa-ref", "gqa-prefill-hold", "gqa-decode-queue"
 ENGINES = (REF, PREFILL, DECODE)
