@@ -261,12 +261,22 @@ class PeerTable:
             self._matched(r, p)
             return
         p.waiting.append(r)
+        self._hello(p)
+
+    def greet(self, addr: str) -> None:
+        """Starts the handshake with `addr` where none stands or is under way, with no leg to
+        wait for it: a decode that holds rooms queued for a prefill it has not read from yet
+        (its `P.Hold` goes out once the handshake stands). A peer that never answers is
+        declared lost once a leg waits for it."""
+        self._hello(self.peer(addr))
+
+    def _hello(self, p: Peer) -> None:
         if p.state.phase is PeerPhase.NEW:
             p.state.hello_sent()
             p.last_seen = self.ctx.now  # a peer that never answers dies in 2 heartbeats
-            k = self._keys.setdefault(addr, _Keys())
+            k = self._keys.setdefault(p.addr, _Keys())
             k.nonce = self.new_nonce()
-            self.ctx.send(addr, self.ctx.me.hello(P.Hello, addr, nonce=k.nonce))
+            self.ctx.send(p.addr, self.ctx.me.hello(P.Hello, p.addr, nonce=k.nonce))
 
     def _matched(self, r: Leg, p: Peer) -> None:
         r.peer_gen = p.gen

@@ -270,6 +270,9 @@ class TransferSession:
             self._held.pop(e.peer, None)
             return
         self._held[e.peer] = (tuple(e.rooms), float(e.hold_s))
+        p = self.peers.get(e.peer)
+        if p is None or not p.matched:  # a prefill not read from yet: the Hold follows the
+            self.peers.greet(e.peer)     # handshake (at the next heartbeat)
         self._send_holds(only=e.peer)
 
     def _unhold(self, room: int) -> None:
@@ -283,7 +286,8 @@ class TransferSession:
 
     def _send_holds(self, only: str | None = None) -> None:
         """Decode: a `P.Hold` to each prefill peer it holds rooms with whose handshake stands
-        (a peer not matched yet is told once it is: at the next heartbeat)."""
+        (a peer not matched yet, greeted by `_on_hold_rooms`, is told once it is: at the next
+        heartbeat)."""
         ctx = self.ctx
         for peer, (rooms, hold_s) in self._held.items():
             if only is not None and peer != only:

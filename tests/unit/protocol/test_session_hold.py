@@ -119,3 +119,25 @@ def test_a_prefill_ignores_holds_of_a_peer_without_handshake() -> None:
     _ticks(w, int(BOUND / HB) + 2)
     assert p.views[3].state is KVPoll.Failed
     assert p.session.ctx.counters["holds_renewed"] == 0
+
+
+def test_a_decode_holds_rooms_of_a_prefill_it_never_read_from() -> None:
+    """Under a backlog a decode may queue the first requests of a prefill it has no handshake
+    with (a prefill just started or restarted). The hold starts that handshake: the room
+    outlives its bound and moves once the decode opens it. Before, a hold went only to a
+    prefill the decode had already read a room from, and this room failed at its bound."""
+    w = MemoryWire()
+    p = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(bootstrap_timeout_s=BOUND))
+    d = w.add("decode:1", Role.DECODE, layout(), settings=settings(bootstrap_timeout_s=BOUND))
+    _open_prefill(w, p, 2)
+    w.feed(d, ev.HoldRooms("prefill:1", (2,), 2 * HB))
+    w.run()
+    _ticks(w, 3 * int(BOUND / HB))
+    assert p.views[2].state is KVPoll.Bootstrapping
+    assert p.session.ctx.counters["holds_renewed"] > 0
+    open_room_decode_only(w, d, 2)
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(2, 2, lid))
+    w.run()
+    assert p.views[2].state is KVPoll.Success and d.views[2].state is KVPoll.Success
+    assert bad_bytes(d) == 0
