@@ -36,7 +36,18 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   is split by heads across ranks; this backend moves it rank to rank), so another state shape
   or TP fails the handshake.
 
-Every other state type is refused at startup, naming it.
+- the **MXFP8 block scales** (state components ``StateType.BLOCK_SCALE`` and
+  ``BLOCK_SCALE_SWA``: ``MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos``, the K scales of a
+  sub-pool's layers then the V scales, an item being one KV page's scales): regions
+  ``k_scale`` / ``v_scale`` on the full layers, fed by the main KV pages of each chunk (a
+  page's scales live at its page index; SGLang's ``block_scale`` indices, the request's pages
+  from token 0, are checked to end in the suffix's pages), and ``swa_k_scale`` /
+  ``swa_v_scale`` on the window layers, among the SWA regions (their indices, SGLang's window
+  pages, checked equal to the SWA state's).
+
+Every other state type is refused at startup, naming it and what is missing (the DeepSeek-V4
+ones, ``swa_ring``, ``c128_state`` and ``request_row``, with its pool: ``mla_compression_ratios``
+given is refused too).
 
 A page of a main KV region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of
 ``item_len // page_size`` bytes). An indexer item holds ``page_size // index_kpool`` rows of a
@@ -77,7 +88,10 @@ DSA_STATE = "dsa"
 DSA_TAIL_STATE = "dsa_tail"
 SWA_STATE = "swa"
 MAMBA_STATE = "mamba"
-SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE)
+BLOCK_SCALE_STATE = "block_scale"
+BLOCK_SCALE_SWA_STATE = "block_scale_swa"
+SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE, BLOCK_SCALE_STATE,
+                    BLOCK_SCALE_SWA_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -110,12 +124,22 @@ class Built:
     state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
     state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
     mamba_slot: int | None = None  # index of the MAMBA component
+    scale_slot: int | None = None  # index of the BLOCK_SCALE component
+    scale_regions: tuple[str, ...] = ()  # the full pool's block scales: fed by the KV pages
+    swa_scale_slot: int | None = None  # index of the BLOCK_SCALE_SWA component (its regions
+    # are among `swa_regions`: fed by the window's pages)
+
+    @property
+    def paged_regions(self) -> tuple[str, ...]:
+        """The regions fed by the main KV pages of every chunk: main KV and its block
+        scales."""
+        return self.kv_regions + self.scale_regions
 
     @property
     def indexer_regions(self) -> tuple[str, ...]:
         """The regions fed by the DSA state's page list (target and draft indexer)."""
         return tuple(r.name for r in self.kv_layout.regions
-                     if r.name not in self.kv_regions and r.name not in self.swa_regions)
+                     if r.name not in self.paged_regions and r.name not in self.swa_regions)
 
 
 class _CudaBytes:
@@ -145,6 +169,24 @@ def _state_name(t: Any) -> str:
     return str(getattr(t, "value", t))
 
 
+_DSV4 = (" (a DeepSeek-V4 state: SGLang's DeepSeekV4TokenToKVPool lists its KV and window state "
+         "grouped by compression ratio, KVArgs.mla_compression_ratios, which this backend's "
+         "layouts do not pair; its ring slots or request rows alone would not hand off a "
+         "request)")
+_REFUSED = {
+    "swa_ring": _DSV4, "c128_state": _DSV4, "request_row": _DSV4,
+    "minimax_index_k": " (MiniMax sparse attention: the index-K pages SGLang's "
+                       "minimax_index_transfer_pages picks and the dense layers' pages are not "
+                       "mapped to regions)",
+    "minimax_dense_kv": " (MiniMax sparse attention: the dense layers' KV beside the sparse "
+                        "pool is not mapped to regions)",
+    "qsa_pending": " (QSA: the per-request ring of the open compression group is not mapped "
+                   "to regions)",
+    "qsa_compressed": " (QSA: the compressed pages beside the main pool are not mapped to "
+                      "regions)",
+}
+
+
 def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
     """The slot (index in ``state_types`` / ``state_indices``) of each state component this
     backend moves, by its SGLang value; any other state type is refused, named."""
@@ -158,10 +200,14 @@ def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
             f"kv_args.state_types[{i}]: state type {name!r} is not supported by the kvhandoff "
             f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
             f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
-            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}'); use another "
-            f"transfer backend for this model")
+            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}', the MXFP8 "
+            f"block scales '{BLOCK_SCALE_STATE}' and '{BLOCK_SCALE_SWA_STATE}')"
+            f"{_REFUSED.get(name, '')}; use another transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
+    if BLOCK_SCALE_SWA_STATE in found and SWA_STATE not in found:
+        raise ConfigError(f"kv_args.state_types: '{BLOCK_SCALE_SWA_STATE}' without "
+                          f"'{SWA_STATE}' (the window pool's scales move with its pages)")
     return found
 
 
@@ -274,8 +320,17 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         raise ConfigError(f"kv_args.page_size: expected > 0, got {ps}")
     dtype = str(kv_args.kv_cache_dtype_str)
     slots = state_slots(getattr(kv_args, "state_types", []) or [])
+    if getattr(kv_args, "mla_compression_ratios", None):
+        raise ConfigError("kv_args.mla_compression_ratios: a DeepSeek-V4 pool (KV and window "
+                          "state grouped by compression ratio) is not supported by the "
+                          "kvhandoff SGLang backend; use another transfer backend for this "
+                          "model")
     dsa_slot, tail_slot = slots.get(DSA_STATE), slots.get(DSA_TAIL_STATE)
     swa_slot, mamba_slot = slots.get(SWA_STATE), slots.get(MAMBA_STATE)
+    scale_slot, swa_scale_slot = slots.get(BLOCK_SCALE_STATE), slots.get(BLOCK_SCALE_SWA_STATE)
+    if (scale_slot is not None or swa_scale_slot is not None) and is_mla:
+        raise ConfigError("kv_args.state_types: MXFP8 block scales with an MLA pool (SGLang "
+                          "gives them for its MHA pools only)")
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
@@ -318,6 +373,17 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         regions.append(built[0])
         buffers[g.name] = built[1]
     kv_regions = tuple(r.name for r in regions)
+    scale_regions: list[str] = []
+    if scale_slot is not None:
+        where = f"kv_args.state_data_ptrs[{scale_slot}] ({BLOCK_SCALE_STATE})"
+        for g in _scale_entries(kv_args, scale_slot, target, "", where):
+            built = _region(g, *_state_lists(kv_args, scale_slot), device, where,
+                            send_from=SendFrom.START, planes=_opaque(ps))
+            if built is None:
+                raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+            regions.append(built[0])
+            buffers[g.name] = built[1]
+            scale_regions.append(g.name)
     if dsa_slot is not None:
         sp = kv_args.state_data_ptrs[dsa_slot]
         sl = kv_args.state_data_lens[dsa_slot]
@@ -350,6 +416,19 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
             page_bytes = built[0].bytes_per_token * ps
             cap = min(len(v) // page_bytes for v in built[1].values())
             swa_capacity = cap if not swa_capacity else min(swa_capacity, cap)
+        if swa_scale_slot is not None:
+            where = f"kv_args.state_data_ptrs[{swa_scale_slot}] ({BLOCK_SCALE_SWA_STATE})"
+            for g in _scale_entries(kv_args, swa_scale_slot, swa_groups[0].layer_ids, "swa_",
+                                    where):
+                built = _region(g, *_state_lists(kv_args, swa_scale_slot), device, where,
+                                send_from=SendFrom.START, planes=_opaque(ps))
+                if built is None:
+                    raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+                regions.append(built[0])
+                buffers[g.name] = built[1]
+                swa_regions.append(g.name)
+                cap = min(len(v) // (built[0].bytes_per_token * ps) for v in built[1].values())
+                swa_capacity = min(swa_capacity, cap)
     # Only what both sides are given: SGLang's decode fills ``kv_head_num`` and
     # ``total_kv_head_num`` only for its staging buffers (refused here), its prefill always for
     # a non-MLA pool, so the head counts cannot be part of it. A rank's heads are in its bytes
@@ -378,7 +457,55 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                  tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
                  swa_slot=swa_slot, swa_regions=tuple(swa_regions),
                  swa_capacity=swa_capacity, state_layout=state_layout,
-                 state_buffers=state_buffers, mamba_slot=mamba_slot)
+                 state_buffers=state_buffers, mamba_slot=mamba_slot, scale_slot=scale_slot,
+                 scale_regions=tuple(scale_regions), swa_scale_slot=swa_scale_slot)
+
+
+def _state_lists(kv_args: Any, slot: int) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+    return (kv_args.state_data_ptrs[slot], kv_args.state_data_lens[slot],
+            kv_args.state_item_lens[slot])
+
+
+def _scale_entries(kv_args: Any, slot: int, layer_ids: list[int], prefix: str,
+                   where: str) -> list[_Entries]:
+    """The MXFP8 block-scale regions of one sub-pool (``get_kv_scale_buf_infos``: the K
+    scales of its layers, then the V scales; an item is one KV page's scales), on the layers
+    of the KV they describe."""
+    sp, sl, si = _state_lists(kv_args, slot)
+    nl = len(layer_ids)
+    if not len(sp) == len(sl) == len(si) == 2 * nl:
+        raise ConfigError(f"{where}: {len(sp)}/{len(sl)}/{len(si)} ptrs/lens/item_lens; "
+                          f"expected the K then V scales of the {nl} layers of its KV")
+    return [_Entries(f"{prefix}k_scale", list(range(nl)), list(layer_ids)),
+            _Entries(f"{prefix}v_scale", list(range(nl, 2 * nl)), list(layer_ids))]
+
+
+def scale_pages(indices: Any, pages: np.ndarray, where: str) -> np.ndarray:
+    """The block-scale pages of the room's suffix: the last ``len(pages)`` of SGLang's
+    ``block_scale`` indices (the request's pages from token 0, ``_full_kv_pages_payload``;
+    the decode holds the scales of its cached prefix with that prefix), which must be the
+    suffix's KV pages (the scales live at their KV page's index; each chunk's scales move
+    with its pages)."""
+    flat = None if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
+    if flat is None or len(flat) < len(pages):
+        raise ConfigError(f"{where}: expected the request's pages (at least the {len(pages)} "
+                          f"suffix pages), got {None if flat is None else len(flat)}")
+    tail = flat[len(flat) - len(pages):]
+    if not np.array_equal(tail, pages):
+        raise ConfigError(f"{where}: the block-scale pages {tail.tolist()[:8]} are not the "
+                          f"KV pages {pages.tolist()[:8]} of the suffix")
+    return tail
+
+
+def swa_scale_pages(scales: Any, swa: Any, where: str) -> None:
+    """Checks SGLang's ``block_scale_swa`` indices are the window's pages (both are its
+    ``_swa_payload``): the window pool's scales move with the window's pages."""
+    a = None if scales is None else np.asarray(scales, dtype=np.int64).reshape(-1)
+    b = None if swa is None else np.asarray(swa, dtype=np.int64).reshape(-1)
+    if a is None or b is None or not np.array_equal(a, b):
+        raise ConfigError(f"{where}: expected the window's pages "
+                          f"{None if b is None else b.tolist()[:8]}, got "
+                          f"{None if a is None else a.tolist()[:8]}")
 
 
 def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Parallel

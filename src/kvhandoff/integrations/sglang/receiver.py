@@ -18,7 +18,13 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import mamba_row, swa_start_pages, tail_pages
+from kvhandoff.integrations.sglang.layout import (
+    mamba_row,
+    scale_pages,
+    swa_scale_pages,
+    swa_start_pages,
+    tail_pages,
+)
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -65,6 +71,11 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
         problem = None
+
+        def state(slot: int) -> Any:
+            return None if state_indices is None or slot >= len(state_indices) \
+                else state_indices[slot]
+
         if prefix % ps:
             problem = (f"decode_prefix_len: {prefix} is not a multiple of page_size={ps} "
                        f"(SGLang sends whole suffix pages)")
@@ -76,6 +87,15 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             else:
                 for name in b.indexer_regions:
                     table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
+        if problem is None and b.scale_slot is not None:
+            try:
+                sc = scale_pages(state(b.scale_slot), pages,
+                                 f"state_indices[{b.scale_slot}] (block_scale)")
+            except ConfigError as e:
+                problem = str(e)
+            else:
+                for name in b.scale_regions:
+                    table[name] = sc
         starts: dict[str, int] = {}
         if problem is None and b.swa_slot is not None and len(pages):
             slot = b.swa_slot
@@ -83,6 +103,9 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 else state_indices[slot]
             try:
                 start = swa_start_pages(len(pages), swa, f"state_indices[{slot}] (swa)")
+                if b.swa_scale_slot is not None:
+                    swa_scale_pages(state(b.swa_scale_slot), swa,
+                                    f"state_indices[{b.swa_scale_slot}] (block_scale_swa)")
             except ConfigError as e:
                 problem = str(e)
             else:
