@@ -314,7 +314,7 @@ def test_gpt_oss_like_mxfp8_window_pair_hands_off_both_pools_and_scales_byte_exa
             assert list(side.kv_manager.kv_args.state_types) == [
                 StateType.SWA, StateType.BLOCK_SCALE, StateType.BLOCK_SCALE_SWA]
             b = side.kv_manager.built
-            assert b.scale_regions == ("k_scale", "v_scale")
+            assert b.paged_regions == ("k", "v", "k_scale", "v_scale")
             assert b.swa_regions == ("swa_k", "swa_v", "swa_k_scale", "swa_v_scale")
             assert b.kv_layout.region("swa_k_scale").layer_ids == (0, 1)
         assert pre.kv_manager.agent.layout_hash == dec.kv_manager.agent.layout_hash
@@ -344,16 +344,27 @@ def test_gpt_oss_like_mxfp8_window_pair_hands_off_both_pools_and_scales_byte_exa
         pre.kv_manager.close()
 
 
-def test_block_scale_pages_must_be_the_suffixs_kv_pages() -> None:
+def test_paged_state_pages_must_be_the_suffixs_kv_pages() -> None:
     from kvhandoff.errors import ConfigError
-    from kvhandoff.integrations.sglang.layout import scale_pages, swa_scale_pages
+    from kvhandoff.integrations.sglang.layout import (
+        PagedState,
+        paged_state_pages,
+        swa_scale_pages,
+    )
 
     pages = np.array([7, 3])
-    assert scale_pages(np.array([1, 2, 7, 3], np.int32), pages, "b").tolist() == [7, 3]
-    with pytest.raises(ConfigError, match=r"b: the block-scale pages \[2, 7\] are not the KV"):
-        scale_pages([1, 2, 7], pages, "b")
-    with pytest.raises(ConfigError, match="b: expected the request's pages"):
-        scale_pages([3], pages, "b")
+    whole = PagedState("block_scale", 2, ("k_scale",), from_token0=True)
+    suffix = PagedState("minimax_index_k", 1, ("index_k",), from_token0=False)
+    assert paged_state_pages(whole, np.array([1, 2, 7, 3], np.int32), pages).tolist() == [7, 3]
+    assert paged_state_pages(suffix, [7, 3], pages).tolist() == [7, 3]
+    with pytest.raises(ConfigError, match=r"state_indices\[2\] \(block_scale\): its pages "
+                       r"\[2, 7\] are not the KV pages \[7, 3\]"):
+        paged_state_pages(whole, [1, 2, 7], pages)
+    with pytest.raises(ConfigError, match="expected the request's pages"):
+        paged_state_pages(whole, [3], pages)
+    with pytest.raises(ConfigError, match=r"minimax_index_k\): expected the request's pages "
+                       r"\(the 2 suffix pages\), got 3"):
+        paged_state_pages(suffix, [1, 7, 3], pages)
     swa_scale_pages([4, 5], np.array([4, 5]), "w")
     with pytest.raises(ConfigError, match=r"w: expected the window's pages \[4, 5\]"):
         swa_scale_pages([4], [4, 5], "w")
@@ -365,13 +376,13 @@ def test_state_types_not_moved_are_refused_at_start_naming_what_is_missing() -> 
 
     assert state_slots(["swa", "block_scale", "block_scale_swa"]) == {
         "swa": 0, "block_scale": 1, "block_scale_swa": 2}
+    assert state_slots(["minimax_index_k", "minimax_dense_kv"]) == {
+        "minimax_index_k": 0, "minimax_dense_kv": 1}
     with pytest.raises(ConfigError, match="'block_scale_swa' without 'swa'"):
         state_slots(["block_scale_swa"])
     for name, missing in (("swa_ring", "DeepSeekV4TokenToKVPool"),
                           ("c128_state", "mla_compression_ratios"),
                           ("request_row", "DeepSeek-V4"),
-                          ("minimax_index_k", "minimax_index_transfer_pages"),
-                          ("minimax_dense_kv", "dense layers"),
                           ("qsa_pending", "compression group"),
                           ("qsa_compressed", "compressed pages")):
         with pytest.raises(ConfigError, match=rf"state_types\[1\]: state type '{name}' is not "

@@ -45,6 +45,13 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   ``swa_v_scale`` on the window layers, among the SWA regions (their indices, SGLang's window
   pages, checked equal to the SWA state's).
 
+- **MiniMax** (``MiniMaxSparseKVPool``: main KV = its sparse layers; state components
+  ``StateType.MINIMAX_DENSE_KV``, the dense layers' K and V, and ``MINIMAX_INDEX_K``, the index
+  keys of the K-only sparse layers, both at the main KV pages' indices): regions ``dense_k`` /
+  ``dense_v`` and ``index_k`` in the KV layout, layers by position, fed by each chunk's KV
+  pages like the block scales (SGLang's indices checked: the dense ones are the request's
+  pages from token 0, the index keys' the suffix's).
+
 Every other state type is refused at startup, naming it and what is missing (the DeepSeek-V4
 ones, ``swa_ring``, ``c128_state`` and ``request_row``, with its pool: ``mla_compression_ratios``
 given is refused too).
@@ -90,8 +97,10 @@ SWA_STATE = "swa"
 MAMBA_STATE = "mamba"
 BLOCK_SCALE_STATE = "block_scale"
 BLOCK_SCALE_SWA_STATE = "block_scale_swa"
+MINIMAX_INDEX_K_STATE = "minimax_index_k"
+MINIMAX_DENSE_KV_STATE = "minimax_dense_kv"
 SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE, BLOCK_SCALE_STATE,
-                    BLOCK_SCALE_SWA_STATE)
+                    BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE, MINIMAX_DENSE_KV_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -104,6 +113,20 @@ class Parallel:
 
     attn_tp_size: int = 1
     pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class PagedState:
+    """A state component that lives at the main KV pages' indices (MXFP8 block scales of the
+    full pool, MiniMax's dense layers and index keys): its regions are fed by each chunk's
+    KV pages, and SGLang's indices of it, given with the last chunk, are checked to be those
+    pages (`paged_state_pages`)."""
+
+    state: str  # SGLang's StateType value
+    slot: int  # its index in state_types / state_indices
+    regions: tuple[str, ...]
+    from_token0: bool  # SGLang's indices are the request's pages from token 0, not the
+    # suffix's (``_full_kv_pages_payload``): the suffix's are their last ones
 
 
 @dataclass
@@ -124,16 +147,15 @@ class Built:
     state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
     state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
     mamba_slot: int | None = None  # index of the MAMBA component
-    scale_slot: int | None = None  # index of the BLOCK_SCALE component
-    scale_regions: tuple[str, ...] = ()  # the full pool's block scales: fed by the KV pages
+    paged_states: tuple[PagedState, ...] = ()  # components at the KV pages' indices
     swa_scale_slot: int | None = None  # index of the BLOCK_SCALE_SWA component (its regions
     # are among `swa_regions`: fed by the window's pages)
 
     @property
     def paged_regions(self) -> tuple[str, ...]:
-        """The regions fed by the main KV pages of every chunk: main KV and its block
-        scales."""
-        return self.kv_regions + self.scale_regions
+        """The regions fed by the main KV pages of every chunk: main KV and the state
+        components at its pages' indices (`paged_states`)."""
+        return self.kv_regions + tuple(r for p in self.paged_states for r in p.regions)
 
     @property
     def indexer_regions(self) -> tuple[str, ...]:
@@ -175,11 +197,6 @@ _DSV4 = (" (a DeepSeek-V4 state: SGLang's DeepSeekV4TokenToKVPool lists its KV a
          "request)")
 _REFUSED = {
     "swa_ring": _DSV4, "c128_state": _DSV4, "request_row": _DSV4,
-    "minimax_index_k": " (MiniMax sparse attention: the index-K pages SGLang's "
-                       "minimax_index_transfer_pages picks and the dense layers' pages are not "
-                       "mapped to regions)",
-    "minimax_dense_kv": " (MiniMax sparse attention: the dense layers' KV beside the sparse "
-                        "pool is not mapped to regions)",
     "qsa_pending": " (QSA: the per-request ring of the open compression group is not mapped "
                    "to regions)",
     "qsa_compressed": " (QSA: the compressed pages beside the main pool are not mapped to "
@@ -201,7 +218,8 @@ def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
             f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
             f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
             f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}', the MXFP8 "
-            f"block scales '{BLOCK_SCALE_STATE}' and '{BLOCK_SCALE_SWA_STATE}')"
+            f"block scales '{BLOCK_SCALE_STATE}' and '{BLOCK_SCALE_SWA_STATE}', MiniMax's "
+            f"'{MINIMAX_INDEX_K_STATE}' and '{MINIMAX_DENSE_KV_STATE}')"
             f"{_REFUSED.get(name, '')}; use another transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
@@ -327,10 +345,12 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                           "model")
     dsa_slot, tail_slot = slots.get(DSA_STATE), slots.get(DSA_TAIL_STATE)
     swa_slot, mamba_slot = slots.get(SWA_STATE), slots.get(MAMBA_STATE)
-    scale_slot, swa_scale_slot = slots.get(BLOCK_SCALE_STATE), slots.get(BLOCK_SCALE_SWA_STATE)
-    if (scale_slot is not None or swa_scale_slot is not None) and is_mla:
-        raise ConfigError("kv_args.state_types: MXFP8 block scales with an MLA pool (SGLang "
-                          "gives them for its MHA pools only)")
+    swa_scale_slot = slots.get(BLOCK_SCALE_SWA_STATE)
+    mha_only = [st for st in (BLOCK_SCALE_STATE, BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE,
+                              MINIMAX_DENSE_KV_STATE) if st in slots]
+    if mha_only and is_mla:
+        raise ConfigError(f"kv_args.state_types: {mha_only} with an MLA pool (SGLang gives "
+                          "these for its MHA pools only)")
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
@@ -373,17 +393,25 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         regions.append(built[0])
         buffers[g.name] = built[1]
     kv_regions = tuple(r.name for r in regions)
-    scale_regions: list[str] = []
-    if scale_slot is not None:
-        where = f"kv_args.state_data_ptrs[{scale_slot}] ({BLOCK_SCALE_STATE})"
-        for g in _scale_entries(kv_args, scale_slot, target, "", where):
-            built = _region(g, *_state_lists(kv_args, scale_slot), device, where,
+    paged: list[PagedState] = []
+    for st, from0 in ((BLOCK_SCALE_STATE, True), (MINIMAX_DENSE_KV_STATE, True),
+                      (MINIMAX_INDEX_K_STATE, False)):
+        slot = slots.get(st)
+        if slot is None:
+            continue
+        where = f"kv_args.state_data_ptrs[{slot}] ({st})"
+        groups_st = _scale_entries(kv_args, slot, target, "", where) \
+            if st == BLOCK_SCALE_STATE else _paged_entries(kv_args, slot, st, where)
+        st_regions: list[str] = []
+        for g in groups_st:
+            built = _region(g, *_state_lists(kv_args, slot), device, where,
                             send_from=SendFrom.START, planes=_opaque(ps))
             if built is None:
                 raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
             regions.append(built[0])
             buffers[g.name] = built[1]
-            scale_regions.append(g.name)
+            st_regions.append(g.name)
+        paged.append(PagedState(st, slot, tuple(st_regions), from0))
     if dsa_slot is not None:
         sp = kv_args.state_data_ptrs[dsa_slot]
         sl = kv_args.state_data_lens[dsa_slot]
@@ -457,8 +485,8 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                  tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
                  swa_slot=swa_slot, swa_regions=tuple(swa_regions),
                  swa_capacity=swa_capacity, state_layout=state_layout,
-                 state_buffers=state_buffers, mamba_slot=mamba_slot, scale_slot=scale_slot,
-                 scale_regions=tuple(scale_regions), swa_scale_slot=swa_scale_slot)
+                 state_buffers=state_buffers, mamba_slot=mamba_slot, paged_states=tuple(paged),
+                 swa_scale_slot=swa_scale_slot)
 
 
 def _state_lists(kv_args: Any, slot: int) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
@@ -480,20 +508,43 @@ def _scale_entries(kv_args: Any, slot: int, layer_ids: list[int], prefix: str,
             _Entries(f"{prefix}v_scale", list(range(nl, 2 * nl)), list(layer_ids))]
 
 
-def scale_pages(indices: Any, pages: np.ndarray, where: str) -> np.ndarray:
-    """The block-scale pages of the room's suffix: the last ``len(pages)`` of SGLang's
-    ``block_scale`` indices (the request's pages from token 0, ``_full_kv_pages_payload``;
-    the decode holds the scales of its cached prefix with that prefix), which must be the
-    suffix's KV pages (the scales live at their KV page's index; each chunk's scales move
-    with its pages)."""
+def _paged_entries(kv_args: Any, slot: int, state: str, where: str) -> list[_Entries]:
+    """MiniMax's components (``MiniMaxSparseKVPool``): ``minimax_dense_kv``, the dense
+    layers' K buffers then V buffers (``get_dense_kv_state_buf_infos``), and
+    ``minimax_index_k``, one index-key buffer per K-only sparse layer
+    (``get_index_k_state_buf_infos``); an item is one page, layers by position (KVArgs does
+    not name them)."""
+    sp, sl, si = _state_lists(kv_args, slot)
+    n = len(sp)
+    if not n or not n == len(sl) == len(si):
+        raise ConfigError(f"{where}: expected equal non-zero ptrs/lens/item_lens, got "
+                          f"{n}/{len(sl)}/{len(si)}")
+    if state == MINIMAX_INDEX_K_STATE:
+        return [_Entries("index_k", list(range(n)), list(range(n)))]
+    if n % 2:
+        raise ConfigError(f"{where}: {n} entries; expected K then V buffers of the dense "
+                          "layers")
+    h = n // 2
+    return [_Entries("dense_k", list(range(h)), list(range(h))),
+            _Entries("dense_v", list(range(h, n)), list(range(h)))]
+
+
+def paged_state_pages(p: PagedState, indices: Any, pages: np.ndarray) -> np.ndarray:
+    """The pages of `p`'s regions in the room's suffix, from SGLang's indices of it: their
+    last ``len(pages)`` when SGLang gives the request's pages from token 0 (the decode holds
+    its cached prefix's with that prefix), else all of them; they must be the suffix's KV
+    pages (the component lives at its KV page's index and moved with each chunk's pages)."""
+    where = f"state_indices[{p.slot}] ({p.state})"
     flat = None if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
-    if flat is None or len(flat) < len(pages):
-        raise ConfigError(f"{where}: expected the request's pages (at least the {len(pages)} "
-                          f"suffix pages), got {None if flat is None else len(flat)}")
+    if flat is None or len(flat) < len(pages) or (not p.from_token0
+                                                   and len(flat) != len(pages)):
+        raise ConfigError(f"{where}: expected the request's pages ("
+                          f"{'at least ' if p.from_token0 else ''}the {len(pages)} suffix "
+                          f"pages), got {None if flat is None else len(flat)}")
     tail = flat[len(flat) - len(pages):]
     if not np.array_equal(tail, pages):
-        raise ConfigError(f"{where}: the block-scale pages {tail.tolist()[:8]} are not the "
-                          f"KV pages {pages.tolist()[:8]} of the suffix")
+        raise ConfigError(f"{where}: its pages {tail.tolist()[:8]} are not the KV pages "
+                          f"{pages.tolist()[:8]} of the suffix")
     return tail
 
 

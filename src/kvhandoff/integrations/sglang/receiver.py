@@ -20,7 +20,7 @@ from kvhandoff.integrations.sglang.conn import (
 )
 from kvhandoff.integrations.sglang.layout import (
     mamba_row,
-    scale_pages,
+    paged_state_pages,
     swa_scale_pages,
     swa_start_pages,
     tail_pages,
@@ -87,15 +87,16 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             else:
                 for name in b.indexer_regions:
                     table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
-        if problem is None and b.scale_slot is not None:
+        for p in b.paged_states:
+            if problem is not None:
+                break
             try:
-                sc = scale_pages(state(b.scale_slot), pages,
-                                 f"state_indices[{b.scale_slot}] (block_scale)")
+                got = paged_state_pages(p, state(p.slot), pages)
             except ConfigError as e:
                 problem = str(e)
             else:
-                for name in b.scale_regions:
-                    table[name] = sc
+                for name in p.regions:
+                    table[name] = got
         starts: dict[str, int] = {}
         if problem is None and b.swa_slot is not None and len(pages):
             slot = b.swa_slot

@@ -22,7 +22,7 @@ from kvhandoff.integrations.sglang.conn import (
 )
 from kvhandoff.integrations.sglang.layout import (
     mamba_row,
-    scale_pages,
+    paged_state_pages,
     swa_scale_pages,
     swa_send_table,
     tail_pages,
@@ -181,11 +181,10 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         try:
             if len(pages):
                 table: dict[str, Any] = dict.fromkeys(b.paged_regions, pages)
-                if b.scale_slot is not None:  # the scales moved with each chunk's pages
-                    slot = b.scale_slot
-                    scale_pages(None if state_indices is None or slot >= len(state_indices)
-                                else state_indices[slot], pages,
-                                f"state_indices[{slot}] (block_scale)")
+                for p in b.paged_states:  # they moved with each chunk's pages
+                    paged_state_pages(p, None if state_indices is None
+                                      or p.slot >= len(state_indices)
+                                      else state_indices[p.slot], pages)
                 if b.dsa_slot is not None:
                     dsa = None if state_indices is None else state_indices[b.dsa_slot]
                     if dsa is None or len(dsa) != len(pages):
