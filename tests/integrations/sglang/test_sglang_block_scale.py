@@ -378,13 +378,13 @@ def test_state_types_not_moved_are_refused_at_start_naming_what_is_missing() -> 
         "swa": 0, "block_scale": 1, "block_scale_swa": 2}
     assert state_slots(["minimax_index_k", "minimax_dense_kv"]) == {
         "minimax_index_k": 0, "minimax_dense_kv": 1}
+    assert state_slots(["mamba", "qsa_pending", "qsa_compressed"]) == {
+        "mamba": 0, "qsa_pending": 1, "qsa_compressed": 2}
     with pytest.raises(ConfigError, match="'block_scale_swa' without 'swa'"):
         state_slots(["block_scale_swa"])
     for name, missing in (("swa_ring", "DeepSeekV4TokenToKVPool"),
                           ("c128_state", "mla_compression_ratios"),
-                          ("request_row", "DeepSeek-V4"),
-                          ("qsa_pending", "compression group"),
-                          ("qsa_compressed", "compressed pages")):
+                          ("request_row", "DeepSeek-V4")):
         with pytest.raises(ConfigError, match=rf"state_types\[1\]: state type '{name}' is not "
                            rf"supported.*{missing}"):
             state_slots(["swa", name])

@@ -99,8 +99,11 @@ BLOCK_SCALE_STATE = "block_scale"
 BLOCK_SCALE_SWA_STATE = "block_scale_swa"
 MINIMAX_INDEX_K_STATE = "minimax_index_k"
 MINIMAX_DENSE_KV_STATE = "minimax_dense_kv"
+QSA_PENDING_STATE = "qsa_pending"
+QSA_COMPRESSED_STATE = "qsa_compressed"
 SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE, BLOCK_SCALE_STATE,
-                    BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE, MINIMAX_DENSE_KV_STATE)
+                    BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE, MINIMAX_DENSE_KV_STATE,
+                    QSA_PENDING_STATE, QSA_COMPRESSED_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -129,6 +132,16 @@ class PagedState:
     # suffix's (``_full_kv_pages_payload``): the suffix's are their last ones
 
 
+@dataclass(frozen=True)
+class RowState:
+    """A state component of the state layout addressed by one request row (SGLang's
+    one-element index: the Mamba row, QSA's request-pool row), on each side its own."""
+
+    state: str  # SGLang's StateType value
+    slot: int
+    regions: tuple[str, ...]
+
+
 @dataclass
 class Built:
     kv_layout: LayoutSpec
@@ -147,6 +160,7 @@ class Built:
     state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
     state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
     mamba_slot: int | None = None  # index of the MAMBA component
+    row_states: tuple[RowState, ...] = ()  # the state layout's components (Mamba, QSA ring)
     paged_states: tuple[PagedState, ...] = ()  # components at the KV pages' indices
     swa_scale_slot: int | None = None  # index of the BLOCK_SCALE_SWA component (its regions
     # are among `swa_regions`: fed by the window's pages)
@@ -197,10 +211,6 @@ _DSV4 = (" (a DeepSeek-V4 state: SGLang's DeepSeekV4TokenToKVPool lists its KV a
          "request)")
 _REFUSED = {
     "swa_ring": _DSV4, "c128_state": _DSV4, "request_row": _DSV4,
-    "qsa_pending": " (QSA: the per-request ring of the open compression group is not mapped "
-                   "to regions)",
-    "qsa_compressed": " (QSA: the compressed pages beside the main pool are not mapped to "
-                      "regions)",
 }
 
 
@@ -219,7 +229,8 @@ def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
             f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
             f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}', the MXFP8 "
             f"block scales '{BLOCK_SCALE_STATE}' and '{BLOCK_SCALE_SWA_STATE}', MiniMax's "
-            f"'{MINIMAX_INDEX_K_STATE}' and '{MINIMAX_DENSE_KV_STATE}')"
+            f"'{MINIMAX_INDEX_K_STATE}' and '{MINIMAX_DENSE_KV_STATE}', QSA's "
+            f"'{QSA_PENDING_STATE}' and '{QSA_COMPRESSED_STATE}')"
             f"{_REFUSED.get(name, '')}; use another transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
@@ -395,7 +406,7 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     kv_regions = tuple(r.name for r in regions)
     paged: list[PagedState] = []
     for st, from0 in ((BLOCK_SCALE_STATE, True), (MINIMAX_DENSE_KV_STATE, True),
-                      (MINIMAX_INDEX_K_STATE, False)):
+                      (MINIMAX_INDEX_K_STATE, False), (QSA_COMPRESSED_STATE, True)):
         slot = slots.get(st)
         if slot is None:
             continue
@@ -403,9 +414,13 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         groups_st = _scale_entries(kv_args, slot, target, "", where) \
             if st == BLOCK_SCALE_STATE else _paged_entries(kv_args, slot, st, where)
         st_regions: list[str] = []
+        # QSA's compressed keys: one item per KV page (page_size / ratio rows of keys; the
+        # ratio is not in KVArgs), one row of the whole item per page
+        planes = (lambda item, w: ([Plane("group", item)], ps)) \
+            if st == QSA_COMPRESSED_STATE else _opaque(ps)
         for g in groups_st:
             built = _region(g, *_state_lists(kv_args, slot), device, where,
-                            send_from=SendFrom.START, planes=_opaque(ps))
+                            send_from=SendFrom.START, planes=planes)
             if built is None:
                 raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
             regions.append(built[0])
@@ -477,15 +492,24 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                                                  num_layers, ident)
     state_layout: LayoutSpec | None = None
     state_buffers: dict[str, dict[int, Any]] = {}
+    row_states: list[RowState] = []
     if mamba_slot is not None:
         state_layout, state_buffers = _mamba_layout(kv_args, mamba_slot, device, ident,
                                                     parallel)
+        row_states.append(RowState(MAMBA_STATE, mamba_slot,
+                                   tuple(r.name for r in state_layout.regions)))
+    qsa_slot = slots.get(QSA_PENDING_STATE)
+    if qsa_slot is not None:
+        state_layout, state_buffers, qsa_names = _qsa_pending(
+            kv_args, qsa_slot, device, ident, state_layout, state_buffers)
+        row_states.append(RowState(QSA_PENDING_STATE, qsa_slot, qsa_names))
     return Built(kv_layout=kv_layout, kv_buffers=buffers, aux_layout=aux_layout,
                  aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions,
                  tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
                  swa_slot=swa_slot, swa_regions=tuple(swa_regions),
                  swa_capacity=swa_capacity, state_layout=state_layout,
                  state_buffers=state_buffers, mamba_slot=mamba_slot, paged_states=tuple(paged),
+                 row_states=tuple(row_states),
                  swa_scale_slot=swa_scale_slot)
 
 
@@ -521,6 +545,11 @@ def _paged_entries(kv_args: Any, slot: int, state: str, where: str) -> list[_Ent
                           f"{n}/{len(sl)}/{len(si)}")
     if state == MINIMAX_INDEX_K_STATE:
         return [_Entries("index_k", list(range(n)), list(range(n)))]
+    if state == QSA_COMPRESSED_STATE:  # one buffer per full-attention layer, SGLang's ids
+        ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])
+                                [slot:slot + 1] or [[]])[0]]
+        return [_Entries("qsa_compressed", list(range(n)), ids if len(ids) == n
+                         and ids == sorted(set(ids)) else list(range(n)))]
     if n % 2:
         raise ConfigError(f"{where}: {n} entries; expected K then V buffers of the dense "
                           "layers")
@@ -605,11 +634,66 @@ def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Pa
                       model=model, num_layers=max(layers) + 1), buffers
 
 
+QSA_ROPE_LAYER_ID = (1 << 32) - 2  # SGLang's layer id of QSA's request-wide RoPE ring
+
+
+def _qsa_pending(kv_args: Any, slot: int, device: str, ident: str, layout: LayoutSpec | None,
+                 buffers: dict[str, dict[int, Any]]
+                 ) -> tuple[LayoutSpec, dict[str, dict[int, Any]], tuple[str, ...]]:
+    """QSA's pending state (``QSATokenToKVPool.get_qsa_pending_state_buf_infos``: the index-key
+    ring of each full-attention layer, then the RoPE-position ring all of them share; an item
+    is one request's ring of ``ratio`` slots, at its request-pool row) added to the state
+    layout (`layout`, the Mamba one, or a new one): regions ``qsa_pending_k`` (the layers
+    SGLang names in ``state_layer_ids``) and ``qsa_rope`` (one layer, 0)."""
+    where = f"kv_args.state_data_ptrs[{slot}] ({QSA_PENDING_STATE})"
+    sp, sl, si = _state_lists(kv_args, slot)
+    n = len(sp)
+    ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])[slot:slot + 1]
+                            or [[]])[0]]
+    if n < 2 or not n == len(sl) == len(si):
+        raise ConfigError(f"{where}: expected the key rings and the RoPE ring, got "
+                          f"{n}/{len(sl)}/{len(si)} ptrs/lens/item_lens")
+    if len(ids) != n or ids[-1] != QSA_ROPE_LAYER_ID or QSA_ROPE_LAYER_ID in ids[:-1]:
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected the full-attention layer "
+                          f"ids then the RoPE ring's {QSA_ROPE_LAYER_ID} (a QSA draft pool's "
+                          f"pending state is not supported), got {ids}")
+    groups = [_Entries("qsa_pending_k", list(range(n - 1)), ids[:-1]),
+              _Entries("qsa_rope", [n - 1], [0])]
+    regions = list(layout.regions) if layout is not None else []
+    out = dict(buffers)
+    for g in groups:
+        built = _region(g, sp, sl, si, device, where, send_from=SendFrom.START,
+                        planes=lambda item, w: ([Plane("ring", item)], 1))
+        if built is None:
+            raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+        regions.append(built[0])
+        out[g.name] = built[1]
+    model = (layout.model if layout is not None else ident) + ";qsa_pending"
+    num_layers = max([*(r + 1 for r in ids[:-1]), layout.num_layers if layout else 1])
+    return (LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(regions),
+                       model=model, num_layers=num_layers), out,
+            tuple(g.name for g in groups))
+
+
+def row_pages(b: Built, state_indices: list[Any] | None
+              ) -> dict[str, np.ndarray | list[int]]:
+    """The state room's page table: each row state's regions at the request's row (SGLang's
+    one-element index of it); `ConfigError` naming the component when one is missing."""
+    out: dict[str, np.ndarray | list[int]] = {}
+    for rs in b.row_states:
+        raw = None if state_indices is None or rs.slot >= len(state_indices) \
+            else state_indices[rs.slot]
+        row = mamba_row(raw, f"state_indices[{rs.slot}] ({rs.state})")
+        out.update({name: [row] for name in rs.regions})
+    return out
+
+
 def mamba_row(indices: Any, where: str) -> int:
-    """The request's Mamba row from SGLang's state index (``[row]``, the row a one-element
-    array or an int, as its ``_mamba_payload`` gives it)."""
+    """The request's row from SGLang's state index (``[row]``, the row a one-element array or
+    an int, as its ``_mamba_payload`` gives it; QSA's one-element array of the request-pool
+    row)."""
     if indices is None or len(indices) != 1:
-        raise ConfigError(f"{where}: expected SGLang's one Mamba row index, got {indices!r}")
+        raise ConfigError(f"{where}: expected SGLang's one row index, got {indices!r}")
     flat = np.asarray(indices[0]).reshape(-1)
     if len(flat) != 1 or int(flat[0]) < 0:
         raise ConfigError(f"{where}: expected one row index >= 0, got {flat.tolist()}")

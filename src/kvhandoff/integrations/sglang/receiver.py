@@ -19,8 +19,8 @@ from kvhandoff.integrations.sglang.conn import (
     release_open,
 )
 from kvhandoff.integrations.sglang.layout import (
-    mamba_row,
     paged_state_pages,
+    row_pages,
     swa_scale_pages,
     swa_start_pages,
     tail_pages,
@@ -123,12 +123,10 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                                   f"state_indices[{b.tail_slot}] (dsa_tail)")
             except ConfigError as e:
                 problem = str(e)
-        row = None
-        if problem is None and b.mamba_slot is not None:
-            slot = b.mamba_slot
+        rows: dict[str, np.ndarray | list[int]] | None = None
+        if problem is None and b.row_states:
             try:
-                row = mamba_row(None if state_indices is None or slot >= len(state_indices)
-                                else state_indices[slot], f"state_indices[{slot}] (mamba)")
+                rows = row_pages(b, state_indices)
             except ConfigError as e:
                 problem = str(e)
         if problem is None and mgr.aux_agent is not None and aux_index is None:
@@ -166,11 +164,10 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 self._handles.append(th)
                 th.init(dict.fromkeys((r.name for r in b.tail_layout.regions), tail),
                         len(tail), 0)
-            if row is not None and mgr.state_agent is not None and state_addr is not None:
-                assert b.state_layout is not None
+            if rows is not None and mgr.state_agent is not None and state_addr is not None:
                 sh = mgr.state_agent.receiver(room, peer=state_addr)
                 self._handles.append(sh)
-                sh.init({r.name: [row] for r in b.state_layout.regions}, 1, 0)
+                sh.init(rows, 1, 0)
         except KVHandoffError as e:
             for h in self._handles:
                 h.abort(str(e))

@@ -21,8 +21,8 @@ from kvhandoff.integrations.sglang.conn import (
     release_open,
 )
 from kvhandoff.integrations.sglang.layout import (
-    mamba_row,
     paged_state_pages,
+    row_pages,
     swa_scale_pages,
     swa_send_table,
     tail_pages,
@@ -247,16 +247,13 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
 
     def _open_state(self, state_indices: list[Any] | None, real: list[DecodeInfo],
                     event: Any) -> None:
-        """The Mamba state room: the request's row of every state tensor and layer."""
+        """The state room: the request's row of every row-state tensor and layer (the Mamba
+        row, QSA's request-pool row)."""
         mgr, b = self.kv_mgr, self.kv_mgr.built
-        if mgr.state_agent is None or b.mamba_slot is None or b.state_layout is None:
+        if mgr.state_agent is None or not b.row_states or b.state_layout is None:
             return
-        slot = b.mamba_slot
-        row = mamba_row(None if state_indices is None or slot >= len(state_indices)
-                        else state_indices[slot], f"state_indices[{slot}] (mamba)")
-        sh = mgr.state_agent.sender(
-            self.bootstrap_room, pages={r.name: [row] for r in b.state_layout.regions},
-            seq_len=1, num_decode_ranks=len(real))
+        sh = mgr.state_agent.sender(self.bootstrap_room, pages=row_pages(b, state_indices),
+                                    seq_len=1, num_decode_ranks=len(real))
         self._handles.append(sh)
         sh.layers_ready(sorted({lid for r in b.state_layout.regions for lid in r.layer_ids}),
                         event)
