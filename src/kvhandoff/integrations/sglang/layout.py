@@ -35,6 +35,13 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   (``state_dim_per_tensor``, ``state_slice_outer_counts``) and the attention TP size (the state
   is split by heads across ranks; this backend moves it rank to rank), so another state shape
   or TP fails the handshake.
+  With QSA (``QSATokenToKVPool``, ``StateType.QSA_PENDING``) the state layout also holds
+  regions ``qsa_pending_k`` (each full layer's pending index-key ring) and ``qsa_rope`` (the
+  RoPE-position ring they share), a page being one request's ring at its request-pool row
+  (SGLang's index ``[req_pool_idx]``); `RowState` names each component's regions and slot.
+- **QSA's compressed keys** (``StateType.QSA_COMPRESSED``: one compressed page per KV page, on
+  SGLang's full-attention layer ids): region ``qsa_compressed`` of the KV layout, one row of
+  the whole item per page, fed by each chunk's KV pages like the block scales (`PagedState`).
 
 - the **MXFP8 block scales** (state components ``StateType.BLOCK_SCALE`` and
   ``BLOCK_SCALE_SWA``: ``MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos``, the K scales of a
