@@ -147,8 +147,8 @@ def _until(h: Any, done: Any, bound_s: float = 20.0) -> int:
 
 
 def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: int,
-            seq_len: int, *, prefix: int = 0, chunk_at: int | None = None
-            ) -> tuple[int, int, str | None, dict[str, Any]]:
+            seq_len: int, *, prefix: int = 0, chunk_at: int | None = None,
+            skew: Any = None) -> tuple[int, int, str | None, dict[str, Any]]:
     """One request: SGLang allocates it on both sides (prefill row 1, decode row 2; the decode
     a request before it, so its pages differ), the decode sends its metadata (with a cached
     prefix of `prefix` tokens), the prefill's ``_send_kv_chunk`` sends from there (with
@@ -161,6 +161,8 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
     de.admit(2, seq_len)
     types = list(dec.kv_manager.kv_args.state_types)
     d_kv, d_state = de.decode_indices(2, seq_len, prefix, types)
+    if skew is not None:  # a decode whose state indices are not SGLang's (`skew` of them)
+        d_state = skew(d_state)
     addr = f"127.0.0.1:{port}"
     s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
     end = time.monotonic() + 15
@@ -170,6 +172,11 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
     r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
     r.init(0)
     r.send_metadata(d_kv, D_AUX, d_state, decode_prefix_len=prefix)
+    if int(r.poll()) == KVPoll.Failed:  # refused on the decode before its metadata went out
+        try:
+            r.failure_exception()
+        except Exception as e:  # SGLang's KVTransferError
+            return int(KVPoll.Failed), int(s.poll()), str(e), {}
     assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
     assert s.pop_decode_prefix_len() == prefix
     s.init(len(d_kv), S_AUX)
@@ -292,6 +299,25 @@ def test_decode_without_block_scales_fails_the_handshake_naming_them(bootstrap: 
         assert rs == KVPoll.Failed
         assert reason is not None and "layout mismatch" in reason and "k_scale" in reason, \
             reason
+    finally:
+        dec.kv_manager.close()
+        pre.kv_manager.close()
+
+
+def test_decode_block_scale_pages_not_its_kv_pages_fail_the_request_naming_them(
+        bootstrap: Any) -> None:
+    """The scales move at the KV pages' indices: a decode whose ``block_scale`` indices end in
+    other pages (here: reversed) fails at once, before its metadata goes out or any agent room
+    opens, naming the component."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pre, dec, pe, de = _dense_sides(bootstrap)
+    try:
+        rs, _, reason, _ = handoff(pre, dec, pe, de, bootstrap.port, 9891, 40,
+                                   skew=lambda st: [np.asarray(st[0])[::-1]])
+        assert rs == KVPoll.Failed
+        assert reason is not None and "state_indices[0] (block_scale): its pages" in reason \
+            and "are not the KV pages" in reason, reason
     finally:
         dec.kv_manager.close()
         pre.kv_manager.close()
