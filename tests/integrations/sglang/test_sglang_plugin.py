@@ -98,8 +98,8 @@ def test_unsupported_state_types_are_refused_by_name() -> None:
 
     p = E.pools()
     a = E.kv_args(p)
-    a.state_types = [StateType.DSA, StateType.SWA, StateType.MINIMAX_INDEX_K]
-    with pytest.raises(ConfigError, match=r"state_types\[2\].*'minimax_index_k'"):
+    a.state_types = [StateType.DSA, StateType.SWA, StateType.SWA_RING]
+    with pytest.raises(ConfigError, match=r"state_types\[2\].*'swa_ring'.*DeepSeek-V4"):
         build(a, is_mla=True, parallel=Parallel(), device="cpu")
 
 

@@ -13,7 +13,7 @@ Two planes, as in SGLang's own backends:
 - **kvhandoff's data plane**: each rank runs one agent for the KV layout (main KV, draft KV,
   DSA indexer, draft indexer, the sliding-window pool), one for SGLang's metadata ("aux")
   buffers, with ``index_kpool`` compression one for the DSA kpool tail, and for Mamba / linear
-  attention models one for the state rows; prefill agents register with the kvhandoff
+  attention (and QSA) models one for the state rows; prefill agents register with the kvhandoff
   bootstrap server under the engine ids `ENGINE_KV` / `ENGINE_AUX` / `ENGINE_TAIL` /
   `ENGINE_STATE`,
   decode agents find them there (``/v1/route``) and open their rooms with the pages SGLang

@@ -35,8 +35,33 @@ Up to three layouts per rank, one agent each (an agent has one page size):
   (``state_dim_per_tensor``, ``state_slice_outer_counts``) and the attention TP size (the state
   is split by heads across ranks; this backend moves it rank to rank), so another state shape
   or TP fails the handshake.
+  With QSA (``QSATokenToKVPool``, ``StateType.QSA_PENDING``) the state layout also holds
+  regions ``qsa_pending_k`` (each full layer's pending index-key ring) and ``qsa_rope`` (the
+  RoPE-position ring they share), a page being one request's ring at its request-pool row
+  (SGLang's index ``[req_pool_idx]``); `RowState` names each component's regions and slot.
+- **QSA's compressed keys** (``StateType.QSA_COMPRESSED``: one compressed page per KV page, on
+  SGLang's full-attention layer ids): region ``qsa_compressed`` of the KV layout, one row of
+  the whole item per page, fed by each chunk's KV pages like the block scales (`PagedState`).
 
-Every other state type is refused at startup, naming it.
+- the **MXFP8 block scales** (state components ``StateType.BLOCK_SCALE`` and
+  ``BLOCK_SCALE_SWA``: ``MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos``, the K scales of a
+  sub-pool's layers then the V scales, an item being one KV page's scales): regions
+  ``k_scale`` / ``v_scale`` on the full layers, fed by the main KV pages of each chunk (a
+  page's scales live at its page index; SGLang's ``block_scale`` indices, the request's pages
+  from token 0, are checked to end in the suffix's pages), and ``swa_k_scale`` /
+  ``swa_v_scale`` on the window layers, among the SWA regions (their indices, SGLang's window
+  pages, checked equal to the SWA state's).
+
+- **MiniMax** (``MiniMaxSparseKVPool``: main KV = its sparse layers; state components
+  ``StateType.MINIMAX_DENSE_KV``, the dense layers' K and V, and ``MINIMAX_INDEX_K``, the index
+  keys of the K-only sparse layers, both at the main KV pages' indices): regions ``dense_k`` /
+  ``dense_v`` and ``index_k`` in the KV layout, layers by position, fed by each chunk's KV
+  pages like the block scales (SGLang's indices checked: the dense ones are the request's
+  pages from token 0, the index keys' the suffix's).
+
+Every other state type is refused at startup, naming it and what is missing (the DeepSeek-V4
+ones, ``swa_ring``, ``c128_state`` and ``request_row``, with its pool: ``mla_compression_ratios``
+given is refused too).
 
 A page of a main KV region is one SGLang item (``item_len`` bytes = ``page_size`` tokens of
 ``item_len // page_size`` bytes). An indexer item holds ``page_size // index_kpool`` rows of a
@@ -77,7 +102,15 @@ DSA_STATE = "dsa"
 DSA_TAIL_STATE = "dsa_tail"
 SWA_STATE = "swa"
 MAMBA_STATE = "mamba"
-SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE)
+BLOCK_SCALE_STATE = "block_scale"
+BLOCK_SCALE_SWA_STATE = "block_scale_swa"
+MINIMAX_INDEX_K_STATE = "minimax_index_k"
+MINIMAX_DENSE_KV_STATE = "minimax_dense_kv"
+QSA_PENDING_STATE = "qsa_pending"
+QSA_COMPRESSED_STATE = "qsa_compressed"
+SUPPORTED_STATES = (DSA_STATE, DSA_TAIL_STATE, SWA_STATE, MAMBA_STATE, BLOCK_SCALE_STATE,
+                    BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE, MINIMAX_DENSE_KV_STATE,
+                    QSA_PENDING_STATE, QSA_COMPRESSED_STATE)
 INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), fp8
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
@@ -90,6 +123,30 @@ class Parallel:
 
     attn_tp_size: int = 1
     pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class PagedState:
+    """A state component that lives at the main KV pages' indices (MXFP8 block scales of the
+    full pool, MiniMax's dense layers and index keys): its regions are fed by each chunk's
+    KV pages, and SGLang's indices of it, given with the last chunk, are checked to be those
+    pages (`paged_state_pages`)."""
+
+    state: str  # SGLang's StateType value
+    slot: int  # its index in state_types / state_indices
+    regions: tuple[str, ...]
+    from_token0: bool  # SGLang's indices are the request's pages from token 0, not the
+    # suffix's (``_full_kv_pages_payload``): the suffix's are their last ones
+
+
+@dataclass(frozen=True)
+class RowState:
+    """A state component of the state layout addressed by one request row (SGLang's
+    one-element index: the Mamba row, QSA's request-pool row), on each side its own."""
+
+    state: str  # SGLang's StateType value
+    slot: int
+    regions: tuple[str, ...]
 
 
 @dataclass
@@ -110,12 +167,22 @@ class Built:
     state_layout: LayoutSpec | None = None  # the Mamba state (page = one request row)
     state_buffers: dict[str, dict[int, Any]] = field(default_factory=dict)
     mamba_slot: int | None = None  # index of the MAMBA component
+    row_states: tuple[RowState, ...] = ()  # the state layout's components (Mamba, QSA ring)
+    paged_states: tuple[PagedState, ...] = ()  # components at the KV pages' indices
+    swa_scale_slot: int | None = None  # index of the BLOCK_SCALE_SWA component (its regions
+    # are among `swa_regions`: fed by the window's pages)
+
+    @property
+    def paged_regions(self) -> tuple[str, ...]:
+        """The regions fed by the main KV pages of every chunk: main KV and the state
+        components at its pages' indices (`paged_states`)."""
+        return self.kv_regions + tuple(r for p in self.paged_states for r in p.regions)
 
     @property
     def indexer_regions(self) -> tuple[str, ...]:
         """The regions fed by the DSA state's page list (target and draft indexer)."""
         return tuple(r.name for r in self.kv_layout.regions
-                     if r.name not in self.kv_regions and r.name not in self.swa_regions)
+                     if r.name not in self.paged_regions and r.name not in self.swa_regions)
 
 
 class _CudaBytes:
@@ -145,6 +212,15 @@ def _state_name(t: Any) -> str:
     return str(getattr(t, "value", t))
 
 
+_DSV4 = (" (a DeepSeek-V4 state: SGLang's DeepSeekV4TokenToKVPool lists its KV and window state "
+         "grouped by compression ratio, KVArgs.mla_compression_ratios, which this backend's "
+         "layouts do not pair; its ring slots or request rows alone would not hand off a "
+         "request)")
+_REFUSED = {
+    "swa_ring": _DSV4, "c128_state": _DSV4, "request_row": _DSV4,
+}
+
+
 def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
     """The slot (index in ``state_types`` / ``state_indices``) of each state component this
     backend moves, by its SGLang value; any other state type is refused, named."""
@@ -158,10 +234,16 @@ def state_slots(state_types: Sequence[Any]) -> dict[str, int]:
             f"kv_args.state_types[{i}]: state type {name!r} is not supported by the kvhandoff "
             f"SGLang backend (supported: main KV, draft KV, aux buffers, the DSA indexer state "
             f"'{DSA_STATE}' and its kpool tail '{DSA_TAIL_STATE}', the sliding-window pool "
-            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}'); use another "
-            f"transfer backend for this model")
+            f"'{SWA_STATE}', the Mamba / linear-attention state '{MAMBA_STATE}', the MXFP8 "
+            f"block scales '{BLOCK_SCALE_STATE}' and '{BLOCK_SCALE_SWA_STATE}', MiniMax's "
+            f"'{MINIMAX_INDEX_K_STATE}' and '{MINIMAX_DENSE_KV_STATE}', QSA's "
+            f"'{QSA_PENDING_STATE}' and '{QSA_COMPRESSED_STATE}')"
+            f"{_REFUSED.get(name, '')}; use another transfer backend for this model")
     if DSA_TAIL_STATE in found and DSA_STATE not in found:
         raise ConfigError(f"kv_args.state_types: '{DSA_TAIL_STATE}' without '{DSA_STATE}'")
+    if BLOCK_SCALE_SWA_STATE in found and SWA_STATE not in found:
+        raise ConfigError(f"kv_args.state_types: '{BLOCK_SCALE_SWA_STATE}' without "
+                          f"'{SWA_STATE}' (the window pool's scales move with its pages)")
     return found
 
 
@@ -274,8 +356,19 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         raise ConfigError(f"kv_args.page_size: expected > 0, got {ps}")
     dtype = str(kv_args.kv_cache_dtype_str)
     slots = state_slots(getattr(kv_args, "state_types", []) or [])
+    if getattr(kv_args, "mla_compression_ratios", None):
+        raise ConfigError("kv_args.mla_compression_ratios: a DeepSeek-V4 pool (KV and window "
+                          "state grouped by compression ratio) is not supported by the "
+                          "kvhandoff SGLang backend; use another transfer backend for this "
+                          "model")
     dsa_slot, tail_slot = slots.get(DSA_STATE), slots.get(DSA_TAIL_STATE)
     swa_slot, mamba_slot = slots.get(SWA_STATE), slots.get(MAMBA_STATE)
+    swa_scale_slot = slots.get(BLOCK_SCALE_SWA_STATE)
+    mha_only = [st for st in (BLOCK_SCALE_STATE, BLOCK_SCALE_SWA_STATE, MINIMAX_INDEX_K_STATE,
+                              MINIMAX_DENSE_KV_STATE) if st in slots]
+    if mha_only and is_mla:
+        raise ConfigError(f"kv_args.state_types: {mha_only} with an MLA pool (SGLang gives "
+                          "these for its MHA pools only)")
     ptrs, lens, items = kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens
     n = len(ptrs)
     if not n or len(lens) != n or len(items) != n:
@@ -318,6 +411,29 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         regions.append(built[0])
         buffers[g.name] = built[1]
     kv_regions = tuple(r.name for r in regions)
+    paged: list[PagedState] = []
+    for st, from0 in ((BLOCK_SCALE_STATE, True), (MINIMAX_DENSE_KV_STATE, True),
+                      (MINIMAX_INDEX_K_STATE, False), (QSA_COMPRESSED_STATE, True)):
+        slot = slots.get(st)
+        if slot is None:
+            continue
+        where = f"kv_args.state_data_ptrs[{slot}] ({st})"
+        groups_st = _scale_entries(kv_args, slot, target, "", where) \
+            if st == BLOCK_SCALE_STATE else _paged_entries(kv_args, slot, st, where)
+        st_regions: list[str] = []
+        # QSA's compressed keys: one item per KV page (page_size / ratio rows of keys; the
+        # ratio is not in KVArgs), one row of the whole item per page
+        planes = (lambda item, w: ([Plane("group", item)], ps)) \
+            if st == QSA_COMPRESSED_STATE else _opaque(ps)
+        for g in groups_st:
+            built = _region(g, *_state_lists(kv_args, slot), device, where,
+                            send_from=SendFrom.START, planes=planes)
+            if built is None:
+                raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+            regions.append(built[0])
+            buffers[g.name] = built[1]
+            st_regions.append(g.name)
+        paged.append(PagedState(st, slot, tuple(st_regions), from0))
     if dsa_slot is not None:
         sp = kv_args.state_data_ptrs[dsa_slot]
         sl = kv_args.state_data_lens[dsa_slot]
@@ -350,6 +466,19 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
             page_bytes = built[0].bytes_per_token * ps
             cap = min(len(v) // page_bytes for v in built[1].values())
             swa_capacity = cap if not swa_capacity else min(swa_capacity, cap)
+        if swa_scale_slot is not None:
+            where = f"kv_args.state_data_ptrs[{swa_scale_slot}] ({BLOCK_SCALE_SWA_STATE})"
+            for g in _scale_entries(kv_args, swa_scale_slot, swa_groups[0].layer_ids, "swa_",
+                                    where):
+                built = _region(g, *_state_lists(kv_args, swa_scale_slot), device, where,
+                                send_from=SendFrom.START, planes=_opaque(ps))
+                if built is None:
+                    raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+                regions.append(built[0])
+                buffers[g.name] = built[1]
+                swa_regions.append(g.name)
+                cap = min(len(v) // (built[0].bytes_per_token * ps) for v in built[1].values())
+                swa_capacity = min(swa_capacity, cap)
     # Only what both sides are given: SGLang's decode fills ``kv_head_num`` and
     # ``total_kv_head_num`` only for its staging buffers (refused here), its prefill always for
     # a non-MLA pool, so the head counts cannot be part of it. A rank's heads are in its bytes
@@ -370,15 +499,100 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                                                  num_layers, ident)
     state_layout: LayoutSpec | None = None
     state_buffers: dict[str, dict[int, Any]] = {}
+    row_states: list[RowState] = []
     if mamba_slot is not None:
         state_layout, state_buffers = _mamba_layout(kv_args, mamba_slot, device, ident,
                                                     parallel)
+        row_states.append(RowState(MAMBA_STATE, mamba_slot,
+                                   tuple(r.name for r in state_layout.regions)))
+    qsa_slot = slots.get(QSA_PENDING_STATE)
+    if qsa_slot is not None:
+        state_layout, state_buffers, qsa_names = _qsa_pending(
+            kv_args, qsa_slot, device, ident, state_layout, state_buffers)
+        row_states.append(RowState(QSA_PENDING_STATE, qsa_slot, qsa_names))
     return Built(kv_layout=kv_layout, kv_buffers=buffers, aux_layout=aux_layout,
                  aux_buffers=aux_buffers, dsa_slot=dsa_slot, kv_regions=kv_regions,
                  tail_layout=tail_layout, tail_buffers=tail_buffers, tail_slot=tail_slot,
                  swa_slot=swa_slot, swa_regions=tuple(swa_regions),
                  swa_capacity=swa_capacity, state_layout=state_layout,
-                 state_buffers=state_buffers, mamba_slot=mamba_slot)
+                 state_buffers=state_buffers, mamba_slot=mamba_slot, paged_states=tuple(paged),
+                 row_states=tuple(row_states),
+                 swa_scale_slot=swa_scale_slot)
+
+
+def _state_lists(kv_args: Any, slot: int) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+    return (kv_args.state_data_ptrs[slot], kv_args.state_data_lens[slot],
+            kv_args.state_item_lens[slot])
+
+
+def _scale_entries(kv_args: Any, slot: int, layer_ids: list[int], prefix: str,
+                   where: str) -> list[_Entries]:
+    """The MXFP8 block-scale regions of one sub-pool (``get_kv_scale_buf_infos``: the K
+    scales of its layers, then the V scales; an item is one KV page's scales), on the layers
+    of the KV they describe."""
+    sp, sl, si = _state_lists(kv_args, slot)
+    nl = len(layer_ids)
+    if not len(sp) == len(sl) == len(si) == 2 * nl:
+        raise ConfigError(f"{where}: {len(sp)}/{len(sl)}/{len(si)} ptrs/lens/item_lens; "
+                          f"expected the K then V scales of the {nl} layers of its KV")
+    return [_Entries(f"{prefix}k_scale", list(range(nl)), list(layer_ids)),
+            _Entries(f"{prefix}v_scale", list(range(nl, 2 * nl)), list(layer_ids))]
+
+
+def _paged_entries(kv_args: Any, slot: int, state: str, where: str) -> list[_Entries]:
+    """MiniMax's components (``MiniMaxSparseKVPool``): ``minimax_dense_kv``, the dense
+    layers' K buffers then V buffers (``get_dense_kv_state_buf_infos``), and
+    ``minimax_index_k``, one index-key buffer per K-only sparse layer
+    (``get_index_k_state_buf_infos``); an item is one page, layers by position (KVArgs does
+    not name them)."""
+    sp, sl, si = _state_lists(kv_args, slot)
+    n = len(sp)
+    if not n or not n == len(sl) == len(si):
+        raise ConfigError(f"{where}: expected equal non-zero ptrs/lens/item_lens, got "
+                          f"{n}/{len(sl)}/{len(si)}")
+    if state == MINIMAX_INDEX_K_STATE:
+        return [_Entries("index_k", list(range(n)), list(range(n)))]
+    if state == QSA_COMPRESSED_STATE:  # one buffer per full-attention layer, SGLang's ids
+        ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])
+                                [slot:slot + 1] or [[]])[0]]
+        return [_Entries("qsa_compressed", list(range(n)), ids if len(ids) == n
+                         and ids == sorted(set(ids)) else list(range(n)))]
+    if n % 2:
+        raise ConfigError(f"{where}: {n} entries; expected K then V buffers of the dense "
+                          "layers")
+    h = n // 2
+    return [_Entries("dense_k", list(range(h)), list(range(h))),
+            _Entries("dense_v", list(range(h, n)), list(range(h)))]
+
+
+def paged_state_pages(p: PagedState, indices: Any, pages: np.ndarray) -> np.ndarray:
+    """The pages of `p`'s regions in the room's suffix, from SGLang's indices of it: their
+    last ``len(pages)`` when SGLang gives the request's pages from token 0 (the decode holds
+    its cached prefix's with that prefix), else all of them; they must be the suffix's KV
+    pages (the component lives at its KV page's index and moved with each chunk's pages)."""
+    where = f"state_indices[{p.slot}] ({p.state})"
+    flat = None if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
+    if flat is None or len(flat) < len(pages) or (not p.from_token0
+                                                   and len(flat) != len(pages)):
+        raise ConfigError(f"{where}: expected the request's pages ("
+                          f"{'at least ' if p.from_token0 else ''}the {len(pages)} suffix "
+                          f"pages), got {None if flat is None else len(flat)}")
+    tail = flat[len(flat) - len(pages):]
+    if not np.array_equal(tail, pages):
+        raise ConfigError(f"{where}: its pages {tail.tolist()[:8]} are not the KV pages "
+                          f"{pages.tolist()[:8]} of the suffix")
+    return tail
+
+
+def swa_scale_pages(scales: Any, swa: Any, where: str) -> None:
+    """Checks SGLang's ``block_scale_swa`` indices are the window's pages (both are its
+    ``_swa_payload``): the window pool's scales move with the window's pages."""
+    a = None if scales is None else np.asarray(scales, dtype=np.int64).reshape(-1)
+    b = None if swa is None else np.asarray(swa, dtype=np.int64).reshape(-1)
+    if a is None or b is None or not np.array_equal(a, b):
+        raise ConfigError(f"{where}: expected the window's pages "
+                          f"{None if b is None else b.tolist()[:8]}, got "
+                          f"{None if a is None else a.tolist()[:8]}")
 
 
 def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Parallel
@@ -427,11 +641,66 @@ def _mamba_layout(kv_args: Any, slot: int, device: str, ident: str, parallel: Pa
                       model=model, num_layers=max(layers) + 1), buffers
 
 
+QSA_ROPE_LAYER_ID = (1 << 32) - 2  # SGLang's layer id of QSA's request-wide RoPE ring
+
+
+def _qsa_pending(kv_args: Any, slot: int, device: str, ident: str, layout: LayoutSpec | None,
+                 buffers: dict[str, dict[int, Any]]
+                 ) -> tuple[LayoutSpec, dict[str, dict[int, Any]], tuple[str, ...]]:
+    """QSA's pending state (``QSATokenToKVPool.get_qsa_pending_state_buf_infos``: the index-key
+    ring of each full-attention layer, then the RoPE-position ring all of them share; an item
+    is one request's ring of ``ratio`` slots, at its request-pool row) added to the state
+    layout (`layout`, the Mamba one, or a new one): regions ``qsa_pending_k`` (the layers
+    SGLang names in ``state_layer_ids``) and ``qsa_rope`` (one layer, 0)."""
+    where = f"kv_args.state_data_ptrs[{slot}] ({QSA_PENDING_STATE})"
+    sp, sl, si = _state_lists(kv_args, slot)
+    n = len(sp)
+    ids = [int(x) for x in (list(getattr(kv_args, "state_layer_ids", None) or [])[slot:slot + 1]
+                            or [[]])[0]]
+    if n < 2 or not n == len(sl) == len(si):
+        raise ConfigError(f"{where}: expected the key rings and the RoPE ring, got "
+                          f"{n}/{len(sl)}/{len(si)} ptrs/lens/item_lens")
+    if len(ids) != n or ids[-1] != QSA_ROPE_LAYER_ID or QSA_ROPE_LAYER_ID in ids[:-1]:
+        raise ConfigError(f"kv_args.state_layer_ids[{slot}]: expected the full-attention layer "
+                          f"ids then the RoPE ring's {QSA_ROPE_LAYER_ID} (a QSA draft pool's "
+                          f"pending state is not supported), got {ids}")
+    groups = [_Entries("qsa_pending_k", list(range(n - 1)), ids[:-1]),
+              _Entries("qsa_rope", [n - 1], [0])]
+    regions = list(layout.regions) if layout is not None else []
+    out = dict(buffers)
+    for g in groups:
+        built = _region(g, sp, sl, si, device, where, send_from=SendFrom.START,
+                        planes=lambda item, w: ([Plane("ring", item)], 1))
+        if built is None:
+            raise ConfigError(f"{where}: every {g.name!r} buffer has item length 0")
+        regions.append(built[0])
+        out[g.name] = built[1]
+    model = (layout.model if layout is not None else ident) + ";qsa_pending"
+    num_layers = max([*(r + 1 for r in ids[:-1]), layout.num_layers if layout else 1])
+    return (LayoutSpec(page_size_tokens=1, kv_dtype="bytes", regions=tuple(regions),
+                       model=model, num_layers=num_layers), out,
+            tuple(g.name for g in groups))
+
+
+def row_pages(b: Built, state_indices: list[Any] | None
+              ) -> dict[str, np.ndarray | list[int]]:
+    """The state room's page table: each row state's regions at the request's row (SGLang's
+    one-element index of it); `ConfigError` naming the component when one is missing."""
+    out: dict[str, np.ndarray | list[int]] = {}
+    for rs in b.row_states:
+        raw = None if state_indices is None or rs.slot >= len(state_indices) \
+            else state_indices[rs.slot]
+        row = mamba_row(raw, f"state_indices[{rs.slot}] ({rs.state})")
+        out.update({name: [row] for name in rs.regions})
+    return out
+
+
 def mamba_row(indices: Any, where: str) -> int:
-    """The request's Mamba row from SGLang's state index (``[row]``, the row a one-element
-    array or an int, as its ``_mamba_payload`` gives it)."""
+    """The request's row from SGLang's state index (``[row]``, the row a one-element array or
+    an int, as its ``_mamba_payload`` gives it; QSA's one-element array of the request-pool
+    row)."""
     if indices is None or len(indices) != 1:
-        raise ConfigError(f"{where}: expected SGLang's one Mamba row index, got {indices!r}")
+        raise ConfigError(f"{where}: expected SGLang's one row index, got {indices!r}")
     flat = np.asarray(indices[0]).reshape(-1)
     if len(flat) != 1 or int(flat[0]) < 0:
         raise ConfigError(f"{where}: expected one row index >= 0, got {flat.tolist()}")

@@ -18,7 +18,13 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import mamba_row, swa_start_pages, tail_pages
+from kvhandoff.integrations.sglang.layout import (
+    paged_state_pages,
+    row_pages,
+    swa_scale_pages,
+    swa_start_pages,
+    tail_pages,
+)
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -65,6 +71,11 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
         problem = None
+
+        def state(slot: int) -> Any:
+            return None if state_indices is None or slot >= len(state_indices) \
+                else state_indices[slot]
+
         if prefix % ps:
             problem = (f"decode_prefix_len: {prefix} is not a multiple of page_size={ps} "
                        f"(SGLang sends whole suffix pages)")
@@ -76,6 +87,16 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             else:
                 for name in b.indexer_regions:
                     table[name] = np.asarray(dsa, dtype=np.int64).reshape(-1)
+        for p in b.paged_states:
+            if problem is not None:
+                break
+            try:
+                got = paged_state_pages(p, state(p.slot), pages)
+            except ConfigError as e:
+                problem = str(e)
+            else:
+                for name in p.regions:
+                    table[name] = got
         starts: dict[str, int] = {}
         if problem is None and b.swa_slot is not None and len(pages):
             slot = b.swa_slot
@@ -83,6 +104,9 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 else state_indices[slot]
             try:
                 start = swa_start_pages(len(pages), swa, f"state_indices[{slot}] (swa)")
+                if b.swa_scale_slot is not None:
+                    swa_scale_pages(state(b.swa_scale_slot), swa,
+                                    f"state_indices[{b.swa_scale_slot}] (block_scale_swa)")
             except ConfigError as e:
                 problem = str(e)
             else:
@@ -99,12 +123,10 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                                   f"state_indices[{b.tail_slot}] (dsa_tail)")
             except ConfigError as e:
                 problem = str(e)
-        row = None
-        if problem is None and b.mamba_slot is not None:
-            slot = b.mamba_slot
+        rows: dict[str, np.ndarray | list[int]] | None = None
+        if problem is None and b.row_states:
             try:
-                row = mamba_row(None if state_indices is None or slot >= len(state_indices)
-                                else state_indices[slot], f"state_indices[{slot}] (mamba)")
+                rows = row_pages(b, state_indices)
             except ConfigError as e:
                 problem = str(e)
         if problem is None and mgr.aux_agent is not None and aux_index is None:
@@ -142,11 +164,10 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 self._handles.append(th)
                 th.init(dict.fromkeys((r.name for r in b.tail_layout.regions), tail),
                         len(tail), 0)
-            if row is not None and mgr.state_agent is not None and state_addr is not None:
-                assert b.state_layout is not None
+            if rows is not None and mgr.state_agent is not None and state_addr is not None:
                 sh = mgr.state_agent.receiver(room, peer=state_addr)
                 self._handles.append(sh)
-                sh.init({r.name: [row] for r in b.state_layout.regions}, 1, 0)
+                sh.init(rows, 1, 0)
         except KVHandoffError as e:
             for h in self._handles:
                 h.abort(str(e))

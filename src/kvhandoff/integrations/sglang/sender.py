@@ -20,7 +20,13 @@ from kvhandoff.integrations.sglang.conn import (
     merge_states,
     release_open,
 )
-from kvhandoff.integrations.sglang.layout import mamba_row, swa_send_table, tail_pages
+from kvhandoff.integrations.sglang.layout import (
+    paged_state_pages,
+    row_pages,
+    swa_scale_pages,
+    swa_send_table,
+    tail_pages,
+)
 
 log = logging.getLogger("kvhandoff.sglang")
 
@@ -125,7 +131,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         new = pages[self._streamed:]
         try:
             if self._kv is None:
-                table: dict[str, Any] = dict.fromkeys(b.kv_regions, new)
+                table: dict[str, Any] = dict.fromkeys(b.paged_regions, new)
                 for name in (*b.indexer_regions, *b.swa_regions):
                     table[name] = np.zeros(0, np.int64)  # with the last chunk
                 self._kv = mgr.agent.sender(self.bootstrap_room, pages=table,
@@ -133,7 +139,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                                             num_decode_ranks=len(real))
                 self._handles.append(self._kv)
             else:
-                self._kv.add_chunk(dict.fromkeys(b.kv_regions, new), len(pages) * ps)
+                self._kv.add_chunk(dict.fromkeys(b.paged_regions, new), len(pages) * ps)
             self._streamed = len(pages)
             self._kv.layers_ready(sorted({lid for r in b.kv_layout.regions
                                           for lid in r.layer_ids}), self._take_event())
@@ -174,7 +180,11 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         event = self._take_event()
         try:
             if len(pages):
-                table: dict[str, Any] = dict.fromkeys(b.kv_regions, pages)
+                table: dict[str, Any] = dict.fromkeys(b.paged_regions, pages)
+                for p in b.paged_states:  # they moved with each chunk's pages
+                    paged_state_pages(p, None if state_indices is None
+                                      or p.slot >= len(state_indices)
+                                      else state_indices[p.slot], pages)
                 if b.dsa_slot is not None:
                     dsa = None if state_indices is None else state_indices[b.dsa_slot]
                     if dsa is None or len(dsa) != len(pages):
@@ -193,7 +203,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     self._handles.append(h)
                 else:
                     h = self._kv
-                    for name in b.kv_regions:
+                    for name in b.paged_regions:
                         table[name] = pages[self._streamed:]
                     h.add_chunk(table, len(pages) * ps)
                 h.layers_ready(sorted({lid for r in b.kv_layout.regions
@@ -228,21 +238,22 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
         if theirs != {n}:
             raise ConfigError(f"swa: the prefill's window covers {n} pages, the decode's "
                               f"{sorted(theirs)} (another seq_len, window or page size)")
+        if b.swa_scale_slot is not None:
+            s = b.swa_scale_slot
+            swa_scale_pages(None if state_indices is None or s >= len(state_indices)
+                            else state_indices[s], swa, f"state_indices[{s}] (block_scale_swa)")
         table = swa_send_table(num_pages, swa, b.swa_capacity, where)
         return dict.fromkeys(b.swa_regions, table)
 
     def _open_state(self, state_indices: list[Any] | None, real: list[DecodeInfo],
                     event: Any) -> None:
-        """The Mamba state room: the request's row of every state tensor and layer."""
+        """The state room: the request's row of every row-state tensor and layer (the Mamba
+        row, QSA's request-pool row)."""
         mgr, b = self.kv_mgr, self.kv_mgr.built
-        if mgr.state_agent is None or b.mamba_slot is None or b.state_layout is None:
+        if mgr.state_agent is None or not b.row_states or b.state_layout is None:
             return
-        slot = b.mamba_slot
-        row = mamba_row(None if state_indices is None or slot >= len(state_indices)
-                        else state_indices[slot], f"state_indices[{slot}] (mamba)")
-        sh = mgr.state_agent.sender(
-            self.bootstrap_room, pages={r.name: [row] for r in b.state_layout.regions},
-            seq_len=1, num_decode_ranks=len(real))
+        sh = mgr.state_agent.sender(self.bootstrap_room, pages=row_pages(b, state_indices),
+                                    seq_len=1, num_decode_ranks=len(real))
         self._handles.append(sh)
         sh.layers_ready(sorted({lid for r in b.state_layout.regions for lid in r.layer_ids}),
                         event)
