@@ -30,6 +30,10 @@ class Reporting(Protocol):
 _COUNTER_HELP = {
     "messages_in": "Control messages received.",
     "messages_out": "Control messages sent.",
+    "control_out_dropped": "Control messages dropped because the queue of the socket to "
+                           "their address was at its bound (an address that does not read: "
+                           "64 messages for an address with no peer record, 16,384 for a "
+                           "peer).",
     "messages_out_local": "Of messages_out, those sent to a peer of this host over the "
                           "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
