@@ -12,8 +12,8 @@ from kvhandoff.state_machine.vocabulary import Role
 
 
 def route(
-reg: Registry,
-*,
+    reg: Registry,
+    *,
     engine_id: str | None,
     room: int | None,
     dp_rank: int | None,
