@@ -170,3 +170,37 @@ def test_a_receiver_with_cryptography_takes_a_fallback_sender() -> None:
     head, trailer = chunk(signer, payload)
     assert g.check(b"rid", head, trailer, payload) == SENDER
     assert Signer(KEY).kind == GMAC  # and its own sender uses GMAC
+
+
+def test_replies_verify_in_order_only_and_under_their_own_connection() -> None:
+    """The receiver's Gate seals replies under what the connection proved; the sender's
+    Signer takes each once and in order: a replayed or reordered reply, one whose reason was
+    changed, one sealed for another connection, and a chunk-MAC-shaped one are refused. A
+    connection that proved nothing gets the all-zero trailer, which verifies under no key."""
+    g = gate()
+    signer, other = Signer(KEY), Signer(KEY)
+    g.on_proof(b"rid", signer.proof(SENDER, RECEIVER))
+    g.on_proof(b"rid2", other.proof(SENDER, RECEIVER))
+    assert signer.reply is not None and other.reply is not None
+    n = chunkauth.REPLY_TRAILER.size
+
+    def split(frame: bytes) -> tuple[bytes, int, bytes]:
+        seq, mac = chunkauth.REPLY_TRAILER.unpack(frame[-n:])
+        return frame[:-n], seq, mac
+
+    credits = [split(g.seal(b"rid", b"C" + bytes([k]) * 12)) for k in range(3)]
+    final = split(g.seal(b"rid", b"F" + bytes(9), b"why"))
+    head, seq, mac = credits[1]
+    assert signer.reply.take(seq, head, b"", mac)
+    assert not signer.reply.take(seq, head, b"", mac)  # replayed
+    head0, seq0, mac0 = credits[0]
+    assert not signer.reply.take(seq0, head0, b"", mac0)  # reordered: came after seq 2
+    head2, seq2, mac2 = credits[2]
+    assert not other.reply.take(seq2, head2, b"", mac2)  # another connection's key
+    assert signer.reply.take(seq2, head2, b"", mac2)
+    fhead, fseq, fmac = final
+    assert not signer.reply.take(fseq, fhead, b"other", fmac)  # the reason is covered
+    assert signer.reply.take(fseq, fhead, b"why", fmac)
+    zhead, zseq, zmac = split(g.seal(b"stranger", b"F" + bytes(9), b"x"))
+    assert (zseq, zmac) == (0, bytes(chunkauth.REPLY_MAC_BYTES))
+    assert not other.reply.take(zseq, zhead, b"x", zmac)

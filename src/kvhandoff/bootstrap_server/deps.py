@@ -9,6 +9,7 @@ live in one process. The token check fails closed and compares in constant time.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,31 @@ class ServerState:
     sglang_routes: SglangRoutes
     auth: AuthMode = AuthMode.SECRET
     ready_cache: ReadyCache = field(default_factory=ReadyCache)
+    sweeping: bool = False  # an expiry sweep is scheduled on the loop (`sweep_soon`)
+
+    def sweep_soon(self) -> None:
+        """Schedules the registry's bounded expiry passes on the event loop, one per loop
+        turn (`call_soon`: requests, `/health` and `/ready` included, run between them), while
+        a mass expiry is pending; called on the loop by every routed request."""
+        if self.sweeping or not self.registry.expiry_pending():
+            return
+        self.sweeping = True
+        asyncio.get_running_loop().call_soon(self._sweep)
+
+    def _sweep(self) -> None:
+        more = False
+        try:
+            more = self.registry.expire_step()
+        finally:
+            if more:
+                asyncio.get_running_loop().call_soon(self._sweep)
+            else:
+                self.sweeping = False
 
 
 async def get_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.kvhandoff
+    state.sweep_soon()
     return state
 
 

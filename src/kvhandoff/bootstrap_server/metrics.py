@@ -60,6 +60,15 @@ class _RegistryCollector(Collector):
         g = GaugeMetricFamily(_PREFIX + "engines_live", "Engines known (each has a live rank).")
         g.add_metric([], self._registry.engine_count())
         yield g
+        g = GaugeMetricFamily(_PREFIX + "expiry_pass_max",
+                              "The most ranks (or rooms) one expiry pass dropped on the event "
+                              "loop (at most 4,096: a mass expiry is spread over loop turns).")
+        g.add_metric([], st.expiry_pass_max)
+        yield g
+        c = CounterMetricFamily(_PREFIX + "rooms_forgotten",
+                                "Rooms forgotten room_retention_s after their last change.")
+        c.add_metric([], st.rooms_forgotten)
+        yield c
 
 
 class Metrics:
@@ -93,6 +102,19 @@ class Metrics:
             "allow_unauthenticated).",
             registry=self.collector_registry,
         )
+        self.query_slice_max = Gauge(
+            _PREFIX + "query_dp_ranks_slice_max",
+            "The most rooms one POST /query_dp_ranks looked up in one turn of the event loop "
+            "(at most 1,024: a bigger query gives the loop back between slices).",
+            registry=self.collector_registry,
+        )
+        self._query_slice_max = 0
+
+    def query_slice(self, rooms: int) -> None:
+        """One slice of `rooms` lookups of /query_dp_ranks ran (the gauge keeps the most)."""
+        if rooms > self._query_slice_max:
+            self._query_slice_max = rooms
+            self.query_slice_max.set(rooms)
 
     def render(self) -> bytes:
         return generate_latest(self.collector_registry)

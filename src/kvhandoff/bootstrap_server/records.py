@@ -16,6 +16,8 @@ MAX_LIVE_ROOMS = 1_000_000
 MAX_WORLD_SIZE = 1024
 MAX_ENGINES = 256
 MAX_LIVE_RANKS = 65536
+# ranks, and rooms, one expiry pass drops at most (each O(1): a few ms of the event loop)
+EXPIRE_BATCH = 4096
 
 
 class RoomState(enum.Enum):
@@ -164,3 +166,5 @@ class Stats:
     engines_forgotten: int = 0  # engines dropped with their last rank (deregister or expiry)
     # registrations refused by a bound: max_world_size, max_engines, max_live_ranks
     registrations_refused: int = 0
+    # the most ranks (or rooms) one expiry pass dropped: at most EXPIRE_BATCH
+    expiry_pass_max: int = 0

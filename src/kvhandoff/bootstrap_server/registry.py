@@ -15,8 +15,16 @@ Rules:
   costs O(engines); rank lists are paged (``ranks_page``) or sampled (``missing(limit=)``).
 - A rank is live while ``now - last_seen <= rank_ttl_s``; expired ranks are dropped lazily on
   each call (``_expire``), so a heartbeat from a dropped rank gets `BootstrapNotFound` and the
-  agent registers again. Ranks registered with ``expires=False`` (SGLang's, which never
-  heartbeat) stay until deregistered.
+  agent registers again. An expiry pass drops at most EXPIRE_BATCH ranks and EXPIRE_BATCH
+  rooms (each O(1)); after a full pass with more due (`expiry_behind`) calls stop expiring
+  and only `expire_step` does, one pass per call, so a mass expiry (a registrant's 65,536
+  ranks, a million rooms) costs a request at most one pass: the server runs `expire_step`
+  once per event-loop turn while `expiry_pending()` (`deps.ServerState.sweep_soon`).
+  Meanwhile counts may include ranks past their TTL not yet dropped; a lookup of one rank
+  (`_rank`: heartbeat, route, lookup) drops it first, so no caller is answered with an
+  expired rank. Ranks
+  registered with ``expires=False`` (SGLang's, which never heartbeat) stay until
+  deregistered.
 - Rooms are random 63-bit ids, never reused while the room is known. A room is forgotten
   ``room_retention_s`` after its last change (allocation, bind or abort); an abort is kept with
   its reason so a later lookup says why.
@@ -34,6 +42,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from kvhandoff.bootstrap_server.compat import (
     Limits,
@@ -44,8 +53,8 @@ from kvhandoff.bootstrap_server.compat import (
     engine_diff,
     merge_attributes,
 )
-from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
 from kvhandoff.bootstrap_server.records import (
+    EXPIRE_BATCH,
     MAX_ENGINES,
     MAX_LIVE_RANKS,
     MAX_LIVE_ROOMS,
@@ -71,7 +80,8 @@ from kvhandoff.errors import (
 from kvhandoff.state_machine.vocabulary import Role
 
 __all__ = [
-    "MAX_LIVE_ROOMS", "MAX_ROOMS_PER_CALL", "ROOM_BITS", "EngineRecord", "RankKey", "RankRecord",
+    "EXPIRE_BATCH", "MAX_LIVE_ROOMS", "MAX_ROOMS_PER_CALL", "ROOM_BITS", "EngineRecord",
+    "RankKey", "RankRecord",
     "Registration", "Registry", "RoomRecord", "RoomState", "RouteTarget", "Stats", "Topology",
 ]
 
@@ -123,33 +133,68 @@ class Registry:
         # bumped whenever a rank or an engine changes (register, deregister, expiry): answers
         # derived from ranks and engines only can be cached against it
         self.rank_version = 0
+        # the last expiry pass was a full batch with more due: only `expire_step` expires
+        # (one batch per call) until it caught up, so one request does one batch at most
+        self.expiry_behind = False
 
     # -- time ---------------------------------------------------------------------------------
 
     def _now(self) -> float:
         now = self._clock()
-        self._expire(now)
+        if not self.expiry_behind:
+            self._expire(now)
         return now
 
     def _expire(self, now: float) -> None:
-        while self._ranks:
+        """Drops at most EXPIRE_BATCH expired ranks and EXPIRE_BATCH forgotten rooms, oldest
+        first (see the module rules: the rest go on later calls and `expire_step`)."""
+        ranks = rooms = 0
+        while self._ranks and ranks < EXPIRE_BATCH:
             key, rec = next(iter(self._ranks.items()))
             if now - rec.last_seen <= self._ttl_s:
                 break
             self._drop_rank(key)
             self.stats.ranks_expired += 1
             self.rank_version += 1
-        while self._rooms:
+            ranks += 1
+        while self._rooms and rooms < EXPIRE_BATCH:
             room, rr = next(iter(self._rooms.items()))
             if now - rr.updated_at <= self._retention_s:
                 break
             del self._rooms[room]
             self.stats.rooms_forgotten += 1
+            rooms += 1
+        if max(ranks, rooms) > self.stats.expiry_pass_max:
+            self.stats.expiry_pass_max = max(ranks, rooms)
+        # a full batch: more may be due; calls stop expiring until `expire_step` caught up
+        self.expiry_behind = EXPIRE_BATCH in (ranks, rooms) and self.expiry_pending()
+
+    def expiry_pending(self) -> bool:
+        """Whether an expired rank or a room past its retention is still held: O(1)."""
+        now = self._clock()
+        if self._ranks and now - next(iter(self._ranks.values())).last_seen > self._ttl_s:
+            return True
+        return bool(self._rooms) and (
+            now - next(iter(self._rooms.values())).updated_at > self._retention_s)
+
+    def expire_step(self) -> bool:
+        """One bounded expiry pass (EXPIRE_BATCH ranks and rooms at most); whether more is
+        pending. The server runs it once per event-loop turn while it says so; another owner
+        of a registry calls it until False after a mass expiry."""
+        self._expire(self._clock())
+        return self.expiry_pending()
 
     # -- ranks --------------------------------------------------------------------------------
 
     def _rank(self, key: RankKey) -> RankRecord | None:
-        return self._ranks.get(key) or self._immortal.get(key)
+        rec = self._ranks.get(key)
+        if rec is not None and self._clock() - rec.last_seen > self._ttl_s:
+            # expired, not dropped yet (a mass expiry is spread over calls): drop it now
+            self._drop_rank(key)
+            self.stats.ranks_expired += 1
+            self.rank_version += 1
+            return None
+        return rec or self._immortal.get(key)
 
     def _live_ranks_of(self, engine_id: str) -> list[RankRecord]:
         return list(self._by_engine.get(engine_id, {}).values())
@@ -202,6 +247,7 @@ class Registry:
                 ``max_engines``, a new rank past ``max_live_ranks``.
         """
         now = self._now()
+        self._rank(reg.key)  # drops it first if it expired (its engine may go with it)
         engine = self._engines.get(reg.key.engine_id)
         self._check_bounds(reg, engine)
         check_key_in_topology(reg.key, reg.topology)
@@ -521,77 +567,13 @@ class Registry:
         self._now()
         return sorted(e for e, r in self._engines.items() if r.role is Role.PREFILL)
 
-    def route(
-        self,
-        *,
-        engine_id: str | None,
-        room: int | None,
-        dp_rank: int | None,
-        tp_rank: int,
-        tp_size: int,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        replicated: bool = False,
-    ) -> RouteTarget:
-        """The prefill ranks a decode rank must talk to (TP/CP/PP mapping in `mapping`).
+    def route(self, **query: Any) -> RouteTarget:
+        """The prefill ranks a decode rank must talk to (`routing.route`, which documents the
+        query and what it raises)."""
+        from kvhandoff.bootstrap_server.routing import route
 
-        The prefill engine and dp rank come from the room's binding when ``room`` is given,
-        else from ``engine_id`` (optional when exactly one prefill engine is registered) and
-        ``dp_rank``.
+        return route(self, **query)
 
-        Raises:
-            ConfigError: missing/contradicting inputs, sizes that cannot map.
-            BootstrapNotFound: unknown room or engine.
-            BootstrapConflict: the room was aborted (the message says why) or is bound to
-                another engine than ``engine_id``.
-            BootstrapUnavailable: the room is not bound yet, or a needed rank is not live.
-        """
-        if room is not None:
-            rr = self.room(room)
-            if rr.state is RoomState.ABORTED:
-                raise BootstrapConflict(f"room {room} was aborted: {rr.abort_reason}")
-            if rr.state is not RoomState.BOUND or rr.engine_id is None or rr.dp_rank is None:
-                raise BootstrapUnavailable(
-                    f"room {room} is not bound to a prefill dp rank yet; retry"
-                )
-            if engine_id is not None and engine_id != rr.engine_id:
-                raise BootstrapConflict(
-                    f"room {room} is bound to engine {rr.engine_id!r}, not {engine_id!r}"
-                )
-            if dp_rank is not None and dp_rank != rr.dp_rank:
-                raise BootstrapConflict(
-                    f"room {room} is bound to dp_rank {rr.dp_rank}, not {dp_rank}"
-                )
-            engine_id, dp_rank = rr.engine_id, rr.dp_rank
-        else:
-            self._now()
-        if engine_id is None:
-            prefill = self.prefill_engine_ids()
-            if len(prefill) != 1:
-                raise ConfigError(
-                    "engine_id: required when the server knows "
-                    f"{len(prefill)} prefill engines ({', '.join(prefill) or 'none'})"
-                )
-            engine_id = prefill[0]
-        if dp_rank is None:
-            raise ConfigError("dp_rank: give a room or a dp_rank")
-        eng = self.engine(engine_id)
-        if eng.role is not Role.PREFILL:
-            raise ConfigError(f"engine_id: {engine_id!r} is a {eng.role.value} engine")
-        topo = eng.topology
-        if not 0 <= dp_rank < topo.dp_size:
-            raise ConfigError(
-                f"dp_rank: expected 0 <= dp_rank < {topo.dp_size} (dp_size of {engine_id!r}), "
-                f"got {dp_rank}"
-            )
-        tps = prefill_tp_ranks(tp_rank, tp_size, topo.tp_size, replicated=replicated)
-        cps = prefill_axis_ranks("cp", cp_rank, cp_size, topo.cp_size)
-        pps = prefill_axis_ranks("pp", pp_rank, pp_size, topo.pp_size)
-        keys = [RankKey(engine_id, dp_rank, c, t, p) for c in cps for t in tps for p in pps]
-        found = [self._rank(k) for k in keys]
-        missing = [str(k) for k, r in zip(keys, found, strict=True) if r is None]
-        if missing:
-            raise BootstrapUnavailable(f"prefill ranks not registered yet: {', '.join(missing)}")
-        return RouteTarget(engine_id, dp_rank, topo, tuple(r for r in found if r is not None))
+    def live_rank_or_none(self, key: RankKey) -> RankRecord | None:
+        """A live rank, or None (no expiry pass: for the lookups of one route)."""
+        return self._rank(key)

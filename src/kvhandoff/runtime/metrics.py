@@ -30,6 +30,10 @@ class Reporting(Protocol):
 _COUNTER_HELP = {
     "messages_in": "Control messages received.",
     "messages_out": "Control messages sent.",
+    "control_out_dropped": "Control messages dropped because the queue of the socket to "
+                           "their address was at its bound (an address that does not read: "
+                           "64 messages for an address with no peer record, 16,384 for a "
+                           "peer).",
     "messages_out_local": "Of messages_out, those sent to a peer of this host over the "
                           "same-host Unix socket (Settings.local_control_lane).",
     "rejected_messages": "Control messages rejected (malformed, wrong version, oversized).",
@@ -59,6 +63,12 @@ _COUNTER_HELP = {
                             "already taken in this session).",
     "data_forged_chunks": "tcp data plane: chunks on a proven connection whose MAC did not "
                           "verify or whose sequence number was taken already.",
+    "data_forged_replies": "tcp data plane (hmac_secret set), sending side: receiver replies "
+                           "(credits, finals) refused: their MAC did not verify or their "
+                           "sequence number was taken already (forged, replayed, reordered).",
+    "data_unverified_replies": "tcp data plane (hmac_secret set), sending side: 'chunk not "
+                               "taken' replies the receiver could not MAC, taken only as a "
+                               "hint to prove the connection again (never to fail a send).",
     "data_early_dropped": "tcp data plane: chunks for receives not posted yet dropped over "
                           "the bound (tcp_early_bytes) or held past stall_timeout_s; their "
                           "room fails or is retried.",

@@ -20,6 +20,10 @@ still completes real handoffs beside the attack, byte-exact.
   forged connection proof in a peer's name, a replayed proof (captured bytes, given), a
   connection that reuses a peer's ZMQ identity, chunks with forged MACs for the tags a peer
   uses, and a flood of chunks for tags no one posted (the early-chunk store's bound).
+- The replies a tcp sender takes (`REPLY_KINDS`; `forged_replies`, `OnPath`): credits and
+  finals with made-up MACs or none (the format before they were MAC'd), a "not taken" that
+  cannot be MAC'd, and an on-path relay between a sender and its receiver that records the
+  receiver's replies and injects forged or replayed ones into the sender's connection.
 - `nested_maps(depth)`: the one frame that used to end an agent's control thread (a Hello whose
   layout nests `depth` maps).
 - `attack_control`, `attack_lane`, `attack_tcp_data`, `attack_http`: a seeded corpus thrown
@@ -440,6 +444,126 @@ def tcp_session_cases(seed: int, count: int, *, claims: Sequence[bytes] = (),
         flood.append(tcp_chunk(rng.getrandbits(40), 0, 1, size, rng.randbytes(size)))
     cases.append(TcpCase("early_flood", None, [[proof(claim[0])], *flood]))
     return cases
+
+
+#: the categories of `forged_replies` (what an on-path attacker would answer a tcp sender)
+REPLY_KINDS = ("forged_credit", "forged_final_ok", "forged_final_failed", "bare_final_ok",
+               "bare_final_failed", "unverified_not_taken")
+
+
+def forged_replies(seed: int, tags: Sequence[int], *, chunks: int = 4) -> list[list[bytes]]:
+    """Replies a tcp receiver did not send, for `tags` (the sender's own, which an on-path
+    attacker reads off the wire): each chunk's credit and a final ok and failed with made-up
+    MACs and sequence numbers (REPLY_TRAILER), the same finals without a trailer (the format
+    of replies before they were MAC'd), and a "not taken" with the all-zero trailer of a reply
+    the receiver could not MAC. Seeded."""
+    from kvhandoff.transports.chunkauth import NO_REPLY_TRAILER, REPLY_TRAILER
+    from kvhandoff.transports.tcp import _NOT_TAKEN
+
+    rng = random.Random(seed)
+
+    def made_up() -> bytes:
+        return REPLY_TRAILER.pack(rng.randrange(1, 1 << 32), rng.randbytes(16))
+
+    out: list[list[bytes]] = []
+    for tag in tags:
+        out += [[b"C" + struct.pack("<QI", tag, k) + made_up()] for k in range(chunks)]
+        out.append([b"F" + struct.pack("<QB", tag, 1) + made_up(), b""])
+        out.append([b"F" + struct.pack("<QB", tag, 0) + made_up(), b"forged"])
+        out.append([b"F" + struct.pack("<QB", tag, 1), b""])
+        out.append([b"F" + struct.pack("<QB", tag, 0), b"forged"])
+        out.append([b"F" + struct.pack("<QB", tag, 0) + NO_REPLY_TRAILER, _NOT_TAKEN.encode()])
+    return out
+
+
+class OnPath:
+    """An on-path attacker between a tcp sender and its receiver: a relay (a ZMQ ROUTER the
+    sender connects to, a DEALER to the receiver's data port) that forwards both ways on a
+    thread of its own, records what the receiver answered (`replies`) and puts frame sets of
+    its own into the sender's connection (`inject`). `address`: what the sender connects to
+    in place of the receiver's transport address. A context manager; `close()` stops it."""
+
+    def __init__(self, receiver_address: bytes) -> None:
+        import queue
+
+        import zmq
+
+        endpoint, ident = receiver_address.decode().rsplit("/", 1)
+        self._ctx = zmq.Context()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        port = self._front.bind_to_random_port("tcp://127.0.0.1")
+        self._back = self._ctx.socket(zmq.DEALER)
+        self._back.setsockopt(zmq.LINGER, 0)
+        self._back.connect(endpoint)
+        self.address = f"tcp://127.0.0.1:{port}/{ident}".encode()
+        self.replies: list[list[bytes]] = []  # what the receiver sent, in order
+        self.forwarded = 0  # frame sets the sender sent, forwarded
+        self._inbox: queue.Queue[list[bytes]] = queue.Queue()
+        self._rid: bytes | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="hostile-on-path", daemon=True)
+        self._thread.start()
+
+    def inject(self, frame_sets: Iterable[list[bytes]]) -> None:
+        """Puts `frame_sets` into the sender's connection (once it has connected), in order,
+        after what the receiver sent before."""
+        for frames in frame_sets:
+            self._inbox.put(list(frames))
+
+    def recorded(self) -> list[list[bytes]]:
+        with self._lock:
+            return list(self.replies)
+
+    def _run(self) -> None:
+        import queue
+
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._back, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(10))
+            if self._front in events:
+                while True:
+                    try:
+                        rid, *frames = self._front.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._rid = rid
+                    self._back.send_multipart(frames)
+                    self.forwarded += 1
+            if self._back in events:
+                while True:
+                    try:
+                        frames = self._back.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    with self._lock:
+                        self.replies.append(frames)
+                    if self._rid is not None:
+                        self._front.send_multipart([self._rid, *frames])
+            while self._rid is not None:
+                try:
+                    frames = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._front.send_multipart([self._rid, *frames])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._front.close()
+        self._back.close()
+        self._ctx.term()
+
+    def __enter__(self) -> OnPath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def send_tcp_frames(transport_address: bytes, cases: Iterable[TcpCase]) -> int:

@@ -32,9 +32,22 @@
 # The payload is MAC'd, not only the header: the room's checksum (xxh3-64, whose digest travels
 # sealed) is no MAC, so an on-path attacker who rewrote the payload could keep its hash; one
 # MAC pass per side per byte is the cost (docs/SECURITY.md gives the measured figures).
+# The receiver's replies on a proven connection (b"C" credits, b"F" finals) are MAC'd too
+# (`ReplyMac`): HMAC-SHA256, truncated to 16 bytes, under a key of that connection alone (HKDF
+# of the data key and the connection nonce, info "kvhandoff tcp reply 1": never the chunk
+# MAC's key) of "reply" | seq | header | reason, with a sequence number of its own that only
+# grows; the header frame ends with REPLY_TRAILER (seq, MAC). The sender (`Signer.reply`)
+# takes a reply only when its MAC verifies under one of its recent connections' keys and its
+# sequence number is above the last one taken there: a forged, replayed or reordered reply is
+# refused and counted (`data_forged_replies`), so it neither completes, fails nor advances a
+# send. One reply cannot be MAC'd: "chunk not taken" to a connection that proved nothing the
+# receiver holds (its proof was refused, or it was dropped); with a secret the sender takes
+# such a reply only as a hint to prove the connection again, once per proof
+# (`data_unverified_replies`), never as a reason to fail a send. Without a secret nothing
+# changes on the wire (no trailer, replies taken as they come).
 # What an on-path attacker can still do: read the bytes (nothing is encrypted), drop, delay or
-# cut the connection (the room fails or retransmits), and forge the receiver's replies (credits
-# and finals are not MAC'd: it can fail a send or stall it, never make a byte land).
+# cut the connection (the room stalls, fails on its stall bound, or retransmits); it cannot
+# make a byte land, nor complete, fail or advance a send by a reply it made up or replayed.
 #
 # Rules: a `Gate` and an `EarlyStore` belong to the transport's I/O thread, except the key
 # table, which `bind`/`unbind` change from any thread under the gate's own lock. A sender
@@ -77,15 +90,21 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 PROOF = struct.Struct("<c32s16s32s")  # kind (GMAC or HMAC), sender's transport id, nonce, MAC
 TRAILER = struct.Struct("<Q32s")  # after a chunk's header: sequence number, MAC
+REPLY_TRAILER = struct.Struct("<Q16s")  # after a reply's header (with a secret): seq, MAC
+REPLY_MAC_BYTES = 16
+REPLY_KEYS = 4  # a sender's recent connections (proofs) whose replies it still takes
 CONNS_PER_PEER = 16  # proven (or, without a secret, claimed) connections kept per peer
 TOLD_MAX = 4096  # connections told their chunk was not taken, remembered (told once)
 NONCES_MAX = 4096  # proofs taken per session key (reconnects): more are refused
 OVERFLOWED_MAX = 4096  # tags whose early chunks went over the bound, remembered
+STALE_MAX = 64  # dropped proven connections whose replies are still sealed (`Gate.seal`)
 
 #: the counters a `Gate` and an `EarlyStore` keep (the transport's status and the metrics)
 COUNTERS = ("data_unproven_chunks", "data_refused_proofs", "data_replayed_proofs",
-            "data_forged_chunks", "data_early_dropped")
+            "data_forged_chunks", "data_early_dropped", "data_forged_replies",
+            "data_unverified_replies")
 _NO_MAC = bytes(MAC_BYTES)
+NO_REPLY_TRAILER = REPLY_TRAILER.pack(0, bytes(REPLY_MAC_BYTES))  # a reply that cannot be MAC'd
 
 #: a proof's kind byte, naming the MAC of the chunks that follow it on that connection
 GMAC = b"G"  # AES-256-GCM's tag (`cryptography`): the default where it imports
@@ -151,11 +170,39 @@ class ChunkMac:
         return h.digest()
 
 
+class ReplyMac:
+    """The MAC of the receiver's replies on one connection (see the module comment): made by
+    the receiver's `Gate` (`seal`) and checked by the connection's `Signer` (`take`). Each
+    side keeps its own sequence number: the receiver's last sent, the sender's last taken."""
+
+    __slots__ = ("_key", "seq")
+
+    def __init__(self, data_key: bytes, nonce: bytes) -> None:
+        self._key = hkdf_sha256(data_key, salt=nonce, info=b"kvhandoff tcp reply 1")
+        self.seq = 0
+
+    def mac(self, seq: int, head: bytes, reason: bytes) -> bytes:
+        return hmac.digest(self._key, b"reply\0" + seq.to_bytes(8, "little") + head + reason,
+                           "sha256")[:REPLY_MAC_BYTES]
+
+    def seal(self, head: bytes, reason: bytes = b"") -> bytes:
+        """`head` with its trailer: the next sequence number and the MAC."""
+        self.seq += 1
+        return head + REPLY_TRAILER.pack(self.seq, self.mac(self.seq, head, reason))
+
+    def take(self, seq: int, head: bytes, reason: bytes, mac: bytes) -> bool:
+        """Whether a reply verifies and comes after the last one taken (then it is taken)."""
+        if seq <= self.seq or not hmac.compare_digest(self.mac(seq, head, reason), mac):
+            return False
+        self.seq = seq
+        return True
+
+
 class Signer:
     """The sending end of one data connection: its proof and each chunk's trailer. `mac`: the
     chunk MAC's kind (default: `default_mac()`); `nonce`: the connection's (default: drawn)."""
 
-    __slots__ = ("_key", "nonce", "_seq", "kind", "_mac")
+    __slots__ = ("_key", "nonce", "_seq", "kind", "_mac", "reply")
 
     def __init__(self, session_key: bytes, *, mac: bytes | None = None,
                  nonce: bytes | None = None) -> None:
@@ -164,6 +211,8 @@ class Signer:
         self._seq = 0
         self.kind = mac if mac is not None else default_mac()
         self._mac = ChunkMac(self.kind, self._key, self.nonce) if self._key else None
+        #: the receiver's replies on this connection (None: no secret, replies are not MAC'd)
+        self.reply = ReplyMac(self._key, self.nonce) if self._key else None
 
     def proof(self, sender: bytes, receiver: bytes) -> bytes:
         """The proof frame this connection sends before its first chunk."""
@@ -183,11 +232,12 @@ class Signer:
 
 
 class _Conn:
-    __slots__ = ("ident", "key", "nonce", "seq", "mac")
+    __slots__ = ("ident", "key", "nonce", "seq", "mac", "reply")
 
     def __init__(self, ident: bytes, key: bytes, nonce: bytes,
                  mac: ChunkMac | None = None) -> None:
         self.ident, self.key, self.nonce, self.seq, self.mac = ident, key, nonce, 0, mac
+        self.reply = ReplyMac(key, nonce) if mac is not None else None
 
 
 class Gate:
@@ -217,6 +267,10 @@ class Gate:
         self._route: dict[bytes, bytes] = {}  # peer id -> routing id of its latest proof
         # routing ids told their chunk was not taken since their last proof
         self._told: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # routing id -> the proven connection it last dropped (a new key, a new proof, a
+        # disconnect): its replies to that connection are still sealed under it (`seal`);
+        # only connections that proved themselves get here, at most STALE_MAX
+        self._stale: collections.OrderedDict[bytes, _Conn] = collections.OrderedDict()
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -280,6 +334,7 @@ class Gate:
     def _take(self, rid: bytes, ident: bytes, key: bytes, nonce: bytes,
               mac: ChunkMac | None = None) -> _Conn:
         conn = self._conns[rid] = _Conn(ident, key, nonce, mac)
+        self._stale.pop(rid, None)
         self._route[ident] = rid
         mine = self._by_peer.setdefault(ident, collections.OrderedDict())
         mine[rid] = None
@@ -288,8 +343,23 @@ class Gate:
             self._conns.pop(old, None)
         return conn
 
+    def seal(self, rid: bytes, head: bytes, reason: bytes = b"") -> bytes:
+        """A reply's header frame to connection `rid` (with a secret): `head`, then its
+        trailer, MAC'd under what the connection proved (or last proved, if dropped since);
+        a connection that proved nothing gets an all-zero trailer, which its sender takes only
+        as a hint (see the module comment)."""
+        conn = self._conns.get(rid) or self._stale.get(rid)
+        if conn is None or conn.reply is None:
+            return head + NO_REPLY_TRAILER
+        return conn.reply.seal(head, reason)
+
     def _drop_conn(self, rid: bytes) -> None:
         conn = self._conns.pop(rid, None)
+        if conn is not None and conn.reply is not None:
+            self._stale[rid] = conn
+            self._stale.move_to_end(rid)
+            while len(self._stale) > STALE_MAX:
+                self._stale.popitem(last=False)
         if conn is not None:
             mine = self._by_peer.get(conn.ident)
             if mine is not None:

@@ -8,13 +8,16 @@
 # it was gathered into. The receiver's ROUTER copies each payload once into the destination
 # (direct or scattered) and answers b"C" (chunk landed: the sender may reuse that staging
 # buffer and send one more chunk of that op: the per-op window, window.SendWindow) and,
-# when every chunk of the op landed, b"F" + status, which completes the send. Chunks that
-# arrive before their receive is posted are held (as zmq frames, bounded per peer and in total:
-# chunkauth.EarlyStore) until it is, and answered b"C" only then.
+# when every chunk of the op landed, b"F" + status, which completes the send. With a secret
+# each reply is MAC'd under its connection's key with a sequence number of its own
+# (chunkauth.ReplyMac): the sender takes none that does not verify or comes out of order.
+# Chunks that arrive before their receive is posted are held (as zmq frames, bounded per
+# peer and in total: chunkauth.EarlyStore) until it is, and answered b"C" only then.
 # Each data connection is bound to the control session with its peer (chunkauth: the DEALER
 # sends a proof under the session's key before its first chunk, and again after every
 # reconnect or rekey; each header frame ends with a sequence number and a MAC of header and
-# payload); the ROUTER assigns routing ids itself
+# payload; the receiver's replies carry a sequence number and a MAC); the ROUTER assigns
+# routing ids itself
 # (no ROUTER_HANDOVER: a sender cannot pick, reuse or take over another's) and lands a chunk
 # only from a connection that proved its peer. High-water marks and the largest message are
 # bounded.
@@ -49,6 +52,8 @@ from kvhandoff.transports.chunkauth import (
     COUNTERS,
     GMAC,
     MAC_NAMES,
+    REPLY_KEYS,
+    REPLY_TRAILER,
     TRAILER,
     EarlyStore,
     Gate,
@@ -75,6 +80,7 @@ _TOMBSTONES = 4096  # (peer id, tag) of cancelled receives whose late chunks are
 _HWM = 65536  # messages queued per connection and direction (credits are 17 bytes each)
 PROOF_KINDS = frozenset(MAC_NAMES)  # a proof frame's first byte (chunkauth)
 _NOT_TAKEN = "tcp: chunk not taken: its connection has not proven this session (say Hello)"
+_NOT_TAKEN_B = _NOT_TAKEN.encode()
 
 
 class _Op(ChunkOp):
@@ -164,6 +170,8 @@ class TcpTransport(TableTransport):
         self._session_keys: dict[str, bytes] = {}  # (the lock) peer -> bind_session's key
         self._bound: dict[str, bytes] = {}  # (the lock) peer -> the key its connect used
         self._signers: dict[str, Signer] = {}
+        # peer -> its connection's last REPLY_KEYS proofs sent (their replies are taken)
+        self._proofs_sent: dict[str, collections.deque[Signer]] = {}
         self._unproved: set[str] = set()  # peers whose next chunk goes after a fresh proof
         # peer -> (its DEALER's monitor, its transport id, the session key); connections made
         self._monitors: dict[str, tuple[zmq.Socket[bytes], bytes, bytes]] = {}
@@ -305,6 +313,7 @@ class TcpTransport(TableTransport):
             poller.unregister(mon[0])
             mon[0].close(linger=0)
         self._signers.pop(peer, None)
+        self._proofs_sent.pop(peer, None)
         self._unproved.discard(peer)
         self._connects.pop(peer, None)
         self._gate.forget(ident)
@@ -319,15 +328,22 @@ class TcpTransport(TableTransport):
             elif self._recv_index.get((op.ident, op.tag)) is op:
                 del self._recv_index[(op.ident, op.tag)]
                 self._tombstone(op.ident, op.tag)
-                self._reply(op, [_FINAL.pack(b"F", op.tag, 0), why.encode()])
+                self._reply(op, _FINAL.pack(b"F", op.tag, 0), why.encode())
         return True
 
-    def _reply(self, op: _Op, frames: list[bytes]) -> None:
+    def _reply(self, op: _Op, head: bytes, reason: bytes) -> None:
         """To the connection the receive's chunks came on, else its peer's proven connection
         (none: the peer has sent nothing to tell)."""
         rid = op.rid or self._gate.route(op.ident)
         if rid is not None:
-            self._router.send_multipart([rid, *frames])
+            self._answer(rid, head, reason)
+
+    def _answer(self, rid: bytes, head: bytes, reason: bytes | None = None) -> None:
+        """A reply (a credit: no `reason`; a final) to connection `rid`; with a secret MAC'd
+        under what that connection proved (chunkauth.Gate.seal)."""
+        if self._gate.required:
+            head = self._gate.seal(rid, head, reason or b"")
+        self._router.send_multipart([rid, head] if reason is None else [rid, head, reason])
 
     def _tombstone(self, ident: bytes, tag: int) -> None:
         self._early.discard((ident, tag))
@@ -356,7 +372,7 @@ class TcpTransport(TableTransport):
         self._tombstones.pop(key, None)
         self._recv_index[key] = op
         for k, n, total, frame, rid in self._early.take(key):
-            self._router.send_multipart([rid, _CREDIT.pack(b"C", op.tag, k)])
+            self._answer(rid, _CREDIT.pack(b"C", op.tag, k))
             self._land(op, k, n, total, frame, rid)
         return True
 
@@ -373,18 +389,28 @@ class TcpTransport(TableTransport):
         head = _DATA.pack(b"D", op.tag, k, plan.nchunks, plan.total)
         if op.peer in self._unproved:
             self._unproved.discard(op.peer)
-            channel.send(self._signers[op.peer].proof(self._ident, self._monitors[op.peer][1]))
+            signer = self._signers[op.peer]
+            channel.send(signer.proof(self._ident, self._monitors[op.peer][1]))
+            self._proofs_sent.setdefault(
+                op.peer, collections.deque(maxlen=REPLY_KEYS)).append(signer)
         channel.send_multipart([head + self._signers[op.peer].trailer(head, view), view.data],
                                copy=False)
         self._bytes_sent += view.size
 
     def _drain_dealer(self, peer: str, sock: zmq.Socket[bytes]) -> None:
+        required = self._gate.required
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            head = frames[0]
+            if required:
+                verified = self._verified(peer, frames)
+                if verified is None:
+                    continue
+                head = verified
+            else:
+                head = frames[0]
             if head[:1] == b"C" and len(head) == _CREDIT.size:
                 _, tag, k = _CREDIT.unpack(head)
                 op = self._send_index.get((peer, tag))
@@ -401,6 +427,28 @@ class TcpTransport(TableTransport):
                     self._table.finish(op, reason)
             else:
                 log.warning("tcp: dropping a malformed frame from peer %r", peer)
+
+    def _verified(self, peer: str, frames: list[bytes]) -> bytes | None:
+        """A reply's header without its trailer, if its MAC verifies under one of this
+        connection's recent proofs with a sequence number above the last taken there; else
+        None, counted: a forged, replayed or reordered reply (`data_forged_replies`), or a
+        "not taken" the receiver could not MAC (`data_unverified_replies`: taken as a hint to
+        prove the connection again, once per proof sent, never to fail a send)."""
+        raw = frames[0]
+        reason = frames[1] if len(frames) > 1 else b""
+        if len(frames) <= 2 and len(raw) > REPLY_TRAILER.size:
+            head = raw[:-REPLY_TRAILER.size]
+            seq, mac = REPLY_TRAILER.unpack_from(raw, len(head))
+            for signer in reversed(self._proofs_sent.get(peer, ())):
+                if signer.reply is not None and signer.reply.take(seq, head, reason, mac):
+                    return head
+            if head[:1] == b"F" and len(head) == _FINAL.size and reason == _NOT_TAKEN_B:
+                self._counters["data_unverified_replies"] += 1
+                if peer not in self._unproved and peer in self._monitors:
+                    self._prove(peer)
+                return None
+        self._counters["data_forged_replies"] += 1
+        return None
 
     def _drain_router(self) -> None:
         while True:
@@ -423,20 +471,19 @@ class TcpTransport(TableTransport):
                                      frames[2].buffer)
             if ident is None:  # dropped (counted); told once per proof it sent
                 if self._gate.tell(rid):
-                    self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0),
-                                                 _NOT_TAKEN.encode()])
+                    self._answer(rid, _FINAL.pack(b"F", tag, 0), _NOT_TAKEN_B)
                 continue
             key = (ident, tag)
             op = self._recv_index.get(key)
             if op is not None:
-                self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
+                self._answer(rid, _CREDIT.pack(b"C", tag, k))
                 self._land(op, k, n, total, frames[2], rid)
             elif key in self._tombstones:
-                self._router.send_multipart([rid, _CREDIT.pack(b"C", tag, k)])
+                self._answer(rid, _CREDIT.pack(b"C", tag, k))
             elif not self._hold_early(key, (k, n, total, frames[2], rid), len(frames[2])):
-                self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0), (
+                self._answer(rid, _FINAL.pack(b"F", tag, 0), (
                     f"tcp: tag {tag}: chunks sent before the receiver posted its receive went "
-                    "over its bound (tcp_early_bytes); dropped").encode()])
+                    "over its bound (tcp_early_bytes); dropped").encode())
 
     def _hold_early(self, key: tuple[bytes, int], item: tuple[int, int, int, zmq.Frame, bytes],
                     nbytes: int) -> bool:
@@ -445,9 +492,9 @@ class TcpTransport(TableTransport):
         now = time.monotonic()
         for (_, tag), items in self._early.expire(now):
             for rid in {it[4] for it in items}:
-                self._router.send_multipart([rid, _FINAL.pack(b"F", tag, 0), (
+                self._answer(rid, _FINAL.pack(b"F", tag, 0), (
                     f"tcp: tag {tag}: chunks held {self._early.keep_s:.0f} s without a "
-                    "receive posted (stall_timeout_s); dropped").encode()])
+                    "receive posted (stall_timeout_s); dropped").encode())
         return self._early.hold(key, item, nbytes, next(self._seq), now=now)
 
     def _land(self, op: _Op, k: int, n: int, total: int, frame: zmq.Frame, rid: bytes) -> None:
@@ -459,7 +506,7 @@ class TcpTransport(TableTransport):
                       f"expects {plan.total}")
             self._recv_index.pop((op.ident, op.tag), None)
             self._tombstone(op.ident, op.tag)
-            self._reply(op, [_FINAL.pack(b"F", op.tag, 0), reason.encode()])
+            self._reply(op, _FINAL.pack(b"F", op.tag, 0), reason.encode())
             self._table.finish(op, reason)
             return
         start = plan.direct(k)
@@ -476,6 +523,6 @@ class TcpTransport(TableTransport):
             complete = op.landed == plan.nchunks
         if complete:
             self._recv_index.pop((op.ident, op.tag), None)
-            self._reply(op, [_FINAL.pack(b"F", op.tag, 1), b""])
+            self._reply(op, _FINAL.pack(b"F", op.tag, 1), b"")
             self._table.finish(op, None)
 

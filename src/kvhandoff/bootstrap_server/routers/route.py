@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from kvhandoff.bootstrap_server.deps import MetricsDep, RegistryDep
+from kvhandoff.bootstrap_server.routing import route as route_of
 from kvhandoff.bootstrap_server.schemas import RouteAnswer, RouteQuery
 from kvhandoff.bootstrap_server.views import prefill_rank_info
 from kvhandoff.errors import KVHandoffError
@@ -28,8 +29,8 @@ async def lookup_route(q: Annotated[RouteQuery, Query()], registry: RegistryDep,
     ranks `d*P/D ... (d+1)*P/D-1`; `replicated=true`: exactly one rank, `d % P`. CP and PP:
     equal sizes 1:1, a decode size of 1 reads all prefill ranks of that axis."""
     try:
-        target = registry.route(
-            engine_id=q.engine_id, room=q.room, dp_rank=q.dp_rank,
+        target = route_of(
+            registry, engine_id=q.engine_id, room=q.room, dp_rank=q.dp_rank,
             tp_rank=q.tp_rank, tp_size=q.tp_size, cp_rank=q.cp_rank, cp_size=q.cp_size,
             pp_rank=q.pp_rank, pp_size=q.pp_size, replicated=q.replicated,
         )
