@@ -112,6 +112,12 @@ CATALOG: dict[str, EngineDef] = {
     # hybrid allocator raises a 16-token block to 32, so the decode keeps 32), a TP 2 decode
     "hybrid-prefill-b64": ("hybrid", 64, 1, "prefill", {}),
     "hybrid-decode-tp2": ("hybrid", 32, 2, "decode", {"load_mode": None, "policy": "fail"}),
+    # test_live_mamba: a Qwen3-Next-like pair (Gated DeltaNet state beside full attention,
+    # bfloat16, vLLM's defaults: hybrid allocator, prefix caching, mamba_cache_mode 'align'),
+    # async decode; the prefill is its own reference
+    "gdn-prefill": ("gdn", 32, 1, "prefill", {"dtype": "bfloat16"}),
+    "gdn-decode": ("gdn", 32, 1, "decode", {"load_mode": None, "policy": "fail",
+                                           "dtype": "bfloat16"}),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
@@ -127,6 +133,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     model, block, tp, role, extra = d
     extra = dict(extra)
     max_model_len = int(extra.pop("max_model_len", 512))
+    dtype = str(extra.pop("dtype", "float32"))
     cfg = None
     env: dict[str, str] = {}
     if role == "nixl":
@@ -138,7 +145,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
                   attention_backend="CPU_MLA" if model.startswith("mla") else None,
-                  max_model_len=max_model_len, env=env)
+                  max_model_len=max_model_len, dtype=dtype, env=env)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

@@ -100,6 +100,7 @@ class Engine:
     # weight packing takes bfloat16 only), with or without kvhandoff
     attention_backend: str | None = None
     max_model_len: int = 512
+    dtype: str = "float32"  # --dtype (vLLM's CPU GDN kernel takes bfloat16 only)
     env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -117,7 +118,7 @@ class Engine:
     def argv(self) -> list[str]:
         argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "float32", "--enforce-eager", "--block-size", str(self.block_size),
+                "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
                 "--max-model-len", str(self.max_model_len), "--num-gpu-blocks-override", "64",
                 "--max-num-seqs", "8", "--seed", "0", "--tensor-parallel-size", str(self.tp),
                 "--disable-uvicorn-access-log"]
