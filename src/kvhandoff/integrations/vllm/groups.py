@@ -243,7 +243,7 @@ def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
     if len(set(sizes)) > 1:
         other = next(i for i, s in enumerate(sizes) if s != sizes[0])
         first, second = attn[0], attn[other]
-        raise ConfigError(f"kv_cache_groups: block sizes {sizes} per attention group; "
+        raise ConfigError(f"kv_cache_groups: block sizes {sizes} per group; "
                           "KVHandoffConnector moves the groups of a hybrid model when they "
                           f"share one block size: group {first} ({regions[first]}) has "
                           f"{sizes[0]} tokens, group {second} ({regions[second]}) "
