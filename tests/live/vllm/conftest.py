@@ -118,6 +118,11 @@ CATALOG: dict[str, EngineDef] = {
     "gdn-prefill": ("gdn", 32, 1, "prefill", {"dtype": "bfloat16"}),
     "gdn-decode": ("gdn", 32, 1, "decode", {"load_mode": None, "policy": "fail",
                                            "dtype": "bfloat16"}),
+    # a decode without prefix caching: vLLM keeps its state in mamba_cache_mode 'none' (one
+    # block per request, the state groups' block the whole context)
+    "gdn-decode-none": ("gdn", 32, 1, "decode", {
+        "load_mode": None, "policy": "fail", "dtype": "bfloat16",
+        "args": ("--no-enable-prefix-caching",)}),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
@@ -134,6 +139,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     extra = dict(extra)
     max_model_len = int(extra.pop("max_model_len", 512))
     dtype = str(extra.pop("dtype", "float32"))
+    args = tuple(extra.pop("args", ()))
     cfg = None
     env: dict[str, str] = {}
     if role == "nixl":
@@ -145,7 +151,7 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
                   attention_backend="CPU_MLA" if model.startswith("mla") else None,
-                  max_model_len=max_model_len, dtype=dtype, env=env)
+                  max_model_len=max_model_len, dtype=dtype, args=args, env=env)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

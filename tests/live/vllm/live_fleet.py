@@ -101,6 +101,7 @@ class Engine:
     attention_backend: str | None = None
     max_model_len: int = 512
     dtype: str = "float32"  # --dtype (vLLM's CPU GDN kernel takes bfloat16 only)
+    args: tuple[str, ...] = ()  # more `vllm serve` flags
     env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -128,6 +129,7 @@ class Engine:
             argv += ["--attention-backend", self.attention_backend]
         if self.kv_config is not None:
             argv += ["--kv-transfer-config", self.kv_config]
+        argv += list(self.args)
         return argv
 
     def start(self) -> None:

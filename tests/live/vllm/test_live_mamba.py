@@ -40,6 +40,11 @@ decode loaded: the decode's prefix cache must not serve the loaded state block a
 that block's end (it holds the state after the loaded tokens, not after 96): vLLM gives it no
 hit (0 tokens, asserted), and the output is bit-equal to the engine alone's.
 
+A decode without prefix caching (``mamba_cache_mode`` 'none': one state block per request,
+the state groups' block the whole context, the attention block still 96) loads from the same
+prefill (mode 'align'): the state block is its one block; the same bytes move, and the output
+equals this prefill's pair's (the same state, the same last step).
+
 Before: the connector refused the model at start ("has Mamba / SSM state layers ...
 KVHandoffConnector moves attention KV pages, not a request's SSM / conv state").
 """
@@ -57,8 +62,8 @@ from live_pairs import EXT, ROOMS_DONE, external, idle
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
 MODEL = "gdn"
-P, D = "gdn-prefill", "gdn-decode"
-ENGINES = (P, D)  # what this module needs of the run's fleet
+P, D, DN = "gdn-prefill", "gdn-decode", "gdn-decode-none"
+ENGINES = (P, D, DN)  # what this module needs of the run's fleet
 GDN_LAYERS, FULL_LAYERS = 3, 1  # make_models.GDN_LAYER_TYPES
 BYTES = "vllm:kvhandoff_bytes_total"
 # vLLM's engine core: the block of each KV cache group (the hybrid allocator's unified block)
@@ -134,3 +139,33 @@ def test_decode_prefix_cache_after_a_loaded_state(fleet: Fleet, http: httpx.Clie
     assert hits == 0  # vLLM never computed the state at token 96 on the decode
     assert got.tokens == want.tokens and max_diff(want, got) == 0.0
     idle(http, prefill, decode)
+
+
+def test_decode_in_mode_none_loads_from_an_align_prefill(fleet: Fleet, http: httpx.Client,
+                                                        figures: list[str]) -> None:
+    prefill, decode, other = fleet[P], fleet[DN], fleet[D]
+    log = decode.log.read_text(errors="replace")
+    assert "Mamba cache mode is set to 'align'" not in log, decode.tail()
+    sizes = GROUPS.findall(log)
+    assert sizes, decode.tail()
+    block = min(int(b) for b in sizes[-1].split(","))  # the attention group's
+    page_bytes = block * ATTN_BYTES_PER_TOKEN
+    seen = []
+    for n in (20, block + 1, 2 * block - 10):
+        prompt = prompt_of(71_000 + n, n)
+        align = generate(http, fleet.proxy(P, D), body(MODEL, prompt, salt=f"align-{n}"))
+        want = generate(http, prefill.url, body(MODEL, prompt, salt=f"alone-n-{n}"))
+        rooms = decode.metric(http, ROOMS_DONE, role="decode")
+        nbytes = decode.metric(http, BYTES, role="decode")
+        got = generate(http, fleet.proxy(P, DN), body(MODEL, prompt, salt=f"none-{n}"))
+        wait_until(f"a room of the {n}-token prompt done on the mode-'none' decode",
+                   lambda r=rooms: decode.metric(http, ROOMS_DONE, role="decode") > r,
+                   timeout_s=30)
+        moved = int(decode.metric(http, BYTES, role="decode") - nbytes)
+        seen.append(f"{n}: {moved} bytes, first |dlogprob| vs alone "
+                    f"{abs(want.logprobs[0] - got.logprobs[0]):.3g}")
+        assert moved == (FULL_LAYERS * -(-(n - 1) // block) + GDN_LAYERS) * page_bytes, n
+        assert got.tokens == align.tokens and max_diff(align, got) == 0.0, n
+        assert abs(want.logprobs[0] - got.logprobs[0]) <= TOL_FIRST, n
+    figures.append("gdn align prefill -> mode-'none' decode: " + "; ".join(seen))
+    idle(http, prefill, decode, other)
