@@ -15,7 +15,7 @@ planning, allocation and blocks (the live pair is tests/live/vllm/test_live_mamb
 - a prefill request's prompt is cut before its last token (vLLM's `Request`: token ids, the
   block hashes past the new end, max_tokens), once;
 - refused at start naming the reason: mamba_cache_mode 'all', speculative state blocks, a model
-  of state layers only.
+  of state layers only; a load from a prefill of another TP size fails naming both sizes.
 """
 
 from __future__ import annotations
@@ -231,3 +231,41 @@ def test_state_layers_only_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model '.*tiny-llama' has Mamba / SSM state layers "
                                           r"only"):
         KVHandoffConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_decode_of_another_tp_size_fails_the_load_naming_both(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A room from a prefill of TP 2 into this TP-1 decode: the load fails at once, the
+    reason naming both sizes (a rank's state is its share of the heads)."""
+    import logging
+    import time
+
+    from kvhandoff.integrations.vllm import KVHandoffMetadata
+    from kvhandoff.integrations.vllm.config import RecvReq
+
+    cfg, kcc = plan(tmp_path, [FULL, gdn(), gdn()])
+    groups = len(kcc.kv_cache_groups)
+    worker = KVHandoffConnector(cfg, KVConnectorRole.WORKER, kcc)
+    try:
+        worker.register_kv_caches(env.allocate(cfg, kcc))
+        rv = RecvReq(room=4242, bootstrap_addr="127.0.0.1:9", block_ids=[1], num_tokens=20,
+                     local_tokens=0, load_tokens=20, sync=False, prefill_tp_size=2,
+                     group_blocks=[[1 + i, 10 + i] for i in range(groups)],
+                     group_starts=[0] * groups)
+        with caplog.at_level(logging.ERROR, logger="kvhandoff"):
+            logging.getLogger("kvhandoff").addHandler(caplog.handler)
+            try:
+                worker.bind_connector_metadata(KVHandoffMetadata(recvs={"d": rv}))
+                worker.start_load_kv(None)  # type: ignore[arg-type]
+                res = worker.get_transfer_results(set())
+                deadline = time.monotonic() + 30
+                while "d" not in res.finished_recving and time.monotonic() < deadline:
+                    time.sleep(0.02)  # one engine step
+                    res = worker.get_transfer_results(set())
+            finally:
+                logging.getLogger("kvhandoff").removeHandler(caplog.handler)
+        assert res.finished_recving == {"d"} and res.failed_recving == {"d"}
+        assert "the prefill has TP 2, this decode TP 1" in caplog.text, caplog.text
+        assert "state_g" in caplog.text
+    finally:
+        worker.shutdown()
