@@ -31,8 +31,8 @@ its own ``cache_salt``):
   sums): the first generated token's logprob within `TOL_FIRST` nats. The later tokens follow
   greedy choices, which a near-tie can flip; vLLM's own NixlConnector pair on this build
   flips the same prompts (measured with these prompts: 20 tokens at its first token, 40 at
-  its 11th, 65 at its first; first-token |dlogprob| 0 to 0.03, the same figures as this
-  pair's), so tokens are not compared there. The figure printed says per prompt the
+  its 11th, 65 at its first, 193 at its 12th; first-token |dlogprob| 0 to 0.03, the same
+  figures as this pair's), so tokens are not compared there. The figure printed says per prompt the
   first-token |dlogprob| and where tokens differ.
 
 Then a prompt the decode computes alone (no room) that shares the first block of a prompt the
