@@ -13,8 +13,7 @@ handed to `KVHandoffConnector` as vLLM's engine hands them.
   blocks vLLM never allocated are not written); groups of two block sizes are refused naming
   both (the live pair is tests/live/vllm/test_live_hybrid.py);
 - with ``--disable-hybrid-kv-cache-manager`` vLLM makes one full-attention group, which starts;
-- a Mamba / SSM hybrid is refused at start naming the model and the spec, on both the
-  scheduler and the worker side.
+- a Mamba / SSM hybrid: test_vllm_mamba.py.
 
 The platform here (vLLM's CUDA build without a GPU) turns the hybrid allocator off whatever the
 connector says; the tests set it as vLLM sets it on a GPU for a connector that supports it.
@@ -47,7 +46,6 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -66,9 +64,6 @@ FULL = FullAttentionSpec(block_size=env.BLOCK_SIZE, num_kv_heads=env.NUM_KV_HEAD
                          head_size=env.HEAD_SIZE, dtype=torch.bfloat16)
 SWA = SlidingWindowSpec(block_size=env.BLOCK_SIZE, num_kv_heads=env.NUM_KV_HEADS,
                         head_size=env.HEAD_SIZE, dtype=torch.bfloat16, sliding_window=40)
-# a Mamba layer's state, padded to the attention page as vLLM pads a hybrid's specs
-MAMBA = MambaSpec(block_size=env.BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.bfloat16,),
-                  page_size_padded=FULL.page_size_bytes)
 
 
 def plan(tmp_path: Path, specs: list[Any], *, hybrid: bool, role: str = "kv_consumer",
@@ -105,16 +100,6 @@ def test_full_and_sliding_without_hma_starts(tmp_path: Path) -> None:
     assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [FullAttentionSpec]
     assert plan_group(kcc).sliding_window == 0  # moved whole
     KVHandoffConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
-
-
-@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_mamba_hybrid_refused_naming_model_and_spec(tmp_path: Path,
-                                                    role: KVConnectorRole) -> None:
-    cfg, kcc = plan(tmp_path, [FULL, MAMBA, MAMBA], hybrid=True)
-    assert kcc.has_mamba_layers
-    with pytest.raises(ConfigError, match=r"model '.*tiny-llama' has Mamba / SSM state "
-                                          r"layers \(\['MambaSpec'\]"):
-        KVHandoffConnector(cfg, role, kcc)
 
 
 # ---- several groups (vLLM's hybrid allocator on): every group moves

@@ -113,6 +113,17 @@ CATALOG: dict[str, EngineDef] = {
     # hybrid allocator raises a 16-token block to 32, so the decode keeps 32), a TP 2 decode
     "hybrid-prefill-b64": ("hybrid", 64, 1, "prefill", {}),
     "hybrid-decode-tp2": ("hybrid", 32, 2, "decode", {"load_mode": None, "policy": "fail"}),
+    # test_live_mamba: a Qwen3-Next-like pair (Gated DeltaNet state beside full attention,
+    # bfloat16, vLLM's defaults: hybrid allocator, prefix caching, mamba_cache_mode 'align'),
+    # async decode; the prefill is its own reference
+    "gdn-prefill": ("gdn", 32, 1, "prefill", {"dtype": "bfloat16"}),
+    "gdn-decode": ("gdn", 32, 1, "decode", {"load_mode": None, "policy": "fail",
+                                           "dtype": "bfloat16"}),
+    # a decode without prefix caching: vLLM keeps its state in mamba_cache_mode 'none' (one
+    # block per request, the state groups' block the whole context)
+    "gdn-decode-none": ("gdn", 32, 1, "decode", {
+        "load_mode": None, "policy": "fail", "dtype": "bfloat16",
+        "args": ("--no-enable-prefix-caching",)}),
     # bench_live_ttft.py (`make bench-live`): prompts up to 1,024 tokens, connector defaults
     # (timeline lines on), and vLLM's NixlConnector
     "gqa-ref-1k": ("gqa", 32, 1, None, {"max_model_len": 1100}),
@@ -136,6 +147,8 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     extra = dict(extra)
     max_model_len = int(extra.pop("max_model_len", 512))
     max_num_seqs = int(extra.pop("max_num_seqs", 8))
+    dtype = str(extra.pop("dtype", "float32"))
+    args = tuple(extra.pop("args", ()))
     cfg = None
     env: dict[str, str] = {}
     if role == "nixl":
@@ -147,7 +160,8 @@ def _engine(name: str, d: EngineDef, *, models: Path, logs: Path, bootstrap_url:
     return Engine(name, models / model, block, logs, tp=tp, kv_config=cfg,
                   served=model.removesuffix("-other"),
                   attention_backend="CPU_MLA" if model.startswith("mla") else None,
-                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, env=env)
+                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype=dtype,
+                  args=args, env=env)
 
 
 def _wanted(session: pytest.Session) -> set[str]:

@@ -103,6 +103,8 @@ class Engine:
     attention_backend: str | None = None
     max_model_len: int = 512
     max_num_seqs: int = 8
+    dtype: str = "float32"  # --dtype (vLLM's CPU GDN kernel takes bfloat16 only)
+    args: tuple[str, ...] = ()  # more `vllm serve` flags
     env: dict[str, str] = field(default_factory=dict)  # on top of ENGINE_ENV
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -120,7 +122,7 @@ class Engine:
     def argv(self) -> list[str]:
         argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "float32", "--enforce-eager", "--block-size", str(self.block_size),
+                "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
                 "--max-model-len", str(self.max_model_len), "--num-gpu-blocks-override", "64",
                 "--max-num-seqs", str(self.max_num_seqs), "--seed", "0",
                 "--tensor-parallel-size", str(self.tp),
@@ -131,6 +133,7 @@ class Engine:
             argv += ["--attention-backend", self.attention_backend]
         if self.kv_config is not None:
             argv += ["--kv-transfer-config", self.kv_config]
+        argv += list(self.args)
         return argv
 
     def start(self) -> None:

@@ -19,6 +19,11 @@ ignores the context. Models (all float32):
   (window 48) beside full-attention ones, ``S S F S S F`` (Llama with ``layer_types``, which
   vLLM's Llama reads per layer). vLLM's hybrid allocator makes three groups of two layers: one
   full-attention, two sliding-window.
+- ``gdn``: Qwen3-Next-like, 4 layers, ``G G G F`` (Gated DeltaNet linear attention beside one
+  full-attention layer), 4 experts (vLLM's Qwen3-Next needs MoE layers), bfloat16 (vLLM's CPU
+  GDN kernel takes bfloat16 only; its head dims must be 128). vLLM's hybrid allocator makes a
+  Mamba state group per GDN layer beside the attention group, and raises the block to the
+  tokens whose attention page holds a state block (96 here).
 """
 
 from __future__ import annotations
@@ -102,6 +107,28 @@ def _hybrid(out: Path, seed: int, vocab: int) -> None:
     path.write_text(json.dumps(written, indent=1))
 
 
+GDN_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def _gdn(out: Path, seed: int, vocab: int) -> None:
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                          num_hidden_layers=len(GDN_LAYER_TYPES), num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=128, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_num_key_heads=1, linear_num_value_heads=2,
+                          layer_types=GDN_LAYER_TYPES, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                          mlp_only_layers=[], max_position_embeddings=MAX_POSITIONS,
+                          bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                          initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
 def _mla(out: Path, seed: int, vocab: int) -> None:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -127,14 +154,15 @@ def _mla(out: Path, seed: int, vocab: int) -> None:
 def make_models(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     made = {"gqa": (_gqa, 1), "gqa-other": (_gqa, 2), "mla": (_mla, 3), "mla-other": (_mla, 4),
-            "swa": (_swa, 5), "hybrid": (_hybrid, 6)}
+            "swa": (_swa, 5), "hybrid": (_hybrid, 6), "gdn": (_gdn, 7)}
+    dtypes = {"gdn": "bfloat16"}
     for name, (make, seed) in made.items():
         out = root / name
         out.mkdir(exist_ok=True)
         vocab = _tokenizer(out)
         make(out, seed, vocab)
         cfg = json.loads((out / "config.json").read_text())
-        cfg["torch_dtype"] = "float32"
+        cfg["torch_dtype"] = dtypes.get(name, "float32")
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 

@@ -202,7 +202,11 @@ def log_through_vllm() -> None:
     connector's INFO lines ("layout verified against ...") would otherwise be lost."""
     ours = logging.getLogger("kvhandoff")
     vllm_log = logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not vllm_log.handlers:
+    root = logging.getLogger()
+    # a root handler at WARNING (a library's implicit ``logging.basicConfig``, seen in a
+    # Qwen3-Next engine's worker) would drop the INFO lines all the same
+    configured = root.handlers and root.getEffectiveLevel() <= logging.INFO
+    if ours.handlers or configured or not vllm_log.handlers:
         return
     for h in vllm_log.handlers:
         ours.addHandler(h)

@@ -41,8 +41,9 @@ What maps to what (docs/VLLM.md has the whole flow):
   ``request_finished_all_groups``); a model whose every layer has one sliding window moves only
   the pages in the window (`scheduler`); a model of several groups (full-attention beside
   sliding-window layers) moves every group in one room, each sliding-window group from its
-  window on; Mamba / SSM state is refused when the connector is built, naming the model and
-  the specs (`groups`);
+  window on; a model with Mamba / linear-attention state moves each state group's block that
+  holds the request's state as its own region, the prefill computing the prompt but its last
+  token, which the decode computes (`groups`);
 - ``register_kv_caches`` reads vLLM's KV cache group (`groups`: one group of full-attention,
   sliding-window or MLA layers, or of a DSA model's MLA + indexer layers), takes the attention
   backend from vLLM's own layers (one backend of the `backends` table, else refused), builds
@@ -60,6 +61,7 @@ scheduler process's state and decisions are `scheduler.SchedulerSide`, each work
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -79,7 +81,7 @@ from kvhandoff.integrations.vllm.config import (
     SendReq,
     log_through_vllm,
 )
-from kvhandoff.integrations.vllm.groups import plan_group
+from kvhandoff.integrations.vllm.groups import plan_group, truncate_for_state
 from kvhandoff.integrations.vllm.layout import VllmLayout
 from kvhandoff.integrations.vllm.scheduler import SchedulerSide
 from kvhandoff.integrations.vllm.stats import KVHandoffPromMetrics, KVHandoffStats
@@ -95,6 +97,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+
+log = logging.getLogger("kvhandoff.vllm")
 
 __all__ = ["LOAD_MODES", "KVHandoffConnector", "KVHandoffMetadata", "RecvReq", "SendReq"]
 
@@ -121,6 +125,8 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
                 "takes a failed load of such a model by request only while the request waits "
                 "for its KV (async), so a failed layerwise load could not be reported: use "
                 "load_mode 'async' (the default)")
+        self._states = bool(plan.states)
+        self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -128,7 +134,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
                                         sliding_window=plan.sliding_window,
                                         group_block_size=plan.block_size,
                                         group_windows=plan.group_windows,
-                                        group_extra=plan.group_extra)
+                                        group_extra=plan.group_extra, states=plan.states)
         else:
             self._worker = WorkerSide(self._cfg, vllm_config, kv_cache_config)
 
@@ -161,12 +167,32 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None, "scheduler-side call on a worker connector"
         return self._sched
 
-    def on_new_request(self, request: Request) -> None:
-        self._s().on_new_request(request)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill request of a model with state: its prompt cut before the last token
+        (`groups.truncate_for_state`); one that cannot be cut is computed here, not handed
+        off (said in the log). Decode: the scheduler notes a request vLLM may queue (its
+        rooms are held at the prefill while it waits, `holds`)."""
+        self._s().on_new_request(request)
+        params = request.kv_transfer_params
+        if (not self._states or self._cfg.role != "prefill" or not params
+                or not params.get("do_remote_decode") or params.get("kvhandoff_state_cut")):
+            return
+        if not truncate_for_state(request, self._hash_block_size):
+            params["do_remote_decode"] = False
+            log.warning("request %s: not handed off (computed here): its prompt (%d tokens%s) "
+                        "cannot stop before its last token, which the decode of a model with "
+                        "Mamba state computes", request.request_id, request.num_prompt_tokens,
+                        ", given as embeddings" if request.prompt_token_ids is None else "")
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every group vLLM transfers: a room writes the request's own blocks of each. (vLLM's
+        default, the prefix-cacheable groups, leaves out a Mamba state group, whose newly
+        allocated state block vLLM would then zero after the load wrote it.)"""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

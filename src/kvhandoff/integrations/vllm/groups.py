@@ -32,20 +32,39 @@ Accepted: ONE KV cache group, whose spec is
   Every group must use one block size (vLLM's hybrid allocator gives attention groups one
   page; another is refused naming both).
 
-Refused at start with the reason: Mamba / SSM state (`MambaSpec`: a state per request, not
-pages per token), several groups of which one is MLA, DSA or not moved by vLLM's connectors
+- Mamba / linear-attention state (`MambaSpec` groups beside attention groups: Qwen3-Next's
+  Gated DeltaNet, Mamba2 / Nemotron-H-like ...): a request's state is one block per group (conv
+  state then SSM / temporal state, in vLLM's layout for the backend), not pages per token. Each
+  such group is its own region ``state_g<i>`` whose page is vLLM's whole state block
+  (`layout.state_regions`: the states' dtypes and shapes, the padding and the block size are in
+  the plane name, so both sides compare them); the block that holds the state after ``T``
+  tokens (`state_table`) moves as the region's page of token ``T - 1``, nothing else. The
+  state after the whole prompt cannot take the decode's recompute of the last prompt token
+  (vLLM computes at least one token of every request, and a state cannot be rolled back), so
+  a prefill of such a model computes the prompt but its last token (`truncate_for_state`), and
+  the decode loads that state and computes the last token itself (``kvhandoff_resume``).
+
+Refused at start with the reason: a Mamba state group whose blocks vLLM keeps otherwise
+(``mamba_cache_mode`` 'all', speculative or prefill-checkpoint state blocks), a model of state
+layers only, several groups of which one is MLA, DSA or not moved by vLLM's connectors
 (``enable_kv_transfer`` false), sliding-window MLA, two indexer specs ...
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.errors import ConfigError
-from kvhandoff.integrations.vllm.layout import CacheRole, layer_index
+from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.integrations.vllm.layout import CacheRole, StateSpec, layer_index
 
-__all__ = ["GroupPlan", "plan_group"]
+__all__ = ["GroupPlan", "plan_group", "state_table", "truncate_for_state"]
+
+# vLLM's mamba_cache_mode values this connector moves: "none" (one running state block per
+# request), "align" (prefix caching of state: the table is position-indexed, the running
+# state in the block of the last computed token)
+STATE_CACHE_MODES = ("none", "align")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +84,16 @@ class GroupPlan:
     group_regions: tuple[str, ...] = ()
     group_windows: tuple[int, ...] = ()
     group_extra: tuple[int, ...] = ()  # per group, vLLM's extra_retained_tokens of the window
+    # Mamba / linear-attention state groups (their regions are in group_regions too)
+    states: tuple[StateSpec, ...] = ()
+
+    @property
+    def state_regions(self) -> frozenset[str]:
+        return frozenset(s.region for s in self.states)
+
+    def state_of(self, group: int) -> StateSpec | None:
+        """The state spec of KV cache group `group`, None for an attention group."""
+        return next((s for s in self.states if s.group == group), None)
 
 
 def _dtype(spec: Any) -> str:
@@ -96,16 +125,13 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
 
     groups = kv_cache_config.kv_cache_groups
     kinds = [_kinds(g.kv_cache_spec) for g in groups]
-    mamba = sorted({type(s).__name__ for g in groups for s in _specs(g.kv_cache_spec)
-                    if isinstance(s, MambaSpec)})
-    if mamba:
+    mamba = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba and len(mamba) == len(groups):
         who = f"model {model!r}" if model else "the model"
         raise ConfigError(
-            f"kv_cache_groups: {who} has Mamba / SSM state layers ({mamba}, groups {kinds}); "
-            "KVHandoffConnector moves attention KV pages, not a request's SSM / conv "
-            "state (a state block covers another number of tokens than the attention page, "
-            "docs/VLLM.md 'Hybrid models'): serve this model without a KV connector, or with "
-            "one that moves SSM state (vLLM's NixlConnector)")
+            f"kv_cache_groups: {who} has Mamba / SSM state layers only (groups {kinds}); "
+            "KVHandoffConnector moves a model's state beside its attention layers (Qwen3-Next, "
+            "Nemotron-H-like hybrids), not a model without attention layers")
     if len(groups) > 1:
         return _plan_hybrid(groups, kinds)
     group = groups[0]
@@ -173,18 +199,29 @@ def plan_group(kv_cache_config: Any, *, model: str = "") -> GroupPlan:
 
 
 def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
-    """Several groups of full-attention and sliding-window GQA layers (module docstring)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """Several groups of full-attention and sliding-window GQA layers, and Mamba state groups
+    beside them (module docstring)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     regions, windows, extra, sizes = [], [], [], []
     roles: dict[str, CacheRole] = {}
     layers: list[str] = []
+    states: list[StateSpec] = []
+    attn: list[int] = []  # the attention groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         if not getattr(g, "enable_kv_transfer", True):
             raise ConfigError(f"kv_cache_groups[{i}]: a group vLLM does not transfer "
                               "(enable_kv_transfer=false); KVHandoffConnector moves hybrid "
                               "models whose every group is transferred")
+        if isinstance(spec, MambaSpec):
+            st = state_spec(i, spec, tuple(g.layer_names))
+            states.append(st)
+            regions.append(st.region)
+            windows.append(0)
+            extra.append(0)
+            continue
+        attn.append(i)
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
             region = f"swa{window}_g{i}"
@@ -194,7 +231,8 @@ def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
             raise ConfigError(
                 f"kv_cache_groups[{i}]: vLLM's hybrid allocator made {len(groups)} groups "
                 f"({kinds}); KVHandoffConnector moves several groups when each is "
-                f"full-attention or sliding-window GQA, got {type(spec).__name__}")
+                f"full-attention or sliding-window GQA (beside Mamba state groups), got "
+                f"{type(spec).__name__}")
         regions.append(region)
         windows.append(window)
         extra.append(int(getattr(spec, "extra_retained_tokens", 0) or 0))
@@ -204,18 +242,107 @@ def _plan_hybrid(groups: Any, kinds: list[list[str]]) -> GroupPlan:
             layers.append(n)
     if len(set(sizes)) > 1:
         other = next(i for i, s in enumerate(sizes) if s != sizes[0])
-        raise ConfigError(f"kv_cache_groups: block sizes {sizes} per group; KVHandoffConnector "
-                          "moves the groups of a hybrid model when they share one block size: "
-                          f"group 0 ({regions[0]}) has {sizes[0]} tokens, group {other} "
-                          f"({regions[other]}) {sizes[other]}")
-    dtypes = sorted({_dtype(g.kv_cache_spec) for g in groups})
+        first, second = attn[0], attn[other]
+        raise ConfigError(f"kv_cache_groups: block sizes {sizes} per group; "
+                          "KVHandoffConnector moves the groups of a hybrid model when they "
+                          f"share one block size: group {first} ({regions[first]}) has "
+                          f"{sizes[0]} tokens, group {second} ({regions[second]}) "
+                          f"{sizes[other]}")
+    for st in states:
+        if st.cache_mode == "align" and st.block_size != sizes[0]:
+            raise ConfigError(
+                f"kv_cache_groups[{st.group}]: Mamba state blocks of {st.block_size} tokens "
+                f"beside attention blocks of {sizes[0]} (mamba_cache_mode 'align'); "
+                "KVHandoffConnector finds a request's state block by the attention page of "
+                "its last token, so both must be one size")
+    dtypes = sorted({_dtype(groups[i].kv_cache_spec) for i in attn})
     if len(dtypes) > 1:
         raise ConfigError(f"kv_cache_groups: the groups' KV dtypes differ ({dtypes}); "
                           "KVHandoffConnector moves one KV dtype")
     return GroupPlan(mla=False, block_size=sizes[0], dtype=dtypes[0], roles=roles,
                      main_layers=tuple(layers), indexer_layers=(), num_layers=0,
                      group_regions=tuple(regions), group_windows=tuple(windows),
-                     group_extra=tuple(extra))
+                     group_extra=tuple(extra), states=tuple(states))
+
+
+def state_spec(group: int, spec: Any, layer_names: tuple[str, ...]) -> StateSpec:
+    """A Mamba state group (vLLM's `MambaSpec`) as the connector moves it, or `ConfigError`
+    naming what makes vLLM keep a request's state in other blocks than the one this connector
+    moves (module docstring)."""
+    where = f"kv_cache_groups[{group}] (Mamba state, {_mamba_kind(spec)})"
+    mode = str(spec.mamba_cache_mode)
+    if mode not in STATE_CACHE_MODES:
+        raise ConfigError(
+            f"{where}: mamba_cache_mode {mode!r}; KVHandoffConnector moves the state of "
+            f"mamba_cache_mode {' or '.join(map(repr, STATE_CACHE_MODES))} (one running state "
+            "block per request); in 'all' vLLM keeps a state per block of the prompt: serve "
+            "with --mamba-cache-mode align (the default with prefix caching) or none")
+    if int(spec.num_speculative_blocks):
+        raise ConfigError(
+            f"{where}: {spec.num_speculative_blocks} speculative state blocks per request "
+            "(speculative decoding with linear attention); KVHandoffConnector moves one state "
+            "block per request, not the drafts' scratch states: serve the pair without "
+            "speculative decoding")
+    if int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0):
+        raise ConfigError(
+            f"{where}: {spec.num_prefill_checkpoint_blocks} prefill checkpoint blocks per "
+            "request; KVHandoffConnector moves the running state block only")
+    shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
+    dtypes = tuple(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return StateSpec(group=group, region=f"state_g{group}", kind=_mamba_kind(spec),
+                     shapes=shapes, dtypes=dtypes,
+                     content_bytes=int(spec.state_content_size_bytes),
+                     page_bytes=int(spec.page_size_bytes), block_size=int(spec.block_size),
+                     cache_mode=mode, layers=layer_names)
+
+
+def _mamba_kind(spec: Any) -> str:
+    """vLLM's name of the state's backend (``GDN_ATTN``, ``MAMBA2`` ...)."""
+    kind = getattr(spec, "mamba_type", None)
+    return str(getattr(kind, "name", kind) or "MAMBA")
+
+
+def state_table(blocks: Sequence[Any], num_tokens: int, st: StateSpec) -> list[int]:
+    """The block of a request's table (vLLM's blocks of state group `st`, ``block_id`` and
+    ``is_null``) that holds its state after `num_tokens` tokens, as a one-block table:
+    mode 'align' keeps the running state in the block of the last computed token (the table is
+    position-indexed), mode 'none' in the request's one non-null block."""
+    if num_tokens <= 0:
+        raise KVHandoffError(f"{st.region}: no state before the first token")
+    if st.cache_mode == "align":
+        idx = (num_tokens - 1) // st.block_size
+        if idx >= len(blocks) or blocks[idx].is_null:
+            raise KVHandoffError(
+                f"{st.region}: the state after {num_tokens} tokens is in block {idx} of the "
+                f"request's table, which holds {len(blocks)} blocks"
+                + (" (that one is vLLM's null block)" if idx < len(blocks) else ""))
+        return [int(blocks[idx].block_id)]
+    held = [int(b.block_id) for b in blocks if not b.is_null]
+    if len(held) != 1:
+        raise KVHandoffError(f"{st.region}: mamba_cache_mode 'none' keeps one state block per "
+                             f"request, this request's table holds {len(held)}")
+    return held
+
+
+def truncate_for_state(request: Any, hash_block_size: int) -> bool:
+    """A prefill request of a model with state: its prompt without the last token (vLLM's
+    `Request` in place: prompt, token ids, the block hashes past the new end, max_tokens 1), so
+    the state the prefill hands over is the one before the last token, which the decode
+    computes (module docstring). True when it was cut here (marked in its
+    ``kv_transfer_params``, so a rescheduled request is not cut twice)."""
+    params = request.kv_transfer_params
+    if (not params or not params.get("do_remote_decode")
+            or params.get("kvhandoff_state_cut") or request.prompt_token_ids is None
+            or request.num_prompt_tokens < 2 or request.num_computed_tokens):
+        return False
+    del request.prompt_token_ids[-1:]
+    del request._all_token_ids[-1:]
+    request.num_prompt_tokens -= 1
+    if hash_block_size > 0:  # a hash that covered the dropped token is not this prompt's
+        del request.block_hashes[len(request._all_token_ids) // hash_block_size:]
+    request.max_tokens = 1
+    params["kvhandoff_state_cut"] = True
+    return True
 
 
 def _spec_diff(a: Any, b: Any) -> str:

@@ -36,6 +36,15 @@ dense; padded or strided pages are refused. A manager block
 split into kernel blocks (``B = num_blocks * ratio``) is one page per kernel block;
 `expand_blocks` maps vLLM block ids to those pages.
 
+Mamba / linear-attention state (`with_state_regions`, one region per vLLM state group, read from
+its `StateSpec`): vLLM views a state layer's cache as ``[B, 1, 1, C]`` bytes, ``C`` the states'
+content (conv state then SSM / temporal state, as vLLM's spec lists them), each block ``page``
+bytes apart (the content padded to the attention page). The region's page is that whole block,
+one plane whose name holds the states' dtypes and shapes, the padding and the block size: two
+sides whose states differ in any of them are refused at the handshake naming both planes. The
+plane spreads the block over the page's tokens (``page / page_size_tokens`` bytes each), so a
+region moves whole blocks only: both sides must use one block size (it is in the name).
+
 Pure apart from reading tensor metadata: no I/O, no vLLM import (the connector passes in what it
 read from vLLM's config).
 """
@@ -86,6 +95,36 @@ class CacheRole:
     draft: bool = False  # a draft (MTP) model's layer
 
 
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """A Mamba state group of vLLM (`groups.state_spec` reads it from vLLM's `MambaSpec`)."""
+
+    group: int  # the KV cache group
+    region: str
+    kind: str  # vLLM's state backend (GDN_ATTN, MAMBA2 ...)
+    shapes: tuple[tuple[int, ...], ...]  # per state (conv, then SSM / temporal), one rank's
+    dtypes: tuple[str, ...]
+    content_bytes: int  # the states' bytes in a block
+    page_bytes: int  # a block's bytes (the content padded to the attention page)
+    block_size: int  # tokens of a block (the attention groups')
+    cache_mode: str  # vLLM's mamba_cache_mode
+    layers: tuple[str, ...] = ()
+
+    def plane(self, page_size_tokens: int) -> Plane:
+        """The region's one plane: the whole block over the page's tokens, named by what it
+        holds (module docstring)."""
+        if page_size_tokens <= 0 or self.page_bytes % page_size_tokens:
+            raise ConfigError(
+                f"{self.region}: a state block of {self.page_bytes} B does not split into "
+                f"{page_size_tokens} equal token rows; KVHandoffConnector moves a state block "
+                "as one page of the attention groups' page size")
+        states = ",".join(f"{d}[{'x'.join(map(str, sh))}]"
+                          for d, sh in zip(self.dtypes, self.shapes, strict=True))
+        pad = self.page_bytes - self.content_bytes
+        return Plane(f"{self.kind.lower()}:{states}+pad{pad}/block{page_size_tokens}",
+                     self.page_bytes // page_size_tokens)
+
+
 @dataclass(frozen=True)
 class VllmLayout:
     """What `build_layout` found: the layout, the per-layer byte buffers and the mapping from
@@ -99,6 +138,7 @@ class VllmLayout:
     order: str  # "NHD", "HND" or "MLA"
     pages_per_block: int  # kernel blocks per vLLM block
     indexer_regions: tuple[str, ...] = ()  # the regions holding DSA indexer caches
+    state_regions: tuple[str, ...] = ()  # the regions holding Mamba state blocks
 
     def expand_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """vLLM block ids -> page ids of the layout (kernel blocks, in token order)."""
@@ -275,6 +315,82 @@ def build_layout(
     return VllmLayout(layout=layout, backend=backend, buffers=buffers, layer_ids=ids,
                       order=order_name, pages_per_block=block_size // nt0,
                       indexer_regions=tuple(indexers))
+
+
+def with_state_regions(vl: VllmLayout, kv_caches: Mapping[str, Any],
+                       states: Sequence[StateSpec], *, num_blocks: int,
+                       num_layers: int = 0) -> VllmLayout:
+    """`vl` with a region per Mamba state group (module docstring): each state layer's
+    ``[B, 1, 1, C]`` byte view (as vLLM registers it) becomes one buffer of `num_blocks`
+    blocks of ``page_bytes``, the block's padding included (no copy)."""
+    if not states:
+        return vl
+    lay = vl.layout
+    ps = lay.page_size_tokens
+    if lay.rows or vl.pages_per_block != 1:
+        raise ConfigError(
+            "kv_caches: Mamba state beside attention pages that are "
+            f"{'packed into shared blocks' if lay.rows else 'kernel blocks of a larger block'}"
+            "; KVHandoffConnector moves state blocks beside layer-compact attention pages of "
+            "the block size (LBHNC / LBNHC)")
+    regions: list[RegionSpec] = []
+    buffers: dict[str, Any] = {}
+    ids: dict[str, int] = {}
+    for st in states:
+        if st.block_size != ps and st.cache_mode == "align":
+            raise ConfigError(f"{st.region}: state blocks of {st.block_size} tokens, attention "
+                              f"pages of {ps}")
+        plane = st.plane(ps)
+        bufs: dict[int, Any] = {}
+        for name in st.layers:
+            if name not in kv_caches:
+                raise ConfigError(f"kv_caches: no cache registered for state layer {name!r}")
+            lid = layer_index(name)
+            if lid in bufs:
+                raise ConfigError(f"kv_caches[{name!r}]: layer number {lid} twice in "
+                                  f"{st.region}")
+            bufs[lid] = _state_buffer(f"kv_caches[{name!r}]", kv_caches[name], st, num_blocks)
+            ids[name] = lid
+        regions.append(RegionSpec(name=st.region, layer_ids=tuple(sorted(bufs)),
+                                  planes=(plane,), send_from=SendFrom.DECODE_PREFIX,
+                                  tp_split=TPSplit.REPLICATED, whole_pages=True))
+        buffers[st.region] = bufs
+    layout = LayoutSpec(page_size_tokens=ps, kv_dtype=lay.kv_dtype,
+                        regions=lay.regions + tuple(regions), model=lay.model,
+                        num_layers=num_layers)
+    return VllmLayout(layout=layout, backend=vl.backend, buffers={**vl.buffers, **buffers},
+                      layer_ids={**vl.layer_ids, **ids}, order=vl.order,
+                      pages_per_block=vl.pages_per_block, indexer_regions=vl.indexer_regions,
+                      state_regions=vl.state_regions + tuple(r.name for r in regions))
+
+
+def _state_buffer(where: str, t: Any, st: StateSpec, num_blocks: int) -> Any:
+    """One flat byte view over `num_blocks` state blocks of `t` (vLLM's ``[B, 1, 1, C]`` view
+    of a state layer), each ``page_bytes`` long."""
+    if not hasattr(t, "dim") or t.dim() != 4:
+        raise ConfigError(f"{where}: expected vLLM's 4-D [blocks, 1, 1, bytes] view of a state "
+                          f"layer, got {getattr(t, 'shape', type(t).__name__)}")
+    nb, nh, nt, nc = (int(d) for d in t.shape)
+    elem = t.element_size()
+    if (nh, nt) != (1, 1) or nc * elem != st.content_bytes:
+        raise ConfigError(f"{where}: a state block of {nh}x{nt}x{nc * elem} B, but vLLM's spec "
+                          f"of {st.region} holds {st.content_bytes} B per block")
+    if nb != num_blocks:
+        raise ConfigError(f"{where}: {nb} state blocks, the KV cache has {num_blocks}")
+    if t.stride(3) != 1 or (nb > 1 and t.stride(0) * elem != st.page_bytes):
+        raise ConfigError(f"{where}: state blocks {t.stride(0) * elem} B apart (strides "
+                          f"{tuple(t.stride())}), vLLM's spec says {st.page_bytes}; "
+                          "KVHandoffConnector moves dense state blocks")
+    import torch
+
+    storage = t.untyped_storage()
+    base = t.storage_offset() * elem
+    if base + nb * st.page_bytes > storage.nbytes():
+        raise ConfigError(f"{where}: {nb} blocks of {st.page_bytes} B from byte {base} run past "
+                          f"the {storage.nbytes()}-byte allocation")
+    view = torch.empty((0,), dtype=torch.uint8, device=t.device)
+    view.set_(storage, base, (nb * st.page_bytes,), (1,))
+    return view
 
 
 def _check_indexer(where: str, nh: int, nc: int, elem: int) -> None:

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvhandoff.errors import ConfigError
+from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.integrations.vllm.config import (
     ConnectorConfig,
     DeclineReq,
@@ -45,6 +45,8 @@ from kvhandoff.integrations.vllm.config import (
     RecvReq,
     SendReq,
 )
+from kvhandoff.integrations.vllm.groups import state_table
+from kvhandoff.integrations.vllm.layout import StateSpec
 from kvhandoff.integrations.vllm.params import (
     RemotePrefill,
     decode_tp_size_of,
@@ -94,14 +96,15 @@ def _table(blocks: Any) -> tuple[list[int], int]:
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, *,
                  sliding_window: int = 0, group_block_size: int = 0,
-                 group_windows: tuple[int, ...] = (), group_extra: tuple[int, ...] = ()
-                 ) -> None:
+                 group_windows: tuple[int, ...] = (), group_extra: tuple[int, ...] = (),
+                 states: tuple[StateSpec, ...] = ()) -> None:
         self.cfg = cfg
         self.window = sliding_window  # tokens (0: full attention)
         # several groups (hybrid allocator): per group its window (0: full attention) and
         # vLLM's extra retained tokens behind it
         self.windows = group_windows
         self.extra = group_extra or tuple(0 for _ in group_windows)
+        self.states = {st.group: st for st in states}  # Mamba state groups (`groups`)
         self.block_size = int(vllm_config.cache_config.block_size)
         if (sliding_window or group_windows) and group_block_size:
             # the block of vLLM's KV cache group, in which it drops the window's blocks
@@ -267,7 +270,7 @@ class SchedulerSide:
         sync = self.cfg.load_mode == "layerwise"
         local = rp.num_tokens - (1 if sync and not _partial(rp, request) else 0) \
             - num_external_tokens
-        tables = [_table(b) for b in blocks.blocks]
+        tables = self._group_tables(blocks.blocks, rp.num_tokens)
         # a sliding window: the load starts at the first block vLLM allocated (module doc)
         starts = [max(local, dropped * self.block_size) for _, dropped in tables]
         windowed = [s for (_, dropped), s in zip(tables, starts, strict=True) if dropped] or [
@@ -344,7 +347,7 @@ class SchedulerSide:
                 req = p.request
                 if req.num_computed_tokens + n < req.num_prompt_tokens:
                     continue  # not the last prompt chunk yet
-                tables = self._tables(rid)
+                tables = self._tables(rid, int(req.num_prompt_tokens))
                 ids, dropped = tables[0]
                 several = len(tables) > 1
                 p.sent = True
@@ -378,12 +381,29 @@ class SchedulerSide:
         if loaded:
             scheduler_output.new_block_ids_to_zero = [b for b in zero if b not in loaded] or None
 
-    def _tables(self, rid: str) -> list[tuple[list[int], int]]:
+    def _tables(self, rid: str, num_tokens: int = 0) -> list[tuple[list[int], int]]:
         """Per KV cache group, the request's block ids and how many lead as the null block
-        (`_table`)."""
+        (`_table`; a state group's: `_group_tables`)."""
         if self.kv_manager is None:
             raise ConfigError("KVHandoffConnector: the scheduler never bound its KV cache manager")
-        return [_table(blocks) for blocks in self.kv_manager.get_blocks(rid).blocks]
+        return self._group_tables(self.kv_manager.get_blocks(rid).blocks, num_tokens)
+
+    def _group_tables(self, groups: Any, num_tokens: int) -> list[tuple[list[int], int]]:
+        """Per group `_table`; a Mamba state group's is its block holding the state after
+        `num_tokens` tokens (`groups.state_table`; none found: empty, and the room fails
+        naming the group)."""
+        out: list[tuple[list[int], int]] = []
+        for i, blocks in enumerate(groups):
+            st = self.states.get(i)
+            if st is None:
+                out.append(_table(blocks))
+                continue
+            try:
+                out.append((state_table(blocks, num_tokens, st), 0))
+            except KVHandoffError as e:
+                log.error("KV cache group %d: %s", i, e)
+                out.append(([], 0))
+        return out
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -432,7 +452,11 @@ class SchedulerSide:
             # vLLM freed the blocks out of the window just before this call: the pages the
             # prefill still holds start here, in its latest sliding-window group (module
             # docstring)
-            out["remote_window_start"] = max(d for _, d in self._tables(rid)) * self.block_size
+            out["remote_window_start"] = max(
+                d for _, d in self._tables(rid, int(request.num_prompt_tokens))) * self.block_size
+        if self.states and (request.kv_transfer_params or {}).get("kvhandoff_state_cut"):
+            # the room holds the state before the last prompt token: the decode computes it
+            out["kvhandoff_resume"] = True
         return True, out
 
     def _bind_error(self, p: _PrefillReq) -> str | None:

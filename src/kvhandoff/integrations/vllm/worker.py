@@ -33,6 +33,7 @@ from kvhandoff.integrations.vllm.layout import (
     INDEXER_SCALE_UE8M0X4,
     VllmLayout,
     build_layout,
+    with_state_regions,
 )
 from kvhandoff.integrations.vllm.params import (
     decode_readers,
@@ -167,9 +168,16 @@ class WorkerSide:
             return (f"layout probe: {vl.backend.name} with {cache_dtype} rows not probed (the "
                     "write quantises; one opaque row per token, moved as whole pages)")
         roles = self.plan.roles if self.plan is not None else None
-        by_id = {((roles[n].region if roles else ""), lid): n for n, lid in vl.layer_ids.items()}
+        by_id = {((roles[n].region if roles else ""), lid): n
+                 for n, lid in vl.layer_ids.items() if roles is None or n in roles}
         reports = []
         for reg in vl.layout.regions:
+            if reg.name in vl.state_regions:
+                # no attention kernel writes it: vLLM's state block, moved whole (its dtypes,
+                # shapes and padding are in the plane's name, compared at the handshake)
+                reports.append(f"{reg.name}: a state block (no attention kernel's page), moved "
+                               "whole")
+                continue
             if reg.name in vl.indexer_regions:
                 # its write (indexer_k_quant_and_cache) quantises, on CUDA only: nothing to
                 # compare raw bytes with; the DSA kernel fixes its page at 64 rows on both
@@ -212,6 +220,12 @@ class WorkerSide:
                                num_layers=plan.num_layers,
                                indexer_scale=indexer_scale_format())
         backend.check_block(self.vl.layout.page_size_tokens)
+        if plan.states:
+            self.vl = with_state_regions(
+                self.vl, kv_caches, plan.states,
+                num_blocks=int(self.kv_cache_config.num_blocks), num_layers=plan.num_layers)
+            mine.update({n: kv_caches[n] for st in plan.states for n in st.layers
+                         if n in kv_caches})
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # as the bootstrap server maps decode ranks to prefill ranks for this layout
         self.replicated = all(r.tp_split is TPSplit.REPLICATED for r in self.vl.layout.regions)
@@ -233,13 +247,20 @@ class WorkerSide:
         if plan.group_regions:
             log.info("KVHandoffConnector %s: %d KV cache groups (vLLM's hybrid allocator), each "
                      "its own region: %s", self.cfg.role, len(plan.group_regions),
-                     ", ".join(f"{r} ({f'window {w}' if w else 'full attention'})"
-                               for r, w in zip(plan.group_regions, plan.group_windows,
-                                               strict=True)))
+                     ", ".join(f"{r} ({self._group_kind(i, w)})" for i, (r, w) in enumerate(
+                         zip(plan.group_regions, plan.group_windows, strict=True))))
         log.info("KVHandoffConnector %s: %s, %s pages, %d layers, page %d tokens (whole pages "
                  "where both sides use this size), agent %s", self.cfg.role, backend.name,
                  self.vl.order, len(self.vl.layer_ids), self.vl.layout.page_size_tokens,
                  self.agent.address)
+
+    def _group_kind(self, group: int, window: int) -> str:
+        """What a group's region holds, for the log."""
+        st = self.plan.state_of(group) if self.plan is not None else None
+        if st is not None:
+            return (f"{st.kind} state, {len(st.layers)} layers, one block of "
+                    f"{st.page_bytes} B per request and layer, mamba_cache_mode {st.cache_mode}")
+        return f"window {window}" if window else "full attention"
 
     @staticmethod
     def _memory(kv_caches: dict[str, Any]) -> str:
@@ -336,7 +357,8 @@ class WorkerSide:
             raise KVHandoffError(f"{len(tables)} block tables for the "
                                  f"{len(plan.group_regions)} KV cache groups")
         n = -(-num_tokens // vl.layout.page_size_tokens)
-        return {region: vl.expand_blocks(ids)[:n]
+        return {region: (_state_pages(ids, n) if region in vl.state_regions
+                         else vl.expand_blocks(ids)[:n])
                 for region, ids in zip(plan.group_regions, tables, strict=True)}
 
     def _send_table(self, block_ids: list[int], dropped: int) -> list[int]:
@@ -395,15 +417,25 @@ class WorkerSide:
         if r.refuse is not None:
             self._fail(ld, r.refuse)
             return ld
+        if vl.state_regions and r.prefill_tp_size != self.tp_size:
+            self._fail(ld, f"the prefill has TP {r.prefill_tp_size}, this decode TP "
+                           f"{self.tp_size}: KVHandoffConnector moves Mamba state (regions "
+                           f"{', '.join(vl.state_regions)}) between engines of one TP size "
+                           "only (a rank's state is its share of the heads)")
+            return ld
         try:
             if r.group_blocks:
                 plan = self.plan
                 assert plan is not None
+                starts = dict(zip(plan.group_regions, r.group_starts, strict=True))
+                # a state region: the page of the last loaded token, the block of its state
+                last = (r.num_tokens - 1) // vl.layout.page_size_tokens \
+                    * vl.layout.page_size_tokens
+                starts.update(dict.fromkeys(vl.state_regions, last))
                 receiver.init(self._group_pages(r.group_blocks, r.num_tokens), r.num_tokens,
                               decode_prefix_len=r.local_tokens,
-                              region_starts={reg: s for reg, s in zip(
-                                  plan.group_regions, r.group_starts, strict=True)
-                                  if s > r.local_tokens})
+                              region_starts={reg: s for reg, s in starts.items()
+                                             if s > r.local_tokens})
             else:
                 receiver.init(vl.expand_blocks(r.block_ids), r.num_tokens,
                               decode_prefix_len=r.local_tokens)
@@ -569,6 +601,20 @@ class WorkerSide:
             self.holds.close()
         if self.agent is not None:
             self.agent.close()
+
+
+def _state_pages(ids: list[int], n: int) -> Any:
+    """A state region's page table of `n` pages: the request's state block (`ids`, its one
+    block, `groups.state_table`) as the last page, the pages before it distinct other block
+    ids that are never read or written (the region starts at its last page)."""
+    import numpy as np
+
+    if len(ids) != 1:
+        raise KVHandoffError(f"a state group's table holds {len(ids)} blocks, expected the "
+                             "request's one state block")
+    state = int(ids[0])
+    filler = [b for b in range(n) if b != state][:n - 1]
+    return np.asarray([*filler, state], dtype=np.int64)
 
 
 class _NoRoom:
