@@ -173,8 +173,9 @@ class InFlight:
         plan = r.plan
         nbytes: dict[str, int] = {}
         pieces: dict[str, int] = {}
+        chunks = plan.chunk_plans
         for unit, regions in done:
-            plans = plan.plans_of(unit)
+            plans = chunks[unit.chunk]
             for region in regions:
                 p = plans[region]
                 nbytes[region] = nbytes.get(region, 0) + p.total_bytes

@@ -160,7 +160,9 @@ class SendPath:
                 self._queue_done(r, unit, attempt, (), ())
                 self._sent(r, unit, attempt, (), None)
                 continue
-            parts = tuple(WritePart(plan.tag(unit, region_index[n], attempt),
+            xfer = plan.chunk_xfers[unit.chunk]
+            assert xfer is not None  # units of a chunk are posted once its transfer id is known
+            parts = tuple(WritePart(P.data_tag(xfer, layer, region_index[n], attempt),
                                     buffer_name(n, layer), plans[n]) for n in regions)
             writes.append((unit, tuple(x.tag for x in parts), regions))
             parts_of.append(parts)
