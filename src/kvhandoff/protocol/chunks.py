@@ -44,12 +44,13 @@ class ChunkedPrefill:
         self.send_path = send_path
         self.receive_path = receive_path
 
-    def post_ready(self, r: Leg, layer: int) -> None:
-        """Prefill: the engine marked `layer` ready: send it in the leg's current chunk (once
-        the decode accepted that chunk)."""
+    def post_ready(self, r: Leg, layers: list[int]) -> None:
+        """Prefill: the engine marked `layers` ready (together): send them in the leg's
+        current chunk (once the decode accepted that chunk)."""
         c = len(r.plan.chunk_ends) - 1
         if c <= 0 or r.plan.chunk_xfers[c] is not None:
-            self.send_path.post_layer(r, Unit(layer, max(c, 0)), 0)
+            chunk = max(c, 0)
+            self.send_path.post_layers(r, [Unit(layer, chunk) for layer in layers], 0)
 
     def on_add_chunk(self, e: ev.AddChunk) -> None:
         """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
@@ -137,5 +138,5 @@ class ChunkedPrefill:
         if not r.plan.chunk_accepted(c, msg.xfer):
             return
         latest = c == len(r.plan.chunk_ends) - 1
-        for layer in (r.group.given.ready if latest else r.layers):
-            self.send_path.post_layer(r, Unit(layer, c), 0)
+        self.send_path.post_layers(
+            r, [Unit(layer, c) for layer in (r.group.given.ready if latest else r.layers)], 0)

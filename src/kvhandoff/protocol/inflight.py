@@ -83,11 +83,22 @@ class InFlight:
     def post(self, r: Leg, tags: tuple[int, ...], *, send: bool, unit: Unit, attempt: int,
              regions: tuple[str, ...]) -> int:
         """Records an op of `r` about to be posted; its id."""
-        self._next += 1
-        self.ops[self._next] = Op(r, tags, send, unit, attempt, regions)
+        return self.post_many(r, [(unit, tags, regions)], send=send, attempt=attempt)[0]
+
+    def post_many(self, r: Leg, posts: list[tuple[Unit, tuple[int, ...], tuple[str, ...]]],
+                  *, send: bool, attempt: int) -> range:
+        """Records ops of `r` about to be posted together ((unit, tags, regions) each: a
+        one-sided write job per unit of the layers the engine marked ready at once), in one
+        pass; their ids, in order."""
+        ops, first = self.ops, self._next + 1
+        tags: list[int] = []
+        for i, (unit, unit_tags, regions) in enumerate(posts, first):
+            ops[i] = Op(r, unit_tags, send, unit, attempt, regions)
+            tags.extend(unit_tags)
+        self._next += len(posts)
         # (a failing leg cancels each tag: a transport may have split the job)
         r.state.fence.posted(tags)
-        return self._next
+        return range(first, self._next + 1)
 
     def hash(self, job: Job) -> None:
         """Asks for the sums of `job` (`HashSpans`) with the room's algorithm."""
@@ -152,6 +163,27 @@ class InFlight:
             nbytes = plan.total_bytes
             total += nbytes
             moved(direction, region, nbytes, plan.count)
+        self.ctx.counters[f"bytes_{direction}"] += total
+        return total
+
+    def moved_units(self, r: Leg, done: list[tuple[Unit, tuple[str, ...]]],
+                    direction: str) -> int:
+        """Counts the bytes of several units' regions as sent / received, in one pass (one
+        counter update per region); returns them."""
+        plan = r.plan
+        nbytes: dict[str, int] = {}
+        pieces: dict[str, int] = {}
+        chunks = plan.chunk_plans
+        for unit, regions in done:
+            plans = chunks[unit.chunk]
+            for region in regions:
+                p = plans[region]
+                nbytes[region] = nbytes.get(region, 0) + p.total_bytes
+                pieces[region] = pieces.get(region, 0) + p.count
+        moved = self.readouts.moved
+        for region, n in nbytes.items():
+            moved(direction, region, n, pieces[region])
+        total = sum(nbytes.values())
         self.ctx.counters[f"bytes_{direction}"] += total
         return total
 

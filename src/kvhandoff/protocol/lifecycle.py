@@ -133,6 +133,13 @@ class RoomTable:
         if r.state.terminal:
             self._terminal(r)
 
+    def apply_layers(self, r: Leg, layers: list[int]) -> None:
+        """Feeds the layers of `r` that moved together (sent, or landed) as one step."""
+        r.state.apply_layers(layers, self.ctx.now)
+        self.changed(r.group)
+        if r.state.terminal:
+            self._terminal(r)
+
     def fail(self, r: Leg, fe: FailureEvent, *, notify: Notify,
              kind: FailureKind | None = None, failure: Failure | None = None) -> None:
         """Fails the leg (first failure wins) and tells the peer. Its `Failure` is `failure`,

@@ -44,7 +44,6 @@ from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersLanded,
     ChecksumsDiffered,
-    LayerLanded,
     PeerFailedRoom,
     Role,
     TransferAccepted,
@@ -193,8 +192,12 @@ class ReceivePath:
         r.progress.recv_done.setdefault((unit, attempt), set()).add(region)
         self.try_verify(r, unit, attempt)
 
-    def try_verify(self, r: Leg, unit: Unit, attempt: int) -> None:
-        """Decode: once a unit's bytes and its LayerDone are both here, verify."""
+    def try_verify(self, r: Leg, unit: Unit, attempt: int,
+                   landed: list[tuple[Unit, tuple[str, ...], int]] | None = None) -> None:
+        """Decode: once a unit's bytes and its LayerDone are both here, verify. `landed`: a
+        unit verified here (nothing left to hash) joins it, (unit, regions, sums checked), to
+        land with the others of its `LayerDone` (`_land`); those before it land first when
+        this one is a mismatch or fails."""
         prog = r.progress
         if r.role is not Role.DECODE or r.state.terminal or prog.posted.get(unit) != attempt:
             return
@@ -214,6 +217,7 @@ class ReceivePath:
             why = (f"checksum: decode={ctx.settings.checksum.value!r} verifies layer "
                    f"{unit.layer} but the prefill sent no sum of {unsummed[0]!r} (its "
                    "checksum mode sums fewer layers)")
+            self._land_now(r, landed)
             self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
                             failure=Failure(FailureKind.CHECKSUM, why))
             return
@@ -237,7 +241,11 @@ class ReceivePath:
                 bad = n
         if bad is None:
             self.ctx.counters["checksums_writer_verified"] += len(hashed) - len(own)
+        if bad is None and not own and landed is not None:
+            landed.append((unit, regions, len(hashed)))
+            return
         if bad is not None or not own:
+            self._land_now(r, landed)
             self._verified(r, unit, attempt, regions, bad=bad, checked=len(hashed))
             return
         prog.verifying.add(key)
@@ -261,18 +269,43 @@ class ReceivePath:
                 self.rooms.fail(r, ChecksumsDiffered(layer=unit.layer, region=bad),
                                 notify=Notify.FAILED)
             return
+        self._land(r, [(unit, regions, checked)])
+
+    def _land_now(self, r: Leg, landed: list[tuple[Unit, tuple[str, ...], int]] | None
+                  ) -> None:
+        """Lands the units verified so far in `landed` (emptied), before what follows them."""
+        if landed:
+            units = landed[:]
+            landed.clear()
+            self._land(r, units)
+
+    def _land(self, r: Leg, units: list[tuple[Unit, tuple[str, ...], int]]) -> None:
+        """Verified units of `r`, (unit, regions, sums checked) each: counted in one pass,
+        their layers (every chunk landed) one state-machine step (`RoomTable.apply_layers`);
+        then the room's view, and Success and `RoomAck` once every layer landed."""
+        if r.state.terminal:
+            return
+        ctx = self.ctx
+        checked = sum(n for _, _, n in units)
         r.stats.checksums_verified += checked
         ctx.counters["checksums_verified"] += checked
-        r.stats.bytes_moved += self.ops.moved(r, unit, regions, "received")
-        layer = r.progress.unit_done(unit, r.plan)
-        if layer is None:
-            r.state.progressed(ctx.now)
+        r.stats.bytes_moved += self.ops.moved_units(
+            r, [(unit, regions) for unit, regions, _ in units], "received")
+        prog, plan = r.progress, r.plan
+        layers = [layer for layer in (prog.unit_done(unit, plan) for unit, _, _ in units)
+                  if layer is not None]
+        if len(layers) < len(units):
+            r.state.progressed(ctx.now)  # a chunk of a layer landed
+        if not layers:
             return
-        self.rooms.apply(r, LayerLanded(layer=layer))
+        self.rooms.apply_layers(r, layers)
         g = r.group
-        if g.state.all_legs and all(
-                leg.state.has_layers((layer,)) for leg in g.legs):
-            g.landed.add(layer)
+        if g.state.all_legs:
+            if len(g.legs) == 1:
+                g.landed.update(layers)
+            else:
+                g.landed.update(layer for layer in layers
+                                if all(leg.state.has_layers((layer,)) for leg in g.legs))
             self.rooms.changed(g)
         if r.state.has_layers(r.layers):
             # every layer verified: the prefill writes nothing more
@@ -281,7 +314,9 @@ class ReceivePath:
             ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
 
     def on_layer_done(self, r: Leg, msg: P.LayerDone) -> None:
-        """Decode: the prefill's sums of the layers it posted."""
+        """Decode: the prefill's sums of the layers it posted, each layer checked; those
+        verified without hashing land together (`_land`: one state-machine step)."""
+        landed: list[tuple[Unit, tuple[str, ...], int]] = []
         for info in msg.layers:
             unit = Unit(info.layer, info.chunk)
             key = (unit, info.attempt)
@@ -294,7 +329,8 @@ class ReceivePath:
             r.progress.sums[key] = sums
             if checked:
                 r.progress.landed[key] = checked
-            self.try_verify(r, unit, info.attempt)
+            self.try_verify(r, unit, info.attempt, landed)
+        self._land_now(r, landed)
 
     def on_recv_done(self, op: Op, error: str | None) -> None:
         """The receive of `op` (one region of a unit) completed (`InFlight.take_op`)."""

@@ -231,6 +231,15 @@ class LegState:
         """
         self.machine.apply(event, now)
 
+    def apply_layers(self, layers: list[int], now: float) -> None:
+        """Feeds the layers that moved together at `now` as one step of the machine
+        (`RoomMachine.apply_layers`: each layer guarded, all or nothing).
+
+        Raises:
+            InvalidTransition: the machine refuses the step.
+        """
+        self.machine.apply_layers(layers, now)
+
     def match(self, now: float) -> None:
         """The peer's handshake completed (once; a repeat is a no-op)."""
         if not self.machine.peer_matched:

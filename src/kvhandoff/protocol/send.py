@@ -21,6 +21,8 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvhandoff.buffers.bufferset import buffer_name
@@ -41,7 +43,6 @@ from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersAcked,
     KVPoll,
-    LayerSent,
     LeaseRenewed,
     PeerFailedRoom,
     TransferAccepted,
@@ -126,12 +127,57 @@ class SendPath:
             src=self.ctx.me.address, gen=self.ctx.me.generation, room=r.room,
             page_size=plan.page_size, src_pages={k: v.tolist() for k, v in plan.pages.items()},
             chunk_end=-1 if end >= plan.seq_len else end, one_sided=r.one_sided, xfer=r.xfer))
-        for layer in given.ready:
-            self.post_layer(r, Unit(layer), 0)
+        self.post_layers(r, [Unit(layer) for layer in given.ready], 0)
 
     def post_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Prefill: send every region of `unit`, checksum the source spans while the bytes
         are on the wire, and announce it (`LayerDone`) once the sums are in."""
+        self.post_layers(r, (unit,), attempt)
+
+    def post_layers(self, r: Leg, units: Sequence[Unit], attempt: int) -> None:
+        """Prefill: `post_layer` of each of `units` (the layers the engine marked ready
+        together), their ops recorded in one pass. One-sided: one write job per unit (the
+        driver packs a pass's jobs into transport jobs), each part under its own tag."""
+        if not r.one_sided:
+            for unit in units:
+                self._post_two_sided(r, unit, attempt)
+            return
+        ctx, plan, prog = self.ctx, r.plan, r.progress
+        mode, order, nlayers = ctx.settings.checksum, ctx.layer_order, len(ctx.layers)
+        layer_regions, region_index = ctx.layer_regions, ctx.region_index
+        writes: list[tuple[Unit, tuple[int, ...], tuple[str, ...]]] = []
+        parts_of: list[tuple[WritePart, ...]] = []
+        wants: list[bool] = []
+        for unit in units:
+            prog.posted[unit] = attempt
+            key = (unit, attempt)
+            prog.sums[key] = {}
+            prog.outstanding[key] = 1  # one job for the layer's regions: one completion
+            plans = plan.plans_of(unit)
+            layer = unit.layer
+            regions = tuple(n for n in layer_regions.get(layer, ()) if n in plans)
+            if not regions:  # another leg of the room brings this layer's planes
+                self._queue_done(r, unit, attempt, (), ())
+                self._sent(r, unit, attempt, (), None)
+                continue
+            xfer = plan.chunk_xfers[unit.chunk]
+            assert xfer is not None  # units of a chunk are posted once its transfer id is known
+            parts = tuple(WritePart(P.data_tag(xfer, layer, region_index[n], attempt),
+                                    buffer_name(n, layer), plans[n]) for n in regions)
+            writes.append((unit, tuple(x.tag for x in parts), regions))
+            parts_of.append(parts)
+            wants.append(wants_checksum(mode, order[layer], nlayers))
+        if not writes:
+            return
+        r.state.started(ctx.now)  # a first write that never completes fails at the stall bound
+        alg = self.ops.checksum_alg(r)
+        emit, peer, room = ctx.emit, r.peer, r.room
+        ids = self.ops.post_many(r, writes, send=True, attempt=attempt)
+        for op, parts, want in zip(ids, parts_of, wants, strict=True):
+            emit(PostWrite(op, peer, parts, want, alg, room))
+
+    def _post_two_sided(self, r: Leg, unit: Unit, attempt: int) -> None:
+        """Prefill, two-sided: a send per region of `unit`, its source sums asked for."""
         ctx = self.ctx
         r.state.started(ctx.now)  # a first write that never completes fails at the stall bound
         r.progress.posted[unit] = attempt
@@ -146,16 +192,6 @@ class SendPath:
         plans = r.plan.plans_of(unit)
         want = wants_checksum(ctx.settings.checksum, ctx.layer_order[unit.layer],
                               len(ctx.layers))
-        if r.one_sided:  # straight into the decode's pages, hashed while copying: one job
-            # one job for the layer's regions: one completion, a sum per region
-            r.progress.outstanding[key] = 1
-            parts = tuple(WritePart(r.plan.tag(unit, ctx.region_index[name], attempt),
-                                    buffer_name(name, unit.layer), plans[name])
-                          for name in regions)
-            op = self.ops.post(r, tuple(x.tag for x in parts), send=True, unit=unit,
-                          attempt=attempt, regions=tuple(regions))
-            ctx.emit(PostWrite(op, r.peer, parts, want, self.ops.checksum_alg(r), r.room))
-            return
         r.progress.outstanding[key] = len(regions)
         for name in regions:
             plan = plans[name]
@@ -197,27 +233,45 @@ class SendPath:
     def on_written(self, e: ev.Written) -> None:
         """Prefill: the one-sided write job of a unit's regions landed (or failed). Its
         LayerDone leaves now, with the sums computed while copying (one per region)."""
-        op = self.ops.take_op(e.op)
-        if op is None:
-            return
-        r = op.leg
-        error = e.error
-        if error is None:
-            ctx = self.ctx
-            want = wants_checksum(ctx.settings.checksum, ctx.layer_order[op.unit.layer],
-                                  len(ctx.layers))
-            n = len(op.regions)
-            digests, landed = e.digests, e.landed
-            if want and (len(digests) != n or None in digests):
-                error = (f"the transport returned {len(digests)} checksum(s), some missing, "
-                         f"for a write of {n} region(s) that asked for one each")
-            elif landed and len(landed) != n:
-                error = f"the transport read back {len(landed)} region(s) of a write of {n}"
-            elif want:
-                self._queue_done(r, op.unit, op.attempt, op.regions, digests, landed)
-            else:
-                self._queue_done(r, op.unit, op.attempt, op.regions, (None,) * n)
-        self._sent(r, op.unit, op.attempt, op.regions, error)
+        self.on_written_many((e,))
+
+    def on_written_many(self, events: Sequence[ev.Written]) -> None:
+        """Prefill: `on_written` of each of `events` (the write jobs of one transport job,
+        `events.Batch`), every write's sums checked and queued for its `LayerDone`, then one
+        completion pass per leg: byte counters once, the units whole as one state-machine
+        step (`RoomTable.apply_layers`)."""
+        ctx = self.ctx
+        mode, order, nlayers = ctx.settings.checksum, ctx.layer_order, len(ctx.layers)
+        done: dict[int, tuple[Leg, list[tuple[Unit, int, tuple[str, ...]]]]] = {}
+        for e in events:
+            op = self.ops.take_op(e.op)
+            if op is None:
+                continue
+            r, unit, regions = op.leg, op.unit, op.regions
+            error = e.error
+            if error is None:
+                want = wants_checksum(mode, order[unit.layer], nlayers)
+                n = len(regions)
+                digests, landed = e.digests, e.landed
+                if want and (len(digests) != n or None in digests):
+                    error = (f"the transport returned {len(digests)} checksum(s), some "
+                             f"missing, for a write of {n} region(s) that asked for one each")
+                elif landed and len(landed) != n:
+                    error = f"the transport read back {len(landed)} region(s) of a write of {n}"
+                elif want:
+                    self._queue_done(r, unit, op.attempt, regions, digests, landed)
+                else:
+                    self._queue_done(r, unit, op.attempt, regions, (None,) * n)
+            if error is not None:
+                self._sent(r, unit, op.attempt, regions, error)
+                continue
+            leg = done.get(id(r))
+            if leg is None:
+                leg = done[id(r)] = (r, [])
+            leg[1].append((unit, op.attempt, regions))
+        for r, units in done.values():
+            if not r.state.terminal:
+                self._sent_many(r, units)
 
     def _sent(self, r: Leg, unit: Unit, attempt: int, regions: tuple[str, ...],
               error: str | None) -> None:
@@ -226,18 +280,30 @@ class SendPath:
             self.ops.failed(r, f"send of layer {unit.layer} {', '.join(regions)} "
                                       f"failed: {error}")
             return
-        r.stats.bytes_moved += self.ops.moved(r, unit, regions, "sent")
-        key = (unit, attempt)
-        left = r.progress.outstanding[key] - 1
-        if left:
-            r.progress.outstanding[key] = left
-            return
-        del r.progress.outstanding[key]
-        if attempt == 0:
-            whole = r.progress.unit_done(unit, r.plan)
-            if whole is not None:
-                self.rooms.apply(r, LayerSent(layer=whole))
-                self.maybe_acked(r)
+        self._sent_many(r, [(unit, attempt, regions)])
+
+    def _sent_many(self, r: Leg, ops: list[tuple[Unit, int, tuple[str, ...]]]) -> None:
+        """Ops of `r` that ended well, (unit, attempt, regions) each: bytes counted once, the
+        units every op of which ended are sent, their layers (first attempts whose every
+        chunk is sent) one state-machine step."""
+        r.stats.bytes_moved += self.ops.moved_units(
+            r, [(unit, regions) for unit, _, regions in ops], "sent")
+        prog, outstanding = r.progress, r.progress.outstanding
+        whole: list[int] = []
+        for unit, attempt, _ in ops:
+            key = (unit, attempt)
+            left = outstanding[key] - 1
+            if left:
+                outstanding[key] = left
+                continue
+            del outstanding[key]
+            if attempt == 0:
+                layer = prog.unit_done(unit, r.plan)
+                if layer is not None:
+                    whole.append(layer)
+        if whole:
+            self.rooms.apply_layers(r, whole)
+            self.maybe_acked(r)
 
     def acked(self, r: Leg) -> None:
         """Prefill: the decode's RoomAck came."""

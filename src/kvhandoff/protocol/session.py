@@ -357,21 +357,49 @@ class TransferSession:
              else self.send_path.on_source_hashed)(job, e.sums)
 
     def _on_batch(self, e: ev.Batch) -> None:
-        """Each event of one room in order (`events.Batch`: LayerReady or Written only)."""
-        for one in e.events:
-            if not isinstance(one, ev.LayerReady | ev.Written):
-                raise TypeError(f"a Batch holds LayerReady or Written events, not {one!r}")
-            self._handlers[type(one)](one)
+        """The events of one room the driver fed as one (`events.Batch`: LayerReady or
+        Written only), each checked and handled in order, with one posting pass (the
+        LayerReadys) or one completion pass (the Writtens) and one state-machine step per
+        leg for them all."""
+        written = [one for one in e.events if isinstance(one, ev.Written)]
+        if len(written) == len(e.events):
+            self.send_path.on_written_many(written)
+            return
+        ready = [one for one in e.events if isinstance(one, ev.LayerReady)]
+        if len(ready) != len(e.events):
+            bad = next(one for one in e.events if not isinstance(one, ev.LayerReady))
+            raise TypeError(f"a Batch holds LayerReady or Written events, not {bad!r}")
+        i = 0
+        while i < len(ready):  # each room's consecutive LayerReadys together
+            first = ready[i]
+            j = i + 1
+            while j < len(ready) and ready[j].room == first.room \
+                    and ready[j].token is first.token:
+                j += 1
+            self._layers_ready(first.room, first.token, [one.layer for one in ready[i:j]])
+            i = j
 
     def _on_layer_ready(self, e: ev.LayerReady) -> None:
-        g = self.rooms.group(e.room, e.token)
-        if g is None or e.layer in g.given.ready:
+        self._layers_ready(e.room, e.token, [e.layer])
+
+    def _layers_ready(self, room: int, token: object, layers: list[int]) -> None:
+        """Prefill: the engine marked `layers` of a room ready (a layer marked again is
+        ignored); each accepted leg posts them together."""
+        g = self.rooms.group(room, token)
+        if g is None:
             return
-        g.given.ready.append(e.layer)
+        ready = g.given.ready
+        new: list[int] = []
+        for layer in layers:
+            if layer not in ready and layer not in new:
+                new.append(layer)
+        if not new:
+            return
+        ready.extend(new)
         g.given.t_last_ready = self.ctx.now
         for r in g.legs:
             if r.state.accepted and not r.state.terminal:
-                self.chunks.post_ready(r, e.layer)
+                self.chunks.post_ready(r, new)
 
     def _on_receiver_init(self, e: ev.ReceiverInit) -> None:
         g = self.rooms.group(e.room, e.token)

@@ -14,6 +14,10 @@ Rules:
   expected layer. A refused event raises `InvalidTransition` and changes nothing.
 - Terminal states accept nothing: `apply` returns False and the room stays as it was; the first
   failure's reason is the one kept.
+- Layers that moved together (the engine marked them ready at once, one write job landed them,
+  one `LayerDone` announced them) are one step: `apply_layers` decides exactly what feeding
+  `LayerSent` / `LayerLanded` for each of them in order decides, every layer guarded, but all
+  or nothing (a refused layer refuses the step).
 
 Deadlines, armed and cleared as the state changes:
     BOOTSTRAP          armed at creation, cleared on leaving Bootstrapping
@@ -28,7 +32,7 @@ A terminal state clears them all. A duration of None leaves that deadline unarme
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from kvhandoff.errors import ConfigError, InvalidTransition
@@ -241,6 +245,47 @@ class RoomMachine:
                 self._deadlines.pop(_STATE_DEADLINE[old], None)
                 self._arm(_STATE_DEADLINE[new], now)
         return changed
+
+    def apply_layers(self, layers: Sequence[int], now: float) -> bool:
+        """Feed the layers that moved together at `now` as one step: this side's layer event
+        (`LayerSent` on a prefill, `LayerLanded` on a decode) for each of `layers`, in order,
+        the table asked once and every layer guarded, all or nothing.
+
+        Returns:
+            Whether anything changed (False for no layers, or in a terminal state).
+
+        Raises:
+            InvalidTransition: the event is not allowed in this state, or a layer is refused
+                (already moved, named twice, not one of the room's): the machine is unchanged.
+        """
+        if self.state.is_terminal or not layers:
+            return False
+        kind = LayerSent if self.role is Role.PREFILL else LayerLanded
+        old = self.state
+        first = kind(layers[0])
+        new = next_state(old, first, role=self.role)
+        if len(layers) > 1:
+            next_state(new, first, role=self.role)  # the later layers step from `new`
+        fresh = set(layers)
+        verb = "sent" if self.role is Role.PREFILL else "landed"
+        if len(fresh) != len(layers):
+            twice = sorted({x for x in layers if layers.count(x) > 1})
+            raise InvalidTransition(f"layers {twice} {verb} twice in one step")
+        again = fresh & self._layers
+        if again:
+            raise InvalidTransition(f"layer {min(again)} already {verb} in this room")
+        if self._expected is not None and not fresh <= self._expected:
+            raise InvalidTransition(
+                f"layer {min(fresh - self._expected)} is not one of this room's layers "
+                f"{sorted(self._expected)}"
+            )
+        self._layers |= fresh
+        self._arm(Deadline.TRANSFER_STALL, now)
+        if new != old:
+            self.state = new
+            self._deadlines.pop(_STATE_DEADLINE[old], None)
+            self._arm(_STATE_DEADLINE[new], now)
+        return True
 
     def _check_guards(self, event: Event) -> None:
         if isinstance(event, TransferAccepted) and not self.peer_matched:

@@ -274,3 +274,84 @@ def test_a_writer_plan_other_than_the_decodes_fails_the_room() -> None:
     failure = d.views[1].failure
     assert failure is not None and f"checksum mismatch on layer {first}" in failure.reason
     assert d.session.counters["checksums_writer_verified"] == 0
+
+
+def batched_room(w: MemoryWire, p: Side, room: int) -> None:
+    """The layers ready as one `events.Batch` and their write jobs' completions as one, as the
+    driver feeds them (`runtime.batching`: the queue's LayerReadys of a room, the Writtens of
+    one transport job)."""
+    w.feed(p, ev.Batch(tuple(ev.LayerReady(room, room, lid) for lid in layers(p.session.layout))))
+    held = [done for side, done in w.completions if side is p and isinstance(done, ev.Written)]
+    assert len(held) == len(w.completions) == len(layers(p.session.layout))  # a job per layer
+    w.completions.clear()
+    w.feed(p, ev.Batch(tuple(held)))
+    w.run()
+
+
+def layer_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Every layer step of every room machine from now on: (role, layers), one per
+    `apply_layers` and one per single `LayerSent` / `LayerLanded`."""
+    from kvhandoff.state_machine import LayerLanded, LayerSent, RoomMachine
+
+    steps: list[tuple[str, tuple[int, ...]]] = []
+    apply, apply_layers = RoomMachine.apply, RoomMachine.apply_layers
+
+    def one(self: RoomMachine, event: object, now: float) -> bool:
+        if isinstance(event, LayerSent | LayerLanded):
+            steps.append((self.role.value, (event.layer,)))
+        return apply(self, event, now)  # type: ignore[arg-type]
+
+    def many(self: RoomMachine, lids: list[int], now: float) -> bool:
+        steps.append((self.role.value, tuple(lids)))
+        return apply_layers(self, lids, now)
+
+    monkeypatch.setattr(RoomMachine, "apply", one)
+    monkeypatch.setattr(RoomMachine, "apply_layers", many)
+    return steps
+
+
+def test_a_batch_of_layers_is_one_step_on_each_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's layers ready together, written by one job: the prefill's machine takes
+    them sent in one step, the decode's (their one LayerDone, each layer's sums compared with
+    the writer's read-back) landed in one step; every layer counted, fenced and checked."""
+    w, p, d = pair()
+    read_back_writes(w)
+    open_room(w, p, d, 1)
+    w.run()
+    steps = layer_steps(monkeypatch)
+    batched_room(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0
+    every = tuple(layers(p.session.layout))
+    assert steps == [("prefill", every), ("decode", every)]
+    done = [m for _, _, m in w.sent if isinstance(m, P.LayerDone)]
+    assert len(done) == 1 and sorted(i.layer for i in done[0].layers) == list(every)
+    c = d.session.counters
+    assert c["checksums_verified"] == c["checksums_writer_verified"] == 4 + 2
+    sent = p.session.counters["bytes_sent"]
+    assert sent == d.session.counters["bytes_received"] > 0
+    assert not p.session.legs[(1, "decode:1")].state.fence.tags  # every write's tags cleared
+
+
+def test_a_corrupt_layer_in_a_batch_is_written_again_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer of the batch lands corrupt: the layers before and after it land in steps
+    around it, it alone is asked again (LayerNack) and lands once rewritten."""
+    w, p, d = pair()
+    read_back_writes(w)
+    open_room(w, p, d, 1)
+    w.run()
+    lay = p.session.layout
+    every = layers(lay)
+    bad = every[1]
+    w.corrupt_next(bad, next(r.name for r in lay.regions if bad in r.layer_ids))
+    steps = layer_steps(monkeypatch)
+    batched_room(w, p, 1)
+    assert (p.views[1].state, d.views[1].state) == (KVPoll.Success, KVPoll.Success)
+    assert bad_bytes(d) == 0
+    nacks = [m for _, _, m in w.sent if isinstance(m, P.LayerNack)]
+    assert [(m.layer, m.attempt) for m in nacks] == [(bad, 0)]
+    decode = [lids for role, lids in steps if role == "decode"]
+    assert decode == [tuple(every[:1]), tuple(every[2:]), (bad,)]
+    assert [lids for role, lids in steps if role == "prefill"] == [tuple(every)]
+    assert d.session.counters["retransmits"] == 1

@@ -306,3 +306,62 @@ def test_started_arms_the_stall_deadline_before_the_first_layer_moves() -> None:
     assert m.next_deadline() == (Deadline.TRANSFER_STALL, 3.0)
     assert m.apply(DeadlinePassed(Deadline.TRANSFER_STALL), 3.0)
     assert m.state is KVPoll.Failed and m.failure == "transfer_stall deadline expired"
+
+
+# --- layers that moved together: one step ------------------------------------------------
+
+
+@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize("state", [KVPoll.WaitingForInput, KVPoll.Transferring])
+def test_layers_applied_together_equal_one_event_each(role: Role, state: KVPoll) -> None:
+    """`apply_layers` ends where feeding the side's layer event for each layer in order ends:
+    the same state, layers and deadlines."""
+    clock = FakeClock()
+    one, many = (RoomMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
+                 for _ in range(2))
+    for m in (one, many):
+        to_state(m, KVPoll.WaitingForInput, clock())
+        if state is KVPoll.Transferring:
+            m.apply(layer_event(role, 5), clock())
+    now = clock.advance(0.5)
+    for layer in (0, 2, 1):
+        one.apply(layer_event(role, layer), now)
+    assert many.apply_layers([0, 2, 1], now)
+    assert many.state is one.state is KVPoll.Transferring
+    assert many.layers == one.layers >= {0, 1, 2}
+    assert all(many.deadline(d) == one.deadline(d) for d in Deadline)
+    assert many.deadline(Deadline.TRANSFER_STALL) == now + 1.5
+    assert many.deadline(Deadline.WAITING_FOR_INPUT) is None
+
+
+@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize(("layers", "why"), [
+    ([3, 4, 3], "twice in one step"),
+    ([2, 0], "already"),
+    ([3, 9], "not one of this room's layers"),
+])
+def test_a_refused_layer_refuses_the_whole_step(role: Role, layers: list[int], why: str) -> None:
+    """Every layer of the step is guarded: one refused (named twice, already moved, not one
+    of the room's) refuses the step and leaves the machine as it was."""
+    clock = FakeClock()
+    m = RoomMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
+    to_state(m, KVPoll.Transferring, clock())  # layer 0 moved
+    before = (m.state, m.layers, {d: m.deadline(d) for d in Deadline})
+    with pytest.raises(InvalidTransition, match=why):
+        m.apply_layers(layers, clock.advance(1.0))
+    assert (m.state, m.layers, {d: m.deadline(d) for d in Deadline}) == before
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_layers_together_follow_the_table(role: Role) -> None:
+    """Before the transfer is accepted no layer may move, together or not; a terminal room
+    takes nothing; no layers is no step."""
+    m = RoomMachine(role, now=0.0, deadlines=CONFIG, layers=range(4))
+    with pytest.raises(InvalidTransition, match="not allowed in state Bootstrapping"):
+        m.apply_layers([0, 1], 0.0)
+    assert m.layers == frozenset()
+    to_state(m, KVPoll.WaitingForInput, 0.0)
+    assert not m.apply_layers([], 0.0) and m.state is KVPoll.WaitingForInput
+    assert m.apply_layers([0, 1, 2, 3], 0.0)
+    assert m.apply(done_event(role), 0.0) and m.state is KVPoll.Success
+    assert not m.apply_layers([0], 0.0)
