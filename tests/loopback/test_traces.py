@@ -123,7 +123,7 @@ def test_handoff_exports_one_trace_with_both_sides(pair: Callable[..., Any]) -> 
 
 def test_failed_handoff_marks_both_sides_in_one_trace(pair: Callable[..., Any]) -> None:
     # the decode aborts at layer 8 (after the handshake, mid-transfer): both sides fail
-    p, d = pair({"abort_at_layer": 8}, layer_ms=20)
+    p, d = pair({"abort_at_layer": 8}, layer_ms=50)
     dd, pd = d.expect("done", DONE_S), p.expect("done", DONE_S)
     assert (pd["state"], dd["state"]) == ("Failed", "Failed")
     p_room, p_children = _tree(p)
@@ -141,7 +141,9 @@ def test_failed_handoff_marks_both_sides_in_one_trace(pair: Callable[..., Any]) 
         kids = _by_name(children)
         assert "kvhandoff.handshake" in kids
         assert kids["kvhandoff.handshake"]["status"] == "UNSET"  # it completed
-        assert room["attributes"]["kvhandoff.layers"] < 78  # stopped mid-way
+        if room is d_room:  # the decode stopped mid-way (the prefill, paced by its engine,
+            # may have sent every layer before the abort reached it on a busy host)
+            assert room["attributes"]["kvhandoff.layers"] < 78
         assert proc_done["timings"]["failure_kind"] == "aborted"
 
 
