@@ -9,8 +9,10 @@ Engine starts are what a live run costs (each `vllm serve` is three Python proce
 torch and vLLM), so every engine is started once per run, all together, and shared by the
 modules: each test module names the engines it uses (its ``ENGINES``, names of `CATALOG`), and
 `fleet` starts those of every module with a selected test in one wave, never a second one
-(`make test`: the six of test_live_gqa and test_live_mla, the two of test_live_swa, the two
-decodes of test_live_drain; `make test-long` adds five, and more). The fleet
+(`make test`: the six of test_live_gqa and test_live_mla, the two decodes of test_live_drain,
+the pairs of test_live_hybrid and test_live_mamba: 12 engines, about 1.5 GiB each, what a 24 GiB
+host holds; `make test-long` adds more, and a test may name engines of its own beside its
+module's with ``@pytest.mark.engines(...)``). The fleet
 stops right after the last test that uses it, not at the end of the run: six idle engines hold
 gigabytes and wake up now and then, and the rest of the suite (real servers, heartbeats of
 0.2 s) must not run beside them.
@@ -99,8 +101,8 @@ CATALOG: dict[str, EngineDef] = {
     # killed (SIGKILL); with gqa-ref and gqa-prefill-b32
     "gqa-mig-a": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
     "gqa-mig-b": ("gqa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
-    # test_live_swa: a sliding-window (Mistral-like) pair, the async (default) decode in the
-    # default run, a layerwise decode in `make test-long`; the prefill is its own reference
+    # test_live_swa (`make test-long`): a sliding-window (Mistral-like) pair, an async decode
+    # and a layerwise one; the prefill is its own reference
     "swa-prefill": ("swa", 32, 1, "prefill", {}),
     "swa-decode": ("swa", 32, 1, "decode", {"load_mode": None, "policy": "fail"}),
     "swa-decode-layerwise": ("swa", 32, 1, "decode", LAYERWISE_FAIL),
@@ -169,6 +171,8 @@ def _wanted(session: pytest.Session) -> set[str]:
     names: set[str] = set()
     for item in session.items:
         names.update(getattr(getattr(item, "module", None), "ENGINES", ()))
+        for mark in item.iter_markers("engines"):  # a test's own, beside its module's
+            names.update(mark.args)
     unknown = names - set(CATALOG)
     assert not unknown, f"live test modules name engines not in CATALOG: {sorted(unknown)}"
     return names

@@ -40,8 +40,9 @@ decode loaded: the decode's prefix cache must not serve the loaded state block a
 that block's end (it holds the state after the loaded tokens, not after 96): vLLM gives it no
 hit (0 tokens, asserted), and the output is bit-equal to the engine alone's.
 
-A decode without prefix caching (``mamba_cache_mode`` 'none': one state block per request,
-the state groups' block the whole context, the attention block still 96) loads from the same
+In `make test-long`: a decode without prefix caching (``mamba_cache_mode`` 'none': one state
+block per request, the state groups' block the whole context, the attention block still 96)
+loads from the same
 prefill (mode 'align'): the state block is its one block; the same bytes move, and the output
 equals this prefill's pair's (the same state, the same last step).
 
@@ -63,7 +64,7 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
 MODEL = "gdn"
 P, D, DN = "gdn-prefill", "gdn-decode", "gdn-decode-none"
-ENGINES = (P, D, DN)  # what this module needs of the run's fleet
+ENGINES = (P, D)  # what this module needs of the run's fleet (DN: its long case's own)
 GDN_LAYERS, FULL_LAYERS = 3, 1  # make_models.GDN_LAYER_TYPES
 BYTES = "vllm:kvhandoff_bytes_total"
 # vLLM's engine core: the block of each KV cache group (the hybrid allocator's unified block)
@@ -141,6 +142,10 @@ def test_decode_prefix_cache_after_a_loaded_state(fleet: Fleet, http: httpx.Clie
     idle(http, prefill, decode)
 
 
+# `make test-long`: an engine of its own (the fleet of `make test` is at the memory of a
+# 24 GiB host: 15 engines of about 1.5 GiB each did not start)
+@pytest.mark.long
+@pytest.mark.engines(DN)
 def test_decode_in_mode_none_loads_from_an_align_prefill(fleet: Fleet, http: httpx.Client,
                                                         figures: list[str]) -> None:
     prefill, decode, other = fleet[P], fleet[DN], fleet[D]

@@ -1,4 +1,4 @@
-"""A live sliding-window pair in the default run: a Mistral-like model whose every layer has a
+"""A live sliding-window pair (`make test-long`): a Mistral-like model whose every layer has a
 48-token window (make_models.py ``swa``), 32-token blocks, a prefill and a decode (the default,
 async load) through our proxy. vLLM's hybrid allocator stays on (the connector implements
 ``SupportsHMA``): it frees a request's blocks that fell out of the window on both engines, and
@@ -24,7 +24,10 @@ from live_fleet import Engine, Fleet, wait_until
 from live_outputs import body, generate, max_diff, prompt_of
 from live_pairs import ROOMS_DONE, external, idle
 
-pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
+# `make test-long`: the sliding-window layers of `make test` are test_live_hybrid's (vLLM's
+# hybrid allocator, window groups beside full ones); this single-group pair's two engines do
+# not fit beside the rest of that fleet on a 24 GiB host (about 1.5 GiB an engine)
+pytestmark = [pytest.mark.live, pytest.mark.long, pytest.mark.timeout(900)]
 
 MODEL = "swa"
 P, D = "swa-prefill", "swa-decode"
