@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -147,6 +148,36 @@ class Side:
     @property
     def kv_manager(self) -> Any:
         return self.queue.kv_manager
+
+
+def until(h: Any, done: Any, bound_s: float = 20.0) -> int:
+    """`h.poll()` once `done` says so of it, or when `bound_s` passed (the caller asserts)."""
+    end = time.monotonic() + bound_s
+    while not done(int(h.poll())) and time.monotonic() < end:
+        time.sleep(0.005)
+    return int(h.poll())
+
+
+def failure_text(h: Any) -> str | None:
+    """What SGLang's ``failure_exception()`` raises for a failed handle (its KVTransferError)."""
+    try:
+        h.failure_exception()
+    except Exception as e:  # noqa: BLE001 - SGLang's KVTransferError
+        return str(e)
+    return None
+
+
+def outcome(r: Any, s: Any) -> tuple[int, int, str | None]:
+    """A handoff's end: the receiver's and the sender's state once each is terminal (bounded),
+    and the receiver's failure text where it failed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    def ended(st: int) -> bool:
+        return st in (KVPoll.Success, KVPoll.Failed)
+
+    rs = until(r, ended)
+    reason = failure_text(r) if rs == KVPoll.Failed else None
+    return rs, until(s, ended), reason
 
 
 def publish_ranks() -> None:

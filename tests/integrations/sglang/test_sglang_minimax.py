@@ -111,13 +111,6 @@ class Engine:
                 for b in (*mp.k_buffer, *mp.v_buffer, *ip.k_buffer)]
 
 
-def _until(h: Any, done: Any, bound_s: float = 20.0) -> int:
-    end = time.monotonic() + bound_s
-    while not done(int(h.poll())) and time.monotonic() < end:
-        time.sleep(0.005)
-    return int(h.poll())
-
-
 def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: int,
             seq_len: int, *, prefix: int = 0, chunk_at: int | None = None
             ) -> tuple[int, int, str | None, dict[str, Any]]:
@@ -138,7 +131,7 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
     r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
     r.init(0)
     r.send_metadata(d_kv, D_AUX, d_state, decode_prefix_len=prefix)
-    assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+    assert S.until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
     assert s.pop_decode_prefix_len() == prefix
     s.init(len(d_kv), S_AUX)
     seen: dict[str, Any] = {"kv": [], "d_kv": d_kv, "d_state": d_state}
@@ -167,14 +160,7 @@ def handoff(pre: S.Side, dec: S.Side, pe: Engine, de: Engine, port: int, room: i
                                                            end_idx=chunk_at)
     SchedulerDisaggregationPrefillMixin._send_kv_chunk(sched, req, last_chunk=True)
     seen["kv"] = np.concatenate(seen["kv"])
-    rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
-    reason = None
-    if rs == KVPoll.Failed:
-        try:
-            r.failure_exception()
-        except Exception as e:  # SGLang's KVTransferError
-            reason = str(e)
-    ss = _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed))
+    rs, ss, reason = S.outcome(r, s)
     return rs, ss, reason, seen
 
 
