@@ -301,3 +301,34 @@ def test_both_clients_from_settings_carry_the_token(bootstrap_server: Server) ->
     assert asyncio.run(main()) == 1
     with pytest.raises(ConfigError, match="bootstrap_url"):
         BootstrapClient.from_settings(Settings(bootstrap_url=None))
+
+
+def test_a_stopped_client_gives_up_in_its_retries() -> None:
+    """A client given a `stop` event (a registration thread's) gives up its retries once it is
+    set, saying so, instead of retrying for its whole wait: the thread is joined before the
+    client is closed (before: a registration against a dead server outlived its agent's close
+    and its next try raised on the closed client)."""
+    from kvhandoff.bootstrap_server.sockets import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    stop = threading.Event()
+    tried = threading.Event()
+
+    class Seen(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            tried.set()
+            return super().handle_request(request)
+
+    c = BootstrapClient(f"http://127.0.0.1:{port}", total_wait_s=3600, stop=stop,
+                        transport=Seen())
+    got: list[BaseException] = []
+    t = threading.Thread(target=lambda: got.append(pytest.raises(BootstrapUnavailable,
+                                                                 c.ready).value))
+    t.start()
+    assert tried.wait(20)
+    stop.set()
+    t.join(60)
+    assert not t.is_alive() and len(got) == 1 and "stopped after" in str(got[0])
+    c.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from typing import Any
 
 import pytest
 from relkit import (
@@ -168,19 +169,27 @@ def test_strangers_cost_a_bounded_number_of_sockets() -> None:
 SECRET = "s3cret"
 
 
-def _frozen(e: Engine, release: threading.Event) -> threading.Thread:
-    """`e`'s control thread held (by a call on it) until `release` is set; returned once it
-    is held (every pass before has ended, its sends flushed)."""
-    held = threading.Event()
+class _HoldAnswer:
+    """A seam in front of an agent's session: the HelloAck from `peer` is handed to the
+    session only once `release` is set (`held` is set when it arrived): the agent has said its
+    Hello and not read the answer, whatever the host's speed."""
 
-    def hold(_: object) -> None:
-        held.set()
-        release.wait(WAIT_S)
+    def __init__(self, step: Any, peer: str, release: threading.Event) -> None:
+        from kvhandoff.protocol import wire as P
 
-    t = threading.Thread(daemon=True, target=lambda: e.agent._loop.query(hold, WAIT_S + 5))
-    t.start()
-    assert held.wait(WAIT_S)
-    return t
+        self._step, self._peer, self._release = step, peer, release
+        self._ack = P.HelloAck
+        self.held = threading.Event()
+
+    def handle(self, event: Any, now: float) -> Any:
+        msg = getattr(event, "msg", None)
+        if isinstance(msg, self._ack) and msg.src == self._peer and not self.held.is_set():
+            self.held.set()
+            self._release.wait(WAIT_S)
+        return self._step.handle(event, now)
+
+    def next_wakeup(self) -> float:
+        return float(self._step.next_wakeup())
 
 
 def test_a_replayed_hello_does_not_replace_a_restarted_decodes_handshake() -> None:
@@ -207,15 +216,17 @@ def test_a_replayed_hello_does_not_replace_a_restarted_decodes_handshake() -> No
         release = threading.Event()
         try:
             assert gen_of(d) != gen_of(p) and d.address == d0.address
+            seams: list[_HoldAnswer] = []  # it takes the prefill's answer only once released
+            d.agent._loop.install(lambda step: seams.append(_HoldAnswer(step, p.address,
+                                                                         release)) or seams[0])
             r = secrets.randbits(63)
             s = p.send(r, 40)
             rv = d.recv(r, 40, p.address)
+            assert seams[0].held.wait(WAIT_S)
             # the Hello the decode said, byte for byte (what a wire tap captured)
-            nonce = d.agent._loop.query(lambda ses: ses.peers._keys[p.address].nonce)
+            nonce = d.agent._loop.session.peers._keys[p.address].nonce  # held: read here
             hello = d.agent._loop.session.me.hello(P.Hello, p.address, nonce=nonce)
-            held = _frozen(d, release)  # it reads the prefill's answer only once released
             # the prefill answered it and waits for a sealed message to confirm it
-            # (its Hello may not have been read yet on a busy host: no keys for it then)
             assert wait_until(lambda: bool(p.agent._loop.query(
                 lambda ses: getattr(ses.peers._keys.get(d.address), "pending", None))), WAIT_S)
             replayed0 = counters(p)["replayed_messages"]
@@ -224,7 +235,6 @@ def test_a_replayed_hello_does_not_replace_a_restarted_decodes_handshake() -> No
                 pr.barrier("prefill")  # the replay was read
             assert counters(p)["replayed_messages"] - replayed0 == 1
             release.set()
-            held.join(WAIT_S)
             assert rv.wait(WAIT_S) is KVPoll.Success, rv.failure
             assert s.wait(WAIT_S) is KVPoll.Success, s.failure
             assert d.bad_bytes(r, 40) == 0

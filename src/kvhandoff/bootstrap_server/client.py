@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -223,8 +224,11 @@ class BootstrapClient(_Base):
     """Synchronous client (httpx). See the module docstring for the methods."""
 
     def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None,
-                 **kw: Any) -> None:
+                 stop: threading.Event | None = None, **kw: Any) -> None:
+        """`stop`: once set, a call in its retries gives up at once (`BootstrapUnavailable`),
+        so the thread making it can be joined before the client is closed."""
         super().__init__(base_url, **kw)
+        self._stop = stop
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers,
                                   timeout=self._request_timeout_s, transport=transport)
 
@@ -258,7 +262,11 @@ class BootstrapClient(_Base):
             delay = self._next_delay(tries, deadline)
             if delay is None:
                 raise self._gave_up(req, tries, last) from last
-            time.sleep(delay)
+            if self._stop is None:
+                time.sleep(delay)
+            elif self._stop.wait(delay):
+                raise BootstrapUnavailable(f"{self._where(req)}: stopped after {tries} tries"
+                                           ) from last
 
     # -- ranks ----------------------------------------------------------------------------
 

@@ -48,8 +48,8 @@ class AgentIdentity(Protocol):
 log = logging.getLogger("kvhandoff.agent")
 
 
-def _client(agent: AgentIdentity, url: str, total_wait_s: float | None = None
-            ) -> BootstrapClient:
+def _client(agent: AgentIdentity, url: str, total_wait_s: float | None = None,
+            stop: threading.Event | None = None) -> BootstrapClient:
     from kvhandoff.bootstrap_server.client import BootstrapClient
 
     if "://" not in url:
@@ -57,7 +57,7 @@ def _client(agent: AgentIdentity, url: str, total_wait_s: float | None = None
     token = agent.settings.auth_token
     wait = agent.settings.bootstrap_timeout_s if total_wait_s is None else total_wait_s
     return BootstrapClient(url, token=token.get_secret_value() if token else None,
-                           total_wait_s=wait)
+                           total_wait_s=wait, stop=stop)
 
 
 class Registration:
@@ -69,10 +69,10 @@ class Registration:
         # one try per heartbeat period: a server that is down must not hold the loop (or
         # close()) for the whole bootstrap timeout; the next period tries again
         period = max(0.05, agent.settings.rank_ttl_s / 3)
+        self._stop = threading.Event()  # also ends a call in its retries (close joins)
         self._client = _client(agent, agent.settings.bootstrap_url,
                                total_wait_s=min(agent.settings.bootstrap_timeout_s,
-                                                max(1.0, period)))
-        self._stop = threading.Event()
+                                                max(1.0, period)), stop=self._stop)
         self.registered = threading.Event()
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -111,6 +111,8 @@ class Registration:
                 need_register = True
                 continue
             except KVHandoffError as e:
+                if self._stop.is_set():
+                    break  # closing: a call cut short is no registration error
                 self.error = str(e)
                 self.registered.clear()
                 need_register = True
