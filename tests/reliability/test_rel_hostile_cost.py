@@ -70,6 +70,37 @@ def test_a_sealed_frame_is_authenticated_before_it_is_decoded() -> None:
 
 
 @pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_an_oversized_hello_is_refused_before_it_is_decoded(secret: str | None) -> None:
+    """A Hello carries its MAC inside (over its decoded form), so it is decoded before it is
+    authenticated; one larger than any honest Hello (`wire.HELLO_MAX_BYTES`, 1 MiB; an honest
+    one is a few KB) is refused from its size alone: counted as rejected, never answered.
+    Before: a 4 MiB Hello with a made-up MAC was decoded and answered with a HelloReject
+    (`unauthenticated_messages` with a secret): a stranger made each agent decode up to
+    `max_message_bytes` (16 MiB) per frame."""
+    from relkit import Prober
+
+    from kvhandoff.protocol import wire as P
+
+    with engine_pair(settings=fast_settings(hmac_secret=secret), num_pages=8) as (p, d):
+        c0 = counters(p)
+        with Prober(p.address) as pr:
+            big = P.Hello(src=pr.address, gen=pr.gen, agent_id="big", role="decode",
+                          transport="tcp", transport_address=b"x" * (P.HELLO_MAX_BYTES * 4),
+                          layout={}, layout_hash="", buffers=[], mac=b"m" * 32)
+            pr.send(P.encode(big))
+            got = pr.barrier("decode")  # read after the big one (one connection, in order)
+        assert [type(m).__name__ for m in got] == ["HelloReject"]  # the barrier's alone
+        c = counters(p)
+        assert c["rejected_messages"] - c0["rejected_messages"] == 1, c
+        # with a secret the barrier's own Hello (unsigned) is the one refused as such
+        assert (c["unauthenticated_messages"] - c0["unauthenticated_messages"]
+                == (1 if secret else 0)), c
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)
+        assert d.bad_bytes(r, 40) == 0
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
 def test_one_connection_of_heavy_frames_costs_a_bounded_queue(secret: str | None) -> None:
     """One connection of another user sends 160 well-typed Heartbeats of a million rooms each
     (4.9 MB, 779 MB in all; with a secret, sealed in the decode's name under made-up seals)

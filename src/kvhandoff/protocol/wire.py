@@ -365,6 +365,12 @@ def open_frames(frames: list[bytes], *, max_bytes: int) -> Opened:
     frame, for its MAC). `ProtocolError` for anything else."""
     body, seal = _split(frames, max_bytes=max_bytes)
     kind, src, gen = peek(body)
+    if seal is None and kind in UNSEALED_KINDS and len(body) > HELLO_MAX_BYTES:
+        # decoded before its MAC is checked (the MAC covers the decoded form): what a
+        # stranger makes an agent decode is bounded by an honest Hello's size, not by
+        # max_message_bytes
+        raise ProtocolError(f"{kind} of {len(body)} bytes exceeds a handshake message's bound "
+                            f"of {HELLO_MAX_BYTES}")
     return Opened(body=body, seal=seal, kind=kind, src=src, gen=gen)
 
 
@@ -480,6 +486,10 @@ _INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
          0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
 #: the kinds that come unsealed with a shared secret (each carries a MAC of its own)
 UNSEALED_KINDS = frozenset({"hello", "hello_ack", "hello_reject"})
+#: the largest unsealed handshake message taken (refused before decoding): an honest Hello is
+#: about 7 KB for DeepSeek-V3.2's 122 buffers (layout, buffer list, transport address), so
+#: 1 MiB leaves room for any layout and a transport's metadata
+HELLO_MAX_BYTES = 1 << 20
 
 
 def _hello_body(msg: Hello) -> bytes:
