@@ -260,6 +260,10 @@ class PeerTable:
         if p.matched:
             self._matched(r, p)
             return
+        if not p.waiting and p.state.phase is PeerPhase.HELLO_SENT:
+            # greeted with no leg waiting (`greet`): its silence is measured from now, not
+            # from the greeting (the Hello stands: a peer that starts late still reads it)
+            p.last_seen = self.ctx.now
         p.waiting.append(r)
         self._hello(p)
 
@@ -267,7 +271,7 @@ class PeerTable:
         """Starts the handshake with `addr` where none stands or is under way, with no leg to
         wait for it: a decode that holds rooms queued for a prefill it has not read from yet
         (its `P.Hold` goes out once the handshake stands). A peer that never answers is
-        declared lost once a leg waits for it."""
+        declared lost 2 heartbeats after a leg began waiting for it (`attach`)."""
         self._hello(self.peer(addr))
 
     def _hello(self, p: Peer) -> None:

@@ -141,3 +141,29 @@ def test_a_decode_holds_rooms_of_a_prefill_it_never_read_from() -> None:
     w.run()
     assert p.views[2].state is KVPoll.Success and d.views[2].state is KVPoll.Success
     assert bad_bytes(d) == 0
+
+
+def test_a_room_of_a_greeted_prefill_that_answers_late_is_not_failed_for_the_wait() -> None:
+    """A decode greets a prefill it holds rooms with (its Hello goes out, nobody waits for
+    it); the prefill answers only much later (it was starting: ZMQ delivers the Hello once it
+    listens). A room the decode opens with it meanwhile gets the full silence bound from when
+    it started waiting. Before: the bound ran from the greeting, so the room failed `silent` at
+    the next heartbeat although the prefill answered within it."""
+    w = MemoryWire()
+    p = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(bootstrap_timeout_s=BOUND))
+    d = w.add("decode:1", Role.DECODE, layout(), settings=settings(bootstrap_timeout_s=BOUND))
+    w.hold(lambda f, t, m: f == "decode:1")  # the prefill does not read yet
+    w.feed(d, ev.HoldRooms("prefill:1", (2,), 2 * HB))
+    w.run()
+    _ticks(w, 10)  # five silence bounds since the greeting
+    _open_prefill(w, p, 2)
+    open_room_decode_only(w, d, 2)
+    _ticks(w, 1)  # within the bound of the room's wait
+    assert d.views[2].state is not KVPoll.Failed, d.views[2].failure
+    w.release_held()  # the prefill reads what was queued for it, and answers
+    w.run()
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(2, 2, lid))
+    w.run()
+    assert p.views[2].state is KVPoll.Success and d.views[2].state is KVPoll.Success
+    assert bad_bytes(d) == 0
