@@ -75,6 +75,8 @@ def test_drain_with_nothing_in_flight_marks_the_decode_draining() -> None:
     ({"model": "m"}, "messages"),
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
      "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}],

@@ -313,6 +313,11 @@ class Router:
         msgs = body.get("messages")
         if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
             raise RouteError(400, "messages: a non-empty list of messages")
+        for m in msgs:  # a moved request continues from token ids: no media would reach it
+            parts = m.get("content")
+            if isinstance(parts, list) and any(
+                    not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+                raise RouteError(400, "messages: text content only through the router")
         if body.get("n", 1) != 1:
             raise RouteError(400, "n: the router streams one completion per request")
         for k in ("max_completion_tokens", "max_tokens"):
