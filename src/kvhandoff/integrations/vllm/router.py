@@ -118,33 +118,44 @@ def _is_int(x: Any) -> bool:
 
 class StopText:
     """A request's stop strings over the whole text its client gets, fed piece by piece (the
-    pieces of every decode it streams from, in order): what to forward now and the stop string
-    found. Text that may still begin a stop string is held back until it cannot (or the end)."""
+    chunks of every decode it streams from, in order): what to forward now and the stop string
+    found, by vLLM's rules (`vllm.v1.engine.detokenizer`): the stop string that ends first wins
+    (ties: the list's order); only text after the first `min_tokens` tokens' may end one; the
+    last `len(longest) - 1` characters are held back until they cannot begin one (none held
+    with `include`, where the stop string itself is forwarded)."""
 
     def __init__(self, stop: Any, *, include: bool = False, min_tokens: int = 0) -> None:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.stops = [x for x in stops if x]
         self.include = include
         self.min_tokens = min_tokens
-        longest = max((len(x) for x in self.stops), default=0)
-        self.hold = 0 if include else max(longest - 1, 0)
-        self.keep = longest  # forwarded characters a stop string may begin in (include)
-        self.tail = ""  # the last forwarded characters
-        self.held = ""
+        self.hold = 0 if include or not self.stops else max(map(len, self.stops)) - 1
+        self.text = ""  # all the text so far: forwarded, then held back
+        self.sent = 0  # characters forwarded
+        self.check_from: int | None = None  # where text that may end a stop string begins
 
     def feed(self, text: str, n_tokens: int, final: bool) -> tuple[str, str | None]:
-        buf = self.held + text
+        """`text`: the next chunk's; `n_tokens`: the tokens generated so far, this chunk's
+        included; `final`: the decode ended the request. Returns (forward now, stop string)."""
+        before = len(self.text)
+        self.text += text
         if self.stops and n_tokens > self.min_tokens:
-            window = self.tail + buf
-            hits = [(i, x) for x in self.stops if (i := window.find(x)) >= 0]
-            if hits:
-                i, x = min(hits)
-                end = i + len(x) if self.include else i
-                self.held = ""
-                return window[len(self.tail):max(end, len(self.tail))], x
-        cut = len(buf) if final else max(len(buf) - self.hold, 0)
-        out, self.held = buf[:cut], buf[cut:]
-        self.tail = (self.tail + out)[-self.keep:] if self.keep else ""
+            if self.check_from is None:  # this chunk holds the first token past min_tokens
+                self.check_from = before
+            lo = max(before, self.check_from)  # a stop string must end after `lo`
+            best: tuple[int, int, str] | None = None
+            for x in self.stops:
+                i = self.text.find(x, max(lo + 1 - len(x), 0))
+                if i >= 0 and (best is None or i + len(x) < best[0]):
+                    best = (i + len(x), i, x)
+            if best is not None:
+                end, i, x = best
+                cut = end if self.include else i
+                out = self.text[self.sent:max(cut, self.sent)]
+                self.sent = max(cut, self.sent)
+                return out, x
+        cut = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent:cut], cut
         return out, None
 
 
