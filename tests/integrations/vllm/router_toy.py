@@ -1,6 +1,8 @@
-"""A toy engine with the HTTP API `kvhandoff route` uses of `vllm serve` (the shapes of vLLM
-0.32's answers with `return_token_ids`), served by real uvicorn on 127.0.0.1 port 0, so the
-router's moves run over real sockets without a model.
+"""A toy engine with the HTTP API `kvhandoff route` uses of `vllm serve`, served by real uvicorn
+on 127.0.0.1 port 0, so the router's moves run over real sockets without a model. Each request
+is parsed by vLLM's own request class (`CompletionRequest`, `ChatCompletionRequest`,
+`TokenizeChatRequest`: what vLLM would refuse, the toy refuses with 400), and each answer and
+stream chunk is vLLM's response class, serialized as vLLM's server does.
 
 The model: tokens 0..25 are the letters a..z; the next token is the last one plus one (mod 26),
 so a continuation from a prompt plus the tokens generated so far equals the engine's own run.
@@ -16,7 +18,6 @@ An engine can stop mid-stream: `hold_after` tokens, then it waits until its clie
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,23 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeResponse
 
 from kvhandoff.bootstrap_server.sockets import bind_socket
 
@@ -63,6 +81,8 @@ class Toy:
         async def completions(request: Request) -> Response:
             body = await request.json()
             self.seen.append(("/v1/completions", body))
+            if (bad := _invalid(CompletionRequest, body)) is not None:
+                return bad
             p = body["prompt"]
             ids = ids_of(p) if isinstance(p, str) else list(p)
             return self._answer(body, ids, chat=False)
@@ -70,15 +90,19 @@ class Toy:
         async def chat(request: Request) -> Response:
             body = await request.json()
             self.seen.append(("/v1/chat/completions", body))
+            if (bad := _invalid(ChatCompletionRequest, body)) is not None:
+                return bad
             ids = render(body["messages"], body.get("add_generation_prompt", True))
             return self._answer(body, ids, chat=True)
 
         async def tokenize(request: Request) -> Response:
             body = await request.json()
             self.seen.append(("/tokenize", body))
+            if (bad := _invalid(TokenizeChatRequest, body)) is not None:
+                return bad
             ids = render(body["messages"], body.get("add_generation_prompt", True))
-            return JSONResponse({"count": len(ids), "max_model_len": MAX_MODEL_LEN,
-                                 "tokens": ids})
+            return _json(TokenizeResponse(count=len(ids), max_model_len=MAX_MODEL_LEN,
+                                          tokens=ids))
 
         return Starlette(routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -111,48 +135,45 @@ class Toy:
 
         if kv.get("do_remote_decode"):  # the prefill: one token, a room
             self.rooms += 1
-            tok = gen()[:1]
+            t0 = gen()[0][0]
             params = {"room": self.rooms, "engine": self.name}
             if chat:
-                return JSONResponse({
-                    "id": rid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant",
-                                 "content": text_of([tok[0][0]])}, "finish_reason": "length",
-                                 "token_ids": [tok[0][0]]}],
-                    "prompt_token_ids": prompt, "kv_transfer_params": params})
-            return JSONResponse({
-                "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text_of([tok[0][0]]), "finish_reason": "length",
-                             "token_ids": [tok[0][0]], "prompt_token_ids": prompt}],
-                "kv_transfer_params": params})
+                return _json(ChatCompletionResponse(
+                    id=rid, created=created, model=model, usage=_usage(prompt, 1),
+                    choices=[ChatCompletionResponseChoice(
+                        index=0, message={"role": "assistant", "content": text_of([t0])},
+                        finish_reason="length", token_ids=[t0])],
+                    prompt_token_ids=prompt, kv_transfer_params=params))
+            return _json(CompletionResponse(
+                id=rid, created=created, model=model, usage=_usage(prompt, 1),
+                choices=[CompletionResponseChoice(
+                    index=0, text=text_of([t0]), finish_reason="length", token_ids=[t0],
+                    prompt_token_ids=prompt)],
+                kv_transfer_params=params))
 
-        def chunk(t: int | None, fin: str | None, first: bool) -> dict[str, Any]:
-            ch: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fin}
-            if t is not None:
-                ch["token_ids"] = [t]
+        def chunk(t: int | None, fin: str | None, first: bool, piece: str | None = None
+                  ) -> str:
+            text = (text_of([t]) if t is not None else "") if piece is None else piece
+            ids = [t] if t is not None else None
             if chat:
-                ch["delta"] = {"content": text_of([t])} if t is not None else {
-                    "role": "assistant", "content": ""}
-                out = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [ch]}
-                if first:
-                    out["prompt_token_ids"] = prompt
-                return out
-            ch["text"] = text_of([t]) if t is not None else ""
-            if first:
-                ch["prompt_token_ids"] = prompt
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": model, "choices": [ch]}
+                delta = (DeltaMessage(content=text) if t is not None
+                         else DeltaMessage(role="assistant", content=""))
+                c = ChatCompletionStreamResponse(
+                    id=rid, object="chat.completion.chunk", created=created, model=model,
+                    choices=[
+                        ChatCompletionResponseStreamChoice(
+                            index=0, delta=delta, logprobs=None, finish_reason=fin,
+                            token_ids=ids)],
+                    prompt_token_ids=prompt if first else None)
+                return c.model_dump_json(exclude_unset=True, exclude_none=not c.choices)
+            choice = CompletionResponseStreamChoice(
+                index=0, text=text, logprobs=None, finish_reason=fin, token_ids=ids,
+                prompt_token_ids=prompt if first else None)
+            return CompletionStreamResponse(id=rid, object="text_completion", created=created,
+                                            model=model, choices=[choice]).model_dump_json(
+                                                exclude_unset=True)
 
         toks = gen()
-        if not body.get("stream"):
-            text = text_of([t for t, _ in toks])
-            if toks[-1][1] == "stop":
-                hit = next(s for s in stops if s in text)
-                text = text[:text.index(hit)]
-            return JSONResponse({"id": rid, "choices": [{"index": 0, "text": text,
-                                 "token_ids": [t for t, _ in toks],
-                                 "finish_reason": toks[-1][1]}]})
 
         async def sse() -> AsyncIterator[bytes]:
             first = True
@@ -166,23 +187,38 @@ class Toy:
                 if self.hold_after is not None and n == self.hold_after:
                     self.held.set()
                     await asyncio.Event().wait()  # until the client goes away
-                c = chunk(t, fin, first)
-                first = False
+                piece = None
                 text += text_of([t])
                 if fin == "stop":  # vLLM: the text up to the stop string
                     hit = next(s for s in stops if s in text)
                     cut = len(text) - text.index(hit)
-                    piece = text_of([t])[:max(len(text_of([t])) - cut, 0)]
-                    c["choices"][0]["delta" if chat else "text"] = (
-                        {"content": piece} if chat else piece)
-                yield _sse(c)
+                    piece = text_of([t])[:max(1 - cut, 0)]
+                yield _sse(chunk(t, fin, first, piece))
+                first = False
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
 
-def _sse(c: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(c)}\n\n".encode()
+def _usage(prompt: list[int], n: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=len(prompt), completion_tokens=n,
+                     total_tokens=len(prompt) + n)
+
+
+def _invalid(model: Any, body: dict[str, Any]) -> Response | None:
+    try:
+        model.model_validate(body)
+    except ValueError as e:  # pydantic's ValidationError: vLLM answers 400
+        return JSONResponse({"error": {"message": str(e), "code": 400}}, 400)
+    return None
+
+
+def _json(obj: Any) -> Response:
+    return Response(obj.model_dump_json(), media_type="application/json")
+
+
+def _sse(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
 
 
 @asynccontextmanager

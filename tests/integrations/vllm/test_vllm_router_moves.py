@@ -1,10 +1,12 @@
 """`kvhandoff route` moving requests over real sockets: the router (its Starlette app on
 uvicorn) in front of toy engines with vLLM's HTTP API (`router_toy`: a prefill, decodes A and
-B on 127.0.0.1). Chat requests are routed and moved (the moved request continues as a
-completion of the prefill's rendering of the messages plus the tokens generated so far, its
-chunks back in the chat format under one id), and the request's stop strings are applied by
-the router to the whole stream, also where one straddles a move. Each output is compared with
-the toy engine's own run of the request. The same on vLLM: tests/live/vllm/test_live_drain.py.
+B on 127.0.0.1; requests parsed and answers built by vLLM's own protocol classes).
+
+Chat requests are routed and moved (the moved request continues as a completion of the
+prefill's rendering of the messages plus the tokens generated so far, its chunks back in the
+chat format under one id), and the request's stop strings are applied by the router to the
+whole stream, also where one straddles a move. Each output is compared with the toy engine's
+own run of the request. Moves of completions on vLLM itself: tests/live/vllm/test_live_drain.py.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from router_toy import Toy, render, served, text_of
 
 from kvhandoff.integrations.vllm.router import Router, make_app
+
+pytest.importorskip("vllm", reason="vllm is installed by `make setup` (requirements/engines-*)")
+
+from router_toy import Toy, render, served, text_of  # noqa: E402
 
 BOUND_S = 30.0
 MESSAGES = [{"role": "user", "content": "hello"}]
