@@ -86,6 +86,8 @@ def test_drain_with_nothing_in_flight_marks_the_decode_draining() -> None:
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+      "include_reasoning": False}, "include_reasoning"),
 ])
 def test_chat_refused_before_any_engine(body: dict[str, Any], field: str) -> None:
     """What a moved chat request (a completion) could not carry is refused with 400."""

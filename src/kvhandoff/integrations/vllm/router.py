@@ -349,6 +349,9 @@ class Router:
             raise RouteError(400, "structured_outputs: not supported through the router")
         if body.get("echo"):
             raise RouteError(400, "echo: not supported through the router")
+        if body.get("include_reasoning") is False:  # vLLM then hides the chunks' token ids
+            raise RouteError(400, "include_reasoning: false is not supported through the "
+                                  "router (it needs every token id to move a request)")
         Router._check_common(body)
 
     async def start(self, body: dict[str, Any], *, chat: bool = False) -> Flight:
