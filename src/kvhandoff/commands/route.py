@@ -32,12 +32,14 @@ def register(app: typer.Typer) -> None:
             "decode computes prompt and generated tokens: the comparison baseline)."),
     ) -> None:
         """Route completions prefill -> decode as vLLM's disaggregated proxy does
-        (POST /v1/completions), and keep them alive when their decode leaves: POST /drain
-        {"decode": URL} moves each request streaming from it to another decode (the prefill
-        offers the prompt's pages again, the new decode computes only the tokens already
-        generated; the client's stream continues with nothing lost or repeated); a decode whose
-        stream breaks (killed, crashed) has its requests moved the same way. POST /undrain,
-        GET /routes (requests in flight), GET /status (decodes and counters)."""
+        (POST /v1/completions, POST /v1/chat/completions), and keep them alive when their
+        decode leaves: POST /drain {"decode": URL} moves each request streaming from it to
+        another decode (the prefill offers the prompt's pages again, the new decode computes
+        only the tokens already generated; the client's stream continues with nothing lost or
+        repeated); a decode whose stream breaks (killed, crashed) has its requests moved the
+        same way. POST /undrain, GET /routes (requests in flight), GET /status (decodes and
+        counters). The router applies each request's stop strings to its whole stream, across
+        moves."""
         import asyncio
 
         import httpx

@@ -1,6 +1,7 @@
 """`kvhandoff route`'s refusals: what the router cannot carry is refused with 4xx naming the
 field, before any engine is asked (the engines' URLs here listen nowhere: a request that
-reached them would answer 502). The moves themselves run live: tests/live/vllm/test_live_drain.py.
+reached them would answer 502). Moves over real sockets with toy engines:
+test_vllm_router_moves.py; on vLLM: tests/live/vllm/test_live_drain.py.
 """
 
 from __future__ import annotations
@@ -68,3 +69,35 @@ def test_drain_with_nothing_in_flight_marks_the_decode_draining() -> None:
     assert out == {"decode": NOWHERE + "1", "moved": 0, "requests": []}
     assert [d["state"] for d in status["decodes"]] == ["draining", "up"]
     assert status["recent_moves"] == [] and status["counters"] == {"drains": 1}
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+      "include_reasoning": False}, "include_reasoning"),
+])
+def test_chat_refused_before_any_engine(body: dict[str, Any], field: str) -> None:
+    """What a moved chat request (a completion) could not carry is refused with 400."""
+    r = call("POST", "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(field)
+
+
+def test_chat_prefill_unreachable_is_502_naming_it() -> None:
+    r = call("POST", "/v1/chat/completions",
+             {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 502
+    assert NOWHERE in r.json()["error"]["message"]

@@ -10,6 +10,12 @@ HTTP API (the one vLLM's disaggregated-serving proxy example serves, plus the ro
   JSON completion. One prompt per request, ``n=1``, no ``echo`` (refused with 400 naming the
   field). The router always asks the engines for token ids (``return_token_ids``); they reach
   the client only where it asked for them.
+- ``POST /v1/chat/completions``: the same flow with vLLM's chat endpoint (the prefill's chat
+  answer with ``max_tokens=1``, then the decode's chat stream). Chunks keep the chat format
+  (``chat.completion.chunk``, ``delta.content``; ``chat.completion`` when not streaming) under
+  one id, also after a move. ``n=1``; no ``tools``, ``logprobs``, ``response_format`` other
+  than text, ``structured_outputs`` (400 naming the field): a moved request continues as a
+  completion, which carries none of them.
 - ``POST /drain`` ``{"decode": URL}``: the decode takes no new request, and each request
   streaming from it moves to another decode (below). Answers once each moved request has its
   first token from its new decode: ``{"decode", "moved", "requests": [{"id", "tokens_before",
@@ -32,10 +38,22 @@ then goes on; its tokens are spliced onto the client's stream (one completion id
 lost, repeated or changed with greedy sampling). Where the prefill cannot offer the pages
 (down, refused), ``on_lost`` decides: ``recompute`` sends ``P + G`` without
 ``kv_transfer_params`` (the decode computes all of it), ``fail`` ends the stream with an error
-event; both are counted in ``/status``.
+event; both are counted in ``/status``. A chat request moves the same way: the router asks the
+prefill to render and tokenize its messages (vLLM's ``POST /tokenize`` with ``messages``: the
+template is the engine's, never the router's), and the next decode gets a completion of that
+prompt plus ``G``; its chunks are turned back into chat chunks.
 
-Limits: a stop string straddling the move is not seen (each decode checks its own text);
-seeded random sampling does not continue the engine's random stream (greedy does).
+Stop strings: the router, not the decodes, applies the request's ``stop`` to the whole text its
+client gets (across moves): the decodes are sent no ``stop``, so none holds text back, and the
+router holds back the last ``len(longest stop) - 1`` characters (as vLLM does) until they
+cannot begin a stop string. Where one appears the stream ends with ``finish_reason: "stop"``
+and ``stop_reason`` the string, nothing after it is forwarded (the string itself only with
+``include_stop_str_in_output``), and the decode's request is closed (vLLM aborts it). As in
+vLLM, stop strings count only once more than ``min_tokens`` tokens are generated.
+
+Limits: seeded random sampling does not continue the engine's random stream (greedy does); a
+moved chat request's text is the completion's, so a reasoning or tool parser on the decode
+does not split it.
 """
 
 from __future__ import annotations
@@ -67,6 +85,17 @@ MOVES = ("resume", "replay")
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 LAND_BOUND_S = 300.0
 RECENT = 256  # moves kept for GET /status
+# what a chat request's body carries over to the completion a moved chat request continues as
+# (sampling and cache fields both endpoints take; `stop` is the router's own, below)
+CHAT_TO_COMPLETION = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "length_penalty", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
+    "allowed_token_ids", "bad_words", "priority", "cache_salt", "user", "vllm_xargs")
+# what vLLM's /tokenize takes of a chat request to render its prompt as the chat endpoint does
+TOKENIZE_CHAT = ("model", "messages", "add_generation_prompt", "continue_final_message",
+                 "chat_template", "chat_template_kwargs", "add_special_tokens",
+                 "mm_processor_kwargs")
 
 
 class RouteError(Exception):
@@ -81,6 +110,53 @@ class RouteError(Exception):
 class Decode:
     url: str
     state: str = "up"  # up | draining | lost
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class StopText:
+    """A request's stop strings over the whole text its client gets, fed piece by piece (the
+    chunks of every decode it streams from, in order): what to forward now and the stop string
+    found, by vLLM's rules (`vllm.v1.engine.detokenizer`): the stop string that ends first wins
+    (ties: the list's order); only text after the first `min_tokens` tokens' may end one; the
+    last `len(longest) - 1` characters are held back until they cannot begin one (none held
+    with `include`, where the stop string itself is forwarded)."""
+
+    def __init__(self, stop: Any, *, include: bool = False, min_tokens: int = 0) -> None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stops = [x for x in stops if x]
+        self.include = include
+        self.min_tokens = min_tokens
+        self.hold = 0 if include or not self.stops else max(map(len, self.stops)) - 1
+        self.text = ""  # all the text so far: forwarded, then held back
+        self.sent = 0  # characters forwarded
+        self.check_from: int | None = None  # where text that may end a stop string begins
+
+    def feed(self, text: str, n_tokens: int, final: bool) -> tuple[str, str | None]:
+        """`text`: the next chunk's; `n_tokens`: the tokens generated so far, this chunk's
+        included; `final`: the decode ended the request. Returns (forward now, stop string)."""
+        before = len(self.text)
+        self.text += text
+        if self.stops and n_tokens > self.min_tokens:
+            if self.check_from is None:  # this chunk holds the first token past min_tokens
+                self.check_from = before
+            lo = max(before, self.check_from)  # a stop string must end after `lo`
+            best: tuple[int, int, str] | None = None
+            for x in self.stops:
+                i = self.text.find(x, max(lo + 1 - len(x), 0))
+                if i >= 0 and (best is None or i + len(x) < best[0]):
+                    best = (i + len(x), i, x)
+            if best is not None:
+                end, i, x = best
+                cut = end if self.include else i
+                out = self.text[self.sent:max(cut, self.sent)]
+                self.sent = max(cut, self.sent)
+                return out, x
+        cut = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent:cut], cut
+        return out, None
 
 
 @dataclass
@@ -98,6 +174,18 @@ class Flight:
     last_token_t: float = 0.0
     stop_t: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False  # a /v1/chat/completions request
+    rendered: bool = False  # chat: `prompt` is the prefill's /tokenize of the messages
+    max_model_len: int | None = None
+    stop: StopText = field(default_factory=lambda: StopText(None))
+
+    @property
+    def limit(self) -> int | None:
+        """The request's max tokens (None: a chat request up to the model's length)."""
+        if self.chat:
+            out = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+            return int(out) if out is not None else None
+        return int(self.body.get("max_tokens", 16))
 
 
 class Router:
@@ -141,15 +229,9 @@ class Router:
         its pages: (kv_transfer_params, prompt token ids). Raises RouteError."""
         first = {**body, "prompt": prompt, "max_tokens": 1, "stream": False,
                  "return_token_ids": True, "kv_transfer_params": ASK}
-        for k in ("min_tokens", "stream_options"):
+        for k in ("min_tokens", "stream_options", "stop", "include_stop_str_in_output"):
             first.pop(k, None)
-        try:
-            r = await self.client.post(f"{self.prefill}/v1/completions", json=first)
-        except httpx.HTTPError as e:
-            raise RouteError(502, f"prefill {self.prefill}: {type(e).__name__}: {e}") from e
-        if r.status_code != 200:
-            raise RouteError(r.status_code, r.text)
-        out = r.json()
+        out = await self._prefill_post("/v1/completions", first)
         params = out.get("kv_transfer_params")
         ids = (out.get("choices") or [{}])[0].get("prompt_token_ids")
         if not isinstance(params, dict):
@@ -158,6 +240,57 @@ class Router:
         if not isinstance(ids, list):
             raise RouteError(502, f"prefill {self.prefill}: no prompt_token_ids in its answer")
         return params, ids
+
+    async def _prefill_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            r = await self.client.post(f"{self.prefill}{path}", json=body)
+        except httpx.HTTPError as e:
+            raise RouteError(502, f"prefill {self.prefill}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise RouteError(r.status_code, r.text)
+        try:
+            out = r.json()
+        except json.JSONDecodeError as e:
+            raise RouteError(502, f"prefill {self.prefill}{path}: not JSON: {e}") from e
+        if not isinstance(out, dict):
+            raise RouteError(502, f"prefill {self.prefill}{path}: not a JSON object")
+        return out
+
+    async def offer_chat(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The chat request's prefill (vLLM's chat endpoint, `max_tokens=1`):
+        (kv_transfer_params, the rendered prompt's token ids, [] where the answer has none)."""
+        first = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
+                 "kv_transfer_params": ASK}
+        for k in ("max_completion_tokens", "min_tokens", "stream_options", "stop",
+                  "include_stop_str_in_output"):
+            first.pop(k, None)
+        out = await self._prefill_post("/v1/chat/completions", first)
+        params = out.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise RouteError(502, f"prefill {self.prefill}: no kv_transfer_params in its answer "
+                                  "(is it running KVHandoffConnector as kv_producer?)")
+        ids = out.get("prompt_token_ids")
+        return params, list(ids) if isinstance(ids, list) else []
+
+    async def render(self, f: Flight) -> None:
+        """A chat request's prompt as token ids, rendered by the prefill (vLLM's /tokenize with
+        `messages`: its chat template, not ours); once per request. Raises RouteError."""
+        if f.rendered:
+            return
+        ask = {k: f.body[k] for k in TOKENIZE_CHAT if k in f.body}
+        out = await self._prefill_post("/tokenize", ask)
+        ids, mml = out.get("tokens"), out.get("max_model_len")
+        if not (isinstance(ids, list) and ids and all(_is_int(t) for t in ids)):
+            raise RouteError(502, f"prefill {self.prefill}/tokenize: no tokens in its answer")
+        if f.prompt and f.prompt != ids:
+            raise RouteError(502, f"prefill {self.prefill}: /tokenize rendered the messages "
+                                  f"as {len(ids)} tokens, its chat answer had "
+                                  f"{len(f.prompt)} different ones")
+        if f.limit is None and not _is_int(mml):
+            raise RouteError(502, f"prefill {self.prefill}/tokenize: no max_model_len in its "
+                                  "answer (the request has no max_tokens)")
+        f.prompt, f.rendered = list(ids), True
+        f.max_model_len = mml if isinstance(mml, int) else None
 
     # ---- a request
 
@@ -174,33 +307,105 @@ class Router:
         mt = body.get("max_tokens", 16)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise RouteError(400, f"max_tokens: expected an integer >= 1, got {mt!r}")
+        Router._check_common(body)
 
-    async def start(self, body: dict[str, Any]) -> Flight:
-        self.check(body)
-        params, ids = await self.offer(body, body["prompt"])
+    @staticmethod
+    def _check_common(body: dict[str, Any]) -> None:
+        stop = body.get("stop")
+        if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(
+                isinstance(x, str) for x in stop))):
+            raise RouteError(400, "stop: expected a string or a list of strings")
+        mn = body.get("min_tokens", 0)
+        if not _is_int(mn) or mn < 0:
+            raise RouteError(400, f"min_tokens: expected an integer >= 0, got {mn!r}")
+
+    @staticmethod
+    def check_chat(body: dict[str, Any]) -> None:
+        msgs = body.get("messages")
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
+            raise RouteError(400, "messages: a non-empty list of messages")
+        for m in msgs:  # a moved request continues from token ids: no media would reach it
+            parts = m.get("content")
+            if isinstance(parts, list) and any(
+                    not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+                raise RouteError(400, "messages: text content only through the router")
+        if body.get("n", 1) != 1:
+            raise RouteError(400, "n: the router streams one completion per request")
+        for k in ("max_completion_tokens", "max_tokens"):
+            mt = body.get(k)
+            if mt is not None and (not _is_int(mt) or mt < 1):
+                raise RouteError(400, f"{k}: expected an integer >= 1, got {mt!r}")
+        # a moved chat request continues as a completion, which carries none of these
+        if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
+            raise RouteError(400, "tools/tool_choice: not supported through the router")
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise RouteError(400, "logprobs/top_logprobs: not supported for chat through the "
+                                  "router")
+        rf = body.get("response_format")
+        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+            raise RouteError(400, "response_format: only {\"type\": \"text\"} through the "
+                                  "router")
+        if body.get("structured_outputs") is not None:
+            raise RouteError(400, "structured_outputs: not supported through the router")
+        if body.get("echo"):
+            raise RouteError(400, "echo: not supported through the router")
+        if body.get("include_reasoning") is False:  # vLLM then hides the chunks' token ids
+            raise RouteError(400, "include_reasoning: false is not supported through the "
+                                  "router (it needs every token id to move a request)")
+        Router._check_common(body)
+
+    async def start(self, body: dict[str, Any], *, chat: bool = False) -> Flight:
+        if chat:
+            self.check_chat(body)
+            params, ids = await self.offer_chat(body)
+        else:
+            self.check(body)
+            params, ids = await self.offer(body, body["prompt"])
         d = self.pick()
         if d is None:
             raise RouteError(503, "no decode is up (see GET /status)")
-        f = Flight(id=f"cmpl-route-{uuid.uuid4().hex}", body=body, prompt=ids, decode=d)
+        f = Flight(id=f"{'chatcmpl' if chat else 'cmpl'}-route-{uuid.uuid4().hex}", body=body,
+                   prompt=ids, decode=d, chat=chat,
+                   stop=StopText(body.get("stop"),
+                                 include=bool(body.get("include_stop_str_in_output")),
+                                 min_tokens=int(body.get("min_tokens") or 0)))
         f.figures["params"] = params
         self.counters["requests"] += 1
         self.flights[f.id] = f
         return f
 
-    def _decode_body(self, f: Flight, params: dict[str, Any] | None) -> dict[str, Any]:
-        b = {**f.body, "stream": True, "return_token_ids": True}
-        b.pop("stream_options", None)
+    def _completion_body(self, f: Flight) -> dict[str, Any]:
+        """The request's body as a completion: a chat request's sampling fields only."""
+        if not f.chat:
+            return dict(f.body)
+        return {k: f.body[k] for k in CHAT_TO_COMPLETION if k in f.body}
+
+    def _decode_body(self, f: Flight, params: dict[str, Any] | None
+                     ) -> tuple[str, dict[str, Any]]:
+        """(path, body) for the flight's next decode. The decodes get no `stop`: the router
+        applies it to the whole stream (a decode would hold text back and see its own only)."""
         k = len(f.generated)
-        if k:
-            b["prompt"] = f.prompt + f.generated
-            b["max_tokens"] = int(f.body.get("max_tokens", 16)) - k
-            if "min_tokens" in b:
-                b["min_tokens"] = max(0, int(b["min_tokens"]) - k)
+        if f.chat and not f.moves:  # the chat's first decode: vLLM's chat endpoint
+            path, b = "/v1/chat/completions", dict(f.body)
+        else:
+            path, b = "/v1/completions", self._completion_body(f)
+            if k or f.chat:
+                b["prompt"] = f.prompt + f.generated
+                limit = f.limit
+                if limit is None:  # a chat request without max tokens: up to the model's length
+                    limit = (f.max_model_len or 0) - len(f.prompt)  # render() checked it
+                b["max_tokens"] = limit - k
+                if "min_tokens" in b:
+                    b["min_tokens"] = max(0, int(b["min_tokens"]) - k)
+        b.update(stream=True, return_token_ids=True)
+        for x in ("stream_options", "stop", "include_stop_str_in_output",
+                  "max_completion_tokens" if path == "/v1/completions" else ""):
+            b.pop(x, None)
         if params is not None:
             b["kv_transfer_params"] = {**params, "kvhandoff_resume": True} if k else params
         else:
             b.pop("kv_transfer_params", None)
-        return b
+        return path, b
 
     async def chunks(self, f: Flight) -> AsyncIterator[dict[str, Any]]:
         """The completion's chunks as the client gets them, across moves."""
@@ -221,6 +426,8 @@ class Router:
                             ch = chunk["choices"][0]
                             toks = ch.get("token_ids") or []
                             f.generated.extend(toks)
+                            chunk = self._client_chunk(f, chunk)
+                            ch = chunk["choices"][0]
                             now = time.monotonic()
                             if toks and f.stop_t:
                                 f.figures.update(drain_s=now - f.stop_t,
@@ -236,9 +443,9 @@ class Router:
                             chunk["id"] = f.id
                             if not want_ids:
                                 ch.pop("token_ids", None)
+                            if not want_ids or not first_chunk:
                                 ch.pop("prompt_token_ids", None)
-                            elif not first_chunk:
-                                ch.pop("prompt_token_ids", None)
+                                chunk.pop("prompt_token_ids", None)  # the chat endpoint's
                             first_chunk = False
                             yield chunk
                             if ch.get("finish_reason") is not None:
@@ -273,12 +480,20 @@ class Router:
                     yield _error("the request's decode went away and no other decode is up")
                     return
                 f.decode = nxt
+                if f.chat:  # its prompt as token ids: the next decode gets a completion
+                    try:
+                        await self.render(f)
+                    except RouteError as e:
+                        self.counters["moves_failed"] += 1
+                        yield _error(f"the request's decode went away and the prefill cannot "
+                                     f"render its messages: {e}")
+                        return
                 if self.move == "replay":
                     self.counters["moved_replayed"] += 1
                     params = None
                     continue
                 try:
-                    params, _ = await self.offer(f.body, f.prompt)
+                    params, _ = await self.offer(self._completion_body(f), f.prompt)
                     self.counters[f"moved_{outcome}"] += 1
                 except RouteError as e:
                     if self.on_lost == "fail":
@@ -294,11 +509,38 @@ class Router:
             f.landed.set()
             self.flights.pop(f.id, None)
 
+    def _client_chunk(self, f: Flight, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A decode's chunk as the client gets it: its text through the request's stop strings
+        (`Flight.stop`), in the client's format (a moved chat request's completion chunks become
+        chat chunks)."""
+        ch = chunk["choices"][0]
+        upstream_chat = "delta" in ch
+        delta = ch.get("delta") or {}
+        text = (delta.get("content") if upstream_chat else ch.get("text")) or ""
+        fin = ch.get("finish_reason")
+        out, hit = f.stop.feed(text, len(f.generated), final=fin is not None)
+        if hit is not None:
+            ch["finish_reason"], ch["stop_reason"] = "stop", hit
+        if not f.chat:
+            ch["text"] = out
+            return chunk
+        if upstream_chat:
+            if out or "content" in delta:
+                ch["delta"] = {**delta, "content": out}
+            return chunk
+        c: dict[str, Any] = {"index": 0, "delta": {"content": out} if out or not ch.get(
+            "finish_reason") else {}, "logprobs": None, "finish_reason": ch.get("finish_reason")}
+        for k in ("stop_reason", "token_ids"):
+            if k in ch:
+                c[k] = ch[k]
+        return {"id": f.id, "object": "chat.completion.chunk", "created": chunk.get("created"),
+                "model": chunk.get("model"), "choices": [c]}
+
     async def _one_decode(self, f: Flight, params: dict[str, Any] | None
                           ) -> AsyncGenerator[dict[str, Any], None]:
         """One decode's stream, until it ends, breaks (`_Lost`) or the flight is moved."""
-        req = self.client.build_request("POST", f"{f.decode.url}/v1/completions",
-                                        json=self._decode_body(f, params))
+        path, body = self._decode_body(f, params)
+        req = self.client.build_request("POST", f"{f.decode.url}{path}", json=body)
         try:
             upstream = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
@@ -402,13 +644,41 @@ def _merged(chunks: list[dict[str, Any]], fid: str) -> dict[str, Any]:
     return base
 
 
+def _merged_chat(chunks: list[dict[str, Any]], fid: str) -> dict[str, Any]:
+    """A non-streaming chat client's completion from the (chat) chunks."""
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    ch0: dict[str, Any] = {"index": 0, "message": msg, "logprobs": None, "finish_reason": None,
+                           "stop_reason": None}
+    base: dict[str, Any] = {"id": fid, "object": "chat.completion", "choices": [ch0]}
+    for c in chunks:
+        if "error" in c:
+            return c
+        base.setdefault("model", c.get("model"))
+        base.setdefault("created", c.get("created"))
+        if c.get("prompt_token_ids") is not None:
+            base["prompt_token_ids"] = c["prompt_token_ids"]
+        ch = c["choices"][0]
+        msg["content"] += (ch.get("delta") or {}).get("content") or ""
+        ch0["finish_reason"] = ch.get("finish_reason") or ch0["finish_reason"]
+        ch0["stop_reason"] = ch.get("stop_reason")
+        if ch.get("token_ids") is not None:
+            ch0["token_ids"] = (ch0.get("token_ids") or []) + list(ch["token_ids"])
+    return base
+
+
 def make_app(router: Router) -> Starlette:
     async def completions(request: Request) -> Response:
+        return await _complete(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, chat=True)
+
+    async def _complete(request: Request, *, chat: bool) -> Response:
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise RouteError(400, "body: expected a JSON object")
-            f = await router.start(body)
+            f = await router.start(body, chat=chat)
         except RouteError as e:
             return JSONResponse({"error": {"message": str(e)}}, e.status)
         except json.JSONDecodeError as e:
@@ -421,7 +691,7 @@ def make_app(router: Router) -> Starlette:
 
             return StreamingResponse(relay(), media_type="text/event-stream")
         got = [c async for c in router.chunks(f)]
-        out = _merged(got, f.id)
+        out = _merged_chat(got, f.id) if chat else _merged(got, f.id)
         return JSONResponse(out, 502 if "error" in out else 200)
 
     async def drain(request: Request) -> Response:
@@ -457,6 +727,7 @@ def make_app(router: Router) -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/drain", drain, methods=["POST"]),
         Route("/undrain", undrain, methods=["POST"]),
         Route("/routes", routes, methods=["GET"]),
