@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.kv_layout import SendFrom, page_aligned, preset
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 
 SEED = 5
 

@@ -165,8 +165,8 @@ SIM_GAPS: dict[str, str] = {
         "equivalent as the protocol uses the fence: a leg never has two ops of one data tag "
         "in flight (a tag names the transfer, layer, region and attempt; each is posted once "
         "per leg, a retransmit is the next attempt), so a tag's count is never above 1 "
-        "(tests/unit/sim/test_mutants.py checks it over the seeds); the fence's own unit test "
-        "posts a tag twice",
+        "(tests/unit/simulator/test_mutants.py checks it over the seeds); the fence's own unit "
+        "test posts a tag twice",
     "room-released-before-done":
         "equivalent as the protocol uses it: RoomState.release runs right after finish(), "
         "which makes a room whose legs are all released (so terminal) DONE; the room state's "

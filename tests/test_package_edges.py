@@ -5,7 +5,7 @@
 - the agent API (`TransferAgent`, `Sender`, `Receiver`) has one import path,
   `kvhandoff.transfer`, outside `runtime/` that defines it, in src, tests and scripts alike;
   nothing else is imported from `kvhandoff.transfer`;
-- `kvhandoff.transfer` and `kvhandoff.sim` load nothing by name (no ``importlib``, no module
+- `kvhandoff.transfer` and `kvhandoff.engine_sim` load nothing by name (no ``importlib``, no module
   ``__getattr__``): what they hold is what their imports say.
 """
 
@@ -69,7 +69,7 @@ def test_agent_api_has_one_import_path() -> None:
 
 
 def test_public_modules_load_nothing_by_name() -> None:
-    for p in [PKG / "transfer.py", *modules(PKG / "sim")]:
+    for p in [PKG / "transfer.py", *modules(PKG / "engine_sim")]:
         tree = ast.parse(p.read_text())
         assert not [m for _, m, _ in imports(p) if m.startswith("importlib")], p
         assert not [n for n in tree.body

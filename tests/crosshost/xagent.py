@@ -4,7 +4,7 @@ Usage: python xagent.py prefill|decode '<json config>'. The process holds one re
 `TransferAgent` (its settings from the config) over a small GLM-5.3-shaped layout
 (`LAYERS` layers, fp8_ds_mla main KV and a suffix-only indexer), pools its pages and serves
 rooms one command at a time, so a test can fault the network under a room and then hand the
-next room over between the same two processes. Page contents are `kvhandoff.sim`'s
+next room over between the same two processes. Page contents are `kvhandoff.engine_sim`'s
 deterministic pattern, so the decode checks every landed byte without seeing the prefill.
 
 Commands (one JSON object a line on stdin), answered by events (one a line on stdout):
@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.buffers.pool import PagePool
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.transfer import TransferAgent
 
 LAYERS = 8

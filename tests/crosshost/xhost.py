@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.sim.process import SimProcess
+from kvhandoff.engine_sim.process import SimProcess
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

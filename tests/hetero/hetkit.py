@@ -3,7 +3,7 @@ the in-process transport (control on real ZMQ sockets on 127.0.0.1, port 0).
 
 A `Rank` is one engine rank: a real `TransferAgent` with its own buffers and shuffled page pool.
 `handoff(...)` runs one room across a prefill engine of several ranks and a decode engine of
-several ranks: every prefill rank writes the deterministic pattern of `kvhandoff.sim` (salted
+several ranks: every prefill rank writes the deterministic pattern of `kvhandoff.engine_sim` (salted
 per plane name, so a head or key/scale mix-up shows), every decode rank marks its cached-prefix
 indexer pages, reads from the prefill ranks the TP mapping of the bootstrap server names, and
 is then checked byte by byte against the pattern. Every wait is bounded; nothing sleeps.
@@ -20,9 +20,9 @@ import numpy as np
 
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
 from kvhandoff.buffers.pool import PagePool
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, TPSplit, page_aligned
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import Receiver, Sender, TransferAgent
 

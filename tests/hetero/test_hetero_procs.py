@@ -1,5 +1,5 @@
 """Heterogeneous topologies as processes (issue 8): every rank of both engines is its own
-`kvhandoff.sim` process with its own agent, over the real `tcp` transport on 127.0.0.1, and a
+`kvhandoff.engine_sim` process with its own agent, over the real `tcp` transport on 127.0.0.1, and a
 real bootstrap server (uvicorn) in the test process.
 
 Prefill ranks register themselves (engine_id, dp/tp rank and sizes); rooms are bound to a dp
@@ -27,9 +27,9 @@ from hetkit import one_copy_bytes
 from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+from kvhandoff.engine_sim.process import SimProcess, spawn
 from kvhandoff.kv_layout.presets import glm53, llama31_8b
 from kvhandoff.settings import Settings
-from kvhandoff.sim.process import SimProcess, spawn
 
 START_S = 60.0  # process start (imports torch) with 8 processes on a loaded 2-core machine
 DONE_S = 60.0

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_bootstrap_bounds import metric
 
-from kvhandoff.bootstrap_server.records import Registration, Topology
+from kvhandoff.bootstrap_server.records import RegistrationRequest, Topology
 from kvhandoff.bootstrap_server.registry import EXPIRE_BATCH, RankKey, Registry
 from kvhandoff.bootstrap_server.routers.sglang import QUERY_SLICE
 from kvhandoff.errors import BootstrapNotFound
@@ -90,8 +90,8 @@ def test_ranks_past_their_ttl_are_never_answered_while_a_backlog_drains() -> Non
     clock = FakeClock()
     reg = Registry(clock=clock, rank_ttl_s=30, room_retention_s=30)
 
-    def registration(engine: str, tp: int, gen: str = "g1") -> Registration:
-        return Registration(
+    def registration(engine: str, tp: int, gen: str = "g1") -> RegistrationRequest:
+        return RegistrationRequest(
             key=RankKey(engine, 0, 0, tp, 0), role=Role.PREFILL,
             topology=Topology(1, 1024, 1, 1), agent_address=f"127.0.0.1:{7000 + tp}",
             generation=gen, layout_hash="h", layout={}, transport="inproc")

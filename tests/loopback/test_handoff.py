@@ -1,6 +1,6 @@
 """Two-process loopback handoff (issue 4): a real bootstrap server in the test process, a
-simulated prefill engine and a simulated decode engine as real processes (`kvhandoff.sim`), on
-127.0.0.1 with ports 0, over every real transport. The happy path and the layout mismatch run
+simulated prefill engine and a simulated decode engine as real processes (`kvhandoff.engine_sim`),
+on 127.0.0.1 with ports 0, over every real transport. The happy path and the layout mismatch run
 over IPv6 loopback too: bootstrap server, agents' control sockets and data addresses on
 ``[::1]`` (skipped, saying why, where the machine has no ``::1``).
 
@@ -25,7 +25,7 @@ import pytest
 from ipv6_loopback import needs_ipv6_loopback
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.sim.process import SimProcess, spawn
+from kvhandoff.engine_sim.process import SimProcess, spawn
 
 TRANSPORTS = ["ucx", "tcp", "shm", "auto",
               pytest.param("nixl", marks=pytest.mark.skipif(
@@ -70,13 +70,13 @@ class Handoff:
             "settings": {"bootstrap_url": self.url, **settings}, "engine_id": "p",
             "timeout_s": DONE_S, **(prefill_cfg or {})},
             module="kvhandoff.testing.faults" if "faults" in (prefill_cfg or {}) else
-            "kvhandoff.sim"))
+            "kvhandoff.engine_sim"))
         # a decode with faults runs under kvhandoff.testing.faults (the sim, faults added)
         faulty = "faults" in (decode_cfg or {})
         d = self.stack.enter_context(spawn("decode", {
             "rooms": rooms, "settings": {**settings, **(decode_settings or {})},
             "bootstrap_url": self.url, "timeout_s": DONE_S, **(decode_cfg or {})},
-            module="kvhandoff.testing.faults" if faulty else "kvhandoff.sim"))
+            module="kvhandoff.testing.faults" if faulty else "kvhandoff.engine_sim"))
         p.expect("ready", START_S)
         assert p.expect("registered", START_S)["ok"]
         for r in rooms:

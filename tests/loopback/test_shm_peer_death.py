@@ -11,7 +11,7 @@ import pytest
 
 from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.sim.process import spawn
+from kvhandoff.engine_sim.process import spawn
 
 
 @pytest.mark.parametrize("lane", ["shm/map", "shm/cma"])

@@ -1,5 +1,5 @@
 """One trace per handoff across two processes (the otel extra): a real bootstrap server, a
-prefill and a decode process (`traced_sim`: `kvhandoff.sim` with the OpenTelemetry SDK's
+prefill and a decode process (`traced_sim`: `kvhandoff.engine_sim` with the OpenTelemetry SDK's
 in-memory exporter) over tcp on 127.0.0.1. The span tree of a handoff and of a failed one,
 and the per-request timings the processes report come from the same timelines. Without
 opentelemetry installed, nothing of it is imported and rooms are still timed."""
@@ -22,7 +22,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
                     "(pip install 'kvhandoff[otel]'; make setup installs it)")
 
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
-from kvhandoff.sim.process import SimProcess, spawn  # noqa: E402
+from kvhandoff.engine_sim.process import SimProcess, spawn  # noqa: E402
 
 HERE = Path(__file__).parent
 START_S = DONE_S = 60.0

@@ -1,7 +1,7 @@
-"""``python -m traced_sim prefill|decode '<json config>'``: `kvhandoff.sim` with an OpenTelemetry
-SDK `TracerProvider` whose exporter keeps the spans in memory; when the side is done it prints
-them as one ``spans`` event (names, ids in hex, parent, links, attributes, events, status), so
-a test sees both processes' spans of a handoff."""
+"""``python -m traced_sim prefill|decode '<json config>'``: `kvhandoff.engine_sim` with an
+OpenTelemetry SDK `TracerProvider` whose exporter keeps the spans in memory; when the side is
+done it prints them as one ``spans`` event (names, ids in hex, parent, links, attributes,
+events, status), so a test sees both processes' spans of a handoff."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main() -> int:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    from kvhandoff.sim import engine as sim
+    from kvhandoff.engine_sim import engine as sim
 
     rc = sim.main(sys.argv[1:])
     provider.force_flush()

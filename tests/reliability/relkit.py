@@ -1,13 +1,13 @@
 """Shared parts of the reliability matrix: engines around real agents, and measurements.
 
 `Engine` is a minimal engine around a real `TransferAgent` in the test process: a `PagePool`
-(leaks and double frees visible), deterministic page contents (the `kvhandoff.sim` pattern)
+(leaks and double frees visible), deterministic page contents (the `kvhandoff.engine_sim` pattern)
 and release callbacks that count how often each room's pages were handed back. Two engines
 talk over a real transport (tcp sockets or UCX) and real ZMQ control sockets on 127.0.0.1.
 
 Page contents: by default each plane of each region gets its own deterministic pattern (a head
-or key/scale mix-up would show); `pattern="sim"` uses `kvhandoff.sim`'s pattern instead, so an
-`Engine` can pair with a `kvhandoff.sim` process.
+or key/scale mix-up would show); `pattern="sim"` uses `kvhandoff.engine_sim`'s pattern instead, so
+an `Engine` can pair with a `kvhandoff.engine_sim` process.
 
 Every wait is bounded; a test asserts states, reasons, counts and bytes, never timings, except
 the generous upper bounds the reliability issue asks for (time to Failed, fail-fast).
@@ -29,11 +29,11 @@ import numpy as np
 from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.buffers.pool import PagePool
 from kvhandoff.buffers.shared import allocate_shared
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import from_config
 from kvhandoff.testing.patterns import check_pattern, write_pattern

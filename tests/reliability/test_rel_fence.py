@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
+from kvhandoff.engine_sim.process import SimProcess, spawn
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import preset
-from kvhandoff.sim.process import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
 
 OWN_LANES = True  # shm only: the one-sided lane of a host

@@ -2,7 +2,7 @@
 with a reason, and the other side's pages go back to its pool; a frozen peer that wakes up
 (SIGCONT) does not bring its rooms back.
 
-One side is a real `kvhandoff.sim` process (the one that is killed or frozen), the other an
+One side is a real `kvhandoff.engine_sim` process (the one that is killed or frozen), the other an
 in-process `Engine` of the test, so its rooms, timestamps and page pool can be read directly.
 The data moves over each same-host lane in its default configuration (UCX, shm), the control
 over ZMQ: a dying peer never takes the survivor down on either. A frozen peer does not freeze
@@ -31,9 +31,9 @@ from relkit import WAIT_S, Engine, fast_settings, layers_of
 
 from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
+from kvhandoff.engine_sim.process import SimProcess, spawn
 from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
-from kvhandoff.sim.process import SimProcess, spawn
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
 
@@ -76,7 +76,7 @@ def wait_stopped(p: SimProcess) -> None:
 @contextmanager
 def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, *,
                  rooms: list[int] = ROOMS, **cfg: Any) -> Iterator[tuple[SimProcess, str]]:
-    module = "kvhandoff.testing.faults" if "faults" in cfg else "kvhandoff.sim"
+    module = "kvhandoff.testing.faults" if "faults" in cfg else "kvhandoff.engine_sim"
     with spawn("prefill", {"rooms": [{"room": r, "seq_len": SEQ} for r in rooms],
                            "settings": PROC_SETTINGS, "layer_ms": layer_ms, "timeout_s": WAIT_S,
                            "linger": True, **cfg}, env=env, module=module) as p:

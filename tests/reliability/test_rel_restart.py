@@ -1,7 +1,7 @@
 """Restarts: a prefill that comes back on the same address with a new generation, and a
 bootstrap server that comes back on the same port.
 
-- Prefill (a real `kvhandoff.sim` process on a fixed `agent_port`, SIGKILLed and started
+- Prefill (a real `kvhandoff.engine_sim` process on a fixed `agent_port`, SIGKILLed and started
   again): the decode's rooms of the old generation fail (in flight, and one opened towards the
   old handshake after the kill), a message stamped with the old generation is counted stale and
   changes nothing, and a new room with the new generation hands off byte-exact.
@@ -21,10 +21,10 @@ from relkit import WAIT_S, Engine, Prober, fast_settings, free_port
 
 from kvhandoff.bootstrap_server import BootstrapClient
 from kvhandoff.bootstrap_server.background import run_server
+from kvhandoff.engine_sim.process import spawn
 from kvhandoff.kv_layout import preset
 from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
-from kvhandoff.sim.process import spawn
 from kvhandoff.state_machine import KVPoll
 
 HB_S = 0.2

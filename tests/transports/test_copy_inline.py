@@ -8,27 +8,27 @@ import threading
 import numpy as np
 import xxhash
 
-from kvhandoff.transports.shm.copy import INLINE_MAX, CopyPool, Job, Target
+from kvhandoff.transports.shm.copy import INLINE_MAX, CopyJob, CopyPool, Target
 
 
-def _job(nbytes: int, ended: list[tuple[str, Job]],
-         on_end: threading.Event | None = None) -> tuple[Job, np.ndarray, np.ndarray]:
+def _job(nbytes: int, ended: list[tuple[str, CopyJob]],
+         on_end: threading.Event | None = None) -> tuple[CopyJob, np.ndarray, np.ndarray]:
     src = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     half = nbytes // 2  # two regions of one piece each, as a layer of K and V
     s0, d0 = int(src.ctypes.data), int(dst.ctypes.data)
     target = Target("map", 0, d0, nbytes, None)
-    job = Job(np.array([s0, s0 + half], np.int64), np.array([d0, d0 + half], np.int64),
-              np.array([half, nbytes - half], np.int64), target, True,
-              lambda j: (ended.append((threading.current_thread().name, j)),
-                         on_end is not None and on_end.set()), bounds=(0, 1, 2))
+    job = CopyJob(np.array([s0, s0 + half], np.int64), np.array([d0, d0 + half], np.int64),
+                  np.array([half, nbytes - half], np.int64), target, True,
+                  lambda j: (ended.append((threading.current_thread().name, j)),
+                             on_end is not None and on_end.set()), bounds=(0, 1, 2))
     return job, src, dst
 
 
 def test_small_job_runs_and_ends_on_the_submitting_thread() -> None:
     pool = CopyPool(2, "kvh-test-copy")
     try:
-        ended: list[tuple[str, Job]] = []
+        ended: list[tuple[str, CopyJob]] = []
         job, src, dst = _job(INLINE_MAX, ended)
         pool.submit(job)
         assert [name for name, _ in ended] == [threading.current_thread().name]
@@ -43,7 +43,7 @@ def test_small_job_runs_and_ends_on_the_submitting_thread() -> None:
 def test_large_job_runs_on_the_copy_threads() -> None:
     pool = CopyPool(2, "kvh-test-copy")
     try:
-        ended: list[tuple[str, Job]] = []
+        ended: list[tuple[str, CopyJob]] = []
         called = threading.Event()
         job, src, dst = _job(INLINE_MAX + 4096, ended, called)
         pool.submit(job)

@@ -315,8 +315,8 @@ def test_a_job_on_the_copy_threads_goes_as_runs_of_whole_regions(parts: int) -> 
     counts = [0, 3, 0, 0, 40, 1, 0, 7, 7, 0, 2, 0]
     lens = np.concatenate([rng.integers(1, 5000, size=n) for n in counts]).astype(np.int64)
     bounds = (0, *np.cumsum(counts).tolist())
-    job = shm_copy.Job(lens, lens, lens, shm_copy.Target("map", 0, 0, 1, None), True,
-                       lambda _j: None, bounds=bounds)
+    job = shm_copy.CopyJob(lens, lens, lens, shm_copy.Target("map", 0, 0, 1, None), True,
+                           lambda _j: None, bounds=bounds)
     runs = shm_copy._region_runs(job, parts)
     assert 1 <= len(runs) <= parts
     covered = [r for lo_r, hi_r in ((r[2], r[3]) for r in runs) for r in range(lo_r, hi_r)]

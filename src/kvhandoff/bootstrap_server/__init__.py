@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from kvhandoff.bootstrap_server.app import create_app
     from kvhandoff.bootstrap_server.client import AsyncBootstrapClient, BootstrapClient
     from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
-    from kvhandoff.bootstrap_server.records import RankKey, Registration, RoomState, Topology
+    from kvhandoff.bootstrap_server.records import (
+        RankKey,
+        RegistrationRequest,
+        RoomAssignment,
+        Topology,
+    )
     from kvhandoff.bootstrap_server.registry import Registry
     from kvhandoff.bootstrap_server.schemas import PrefillRankInfo
 
@@ -27,9 +32,9 @@ _WHERE = {
     "BootstrapClient": "client",
     "PrefillRankInfo": "schemas",
     "RankKey": "records",
-    "Registration": "records",
+    "RegistrationRequest": "records",
     "Registry": "registry",
-    "RoomState": "records",
+    "RoomAssignment": "records",
     "Topology": "records",
     "create_app": "app",
     "prefill_axis_ranks": "mapping",
@@ -41,9 +46,9 @@ __all__ = [
     "BootstrapClient",
     "PrefillRankInfo",
     "RankKey",
-    "Registration",
+    "RegistrationRequest",
     "Registry",
-    "RoomState",
+    "RoomAssignment",
     "Topology",
     "create_app",
     "prefill_axis_ranks",

@@ -20,7 +20,7 @@ from kvhandoff.bootstrap_server.records import (
     EngineRecord,
     RankKey,
     RankRecord,
-    Registration,
+    RegistrationRequest,
     Topology,
 )
 from kvhandoff.errors import BootstrapConflict, ConfigError
@@ -56,7 +56,7 @@ def check_generation(rec: RankRecord, generation: str | None) -> None:
         )
 
 
-def engine_diff(engine: EngineRecord, reg: Registration) -> list[str]:
+def engine_diff(engine: EngineRecord, reg: RegistrationRequest) -> list[str]:
     """Each field where ``reg`` disagrees with ``engine`` (empty: they agree)."""
     out: list[str] = []
 
@@ -93,7 +93,7 @@ def layout_diff_lines(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
         return []
 
 
-def merge_attributes(engine: EngineRecord, reg: Registration) -> None:
+def merge_attributes(engine: EngineRecord, reg: RegistrationRequest) -> None:
     """Fill the engine's missing (None) attributes from an agreeing registrant."""
     for k, v in reg.attributes.items():
         if v is not None and engine.attributes.get(k) is None:
@@ -109,7 +109,7 @@ class Limits:
     max_live_ranks: int
 
 
-def bound_problem(reg: Registration, *, new_engine: bool, new_rank: bool, engines: int,
+def bound_problem(reg: RegistrationRequest, *, new_engine: bool, new_rank: bool, engines: int,
                   ranks: int, limits: Limits, ttl_s: float
                   ) -> ConfigError | BootstrapConflict | None:
     """Why `reg` would take the registry past a bound (naming the field and the bound), or

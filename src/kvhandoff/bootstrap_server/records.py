@@ -20,8 +20,9 @@ MAX_LIVE_RANKS = 65536
 EXPIRE_BATCH = 4096
 
 
-class RoomState(enum.Enum):
-    """Where a room stands as far as the bootstrap server knows."""
+class RoomAssignment(enum.Enum):
+    """Where a room stands as far as the bootstrap server knows: handed out, bound to a prefill
+    dp rank, or aborted (the protocol's own per-room state is `protocol.roomstate.RoomState`)."""
 
     ALLOCATED = "allocated"
     BOUND = "bound"
@@ -103,7 +104,7 @@ class RoomRecord:
     """A room: allocated, bound to a prefill dp rank, or aborted (with why)."""
 
     room: int
-    state: RoomState
+    state: RoomAssignment
     engine_id: str | None
     dp_rank: int | None
     abort_reason: str | None
@@ -112,7 +113,7 @@ class RoomRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class Registration:
+class RegistrationRequest:
     """What a rank asks to register (built by the HTTP layer from a validated body)."""
 
     key: RankKey

@@ -64,9 +64,9 @@ from kvhandoff.bootstrap_server.records import (
     EngineRecord,
     RankKey,
     RankRecord,
-    Registration,
+    RegistrationRequest,
+    RoomAssignment,
     RoomRecord,
-    RoomState,
     RouteTarget,
     Stats,
     Topology,
@@ -81,8 +81,8 @@ from kvhandoff.state_machine.vocabulary import Role
 
 __all__ = [
     "EXPIRE_BATCH", "MAX_LIVE_ROOMS", "MAX_ROOMS_PER_CALL", "ROOM_BITS", "EngineRecord",
-    "RankKey", "RankRecord",
-    "Registration", "Registry", "RoomRecord", "RoomState", "RouteTarget", "Stats", "Topology",
+    "RankKey", "RankRecord", "RegistrationRequest", "Registry", "RoomAssignment", "RoomRecord",
+    "RouteTarget", "Stats", "Topology",
 ]
 
 
@@ -224,7 +224,7 @@ class Registry:
             self.stats.engines_forgotten += 1
         return rec
 
-    def _check_bounds(self, reg: Registration, engine: EngineRecord | None) -> None:
+    def _check_bounds(self, reg: RegistrationRequest, engine: EngineRecord | None) -> None:
         problem = bound_problem(
             reg, new_engine=engine is None, new_rank=self._rank(reg.key) is None,
             engines=len(self._engines), ranks=self.live_ranks(), limits=self.limits,
@@ -236,7 +236,7 @@ class Registry:
     def live_ranks(self) -> int:  # no expiry pass: see `live_rank_count`
         return len(self._ranks) + len(self._immortal)
 
-    def register(self, reg: Registration) -> tuple[RankRecord, bool]:
+    def register(self, reg: RegistrationRequest) -> tuple[RankRecord, bool]:
         """Add or replace a rank. Returns ``(record, replaced)``.
 
         Raises:
@@ -465,7 +465,8 @@ class Registry:
             room = self._randbits(ROOM_BITS)
             if room == 0 or room in self._rooms:
                 continue  # 0 is reserved (falsy ids are a classic bug); collisions are redrawn
-            self._rooms[room] = RoomRecord(room, RoomState.ALLOCATED, None, None, None, now, now)
+            self._rooms[room] = RoomRecord(room, RoomAssignment.ALLOCATED, None, None, None,
+                                           now, now)
             out.append(room)
         self.stats.rooms_allocated += count
         return out
@@ -500,9 +501,9 @@ class Registry:
                     f"engine {engine_id!r}, got {dp_rank}"
                 )
         rr = self._rooms.get(room)
-        if rr is not None and rr.state is RoomState.ABORTED:
+        if rr is not None and rr.state is RoomAssignment.ABORTED:
             raise BootstrapConflict(f"room {room} was aborted: {rr.abort_reason}")
-        if rr is not None and rr.state is RoomState.BOUND and not rebind:
+        if rr is not None and rr.state is RoomAssignment.BOUND and not rebind:
             if (rr.engine_id, rr.dp_rank) == (engine_id, dp_rank):
                 return rr
             raise BootstrapConflict(
@@ -512,11 +513,11 @@ class Registry:
             )
         if rr is None:
             self._room_slots(1)
-            rr = RoomRecord(room, RoomState.BOUND, engine_id, dp_rank, None, now, now)
+            rr = RoomRecord(room, RoomAssignment.BOUND, engine_id, dp_rank, None, now, now)
             self._rooms[room] = rr
         else:
             rr.state, rr.engine_id, rr.dp_rank, rr.updated_at = (
-                RoomState.BOUND, engine_id, dp_rank, now)
+                RoomAssignment.BOUND, engine_id, dp_rank, now)
             self._rooms.move_to_end(room)
         self.stats.rooms_bound += 1
         return rr
@@ -528,14 +529,14 @@ class Registry:
         check_room_id(room)
         now = self._now()
         rr = self._rooms.get(room)
-        if rr is not None and rr.state is RoomState.ABORTED:
+        if rr is not None and rr.state is RoomAssignment.ABORTED:
             return rr
         if rr is None:
             self._room_slots(1)
-            rr = RoomRecord(room, RoomState.ABORTED, None, None, reason, now, now)
+            rr = RoomRecord(room, RoomAssignment.ABORTED, None, None, reason, now, now)
             self._rooms[room] = rr
         else:
-            rr.state, rr.abort_reason, rr.updated_at = RoomState.ABORTED, reason, now
+            rr.state, rr.abort_reason, rr.updated_at = RoomAssignment.ABORTED, reason, now
             self._rooms.move_to_end(room)
         self.stats.rooms_aborted += 1
         return rr

@@ -5,7 +5,7 @@ reads the `Registry` through its public methods, on the caller's thread (the eve
 from __future__ import annotations
 
 from kvhandoff.bootstrap_server.mapping import prefill_axis_ranks, prefill_tp_ranks
-from kvhandoff.bootstrap_server.records import RankKey, RoomState, RouteTarget
+from kvhandoff.bootstrap_server.records import RankKey, RoomAssignment, RouteTarget
 from kvhandoff.bootstrap_server.registry import Registry
 from kvhandoff.errors import BootstrapConflict, BootstrapUnavailable, ConfigError
 from kvhandoff.state_machine.vocabulary import Role
@@ -40,9 +40,9 @@ def route(
     """
     if room is not None:
         rr = reg.room(room)
-        if rr.state is RoomState.ABORTED:
+        if rr.state is RoomAssignment.ABORTED:
             raise BootstrapConflict(f"room {room} was aborted: {rr.abort_reason}")
-        if rr.state is not RoomState.BOUND or rr.engine_id is None or rr.dp_rank is None:
+        if rr.state is not RoomAssignment.BOUND or rr.engine_id is None or rr.dp_rank is None:
             raise BootstrapUnavailable(
                 f"room {room} is not bound to a prefill dp rank yet; retry"
             )

@@ -2,8 +2,8 @@
 
 How it works: a bootstrap server runs in this process (a uvicorn thread on a free port); a
 simulated prefill engine and a simulated decode engine run as two processes
-(`kvhandoff.sim.spawn`). Prefill fills deterministic page contents layer by layer and hands each
-layer over as it is done; decode holds a cached prefix (so only the indexer suffix moves),
+(`kvhandoff.engine_sim.spawn`). Prefill fills deterministic page contents layer by layer and hands
+each layer over as it is done; decode holds a cached prefix (so only the indexer suffix moves),
 verifies each layer's checksum as it lands, and at the end checks every byte against the
 pattern. Progress comes from the processes' JSON events.
 
@@ -125,9 +125,9 @@ def run_demo(*, model: str = "glm-5.3", context: int = 16_384, prefix: int = 4_0
     from kvhandoff.bootstrap_server.background import run_server
     from kvhandoff.bootstrap_server.client import BootstrapClient
     from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
+    from kvhandoff.engine_sim.process import spawn
     from kvhandoff.kv_layout import SendFrom, TPSplit, handoff_bytes, page_aligned
     from kvhandoff.settings import Settings
-    from kvhandoff.sim.process import spawn
 
     if prefill_tp < 1 or decode_tp < 1:
         raise DemoError(f"tp: expected >= 1, got prefill={prefill_tp} decode={decode_tp}")

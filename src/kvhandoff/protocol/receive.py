@@ -45,8 +45,8 @@ from kvhandoff.state_machine import (
     AllLayersLanded,
     ChecksumsDiffered,
     PeerFailedRoom,
+    RequestAccepted,
     Role,
-    TransferAccepted,
 )
 
 MAX_ATTEMPTS = 2  # one retransmit after a checksum mismatch, then the room fails
@@ -160,7 +160,7 @@ class ReceivePath:
         if msg.one_sided:
             r.one_sided = True
             self.ctx.counters["rooms_one_sided"] += 1
-        self.rooms.apply(r, TransferAccepted())
+        self.rooms.apply(r, RequestAccepted())
         for layer in r.layers:
             self.post_recv_layer(r, Unit(layer), 0)
 

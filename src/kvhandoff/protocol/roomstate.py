@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from kvhandoff.errors import Failure, InvalidTransition
 from kvhandoff.state_machine import (
     Deadline,
-    Event,
     FailureEvent,
     KVPoll,
+    LegEvent,
     PeerMatched,
     RoomMachine,
 )
@@ -223,7 +223,7 @@ class LegState:
 
     # ------------------------------------------------------------------ transitions
 
-    def apply(self, event: Event, now: float) -> None:
+    def apply(self, event: LegEvent, now: float) -> None:
         """Feeds a progress event at `now` to the machine (ignored once terminal).
 
         Raises:

@@ -45,7 +45,7 @@ from kvhandoff.state_machine import (
     KVPoll,
     LeaseRenewed,
     PeerFailedRoom,
-    TransferAccepted,
+    RequestAccepted,
 )
 
 
@@ -117,7 +117,7 @@ class SendPath:
                             notify=Notify.FAILED, kind=FailureKind.INVALID_REQUEST)
             return
         r.state.match(self.ctx.now)
-        r.state.apply(TransferAccepted(), self.ctx.now)
+        r.state.apply(RequestAccepted(), self.ctx.now)
         r.state.apply(LeaseRenewed(), self.ctx.now)
         self.rooms.changed(r.group)
         r.state.advance(LegPhase.ACCEPTED)

@@ -17,7 +17,7 @@ from kvhandoff.state_machine.transitions import (
     TERMINAL,
     TRANSITIONS,
 )
-from kvhandoff.state_machine.vocabulary import Event, KVPoll
+from kvhandoff.state_machine.vocabulary import KVPoll, LegEvent
 
 ANY_FAILURE = "any failure event"
 _LIFE_ORDER = (
@@ -29,14 +29,14 @@ _LIFE_ORDER = (
 )
 
 
-def _event_label(kind: type[Event]) -> str:
+def _event_label(kind: type[LegEvent]) -> str:
     sides = [role for role, kinds in ROLE_EVENTS.items() if kind in kinds]
     return kind.__name__ if len(sides) != 1 else f"{kind.__name__} ({sides[0]})"
 
 
 def diagram_edges() -> list[tuple[KVPoll, KVPoll, tuple[str, ...]]]:
     """The edges of the diagram: (source, target, labels), in life-cycle order."""
-    grouped: dict[tuple[KVPoll, KVPoll], list[type[Event]]] = {}
+    grouped: dict[tuple[KVPoll, KVPoll], list[type[LegEvent]]] = {}
     for (src, kind), dst in TRANSITIONS.items():
         grouped.setdefault((src, dst), []).append(kind)
     edges = []

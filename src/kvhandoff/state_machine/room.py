@@ -9,7 +9,7 @@ Rules:
   longer armed, or not yet due at `now` (a timer that raced with progress), is stale: ignored,
   `apply` returns False.
 - Where a room may go is `TRANSITIONS`' business (see `transitions.py`); this class adds the
-  guards that need memory: TransferAccepted needs PeerMatched first, a layer moves once, a
+  guards that need memory: RequestAccepted needs PeerMatched first, a layer moves once, a
   layer outside the expected set (when one was given) is refused, and AllLayers* needs every
   expected layer. A refused event raises `InvalidTransition` and changes nothing.
 - Terminal states accept nothing: `apply` returns False and the room stays as it was; the first
@@ -42,15 +42,15 @@ from kvhandoff.state_machine.vocabulary import (
     AllLayersLanded,
     Deadline,
     DeadlinePassed,
-    Event,
     FailureEvent,
     KVPoll,
     LayerLanded,
     LayerSent,
     LeaseRenewed,
+    LegEvent,
     PeerMatched,
+    RequestAccepted,
     Role,
-    TransferAccepted,
 )
 
 # The deadline that belongs to each state: armed on entering it, cleared on leaving it.
@@ -201,7 +201,7 @@ class RoomMachine:
 
     # --- events --------------------------------------------------------------------------
 
-    def apply(self, event: Event, now: float) -> bool:
+    def apply(self, event: LegEvent, now: float) -> bool:
         """Feed `event`, which happened at `now`.
 
         Returns:
@@ -287,10 +287,10 @@ class RoomMachine:
             self._arm(_STATE_DEADLINE[new], now)
         return True
 
-    def _check_guards(self, event: Event) -> None:
-        if isinstance(event, TransferAccepted) and not self.peer_matched:
+    def _check_guards(self, event: LegEvent) -> None:
+        if isinstance(event, RequestAccepted) and not self.peer_matched:
             raise InvalidTransition(
-                "TransferAccepted before PeerMatched: a TransferRequest needs the peer's Hello "
+                "RequestAccepted before PeerMatched: a TransferRequest needs the peer's Hello "
                 "first; feed PeerMatched when the handshake completes"
             )
         if isinstance(event, LayerSent | LayerLanded):

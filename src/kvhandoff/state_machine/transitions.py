@@ -9,11 +9,11 @@ The life of a room, decided here (see docs/STATE_MACHINE.md for the diagram):
 
     decode:   Bootstrapping --PeerMatched--> Bootstrapping      (Hello exchanged; it now sends
                                                                  the TransferRequest)
-              Bootstrapping --TransferAccepted--> WaitingForInput (prefill accepted it)
+              Bootstrapping --RequestAccepted--> WaitingForInput (prefill accepted it)
               WaitingForInput --LayerLanded--> Transferring --LayerLanded--> Transferring
               Transferring --AllLayersLanded--> Success        (it then sends RoomAck)
     prefill:  Bootstrapping --PeerMatched--> Bootstrapping      (decode's Hello came)
-              Bootstrapping --TransferAccepted--> WaitingForInput (we accepted its request)
+              Bootstrapping --RequestAccepted--> WaitingForInput (we accepted its request)
               WaitingForInput --LayerSent--> Transferring --LayerSent--> Transferring
               Transferring --AllLayersAcked--> Success          (RoomAck came: free the pages)
     both:     any non-terminal --LeaseRenewed--> itself
@@ -34,19 +34,19 @@ from kvhandoff.state_machine.vocabulary import (
     AllLayersLanded,
     ChecksumsDiffered,
     DeadlinePassed,
-    Event,
     FailureEvent,
     KVPoll,
     LayerLanded,
     LayerSent,
     LayoutsDiffered,
     LeaseRenewed,
+    LegEvent,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
+    RequestAccepted,
     Role,
     RoomAborted,
-    TransferAccepted,
 )
 
 INITIAL: Final = KVPoll.Bootstrapping
@@ -64,9 +64,9 @@ FAILURE_EVENTS: Final[tuple[type[FailureEvent], ...]] = (
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
 
-_PROGRESS: dict[tuple[KVPoll, type[Event]], KVPoll] = {
+_PROGRESS: dict[tuple[KVPoll, type[LegEvent]], KVPoll] = {
     (_B, PeerMatched): _B,
-    (_B, TransferAccepted): _W,
+    (_B, RequestAccepted): _W,
     (_W, LayerSent): _T,
     (_T, LayerSent): _T,
     (_W, LayerLanded): _T,
@@ -75,7 +75,7 @@ _PROGRESS: dict[tuple[KVPoll, type[Event]], KVPoll] = {
     (_T, AllLayersLanded): KVPoll.Success,
 }
 
-TRANSITIONS: Final[MappingProxyType[tuple[KVPoll, type[Event]], KVPoll]] = MappingProxyType(
+TRANSITIONS: Final[MappingProxyType[tuple[KVPoll, type[LegEvent]], KVPoll]] = MappingProxyType(
     {
         **_PROGRESS,
         **{(s, LeaseRenewed): s for s in NON_TERMINAL},
@@ -85,11 +85,11 @@ TRANSITIONS: Final[MappingProxyType[tuple[KVPoll, type[Event]], KVPoll]] = Mappi
 )
 """(state, event type) -> next state. A pair that is absent is not allowed."""
 
-_COMMON: Final[frozenset[type[Event]]] = frozenset(
-    {PeerMatched, TransferAccepted, LeaseRenewed, *FAILURE_EVENTS}
+_COMMON: Final[frozenset[type[LegEvent]]] = frozenset(
+    {PeerMatched, RequestAccepted, LeaseRenewed, *FAILURE_EVENTS}
 )
 
-ROLE_EVENTS: Final[MappingProxyType[Role, frozenset[type[Event]]]] = MappingProxyType(
+ROLE_EVENTS: Final[MappingProxyType[Role, frozenset[type[LegEvent]]]] = MappingProxyType(
     {
         Role.PREFILL: _COMMON | {LayerSent, AllLayersAcked},
         Role.DECODE: _COMMON | {LayerLanded, AllLayersLanded},
@@ -98,7 +98,7 @@ ROLE_EVENTS: Final[MappingProxyType[Role, frozenset[type[Event]]]] = MappingProx
 """The event types each side may receive: only prefill sends layers, only decode lands them."""
 
 
-def next_state(state: KVPoll, event: Event, *, role: Role | None = None) -> KVPoll:
+def next_state(state: KVPoll, event: LegEvent, *, role: Role | None = None) -> KVPoll:
     """The state a room in `state` moves to on `event`.
 
     Args:

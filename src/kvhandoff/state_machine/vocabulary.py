@@ -70,57 +70,58 @@ class Deadline(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
-    """Base of every event fed to a room."""
+class LegEvent:
+    """Base of every event fed to a leg's `RoomMachine` (one per leg: the transfer with one
+    peer). Not `protocol.events.Event`, the transfer session's inputs."""
 
 
 # --- progress events ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class PeerMatched(Event):
+class PeerMatched(LegEvent):
     """The peer is known and its `Hello` was exchanged (layouts agree)."""
 
 
 @dataclass(frozen=True, slots=True)
-class TransferAccepted(Event):
-    """The TransferRequest was accepted: decode learnt that prefill accepted it; prefill
-    accepted the request it received."""
+class RequestAccepted(LegEvent):
+    """The TransferRequest was accepted: decode learnt that prefill accepted it (the wire's
+    `protocol.wire.TransferAccepted` came); prefill accepted the request it received."""
 
 
 @dataclass(frozen=True, slots=True)
-class LayerSent(Event):
+class LayerSent(LegEvent):
     """Prefill: the bytes of `layer` were written to the decode side."""
 
     layer: int
 
 
 @dataclass(frozen=True, slots=True)
-class LayerLanded(Event):
+class LayerLanded(LegEvent):
     """Decode: the bytes of `layer` landed and their checksums verified."""
 
     layer: int
 
 
 @dataclass(frozen=True, slots=True)
-class AllLayersAcked(Event):
+class AllLayersAcked(LegEvent):
     """Prefill: decode's `RoomAck` came; the pages may be freed."""
 
 
 @dataclass(frozen=True, slots=True)
-class AllLayersLanded(Event):
+class AllLayersLanded(LegEvent):
     """Decode: every layer landed and verified (the `RoomAck` is about to go)."""
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseRenewed(Event):
+class LeaseRenewed(LegEvent):
     """The room's lease was renewed; allowed in every non-terminal state, no state change."""
 
 
 # --- failure events ----------------------------------------------------------------------
 
 
-class FailureEvent(Event):
+class FailureEvent(LegEvent):
     """Base of the events that fail a room. Every subclass exposes a human `reason`."""
 
     __slots__ = ()

@@ -19,8 +19,8 @@
 - `MessageFaults(...)` is an agent `effect_filter`: drop control messages of some kinds, delay
   every message (it holds them and hands them back to the driver when due), or send no
   heartbeats.
-- `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.sim` with
-  the faults of the config's ``"faults"`` key (`from_config`), for tests with real processes.
+- `python -m kvhandoff.testing.faults prefill|decode '<json config>'` runs `kvhandoff.engine_sim`
+  with the faults of the config's ``"faults"`` key (`from_config`), for tests with real processes.
 
 The agent never knows: the wrapper sits where the transport sits, the filter where effects
 leave the transfer core.
@@ -501,9 +501,9 @@ def from_config(faults: dict[str, Any], inner: Transport, role: str = "") -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kvhandoff.sim` with the faults of the config's ``"faults"`` key."""
+    """`kvhandoff.engine_sim` with the faults of the config's ``"faults"`` key."""
+    from kvhandoff.engine_sim import engine as sim
     from kvhandoff.settings import Settings
-    from kvhandoff.sim import engine as sim
     from kvhandoff.transports.base import load_transport
 
     args = sys.argv[1:] if argv is None else argv

@@ -4,7 +4,7 @@ the sender's memory.
 The per-plane pattern (`plane_pattern`, `write_pattern`, `check_pattern`): salted by the region
 and plane *names*, so a head or key/scale mix-up shows, and a GQA head keeps its bytes on every
 TP rank. The simulated engines' pattern (`write_tokens` / `check_tokens`, `PREFIX_MARKER`) is
-`kvhandoff.sim.pattern`'s, imported from there.
+`kvhandoff.engine_sim.pattern`'s, imported from there.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from kvhandoff.transports.streams import ChunkPlan, check_buffer, check_tag, nor
 Done = list[tuple[Any, BaseException | None]]
 
 
-class Op(Protocol):
+class TransportOp(Protocol):
     """What the table needs of a transport's op."""
 
     peer: str

@@ -20,11 +20,11 @@ pytest.importorskip("vllm", reason="vllm is installed by `make setup` (requireme
 from kvhandoff.bootstrap_server.background import run_server  # noqa: E402
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
 from kvhandoff.buffers.bufferset import allocate  # noqa: E402
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens  # noqa: E402
 from kvhandoff.integrations.vllm.config import HoldReq  # noqa: E402
 from kvhandoff.integrations.vllm.holds import RoomHolds  # noqa: E402
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec  # noqa: E402
 from kvhandoff.settings import Settings  # noqa: E402
-from kvhandoff.sim.pattern import check_tokens, write_tokens  # noqa: E402
 from kvhandoff.state_machine import KVPoll  # noqa: E402
 from kvhandoff.transfer import TransferAgent  # noqa: E402
 

@@ -10,9 +10,9 @@ import pytest
 from kvhandoff.bootstrap_server.registry import (
     MAX_ROOMS_PER_CALL,
     RankKey,
-    Registration,
+    RegistrationRequest,
     Registry,
-    RoomState,
+    RoomAssignment,
     Topology,
 )
 from kvhandoff.bootstrap_server.schemas import READY_LIST_MAX
@@ -33,8 +33,8 @@ LLAMA = preset("llama-3.1-8b")
 
 def reg(engine: str = "p", *, dp: int = 0, tp: int = 0, cp: int = 0, pp: int = 0,
         topo: Topology = Topology(1, 2), role: Role = Role.PREFILL, gen: str = "g1",
-        layout=GLM, expires: bool = True, port: int = 5000) -> Registration:
-    return Registration(
+        layout=GLM, expires: bool = True, port: int = 5000) -> RegistrationRequest:
+    return RegistrationRequest(
         key=RankKey(engine, dp, cp, tp, pp), role=role, topology=topo,
         agent_address=f"127.0.0.1:{port + tp}", generation=gen,
         layout_hash=layout_hash(layout), layout=layout.to_dict(), transport="inproc",
@@ -139,7 +139,7 @@ def test_room_bind_abort_and_retention(registry: Registry, clock: FakeClock) -> 
     registry.register(reg(tp=0))
     registry.register(reg("q", tp=0))
     (room,) = registry.allocate_rooms(1)
-    assert registry.room(room).state is RoomState.ALLOCATED
+    assert registry.room(room).state is RoomAssignment.ALLOCATED
     registry.bind_room(room, "p", 0)
     registry.bind_room(room, "p", 0)  # idempotent
     with pytest.raises(BootstrapConflict) as ei:
@@ -147,7 +147,7 @@ def test_room_bind_abort_and_retention(registry: Registry, clock: FakeClock) -> 
     assert "engine_id: bound='p' incoming='q'" in ei.value.diff
     assert registry.bind_room(room, "q", 0, rebind=True).engine_id == "q"  # SGLang moves it
     rr = registry.abort_room(room, "decode gave up")
-    assert rr.state is RoomState.ABORTED and rr.abort_reason == "decode gave up"
+    assert rr.state is RoomAssignment.ABORTED and rr.abort_reason == "decode gave up"
     registry.abort_room(room, "second reason")
     assert registry.room(room).abort_reason == "decode gave up"
     with pytest.raises(BootstrapConflict, match="decode gave up"):
@@ -200,8 +200,8 @@ def test_route_fans_out_over_prefill_cp_and_pp(registry: Registry) -> None:
     assert [(r.key.cp_rank, r.key.pp_rank) for r in t.ranks] == [(0, 1), (1, 1)]
 
 
-def _sglang_like(tp: int, **attrs: object) -> Registration:
-    return Registration(
+def _sglang_like(tp: int, **attrs: object) -> RegistrationRequest:
+    return RegistrationRequest(
         key=RankKey("s", 0, 0, tp, 0), role=Role.PREFILL, topology=Topology(1, 2),
         agent_address=f"127.0.0.1:{7000 + tp}", generation=f"g{tp}", layout_hash="",
         layout={}, transport="sglang",
@@ -249,7 +249,7 @@ def test_every_way_of_adding_a_room_respects_the_cap(clock: FakeClock) -> None:
     assert registry.live_room_count() == 3 and registry.stats.rooms_refused == 4
     # rooms already held still change: a bind moves, an abort ends
     registry.bind_room(101, "p", 0)
-    assert registry.abort_room(101, "done").state is RoomState.ABORTED
+    assert registry.abort_room(101, "done").state is RoomAssignment.ABORTED
     clock.advance(101)  # forgotten after their retention: room again
     registry.abort_room(203, "x")
     assert registry.live_room_count() == 1
@@ -310,7 +310,7 @@ def test_kept_counts_match_a_recount_through_any_history() -> None:
                 pass
         else:
             base = reg(eid, dp=key.dp_rank, tp=key.tp_rank, pp=key.pp_rank, topo=t)
-            r.register(Registration(**{**{f: getattr(base, f) for f in (
+            r.register(RegistrationRequest(**{**{f: getattr(base, f) for f in (
                 "key", "role", "topology", "agent_address", "generation", "layout_hash",
                 "layout")}, "transport": rng.choice(("tcp", "inproc"))}))
         live = {e.engine_id: r.ranks_of(e.engine_id) for e in r.engines()}

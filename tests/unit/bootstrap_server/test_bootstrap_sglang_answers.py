@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvhandoff.bootstrap_server.records import RankKey, Registration, Topology
+from kvhandoff.bootstrap_server.records import RankKey, RegistrationRequest, Topology
 from kvhandoff.bootstrap_server.registry import Registry
 from kvhandoff.bootstrap_server.sglang_answers import SGLANG_ENGINE_ID, SglangRoutes
 from kvhandoff.state_machine.vocabulary import Role
@@ -14,8 +14,8 @@ Q = b"prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1&target_pp_rank=0"
 INFO = b"prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 
 
-def rank(tp: int, port: int) -> Registration:
-    return Registration(
+def rank(tp: int, port: int) -> RegistrationRequest:
+    return RegistrationRequest(
         key=RankKey(SGLANG_ENGINE_ID, 0, 0, tp, 0), role=Role.PREFILL, topology=Topology(1, 2),
         agent_address=f"127.0.0.1:{port}", generation=f"127.0.0.1:{port}", layout_hash="",
         layout={}, transport="sglang", attributes={"page_size": 64, "kv_cache_dtype": None},

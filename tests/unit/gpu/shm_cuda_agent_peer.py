@@ -37,7 +37,7 @@ def fill(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int, seed: i
     """Writes the token pattern of `seed` into `pages` of every CUDA buffer."""
     import torch
 
-    from kvhandoff.sim.pattern import write_tokens
+    from kvhandoff.engine_sim.pattern import write_tokens
 
     for ri, reg in enumerate(layout.regions):
         for lid in reg.layer_ids:
@@ -50,7 +50,7 @@ def fill(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int, seed: i
 
 def bad_bytes(bufs: dict[str, Any], layout: Any, pages: np.ndarray, seq: int,
               seed: int) -> int:
-    from kvhandoff.sim.pattern import check_tokens
+    from kvhandoff.engine_sim.pattern import check_tokens
 
     return sum(check_tokens(bufs[reg.name][lid].cpu().numpy(), layout, ri, lid, pages, 0,
                             seq, seed)

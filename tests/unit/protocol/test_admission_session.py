@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
 from kvhandoff.errors import FailureKind
 from kvhandoff.kv_layout import LayoutSpec, PageRule, RuleKind
 from kvhandoff.kv_layout.admission import AllocationPolicy, prefix_digest, prompt_digest
@@ -25,7 +26,6 @@ from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.effects import PostRecv, PostSend
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 

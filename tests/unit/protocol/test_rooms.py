@@ -24,9 +24,9 @@ from kvhandoff.state_machine import (
     KVPoll,
     LayerLanded,
     PeerWasLost,
+    RequestAccepted,
     Role,
     RoomMachine,
-    TransferAccepted,
 )
 
 LAYERS = (0, 1, 2)
@@ -47,7 +47,7 @@ def room(*legs: LegState, expected: int | None = 1) -> RoomState:
 def landed(r: LegState) -> None:
     """Walks a decode leg to Success."""
     r.match(0.0)
-    r.apply(TransferAccepted(), 0.0)
+    r.apply(RequestAccepted(), 0.0)
     for layer in LAYERS:
         r.apply(LayerLanded(layer=layer), 0.0)
     r.apply(AllLayersLanded(), 0.0)
@@ -186,7 +186,7 @@ def test_a_room_polls_its_least_advanced_leg_and_bootstraps_while_legs_are_missi
     assert g.poll is KVPoll.Bootstrapping  # one leg of two
     g.add(b)
     b.match(0.0)
-    b.apply(TransferAccepted(), 0.0)
+    b.apply(RequestAccepted(), 0.0)
     assert g.poll is KVPoll.WaitingForInput
     landed_b = leg()
     landed(landed_b)

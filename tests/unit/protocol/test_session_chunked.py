@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
 from kvhandoff.errors import FailureKind
 from kvhandoff.kv_layout import LayoutSpec, SendFrom
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.memory import MemoryWire, Side
 

@@ -37,7 +37,7 @@ def _pair() -> tuple[MemoryWire, Side, Side]:
 def _open_prefill(w: MemoryWire, p: Side, room: int) -> None:
     lay = p.session.layout
     n = -(-SEQ // 16)
-    from kvhandoff.sim.pattern import write_tokens
+    from kvhandoff.engine_sim.pattern import write_tokens
 
     for ri, reg in enumerate(lay.regions):
         for lid in reg.layer_ids:

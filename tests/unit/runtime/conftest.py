@@ -2,7 +2,7 @@
 on 127.0.0.1, port 0).
 
 `pair(...)` builds a prefill and a decode agent with their own page pools and buffers; the
-prefill buffers hold the deterministic pattern of `kvhandoff.sim`, decode's cached-prefix
+prefill buffers hold the deterministic pattern of `kvhandoff.engine_sim`, decode's cached-prefix
 indexer pages a marker, so a test checks byte-exactness and untouched prefixes without seeing
 the other side's memory.
 """
@@ -20,10 +20,10 @@ import pytest
 
 from kvhandoff.buffers.bufferset import allocate
 from kvhandoff.buffers.pool import PagePool
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.kv_layout import LayoutSpec, SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 from kvhandoff.testing.faults import from_config
 from kvhandoff.transfer import Receiver, Sender, TransferAgent
 from kvhandoff.transports.base import load_transport

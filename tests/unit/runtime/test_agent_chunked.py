@@ -10,10 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, write_tokens
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, SendFrom
 from kvhandoff.kv_layout.presets import mla_dsa_layout
-from kvhandoff.sim.pattern import PREFIX_MARKER, write_tokens
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import TransferAgent
 

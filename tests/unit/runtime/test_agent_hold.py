@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.sim.pattern import write_tokens
+from kvhandoff.engine_sim.pattern import write_tokens
 from kvhandoff.state_machine import KVPoll
 
 from .conftest import SEED, Pair, layers_of

@@ -150,7 +150,7 @@ def test_layers_ready_before_decode_arrives_are_sent_on_accept(pair: MakePair) -
     pr = pair()
     p = pr.prefill
     src = p.pool.alloc(-(-SEQ // 16))
-    from kvhandoff.sim.pattern import write_tokens
+    from kvhandoff.engine_sim.pattern import write_tokens
 
     from .conftest import SEED
 

@@ -266,7 +266,7 @@ def test_a_chunk_added_while_its_layers_wait_goes_after_them(pair: Any) -> None:
     """Chunked prefill: add_chunk right after marking the first chunk's layers with pending
     events; the chunk waits behind them (it would otherwise reach the session first); then
     all lands byte-exact."""
-    from kvhandoff.sim.pattern import write_tokens
+    from kvhandoff.engine_sim.pattern import write_tokens
 
     from .conftest import SEED
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import LayoutSpec, Plane, RegionSpec, SendFrom, TPSplit
-from kvhandoff.sim.pattern import check_tokens, write_tokens
 
 from .conftest import SEED, WAIT_S, Pair
 

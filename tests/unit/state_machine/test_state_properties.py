@@ -17,27 +17,27 @@ from kvhandoff.state_machine import (
     Deadline,
     DeadlineConfig,
     DeadlinePassed,
-    Event,
     FailureEvent,
     KVPoll,
     LayerLanded,
     LayerSent,
     LayoutsDiffered,
     LeaseRenewed,
+    LegEvent,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
+    RequestAccepted,
     Role,
     RoomAborted,
     RoomMachine,
-    TransferAccepted,
 )
 
 LAYERS = st.integers(min_value=0, max_value=5)
 REASONS = st.text(min_size=1, max_size=12)
-EVENTS: st.SearchStrategy[Event] = st.one_of(
+EVENTS: st.SearchStrategy[LegEvent] = st.one_of(
     st.just(PeerMatched()),
-    st.just(TransferAccepted()),
+    st.just(RequestAccepted()),
     st.builds(LayerSent, LAYERS),
     st.builds(LayerLanded, LAYERS),
     st.just(AllLayersAcked()),
@@ -63,7 +63,7 @@ CONFIGS = st.builds(
 @dataclass(frozen=True)
 class Step:
     dt: float
-    event: Event | None  # None: feed whatever `expired(now)` reports, as a real caller does
+    event: LegEvent | None  # None: feed whatever `expired(now)` reports, as a real caller does
 
 
 STEPS = st.builds(

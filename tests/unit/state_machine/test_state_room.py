@@ -12,18 +12,18 @@ from kvhandoff.state_machine import (
     Deadline,
     DeadlineConfig,
     DeadlinePassed,
-    Event,
     KVPoll,
     LayerLanded,
     LayerSent,
     LeaseRenewed,
+    LegEvent,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
+    RequestAccepted,
     Role,
     RoomAborted,
     RoomMachine,
-    TransferAccepted,
 )
 
 # Durations and times are exact binary fractions, so due times compare exactly.
@@ -57,7 +57,7 @@ def to_state(machine: RoomMachine, target: KVPoll, now: float) -> None:
     """Drive a machine along the happy path from where it is up to `target`."""
     while machine.state is not target:
         if machine.state is KVPoll.Bootstrapping:
-            event: Event = TransferAccepted() if machine.peer_matched else PeerMatched()
+            event: LegEvent = RequestAccepted() if machine.peer_matched else PeerMatched()
         elif machine.state is KVPoll.WaitingForInput:
             event = layer_event(machine.role, 0)
         elif machine.state is KVPoll.Transferring:
@@ -77,7 +77,7 @@ def test_happy_life_of_a_room(role: Role) -> None:
     assert m.state is KVPoll.Bootstrapping and not m.is_terminal
     assert m.apply(PeerMatched(), clock.advance(0.5))
     assert m.state is KVPoll.Bootstrapping and m.peer_matched
-    assert m.apply(TransferAccepted(), clock.advance(0.5))
+    assert m.apply(RequestAccepted(), clock.advance(0.5))
     assert m.state is KVPoll.WaitingForInput
     for layer in (0, 5, 9):
         assert m.apply(layer_event(role, layer), clock.advance(0.25))
@@ -99,7 +99,7 @@ def test_repeated_peer_matched_changes_nothing() -> None:
 def test_transfer_accepted_needs_peer_matched_first() -> None:
     m = RoomMachine(Role.PREFILL, now=0.0)
     with pytest.raises(InvalidTransition, match="before PeerMatched"):
-        m.apply(TransferAccepted(), 0.0)
+        m.apply(RequestAccepted(), 0.0)
     assert m.state is KVPoll.Bootstrapping
 
 
@@ -166,7 +166,7 @@ def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) 
     failure = m.failure
     late = [
         PeerMatched(),
-        TransferAccepted(),
+        RequestAccepted(),
         LayerLanded(1),
         LayerSent(1),
         AllLayersLanded(),
@@ -243,7 +243,7 @@ def test_state_deadlines_are_cleared_on_leaving_their_state() -> None:
     assert m.deadline(Deadline.BOOTSTRAP) == 104.0 and m.deadline(Deadline.LEASE) == 108.0
     assert m.deadline(Deadline.WAITING_FOR_INPUT) is None
     m.apply(PeerMatched(), clock.advance(1.0))
-    m.apply(TransferAccepted(), clock.advance(1.0))
+    m.apply(RequestAccepted(), clock.advance(1.0))
     assert m.deadline(Deadline.BOOTSTRAP) is None
     assert m.deadline(Deadline.WAITING_FOR_INPUT) == 104.0
     # The bootstrap timer the caller had set now fires: stale, the room lives on.

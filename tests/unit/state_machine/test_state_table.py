@@ -23,25 +23,25 @@ from kvhandoff.state_machine import (
     ChecksumsDiffered,
     Deadline,
     DeadlinePassed,
-    Event,
     KVPoll,
     LayerLanded,
     LayerSent,
     LayoutsDiffered,
     LeaseRenewed,
+    LegEvent,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
+    RequestAccepted,
     Role,
     RoomAborted,
-    TransferAccepted,
     next_state,
 )
 
 # One instance of every event type, to feed next_state.
-SAMPLES: dict[type[Event], Event] = {
+SAMPLES: dict[type[LegEvent], LegEvent] = {
     PeerMatched: PeerMatched(),
-    TransferAccepted: TransferAccepted(),
+    RequestAccepted: RequestAccepted(),
     LayerSent: LayerSent(0),
     LayerLanded: LayerLanded(0),
     AllLayersAcked: AllLayersAcked(),
@@ -56,7 +56,7 @@ SAMPLES: dict[type[Event], Event] = {
 }
 
 
-def reachable(start: KVPoll, kinds: Iterable[type[Event]]) -> set[KVPoll]:
+def reachable(start: KVPoll, kinds: Iterable[type[LegEvent]]) -> set[KVPoll]:
     allowed = set(kinds)
     seen, todo = {start}, deque([start])
     while todo:
@@ -110,7 +110,7 @@ def test_terminal_states_have_no_exit() -> None:
 @pytest.mark.parametrize("state", NON_TERMINAL)
 @pytest.mark.parametrize("kind", FAILURE_EVENTS)
 def test_one_failure_rule_every_non_terminal_state_fails_on_every_failure(
-    state: KVPoll, kind: type[Event]
+    state: KVPoll, kind: type[LegEvent]
 ) -> None:
     assert next_state(state, SAMPLES[kind]) is KVPoll.Failed
 
@@ -131,7 +131,7 @@ def test_lease_renewed_is_allowed_everywhere_and_changes_nothing(state: KVPoll) 
 def test_the_decided_life_of_a_room() -> None:
     b, w, t = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
     assert next_state(b, PeerMatched()) is b
-    assert next_state(b, TransferAccepted()) is w
+    assert next_state(b, RequestAccepted()) is w
     assert next_state(w, LayerSent(0), role=Role.PREFILL) is t
     assert next_state(w, LayerLanded(0), role=Role.DECODE) is t
     assert next_state(t, AllLayersAcked(), role=Role.PREFILL) is KVPoll.Success
@@ -146,7 +146,7 @@ def test_invalid_transition_names_the_event_the_state_and_what_is_allowed() -> N
     with pytest.raises(InvalidTransition) as info:
         next_state(KVPoll.Bootstrapping, LayerLanded(0))
     text = str(info.value)
-    assert "LayerLanded" in text and "Bootstrapping" in text and "TransferAccepted" in text
+    assert "LayerLanded" in text and "Bootstrapping" in text and "RequestAccepted" in text
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_invalid_transition_names_the_event_the_state_and_what_is_allowed() -> N
         (Role.PREFILL, AllLayersLanded()),
     ],
 )
-def test_an_event_of_the_other_side_is_refused(role: Role, event: Event) -> None:
+def test_an_event_of_the_other_side_is_refused(role: Role, event: LegEvent) -> None:
     with pytest.raises(InvalidTransition, match=f"not an event of the {role} side"):
         next_state(KVPoll.Transferring, event, role=role)
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvhandoff.bootstrap_server.deps import RegistryDep, SettingsDep, StateDep, WriteAuth
-from kvhandoff.bootstrap_server.registry import RankKey, Registration, Topology
+from kvhandoff.bootstrap_server.registry import RankKey, RegistrationRequest, Topology
 from kvhandoff.bootstrap_server.schemas import (
     EngineSummary,
     EngineTopology,
@@ -72,7 +72,7 @@ def _layouts(body: RankRegister) -> tuple[LayoutSpec, str, LayoutSpec, str]:
 async def register_rank(body: RankRegister, state: StateDep) -> RankRegistered:
     """Register a rank; the same identity again replaces it (counted once)."""
     spec, computed, shared, shared_hash = await run_in_threadpool(_layouts, body)
-    reg = Registration(
+    reg = RegistrationRequest(
         key=_key(body),
         role=body.role,
         topology=Topology(body.dp_size, body.tp_size, body.cp_size, body.pp_size),

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvhandoff.bootstrap_server.deps import MetricsDep, RegistryDep, StateDep, WriteAuth
-from kvhandoff.bootstrap_server.records import RankKey, Registration, Topology
+from kvhandoff.bootstrap_server.records import RankKey, RegistrationRequest, Topology
 from kvhandoff.bootstrap_server.schemas import MAX_AXIS_SIZE, ROOM_MAX
 from kvhandoff.bootstrap_server.sglang_answers import (
     SGLANG_ENGINE_ID,
@@ -191,7 +191,7 @@ async def register_prefill_rank(body: SglangRouteRegister, state: StateDep) -> s
     layout_id = (await run_in_threadpool(_layout_identity, layout)
                  if isinstance(layout, dict) else None)
     lbm = body.load_balance_method
-    reg = Registration(
+    reg = RegistrationRequest(
         key=RankKey(SGLANG_ENGINE_ID, dp_group, body.attn_cp_rank, body.attn_tp_rank,
                     body.pp_rank),
         role=Role.PREFILL,

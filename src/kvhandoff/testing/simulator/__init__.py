@@ -19,7 +19,7 @@ What is simulated, and how the real system is followed:
   FIFO per (sender, receiver), as a ZMQ DEALER or the same-host Unix socket keeps them; across
   connections, and between messages, completions and writes, any order may happen.
 - Page contents are real byte buffers (`memory.make_side`'s `BufferSet`s): each room instance
-  writes its own byte pattern (`kvhandoff.sim`'s, seeded per instance) into the prefill's
+  writes its own byte pattern (`kvhandoff.engine_sim`'s, seeded per instance) into the prefill's
   pages, a decode page the engine takes is filled with 0xFF, and a page a room hands back is
   scribbled (0xFE on the prefill), so a stale or misplaced byte shows.
 - A one-sided write (`PostWrite`) stays in flight until the PRNG lands it, one part (region)
@@ -62,7 +62,7 @@ replays it):
 
 A test may also script the start of a schedule (`Simulation.add_instance`, `engine`,
 `deliver`, `drain`, `pause`, `abort`) and `play()` the rest under the PRNG
-(`tests/unit/sim/test_defects.py`).
+(`tests/unit/simulator/test_defects.py`).
 
 Left out (real transport semantics the simulator does not model): partial pieces of one
 region's write (a part lands whole), shm's writer read-back (`Written.landed`), chunked

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.buffers.devsum import room_checksum
+from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
 from kvhandoff.errors import TransportError
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
@@ -38,7 +39,6 @@ from kvhandoff.protocol.peers import FORGOTTEN_KEEP_S
 from kvhandoff.runtime.executor import Call, Executor, Parts
 from kvhandoff.runtime.hashing import HASH_INLINE_BYTES, Hasher
 from kvhandoff.settings import Settings
-from kvhandoff.sim.pattern import check_tokens, write_tokens
 from kvhandoff.state_machine import KVPoll, Role
 from kvhandoff.testing.clock import FakeClock
 from kvhandoff.testing.memory import Side, View, make_side

@@ -24,7 +24,7 @@
 # The map lane copies through the native helper when it is built (native.py: one foreign call
 # per batch of pieces, both hashes fused in C); else piece by piece from Python, with the same
 # sums. `read_back` hashes what is now in a mapped target (the writer's private read-back,
-# for a byte the fault wrapper flipped after a write landed). `Job.tamper` is the
+# for a byte the fault wrapper flipped after a write landed). `CopyJob.tamper` is the
 # fault-injection seam (testing.faults): a destination byte flipped inside the copy, after its
 # piece was copied and before its landed hash, so the sum is of the byte the peer holds; a job
 # with it copies from Python (a job without it, every real one, runs the fast path).
@@ -116,7 +116,7 @@ def _map_segment(memfd: int, segment_nbytes: int) -> mmap.mmap | None:
         return None
 
 
-class Job:
+class CopyJob:
     """One span-list copy into a Target (see module comment)."""
 
     __slots__ = ("src", "dst", "lens", "target", "checksum", "on_end", "cancelled", "error",
@@ -124,7 +124,7 @@ class Job:
                  "_ended", "_event", "total", "owner")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, target: Target,
-                 checksum: bool, on_end: Callable[[Job], None], owner: Any = None, *,
+                 checksum: bool, on_end: Callable[[CopyJob], None], owner: Any = None, *,
                  bounds: tuple[int, ...] | None = None, keep: tuple[Target, ...] = (),
                  tamper: dict[int, int] | None = None) -> None:
         self.src = src  # int64 source addresses (this process)
@@ -200,14 +200,14 @@ class CopyPool:
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = max(1, int(threads))
-        self._queue: queue.SimpleQueue[tuple[Job, int, int, int, int] | None] = \
+        self._queue: queue.SimpleQueue[tuple[CopyJob, int, int, int, int] | None] = \
             queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(self.threads)]
         for w in self._workers:
             w.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: CopyJob) -> None:
         n = job.lens.size
         if n == 0:
             job._parts_left = 1
@@ -251,7 +251,7 @@ class CopyPool:
             _run_part(*item)
 
 
-def _region_runs(job: Job, parts: int) -> list[tuple[int, int, int, int]]:
+def _region_runs(job: CopyJob, parts: int) -> list[tuple[int, int, int, int]]:
     """`job`'s regions cut into at most `parts` runs of whole regions of about equal bytes
     (each region hashes its own stream, so a region is never cut): (first piece, end piece,
     first region, end region) each; regions without pieces are left out."""
@@ -277,7 +277,7 @@ def _region_runs(job: Job, parts: int) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def _run_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> None:
+def _run_part(job: CopyJob, lo: int, hi: int, rlo: int, rhi: int) -> None:
     """Runs one part of `job` on this thread and ends it (the job ends with its last part)."""
     try:
         err = _copy_part(job, lo, hi, rlo, rhi)
@@ -286,7 +286,7 @@ def _run_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> None:
     job._part_done(err)
 
 
-def _copy_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> str | None:
+def _copy_part(job: CopyJob, lo: int, hi: int, rlo: int, rhi: int) -> str | None:
     """Copies pieces lo:hi of `job`; with checksum they are those of regions rlo:rhi, whose
     digests this sets (rlo = rhi = -1 without)."""
     if job.cancelled:
@@ -306,9 +306,9 @@ def _copy_part(job: Job, lo: int, hi: int, rlo: int, rhi: int) -> str | None:
     return None
 
 
-def _copy_mapped_python(job: Job, lo: int, hi: int, seg: int) -> str | None:
+def _copy_mapped_python(job: CopyJob, lo: int, hi: int, seg: int) -> str | None:
     """The map lane's copy of pieces lo:hi (region `seg`'s with checksum) from Python: without
-    the native helper, without libxxhash, or with a fault to inject (`Job.tamper`)."""
+    the native helper, without libxxhash, or with a fault to inject (`CopyJob.tamper`)."""
     src = job.src[lo:hi].tolist()
     dst = job.dst[lo:hi].tolist()
     lens = job.lens[lo:hi].tolist()
@@ -339,7 +339,7 @@ def _flip_mapped(addr: int, nbytes: int, at: int) -> None:
     byte.value ^= 0xFF
 
 
-def _copy_mapped_native(job: Job, lo: int, hi: int, rlo: int, rhi: int,
+def _copy_mapped_native(job: CopyJob, lo: int, hi: int, rlo: int, rhi: int,
                         helper: Native) -> str | None:
     """Pieces lo:hi in batches of IOV_MAX, one foreign call each (GIL released for the batch,
     cancellation checked between them); with checksum (regions rlo:rhi) every region's
@@ -400,7 +400,7 @@ def read_back(target: Target, offsets: np.ndarray, nbytes: np.ndarray) -> int | 
     return digest if rc == 0 else None
 
 
-def _copy_cma(job: Job, lo: int, hi: int, seg: int) -> str | None:
+def _copy_cma(job: CopyJob, lo: int, hi: int, seg: int) -> str | None:
     pid = job.target.pid
     h = xxhash.xxh3_64() if job.checksum else None
     tamper = job.tamper or {}
@@ -476,4 +476,4 @@ def check_cma(pid: int) -> str | None:
     return None
 
 
-__all__ = ["IOV_MAX", "CopyPool", "Job", "Target", "check_cma", "open_target", "read_back"]
+__all__ = ["IOV_MAX", "CopyPool", "CopyJob", "Target", "check_cma", "open_target", "read_back"]

@@ -105,7 +105,7 @@ class DeviceTarget:
 
 
 class DeviceJob:
-    """One span-plan copy between CUDA buffers; shm's I/O thread handles it as a `Job`
+    """One span-plan copy between CUDA buffers; shm's I/O thread handles it as a `CopyJob`
     (cancel / wait / ended_event / total / digest / error / owner)."""
 
     __slots__ = ("src", "dst", "plan", "checksum", "on_end", "owner", "cancelled", "error",

@@ -189,7 +189,7 @@ class PeerBlocks:
 # ---- batching (pure numpy) ----------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Batch:
+class IpcBatch:
     """One device operation: `kind` "copy" (one piece, `nbytes` long) or "gather" (len(src)
     pieces of `nbytes` each, one kernel)."""
 
@@ -200,24 +200,24 @@ class Batch:
 
 
 def plan_batches(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, *,
-                 small: int = SMALL_PIECE, max_batch: int = MAX_BATCH) -> list[Batch]:
+                 small: int = SMALL_PIECE, max_batch: int = MAX_BATCH) -> list[IpcBatch]:
     """The pieces as batches, in order: a long piece (>= `small` bytes) is one copy; runs of
     short pieces of equal length are one gather each (at most `max_batch` pieces); a lone
     short piece is a copy. Pieces never overlap on the destination, so their order within
     the stream does not matter to the result."""
-    out: list[Batch] = []
+    out: list[IpcBatch] = []
     i, n = 0, len(nbytes)
     while i < n:
         L = int(nbytes[i])
         if L >= small:
-            out.append(Batch("copy", src[i:i + 1], dst[i:i + 1], L))
+            out.append(IpcBatch("copy", src[i:i + 1], dst[i:i + 1], L))
             i += 1
             continue
         j = i + 1
         while j < n and j - i < max_batch and int(nbytes[j]) == L:
             j += 1
         kind = "gather" if j - i > 1 else "copy"
-        out.append(Batch(kind, src[i:j], dst[i:j], L))
+        out.append(IpcBatch(kind, src[i:j], dst[i:j], L))
         i = j
     return out
 
@@ -323,7 +323,7 @@ def as_words(t: Any, w: int) -> Any:
     return t[: t.numel() // w * w].view(dtype)
 
 
-def _run(batches: list[Batch], src: Any, dst: Any) -> None:
+def _run(batches: list[IpcBatch], src: Any, dst: Any) -> None:
     import torch
 
     for b in batches:

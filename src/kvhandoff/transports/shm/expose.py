@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from kvhandoff.errors import TransportError
-from kvhandoff.transports.shm.copy import Job, Target
+from kvhandoff.transports.shm.copy import CopyJob, Target
 from kvhandoff.transports.shm.wire import EXPOSE, FINAL, TAGMSG, ShmOp, ShmPeer
 
 log = logging.getLogger("kvhandoff.transports.shm.transport")
@@ -49,7 +49,7 @@ class ExposedWriter:
         # when each exposed receive arrived (a count shared with disconnect(), as in tcp.py)
         self._seq = itertools.count()
         self._exposed_seq: dict[Key, int] = {}
-        self._jobs: dict[Key, Job] = {}  # copies running
+        self._jobs: dict[Key, CopyJob] = {}  # copies running
         self._ack_after: set[Key] = set()  # X arrived while copying
 
     def cut(self) -> int:
@@ -78,14 +78,14 @@ class ExposedWriter:
         for key in [k for k, op in self._sends.items() if op.peer == info.name]:
             del self._sends[key]
 
-    def started(self, key: Key, job: Job) -> None:
+    def started(self, key: Key, job: CopyJob) -> None:
         self._jobs[key] = job
 
     def refuse(self, key: Key, reason: str) -> None:
         """The receive of `key` gets nothing: b"F" not ok, with `reason`."""
         self._router.send_multipart([key[0], FINAL.pack(b"F", key[1], 0), reason.encode()])
 
-    def ended(self, key: Key, job: Job) -> None:
+    def ended(self, key: Key, job: CopyJob) -> None:
         """The copy of `key` ended: b"F" (and b"A" when a stop was asked meanwhile)."""
         self._jobs.pop(key, None)
         ok = job.error is None and not job.cancelled

@@ -89,7 +89,7 @@ from kvhandoff.transports.base import (
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.optable import OpTable, TableTransport
-from kvhandoff.transports.shm.copy import CopyPool, Job, Target
+from kvhandoff.transports.shm.copy import CopyJob, CopyPool, Target
 from kvhandoff.transports.shm.cuda import (
     DeviceJob,
     DeviceLane,
@@ -181,7 +181,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         self._dealer_info: dict[str, ShmPeer] = {}  # the peer each dealer is connected to
         # two-sided sends' copy jobs started, end not yet reported (I/O thread; guarded by
         # _lock, which close() reads them under)
-        self._running: set[Job] = set()
+        self._running: set[CopyJob] = set()
         # CUDA buffers (one-sided only): name -> (1-D uint8 view, size in bytes)
         self._dev_lane = device_lane or DeviceLane(self._ident[:8].decode())
         self._dev: dict[str, tuple[Any, int]] = {}
@@ -507,7 +507,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
 
     def _shutdown(self, pidfds: dict[int, ShmPeer]) -> None:
         with self._lock:
-            sends: list[Job | DeviceJob] = list(self._running)
+            sends: list[CopyJob | DeviceJob] = list(self._running)
         running = sends + self._one_sided.running()
         for job in running:
             job.cancel()
@@ -698,11 +698,11 @@ class ShmTransport(TableTransport, OneSidedTransport):
             return
         src = plan.src_offsets + int(op.buf.ctypes.data)
         dst = plan.dst_offsets + target.base
-        self._run_job(op, Job(src, dst, plan.nbytes, target, False,
-                              lambda j: self._io.put(self._on_written, j), owner=(op, key)),
+        self._run_job(op, CopyJob(src, dst, plan.nbytes, target, False,
+                                  lambda j: self._io.put(self._on_written, j), owner=(op, key)),
                       key)
 
-    def _run_job(self, op: ShmOp, job: Job, key: Key) -> None:
+    def _run_job(self, op: ShmOp, job: CopyJob, key: Key) -> None:
         """(I/O thread) Starts a two-sided send's copy job into its exposed receive (`key`)
         unless the op ended meanwhile; it ends on the I/O thread (`_on_written`)."""
         with self._lock:
@@ -716,7 +716,7 @@ class ShmTransport(TableTransport, OneSidedTransport):
         self._exposed.started(key, job)
         self._copier.submit(job)
 
-    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], job: Job) -> None:
+    def _on_written(self, poller: zmq.Poller, pidfds: dict[int, ShmPeer], job: CopyJob) -> None:
         """A two-sided send's copy ended: its exposed receive learns it (F), the op ends."""
         op, key = job.owner
         with self._lock:

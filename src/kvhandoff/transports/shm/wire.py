@@ -13,7 +13,7 @@ from kvhandoff.kv_layout.spans import SpanPlan
 from kvhandoff.netaddr import split_zmq_endpoint
 from kvhandoff.transports.base import OnDone
 from kvhandoff.transports.hostid import HOST_ID_BYTES
-from kvhandoff.transports.shm.copy import Job, Target
+from kvhandoff.transports.shm.copy import CopyJob, Target
 from kvhandoff.transports.streams import ChunkPlan
 
 MAGIC = b"KVHSHM1"
@@ -99,7 +99,7 @@ class ShmOp:
         # process is gone, or the bound passed)
         self.acked = False
         self.info: ShmPeer | None = None  # receive: the peer it was exposed to
-        self.job: Job | Any = None  # send / write: its copy (a DeviceJob on the CUDA lane)
+        self.job: CopyJob | Any = None  # send / write: its copy (a DeviceJob on the CUDA lane)
         self.is_write = False
         # write: where to (a Target, or a cuda.DeviceTarget on the CUDA lane) and its plan
         self.remote: tuple[Target | Any, SpanPlan] | None = None

@@ -1,6 +1,6 @@
 # The one-sided writer of the shm transport: `post_writes` and the copy jobs it runs.
 #
-# How it works: a job of host writes is ONE copy job (copy.Job: every write's pieces back to
+# How it works: a job of host writes is ONE copy job (copy.CopyJob: every write's pieces back to
 # back, `bounds` between them), started on the poster's thread; its copy thread (or the
 # poster, for a job of at most copy.INLINE_MAX bytes) completes the op and calls on_done
 # itself. A job whose targets lie on both host lanes (map and cma) is posted as one job per
@@ -47,7 +47,7 @@ from kvhandoff.transports.base import (
 )
 from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.optable import OpTable
-from kvhandoff.transports.shm.copy import CopyPool, Job, Target, read_back
+from kvhandoff.transports.shm.copy import CopyJob, CopyPool, Target, read_back
 from kvhandoff.transports.shm.cuda import DeviceJob, DeviceLane, DeviceTarget
 from kvhandoff.transports.shm.hold import HeldReceives
 from kvhandoff.transports.shm.wire import ShmOp, ShmPeer
@@ -80,7 +80,7 @@ class OneSidedWriter:
         self._exited = exited
         # jobs started, end not yet reported (guarded by _lock: host jobs start on the
         # poster's thread and end on their copy thread)
-        self._running: set[Job | DeviceJob] = set()
+        self._running: set[CopyJob | DeviceJob] = set()
         # host buffer name -> (the array, its address): a write job looks up each of its
         # regions' addresses (64 for a short room), numpy's lookup costs ~1.5 us each
         self._addrs: dict[str, tuple[np.ndarray, int]] = {}
@@ -137,7 +137,7 @@ class OneSidedWriter:
             return None
         return read_back(target, plan.dst_offsets, plan.nbytes)
 
-    def running(self) -> list[Job | DeviceJob]:
+    def running(self) -> list[CopyJob | DeviceJob]:
         """The jobs started whose end was not reported yet (the transport's close)."""
         with self._lock:
             return list(self._running)
@@ -193,8 +193,8 @@ class OneSidedWriter:
             lens = np.concatenate([p.nbytes for _, _, p in parts])
             bounds = (0, *itertools.accumulate(counts))
         tamper = None if flips is None else {bounds[i] + k: 0 for i, k in flips.items()}
-        job = Job(src, dst, lens, parts[0][1], checksum, self._ended, owner=(op, None),
-                  bounds=bounds, keep=tuple(t for _, t, _ in parts[1:]), tamper=tamper)
+        job = CopyJob(src, dst, lens, parts[0][1], checksum, self._ended, owner=(op, None),
+                      bounds=bounds, keep=tuple(t for _, t, _ in parts[1:]), tamper=tamper)
         if self._enter(op, job):
             self._copier.submit(job)
 
@@ -208,7 +208,7 @@ class OneSidedWriter:
         self._addrs[name] = (buf, addr)
         return addr
 
-    def _ended(self, job: Job) -> None:
+    def _ended(self, job: CopyJob) -> None:
         """(copy thread, or the poster's for a small job) A host write job's copy ended: the
         op completes here and its on_done runs on this thread (nothing of the write copies any
         more), instead of two more hand-offs (to the I/O thread, then to the callback
@@ -295,7 +295,7 @@ class OneSidedWriter:
                                      "already pending")
             self._table.ops[key] = op
 
-    def _end_locked(self, job: Job | DeviceJob) -> tuple[ShmOp, bool]:
+    def _end_locked(self, job: CopyJob | DeviceJob) -> tuple[ShmOp, bool]:
         """(lock held) `job` ended: it runs no more, and its bytes count if it succeeded;
         (its op, whether it did)."""
         op, _ = job.owner
@@ -305,7 +305,7 @@ class OneSidedWriter:
             self.bytes_written += job.total
         return op, ok
 
-    def _enter(self, op: ShmOp, job: Job | DeviceJob) -> bool:
+    def _enter(self, op: ShmOp, job: CopyJob | DeviceJob) -> bool:
         """Makes `job` the op's copy and counts it running, unless the op ended meanwhile
         (cancelled: nothing is started); whether it did."""
         with self._lock:

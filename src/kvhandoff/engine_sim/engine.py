@@ -1,9 +1,9 @@
 """One simulated engine around a `TransferAgent`: a prefill that computes layers and hands them
 over, or a decode that receives and checks them (`run_prefill`, `run_decode`; `main` is
-``python -m kvhandoff.sim``). It prints one JSON object per line on stdout (its events).
+``python -m kvhandoff.engine_sim``). It prints one JSON object per line on stdout (its events).
 
-Page contents are `kvhandoff.sim.pattern`'s. Decode fills its cached-prefix indexer pages with
-`PREFIX_MARKER` first and checks afterwards that the handoff left them alone (suffix-only
+Page contents are `kvhandoff.engine_sim.pattern`'s. Decode fills its cached-prefix indexer pages
+with `PREFIX_MARKER` first and checks afterwards that the handoff left them alone (suffix-only
 indexer). ``"plane_salt": true`` salts each plane's bytes by its name (`pattern.plane_salt`).
 
 Several ranks per engine (heterogeneous TP): config keys ``tp_rank``/``tp_size`` (a head-sharded
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhandoff.sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
 
 
 def _free(pool: Any, pages: np.ndarray, room: int) -> None:
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None,
     """Runs one side; `agent_kw()` (called once) adds keyword arguments to its agent."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] not in ("prefill", "decode"):
-        print("usage: python -m kvhandoff.sim prefill|decode '<json config>'", file=sys.stderr)
+        print("usage: python -m kvhandoff.engine_sim prefill|decode '<json config>'",
+              file=sys.stderr)
         return 2
     cfg = json.loads(args[1])
     import logging

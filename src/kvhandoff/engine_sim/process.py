@@ -1,6 +1,6 @@
 """The parent's side of a simulated engine: `spawn(role, config)` starts ``python -m
-kvhandoff.sim`` (or a wrapper of it taking the same arguments) and a thread reading its events;
-`SimProcess.expect(kind, timeout)` waits for one, bounded.
+kvhandoff.engine_sim`` (or a wrapper of it taking the same arguments) and a thread reading its
+events; `SimProcess.expect(kind, timeout)` waits for one, bounded.
 
 Rules: every wait is bounded and says what it waited for, with the child's stderr; leaving the
 `with` block kills the child.
@@ -22,7 +22,7 @@ from typing import Any
 
 @dataclass
 class SimProcess:
-    """A running `python -m kvhandoff.sim` process and its events."""
+    """A running `python -m kvhandoff.engine_sim` process and its events."""
 
     role: str
     proc: subprocess.Popen[str]
@@ -87,7 +87,7 @@ class SimProcess:
 
 
 def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None,
-          module: str = "kvhandoff.sim") -> SimProcess:
+          module: str = "kvhandoff.engine_sim") -> SimProcess:
     """Starts `python -m <module> role cfg` (this module, or a wrapper of it that takes the
     same arguments) and a thread reading its events."""
     proc = subprocess.Popen(
