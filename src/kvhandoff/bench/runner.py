@@ -434,7 +434,7 @@ class Bench:
                           + sum(float(m.get("cpu_s", 0.0)) for m in ds))
         t0 = min(float(m["t0"]) for m in ps.values())
         # the engines' clocks: the mark of every layer (`layers_ready`; paced: the first
-        # `layer_ready`), the last mark's return, and when the decode engine could see
+        # `layer_ready`), the last mark's call, and when the decode engine could see
         # Success (not the session's stamp, taken before it handled the room's last event)
         t_done = max(float(m["stats"]["t_seen"]) for m in ds)
         t_last = max(float(m["t_ready"]) for m in ps.values())

@@ -205,13 +205,17 @@ class _AgentSide:
         layer_s = float(msg.get("layer_ms", 0)) / 1e3
         cpu0 = time.process_time()
         t0 = time.monotonic()
+        # t_ready: when the engine says its last layer is ready (the call, not its return: a
+        # thread descheduled after the call returned would otherwise start the tail after the
+        # decode's Success on a loaded host)
+        t_ready = t0
         if not layer_s:  # every layer written at once (as SGLang hands a room over)
             s.layers_ready(self.layers)
         for i, lid in enumerate(self.layers if layer_s else ()):
             if i:
                 time.sleep(max(0.0, t0 + i * layer_s - time.monotonic()))  # simulated compute
+            t_ready = time.monotonic()
             s.layer_ready(lid)
-        t_ready = time.monotonic()
         state = s.wait(self.timeout_s)
         s.wait_released(5)
         say(t0=t0, t_ready=t_ready, state=state.name, failure=s.failure, stats=s.stats(),
