@@ -168,7 +168,8 @@ class ReceivePath:
     def post_recv_layers(self, r: Leg, units: Sequence[Unit], attempt: int) -> None:
         """Decode: `post_recv_layer` of each of `units` (a leg's layers at its acceptance).
         One-sided, nothing is posted: each unit is marked posted with every region it moves
-        in, in one pass, and verified at once only where its `LayerDone` came first."""
+        in, in one pass; `try_verify` is asked only of a unit whose sums are here (none at
+        the acceptance: a `LayerDone` read before it is stale, `session._stale_for_decode`)."""
         if not r.one_sided:
             for unit in units:
                 self.post_recv_layer(r, unit, attempt)
@@ -181,7 +182,7 @@ class ReceivePath:
             posted[unit] = attempt
             key = (unit, attempt)
             recv_done[key] = {n for n in layer_regions.get(unit.layer, ()) if n in plans}
-            if key in sums:  # try_verify waits for the unit's sums: nothing to do before
+            if key in sums:  # try_verify waits for the unit's sums
                 self.try_verify(r, unit, attempt)
 
     def post_recv_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
