@@ -6,6 +6,9 @@ Rules:
 - Both sides call `span_plans` with the same arguments and get the same plans: the order of
   the spans is the order the checksums hash, so nothing here may depend on the side.
 - A region's plan is the same for every layer of the region (only the buffer differs).
+- Regions of the same geometry over the same pages and token range (a model's K and V) share
+  one plan: `span_plans` builds it once (`_geometry` lists what `build_spans` reads of a
+  region when it is given no layer; the name is only in its error messages).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.kv_layout import LayoutSpec, SpanPlan, build_spans, page_aligned
+from kvhandoff.kv_layout import LayoutSpec, RegionSpec, SpanPlan, build_spans, page_aligned
 from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.rooms import LegPlan, Unit
 
@@ -36,6 +39,7 @@ def span_plans(ctx: Context, plan: LegPlan, *, src_pages: Mapping[str, np.ndarra
     end = plan.seq_len if end is None else end
     chunked = end < plan.seq_len or bool(plan.chunk_ends)
     plans = {}
+    made: dict[tuple[object, ...], SpanPlan] = {}  # one plan per distinct input (K and V)
     covered = dict(plan.covered)
     for reg in ctx.layout.regions:
         wanted = (plan.planes or {}).get(reg.name)
@@ -53,15 +57,30 @@ def span_plans(ctx: Context, plan: LegPlan, *, src_pages: Mapping[str, np.ndarra
         covered[reg.name] = stop
         if chunked and stop == start:
             continue
-        plans[reg.name] = build_spans(
-            src_layout.region(reg.name), token_start=start, token_end=stop,
-            src_pages=src_pages[reg.name], src_page_size=src_ps,
-            src_first_token=page_aligned(first, src_ps),
-            dst_pages=dst_pages[reg.name], dst_page_size=dst_ps,
-            dst_first_token=page_aligned(first, dst_ps),
-            dst_region=dst_layout.region(reg.name), planes=wanted)
+        src_reg, dst_reg = src_layout.region(reg.name), dst_layout.region(reg.name)
+        sp, dp = src_pages[reg.name], dst_pages[reg.name]
+        key = (_geometry(src_reg), _geometry(dst_reg), start, stop, first, _pages_key(sp),
+               _pages_key(dp), None if wanted is None else tuple(wanted))
+        built = made.get(key)
+        if built is None:
+            built = made[key] = build_spans(
+                src_reg, token_start=start, token_end=stop, src_pages=sp, src_page_size=src_ps,
+                src_first_token=page_aligned(first, src_ps), dst_pages=dp, dst_page_size=dst_ps,
+                dst_first_token=page_aligned(first, dst_ps), dst_region=dst_reg, planes=wanted)
+        plans[reg.name] = built
     plan.covered = covered
     return plans
+
+
+def _geometry(region: RegionSpec) -> tuple[object, ...]:
+    """What `build_spans` reads of a region when it is given no layer: its planes (names and
+    bytes per token), rows, whole-page moves and its place in a packed row (the page stride).
+    Two regions with the same geometry get the same plan from the same pages and tokens."""
+    return (region.planes, region.tokens_per_row, region.whole_pages, region.placement)
+
+
+def _pages_key(pages: object) -> bytes:
+    return np.asarray(pages, dtype=np.int64).tobytes()
 
 
 def regions_of(ctx: Context, plan: LegPlan, unit: Unit) -> list[str]:

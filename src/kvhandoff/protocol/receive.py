@@ -25,6 +25,8 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvhandoff.buffers.bufferset import buffer_name
@@ -161,8 +163,27 @@ class ReceivePath:
             r.one_sided = True
             self.ctx.counters["rooms_one_sided"] += 1
         self.rooms.apply(r, RequestAccepted())
-        for layer in r.layers:
-            self.post_recv_layer(r, Unit(layer), 0)
+        self.post_recv_layers(r, [Unit(layer) for layer in r.layers], 0)
+
+    def post_recv_layers(self, r: Leg, units: Sequence[Unit], attempt: int) -> None:
+        """Decode: `post_recv_layer` of each of `units` (a leg's layers at its acceptance).
+        One-sided, nothing is posted: each unit is marked posted with every region it moves
+        in, in one pass; `try_verify` is asked only of a unit whose sums are here (none at
+        the acceptance: a `LayerDone` read before it is stale, `session._stale_for_decode`)."""
+        if not r.one_sided:
+            for unit in units:
+                self.post_recv_layer(r, unit, attempt)
+            return
+        prog, layer_regions = r.progress, self.ctx.layer_regions
+        posted, recv_done, sums = prog.posted, prog.recv_done, prog.sums
+        plans_of = r.plan.plans_of
+        for unit in units:
+            plans = plans_of(unit)
+            posted[unit] = attempt
+            key = (unit, attempt)
+            recv_done[key] = {n for n in layer_regions.get(unit.layer, ()) if n in plans}
+            if key in sums:  # try_verify waits for the unit's sums
+                self.try_verify(r, unit, attempt)
 
     def post_recv_layer(self, r: Leg, unit: Unit, attempt: int) -> None:
         """Decode: post the receives of every region of `unit` (none when the prefill writes
