@@ -243,6 +243,29 @@ def wait_until(pred: Callable[[], bool], timeout: float, poll_s: float = 0.01) -
         time.sleep(poll_s)
 
 
+@contextmanager
+def frozen_control(e: Engine) -> Iterator[None]:
+    """The control thread of `e` frozen (a silent peer: no heartbeat, no answer) from when the
+    block starts until it ends, bounded by 2 * WAIT_S. The block waits on what the freeze must
+    cause (the other side failing the room); the freeze ends right after, not after a fixed
+    time that a loaded host can outlast before the other side has looked."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:
+        held.set()
+        release.wait(2 * WAIT_S)
+
+    t = threading.Thread(target=lambda: e.agent._loop.query(hold, timeout=3 * WAIT_S),
+                         name="test-freeze", daemon=True)
+    t.start()
+    try:
+        assert held.wait(WAIT_S), "the control thread never ran the freeze"
+        yield
+    finally:
+        release.set()
+        t.join(WAIT_S)
+
+
 def rss_bytes(pid: int | None = None) -> int:
     """Resident set size of a process (Linux /proc). For this process, memory the allocator
     holds free is given back first (glibc malloc_trim), so RSS shows what is in use, not how

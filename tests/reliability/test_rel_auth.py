@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 
 import msgspec
 from relkit import (
@@ -21,6 +20,7 @@ from relkit import (
     engine_pair,
     fast_settings,
     free_port,
+    frozen_control,
     handoff,
     layers_of,
 )
@@ -136,7 +136,7 @@ def test_forged_failed_abort_ack_and_heartbeat_are_refused() -> None:
 
 
 def test_forged_heartbeats_do_not_keep_a_dead_prefill_alive() -> None:
-    """The prefill falls silent mid-room (its control thread frozen for 20 heartbeats); an
+    """The prefill falls silent mid-room (its control thread frozen until the room ends); an
     outsider keeps sending heartbeats in its name (address and generation, both public). The
     decode's room still fails as silent (the heartbeats are not sealed under the prefill's
     session). Before: they renewed the silent peer until it woke."""
@@ -153,16 +153,13 @@ def test_forged_heartbeats_do_not_keep_a_dead_prefill_alive() -> None:
 
         t = threading.Thread(target=flood, daemon=True)
         t.start()
-        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
-            lambda _: time.sleep(20 * 0.2), timeout=WAIT_S))
         try:
-            frozen.start()
-            assert rv.wait(WAIT_S) is KVPoll.Failed
+            with frozen_control(p):
+                assert rv.wait(WAIT_S) is KVPoll.Failed
             assert "silent" in (rv.failure or ""), rv.failure
         finally:
             stop.set()
             t.join(5)
-            frozen.join(WAIT_S)
 
 
 def test_a_restarted_decode_on_the_same_address_hands_off_with_the_secret() -> None:

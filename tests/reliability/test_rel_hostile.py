@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from relkit import (
     engine_pair,
     fast_settings,
     free_port,
+    frozen_control,
     handoff,
     layers_of,
     wait_until,
@@ -64,7 +64,7 @@ def test_deeply_nested_frame_leaves_the_agent_serving(surface: str) -> None:
 
 def test_a_garbage_flood_does_not_suspend_dead_peer_detection() -> None:
     """While an outsider floods the decode's control socket with frames that do not decode,
-    the prefill falls silent mid-room (its control thread frozen for 20 heartbeats): the
+    the prefill falls silent mid-room (its control thread frozen until the room ends): the
     decode's room still fails as silent. Before: the socket was never read empty, and silence
     was measured only up to the last time it was, so the dead peer stayed alive."""
     with engine_pair(settings=fast_settings(), num_pages=8) as (p, d):
@@ -82,25 +82,22 @@ def test_a_garbage_flood_does_not_suspend_dead_peer_detection() -> None:
         floods = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
         for t in floods:
             t.start()
-        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
-            lambda _: time.sleep(20 * 0.2), timeout=WAIT_S))
         try:
             assert wait_until(lambda: counters(d)["rejected_messages"] > 1000, WAIT_S)
-            frozen.start()
-            assert rv.wait(WAIT_S) is KVPoll.Failed
+            with frozen_control(p):
+                assert rv.wait(WAIT_S) is KVPoll.Failed
             assert "silent" in (rv.failure or ""), rv.failure
         finally:
             stop.set()
             for t in floods:
                 t.join(WAIT_S)
-            frozen.join(WAIT_S)
         s.abort("test over")
 
 
 def test_a_flood_of_heavy_heartbeats_does_not_hide_a_frozen_peer() -> None:
     """A stranger floods the decode with well-typed Heartbeats naming a million rooms each
     (tens of ms to decode: every read pass ends on its time limit, never on an empty socket)
-    while the prefill's control thread is frozen for 8 heartbeats mid-room: the decode still
+    while the prefill's control thread is frozen mid-room: the decode still
     fails the room as silent, since silence is measured by time from the prefill's last
     message. Before: silence was measured only up to the last "drained" read, which the flood
     never let come, so the frozen prefill stayed alive. (Heartbeats of 0.5 s: a message takes
@@ -127,17 +124,14 @@ def test_a_flood_of_heavy_heartbeats_does_not_hide_a_frozen_peer() -> None:
 
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
-        frozen = threading.Thread(daemon=True, target=lambda: p.agent._loop.query(
-            lambda _: time.sleep(8 * hb), timeout=WAIT_S))
         try:
             assert wait_until(lambda: counters(d)["stale_messages"] > 20, WAIT_S)
-            frozen.start()
-            assert rv.wait(WAIT_S) is KVPoll.Failed
+            with frozen_control(p):
+                assert rv.wait(WAIT_S) is KVPoll.Failed
             assert "silent" in (rv.failure or ""), rv.failure
         finally:
             stop.set()
             flooder.join(WAIT_S)
-            frozen.join(WAIT_S)
         s.abort("test over")
 
 

@@ -22,6 +22,10 @@ from kvhandoff.state_machine import KVPoll
 
 FAIL_FAST_S = 1.0  # the issue's bound on "fails fast"
 SEQ = 48
+# A refused layout fails at the Hello, before any lane connects (a refused Hello emits no
+# Connect): the shm lane of the matrix repeats the tcp one, so it runs under `long`
+REFUSED_AT_HELLO = pytest.mark.parametrize(
+    "rel_lane", ["tcp", pytest.param("shm", marks=pytest.mark.long)], indirect=True)
 
 
 def with_indexer_scale(layout: LayoutSpec, nbytes: int) -> LayoutSpec:
@@ -41,6 +45,7 @@ MISMATCHES = {
 
 
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
+@REFUSED_AT_HELLO
 def test_mismatch_fails_fast_on_both_sides_with_the_diff(case: str) -> None:
     pl, dl, field = MISMATCHES[case]
     with engine_pair(pl, decode_layout=dl, num_pages=8) as (p, d):
@@ -61,6 +66,8 @@ def test_mismatch_fails_fast_on_both_sides_with_the_diff(case: str) -> None:
         d.assert_no_leak()
 
 
+# both sides name their transport themselves: the matrix's lane is not used
+@pytest.mark.parametrize("rel_lane", ["tcp"], indirect=True)
 def test_transport_mismatch_fails_fast() -> None:
     with engine_pair(prefill_settings=fast_settings(transport="tcp"),
                      decode_settings=fast_settings(transport="ucx"), num_pages=8) as (p, d):
@@ -97,6 +104,7 @@ def llama(tp_size: int = 1, tp_rank: int = 0, head_bytes: int | None = None) -> 
     return dataclasses.replace(spec, regions=regions)
 
 
+@REFUSED_AT_HELLO
 def test_tp_head_size_mismatch_fails_fast() -> None:
     """TP ranks of other sizes pair by head name (supported, below); heads of another size
     (head_dim 64 vs 128) cannot pair: fail fast with the diff."""

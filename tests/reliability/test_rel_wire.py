@@ -21,6 +21,10 @@ from kvhandoff.errors import ProtocolError
 from kvhandoff.protocol import wire as P
 
 MAX_MSG = 64 << 10  # the agents' max_message_bytes in this module
+# The frames go to the control socket, which does not depend on the data transport; and the
+# module's one pair is made before any test's lane is set (a module fixture comes first), so a
+# second lane of the matrix ran every test again on the same tcp pair.
+OWN_LANES = True
 Pair = tuple[Engine, Engine]
 
 
