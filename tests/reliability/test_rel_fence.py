@@ -25,7 +25,7 @@ from kvhandoff.kv_layout import preset
 from kvhandoff.state_machine import KVPoll
 
 OWN_LANES = True  # shm only: the one-sided lane of a host
-HB_S = 0.2
+HB_S = 0.5
 SEQ = 128
 LAYOUT = preset("glm-5.3", page_size_tokens=64)
 LAYERS = layers_of(LAYOUT)

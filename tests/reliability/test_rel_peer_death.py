@@ -37,7 +37,7 @@ from kvhandoff.kv_layout import preset
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
 
-HB_S = 0.2
+HB_S = 0.5
 # "within 2 heartbeats": detection runs on the heartbeat tick, so a silence is seen between 2
 # and 3 intervals after the last message; the slack covers that tick, process scheduling on a
 # loaded 2-core CI runner, and the decode's extra hop of the Failed message.

@@ -27,7 +27,7 @@ from kvhandoff.protocol import wire as P
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import KVPoll
 
-HB_S = 0.2
+HB_S = 0.5
 SEQ = 128
 LAYOUT = preset("glm-5.3", page_size_tokens=64)
 

@@ -8,6 +8,7 @@ A decode agent's route lookups all run on ONE thread, `RouteLookups`: an asyncio
 HTTP client per bootstrap server, every open lookup a task on it. A thousand rooms opening at
 once are a thousand tasks, not a thousand threads, and a lookup that waits (the room's prefill
 has not registered yet; the client retries until its total wait) holds back no other one.
+At most `LOOKUPS_IN_FLIGHT` of them are on the wire at once; the others wait their turn.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ class Registration:
 
 Resolved = Callable[[tuple[tuple[str, int], ...], "str | None"], None]
 
+#: lookups on the wire at once (the rest wait their turn on the lookup thread): the HTTP pool
+#: assigns its queued requests to connections in time that grows with their number, so a
+#: thousand rooms opened at once each waiting at the server (retrying) kept the lookup thread
+#: busy in the pool, and closing the agent waited out its 5 s bound
+LOOKUPS_IN_FLIGHT = 64
+
 
 class RouteLookups:
     """A decode agent's route lookups on one thread (see the module doc), started on first
@@ -147,6 +154,7 @@ class RouteLookups:
         self._transport: Any = None  # lookup thread only: one HTTP transport for all clients
         self._start_lock = threading.Lock()
         self._closed = False
+        self._inflight: asyncio.Semaphore | None = None  # lookup thread only
 
     def submit(self, room: int, bootstrap_addr: str, done: Resolved) -> None:
         """Looks the prefill ranks of `room` up at `bootstrap_addr` (any thread)."""
@@ -180,10 +188,13 @@ class RouteLookups:
             return self._loop
 
     async def _lookup(self, room: int, bootstrap_addr: str, done: Resolved) -> None:
+        if self._inflight is None:  # (lookup thread) made on the loop it is used on
+            self._inflight = asyncio.Semaphore(LOOKUPS_IN_FLIGHT)
         try:
-            ranks = await self._client(bootstrap_addr).lookup_route(
-                room=room, tp_rank=self._agent.tp_rank, tp_size=self._agent.tp_size,
-                replicated=_replicated(self._agent))
+            async with self._inflight:
+                ranks = await self._client(bootstrap_addr).lookup_route(
+                    room=room, tp_rank=self._agent.tp_rank, tp_size=self._agent.tp_size,
+                    replicated=_replicated(self._agent))
             sources = _sources(ranks, room, bootstrap_addr)
         except KVHandoffError as e:
             done((), str(e))
@@ -229,8 +240,12 @@ class RouteLookups:
 
         async def stop() -> None:
             me = asyncio.current_task()
-            for t in [t for t in asyncio.all_tasks() if t is not me]:
+            open_lookups = [t for t in asyncio.all_tasks() if t is not me]
+            for t in open_lookups:
                 t.cancel()
+            # each ends (its connection back in the pool) before the clients close: a pool
+            # closed under a thousand requests still in it took longer than close's bound
+            await asyncio.gather(*open_lookups, return_exceptions=True)
             for c in self._clients.values():
                 await c.close()
             self._clients.clear()

@@ -3,7 +3,7 @@ replay, its command line, and that its invariants do fire on a transport that br
 
 `test_every_seed_holds_every_invariant` runs SEEDS seeds in `make test` (about half a minute
 on two cores): seeds 0-1999, the range the mutation run of the release rules
-(tests/unit/sim/test_mutants.py) shows to kill every mutant that is not explained, and that
+(tests/unit/simulator/test_mutants.py) shows to kill every mutant that is not explained, and that
 met every defect class seeds 0-3999 ever met; the `long` test runs LONG_SEEDS more (from
 2000 on, so `make test-long` still covers 0-43999). A failing seed prints the command that
 replays it with its trace."""
