@@ -35,7 +35,7 @@ class OtherHostAuto(AutoTransport):
 
 def make_pair(other_host: bool) -> Pair:
     layout = tiny_layout()
-    settings = Settings(transport="auto", auto_cross_host="tcp", heartbeat_interval_s=0.2)
+    settings = Settings(transport="auto", auto_cross_host="tcp", heartbeat_interval_s=1.0)
     sides = []
     for i, role in enumerate(("prefill", "decode")):
         tr = OtherHostAuto(settings) if other_host else AutoTransport(settings)

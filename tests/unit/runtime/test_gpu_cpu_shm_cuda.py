@@ -402,7 +402,7 @@ def test_agents_with_device_buffers_fail_a_two_sided_room_saying_why() -> None:
 
     lay = tiny_layout()
     # (checksum off: the CPU cannot hash memory known only by address)
-    st = Settings(transport="shm", one_sided_writes=False, heartbeat_interval_s=0.2,
+    st = Settings(transport="shm", one_sided_writes=False, heartbeat_interval_s=1.0,
                   checksum="off")
     p = TransferAgent("prefill", lay, fake_buffers(lay, 8), st, engine_id="dev-p")
     try:
