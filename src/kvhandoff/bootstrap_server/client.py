@@ -354,8 +354,11 @@ class AsyncBootstrapClient(_Base):
     """Asynchronous client (httpx.AsyncClient); same methods as `BootstrapClient`, awaited."""
 
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None,
-                 **kw: Any) -> None:
+                 gate: asyncio.Semaphore | None = None, **kw: Any) -> None:
+        """`gate`: held around each request on the wire (not across the waits between
+        retries), so a caller bounds how many are in flight at once."""
         super().__init__(base_url, **kw)
+        self._gate = gate
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
                                        timeout=self._request_timeout_s, transport=transport)
 
@@ -375,8 +378,13 @@ class AsyncBootstrapClient(_Base):
         while True:
             tries += 1
             try:
-                resp = await self._http.request(req.method, req.path, json=req.json,
-                                                params=req.params)
+                if self._gate is None:
+                    resp = await self._http.request(req.method, req.path, json=req.json,
+                                                    params=req.params)
+                else:
+                    async with self._gate:
+                        resp = await self._http.request(req.method, req.path, json=req.json,
+                                                        params=req.params)
             except httpx.TransportError as e:
                 last = e
             else:

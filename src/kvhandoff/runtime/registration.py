@@ -8,7 +8,8 @@ A decode agent's route lookups all run on ONE thread, `RouteLookups`: an asyncio
 HTTP client per bootstrap server, every open lookup a task on it. A thousand rooms opening at
 once are a thousand tasks, not a thousand threads, and a lookup that waits (the room's prefill
 has not registered yet; the client retries until its total wait) holds back no other one.
-At most `LOOKUPS_IN_FLIGHT` of them are on the wire at once; the others wait their turn.
+At most `LOOKUPS_IN_FLIGHT` requests are on the wire at once (per request: a lookup between
+two tries holds no place).
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ class Registration:
 
 Resolved = Callable[[tuple[tuple[str, int], ...], "str | None"], None]
 
-#: lookups on the wire at once (the rest wait their turn on the lookup thread): the HTTP pool
-#: assigns its queued requests to connections in time that grows with their number, so a
+#: lookup requests on the wire at once (the rest wait their turn on the lookup thread): the
+#: HTTP pool assigns its queued requests to connections in time that grows with their number, so a
 #: thousand rooms opened at once each waiting at the server (retrying) kept the lookup thread
 #: busy in the pool, and closing the agent waited out its 5 s bound
 LOOKUPS_IN_FLIGHT = 64
@@ -188,13 +189,10 @@ class RouteLookups:
             return self._loop
 
     async def _lookup(self, room: int, bootstrap_addr: str, done: Resolved) -> None:
-        if self._inflight is None:  # (lookup thread) made on the loop it is used on
-            self._inflight = asyncio.Semaphore(LOOKUPS_IN_FLIGHT)
         try:
-            async with self._inflight:
-                ranks = await self._client(bootstrap_addr).lookup_route(
-                    room=room, tp_rank=self._agent.tp_rank, tp_size=self._agent.tp_size,
-                    replicated=_replicated(self._agent))
+            ranks = await self._client(bootstrap_addr).lookup_route(
+                room=room, tp_rank=self._agent.tp_rank, tp_size=self._agent.tp_size,
+                replicated=_replicated(self._agent))
             sources = _sources(ranks, room, bootstrap_addr)
         except KVHandoffError as e:
             done((), str(e))
@@ -214,8 +212,16 @@ class RouteLookups:
             c = self._clients[bootstrap_addr] = AsyncBootstrapClient(
                 url, token=token.get_secret_value() if token else None,
                 total_wait_s=self._agent.settings.bootstrap_timeout_s,
-                transport=self._http_transport())
+                transport=self._http_transport(), gate=self._gate())
         return c
+
+    def _gate(self) -> asyncio.Semaphore:
+        """(lookup thread) Bounds the requests on the wire at once, every client together;
+        held per request, not across a lookup's retries: a lookup waiting at the server for
+        its room holds back no other one between its tries."""
+        if self._inflight is None:  # made on the loop it is used on
+            self._inflight = asyncio.Semaphore(LOOKUPS_IN_FLIGHT)
+        return self._inflight
 
     def _http_transport(self) -> Any:
         """(lookup thread) The HTTP transport every client here shares (its pool keys
