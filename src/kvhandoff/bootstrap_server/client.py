@@ -34,6 +34,7 @@ method, the URL and the server's detail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -378,13 +379,9 @@ class AsyncBootstrapClient(_Base):
         while True:
             tries += 1
             try:
-                if self._gate is None:
+                async with self._gate or contextlib.nullcontext():
                     resp = await self._http.request(req.method, req.path, json=req.json,
                                                     params=req.params)
-                else:
-                    async with self._gate:
-                        resp = await self._http.request(req.method, req.path, json=req.json,
-                                                        params=req.params)
             except httpx.TransportError as e:
                 last = e
             else:
