@@ -14,7 +14,12 @@ once per heartbeat to say Hello again.
 With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
 `wire`'s module doc): nothing a sender says is acted on before it is authenticated.
 - A Hello whose MAC does not verify changes nothing here (no record, no generation change);
-  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat).
+  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat). So is one
+  the control loop refused undecoded (its seal did not open, `wire.open_hello`, or it came
+  unsealed to an agent with a secret, or sealed to one without: `on_refused`), answered from
+  its clear envelope; that HelloReject goes unsealed (the sender may hold no key, or
+  another). Without a secret, an unsealed HelloReject that echoes nothing and names BAD_HMAC
+  fails the attempt under way (an agent with a secret refused our Hello undecoded).
 - A HelloAck is taken only when it echoes the nonce of the Hello we have out (a replayed one
   does not); a HelloReject likewise. A HelloReject whose MAC verifies rejects the peer for
   REJECTED_KEEP_S; one that does not (the peer's secret differs, or whoever saw our Hello made
