@@ -71,6 +71,12 @@ def signed_hello(e: Engine, to: Engine, *, generation: int) -> P.Hello:
     return P.sign_hello(msg, SECRET.encode(), recipient=to.address)
 
 
+def sealed(msg: P.Hello, to: Engine) -> list[bytes]:
+    """`msg` sealed for `to` under the secret's handshake key, as an agent sends it."""
+    return P.seal_hello(msg, key=P.hello_key(SECRET.encode()), recipient=to.address,
+                        iv=secrets.token_bytes(12))
+
+
 def test_unsigned_hello_in_the_name_of_the_decode_fails_no_room() -> None:
     """Before: the prefill took the generation change as the decode's restart before it
     checked the MAC, and failed every room with it."""
@@ -80,6 +86,7 @@ def test_unsigned_hello_in_the_name_of_the_decode_fails_no_room() -> None:
             forged = msgspec.structs.replace(signed_hello(d, p, generation=gen(d) + 2),
                                              mac=b"\0" * 32)
             pr.send(P.encode(forged))
+            pr.send(sealed(forged, p))  # sealed by a holder of the secret, MAC made up
             pr.barrier("prefill")
         assert counter(p, "peers_lost") == 0
         finish(p, d, r, s, rv, 2)
@@ -92,7 +99,7 @@ def test_replayed_hello_of_an_earlier_generation_fails_no_room() -> None:
         r, s, rv = in_flight(p, d)
         with Prober(p.address) as pr:
             for g in (gen(d) + 2, gen(d)):  # an earlier generation, then this one
-                pr.send(P.encode(signed_hello(d, p, generation=g)))
+                pr.send(sealed(signed_hello(d, p, generation=g), p))
             pr.barrier("prefill")
         assert counter(p, "peers_lost") == 0
         finish(p, d, r, s, rv, 2)

@@ -220,12 +220,16 @@ def test_a_replayed_hello_does_not_replace_a_restarted_decodes_handshake() -> No
             # the Hello the decode said, byte for byte (what a wire tap captured)
             nonce = d.agent._loop.session.peers._keys[p.address].nonce  # held: read here
             hello = d.agent._loop.session.me.hello(P.Hello, p.address, nonce=nonce)
+            # sealed for the prefill as the decode seals it (a fresh GCM nonce: what the
+            # prefill opens is the same Hello)
+            hello_frames = P.seal_hello(hello, key=P.hello_key(SECRET.encode()),
+                                        recipient=p.address, iv=secrets.token_bytes(12))
             # the prefill answered it and waits for a sealed message to confirm it
             assert wait_until(lambda: bool(p.agent._loop.query(
                 lambda ses: getattr(ses.peers._keys.get(d.address), "pending", None))), WAIT_S)
             replayed0 = counters(p)["replayed_messages"]
             with Prober(p.address) as pr:
-                pr.send(P.encode(hello))
+                pr.send(hello_frames)
                 pr.barrier("prefill")  # the replay was read
             assert counters(p)["replayed_messages"] - replayed0 == 1
             release.set()
@@ -253,9 +257,12 @@ def test_a_hello_said_to_one_agent_does_not_verify_at_another() -> None:
             assert d.agent._loop.session.me.verifies(hello) is False  # not said to d
             before = counters(other)["unauthenticated_messages"]
             with Prober(other.address) as pr:
-                pr.send(P.encode(hello))
-                pr.barrier("prefill")  # itself unsigned: one more refused
-            assert counters(other)["unauthenticated_messages"] - before == 2
+                # as captured on the wire: sealed for p (its seal names p as recipient too)
+                pr.send(P.seal_hello(hello, key=P.hello_key(SECRET.encode()),
+                                     recipient=p.address, iv=secrets.token_bytes(12)))
+                pr.send(P.encode(hello))  # and its body alone, unsealed
+                pr.barrier("prefill")  # itself unsealed: one more refused
+            assert counters(other)["unauthenticated_messages"] - before == 3
             assert d.address not in [x["addr"] for x in other.agent.status()["peers"]]
             r = secrets.randbits(63)  # the session it was meant for is untouched
             handoff(p, d, r, 40)

@@ -221,3 +221,113 @@ def test_a_flood_refused_before_decoding_does_not_hide_a_dead_peer() -> None:
             for t in floods:
                 t.join(WAIT_S)
         s.abort("test over")
+
+
+def _spy_decoder(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every body the agents of this process hand the msgpack decoder from now on
+    (`wire.decode_body`, which the control loop calls through the module)."""
+    from kvhandoff.protocol import wire as P
+
+    seen: list[bytes] = []
+    real = P.decode_body
+
+    def spy(body: memoryview | bytes) -> P.Message:
+        seen.append(bytes(body))
+        return real(body)
+
+    monkeypatch.setattr(P, "decode_body", spy)
+    return seen
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_a_hello_whose_seal_does_not_open_is_refused_undecoded(
+        secret: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sealed Hellos a stranger can build (sealed under another secret, or by a holder of the
+    secret for another agent, or garbage in place of the ciphertext) are refused before their
+    bodies reach the msgpack decoder: not counted as malformed, counted as not authenticated,
+    and answered (unsealed, naming the reason) from the clear envelope alone, echoing its
+    nonce. Without a secret the agent can open none: refused alike. Before: a Hello's MAC
+    covered its decoded form, so every Hello was decoded before it was authenticated (and a
+    sealed one was no kvhandoff frame at all)."""
+    from relkit import Prober
+
+    from kvhandoff.protocol import wire as P
+    from kvhandoff.protocol.peers import BAD_HMAC
+
+    with engine_pair(settings=fast_settings(hmac_secret=secret), num_pages=8) as (p, d):
+        handoff(p, d, secrets.randbits(63), 40)
+        c0 = counters(p)
+        seen = _spy_decoder(monkeypatch)
+        with Prober(p.address) as pr:
+            hello = P.Hello(src=pr.address, gen=pr.gen, agent_id="stranger", role="decode",
+                            transport="tcp", transport_address=b"x", layout={},
+                            layout_hash="", buffers=[], nonce=secrets.token_bytes(16))
+            frames = [
+                # a key the prefill does not hold
+                P.seal_hello(hello, key=P.hello_key(b"not-the-secret"), recipient=p.address,
+                             iv=os.urandom(12)),
+                # the right key, said to another agent (a capture replayed here)
+                P.seal_hello(hello, key=P.hello_key((secret or "x").encode()),
+                             recipient=d.address, iv=os.urandom(12)),
+            ]
+            good = P.seal_hello(hello, key=P.hello_key(b"k"), recipient=p.address,
+                                iv=os.urandom(12))
+            env_len = len(good[1]) - len(P.encode(hello)[1]) - 16
+            # a ciphertext that is an (unencrypted) msgpack bomb, 512 KiB of nested arrays
+            frames.append([good[0], good[1][:env_len] + b"\x91" * (512 << 10) + b"\xc0"])
+            for f in frames:
+                pr.send(f)
+            answers = [pr.recv(WAIT_S) for _ in frames]
+        assert all(isinstance(a, P.HelloReject) and a.reason == BAD_HMAC
+                   and a.echo == hello.nonce for a in answers), answers
+        c = counters(p)
+        assert c["unauthenticated_messages"] - c0["unauthenticated_messages"] == len(frames), c
+        assert c["rejected_messages"] == c0["rejected_messages"], c  # none decoded
+        bodies = {bytes(f[1][env_len:]) for f in frames}
+        assert not bodies & set(seen), "a body whose seal did not open was decoded"
+        r = secrets.randbits(63)
+        handoff(p, d, r, 40)  # the session between the two goes on (its Hellos opened)
+        assert d.bad_bytes(r, 40) == 0
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_a_sealed_hello_shows_no_remote_key_or_worker_address(secret: str | None) -> None:
+    """A decode offering one-sided writes (shm: its buffers' descriptors, what a NIC's remote
+    key is to RDMA) says Hello to a peer on the wire (a prober): with a secret, neither a
+    descriptor nor its transport address nor its layout is in the frame's bytes, and the frame
+    opens, under the secret's handshake key for that recipient only, to a Hello that carries
+    them. Without a secret (loopback only) they are in the clear, as before. Before: the
+    Hello went in the clear whatever the secret."""
+    from relkit import Prober, mini_glm
+
+    from kvhandoff.protocol import wire as P
+
+    st = fast_settings(hmac_secret=secret, transport="shm", one_sided_writes=True)
+    d = Engine("decode", mini_glm(), 8, st)
+    try:
+        with Prober(d.address) as pr:
+            d.recv(secrets.randbits(63), 40, pr.address)
+            assert pr.router.poll(int(WAIT_S * 1000))
+            frames = pr.router.recv_multipart()[1:]
+        me = d.agent._loop.session.me
+        descriptors = [b.descriptor for b in me.buffers if b.descriptor]
+        assert descriptors and me.transport_address  # what must not show
+        secret_parts = [*descriptors, me.transport_address, me.layout_hash.encode()]
+        raw = b"".join(frames)
+        if secret is None:
+            assert frames[0] == P.HEADER
+            assert all(x in raw for x in secret_parts)
+            return
+        assert frames[0] == P.HELLO_SEALED_HEADER
+        assert not [x for x in secret_parts if x in raw], "sent in the clear"
+        opened = P.open_frames(frames, max_bytes=1 << 24)
+        key = P.hello_key(secret.encode())
+        assert P.open_hello(opened, key=key, recipient=d.address) is None  # not said to d
+        body = P.open_hello(opened, key=key, recipient=pr.address)
+        assert body is not None
+        hello = P.decode_body(body)
+        assert isinstance(hello, P.Hello)
+        assert [b.descriptor for b in hello.buffers if b.descriptor] == descriptors
+        assert hello.transport_address == me.transport_address
+    finally:
+        d.close()

@@ -92,12 +92,19 @@ def test_agents_with_different_secrets_cannot_handshake(prefill_secret: str | No
         p.assert_no_leak()
 
 
-def test_same_secret_hands_off() -> None:
-    st = fast_settings(hmac_secret="shared-s3cret")
+@pytest.mark.parametrize("transport", [None, "ucx"])
+def test_same_secret_hands_off(transport: str | None) -> None:
+    """(ucx: its two-sided tags keyed by the session, on both sides alike)"""
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
+    kw = {"transport": transport, "one_sided_writes": False} if transport else {}
+    st = fast_settings(hmac_secret="shared-s3cret", **kw)
     with engine_pair(settings=st, num_pages=8) as (p, d):
         r = room()
         handoff(p, d, r, SEQ)
         assert d.bad_bytes(r, SEQ) == 0
+        if transport == "ucx":  # the data plane is bound to the session: keyed tags
+            assert p.address in d.agent._loop.transport._tag_keys  # type: ignore[attr-defined]
 
 
 def test_process_without_the_secret_can_neither_join_nor_abort_a_room() -> None:

@@ -29,6 +29,20 @@ class MessageReceived(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class HelloRefused(Event):
+    """A handshake frame (Hello, HelloAck or HelloReject) refused before its body was decoded:
+    with a shared secret, one that came unsealed (a Hello or HelloAck) or whose seal did not
+    open (`wire.open_hello`); without one, a sealed one (this agent holds no key). What is
+    known of it is what its clear envelope says (`wire.Envelope`; an unsealed frame's: its
+    kind and sender only)."""
+
+    kind: str  # "hello", "hello_ack" or "hello_reject"
+    src: str  # the address it names (not authenticated)
+    nonce: bytes = b""  # its handshake nonce (a refusal echoes it)
+    echo: bytes = b""  # the nonce it echoes
+
+
+@dataclass(frozen=True, slots=True)
 class OpenSender(Event):
     """Prefill engine opened `room`: its page table (per region), length, decode ranks."""
 

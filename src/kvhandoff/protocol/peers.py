@@ -14,7 +14,12 @@ once per heartbeat to say Hello again.
 With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
 `wire`'s module doc): nothing a sender says is acted on before it is authenticated.
 - A Hello whose MAC does not verify changes nothing here (no record, no generation change);
-  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat).
+  it is answered with a HelloReject (at most REFUSALS_PER_HEARTBEAT per heartbeat). So is one
+  the control loop refused undecoded (its seal did not open, `wire.open_hello`, or it came
+  unsealed to an agent with a secret, or sealed to one without: `on_refused`), answered from
+  its clear envelope; that HelloReject goes unsealed (the sender may hold no key, or
+  another). Without a secret, an unsealed HelloReject that echoes nothing and names BAD_HMAC
+  fails the attempt under way (an agent with a secret refused our Hello undecoded).
 - A HelloAck is taken only when it echoes the nonce of the Hello we have out (a replayed one
   does not); a HelloReject likewise. A HelloReject whose MAC verifies rejects the peer for
   REJECTED_KEEP_S; one that does not (the peer's secret differs, or whoever saw our Hello made
@@ -191,15 +196,20 @@ class PeerTable:
 
     def screen(self, opened: P.Opened) -> bool:
         """(with a shared secret) Whether a frame set opened but not decoded
-        (`wire.open_frames`) may be decoded: a Hello, HelloAck or HelloReject (each carries a
-        MAC of its own, checked once decoded), or a message whose seal verifies under a key
-        `admit` would try for its sender and generation. Checked over the raw bytes, so a
-        frame that proves nothing costs one MAC pass at most, never a decode. What is refused
+        (`wire.open_frames`) may be decoded: an unsealed HelloReject of at most
+        `wire.UNSEALED_REJECT_MAX_BYTES` (its MAC is checked once decoded), or a message whose
+        seal verifies under a key `admit` would try for its sender and generation (a sealed
+        handshake message is opened by the control loop, `wire.open_hello`, before this).
+        Checked over the raw bytes, so a frame that proves nothing costs one MAC pass at
+        most, never a decode. What is refused
         here is counted as the session counts a message `admit` refuses (in, stale,
         unauthenticated: the control loop's "read a batch none of which was taken" depends on
         it); nothing else changes (`admit` takes the seal)."""
-        if opened.kind in P.UNSEALED_KINDS and opened.seal is None:
-            return True
+        if opened.kind == "hello_reject" and opened.seal is None and opened.hello is None:
+            # the refusal of a handshake that did not authenticate comes unsealed (its sender
+            # may hold no key, or another): decoded when small, checked once decoded
+            if len(opened.body) <= P.UNSEALED_REJECT_MAX_BYTES:
+                return True
         s = opened.seal
         if s is not None:
             me = self.ctx.me.address
@@ -294,21 +304,8 @@ class PeerTable:
         secret = me.hmac_secret
         k = self._keys.get(msg.src)
         if secret and not me.verifies(msg):
-            ctx.counters["unauthenticated_messages"] += 1
-            p = self._peers.get(msg.src)
-            if (isinstance(msg, P.HelloAck) and p is not None and k is not None and k.nonce
-                    and msg.echo == k.nonce and p.waiting):
-                # the answer to our Hello from a peer keyed otherwise: this attempt failed
-                k.nonce = b""
-                p.state.attempt_failed()
-                self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
-            start, sent = self._refusals
-            if ctx.now - start > ctx.hb:
-                start, sent = ctx.now, 0
-            if sent < REFUSALS_PER_HEARTBEAT:
-                self._reject(msg.src, BAD_HMAC, echo=msg.nonce)
-                sent += 1
-            self._refusals = (start, sent)
+            self.on_refused("hello_ack" if isinstance(msg, P.HelloAck) else "hello", msg.src,
+                            nonce=msg.nonce, echo=msg.echo)
             return
         if isinstance(msg, P.HelloAck):
             if secret and (k is None or not k.nonce or msg.echo != k.nonce):
@@ -341,6 +338,33 @@ class PeerTable:
             ctx.send(msg.src, me.hello(P.HelloAck, msg.src, nonce=nonce, echo=msg.nonce))
             return
         self._accept(msg, key, nonce)
+
+    def on_refused(self, kind: str, src: str, *, nonce: bytes = b"", echo: bytes = b"") -> None:
+        """A handshake message that did not authenticate: its MAC did not verify, or (the
+        frame never decoded, `ev.HelloRefused`) it came unsealed to an agent with a secret,
+        its seal did not open, or it came sealed to one without. Nothing here changes but the
+        attempt it answers: a HelloAck or HelloReject that echoes the nonce of our Hello out
+        fails the rooms waiting on it (a peer keyed otherwise), naming the reason. A Hello or
+        HelloAck is answered (unsealed: the sender may hold no key, or another) with a
+        HelloReject echoing its nonce, at most REFUSALS_PER_HEARTBEAT per heartbeat."""
+        ctx = self.ctx
+        ctx.counters["unauthenticated_messages"] += 1
+        k, p = self._keys.get(src), self._peers.get(src)
+        if (kind != "hello" and p is not None and k is not None and k.nonce
+                and echo == k.nonce and p.waiting):
+            # the answer to our Hello from a peer keyed otherwise: this attempt failed
+            k.nonce = b""
+            p.state.attempt_failed()
+            self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
+        if kind == "hello_reject":
+            return  # a refusal is never answered
+        start, sent = self._refusals
+        if ctx.now - start > ctx.hb:
+            start, sent = ctx.now, 0
+        if sent < REFUSALS_PER_HEARTBEAT:
+            self._reject(src, BAD_HMAC, echo=nonce)
+            sent += 1
+        self._refusals = (start, sent)
 
     def _accept(self, msg: P.Hello, key: bytes | None, nonce: bytes, *,
                 acked: bool = False) -> None:
@@ -381,13 +405,22 @@ class PeerTable:
         waiting on this attempt."""
         ctx = self.ctx
         k, p = self._keys.get(msg.src), self._peers.get(msg.src)
+        secret = ctx.me.hmac_secret
+        if (not secret and not msg.echo and msg.reason == BAD_HMAC and p is not None
+                and k is not None and k.nonce and p.waiting):
+            # an agent with a secret refusing our unsealed Hello without decoding it (so it
+            # cannot echo its nonce): this attempt failed, naming why; nothing more
+            k.nonce = b""
+            p.last_seen = ctx.now
+            p.state.attempt_failed()
+            self.fail_waiting(p, LayoutsDiffered(diff=(BAD_HMAC,)))
+            return
         if p is None or k is None or not k.nonce or msg.echo != k.nonce:
             ctx.counters["stale_messages"] += 1
             return
         k.nonce = b""
         p.last_seen = ctx.now
         lm = LayoutsDiffered(diff=tuple(msg.diff or [msg.reason]))
-        secret = ctx.me.hmac_secret
         if secret and not P.verify_hello_reject(msg, secret):
             ctx.counters["unauthenticated_messages"] += 1
             p.state.attempt_failed()

@@ -104,6 +104,7 @@ class TransferSession:
         self._woke_at = -1.0  # the _heartbeat_at of the silence _woke was last told of
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.MessageReceived: self._on_message, ev.OpenSender: self._on_open_sender,
+            ev.HelloRefused: self._on_hello_refused,
             ev.OpenReceiver: self._on_open_receiver, ev.PeersResolved: self._on_resolved,
             ev.LayerReady: self._on_layer_ready, ev.ReceiverInit: self._on_receiver_init,
             ev.AbortRoom: self._on_abort, ev.OpDone: self._on_op_done,
@@ -435,6 +436,10 @@ class TransferSession:
                                          f"aborted by {self.role.value}: {reason}"))
 
     # ------------------------------------------------------------------ message handling
+
+    def _on_hello_refused(self, e: ev.HelloRefused) -> None:
+        self.ctx.counters["messages_in"] += 1
+        self.peers.on_refused(e.kind, e.src, nonce=e.nonce, echo=e.echo)
 
     def _on_message(self, e: ev.MessageReceived) -> None:
         msg = e.msg

@@ -26,6 +26,16 @@ Rules:
   the recipient's address, the sequence number and the body. The receiver refuses a seal that
   does not verify, and a sequence number not above the last one it took (replays, reordering).
   Sender and generation are in the body (`src`, `gen`) and must match the session's.
+- With a shared secret the handshake messages (Hello, HelloAck, HelloReject) also travel
+  *sealed over their bytes* (`seal_hello`): header ``b"KVE" + version``, then a clear envelope
+  (the kind, the sender's address and generation, the handshake nonce and echo: what a refusal
+  needs to answer, nothing else), a 12-byte random GCM nonce and the message's msgpack body
+  encrypted with AES-256-GCM under `hello_key` (HKDF of the secret with its own label), the
+  envelope and the recipient's address as associated data. `open_hello` checks the tag before
+  anything is decoded, so a stranger's handshake frame costs one GCM pass and never a decode,
+  and the body (layout, transport address, buffer descriptors: RDMA remote keys, UCX/NIXL
+  worker addresses) is readable by holders of the secret only. The MAC inside (`sign_hello`)
+  stays: the session authenticates what it is handed, however it came.
 - Rooms are 63-bit ids chosen by the bootstrap server / router; data tags use a small per-decode
   `xfer` id instead (see `data_tag`), because transport tags are limited to 40 bits.
 """
@@ -37,6 +47,8 @@ import hmac
 from typing import Annotated
 
 import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from msgspec import Meta
 
 from kvhandoff.errors import ProtocolError
@@ -44,6 +56,7 @@ from kvhandoff.errors import ProtocolError
 PROTOCOL_VERSION = 1
 HEADER = b"KVH" + bytes([PROTOCOL_VERSION])
 SEALED_HEADER = b"KVA" + bytes([PROTOCOL_VERSION])  # body + seq + HMAC (see `seal`)
+HELLO_SEALED_HEADER = b"KVE" + bytes([PROTOCOL_VERSION])  # a sealed handshake (`seal_hello`)
 NONCE_BYTES = 16
 _SEQ = 8
 _MAC = 32
@@ -346,16 +359,30 @@ def decode_sealed(frames: list[bytes], *, max_bytes: int) -> tuple[Message, Seal
     return decode_body(body), seal
 
 
+class Envelope(msgspec.Struct, frozen=True):
+    """The clear part of a sealed handshake frame (`seal_hello`): its handshake `nonce` and
+    `echo` (what a refusal echoes), the GCM nonce `iv` and the associated data `aad` (header
+    and envelope; the recipient's address is appended when it is opened)."""
+
+    nonce: bytes
+    echo: bytes
+    iv: bytes
+    aad: bytes
+
+
 class Opened(msgspec.Struct, frozen=True):
     """A frame set whose header, size and seal were checked and split (`open_frames`), its
     body not decoded: `kind`, `src` and `gen` are read from the body's first three fields
-    (`peek`), which is all a receiver needs to choose the key a seal must verify under."""
+    (`peek`), which is all a receiver needs to choose the key a seal must verify under. A
+    sealed handshake frame (`hello` set) has them from its clear envelope and its `body` is
+    the ciphertext: `open_hello` gives the body to decode."""
 
     body: memoryview
     seal: Seal | None
     kind: str
     src: str
     gen: int
+    hello: Envelope | None = None
 
 
 def open_frames(frames: list[bytes], *, max_bytes: int) -> Opened:
@@ -363,6 +390,8 @@ def open_frames(frames: list[bytes], *, max_bytes: int) -> Opened:
     `max_bytes`, a seal where the header says so) and split, without decoding the body: its
     cost does not grow with what the body holds (one copy of the signed bytes of a sealed
     frame, for its MAC). `ProtocolError` for anything else."""
+    if len(frames) == 2 and bytes(frames[0]) == HELLO_SEALED_HEADER:
+        return _open_envelope(memoryview(frames[1]))
     body, seal = _split(frames, max_bytes=max_bytes)
     kind, src, gen = peek(body)
     if seal is None and kind in UNSEALED_KINDS and len(body) > HELLO_MAX_BYTES:
@@ -378,6 +407,8 @@ def _split(frames: list[bytes], *, max_bytes: int) -> tuple[memoryview, Seal | N
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames (header, body), got {len(frames)}")
     header, body = bytes(frames[0]), memoryview(frames[1])
+    if header == HELLO_SEALED_HEADER:
+        raise ProtocolError("a sealed handshake message: `open_frames` then `open_hello` it")
     sealed = header == SEALED_HEADER
     if len(header) != 4 or header[:3] not in (b"KVH", b"KVA"):
         raise ProtocolError(f"not a kvhandoff message (header {header[:8]!r})")
@@ -490,6 +521,10 @@ UNSEALED_KINDS = frozenset({"hello", "hello_ack", "hello_reject"})
 #: about 7 KB for DeepSeek-V3.2's 122 buffers (layout, buffer list, transport address), so
 #: 1 MiB leaves room for any layout and a transport's metadata
 HELLO_MAX_BYTES = 1 << 20
+#: with a shared secret, the largest unsealed HelloReject decoded (the refusal of a handshake
+#: that did not authenticate, `BAD_HMAC`, is about 120 bytes): anything larger is refused
+#: undecoded
+UNSEALED_REJECT_MAX_BYTES = 4096
 
 
 def _hello_body(msg: Hello) -> bytes:
@@ -579,3 +614,112 @@ def verify_seal(s: Seal, *, key: bytes, recipient: str) -> bool:
     """Whether seal `s` verifies under `key` for `recipient` (this agent's control address);
     constant-time compare."""
     return hmac.compare_digest(_seal_mac(key, recipient, s.signed), s.mac)
+
+
+# ---------------------------------------------------------------- sealed handshake messages
+
+_HELLO_KINDS = {"hello": 1, "hello_ack": 2, "hello_reject": 3}
+_HELLO_KIND_NAMES = {v: k for k, v in _HELLO_KINDS.items()}
+_IV = 12  # the GCM nonce
+_TAG = 16  # the GCM tag
+_ENVELOPE_NONCE_MAX = 64  # a handshake nonce / echo longer than this is no message of ours
+#: what a sealed handshake frame adds to its body at most (envelope, GCM nonce and tag)
+HELLO_SEAL_BYTES = 1 + 8 + 2 + _PEEK_STR_MAX + 2 * (1 + _ENVELOPE_NONCE_MAX) + _IV + _TAG
+
+
+def hello_key(secret: bytes) -> bytes:
+    """The AES-256-GCM key of sealed handshake messages (`seal_hello`): HKDF-SHA256 of the
+    shared secret under a label of its own (no other key of kvhandoff is derived with it)."""
+    return hkdf_sha256(secret, salt=b"", info=b"kvhandoff hello aead 1")
+
+
+def seal_hello(msg: Hello | HelloReject, *, key: bytes, recipient: str,
+               iv: bytes) -> list[bytes]:
+    """The two frames of handshake message `msg` sealed for `recipient` (its control address)
+    under `key` (`hello_key`) with GCM nonce `iv` (12 bytes, fresh random per message): the
+    clear envelope (kind, src, gen, nonce, echo), `iv`, then the message's body encrypted, the
+    header, envelope and recipient authenticated with it."""
+    if len(iv) != _IV:
+        raise ValueError(f"iv must be {_IV} bytes, got {len(iv)}")
+    src = msg.src.encode()
+    nonce = msg.nonce if isinstance(msg, Hello) else b""
+    echo = msg.echo
+    if len(src) > _PEEK_STR_MAX or max(len(nonce), len(echo)) > _ENVELOPE_NONCE_MAX:
+        raise ValueError("a handshake message's address or nonce is too long to seal")
+    env = (bytes([_HELLO_KINDS[_kind_of(msg)]])
+           + msg.gen.to_bytes(8, "big", signed=True) + len(src).to_bytes(2, "big") + src
+           + bytes([len(nonce)]) + nonce + bytes([len(echo)]) + echo + iv)
+    aad = HELLO_SEALED_HEADER + env + b"\0" + recipient.encode()
+    return [HELLO_SEALED_HEADER, env + AESGCM(key).encrypt(iv, _ENCODER.encode(msg), aad)]
+
+
+def _kind_of(msg: Hello | HelloReject) -> str:
+    return "hello_reject" if isinstance(msg, HelloReject) else (
+        "hello_ack" if isinstance(msg, HelloAck) else "hello")
+
+
+def _open_envelope(body: memoryview) -> Opened:
+    """A sealed handshake frame's clear envelope read (bounded by its own lengths), its
+    ciphertext left as it is."""
+    b = bytes(body[:HELLO_SEAL_BYTES])
+    i = 0
+
+    def take(n: int) -> bytes:
+        nonlocal i
+        if i + n > len(b):
+            raise ProtocolError("malformed sealed handshake: truncated envelope")
+        out, i = b[i:i + n], i + n
+        return out
+
+    kind = _HELLO_KIND_NAMES.get(take(1)[0])
+    if kind is None:
+        raise ProtocolError("malformed sealed handshake: unknown kind")
+    gen = int.from_bytes(take(8), "big", signed=True)
+    n = int.from_bytes(take(2), "big")
+    if n > _PEEK_STR_MAX:
+        raise ProtocolError(f"malformed sealed handshake: a sender of {n} bytes")
+    try:
+        src = take(n).decode()
+    except UnicodeDecodeError as e:
+        raise ProtocolError("malformed sealed handshake: its sender is not utf-8") from e
+    nonce = take(take(1)[0])
+    echo = take(take(1)[0])
+    iv = take(_IV)
+    ct = body[i:]
+    if len(ct) < _TAG:
+        raise ProtocolError("malformed sealed handshake: shorter than its tag")
+    if len(ct) - _TAG > HELLO_MAX_BYTES:
+        # an honest one is a few KB; what a stranger makes an agent decrypt is bounded too
+        raise ProtocolError(f"{kind} of {len(ct) - _TAG} bytes exceeds a handshake message's "
+                            f"bound of {HELLO_MAX_BYTES}")
+    return Opened(body=ct, seal=None, kind=kind, src=src, gen=gen,
+                  hello=Envelope(nonce=nonce, echo=echo, iv=iv,
+                                 aad=HELLO_SEALED_HEADER + b[:i] + b"\0"))
+
+
+def open_hello(opened: Opened, *, key: bytes, recipient: str) -> bytes | None:
+    """The body of sealed handshake frame `opened` (`open_frames`) when its GCM tag verifies
+    under `key` (`hello_key`) for `recipient` (this agent's control address) and the body's
+    own kind, sender and generation are the envelope's; None otherwise. Nothing of the body
+    is decoded before the tag is checked (the `peek` after it reads three fields)."""
+    env = opened.hello
+    if env is None:
+        raise ValueError("open_hello: not a sealed handshake frame")
+    try:
+        body: bytes = AESGCM(key).decrypt(env.iv, opened.body, env.aad + recipient.encode())
+    except InvalidTag:
+        return None
+    try:
+        if peek(body) != (opened.kind, opened.src, opened.gen):
+            return None
+    except ProtocolError:
+        return None
+    return body
+
+
+def envelope_matches(msg: Message, env: Envelope) -> bool:
+    """Whether a sealed handshake message decoded says the nonce and echo its envelope said
+    (a refusal answers the envelope's)."""
+    if isinstance(msg, Hello):
+        return msg.nonce == env.nonce and msg.echo == env.echo
+    return isinstance(msg, HelloReject) and msg.echo == env.echo and not env.nonce

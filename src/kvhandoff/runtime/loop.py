@@ -43,11 +43,12 @@ import numpy as np
 import zmq
 
 from kvhandoff.buffers.bufferset import view_memory
-from kvhandoff.errors import ConfigError
+from kvhandoff.errors import ConfigError, ProtocolError
 from kvhandoff.netaddr import join_host_port, zmq_endpoint, zmq_ipv6
 from kvhandoff.protocol import events as ev
 from kvhandoff.protocol import wire as P
 from kvhandoff.protocol.effects import Release, RoomUpdate
+from kvhandoff.protocol.peers import BAD_HMAC
 from kvhandoff.protocol.session import TransferSession
 from kvhandoff.runtime.calls import ThreadPeerCalls
 from kvhandoff.runtime.executor import Executor, Parts, log_effect
@@ -105,6 +106,10 @@ class ControlLoop:
         self._calls = ThreadPeerCalls(post=self.post, wake=self._wake_if_asleep)
         self.counters = {"messages_out": 0, "messages_out_local": 0, "rejected_messages": 0,
                          "loop_errors": 0}
+        secret = settings.hmac_secret
+        #: with a shared secret, the key handshake messages are sealed under (`wire.seal_hello`)
+        self._hello_key = (P.hello_key(secret.get_secret_value().encode())
+                           if secret else None)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -251,6 +256,11 @@ class ControlLoop:
 
     def _frames(self, addr: str, msg: P.Message) -> list[bytes]:
         assert self.session is not None
+        if (self._hello_key is not None and isinstance(msg, P.Hello | P.HelloReject)
+                and not (isinstance(msg, P.HelloReject) and msg.reason == BAD_HMAC)):
+            # a handshake message sealed over its bytes for `addr` (the refusal of one that
+            # did not authenticate goes as it is: its sender may hold no key, or another)
+            return P.seal_hello(msg, key=self._hello_key, recipient=addr, iv=os.urandom(12))
         return self.session.peers.frames(addr, msg)
 
     def _known(self, addr: str) -> bool:
@@ -386,18 +396,37 @@ class ControlLoop:
         puts in a frame ends the loop: a frame that does not decode is counted in
         ``rejected_messages`` and logged at a bounded rate (a flood must not fill the log)."""
         assert self.session is not None
+        refused: ev.HelloRefused | None = None
         try:
             # header, size and seal first; with a secret the seal is checked over the raw
-            # bytes before anything is decoded (a stranger's frame costs a MAC pass at most)
+            # bytes before anything is decoded (a stranger's frame costs a MAC or GCM pass at
+            # most, never a decode)
             opened = P.open_frames(frames, max_bytes=self.settings.max_message_bytes)
-            if self.settings.hmac_secret and not self.session.peers.screen(opened):
+            env, key = opened.hello, self._hello_key
+            if env is not None:  # a sealed handshake message
+                body = (None if key is None else
+                        P.open_hello(opened, key=key, recipient=self.session.me.address))
+                if body is None:
+                    refused = ev.HelloRefused(opened.kind, opened.src, env.nonce, env.echo)
+                else:
+                    msg, seal = P.decode_body(body), None
+                    if not P.envelope_matches(msg, env):
+                        raise ProtocolError(f"{opened.kind}: its nonces differ from its "
+                                            "envelope's")
+            elif (key is not None and opened.seal is None
+                  and opened.kind in P.UNSEALED_KINDS and opened.kind != "hello_reject"):
+                # a Hello or HelloAck that came unsealed: refused undecoded (only a refusal
+                # of ours, a small HelloReject, comes unsealed: `screen`)
+                refused = ev.HelloRefused(opened.kind, opened.src)
+            elif key is not None and not self.session.peers.screen(opened):
                 return  # counted by the session (unauthenticated_messages)
-            msg, seal = P.decode_body(opened.body), opened.seal
+            else:
+                msg, seal = P.decode_body(opened.body), opened.seal
         except Exception as e:  # noqa: BLE001 - ProtocolError, or anything a decoder bug raises
             self.counters["rejected_messages"] += 1
             self._rejects_log.log(time.monotonic(), "rejected a control message: %s", e)
             return
-        self._feed(ev.MessageReceived(msg, seal))
+        self._feed(refused if refused is not None else ev.MessageReceived(msg, seal))
         self._drain_ahead()
         if self._queue:  # completions and engine events between messages
             self._drain_queue(batch_end)

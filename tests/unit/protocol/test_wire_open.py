@@ -49,3 +49,54 @@ def test_a_sealed_garbage_body_opens_and_fails_only_when_decoded() -> None:
     assert o.seal is not None and not P.verify_seal(o.seal, key=b"k" * 32, recipient="x")
     with pytest.raises(ProtocolError):
         P.decode_body(o.body)
+
+
+HELLOS: list[P.Hello | P.HelloReject] = [
+    P.Hello(src="127.0.0.1:5", gen=-3, agent_id="a", role="decode", transport="ucx",
+            transport_address=b"worker-address", layout={}, layout_hash="h",
+            buffers=[P.BufferDesc(region="kv", layer=0, nbytes=8, descriptor=b"rkey")],
+            nonce=b"n" * 16),
+    P.HelloAck(src="[::1]:9", gen=2**62 - 1, agent_id="b", role="prefill", transport="ucx",
+               transport_address=b"w", layout={}, layout_hash="h", buffers=[],
+               nonce=b"m" * 16, echo=b"n" * 16),
+    P.HelloReject(src="a:1", gen=1, reason="layout", diff=["x"], echo=b"e" * 16),
+]
+KEY = P.hello_key(b"secret")
+
+
+@pytest.mark.parametrize("msg", HELLOS, ids=lambda m: type(m).__name__)
+def test_a_sealed_handshake_opens_for_its_recipient_only(msg: P.Hello | P.HelloReject) -> None:
+    """`seal_hello` / `open_hello`: the envelope says kind, sender, generation and nonces;
+    the body opens under the handshake key for the recipient it was sealed for, to the
+    message; under another key or for another recipient it does not open."""
+    frames = P.seal_hello(msg, key=KEY, recipient="r:1", iv=bytes(12))
+    assert frames[0] == P.HELLO_SEALED_HEADER
+    o = P.open_frames(frames, max_bytes=1 << 20)
+    assert (o.kind, o.src, o.gen) == P.peek(P.encode(msg)[1]) and o.hello is not None
+    body = P.open_hello(o, key=KEY, recipient="r:1")
+    assert body is not None
+    back = P.decode_body(body)
+    assert back == msg and P.envelope_matches(back, o.hello)
+    assert P.open_hello(o, key=KEY, recipient="r:2") is None
+    assert P.open_hello(o, key=P.hello_key(b"other"), recipient="r:1") is None
+    assert P.hello_key(b"secret") != P.session_key(b"secret", initiator=("a", 1, b""),
+                                                   responder=("b", 2, b""))
+    with pytest.raises(ProtocolError, match="sealed handshake"):
+        P.decode(frames, max_bytes=1 << 20)  # never decoded without being opened
+
+
+def test_a_sealed_handshakes_envelope_is_authenticated_and_bounded() -> None:
+    """A changed envelope byte (its generation, its nonce) fails the tag; a truncated
+    envelope, an unknown kind or a body over HELLO_MAX_BYTES is a ProtocolError before any
+    cryptography."""
+    head, body = P.seal_hello(HELLOS[0], key=KEY, recipient="r:1", iv=bytes(12))
+    flipped = bytearray(body)
+    flipped[5] ^= 1  # inside the generation
+    o = P.open_frames([head, bytes(flipped)], max_bytes=1 << 20)
+    assert P.open_hello(o, key=KEY, recipient="r:1") is None
+    for bad in (body[:10], bytes([9]) + body[1:]):
+        with pytest.raises(ProtocolError):
+            P.open_frames([head, bad], max_bytes=1 << 20)
+    big = body[:len(body) - len(P.encode(HELLOS[0])[1]) - 16] + bytes(P.HELLO_MAX_BYTES + 17)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        P.open_frames([head, big], max_bytes=1 << 24)

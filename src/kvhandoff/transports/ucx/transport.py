@@ -12,9 +12,12 @@
 #   trades the speed for safety; status() says which peers run unprotected.
 # - A send cuts its stream into the shared chunk grid (_chunks.ChunkPlan); chunk k goes as one
 #   tagged message with UCX tag = H(sender address, tag) ^ k, so tags never collide across peers
-#   or directions. A chunk inside one span is sent straight from the registered buffer; other
-#   chunks are gathered into pooled staging buffers; the send window is the shared one
-#   (window.SendWindow: WINDOW chunks per op in flight).
+#   or directions. With a shared secret H is HMAC-SHA256 under a key of the control session
+#   (`bind_session`, `tag_key`): a sender without that session's key cannot make a tag a
+#   posted receive matches (without one, xxh3 of what both sides know). A chunk inside one
+#   span is sent straight from the registered buffer; other chunks are gathered into pooled
+#   staging buffers; the send window is the shared one (window.SendWindow: WINDOW chunks per
+#   op in flight).
 # - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
 #   empty mask, remove=True) and matches it against posted receives (_ucx_matcher), receiving
 #   it with its handle straight into destination memory (or a staging buffer + scatter).
@@ -45,6 +48,7 @@
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 import select
@@ -56,6 +60,7 @@ import numpy as np
 import xxhash
 
 from kvhandoff.errors import TransportError
+from kvhandoff.protocol.wire import hkdf_sha256
 from kvhandoff.transports.base import OnDone, TransportKind, TransportStatus
 from kvhandoff.transports.hostid import host_id
 from kvhandoff.transports.iothread import IoThread
@@ -105,8 +110,20 @@ _IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to th
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
 
 
-def _tag_base(sender: bytes, tag: int) -> int:
-    return xxhash.xxh3_64_intdigest(sender + tag.to_bytes(8, "little")) & ~((1 << _CHUNK_BITS) - 1)
+def tag_key(session_key: bytes) -> bytes:
+    """The key of the UCX tags of one control session (HKDF of its session key, a label of
+    its own)."""
+    return hkdf_sha256(session_key, salt=b"", info=b"kvhandoff ucx tags 1")
+
+
+def _tag_base(sender: bytes, tag: int, key: bytes = b"") -> int:
+    """The UCX tag of chunk 0 of (`sender`'s address, `tag`): keyed by the session's tag key
+    (`tag_key`) when the session has one, so only a holder of that session key can make a
+    chunk the receiver matches; without one (no shared secret) xxh3 of what both sides know."""
+    msg = sender + tag.to_bytes(8, "little")
+    h = (int.from_bytes(hmac.digest(key, msg, "sha256")[:8], "little") if key
+         else xxhash.xxh3_64_intdigest(msg))
+    return h & ~((1 << _CHUNK_BITS) - 1)
 
 
 class _Op(ChunkOp):
@@ -179,6 +196,7 @@ class UcxTransport(TableTransport):
                                   emit=self._emit, fail=self._table.finish)
         self._peer_lanes: dict[str, tuple[str, ...]] = {}
         self._unprotected: set[str] = set()  # same-host peers without UCX error handling
+        self._tag_keys: dict[str, bytes] = {}  # (the lock) peer -> its session's tag key
         self._bytes_sent = 0
         self._bytes_received = 0
         # owned by the I/O thread
@@ -188,6 +206,16 @@ class UcxTransport(TableTransport):
         self._io.start(self._run)
 
     # ---- public API (any thread) ----------------------------------------------------------
+
+    def bind_session(self, peer: str, key: bytes) -> None:
+        """The chunks of ops posted with `peer` from now on carry tags keyed by `key` (the
+        control session's key; b"": none, tags of the addresses alone): an off-path sender
+        without the session key makes no tag a receive of ours matches."""
+        with self._lock:
+            if key:
+                self._tag_keys[peer] = tag_key(key)
+            else:
+                self._tag_keys.pop(peer, None)
 
     def connect(self, peer: str, address: bytes) -> None:
         if not isinstance(address, bytes) or not address:
@@ -278,7 +306,9 @@ class UcxTransport(TableTransport):
 
     def _make_op(self, is_send: bool, peer: str, address: bytes, tag: int, buf: np.ndarray,
                  plan: ChunkPlan, on_done: OnDone) -> _Op:
-        base = _tag_base(self._address if is_send else address, tag)
+        # (under the op table's lock) the key of the session with `peer` when it has one
+        base = _tag_base(self._address if is_send else address, tag,
+                         self._tag_keys.get(peer, b""))
         return _Op(peer, tag, is_send, buf, plan, on_done, base)
 
     @staticmethod
