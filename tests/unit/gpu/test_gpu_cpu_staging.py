@@ -1,0 +1,241 @@
+"""Host staging (runtime.staging) on a machine without a GPU: two real agents over the tcp
+transport (real sockets, threads, session) whose KV buffers are device memory as far as
+kvhandoff can tell, handing off a room through pinned-host-style staging buffers on both sides.
+
+What stands in for CUDA: CPU torch tensors that `BufferSet` keeps as tensors (the fixture
+replaces `bufferset.as_bytes`, which would turn them into numpy arrays), so the agent takes them
+for device memory exactly as it takes CUDA tensors (`view_memory` says "cuda", the rooms hash
+with devsum, the tcp transport would refuse them). The staging copies run the very torch ops
+they run on a GPU, on CPU tensors. The same handoff with real CUDA tensors is
+tests/unit/gpu/test_staging_cuda.py (marked gpu)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvhandoff.buffers import bufferset
+from kvhandoff.buffers.bufferset import allocate
+from kvhandoff.buffers.staging import ALIGN, SLAB_PREFIX, StagingPool
+from kvhandoff.errors import ConfigError, TransportError
+from kvhandoff.kv_layout import LayoutSpec
+from kvhandoff.kv_layout.presets import mla_dsa_layout
+from kvhandoff.runtime import staging
+from kvhandoff.runtime.metrics import metrics_text
+from kvhandoff.runtime.staging import StagedTransport, staging_choice
+from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll
+from kvhandoff.transfer import TransferAgent
+
+WAIT_S = 60.0
+PS = 16
+
+
+def tiny_layout() -> LayoutSpec:
+    return mla_dsa_layout(model="tiny", num_layers=6, indexer_layer_ids=(0, 3, 5),
+                          page_size_tokens=PS).without_page_rules()
+
+
+@pytest.fixture
+def cuda_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """CPU torch tensors given as KV buffers stay tensors in the agent's `BufferSet`, which
+    then takes them for CUDA memory (as it does CUDA tensors)."""
+    real = bufferset.as_bytes
+
+    def as_bytes(buf: Any, where: str) -> Any:
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
+            return buf.reshape(-1).view(torch.uint8)
+        return real(buf, where)
+
+    monkeypatch.setattr(bufferset, "as_bytes", as_bytes)
+    yield
+
+
+def _random(bufs: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for per in bufs.values():
+        for b in per.values() if isinstance(per, dict) else [per]:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def _page(agent: TransferAgent, region: str, layer: int, page: int) -> bytes:
+    lay = agent.layout
+    reg = lay.region(region)
+    view = agent.buffers.array(region, layer)
+    at = page * reg.page_stride(PS)
+    return bytes(view[at:at + reg.page_nbytes(PS)].numpy())
+
+
+def _handoff(pa: TransferAgent, da: TransferAgent, room: int, src: list[int], dst: list[int],
+             seq_len: int) -> dict[str, Any]:
+    sender = pa.sender(room, pages=np.array(src), seq_len=seq_len)
+    receiver = da.receiver(room, peer=pa.address)
+    receiver.init(np.array(dst), seq_len, 0)
+    for layer in range(pa.layout.num_layers):
+        sender.layer_ready(layer)
+    got = receiver.wait(WAIT_S)
+    stats = receiver.stats()
+    assert got is KVPoll.Success, stats
+    assert sender.wait(WAIT_S) is KVPoll.Success
+    return stats
+
+
+def test_device_pages_move_byte_exact_through_host_staging_over_tcp(
+        cuda_standin: None, caplog: pytest.LogCaptureFixture) -> None:
+    lay = tiny_layout()
+    pbufs, dbufs = allocate(lay, 8), allocate(lay, 8)
+    _random(pbufs, 1)
+    s = Settings(transport="tcp")  # host_staging left at auto
+    with caplog.at_level(logging.WARNING, logger="kvhandoff"):
+        pa = TransferAgent("prefill", lay, pbufs, s)
+        da = TransferAgent("decode", lay, dbufs, s)
+    try:
+        assert pa.buffers.memory == da.buffers.memory == "cuda"  # what the stand-in is for
+        assert any("move through host staging: settings.transport=tcp cannot reach device "
+                   "memory (host_staging=auto)" in r.getMessage() for r in caplog.records)
+        for agent in (pa, da):
+            st = agent.status()
+            assert st["staging"] == "host"
+            assert "host-staging" in st["transport"]["lanes"]
+            assert st["transport"]["degraded"] is True
+            assert "device memory staged through host memory" in st["transport"]["reason"]
+            assert isinstance(agent.transport, StagedTransport)
+        src, dst = [0, 1, 2], [5, 3, 4]
+        stats = _handoff(pa, da, 1, src, dst, seq_len=3 * PS)  # whole pages
+        moved = sum(stats["bytes_per_region"].values())
+        assert moved > 0
+        for reg in lay.regions:
+            for lid in reg.live_layer_ids:
+                for sp, dp in zip(src, dst, strict=True):
+                    assert _page(da, reg.name, lid, dp) == _page(pa, reg.name, lid, sp), \
+                        (reg.name, lid, sp)
+                for untouched in (0, 1, 2, 6, 7):
+                    assert not any(_page(da, reg.name, lid, untouched))
+        # every byte that landed was copied out of device pages and into device pages, once
+        pt, dt = metrics_text(pa), metrics_text(da)
+        assert _metric(pt, "kvhandoff_agent_staged_bytes_out_total") == moved
+        assert _metric(dt, "kvhandoff_agent_staged_bytes_in_total") == moved
+        assert _metric(dt, "kvhandoff_agent_staged_bytes_out_total") == 0
+        assert da.status()["counters"]["checksums_verified"] > 0
+        # leases all returned; a second room reuses the same slabs
+        held = {id(a): a.transport.pool.held_bytes for a in (pa, da)}  # type: ignore[attr-defined]
+        _handoff(pa, da, 2, [3, 4], [0, 1], seq_len=2 * PS)
+        for a in (pa, da):
+            pool = a.transport.pool  # type: ignore[attr-defined]
+            assert pool.in_use() == 0 and pool.held_bytes == held[id(a)]
+        assert _metric(metrics_text(da), "kvhandoff_agent_staged_bytes_in_total") > moved
+    finally:
+        da.close()
+        pa.close()
+
+
+def test_the_checksum_covers_the_device_pages_not_the_staging(
+        cuda_standin: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy into the device pages that goes wrong after the bytes landed in host staging
+    intact: the room fails on its checksum (the decode hashes its device pages)."""
+    real = staging.copy_in
+
+    def bad_copy_in(host: Any, at: int, dev: Any, offsets: Any, nbytes: Any) -> None:
+        real(host, at, dev, offsets, nbytes)
+        dev[int(offsets[0])] ^= 0xFF
+
+    monkeypatch.setattr(staging, "copy_in", bad_copy_in)
+    lay = tiny_layout()
+    pbufs, dbufs = allocate(lay, 8), allocate(lay, 8)
+    _random(pbufs, 2)
+    s = Settings(transport="tcp")
+    with TransferAgent("prefill", lay, pbufs, s) as pa, \
+            TransferAgent("decode", lay, dbufs, s) as da:
+        sender = pa.sender(1, pages=np.array([0, 1]), seq_len=20)
+        receiver = da.receiver(1, peer=pa.address)
+        receiver.init(np.array([2, 3]), 20, 0)
+        for layer in range(lay.num_layers):
+            sender.layer_ready(layer)
+        assert receiver.wait(WAIT_S) is KVPoll.Failed
+        stats = receiver.stats()
+        assert stats["failure_kind"] == "checksum", stats
+        assert "checksum mismatch" in stats["failure"], stats
+
+
+def test_host_staging_off_refuses_naming_the_setting(cuda_standin: None) -> None:
+    lay = tiny_layout()
+    s = Settings(transport="tcp", host_staging="off")
+    with pytest.raises(ConfigError) as e:
+        TransferAgent("prefill", lay, allocate(lay, 4), s)
+    msg = str(e.value)
+    assert msg.startswith("settings.host_staging=off: the KV caches are CUDA memory and "
+                          "settings.transport=tcp moves host memory only"), msg
+    assert "host_staging=auto" in msg
+
+
+def test_the_choice() -> None:
+    for given in ({"transport": "tcp"}, {"transport": "ucx"}, {"auto_cross_host": "tcp"},
+                  {"auto_cross_host": "ucx"}):
+        why = staging_choice(Settings(**given), "cuda")
+        assert why is not None and "cannot reach device memory (host_staging=auto)" in why
+        assert staging_choice(Settings(**given), "host") is None  # host caches never stage
+    for direct in ({"transport": "shm"}, {"transport": "nixl"}, {"auto_cross_host": "nixl"}):
+        assert staging_choice(Settings(**direct), "cuda") is None
+        # forced on: a host without GPUDirect RDMA, where nixl cannot reach device memory
+        why = staging_choice(Settings(**direct, host_staging="on"), "cuda")
+        assert why is not None and why.startswith("settings.host_staging=on")
+    with pytest.raises(ConfigError, match=r"^settings\.host_staging=off: .*settings\.transport="
+                       r"auto with settings\.auto_cross_host=ucx moves host memory only"):
+        staging_choice(Settings(host_staging="off"), "cuda")
+    with pytest.raises(ValueError, match="host_staging must be auto, on or off"):
+        Settings(host_staging="maybe")
+
+
+def test_the_pool_reuses_its_slabs_and_refuses_past_its_bound() -> None:
+    registered: list[tuple[str, int]] = []
+    pool = StagingPool(lambda n, a: registered.append((n, len(a))), limit_bytes=1 << 20,
+                       slab_bytes=256 << 10, pinned=False)
+    a = pool.take(100)
+    b = pool.take(200 << 10)
+    assert (a.offset, a.nbytes) == (0, ALIGN) and b.offset == ALIGN
+    assert registered == [(SLAB_PREFIX + "0", 256 << 10)]
+    c = pool.take(200 << 10)  # does not fit the first slab's rest: a second slab
+    assert c.slab == 1 and registered[-1] == (SLAB_PREFIX + "1", 256 << 10)
+    pool.give(a)
+    pool.give(b)
+    again = pool.take(250 << 10)  # the first slab's ranges merged back: reused
+    assert (again.slab, again.offset) == (0, 0) and len(registered) == 2
+    big = pool.take(512 << 10)  # larger than a slab: a slab of its size, within the bound
+    assert big.nbytes == 512 << 10 and pool.held_bytes == 1 << 20
+    with pytest.raises(TransportError, match=r"would exceed settings\.host_staging_mib=1 .*"
+                       "raise host_staging_mib"):
+        pool.take(64 << 10)  # in no slab's free rest, and no room for another slab
+    for lease in (c, again, big):
+        pool.give(lease)
+    assert pool.in_use() == 0
+
+
+def test_the_integrations_lane_choice_says_host_staging() -> None:
+    """The lane choice of the SGLang backend and the vLLM connector (`integrations.lanes`)
+    takes the host-only lane for CUDA caches through host staging, as the agent then does."""
+    from kvhandoff.integrations.lanes import choose_lane
+
+    s, line = choose_lane(Settings(transport="tcp"), "cuda", missing=lambda: None)
+    assert s.transport.value == "tcp"
+    assert line.startswith("KV caches in CUDA memory: transport tcp, through HOST STAGING "
+                           "(the transport cannot reach device memory (host_staging=auto))")
+    assert staging_choice(s, "cuda") is not None  # the agent's own choice agrees
+    s, line = choose_lane(Settings(host_staging="on"), "cuda", missing=lambda: None)
+    assert "nixl with other hosts), through HOST STAGING (settings.host_staging=on)" in line
+    assert staging_choice(s, "cuda") is not None
+    with pytest.raises(ConfigError, match=r"^settings\.auto_cross_host=tcp: .*"
+                       r"settings\.host_staging=off"):
+        choose_lane(Settings(auto_cross_host="tcp", host_staging="off"), "cuda",
+                    missing=lambda: None)
