@@ -8,13 +8,22 @@ agent's device buffers to itself and gives the transport only host memory
 moves every layer by sends and receives:
 
 - prefill, `post_send` of a layer's span list of a device buffer: a lease of the staging
-  pool is taken at once (a layer that does not fit fails there, naming host_staging_mib);
-  the staging thread copies the device spans into it, in order, then posts the send of the
-  lease on the wrapped transport; the lease is returned when the send completed.
-- decode, `post_recv`: a lease is taken and its receive posted on the wrapped transport at
-  once; once the bytes landed in it, the staging thread copies them into the device spans,
+  arena is taken; the staging thread copies the device spans into it, in order, then posts
+  the send of the lease on the wrapped transport; the lease is returned when the send
+  completed.
+- decode, `post_recv`: a lease is taken and its receive posted on the wrapped transport.
+  Once the bytes landed in the lease, the staging thread copies them into the device spans,
   and only then does the receive complete (so the session hashes, with devsum, the bytes in
   the DEVICE pages before it reports the layer landed).
+- Memory: an op that does not fit in the free part of the arena waits, in order (oldest
+  first, none overtakes), and the staging thread starts it once earlier ones returned their
+  memory (`staging_waits` counts them): a room larger than the arena passes through it
+  layer by layer (the decode posts a room's every layer at once; the prefill marks layers
+  faster than they move). An op larger than the whole arena is refused at once, naming
+  host_staging_mib. Both sides waiting can stall: a prefill whose arena is full of one
+  room's sends while the decode's is full of another room's receives (rooms ready in one
+  order on the prefill, accepted in another on the decode); the session's stall_timeout_s
+  then fails a room, whose cancels free its memory, and the others go on.
 
 `cancel` ends an op whichever step it is at: before its send was posted it completes with the
 cancel; a posted one is cancelled on the wrapped transport; a receive whose bytes landed and
@@ -33,13 +42,20 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvhandoff.buffers.bufferset import BufferSet, DeviceBytes, view_memory
-from kvhandoff.buffers.staging import Lease, StagingPool, check_spans, copy_in, copy_out
+from kvhandoff.buffers.staging import (
+    ARENA,
+    Lease,
+    StagingPool,
+    check_spans,
+    copy_in,
+    copy_out,
+)
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.settings import Settings
 from kvhandoff.transports.base import OnDone, Transport, TransportKind, TransportStatus
@@ -91,8 +107,8 @@ def staging_choice(settings: Settings, memory: str, kind: TransportKind | None =
 
 @dataclass(eq=False)
 class _Op:
-    """One staged send or receive (the staging thread and the callers share it under the
-    transport's lock)."""
+    """One staged send or receive (shared by the callers, the wrapped transport's callbacks
+    and the staging thread under the transport's lock)."""
 
     send: bool
     peer: str
@@ -101,23 +117,21 @@ class _Op:
     offsets: np.ndarray
     nbytes: np.ndarray
     on_done: OnDone
-    lease: Lease
     total: int
+    lease: Lease | None = None
     posted: bool = False  # on the wrapped transport
-    landed: bool = False  # a receive whose bytes are in the lease, its copy pending
     cancelled: str | None = None
     done: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StagedTransport(Transport):
     """A transport that moves device buffers through host staging (see the module comment).
 
     Args:
-        inner: the transport that moves the bytes (its buffers: the staging slabs only).
-        settings: host_staging_mib bounds the staging memory.
+        inner: the transport that moves the bytes (its one buffer: the staging arena).
+        settings: host_staging_mib sizes the staging arena.
         reason: why this agent stages (for the status and the log).
-        pinned: pin the slabs (default: where torch has CUDA).
+        pinned: pin the arena (default: where torch has CUDA).
     """
 
     def __init__(self, inner: Transport, settings: Settings, *, reason: str,
@@ -130,11 +144,13 @@ class StagedTransport(Transport):
         self._device: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._ops: dict[tuple[str, int], _Op] = {}
-        self._jobs: collections.deque[_Op] = collections.deque()
+        self._jobs: collections.deque[_Op] = collections.deque()  # copies to run
+        self._waiting: collections.deque[_Op] = collections.deque()  # ops with no lease yet
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self.staged_out = 0  # device -> host bytes copied (prefill)
+        self.staged_out = 0  # device -> host bytes copied and sent (prefill)
         self.staged_in = 0  # host -> device bytes copied (decode)
+        self.waited = 0  # ops that waited for staging memory
         self._thread = threading.Thread(target=self._run, name="kvh-staging", daemon=True)
         self._thread.start()
 
@@ -168,8 +184,8 @@ class StagedTransport(Transport):
             for op in self._ops.values():
                 if op.peer == peer and op.cancelled is None:
                     op.cancelled = f"peer {peer} disconnected"
-        self.inner.disconnect(peer)
-        self._finish_unposted(peer=peer)
+            self._wake.notify()
+        self.inner.disconnect(peer)  # posted ops complete with its error
 
     def peer_exited(self, peer: str) -> bool:
         return self.inner.peer_exited(peer)
@@ -181,9 +197,7 @@ class StagedTransport(Transport):
             self.inner.post_send(peer, tag, name, offsets, nbytes, on_done)
             return
         op = self._new_op(True, peer, tag, name, dev, offsets, nbytes, on_done)
-        with self._lock:
-            self._jobs.append(op)
-            self._wake.notify()
+        self._enqueue(op)
 
     def post_recv(self, peer: str, tag: int, name: str, offsets: np.ndarray, nbytes: np.ndarray,
                   on_done: OnDone) -> None:
@@ -192,31 +206,25 @@ class StagedTransport(Transport):
             self.inner.post_recv(peer, tag, name, offsets, nbytes, on_done)
             return
         op = self._new_op(False, peer, tag, name, dev, offsets, nbytes, on_done)
-        op.posted = True
-        try:
-            self.inner.post_recv(peer, tag, op.lease.name, np.array([op.lease.offset]),
-                                 np.array([op.total]), lambda e: self._received(op, e))
-        except BaseException:
-            with self._lock:
-                self._ops.pop((peer, tag), None)
-            self.pool.give(op.lease)
-            raise
+        self._enqueue(op)
 
     def cancel(self, peer: str, tag: int) -> None:
         with self._lock:
             op = self._ops.get((peer, tag))
             if op is not None and op.cancelled is None:
                 op.cancelled = "cancelled"
+                self._wake.notify()
             posted = op is None or op.posted
         if posted:
             self.inner.cancel(peer, tag)
-        # an unposted send or a landed receive: the staging thread completes it
+        # not posted (a send being copied, a receive waiting for memory) or landed and being
+        # copied: the staging thread completes it
 
     def status(self) -> TransportStatus:
         st = self.inner.status()
         with self._lock:
             counters = {**st.counters, "staged_bytes_out": self.staged_out,
-                        "staged_bytes_in": self.staged_in}
+                        "staged_bytes_in": self.staged_in, "staging_waits": self.waited}
         why = f"device memory staged through host memory: {self.reason}"
         return TransportStatus(kind=st.kind, lanes=(*st.lanes, "host-staging"), degraded=True,
                                reason=f"{st.reason}; {why}" if st.reason else why,
@@ -231,7 +239,12 @@ class StagedTransport(Transport):
             self._wake.notify_all()
         self.inner.close()  # completes every posted op (through _sent / _received)
         self._thread.join(timeout=30)
-        self._finish_unposted(peer=None, why="transport closed")
+        with self._lock:  # what the staging thread did not take (it ended, or timed out)
+            left = [*self._jobs, *self._waiting]
+            self._jobs.clear()
+            self._waiting.clear()
+        for op in left:
+            self._end(op, TransportError(f"host staging: tag {op.tag}: transport closed"))
 
     # ------------------------------------------------------------------ staging
 
@@ -241,32 +254,54 @@ class StagedTransport(Transport):
             raise TransportError("on_done must be callable")
         off, nb = check_spans(f"{'post_send' if send else 'post_recv'}({name})",
                               int(dev.shape[0]), offsets, nbytes)
-        total = int(nb.sum())
         with self._lock:
             if self._closed:
                 raise TransportError("host staging: transport closed")
             if (peer, tag) in self._ops:
                 raise TransportError(f"tag {tag} already pending with peer {peer}")
-        lease = self.pool.take(total)  # raises naming host_staging_mib
-        op = _Op(send, peer, tag, name, off, nb, on_done, lease, total)
+        return _Op(send, peer, tag, name, off, nb, on_done, int(nb.sum()))
+
+    def _enqueue(self, op: _Op) -> None:
+        """Takes `op`'s lease and starts it (a send: its copy; a receive: its post), or, while
+        the arena holds too little, queues it behind the ops waiting already (the staging
+        thread starts it once memory is free)."""
+        self.pool.check(op.total)  # one that can never fit is refused here
         with self._lock:
-            self._ops[(peer, tag)] = op
-        return op
+            queued = bool(self._waiting)
+        lease = None if queued else self.pool.take(op.total)  # FIFO: none overtakes
+        with self._lock:
+            self._ops[(op.peer, op.tag)] = op
+            if lease is None:
+                self._waiting.append(op)
+                self.waited += 1
+                return
+            op.lease = lease
+            if op.send:
+                self._jobs.append(op)
+                self._wake.notify()
+                return
+            op.posted = True
+        self._post_recv(op)
+
+    def _post_recv(self, op: _Op) -> None:
+        """Posts a receive that holds its lease on the wrapped transport (any thread but the
+        wrapped transport's own)."""
+        assert op.lease is not None
+        try:
+            self.inner.post_recv(op.peer, op.tag, ARENA, op.lease.offsets, op.lease.lengths,
+                                 lambda e: self._received(op, e))
+        except Exception as e:  # noqa: BLE001 - the op fails with it (a peer gone meanwhile)
+            self._end(op, e)
 
     def _received(self, op: _Op, exc: BaseException | None) -> None:
         """(wrapped transport's thread) A staged receive's bytes landed in its lease, or it
         failed: the copy into the device pages goes to the staging thread."""
         with self._lock:
             if exc is None and not self._closed:
-                op.landed = True
                 self._jobs.append(op)
                 self._wake.notify()
                 return
         self._end(op, exc or TransportError("host staging: transport closed"))
-
-    def _sent(self, op: _Op, exc: BaseException | None) -> None:
-        """(wrapped transport's thread) A staged send completed."""
-        self._end(op, exc)
 
     def _end(self, op: _Op, exc: BaseException | None) -> None:
         with self._lock:
@@ -277,47 +312,94 @@ class StagedTransport(Transport):
                 del self._ops[(op.peer, op.tag)]
             if exc is None and not op.send:
                 self.staged_in += op.total
-        self.pool.give(op.lease)
+            lease, op.lease = op.lease, None
+            if lease is not None and self._waiting:
+                self._wake.notify()  # memory for a waiting op
+        if lease is not None:
+            self.pool.give(lease)
         try:
             op.on_done(exc)
         except Exception:  # noqa: BLE001 - a caller's callback must not stop the staging
             log.exception("host staging: on_done of tag %d raised", op.tag)
 
     def _run(self) -> None:
-        """(staging thread) Copies each job's bytes, then posts the send or completes the
-        receive."""
+        """(staging thread) Ends cancelled waiting ops, starts the waiting ones that now fit,
+        copies each job's bytes, then posts the send or completes the receive."""
         while True:
             with self._lock:
-                while not self._jobs and not self._closed:
+                while not (self._jobs or self._closed or self._admissible()):
                     self._wake.wait()
-                if not self._jobs:
+                if self._closed and not self._jobs:
                     return
-                op = self._jobs.popleft()
-                cancelled = op.cancelled or ("transport closed" if self._closed else None)
-            if cancelled is not None:
-                self._end(op, TransportError(f"host staging: tag {op.tag} {cancelled}"))
-                continue
-            dev = self._device[op.name]
-            host = self.pool.slab(op.lease.slab)
+                ended = [w for w in self._waiting if w.cancelled is not None]
+                for w in ended:
+                    self._waiting.remove(w)
+                job = self._jobs.popleft() if self._jobs else None
+            for w in ended:
+                self._end(w, TransportError(f"host staging: tag {w.tag} {w.cancelled}"))
+            self._admit()
+            if job is not None:
+                self._copy(job)
+
+    def _admissible(self) -> bool:
+        """(lock held) Whether a waiting op was cancelled or may fit now."""
+        return any(op.cancelled is not None for op in self._waiting) or (
+            bool(self._waiting) and self.pool.fits(self._waiting[0].total))
+
+    def _admit(self) -> None:
+        """Starts waiting ops, oldest first, while staging memory holds them (a send: its
+        copy is queued; a receive: posted)."""
+        while True:
+            with self._lock:
+                if not self._waiting or self._closed:
+                    return
+                op = self._waiting[0]
             try:
-                if op.send:
-                    copy_out(dev, op.offsets, op.nbytes, host, op.lease.offset)
-                else:
-                    copy_in(host, op.lease.offset, dev, op.offsets, op.nbytes)
-            except Exception as e:  # noqa: BLE001 - the op fails with it (a CUDA error ...)
-                self._end(op, TransportError(f"host staging: copying {op.name} "
-                                             f"{'out of' if op.send else 'into'} device "
-                                             f"memory failed: {e!r}"))
-                continue
-            if not op.send:
+                lease = self.pool.take(op.total)
+            except TransportError as e:  # checked at post_recv: not expected
                 with self._lock:
-                    why = op.cancelled
-                self._end(op, None if why is None else
-                          TransportError(f"host staging: tag {op.tag} {why}"))
+                    self._waiting.popleft()
+                self._end(op, e)
                 continue
-            self._post_send(op)
+            if lease is None:
+                return
+            with self._lock:
+                self._waiting.popleft()
+                op.lease = lease
+                if op.send:
+                    self._jobs.append(op)
+                    continue
+                op.posted = True
+            self._post_recv(op)
+
+    def _copy(self, op: _Op) -> None:
+        with self._lock:
+            why = op.cancelled or ("transport closed" if self._closed else None)
+        if why is not None:
+            self._end(op, TransportError(f"host staging: tag {op.tag} {why}"))
+            return
+        assert op.lease is not None
+        dev = self._device[op.name]
+        try:
+            if op.send:
+                copy_out(dev, op.offsets, op.nbytes, self.pool.arena, op.lease)
+            else:
+                copy_in(self.pool.arena, op.lease, dev, op.offsets, op.nbytes)
+        except Exception as e:  # noqa: BLE001 - the op fails with it (a CUDA error ...)
+            self._end(op, TransportError(f"host staging: copying {op.name} "
+                                         f"{'out of' if op.send else 'into'} device "
+                                         f"memory failed: {e!r}"))
+            return
+        if not op.send:
+            with self._lock:
+                why = op.cancelled
+            self._end(op, None if why is None else
+                      TransportError(f"host staging: tag {op.tag} {why}"))
+            return
+        self._post_send(op)
 
     def _post_send(self, op: _Op) -> None:
+        assert op.lease is not None
         with self._lock:
             why = op.cancelled or ("transport closed" if self._closed else None)
             if why is None:
@@ -327,8 +409,8 @@ class StagedTransport(Transport):
             self._end(op, TransportError(f"host staging: tag {op.tag} {why}"))
             return
         try:
-            self.inner.post_send(op.peer, op.tag, op.lease.name, np.array([op.lease.offset]),
-                                 np.array([op.total]), lambda e: self._sent(op, e))
+            self.inner.post_send(op.peer, op.tag, ARENA, op.lease.offsets, op.lease.lengths,
+                                 lambda e: self._end(op, e))
         except Exception as e:  # noqa: BLE001 - e.g. the peer was disconnected meanwhile
             self._end(op, e)
             return
@@ -336,17 +418,6 @@ class StagedTransport(Transport):
             late = op.cancelled is not None and not op.done
         if late:
             self.inner.cancel(op.peer, op.tag)
-
-    def _finish_unposted(self, *, peer: str | None, why: str = "") -> None:
-        """Completes the queued jobs of `peer` (None: all) that the staging thread has not
-        taken: sends not posted, receives whose copy did not start."""
-        with self._lock:
-            mine = [op for op in self._jobs if peer is None or op.peer == peer]
-            for op in mine:
-                self._jobs.remove(op)
-        for op in mine:
-            self._end(op, TransportError(f"host staging: tag {op.tag} "
-                                         f"{why or f'peer {op.peer} disconnected'}"))
 
 
 def stage(transport: Transport, settings: Settings, buffers: BufferSet,

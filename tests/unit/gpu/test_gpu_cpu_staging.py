@@ -21,7 +21,7 @@ import torch
 
 from kvhandoff.buffers import bufferset
 from kvhandoff.buffers.bufferset import allocate
-from kvhandoff.buffers.staging import ALIGN, SLAB_PREFIX, StagingPool
+from kvhandoff.buffers.staging import ALIGN, ARENA, StagingPool
 from kvhandoff.errors import ConfigError, TransportError
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
@@ -97,7 +97,7 @@ def test_device_pages_move_byte_exact_through_host_staging_over_tcp(
     lay = tiny_layout()
     pbufs, dbufs = allocate(lay, 8), allocate(lay, 8)
     _random(pbufs, 1)
-    s = Settings(transport="tcp")  # host_staging left at auto
+    s = Settings(transport="tcp", host_staging_mib=64)  # host_staging left at auto
     with caplog.at_level(logging.WARNING, logger="kvhandoff"):
         pa = TransferAgent("prefill", lay, pbufs, s)
         da = TransferAgent("decode", lay, dbufs, s)
@@ -129,12 +129,11 @@ def test_device_pages_move_byte_exact_through_host_staging_over_tcp(
         assert _metric(dt, "kvhandoff_agent_staged_bytes_in_total") == moved
         assert _metric(dt, "kvhandoff_agent_staged_bytes_out_total") == 0
         assert da.status()["counters"]["checksums_verified"] > 0
-        # leases all returned; a second room reuses the same slabs
-        held = {id(a): a.transport.pool.held_bytes for a in (pa, da)}  # type: ignore[attr-defined]
+        # leases all returned; a second room reuses the same arena
         _handoff(pa, da, 2, [3, 4], [0, 1], seq_len=2 * PS)
         for a in (pa, da):
             pool = a.transport.pool  # type: ignore[attr-defined]
-            assert pool.in_use() == 0 and pool.held_bytes == held[id(a)]
+            assert pool.in_use() == 0 and pool.held_bytes == s.host_staging_mib << 20
         assert _metric(metrics_text(da), "kvhandoff_agent_staged_bytes_in_total") > moved
     finally:
         da.close()
@@ -147,15 +146,15 @@ def test_the_checksum_covers_the_device_pages_not_the_staging(
     intact: the room fails on its checksum (the decode hashes its device pages)."""
     real = staging.copy_in
 
-    def bad_copy_in(host: Any, at: int, dev: Any, offsets: Any, nbytes: Any) -> None:
-        real(host, at, dev, offsets, nbytes)
+    def bad_copy_in(host: Any, lease: Any, dev: Any, offsets: Any, nbytes: Any) -> None:
+        real(host, lease, dev, offsets, nbytes)
         dev[int(offsets[0])] ^= 0xFF
 
     monkeypatch.setattr(staging, "copy_in", bad_copy_in)
     lay = tiny_layout()
     pbufs, dbufs = allocate(lay, 8), allocate(lay, 8)
     _random(pbufs, 2)
-    s = Settings(transport="tcp")
+    s = Settings(transport="tcp", host_staging_mib=64)
     with TransferAgent("prefill", lay, pbufs, s) as pa, \
             TransferAgent("decode", lay, dbufs, s) as da:
         sender = pa.sender(1, pages=np.array([0, 1]), seq_len=20)
@@ -198,28 +197,58 @@ def test_the_choice() -> None:
         Settings(host_staging="maybe")
 
 
-def test_the_pool_reuses_its_slabs_and_refuses_past_its_bound() -> None:
+def test_the_pool_reuses_its_arena_and_refuses_past_its_bound() -> None:
     registered: list[tuple[str, int]] = []
-    pool = StagingPool(lambda n, a: registered.append((n, len(a))), limit_bytes=1 << 20,
-                       slab_bytes=256 << 10, pinned=False)
+    pool = StagingPool(lambda n, a: registered.append((n, len(a))), limit_bytes=64 * ALIGN,
+                       pinned=False)
+    assert registered == []  # made on first use
     a = pool.take(100)
-    b = pool.take(200 << 10)
-    assert (a.offset, a.nbytes) == (0, ALIGN) and b.offset == ALIGN
-    assert registered == [(SLAB_PREFIX + "0", 256 << 10)]
-    c = pool.take(200 << 10)  # does not fit the first slab's rest: a second slab
-    assert c.slab == 1 and registered[-1] == (SLAB_PREFIX + "1", 256 << 10)
-    pool.give(a)
+    b = pool.take(20 * ALIGN + 4)
+    assert a is not None and b is not None
+    assert (a.offsets.tolist(), a.lengths.tolist(), a.nbytes) == ([0], [100], 100)
+    assert (b.offsets.tolist(), b.lengths.tolist()) == ([ALIGN], [20 * ALIGN + 4])
+    assert registered == [(ARENA, 64 * ALIGN)]
+    c = pool.take(30 * ALIGN)
+    assert c is not None and c.offsets.tolist() == [22 * ALIGN]
+    assert pool.take(13 * ALIGN) is None and not pool.fits(13 * ALIGN)  # 12 units free
     pool.give(b)
-    again = pool.take(250 << 10)  # the first slab's ranges merged back: reused
-    assert (again.slab, again.offset) == (0, 0) and len(registered) == 2
-    big = pool.take(512 << 10)  # larger than a slab: a slab of its size, within the bound
-    assert big.nbytes == 512 << 10 and pool.held_bytes == 1 << 20
-    with pytest.raises(TransportError, match=r"would exceed settings\.host_staging_mib=1 .*"
-                       "raise host_staging_mib"):
-        pool.take(64 << 10)  # in no slab's free rest, and no room for another slab
-    for lease in (c, again, big):
+    # 21 units free before c, 12 after: one lease of two ranges, in stream order
+    d = pool.take(30 * ALIGN)
+    assert d is not None
+    assert d.offsets.tolist() == [ALIGN, 52 * ALIGN]
+    assert d.lengths.tolist() == [21 * ALIGN, 9 * ALIGN] and d.nbytes == 30 * ALIGN
+    with pytest.raises(TransportError, match=r"exceed settings\.host_staging_mib=0 \(the "
+                       r"whole staging arena\); raise host_staging_mib"):
+        pool.take(64 * ALIGN + 1)
+    for lease in (a, c, d):
         pool.give(lease)
-    assert pool.in_use() == 0
+    assert pool.in_use() == 0 and pool.fits(64 * ALIGN)
+    assert len(registered) == 1  # one registration, reused
+
+
+def test_a_room_larger_than_the_arena_passes_its_layers_through_it(
+        cuda_standin: None) -> None:
+    """The decode posts a room's every layer at once: the receives that do not fit wait
+    (in order) for the ones before to land and return their memory."""
+    lay = tiny_layout()
+    pbufs, dbufs = allocate(lay, 160), allocate(lay, 160)
+    _random(pbufs, 4)
+    s = Settings(transport="tcp", host_staging_mib=1)
+    with TransferAgent("prefill", lay, pbufs, s) as pa, \
+            TransferAgent("decode", lay, dbufs, s) as da:
+        src = list(range(0, 90))
+        dst = list(range(160 - 1, 160 - 91, -1))
+        stats = _handoff(pa, da, 1, src, dst, seq_len=90 * PS)
+        moved = sum(stats["bytes_per_region"].values())
+        assert moved > 3 << 20  # three arenas' worth
+        for reg in lay.regions:
+            for lid in reg.live_layer_ids:
+                for sp, dp in zip(src, dst, strict=True):
+                    assert _page(da, reg.name, lid, dp) == _page(pa, reg.name, lid, sp)
+        counters = da.status()["counters"]
+        assert counters["staged_bytes_in"] == moved
+        assert counters["staging_waits"] > 0
+        assert da.transport.pool.in_use() == 0  # type: ignore[attr-defined]
 
 
 def test_the_integrations_lane_choice_says_host_staging() -> None:

@@ -2,9 +2,9 @@
 scripts/gpu_check.sh): host staging (runtime.staging) with real CUDA KV pages. Two agents of
 one process over the tcp transport, which cannot reach device memory: the prefill's layers,
 each marked ready with a CUDA event behind the kernel that wrote it, are copied from device
-pages to pinned host slabs, sent, received into the decode's pinned slabs and copied into its
+pages to a pinned host arena, sent, received into the decode's pinned arena and copied into its
 device pages; devsum on both sides; every page compared byte for byte; status, counters and
-the slabs' pinning checked. The CPU stand-in of the same handoff is
+the arena's pinning checked. The CPU stand-in of the same handoff is
 tests/unit/gpu/test_gpu_cpu_staging.py.
 
 Written without a GPU at hand: its first run on a lent machine is the first check."""
@@ -32,7 +32,7 @@ WAIT_S = 60.0
 def test_cuda_pages_move_through_pinned_host_staging_over_tcp() -> None:
     lay = tiny_layout()
     pbufs, dbufs = allocate(lay, 64, device="cuda"), allocate(lay, 64, device="cuda")
-    s = Settings(transport="tcp")
+    s = Settings(transport="tcp", host_staging_mib=256)
     with TransferAgent("prefill", lay, pbufs, s) as pa, \
             TransferAgent("decode", lay, dbufs, s) as da:
         for a in (pa, da):
@@ -75,5 +75,5 @@ def test_cuda_pages_move_through_pinned_host_staging_over_tcp() -> None:
         assert da.status()["counters"]["checksums_verified"] > 0
         for a in (pa, da):
             pool = a.transport.pool  # type: ignore[attr-defined]
-            assert pool.pinned and pool.slab(0).is_pinned()
+            assert pool.pinned and pool.arena.is_pinned()
             assert pool.in_use() == 0
