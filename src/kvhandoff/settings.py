@@ -159,9 +159,10 @@ class Settings(BaseSettings):
         "nixl (hosts without GPUDirect RDMA) or shm; off: never stage (such a start is refused "
         "naming this setting). Host caches never stage.")
     host_staging_mib: int = Field(
-        2048, gt=0, description="Host staging: most MiB of pinned host memory the staging "
-        "buffers may hold (they grow to the bytes in flight and are reused); a layer that "
-        "would need more fails its room naming this setting.")
+        2048, gt=0, description="Host staging: MiB of the pinned host arena each staging "
+        "agent makes on first use and reuses; layers that do not fit wait for earlier ones "
+        "to free it (a room larger than the arena passes layer by layer), a layer larger than "
+        "the whole arena fails its room naming this setting.")
     write_quarantine_s: float = Field(
         10.0, gt=0, description="One-sided writes: when the prefill of a room is lost mid-"
         "transfer, the decode fails the room at once but holds its pages this long before "
