@@ -268,3 +268,32 @@ def test_the_integrations_lane_choice_says_host_staging() -> None:
                        r"settings\.host_staging=off"):
         choose_lane(Settings(auto_cross_host="tcp", host_staging="off"), "cuda",
                     missing=lambda: None)
+
+
+def test_an_aborted_room_frees_its_staging_memory_and_waiting_ops(cuda_standin: None) -> None:
+    """The decode aborts a room after its first layer landed while later layers wait for
+    the arena (or sit posted): every op of it ends, the arena is whole again and the next
+    room moves."""
+    lay = tiny_layout()
+    pbufs, dbufs = allocate(lay, 160), allocate(lay, 160)
+    _random(pbufs, 5)
+    s = Settings(transport="tcp", host_staging_mib=1)
+    with TransferAgent("prefill", lay, pbufs, s) as pa, \
+            TransferAgent("decode", lay, dbufs, s) as da:
+        sender = pa.sender(1, pages=np.arange(90), seq_len=90 * PS)
+        receiver = da.receiver(1, peer=pa.address)
+        receiver.init(np.arange(90) + 70, 90 * PS, 0)
+        sender.layer_ready(0)  # only layer 0: the others' receives stay waiting or posted
+        assert receiver.wait_for_layer(0, WAIT_S)
+        assert da.status()["counters"]["staging_waits"] > 0  # more than the arena posted
+        receiver.abort("test: the engine dropped the request")
+        assert receiver.poll() is KVPoll.Failed
+        assert receiver.wait_released(WAIT_S)
+        assert da.transport.pool.in_use() == 0  # type: ignore[attr-defined]
+        assert not da.transport._waiting and not da.transport._ops  # type: ignore[attr-defined]
+        sender.abort("test: done")
+        assert sender.wait_released(WAIT_S)
+        stats = _handoff(pa, da, 2, list(range(90)), list(range(70, 160)), seq_len=90 * PS)
+        assert stats["state"] == "Success"
+        for a in (pa, da):
+            assert a.transport.pool.in_use() == 0  # type: ignore[attr-defined]
