@@ -302,12 +302,17 @@ class TransferAgent:
             "generation": self.generation, "layout_hash": self.layout_hash,
             "auth": self.auth.value,
             # "host": device pages move through pinned host buffers (runtime.staging)
-            "staging": "host" if isinstance(self.transport, StagedTransport) else "none",
+            "staging": self.status_staging(),
             "transport": {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded,
                           "reason": st.reason, "bytes_sent": st.bytes_sent,
                           "bytes_received": st.bytes_received, "counters": st.counters},
             **s,
         }
+
+    def status_staging(self) -> str:
+        """"host" when this agent's device pages move through host staging
+        (`runtime.staging`), else "none"."""
+        return "host" if isinstance(self.transport, StagedTransport) else "none"
 
     def close(self) -> None:
         """Fails open rooms, stops the threads, closes sockets and the transport. Idempotent."""

@@ -297,3 +297,20 @@ def test_an_aborted_room_frees_its_staging_memory_and_waiting_ops(cuda_standin: 
         assert stats["state"] == "Success"
         for a in (pa, da):
             assert a.transport.pool.in_use() == 0  # type: ignore[attr-defined]
+
+
+def test_ready_lists_a_staged_rank_as_degraded(cuda_standin: None) -> None:
+    """The bootstrap server's /ready (a real server): the staged prefill registers as
+    ``tcp-staged``, counted and listed among the degraded ranks."""
+    import httpx
+
+    from kvhandoff.bootstrap_server.background import run_server
+
+    lay = tiny_layout()
+    with run_server(Settings(port=0, auth_token=None)) as url:
+        s = Settings(transport="tcp", host_staging_mib=64, bootstrap_url=url)
+        with TransferAgent("prefill", lay, allocate(lay, 4), s, engine_id="staged") as pa:
+            assert pa.wait_registered(WAIT_S)
+            ready = httpx.get(url + "/ready", timeout=10).json()
+    assert ready["degraded_ranks"] == 1, ready
+    assert ready["degraded"] == ["staged/dp0/cp0/tp0/pp0 (tcp-staged)"], ready
