@@ -237,7 +237,7 @@ class StagedTransport(Transport):
                 return
             self._closed = True
             self._wake.notify_all()
-        self.inner.close()  # completes every posted op (through _sent / _received)
+        self.inner.close()  # completes every posted op (through _end / _received)
         self._thread.join(timeout=30)
         with self._lock:  # what the staging thread did not take (it ended, or timed out)
             left = [*self._jobs, *self._waiting]
@@ -281,17 +281,23 @@ class StagedTransport(Transport):
                 self._wake.notify()
                 return
             op.posted = True
-        self._post_recv(op)
+        try:
+            self._post_recv(op)
+        except BaseException:  # refused at once: the caller gets the error, no completion
+            with self._lock:
+                op.done = True
+                self._ops.pop((op.peer, op.tag), None)
+                lease, op.lease = op.lease, None
+            if lease is not None:
+                self.pool.give(lease)
+            raise
 
     def _post_recv(self, op: _Op) -> None:
-        """Posts a receive that holds its lease on the wrapped transport (any thread but the
-        wrapped transport's own)."""
+        """Posts a receive that holds its lease on the wrapped transport (the caller's thread
+        or the staging thread); its refusal is raised."""
         assert op.lease is not None
-        try:
-            self.inner.post_recv(op.peer, op.tag, ARENA, op.lease.offsets, op.lease.lengths,
-                                 lambda e: self._received(op, e))
-        except Exception as e:  # noqa: BLE001 - the op fails with it (a peer gone meanwhile)
-            self._end(op, e)
+        self.inner.post_recv(op.peer, op.tag, ARENA, op.lease.offsets, op.lease.lengths,
+                             lambda e: self._received(op, e))
 
     def _received(self, op: _Op, exc: BaseException | None) -> None:
         """(wrapped transport's thread) A staged receive's bytes landed in its lease, or it
@@ -370,7 +376,10 @@ class StagedTransport(Transport):
                     self._jobs.append(op)
                     continue
                 op.posted = True
-            self._post_recv(op)
+            try:
+                self._post_recv(op)
+            except Exception as e:  # noqa: BLE001 - the op fails with it (its peer gone ...)
+                self._end(op, e)
 
     def _copy(self, op: _Op) -> None:
         with self._lock:

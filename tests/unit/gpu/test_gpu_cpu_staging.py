@@ -12,6 +12,7 @@ tests/unit/gpu/test_staging_cuda.py (marked gpu)."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -314,3 +315,84 @@ def test_ready_lists_a_staged_rank_as_degraded(cuda_standin: None) -> None:
             ready = httpx.get(url + "/ready", timeout=10).json()
     assert ready["degraded_ranks"] == 1, ready
     assert ready["degraded"] == ["staged/dp0/cp0/tp0/pp0 (tcp-staged)"], ready
+
+
+class _Done:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.errors: list[BaseException | None] = []
+
+    def __call__(self, exc: BaseException | None) -> None:
+        self.errors.append(exc)
+        self.event.set()
+
+    def wait(self) -> BaseException | None:
+        assert self.event.wait(WAIT_S), "on_done was not called in time"
+        assert len(self.errors) == 1, self.errors
+        return self.errors[0]
+
+
+def _staged_pair() -> tuple[StagedTransport, StagedTransport]:
+    from kvhandoff.transports.base import load_transport
+
+    s = Settings(transport="tcp", host_staging_mib=1)
+    a = StagedTransport(load_transport("tcp", s), s, reason="test", pinned=False)
+    b = StagedTransport(load_transport("tcp", s), s, reason="test", pinned=False)
+    a.connect("b", b.address)
+    b.connect("a", a.address)
+    return a, b
+
+
+def test_the_transport_moves_spans_through_leases_of_several_ranges() -> None:
+    """CPU tensors registered as the device buffers (what `BufferSet` hands it under the
+    stand-in); the decode's arena fragmented first, so its lease is several ranges and the
+    copies cut the stream at other places than the device spans."""
+    a, b = _staged_pair()
+    try:
+        g = torch.Generator().manual_seed(9)
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        a.register("kv/0", src)
+        b.register("kv/0", dst)
+        held = [b.pool.take(100 * ALIGN), b.pool.take(7 * ALIGN), b.pool.take(50 * ALIGN)]
+        b.pool.give(held[0])  # 100 units free, 7 held, then free again past 157
+        s_off, s_nb = np.array([5000, 300_000, 700_004]), np.array([200_000, 123_456, 4])
+        d_off, d_nb = np.array([900_000, 0]), np.array([100_000, 223_460])
+        recv, sent = _Done(), _Done()
+        b.post_recv("a", 7, "kv/0", d_off, d_nb, recv)
+        a.post_send("b", 7, "kv/0", s_off, s_nb, sent)
+        assert sent.wait() is None and recv.wait() is None
+        stream = torch.cat([src[o:o + n] for o, n in zip(s_off, s_nb, strict=True)])
+        landed = torch.cat([dst[o:o + n] for o, n in zip(d_off, d_nb, strict=True)])
+        assert torch.equal(stream, landed)
+        assert int(dst[223_460:900_000].count_nonzero()) == 0  # nothing outside the spans
+        assert b.status().counters["staged_bytes_in"] == int(s_nb.sum())
+        assert a.status().counters["staged_bytes_out"] == int(s_nb.sum())
+        for lease in held[1:]:
+            b.pool.give(lease)
+        assert a.pool.in_use() == 0 and b.pool.in_use() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cancel_and_close_complete_waiting_and_posted_ops() -> None:
+    a, b = _staged_pair()
+    try:
+        b.register("kv/0", torch.zeros(1 << 20, dtype=torch.uint8))
+        posted, waiting, late = _Done(), _Done(), _Done()
+        b.post_recv("a", 1, "kv/0", np.array([0]), np.array([600 << 10]), posted)
+        b.post_recv("a", 2, "kv/0", np.array([0]), np.array([600 << 10]), waiting)
+        b.post_recv("a", 3, "kv/0", np.array([0]), np.array([ALIGN]), late)  # behind tag 2
+        assert b.status().counters["staging_waits"] == 2
+        b.cancel("a", 2)
+        err = waiting.wait()
+        assert isinstance(err, TransportError) and "tag 2 cancelled" in str(err)
+    finally:
+        b.close()
+        a.close()
+    for done in (posted, late):  # posted on tcp (tag 3 once tag 2 left), or still waiting
+        err = done.wait()
+        assert isinstance(err, TransportError), err
+    assert not b._ops and not b._waiting  # every op ended
+    assert b.pool.in_use() == 0
