@@ -98,6 +98,8 @@ _COUNTER_HELP = {
                         "sent (prefill).",
     "staged_bytes_in": "Host staging: bytes received into pinned host buffers and copied into "
                        "device pages (decode).",
+    "staging_waits": "Host staging: sends or receives that waited for room in the staging "
+                     "arena (host_staging_mib).",
     "cancel_failures": "Cancels or disconnects the transport could not confirm (a copy that "
                        "did not stop): the room's pages stayed held until write_quarantine_s.",
     "internal_errors": "Rooms failed (both sides told) because handling one of their events "
