@@ -27,7 +27,12 @@
 #      CUTLASS_MLA, TRITON_MLA, bfloat16 and per-tensor fp8 caches (fp8, fp8_e5m2) where the
 #      backend takes them: each must log "layout verified against <backend>") and
 #      tests/unit/gpu/test_lanes_cuda.py (the lane choice SGLang and vLLM share, on real CUDA
-#      pages: the default settings start an agent, shm CUDA IPC + nixl; host-only lanes refused).
+#      pages: the default settings start an agent, shm CUDA IPC + nixl; host-only lanes take
+#      host staging, or are refused with host_staging=off) and
+#      tests/unit/gpu/test_staging_cuda.py (host staging: two agents over tcp with CUDA pages,
+#      each layer copied through pinned host slabs on both sides, byte-exact, devsum).
+#   1b. the host staging test again on its own (cap 25 s), its result in pytest-staging.xml:
+#      the fallback for hosts without GPUDirect RDMA.
 #   2. `python -m kvhandoff.bench.devsum --device cuda` (cap 2 x 30 s): devsum against a
 #      contiguous device copy and a page gather copy of the same page set, page-granular
 #      (16-token pages of 656 B) and token-granular (132 B) sets.
@@ -85,6 +90,14 @@ timeout 180 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider \
 prc=${PIPESTATUS[0]}
 say "pytest -m gpu exit $prc"
 [[ $prc -ne 0 ]] && rc=1
+
+say "== 1b. host staging over tcp with CUDA pages (cap 25 s)"
+timeout 25 "$PY" -m pytest -q -m gpu tests/unit/gpu/test_staging_cuda.py -rs \
+  -p no:cacheprovider --junitxml "$R/pytest-staging.xml" 2>&1 | tee "$R/pytest-staging.txt" \
+  | tail -8 | tee -a "$LOG"
+src=${PIPESTATUS[0]}
+say "host staging test exit $src"
+[[ $src -ne 0 ]] && rc=1
 
 say "== 2. devsum vs device copy on $DEV (cap 2 x 30 s)"
 if [[ "$DEV" == cpu ]]; then BIG=32 SMALL=8 REP=3; else BIG=256 SMALL=64 REP=10; fi

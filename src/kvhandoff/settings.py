@@ -55,6 +55,13 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVHANDOFF_", extra="ignore")
 
+    @field_validator("host_staging")
+    @classmethod
+    def _host_staging(cls, v: str) -> str:
+        if v not in ("auto", "on", "off"):
+            raise ValueError(f"host_staging must be auto, on or off, got {v!r}")
+        return v
+
     @field_validator("auto_cross_host")
     @classmethod
     def _cross_host_kind(cls, v: TransportKind) -> TransportKind:
@@ -144,6 +151,18 @@ class Settings(BaseSettings):
         "the checksum computed while copying). A transfer is one-sided only when the decode "
         "offers its buffers and the prefill takes them, so the two sides need not agree; off "
         "on either side: two-sided sends.")
+    host_staging: str = Field(
+        "auto", description="KV caches in CUDA memory on a transport that cannot reach device "
+        "memory (tcp, ucx; auto whose lane to other hosts is one of them): auto (default) copies "
+        "each layer's device pages through pinned host staging buffers (visible: status "
+        "'staging', a start log line, the staged_bytes counters); on: stage always, also over "
+        "nixl (hosts without GPUDirect RDMA) or shm; off: never stage (such a start is refused "
+        "naming this setting). Host caches never stage.")
+    host_staging_mib: int = Field(
+        2048, gt=0, description="Host staging: MiB of the pinned host arena each staging "
+        "agent makes on first use and reuses; layers that do not fit wait for earlier ones "
+        "to free it (a room larger than the arena passes layer by layer), a layer larger than "
+        "the whole arena fails its room naming this setting.")
     write_quarantine_s: float = Field(
         10.0, gt=0, description="One-sided writes: when the prefill of a room is lost mid-"
         "transfer, the decode fails the room at once but holds its pages this long before "

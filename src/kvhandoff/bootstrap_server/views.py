@@ -23,6 +23,12 @@ from kvhandoff.bootstrap_server.schemas import (
 DEGRADED_TRANSPORTS = frozenset({"tcp", "ucx-tcp"})
 
 
+def degraded_transport(t: str) -> bool:
+    """Whether a rank's registered transport is degraded: tcp, UCX on TCP lanes, or device
+    pages through host staging (``<kind>-staged``, runtime/staging.py)."""
+    return t in DEGRADED_TRANSPORTS or t.endswith("-staged")
+
+
 def rank_public(rec: RankRecord, now: float) -> RankPublic:
     k, t = rec.key, rec.topology
     return RankPublic(
@@ -71,12 +77,12 @@ def _degraded_sample(reg: Registry, engines: list[EngineRecord], limit: int) -> 
     """Up to `limit` degraded ranks; walks only engines that have one, and stops at `limit`."""
     out: list[str] = []
     for eng in engines:
-        if not any(t in DEGRADED_TRANSPORTS for t in reg.transports_of(eng.engine_id)):
+        if not any(degraded_transport(t) for t in reg.transports_of(eng.engine_id)):
             continue
         for r in reg.ranks_of(eng.engine_id):
             if len(out) >= limit:
                 return out
-            if r.transport in DEGRADED_TRANSPORTS:
+            if degraded_transport(r.transport):
                 out.append(f"{r.key} ({r.transport})")
     return out
 
@@ -90,7 +96,7 @@ def ready_status(reg: Registry, *, require_rdma: bool) -> ReadyStatus:
     expected, live = reg.expected_count(), reg.live_rank_count()
     missing_n = reg.missing_count()
     degraded_n = sum(n for e in engines for t, n in reg.transports_of(e.engine_id).items()
-                     if t in DEGRADED_TRANSPORTS)
+                     if degraded_transport(t))
     if not engines and not (reg.stats.registrations or reg.stats.re_registrations):
         ready, reason = False, "no rank has registered yet"
     elif not engines:
@@ -99,7 +105,8 @@ def ready_status(reg: Registry, *, require_rdma: bool) -> ReadyStatus:
     elif missing_n:
         ready, reason = False, f"{missing_n} of {expected} expected ranks are not live"
     elif require_rdma and degraded_n:
-        ready, reason = False, f"require_rdma is set and {degraded_n} ranks use tcp"
+        ready, reason = False, (f"require_rdma is set and {degraded_n} ranks use tcp or "
+                                 "host staging")
     else:
         ready, reason = True, f"all {expected} expected ranks are live"
     # incomplete engines first: they are the ones an operator looks for

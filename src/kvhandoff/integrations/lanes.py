@@ -9,9 +9,12 @@ it, so
 
 - ``transport = auto`` (the default) with ``auto_cross_host`` left unset takes nixl for peers
   on other hosts (shm stays the lane for peers on this host), and the start log says so;
-- anything else that cannot move device memory (``transport`` ucx, tcp or inproc; ``auto`` with
-  ``auto_cross_host`` set to ucx or tcp; one-sided writes off, which leaves the shm lane
-  nothing to move device memory with) is refused with the setting to change;
+- a transport that cannot reach device memory (``transport`` ucx, tcp or inproc; ``auto``
+  with ``auto_cross_host`` set to ucx or tcp) moves it through host staging
+  (`runtime.staging`, the agent's own choice from the same settings), and the start log line
+  says so; with ``host_staging=off`` it is refused with the setting to change, as is
+  one-sided writes off on a direct lane (which leaves the shm lane nothing to move device
+  memory with); ``host_staging=on`` stages on every lane (nixl without GPUDirect RDMA);
 - a choice that needs NIXL (``transport`` nixl, or ``auto`` whose lane to other hosts is nixl)
   on a host where NIXL is not installed is refused at start with the install line
   (`NIXL_INSTALL`), instead of the agent failing when it first builds the transport.
@@ -74,9 +77,14 @@ def choose_lane(settings: Settings, memory: str, *,
         return settings, f"KV caches in host memory: transport {kind} ({where})"
     fix = ("leave transport unset (auto: shm with peers on this host, nixl with other hosts) "
            "or set it to nixl")
+    staged = settings.host_staging != "off"
+    off = ("; settings.host_staging=off (host_staging=auto moves device pages through pinned "
+           "host buffers)")
     if kind not in (TransportKind.AUTO, *DEVICE_KINDS):
+        if staged:
+            return settings, _staged_line(settings, str(kind))
         raise ConfigError(f"settings.transport={kind}: the KV caches are CUDA memory and the "
-                          f"{kind} transport moves host memory only; {fix}")
+                          f"{kind} transport moves host memory only; {fix}{off}")
     chosen = False
     if kind is TransportKind.AUTO:
         if "auto_cross_host" not in settings.model_fields_set:
@@ -84,10 +92,18 @@ def choose_lane(settings: Settings, memory: str, *,
             settings = settings.model_copy(update={"auto_cross_host": TransportKind.NIXL})
             cross = TransportKind.NIXL
         elif cross not in DEVICE_KINDS:
+            if staged:
+                return settings, _staged_line(
+                    settings, f"auto (shm with peers on this host, {cross} with other hosts)")
             raise ConfigError(f"settings.auto_cross_host={cross}: the KV caches are CUDA memory "
                               f"and the {cross} transport moves host memory only; set "
                               "auto_cross_host to nixl (or leave it unset: nixl is then the "
-                              "default for CUDA caches)")
+                              f"default for CUDA caches){off}")
+    if settings.host_staging == "on":  # two-sided, through host staging on every lane
+        _need_nixl(kind, cross, "cuda", missing, chosen=chosen)
+        return settings, _staged_line(settings, str(kind) if kind is not TransportKind.AUTO else
+                                      f"auto (shm with peers on this host, {cross} with other "
+                                      "hosts)")
     if kind is not TransportKind.NIXL and not settings.one_sided_writes:
         raise ConfigError(f"settings.one_sided_writes=false: the KV caches are CUDA memory and "
                           f"the {kind} transport's same-host lane moves device memory with "
@@ -100,6 +116,15 @@ def choose_lane(settings: Settings, memory: str, *,
         return settings, ("KV caches in CUDA memory: transport shm (CUDA IPC, peers on this "
                           "host only)")
     return settings, "KV caches in CUDA memory: transport nixl (VRAM registration)"
+
+
+def _staged_line(settings: Settings, lanes: str) -> str:
+    """The start log line of CUDA caches that move through host staging."""
+    why = ("settings.host_staging=on" if settings.host_staging == "on" else
+           "the transport cannot reach device memory (host_staging=auto)")
+    return (f"KV caches in CUDA memory: transport {lanes}, through HOST STAGING ({why}): each "
+            "layer's device pages are copied through pinned host buffers "
+            f"(at most host_staging_mib={settings.host_staging_mib})")
 
 
 def _need_nixl(kind: TransportKind, cross: TransportKind, memory: str,

@@ -44,6 +44,7 @@ from kvhandoff.runtime.eventwait import EventWaiter
 from kvhandoff.runtime.handles import ChunkState, Receiver, RoomView, Sender, chunk_table
 from kvhandoff.runtime.loop import ControlLoop
 from kvhandoff.runtime.seam import Filtered
+from kvhandoff.runtime.staging import StagedTransport, stage
 from kvhandoff.runtime.tracing import RoomTimelines
 from kvhandoff.settings import Settings, listener_auth
 from kvhandoff.state_machine import Role
@@ -125,6 +126,9 @@ class TransferAgent:
         self._open_lock = threading.Lock()
         self._closed = False
         self.transport = transport or load_transport(self.settings.transport, self.settings)
+        # device buffers on a transport that cannot reach device memory: host staging (or a
+        # refusal naming host_staging); the transport is closed on a refusal
+        self.transport = stage(self.transport, self.settings, self.buffers, log.warning)
         if self.settings.require_rdma and self.transport.status().degraded:
             st = self.transport.status()
             self.transport.close()
@@ -297,11 +301,18 @@ class TransferAgent:
             "agent_id": self.agent_id, "role": self.role.value, "address": self.address,
             "generation": self.generation, "layout_hash": self.layout_hash,
             "auth": self.auth.value,
+            # "host": device pages move through pinned host buffers (runtime.staging)
+            "staging": self.status_staging(),
             "transport": {"kind": st.kind, "lanes": list(st.lanes), "degraded": st.degraded,
                           "reason": st.reason, "bytes_sent": st.bytes_sent,
                           "bytes_received": st.bytes_received, "counters": st.counters},
             **s,
         }
+
+    def status_staging(self) -> str:
+        """"host" when this agent's device pages move through host staging
+        (`runtime.staging`), else "none"."""
+        return "host" if isinstance(self.transport, StagedTransport) else "none"
 
     def close(self) -> None:
         """Fails open rooms, stops the threads, closes sockets and the transport. Idempotent."""

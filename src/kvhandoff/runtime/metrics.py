@@ -93,6 +93,13 @@ _COUNTER_HELP = {
                          "write quarantine (write_quarantine_s, at least stall_timeout_s + 2 "
                          "heartbeats) because the prefill never confirmed its writes stopped "
                          "(it died, froze or was cut off).",
+    "staged_bytes_out": "Host staging (CUDA caches on a lane that cannot reach device "
+                        "memory): bytes copied from device pages to pinned host buffers and "
+                        "sent (prefill).",
+    "staged_bytes_in": "Host staging: bytes received into pinned host buffers and copied into "
+                       "device pages (decode).",
+    "staging_waits": "Host staging: sends or receives that waited for room in the staging "
+                     "arena (host_staging_mib).",
     "cancel_failures": "Cancels or disconnects the transport could not confirm (a copy that "
                        "did not stop): the room's pages stayed held until write_quarantine_s.",
     "internal_errors": "Rooms failed (both sides told) because handling one of their events "

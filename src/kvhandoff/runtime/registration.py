@@ -88,12 +88,17 @@ class Registration:
     def _register(self) -> None:
         a = self._agent
         a_status = a.transport.status()
+        if "host-staging" in a_status.lanes:  # device pages through host memory: /ready says
+            label = f"{a_status.kind}-staged"
+        elif a_status.degraded and a_status.kind != "tcp":
+            label = f"{a_status.kind}-tcp"
+        else:
+            label = a_status.kind
         self._client.register_rank(
             role="prefill", agent_address=a.address, generation=str(a.generation),
             layout=a.layout.tp_invariant(), layout_hash=layout_hash(a.layout.tp_invariant()),
             dp_size=a.dp_size, tp_size=a.tp_size,
-            transport=(f"{a_status.kind}-tcp" if a_status.degraded and a_status.kind != "tcp"
-                       else a_status.kind), **self._ident())
+            transport=label, **self._ident())
         self.registered.set()
         self.error = None
 

@@ -49,9 +49,13 @@ def test_cuda_pool_takes_nixl_across_hosts(role: str) -> None:
 def test_a_host_only_transport_is_refused_naming_the_setting() -> None:
     from kvhandoff.integrations.sglang.conn import agent_lane
 
+    # host staging (the default, host_staging=auto) moves CUDA pages over a host-only lane
+    _, line = agent_lane(Settings(transport="tcp"), cuda_pool(), "kv", "decode")
+    assert "through HOST STAGING" in line
     with pytest.raises(ConfigError, match=r"kvhandoff SGLang decode backend, kv agent: "
-                                          r"settings\.transport=tcp: the KV caches are CUDA"):
-        agent_lane(Settings(transport="tcp"), cuda_pool(), "kv", "decode")
+                                          r"settings\.transport=tcp: the KV caches are CUDA.*"
+                                          r"settings\.host_staging=off"):
+        agent_lane(Settings(transport="tcp", host_staging="off"), cuda_pool(), "kv", "decode")
 
 
 def test_manager_start_without_nixl_names_the_install_line(

@@ -87,6 +87,11 @@ def test_recipe_moves_cuda_caches_across_hosts(role: str) -> None:
     ({"one_sided_writes": False}, "settings.one_sided_writes=false"),
 ])
 def test_cuda_caches_refuse_host_only_lanes(given: dict[str, Any], named: str) -> None:
+    if "one_sided_writes" not in given:  # a host-only lane: host staging unless it is off
+        _, line = choose_lane(Settings(**given), "cuda")
+        assert "through HOST STAGING" in line, line
+        given = {**given, "host_staging": "off"}
+        named += r": the KV caches are CUDA memory"
     with pytest.raises(ConfigError, match=re.escape(named)):
         choose_lane(Settings(**given), "cuda")
     choose_lane(Settings(**given), "host")  # host memory: any of these moves it

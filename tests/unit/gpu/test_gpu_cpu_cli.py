@@ -109,9 +109,12 @@ def test_gpu_check_script_is_bash_clean_and_runs_the_gpu_commands() -> None:
     for needed in ('-m pytest -q -m gpu tests', '-m kvhandoff.bench.devsum --device "$DEV"',
                    '-m kvhandoff.cli bench --device "$DEV"',
                    '-m kvhandoff.cli demo --device "$DEV"', "-m kvhandoff.cli doctor --json",
-                   'R=${OUT:-./gpu_check_out}'):
+                   'R=${OUT:-./gpu_check_out}',
+                   '-m pytest -q -m gpu tests/unit/gpu/test_staging_cuda.py'):
         assert needed in body, needed
     caps = [int(x) for x in re.findall(r"^\s*timeout (\d+) ", body, re.M)]
     devsum_runs = 2  # the devsum step's timeout runs once per page set
-    total = sum(caps) + caps[1] * (devsum_runs - 1)
-    assert len(caps) == 5 and total < 8 * 60, caps
+    devsum = re.search(r"^\s*timeout (\d+) \"\$PY\" -m kvhandoff\.bench\.devsum", body, re.M)
+    assert devsum is not None
+    total = sum(caps) + int(devsum.group(1)) * (devsum_runs - 1)
+    assert len(caps) == 6 and total < 8 * 60, caps

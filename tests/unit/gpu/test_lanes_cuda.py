@@ -3,7 +3,8 @@ scripts/gpu_check.sh): the lane choice every integration shares (`integrations.l
 CUDA buffers. The settings an SGLang rank and a vLLM worker start with by default (transport
 auto, nothing else set) give an agent over CUDA pages that starts: shm's CUDA IPC lane for this
 host and nixl (VRAM registration) for the others, where before its UCX part refused the CUDA
-buffers at register. A host-only transport is refused at the choice, naming the setting.
+buffers at register. A host-only transport takes host staging, or with host_staging=off is
+refused at the choice, naming the setting.
 
 Written without a GPU at hand: its first run on a lent machine is the first check."""
 
@@ -46,5 +47,7 @@ def test_default_settings_start_an_agent_on_cuda_pages() -> None:
                                    {"auto_cross_host": "ucx"}])
 def test_host_only_lanes_are_refused_for_cuda_pages(given: dict[str, str]) -> None:
     bufs = allocate(tiny_layout(), 8, device="cuda")
+    _, line = choose_lane(Settings(**given), buffers_memory(bufs, "kv"))
+    assert "through HOST STAGING" in line  # host_staging=auto
     with pytest.raises(ConfigError, match=r"settings\.(transport|auto_cross_host)="):
-        choose_lane(Settings(**given), buffers_memory(bufs, "kv"))
+        choose_lane(Settings(**given, host_staging="off"), buffers_memory(bufs, "kv"))

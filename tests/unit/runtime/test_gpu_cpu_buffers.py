@@ -159,8 +159,9 @@ def test_cuda_buffers_on_two_devices_are_refused() -> None:
 
 
 def test_an_agent_refused_by_its_transport_closes_it() -> None:
-    """CUDA buffers on tcp: the agent raises the transport's refusal and closes the transport
-    it built on (no I/O thread left behind)."""
+    """CUDA buffers torch cannot copy here (array interfaces, no CUDA torch) on tcp: neither
+    the transport nor host staging can move them; the agent raises the refusal and closes the
+    transport it built on (no I/O thread left behind)."""
     import threading
 
     from kvhandoff.transfer import TransferAgent
@@ -169,7 +170,7 @@ def test_an_agent_refused_by_its_transport_closes_it() -> None:
     lay = tiny_layout()
     t = load_transport("tcp", Settings(transport="tcp"))
     before = {th.ident for th in threading.enumerate()}
-    with pytest.raises(TransportError, match="moves host memory only"):
+    with pytest.raises(ConfigError, match="moves host memory only and host staging"):
         TransferAgent("prefill", lay, fake_buffers(lay, 4), Settings(transport="tcp"),
                       transport=t)
     with pytest.raises(TransportError, match="closed"):
