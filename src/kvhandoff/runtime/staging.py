@@ -372,14 +372,24 @@ class StagedTransport(Transport):
             with self._lock:
                 self._waiting.popleft()
                 op.lease = lease
-                if op.send:
+                # a cancel that came while the lease was taken found the op unposted and
+                # left it to this thread: a receive posted now would wait for bytes that
+                # never come, so it ends here (a send's copy checks it in `_copy`)
+                late = op.cancelled is not None and not op.send
+                if op.send and not late:
                     self._jobs.append(op)
                     continue
-                op.posted = True
+                if not late:
+                    op.posted = True
+            if late:
+                self._end(op, TransportError(f"host staging: tag {op.tag} {op.cancelled}"))
+                continue
             try:
                 self._post_recv(op)
             except Exception as e:  # noqa: BLE001 - the op fails with it (its peer gone ...)
                 self._end(op, e)
+                continue
+            self._cancel_if_late(op)
 
     def _copy(self, op: _Op) -> None:
         with self._lock:
@@ -423,7 +433,12 @@ class StagedTransport(Transport):
         except Exception as e:  # noqa: BLE001 - e.g. the peer was disconnected meanwhile
             self._end(op, e)
             return
-        with self._lock:  # a cancel that came between the post and here found it unposted
+        self._cancel_if_late(op)
+
+    def _cancel_if_late(self, op: _Op) -> None:
+        """(staging thread, after posting `op` on the wrapped transport) A cancel that came
+        between marking it posted and the post itself cancelled nothing there: again now."""
+        with self._lock:
             late = op.cancelled is not None and not op.done
         if late:
             self.inner.cancel(op.peer, op.tag)
