@@ -303,6 +303,19 @@ def build_spans(
             and pairs == [(i, i) for i in range(len(region.planes))]:
         pairs, plane_bytes, s_poff, d_poff = [(0, 0)], [s_row], (0,), (0,)
         s_tm = d_tm = False
+    elif s_tm and d_tm and len(pairs) > 1:
+        # planes next to each other in a row on both sides (a run of heads) are one piece
+        runs: list[tuple[int, int]] = []
+        run_bytes: list[int] = []
+        prev = (-2, -2)
+        for (si, di), b in zip(pairs, plane_bytes, strict=True):
+            if (si, di) == (prev[0] + 1, prev[1] + 1):
+                run_bytes[-1] += b
+            else:
+                runs.append((si, di))
+                run_bytes.append(b)
+            prev = (si, di)
+        pairs, plane_bytes = runs, run_bytes
     per_row = s_tm or d_tm
 
     # Segment boundaries: the range ends plus every page boundary of either side inside it

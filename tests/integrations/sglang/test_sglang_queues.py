@@ -211,12 +211,13 @@ def _heads(side: S.Side) -> list[Any]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2)])
 def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
         bootstrap: Any, p_tp: int, d_tp: int) -> None:
     """A Llama-shaped prefill and decode (4 KV heads) of different attention TP sizes, every
     rank built by SGLang's own queue: TP 1 -> 2, the prefill rank feeds both decode ranks, each
-    its 2 heads; TP 2 -> 1, the decode rank gathers its 4 heads from both prefill ranks. Each
+    its 2 heads; TP 2 -> 1, the decode rank gathers its 4 heads from both prefill ranks; 2 -> 4
+    and 4 -> 2 the same with 1-head ranks on one side. Each
     decode rank's pages hold exactly the prefill's bytes of its heads, token by token; the
     metadata buffers come from the first prefill rank of each decode rank."""
     import torch
@@ -230,7 +231,7 @@ def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
         assert [s.pool.head_num for s in pres] == [4 // p_tp] * p_tp
         assert [s.pool.head_num for s in decs] == [4 // d_tp] * d_tp
         addr, room = f"127.0.0.1:{bootstrap.port}", 9302
-        src, dsts = [2, 7, 4], [[6, 1, 3], [0, 5, 2]][:d_tp]
+        src, dsts = [2, 7, 4], [[6, 1, 3], [0, 5, 2], [4, 7, 1], [3, 2, 6]][:d_tp]
         rng = np.random.default_rng(room)
         for pre in pres:
             for v in page_views(pre):
@@ -279,7 +280,8 @@ def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
                 assert torch.equal(_u8(a, a.shape[0])[S_AUX], _u8(b, b.shape[0])[D_AUX])
         # one KV room a prefill rank; only the first of a decode rank's prefill ranks sends
         # the metadata buffers (aux room)
-        assert [len(s._handles) for s in senders] == ([2] if p_tp == 1 else [2, 1])
+        assert [len(s._handles) for s in senders] == [
+            2 if p_tp <= d_tp or p % (p_tp // d_tp) == 0 else 1 for p in range(p_tp)]
     finally:
         for side in (*decs, *pres):
             side.kv_manager.close()

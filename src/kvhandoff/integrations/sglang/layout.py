@@ -75,9 +75,16 @@ a draft cache can only land in the peer's draft regions. An entry of item length
 0-row placeholders: skip-topk indexer layers, layers another rank owns) is an empty layer of
 its region (`RegionSpec.empty_layers`): no view, nothing moves for it.
 
+Non-MLA K / V regions between attention TP sizes: a token's row, all ranks together, is cut into
+`ROW_SLICES` slices; rank ``r`` of ``T`` holds slices ``[r * ROW_SLICES / T, (r + 1) *
+ROW_SLICES / T)`` (SGLang's heads ``[r * H / T, (r + 1) * H / T)``, side by side in the row),
+the region's planes ``s<i>`` (token-major pages), so a decode rank's planes pair by name with the
+prefill ranks holding them (`hetero_tp_refusal`: the pairs that cannot). A pool with per-rank
+state, or a TP size not dividing `ROW_SLICES`, keeps one plane and moves rank to rank only.
+
 The layout's ``model`` field carries what SGLang itself requires to be equal on both sides (page
-size, KV dtype, PP size; the attention TP size for non-MLA pools, which this backend moves rank
-to rank; a rank's KV heads are in its regions' bytes per token): it is part of the layout
+size, KV dtype, PP size; the attention TP size for non-MLA pools moved rank to rank; a rank's KV
+heads are in its regions' bytes per token): it is part of the layout
 hash both agents compare at the handshake, so a mismatch (another layer set, a draft cache on
 one side only, another kpool) fails the handshake with the differing field named.
 
