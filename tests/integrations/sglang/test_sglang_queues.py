@@ -217,7 +217,7 @@ def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
     """A Llama-shaped prefill and decode (4 KV heads) of different attention TP sizes, every
     rank built by SGLang's own queue: TP 1 -> 2, the prefill rank feeds both decode ranks, each
     its 2 heads; TP 2 -> 1, the decode rank gathers its 4 heads from both prefill ranks; 2 -> 4
-    and 4 -> 2 the same with 1-head ranks on one side. Each
+    and 4 -> 2 the same with 1-head ranks on one side; the prefill sends in two chunks. Each
     decode rank's pages hold exactly the prefill's bytes of its heads, token by token; the
     metadata buffers come from the first prefill rank of each decode rank."""
     import torch
@@ -255,7 +255,9 @@ def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
             assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
             assert s.pop_decode_prefix_len() == 0
             s.init(len(src), S_AUX)
-            s.send(np.asarray(src, np.int32), None)
+            # two chunks: the first streams before the last send() (per decode rank's slices)
+            s.send(np.asarray(src[:2], np.int32), None)
+            s.send(np.asarray(src[2:], np.int32), None)
         for r in receivers:
             rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
             assert rs == KVPoll.Success, S.failure_text(r)
