@@ -46,8 +46,8 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         if self.conclude_state == KVPoll.Failed:
             return
         # SGLang's targets: one prefill rank, or (a non-MLA pool, prefill TP > decode TP)
-        # every prefill rank holding a share of this rank's heads; the metadata, aux and any
-        # state come from the first (`KVHandoffKVManager.sends_aux`)
+        # every prefill rank holding a share of this rank's heads; SGLang's metadata buffers
+        # (the aux room) come from the first only (`KVHandoffKVManager.sends_aux`)
         ranks = [int(self.target_tp_rank)]
         if not self.kv_mgr.is_mla_backend:
             ranks = [int(t) for t in (self.target_tp_ranks or ranks)]
