@@ -290,8 +290,36 @@ def build_spans(
     d_pnb = dst_reg.page_stride(dst_page_size * k)
 
     pairs = _plane_pairs(region, dst_reg, planes)
+    # Token-major pages (a row holds every plane): a plane's bytes of consecutive rows are a
+    # row apart, so such a side moves row by row, unless the pairs take whole rows on both
+    # sides (every plane, same order and offsets): a whole row then acts as one plane.
+    s_tm = region.token_major and len(region.planes) > 1
+    d_tm = dst_reg.token_major and len(dst_reg.planes) > 1
+    s_row, d_row = region.bytes_per_row, dst_reg.bytes_per_row
+    s_poff = region.plane_offsets()
+    d_poff = dst_reg.plane_offsets()
+    plane_bytes = [region.planes[si].bytes_per_token for si, _ in pairs]
+    if (s_tm or d_tm) and s_tm == d_tm and region.planes == dst_reg.planes \
+            and pairs == [(i, i) for i in range(len(region.planes))]:
+        pairs, plane_bytes, s_poff, d_poff = [(0, 0)], [s_row], (0,), (0,)
+        s_tm = d_tm = False
+    elif s_tm and d_tm and len(pairs) > 1:
+        # planes next to each other in a row on both sides (a run of heads) are one piece
+        runs: list[tuple[int, int]] = []
+        run_bytes: list[int] = []
+        prev = (-2, -2)
+        for (si, di), b in zip(pairs, plane_bytes, strict=True):
+            if (si, di) == (prev[0] + 1, prev[1] + 1):
+                run_bytes[-1] += b
+            else:
+                runs.append((si, di))
+                run_bytes.append(b)
+            prev = (si, di)
+        pairs, plane_bytes = runs, run_bytes
+    per_row = s_tm or d_tm
 
-    # Segment boundaries: the range ends plus every page boundary of either side inside it.
+    # Segment boundaries: the range ends plus every page boundary of either side inside it
+    # (every row boundary where a side moves row by row).
     def bounds(first: int, size: int) -> IntArray:
         lo = first + (-(-(token_start - first) // size)) * size
         b: IntArray = np.arange(lo, token_end, size, dtype=np.int64)
@@ -301,6 +329,8 @@ def build_spans(
         np.union1d(bounds(src_first_token, src_page_size), bounds(dst_first_token, dst_page_size)),
         np.array([token_start, token_end], dtype=np.int64),
     )
+    if per_row:
+        cuts = np.arange(token_start, token_end + 1, dtype=np.int64)
     seg_start = cuts[:-1]
     seg_len = np.diff(cuts)
     s_rel = seg_start - src_first_token
@@ -310,16 +340,16 @@ def build_spans(
     s_tok = s_rel % src_page_size
     d_tok = d_rel % dst_page_size
 
-    s_poff = region.plane_offsets()
-    d_poff = dst_reg.plane_offsets()
     n_seg, n_pl = seg_start.shape[0], len(pairs)
     src_off = np.empty((n_seg, n_pl), dtype=np.int64)
     dst_off = np.empty((n_seg, n_pl), dtype=np.int64)
     nb = np.empty((n_seg, n_pl), dtype=np.int64)
     for k, (si, di) in enumerate(pairs):  # loop over planes (1-2, or heads), not tokens
-        b = region.planes[si].bytes_per_token
-        src_off[:, k] = s_page * s_pnb + s_poff[si] * src_page_size + s_tok * b
-        dst_off[:, k] = d_page * d_pnb + d_poff[di] * dst_page_size + d_tok * b
+        b = plane_bytes[k]
+        src_off[:, k] = s_page * s_pnb + (s_tok * s_row + s_poff[si] if s_tm
+                                          else s_poff[si] * src_page_size + s_tok * b)
+        dst_off[:, k] = d_page * d_pnb + (d_tok * d_row + d_poff[di] if d_tm
+                                          else d_poff[di] * dst_page_size + d_tok * b)
         nb[:, k] = seg_len * b
     src_f, dst_f, nb_f = src_off.ravel(), dst_off.ravel(), nb.ravel()
 

@@ -174,6 +174,10 @@ class RegionSpec:
     draft: bool = False  # a draft (MTP) model's region, layer ids after the target model's
     # equal page sizes on both sides: move whole pages (the last one too, partly filled)
     whole_pages: bool = False
+    # token-major pages: a row holds every plane in order (row i of page p, plane k at
+    # ``p * page_stride + i * bytes_per_row + plane_offset_k``), as SGLang's MHA pools keep a
+    # token's heads side by side; default plane-major (each plane's rows together)
+    token_major: bool = False
     placement: RowPlacement | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +207,9 @@ class RegionSpec:
         if list(self.empty_layers) != sorted(set(self.empty_layers)):
             raise ConfigError(f"region {self.name!r}.empty_layers: must be sorted ascending, "
                               "without duplicates")
+        if self.token_major and self.tokens_per_row != 1:
+            raise ConfigError(f"region {self.name!r}.token_major: a token-major region holds "
+                              f"one token a row, got tokens_per_row={self.tokens_per_row}")
         if self.tp_split is TPSplit.HEAD_SHARDED and len(self.planes) == 1:
             # one plane holding every local head (token-major pages): heads slice it evenly
             for p in self.planes:
@@ -304,6 +311,8 @@ class RegionSpec:
             d["draft"] = True
         if self.whole_pages:
             d["whole_pages"] = True
+        if self.token_major:
+            d["token_major"] = True
         return d
 
 
@@ -503,6 +512,7 @@ class LayoutSpec:
                     empty_layers=tuple(empty),
                     draft=_opt(rd, "draft", bool, where, False),
                     whole_pages=_opt(rd, "whole_pages", bool, where, False),
+                    token_major=_opt(rd, "token_major", bool, where, False),
                 )
             )
         rows = []
@@ -566,9 +576,14 @@ class LayoutSpec:
 
     def compat_form(self) -> LayoutSpec:
         """What two sides of a handoff must agree on: the layout with page size, TP rank and
-        memory organisation (packed rows) factored out. The span builder pairs pages token by
-        token, planes by name, and addresses each side's memory through its own layout."""
-        return self.with_page_size(1).tp_invariant().unpacked()
+        memory organisation (packed rows, token- or plane-major pages) factored out. The span
+        builder pairs pages token by token, planes by name, and addresses each side's memory
+        through its own layout."""
+        out = self.with_page_size(1).tp_invariant().unpacked()
+        if any(r.token_major for r in out.regions):
+            out = out._replace(regions=tuple(dataclasses.replace(r, token_major=False)
+                                             for r in out.regions))
+        return out
 
 
 def _int_list(v: list[Any], where: str) -> list[int]:

@@ -74,9 +74,11 @@ def span_plans(ctx: Context, plan: LegPlan, *, src_pages: Mapping[str, np.ndarra
 
 def _geometry(region: RegionSpec) -> tuple[object, ...]:
     """What `build_spans` reads of a region when it is given no layer: its planes (names and
-    bytes per token), rows, whole-page moves and its place in a packed row (the page stride).
-    Two regions with the same geometry get the same plan from the same pages and tokens."""
-    return (region.planes, region.tokens_per_row, region.whole_pages, region.placement)
+    bytes per token), rows, whole-page moves, token- or plane-major pages and its place in a
+    packed row (the page stride). Two regions with the same geometry get the same plan from
+    the same pages and tokens."""
+    return (region.planes, region.tokens_per_row, region.whole_pages, region.token_major,
+            region.placement)
 
 
 def _pages_key(pages: object) -> bytes:

@@ -180,13 +180,28 @@ def outcome(r: Any, s: Any) -> tuple[int, int, str | None]:
     return rs, until(s, ended), reason
 
 
-def publish_ranks() -> None:
+def publish_ranks(*, tp: bool = True) -> None:
     """The ranks the queues read of SGLang's parallel context (rank 0 of TP1, as
     `sglang_env.server_args` states the attention ranks): ``tp_rank``, ``pp_rank``
-    (prefill.py:198-199, decode.py:424, 428) and ``dp_rank`` (prefill.py:262, decode.py:616)."""
+    (prefill.py:198-199, decode.py:424, 428) and ``dp_rank`` (prefill.py:262, decode.py:616);
+    `tp` False: the TP rank is the one `tp_rank` states for the time being."""
     from sglang.srt.runtime_context import get_parallel
 
-    get_parallel().override_permanently(tp_rank=0, pp_rank=0, dp_rank=None)
+    if tp:
+        get_parallel().override_permanently(tp_rank=0, pp_rank=0, dp_rank=None)
+    else:
+        get_parallel().override_permanently(pp_rank=0, dp_rank=None)
+
+
+def tp_rank(tp: int, rank: int) -> Any:
+    """SGLang's parallel context of attention-TP rank `rank` of `tp` (no DP attention), for
+    building that rank's pool and queue in this process (`prefill_queue` / `decode_queues`
+    with ``rank=rank``, which then leave the TP rank to this); left, the context is what it
+    was."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(tp_size=tp, attn_tp_size=tp, moe_tp_size=tp,
+                                   tp_rank=rank, attn_tp_rank=rank)
 
 
 def _backend() -> Any:
@@ -196,12 +211,13 @@ def _backend() -> Any:
 
 
 def prefill_queue(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
-                  kv_dtype: str = "bfloat16", meta: tuple[Any, Any] | None = None) -> Side:
+                  kv_dtype: str = "bfloat16", meta: tuple[Any, Any] | None = None,
+                  rank: int | None = None) -> Side:
     """SGLang's ``PrefillBootstrapQueue`` over `pool` (and `meta`, `metadata()`'s pair, or new
     ones): its ``_init_kv_manager`` builds the kvhandoff prefill manager."""
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
-    publish_ranks()
+    publish_ranks(tp=rank is None)
     meta, alloc = meta or metadata()
     q = PrefillBootstrapQueue(
         token_to_kv_pool=pool, draft_token_to_kv_pool=draft,
@@ -214,7 +230,7 @@ def prefill_queue(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
 
 
 def decode_queues(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
-                  kv_dtype: str = "bfloat16") -> Side:
+                  kv_dtype: str = "bfloat16", rank: int | None = None) -> Side:
     """SGLang's ``DecodeTransferQueue`` and ``DecodePreallocQueue`` over `pool` (with a real
     ``PagedTokenToKVPoolAllocator`` and ``ReqToTokenPool``): the prealloc queue's
     ``_init_kv_manager`` builds the kvhandoff decode manager."""
@@ -224,7 +240,7 @@ def decode_queues(mc: Any, pool: Any, server_args: Any, *, draft: Any = None,
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.runtime_context import get_parallel
 
-    publish_ranks()
+    publish_ranks(tp=rank is None)
     meta, alloc = metadata()
     sched = _decode_scheduler(mc, server_args, kv_dtype)
     allocator = PagedTokenToKVPoolAllocator(pool.size, pool.page_size, torch.int64, "cpu",

@@ -146,7 +146,8 @@ def test_layout_maps_kvargs_and_its_hash_covers_sglangs_checks() -> None:
     a3.page_size = E.PAGE * 2
     lay3 = build(a3, is_mla=True, parallel=Parallel(), device="cpu").kv_layout
     assert layout_diff(base, lay3.with_page_size(1).tp_invariant())  # type: ignore[arg-type]
-    # non-MLA pools move rank to rank: the attention TP size is in it
+    # a non-MLA pool whose rows cannot be cut into the TP slices (656 B rows at TP 2) moves
+    # rank to rank: the attention TP size is in it
     gqa = ident(is_mla=False, attn_tp_size=2)
     assert layout_diff(gqa, ident(is_mla=False, attn_tp_size=4))  # type: ignore[arg-type]
     assert layout_hash(lay) != layout_hash(lay3)

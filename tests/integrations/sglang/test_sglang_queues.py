@@ -10,6 +10,7 @@ differently: its prefill states the KV head counts, its decode does not."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -191,21 +192,140 @@ def test_a_token_protected_bootstrap_server_takes_sglangs_own_writes(
         srv.close()
 
 
-def test_dense_pair_of_different_attention_tp_is_refused_on_both_sides(bootstrap: Any) -> None:
-    """A Llama-shaped prefill of attention TP 1 (4 KV heads a rank) and a decode rank of TP 2
-    (2 heads): SGLang maps the decode rank to the prefill rank; this backend does not split
-    heads, so both sides fail the request with the sizes named, and no agent room opens."""
+def _ranks(mc: Any, tp: int, mode: str, sa: Any) -> list[S.Side]:
+    """Every attention-TP rank of one side, each built by SGLang's own queue over its own
+    ``MHATokenToKVPool`` (the heads ``ModelConfig.get_num_kv_heads(tp)`` gives a rank)."""
+    out = []
+    for r in range(tp):
+        with S.tp_rank(tp, r):
+            pool = S.mha_pool(mc, pages=8, page=PAGE, tp_size=tp)
+            out.append(S.prefill_queue(mc, pool, sa, rank=r) if mode == "prefill"
+                       else S.decode_queues(mc, pool, sa, rank=r))
+    return out
+
+
+def _heads(side: S.Side) -> list[Any]:
+    """uint8 [pages, PAGE tokens, heads, head bytes] views of every K then V buffer."""
+    n = side.pool.head_num
+    return [v.reshape(v.shape[0], PAGE, n, -1) for v in page_views(side)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_dense_pair_of_different_attention_tp_hands_off_each_ranks_heads(
+        bootstrap: Any, p_tp: int, d_tp: int) -> None:
+    """A Llama-shaped prefill and decode (4 KV heads) of different attention TP sizes, every
+    rank built by SGLang's own queue: TP 1 -> 2, the prefill rank feeds both decode ranks, each
+    its 2 heads; TP 2 -> 1, the decode rank gathers its 4 heads from both prefill ranks; 2 -> 4
+    and 4 -> 2 the same with 1-head ranks on one side; the prefill sends in two chunks. Each
+    decode rank's pages hold exactly the prefill's bytes of its heads, token by token; the
+    metadata buffers come from the first prefill rank of each decode rank."""
+    import torch
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.runtime_context import get_parallel
 
     sa = E.server_args("prefill", bootstrap.port)
     mc = S.model_config(S.LLAMA)
-    pre = S.prefill_queue(mc, S.mha_pool(mc, pages=8, page=PAGE), sa)
-    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2):
-        dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE, tp_size=2), sa)
+    pres = _ranks(mc, p_tp, "prefill", sa)
+    decs = _ranks(mc, d_tp, "decode", sa)
     try:
-        assert dec.pool.head_num == 2 and pre.pool.head_num == 4
+        assert [s.pool.head_num for s in pres] == [4 // p_tp] * p_tp
+        assert [s.pool.head_num for s in decs] == [4 // d_tp] * d_tp
         addr, room = f"127.0.0.1:{bootstrap.port}", 9302
+        src, dsts = [2, 7, 4], [[6, 1, 3], [0, 5, 2], [4, 7, 1], [3, 2, 6]][:d_tp]
+        rng = np.random.default_rng(room)
+        for pre in pres:
+            for v in page_views(pre):
+                for sp in src:
+                    v[sp] = torch.from_numpy(rng.integers(0, 256, v.shape[1], dtype=np.uint8))
+            for t in E._aux_tensors(pre.metadata):
+                _u8(t, t.shape[0])[S_AUX] = torch.from_numpy(
+                    rng.integers(0, 256, _u8(t, t.shape[0]).shape[1], dtype=np.uint8))
+        senders = [E.kv_class("SENDER")(pre.kv_manager, addr, room) for pre in pres]
+        receivers = []
+        for d, dec in enumerate(decs):
+            end = time.monotonic() + 15
+            while not dec.kv_manager.try_ensure_parallel_info(addr):
+                assert time.monotonic() < end
+                time.sleep(0.05)
+            r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
+            r.init(0)
+            r.send_metadata(np.asarray(dsts[d], np.int32), D_AUX, None, decode_prefix_len=0)
+            receivers.append(r)
+        for s in senders:
+            assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
+            assert s.pop_decode_prefix_len() == 0
+            s.init(len(src), S_AUX)
+            # two chunks: the first streams before the last send() (per decode rank's slices)
+            s.send(np.asarray(src[:2], np.int32), None)
+            s.send(np.asarray(src[2:], np.int32), None)
+        for r in receivers:
+            rs = _until(r, lambda st: st in (KVPoll.Success, KVPoll.Failed))
+            assert rs == KVPoll.Success, S.failure_text(r)
+        for s in senders:
+            assert _until(s, lambda st: st in (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        # rank r of T holds heads [r * 4 / T, (r + 1) * 4 / T)
+        for d, dec in enumerate(decs):
+            for p, pre in enumerate(pres):
+                lo, hi = max(d * 4 // d_tp, p * 4 // p_tp), min((d + 1) * 4 // d_tp,
+                                                                (p + 1) * 4 // p_tp)
+                if lo >= hi:
+                    continue
+                for i, (a, b) in enumerate(zip(_heads(pre), _heads(dec), strict=True)):
+                    for sp, dp in zip(src, dsts[d], strict=True):
+                        want = a[sp, :, lo - p * 4 // p_tp:hi - p * 4 // p_tp]
+                        got = b[dp, :, lo - d * 4 // d_tp:hi - d * 4 // d_tp]
+                        assert torch.equal(got, want), (d, p, i, sp, dp)
+                        assert int(want.sum()) > 0
+            first = pres[d * p_tp // d_tp] if p_tp <= d_tp else pres[d * (p_tp // d_tp)]
+            for a, b in zip(E._aux_tensors(first.metadata), E._aux_tensors(dec.metadata),
+                            strict=True):
+                assert torch.equal(_u8(a, a.shape[0])[S_AUX], _u8(b, b.shape[0])[D_AUX])
+        # one KV room a prefill rank; only the first of a decode rank's prefill ranks sends
+        # the metadata buffers (aux room)
+        assert [len(s._handles) for s in senders] == [
+            2 if p_tp <= d_tp or p % (p_tp // d_tp) == 0 else 1 for p in range(p_tp)]
+    finally:
+        for side in (*decs, *pres):
+            side.kv_manager.close()
+
+
+def test_dense_heads_not_divisible_by_the_decode_tp_are_refused_named(bootstrap: Any) -> None:
+    """6 KV heads: a prefill of attention TP 2 (3 heads a rank) and a decode of TP 4 (SGLang
+    gives each decode rank max(1, 6 // 4) = 1 head) cannot share the heads out evenly; the
+    prefill, which SGLang tells the model's KV head count, fails the request naming it and
+    both sizes before it opens any agent room, and the decode fails too."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvhandoff.integrations.sglang.layout import hetero_tp_refusal
+
+    sa = E.server_args("prefill", bootstrap.port)
+    mc = S.model_config(dict(S.LLAMA, num_attention_heads=12, num_key_value_heads=6,
+                             hidden_size=192))
+    pres = _ranks(mc, 2, "prefill", sa)  # SGLang's bootstrap answers once both registered
+    pre = pres[0]
+    with S.tp_rank(4, 0):
+        dec = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE, tp_size=4), sa)
+    try:
+        want = (r"6 KV heads \(total_kv_head_num\) do not split evenly over decode "
+                r"attn_tp_size=4 \(prefill attn_tp_size=2, decode attn_tp_size=4\)")
+        assert pre.kv_manager.kv_args.total_kv_head_num == 6
+        assert pre.kv_manager.tp_refusal(2, 1) is None  # 2 -> 1 shares 6 heads out fine
+        # the decode, which SGLang does not tell the head count, cannot tell itself
+        assert dec.kv_manager.tp_refusal(2, 4) is None
+        assert hetero_tp_refusal(dec.kv_manager.built, 2, 4, total_kv_heads=6) is not None
+        # a TP size that does not divide the row's slices: its rows move rank to rank only
+        with S.tp_rank(3, 0):
+            dec3 = S.decode_queues(mc, S.mha_pool(mc, pages=8, page=PAGE, tp_size=3), sa)
+        try:
+            assert dec3.kv_manager.built.head_slices == 0
+            assert "attn_tp=3" in dec3.kv_manager.built.kv_layout.model
+            assert re.search(r"\(prefill attn_tp_size=2, decode attn_tp_size=3\).*moves rank "
+                             r"to rank only: attn_tp_size=3 does not divide 64",
+                             dec3.kv_manager.tp_refusal(2, 3) or "")
+            assert dec3.kv_manager.tp_refusal(3, 3) is None
+        finally:
+            dec3.kv_manager.close()
+        addr, room = f"127.0.0.1:{bootstrap.port}", 9303
         s = E.kv_class("SENDER")(pre.kv_manager, addr, room)
         end = time.monotonic() + 15
         while not dec.kv_manager.try_ensure_parallel_info(addr):
@@ -213,18 +333,20 @@ def test_dense_pair_of_different_attention_tp_is_refused_on_both_sides(bootstrap
             time.sleep(0.05)
         r = E.kv_class("RECEIVER")(dec.kv_manager, addr, room)
         r.init(0)
-        r.send_metadata(np.asarray([1, 2], np.int32), 3, None, decode_prefix_len=0)
-        want = "prefill attn_tp_size=1, decode attn_tp_size=2"
-        assert int(r.poll()) == KVPoll.Failed
-        with pytest.raises(Exception, match=want):
-            r.failure_exception()
+        r.send_metadata(np.asarray([1, 2], np.int32), D_AUX, None, decode_prefix_len=0)
         assert _until(s, lambda st: st == KVPoll.Failed) == KVPoll.Failed
         with pytest.raises(Exception, match=want):
             s.failure_exception()
-        assert not r._handles
+        # the decode fails too: with the prefill's reason, or, where its agent's handshake
+        # with the prefill's ends first, with the slices' sizes that differ
+        assert _until(r, lambda st: st == KVPoll.Failed) == KVPoll.Failed
+        with pytest.raises(Exception, match=rf"{want}|layout mismatch: k\.planes\[0\]"):
+            r.failure_exception()
+        assert pre.kv_manager.agent.status()["rooms"] == {}
     finally:
         dec.kv_manager.close()
-        pre.kv_manager.close()
+        for side in pres:
+            side.kv_manager.close()
 
 
 @pytest.mark.parametrize("family", ["mla", "mla-mtp", "dsa", "dsa-mtp"])

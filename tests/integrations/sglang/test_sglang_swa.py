@@ -230,6 +230,8 @@ def test_swa_pair_built_by_sglangs_queues_hands_off_the_window_byte_exact(
             assert lay.region("swa_k").layer_ids == (0, 1, 2, 3)
             assert lay.region("k").layer_ids == (0, 1)
         assert pre.kv_manager.agent.layout_hash == dec.kv_manager.agent.layout_hash
+        # the window pool is not sliced by head: another decode TP is refused, naming it
+        assert "its pool has state ['swa']" in (pre.kv_manager.tp_refusal(1, 2) or "")
         _fill(pre.pool, pre.metadata, seq_len)
         d_full0, d_swa0 = (list(map(torch.clone, v)) for v in views(dec.pool))
         rs, ss, reason, (p_kv, d_kv), p_swa, d_swa = handoff(

@@ -74,7 +74,13 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvhandoff.errors import BootstrapNotFound, ConfigError, KVHandoffError
 from kvhandoff.integrations.lanes import buffers_memory, choose_lane
-from kvhandoff.integrations.sglang.layout import Built, Parallel, build, tail_pages
+from kvhandoff.integrations.sglang.layout import (
+    Built,
+    Parallel,
+    build,
+    hetero_tp_refusal,
+    tail_pages,
+)
 from kvhandoff.netaddr import bare_host, url_for
 from kvhandoff.settings import Settings
 from kvhandoff.transfer import TransferAgent
@@ -134,6 +140,7 @@ class DecodeInfo:
     num_pages: int
     tail_tokens: int = 0
     swa_pages: int = 0
+    attn_tp_size: int = 0  # the decode's attention TP size (0: not stated)
 
 
 def _agent_settings(role: str, host: str, bootstrap_url: str | None) -> Settings:
@@ -202,7 +209,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
         built = build(args, is_mla=is_mla, device="cpu" if device == "cpu" else
                       f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}",
                       parallel=Parallel(attn_tp_size=get_parallel().attn_tp_size,
-                                        pp_size=get_parallel().pp_size))
+                                        pp_size=get_parallel().pp_size,
+                                        attn_tp_rank=get_parallel().attn_tp_rank))
         self.built: Built = built
         self._stop = threading.Event()
         self._agents: list[TransferAgent] = []
@@ -399,15 +407,22 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
 
     def tp_refusal(self, prefill_attn_tp: int, decode_attn_tp: int) -> str | None:
         """Why this pair cannot hand off a non-MLA pool (None: it can). Such a pool holds a
-        rank's share of the KV heads; this backend moves pages rank to rank and does not
-        split or gather heads."""
-        if self.is_mla_backend or not prefill_attn_tp or not decode_attn_tp \
-                or prefill_attn_tp == decode_attn_tp:
+        rank's share of the KV heads: between TP sizes each decode rank takes its heads from
+        the prefill ranks that hold them (`layout.hetero_tp_refusal` says which pairs can; the
+        prefill, which SGLang tells the model's KV head count, also checks they divide)."""
+        if self.is_mla_backend or not prefill_attn_tp or not decode_attn_tp:
             return None
-        return (f"kvhandoff: an MHA/GQA KV pool needs the same attention TP size on prefill "
-                f"and decode (prefill attn_tp_size={prefill_attn_tp}, decode "
-                f"attn_tp_size={decode_attn_tp}): this backend moves pages rank to rank and "
-                f"does not split KV heads; run both with the same --tp")
+        heads = int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        return hetero_tp_refusal(self.built, int(prefill_attn_tp), int(decode_attn_tp), heads)
+
+    def sends_aux(self, decode_attn_tp: int) -> bool:
+        """Whether this prefill rank sends the request's metadata (aux) buffers: a decode rank
+        of a non-MLA pool that gathers its heads from several prefill ranks (prefill TP >
+        decode TP) takes them from the first of those ranks only."""
+        p = int(self.attn_tp_size)
+        if self.is_mla_backend or not decode_attn_tp or p <= decode_attn_tp:
+            return True
+        return int(self.attn_tp_rank) % (p // int(decode_attn_tp)) == 0
 
     def _tail_tokens(self, state_indices: list[Any] | None) -> int:
         slot = self.built.tail_slot
@@ -486,7 +501,8 @@ class KVHandoffKVManager(CommonKVManager):  # type: ignore[misc]
                 endpoint=m.decode_ip, dst_port=m.decode_port, is_dummy=m.is_dummy,
                 required_dst_info_num=m.required_dst_info_num,
                 decode_prefix_len=m.decode_prefix_len, num_pages=m.num_pages,
-                tail_tokens=m.tail_tokens, swa_pages=m.swa_pages)
+                tail_tokens=m.tail_tokens, swa_pages=m.swa_pages,
+                attn_tp_size=m.attn_tp_size)
             if len(infos) < m.required_dst_info_num:
                 return  # more decode ranks of this room still to come
             # every TP rank of the prefill must start its chunks at the same token, dummy

@@ -75,9 +75,16 @@ a draft cache can only land in the peer's draft regions. An entry of item length
 0-row placeholders: skip-topk indexer layers, layers another rank owns) is an empty layer of
 its region (`RegionSpec.empty_layers`): no view, nothing moves for it.
 
+Non-MLA K / V regions between attention TP sizes: a token's row, all ranks together, is cut into
+`ROW_SLICES` slices; rank ``r`` of ``T`` holds slices ``[r * ROW_SLICES / T, (r + 1) *
+ROW_SLICES / T)`` (SGLang's heads ``[r * H / T, (r + 1) * H / T)``, side by side in the row),
+the region's planes ``s<i>`` (token-major pages), so a decode rank's planes pair by name with the
+prefill ranks holding them (`hetero_tp_refusal`: the pairs that cannot). A pool with per-rank
+state, or a TP size not dividing `ROW_SLICES`, keeps one plane and moves rank to rank only.
+
 The layout's ``model`` field carries what SGLang itself requires to be equal on both sides (page
-size, KV dtype, PP size; the attention TP size for non-MLA pools, which this backend moves rank
-to rank; a rank's KV heads are in its regions' bytes per token): it is part of the layout
+size, KV dtype, PP size; the attention TP size for non-MLA pools moved rank to rank; a rank's KV
+heads are in its regions' bytes per token): it is part of the layout
 hash both agents compare at the handshake, so a mismatch (another layer set, a draft cache on
 one side only, another kpool) fails the handshake with the differing field named.
 
@@ -89,6 +96,7 @@ CUDA device; SGLang's metadata buffers are host memory there).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +123,11 @@ INDEXER_KEY_BYTES = 128  # SGLang's DSA pool: index_head_dim == 128 (asserted), 
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per 128-element block
 INDEXER_ROW_BYTES = INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES
 TAIL_SLOT_BYTES = 128 * 2  # one ring slot of the kpool tail: 128 bf16 values
+# A non-MLA pool's K (and V) row of one token, all ranks together, is cut into this many equal
+# slices; attention TP rank r of T holds slices [r * ROW_SLICES / T, (r + 1) * ROW_SLICES / T)
+# (SGLang gives rank r the KV heads [r * H / T, (r + 1) * H / T), side by side in a token's
+# row). Planes named by slice pair across TP sizes (`hetero_tp_refusal` says which pairs).
+ROW_SLICES = 64
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,7 @@ class Parallel:
 
     attn_tp_size: int = 1
     pp_size: int = 1
+    attn_tp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,10 @@ class Built:
     paged_states: tuple[PagedState, ...] = ()  # components at the KV pages' indices
     swa_scale_slot: int | None = None  # index of the BLOCK_SCALE_SWA component (its regions
     # are among `swa_regions`: fed by the window's pages)
+    head_slices: int = 0  # slices of the model's KV row this rank's K / V rows hold (0: MLA,
+    # or the pool moves rank to rank only)
+    tp_fixed: str | None = None  # why a non-MLA pool moves rank to rank only (None: its
+    # K / V rows are sliced, any attention TP size dividing ROW_SLICES pairs)
 
     @property
     def paged_regions(self) -> tuple[str, ...]:
@@ -411,6 +429,11 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
         regions.append(built[0])
         buffers[g.name] = built[1]
     kv_regions = tuple(r.name for r in regions)
+    head_slices, tp_fixed = 0, None
+    if not is_mla:
+        head_slices, tp_fixed = _row_slices(regions, parallel, slots)
+        if head_slices:
+            regions = [_sliced(r, head_slices, parallel.attn_tp_rank) for r in regions]
     paged: list[PagedState] = []
     for st, from0 in ((BLOCK_SCALE_STATE, True), (MINIMAX_DENSE_KV_STATE, True),
                       (MINIMAX_INDEX_K_STATE, False), (QSA_COMPRESSED_STATE, True)):
@@ -484,7 +507,7 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
     # a non-MLA pool, so the head counts cannot be part of it. A rank's heads are in its bytes
     # per token (the regions' planes) and, with the attention TP size, the model's.
     ident = f"sglang;mla={int(is_mla)};dtype={dtype};page_size={ps};pp={parallel.pp_size}"
-    if not is_mla:
+    if not is_mla and not head_slices:  # moved rank to rank: the same TP size on both sides
         ident += f";attn_tp={parallel.attn_tp_size}"
     swa_layout = getattr(kv_args, "swa_kv_cache_layout", None)
     if swa_slot is not None and swa_layout is not None:
@@ -517,7 +540,35 @@ def build(kv_args: Any, *, is_mla: bool, parallel: Parallel, device: str) -> Bui
                  swa_capacity=swa_capacity, state_layout=state_layout,
                  state_buffers=state_buffers, mamba_slot=mamba_slot, paged_states=tuple(paged),
                  row_states=tuple(row_states),
-                 swa_scale_slot=swa_scale_slot)
+                 swa_scale_slot=swa_scale_slot, head_slices=head_slices, tp_fixed=tp_fixed)
+
+
+def _row_slices(regions: list[RegionSpec], parallel: Parallel, slots: dict[str, int]
+                ) -> tuple[int, str | None]:
+    """How many `ROW_SLICES` slices this rank's K / V rows hold (0: none, they move rank to
+    rank only, and why)."""
+    t = parallel.attn_tp_size
+    others = sorted(st for st in slots if st != DSA_STATE)
+    if others:
+        return 0, (f"its pool has state {others} (held per rank: moved rank to rank only)")
+    if t <= 0 or ROW_SLICES % t:
+        return 0, (f"attn_tp_size={t} does not divide {ROW_SLICES} (a K/V row is cut into "
+                   f"{ROW_SLICES} slices shared out by attention TP rank)")
+    n = ROW_SLICES // t
+    for r in regions:
+        if r.bytes_per_token % n:
+            return 0, (f"region {r.name!r}: a row of {r.bytes_per_token} B is not {n} equal "
+                       f"slices (attn_tp_size={t})")
+    return n, None
+
+
+def _sliced(r: RegionSpec, n: int, rank: int) -> RegionSpec:
+    """`r` (one plane of a token's row of this rank's heads) as the `n` slices of the model's
+    row this rank holds, token-major (a token's slices side by side, as SGLang's pool keeps its
+    heads)."""
+    b = r.bytes_per_token // n
+    planes = tuple(Plane(f"s{rank * n + i}", b) for i in range(n))
+    return dataclasses.replace(r, planes=planes, tp_split=TPSplit.HEAD_SHARDED, token_major=True)
 
 
 def _state_lists(kv_args: Any, slot: int) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
@@ -813,3 +864,32 @@ def tail_pages(indices: Sequence[int] | None, where: str) -> np.ndarray:
         raise ConfigError(f"{where}: ring segments {v} do not fit a ring of {size} slots")
     slots = [*range(o1, o1 + n1), *range(o2, o2 + n2)]
     return np.asarray(slots, dtype=np.int64) + row * size
+
+
+def hetero_tp_refusal(built: Built, prefill_tp: int, decode_tp: int,
+                      total_kv_heads: int = 0) -> str | None:
+    """Why a non-MLA pool cannot hand off between these attention TP sizes (None: it can,
+    each decode rank taking its share of the heads from the prefill ranks that hold them).
+    `total_kv_heads`: the model's KV heads where this side knows them (SGLang states them on
+    the prefill only), 0 where not."""
+    if prefill_tp == decode_tp:
+        return None
+    pair = f"prefill attn_tp_size={prefill_tp}, decode attn_tp_size={decode_tp}"
+    if built.tp_fixed is not None:
+        return (f"kvhandoff: an MHA/GQA KV pool of another attention TP size on each side "
+                f"({pair}) is split by head, but this pool moves rank to rank only: "
+                f"{built.tp_fixed}; run both with the same --tp")
+    for t, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
+        if t <= 0 or ROW_SLICES % t:
+            return (f"kvhandoff: {side} attn_tp_size={t} does not divide {ROW_SLICES} ({pair}): "
+                    f"heads are shared out between TP sizes dividing {ROW_SLICES} only; run "
+                    f"both with the same --tp")
+    if total_kv_heads:
+        for t, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
+            if total_kv_heads % t:
+                return (f"kvhandoff: the model's {total_kv_heads} KV heads "
+                        f"(total_kv_head_num) do not split evenly over {side} "
+                        f"attn_tp_size={t} ({pair}); run both with the same --tp, or a --tp "
+                        f"dividing {total_kv_heads}")
+    return None
+

@@ -39,17 +39,26 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._handles: list[Any] = []
         self._agent_addrs: tuple[str, str | None, str | None, str | None] | None = None
+        self._kv_peers: list[str] = []  # the KV agents of every prefill rank this rank reads
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed:
             return
+        # SGLang's targets: one prefill rank, or (a non-MLA pool, prefill TP > decode TP)
+        # every prefill rank holding a share of this rank's heads; SGLang's metadata buffers
+        # (the aux room) come from the first only (`KVHandoffKVManager.sends_aux`)
+        ranks = [int(self.target_tp_rank)]
+        if not self.kv_mgr.is_mla_backend:
+            ranks = [int(t) for t in (self.target_tp_ranks or ranks)]
         try:
-            self._agent_addrs = self.kv_mgr.route(
-                self.bootstrap_addr, int(prefill_dp_rank), int(self.target_tp_rank),
-                int(self.prefill_info.attn_tp_size))
+            routes = [self.kv_mgr.route(self.bootstrap_addr, int(prefill_dp_rank), t,
+                                        int(self.prefill_info.attn_tp_size)) for t in ranks]
         except KVHandoffError as e:
             self._local_failure(f"kvhandoff route lookup at {self.bootstrap_addr} failed: {e}")
+            return
+        self._agent_addrs = routes[0]
+        self._kv_peers = [r[0] for r in routes]
 
     def _local_failure(self, reason: str) -> None:
         self.kv_mgr.record_failure(self.bootstrap_room, reason)
@@ -150,7 +159,8 @@ class KVHandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         mgr.room_handles[int(room)] = self._handles  # SGLang's deferred release asks
         try:
             if len(pages):
-                h = mgr.agent.receiver(room, peer=kv_addr)
+                h = mgr.agent.receiver(room, peer=self._kv_peers if len(self._kv_peers) > 1
+                                       else kv_addr)
                 self._handles.append(h)
                 h.init(table, len(pages) * ps, 0, region_starts=starts or None)
             if mgr.aux_agent is not None and aux_addr is not None:

@@ -208,7 +208,7 @@ class KVHandoffKVSender(CommonKVSender):  # type: ignore[misc]
                     h.add_chunk(table, len(pages) * ps)
                 h.layers_ready(sorted({lid for r in b.kv_layout.regions
                                        for lid in r.layer_ids}), event)
-            if mgr.aux_agent is not None:
+            if mgr.aux_agent is not None and mgr.sends_aux(real[0].attn_tp_size):
                 if self.aux_index is None:
                     raise ConfigError("aux_index: the last chunk came without SGLang's "
                                       "metadata buffer index")
