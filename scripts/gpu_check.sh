@@ -30,7 +30,10 @@
 #      pages: the default settings start an agent, shm CUDA IPC + nixl; host-only lanes take
 #      host staging, or are refused with host_staging=off) and
 #      tests/unit/gpu/test_staging_cuda.py (host staging: two agents over tcp with CUDA pages,
-#      each layer copied through pinned host slabs on both sides, byte-exact, devsum).
+#      each layer copied through pinned host slabs on both sides, byte-exact, devsum) and
+#      tests/unit/gpu/test_head_slices_copy.py (SGLang's dense pools between attention TP
+#      sizes: head slices of token-major pages copied by the CUDA IPC lane's copy_spans on the
+#      device, each decode rank's pages exactly its heads, 1 -> 2 and 2 -> 1).
 #   1b. the host staging test again on its own (cap 25 s), its result in pytest-staging.xml:
 #      the fallback for hosts without GPUDirect RDMA.
 #   2. `python -m kvhandoff.bench.devsum --device cuda` (cap 2 x 30 s): devsum against a
