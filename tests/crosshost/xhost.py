@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.engine_sim.process import SimProcess
+from kvhandoff.engine_sim.process import EngineProcess
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -89,7 +89,7 @@ class Hosts:
     dev: tuple[str, str]
     own_names: bool = True  # each process gets its host's name (False: the machine's)
     bootstrap_url: str = ""
-    server: SimProcess | None = None
+    server: EngineProcess | None = None
 
     def exec_prefix(self, side: int) -> list[str]:
         """The command prefix that runs a program on host `side` (0: A, 1: B)."""
@@ -117,12 +117,12 @@ def _env(**extra: str) -> dict[str, str]:
             **extra}
 
 
-def start_process(cmd: list[str], role: str, **env: str) -> SimProcess:
+def start_process(cmd: list[str], role: str, **env: str) -> EngineProcess:
     """A process whose stdout lines are JSON events (other lines become ``line`` events)."""
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(**env),
                             start_new_session=True)
-    sp = SimProcess(role=role, proc=proc)
+    sp = EngineProcess(role=role, proc=proc)
 
     def read_out() -> None:
         assert proc.stdout is not None
@@ -278,7 +278,7 @@ class Net:
 class Agent:
     """One agent process (`xagent.py`) and its events."""
 
-    def __init__(self, sp: SimProcess, side: int) -> None:
+    def __init__(self, sp: EngineProcess, side: int) -> None:
         self.sp = sp
         self.side = side
         self.address = ""

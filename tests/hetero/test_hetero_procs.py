@@ -27,7 +27,7 @@ from hetkit import one_copy_bytes
 from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
 from kvhandoff.bootstrap_server.mapping import prefill_tp_ranks
-from kvhandoff.engine_sim.process import SimProcess, spawn
+from kvhandoff.engine_sim.process import EngineProcess, spawn
 from kvhandoff.kv_layout.presets import glm53, llama31_8b
 from kvhandoff.settings import Settings
 
@@ -54,9 +54,9 @@ class Engines:
     ranks by tp rank, and the rooms with the prefill dp rank each is bound to."""
 
     def __init__(self) -> None:
-        self.prefill: dict[tuple[int, int], SimProcess] = {}
+        self.prefill: dict[tuple[int, int], EngineProcess] = {}
         self.prefill_addr: dict[tuple[int, int], str] = {}
-        self.decode: list[SimProcess] = []
+        self.decode: list[EngineProcess] = []
         self.room_dp: dict[int, int] = {}
 
 

@@ -25,7 +25,7 @@ import pytest
 from ipv6_loopback import needs_ipv6_loopback
 
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.engine_sim.process import SimProcess, spawn
+from kvhandoff.engine_sim.process import EngineProcess, spawn
 
 TRANSPORTS = ["ucx", "tcp", "shm", "auto",
               pytest.param("nixl", marks=pytest.mark.skipif(
@@ -69,7 +69,8 @@ class Handoff:
 
     def start(self, rooms: list[dict[str, Any]], settings: dict[str, Any], *,
               decode_settings: dict[str, Any] | None = None, prefill_cfg: dict[str, Any] | None
-              = None, decode_cfg: dict[str, Any] | None = None) -> tuple[SimProcess, SimProcess]:
+              = None, decode_cfg: dict[str, Any] | None = None
+              ) -> tuple[EngineProcess, EngineProcess]:
         """Starts both engines at once (the decode's route lookup retries until the room is
         bound), waits until the prefill registered, then binds the rooms to it."""
         settings = {"agent_host": self.host, **settings}
@@ -116,7 +117,7 @@ def pages(n_tokens: int) -> int:
     return -(-n_tokens // PAGE)
 
 
-def assert_pool_full(proc: SimProcess) -> None:
+def assert_pool_full(proc: EngineProcess) -> None:
     pool = proc.expect("pool", DONE_S)
     assert pool["free"] == pool["total"], f"{proc.role} leaked pages: {pool}"
 

@@ -22,7 +22,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
                     "(pip install 'kvhandoff[otel]'; make setup installs it)")
 
 from kvhandoff.bootstrap_server.client import BootstrapClient  # noqa: E402
-from kvhandoff.engine_sim.process import SimProcess, spawn  # noqa: E402
+from kvhandoff.engine_sim.process import EngineProcess, spawn  # noqa: E402
 
 HERE = Path(__file__).parent
 START_S = DONE_S = 60.0
@@ -38,15 +38,15 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture
-def pair(bootstrap_server: Callable[..., str]) -> Iterator[Callable[..., tuple[SimProcess,
-                                                                             SimProcess]]]:
+def pair(bootstrap_server: Callable[..., str]) -> Iterator[Callable[..., tuple[EngineProcess,
+                                                                             EngineProcess]]]:
     url = bootstrap_server()
     with ExitStack() as stack:
         client = BootstrapClient(url)
         stack.callback(client.close)
 
         def start(decode_room: dict[str, Any], *, layer_ms: int = 0
-                  ) -> tuple[SimProcess, SimProcess]:
+                  ) -> tuple[EngineProcess, EngineProcess]:
             (room,) = client.allocate_rooms(1)
             rooms = [{"room": room, "seq_len": SEQ, "request_id": "req-7"}]
             st = {"transport": "tcp", "heartbeat_interval_s": 1.0}
@@ -65,7 +65,7 @@ def pair(bootstrap_server: Callable[..., str]) -> Iterator[Callable[..., tuple[S
         yield start
 
 
-def _tree(proc: SimProcess) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _tree(proc: EngineProcess) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The process's one room span and its children."""
     spans = proc.expect("spans", DONE_S)["spans"]
     (room,) = [s for s in spans if s["name"] == "kvhandoff.room"]

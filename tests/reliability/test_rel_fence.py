@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from relkit import WAIT_S, Engine, fast_settings, layers_of
 
-from kvhandoff.engine_sim.process import SimProcess, spawn
+from kvhandoff.engine_sim.process import EngineProcess, spawn
 from kvhandoff.errors import ConfigError
 from kvhandoff.kv_layout import preset
 from kvhandoff.state_machine import KVPoll
@@ -43,7 +43,7 @@ def decode_engine(**settings: Any) -> Engine:
 
 @contextmanager
 def prefill_proc(settings: dict[str, Any] | None = None,
-                 **cfg: Any) -> Iterator[tuple[SimProcess, str]]:
+                 **cfg: Any) -> Iterator[tuple[EngineProcess, str]]:
     with spawn("prefill", {"rooms": [{"room": ROOM, "seq_len": SEQ}],
                            "settings": {**PROC_SETTINGS, **(settings or {})}, "layer_ms": 30,
                            "timeout_s": WAIT_S, "linger": True, "faults": {}, **cfg},
@@ -51,7 +51,7 @@ def prefill_proc(settings: dict[str, Any] | None = None,
         yield p, p.expect("ready", 60)["address"]
 
 
-def freeze(p: SimProcess) -> None:
+def freeze(p: EngineProcess) -> None:
     p.signal(signal.SIGSTOP)
     _, status = os.waitpid(p.proc.pid, os.WUNTRACED)  # every thread of it stopped
     assert os.WIFSTOPPED(status), status

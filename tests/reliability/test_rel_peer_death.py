@@ -31,7 +31,7 @@ from relkit import WAIT_S, Engine, fast_settings, layers_of
 
 from kvhandoff.bootstrap_server.background import run_server
 from kvhandoff.bootstrap_server.client import BootstrapClient
-from kvhandoff.engine_sim.process import SimProcess, spawn
+from kvhandoff.engine_sim.process import EngineProcess, spawn
 from kvhandoff.errors import FailureKind, PeerLost, TransportFailed
 from kvhandoff.kv_layout import preset
 from kvhandoff.state_machine import KVPoll
@@ -67,7 +67,7 @@ def engine(role: str, **settings: Any) -> Engine:
                   pattern="sim")
 
 
-def wait_stopped(p: SimProcess) -> None:
+def wait_stopped(p: EngineProcess) -> None:
     """Waits until every thread of the child `p` stopped (after SIGSTOP)."""
     _, status = os.waitpid(p.proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), status
@@ -75,7 +75,7 @@ def wait_stopped(p: SimProcess) -> None:
 
 @contextmanager
 def prefill_proc(layer_ms: float, env: dict[str, str] | None = None, *,
-                 rooms: list[int] = ROOMS, **cfg: Any) -> Iterator[tuple[SimProcess, str]]:
+                 rooms: list[int] = ROOMS, **cfg: Any) -> Iterator[tuple[EngineProcess, str]]:
     module = "kvhandoff.testing.faults" if "faults" in cfg else "kvhandoff.engine_sim"
     with spawn("prefill", {"rooms": [{"room": r, "seq_len": SEQ} for r in rooms],
                            "settings": PROC_SETTINGS, "layer_ms": layer_ms, "timeout_s": WAIT_S,
@@ -147,7 +147,7 @@ def test_prefill_crash_at_layer_fails_decode_rooms(lane: str) -> None:
 
 @contextmanager
 def decode_proc(addr: str, env: dict[str, str] | None = None, *,
-                rooms: list[int] = ROOMS) -> Iterator[SimProcess]:
+                rooms: list[int] = ROOMS) -> Iterator[EngineProcess]:
     cfg = {"rooms": [{"room": r, "seq_len": SEQ} for r in rooms], "peer": addr,
            "settings": PROC_SETTINGS, "timeout_s": WAIT_S}
     with spawn("decode", cfg, env=env) as d:

@@ -7,8 +7,8 @@ Three modules, one job each:
 - `engine_sim.engine`: one simulated engine (`run_prefill`, `run_decode`, `main`) around a
   `TransferAgent`; ``python -m kvhandoff.engine_sim prefill|decode '<json config>'`` runs one and
   prints its events, one JSON object per line;
-- `engine_sim.process`: the parent's side (`spawn`, `SimProcess`): starts such a process and waits,
-  bounded, for its events.
+- `engine_sim.process`: the parent's side (`spawn`, `EngineProcess`): starts such a process
+  and waits, bounded, for its events.
 
 Rules: nothing is re-exported here (each name has one import path); product code may import
 this package (the demo and the bench do), so it never imports `kvhandoff.testing`.

@@ -1,6 +1,6 @@
 """The parent's side of a simulated engine: `spawn(role, config)` starts ``python -m
 kvhandoff.engine_sim`` (or a wrapper of it taking the same arguments) and a thread reading its
-events; `SimProcess.expect(kind, timeout)` waits for one, bounded.
+events; `EngineProcess.expect(kind, timeout)` waits for one, bounded.
 
 Rules: every wait is bounded and says what it waited for, with the child's stderr; leaving the
 `with` block kills the child.
@@ -21,7 +21,7 @@ from typing import Any
 
 
 @dataclass
-class SimProcess:
+class EngineProcess:
     """A running `python -m kvhandoff.engine_sim` process and its events."""
 
     role: str
@@ -77,7 +77,7 @@ class SimProcess:
                 self.proc.kill()
                 return self.proc.wait(3)
 
-    def __enter__(self) -> SimProcess:
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -87,14 +87,14 @@ class SimProcess:
 
 
 def spawn(role: str, cfg: dict[str, Any], *, env: dict[str, str] | None = None,
-          module: str = "kvhandoff.engine_sim") -> SimProcess:
+          module: str = "kvhandoff.engine_sim") -> EngineProcess:
     """Starts `python -m <module> role cfg` (this module, or a wrapper of it that takes the
     same arguments) and a thread reading its events."""
     proc = subprocess.Popen(
         [sys.executable, "-m", module, role, json.dumps(cfg)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})}, start_new_session=True)
-    sp = SimProcess(role=role, proc=proc)
+    sp = EngineProcess(role=role, proc=proc)
 
     def read_out() -> None:
         assert proc.stdout is not None

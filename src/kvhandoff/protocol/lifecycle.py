@@ -1,6 +1,6 @@
 """`RoomTable`: the rooms of one session and their life cycle, sans-IO.
 
-It owns the rooms (`rooms.Group`) and their legs (`rooms.Leg`), and every rule about how a room
+It owns the rooms (`rooms.Room`) and their legs (`rooms.Leg`), and every rule about how a room
 ends: progress events go through `apply`, failures through `fail` (first failure wins, the peer
 is told), and a room's pages go back (`effects.Release`) exactly once, after it is terminal and
 nothing can write them any more: no op of it in flight, no cancel unanswered, no one-sided
@@ -35,16 +35,16 @@ from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Cancel, Notify, Release, RoomUpdate
 from kvhandoff.protocol.failures import failure_of
 from kvhandoff.protocol.reports import ReadOuts
-from kvhandoff.protocol.rooms import Group, Leg
+from kvhandoff.protocol.rooms import Leg, Room
 from kvhandoff.protocol.roomstate import LegState, RoomState
 from kvhandoff.settings import Settings
 from kvhandoff.state_machine import (
     DeadlineConfig,
     FailureEvent,
     KVPoll,
+    LegMachine,
     PeerFailedRoom,
     Role,
-    RoomMachine,
 )
 
 
@@ -64,9 +64,9 @@ class RoomTable:
     def __init__(self, *, ctx: Context, readouts: ReadOuts) -> None:
         self.ctx = ctx
         self.readouts = readouts
-        self.groups: dict[int, Group] = {}
+        self.groups: dict[int, Room] = {}
         self.legs: dict[tuple[int, str], Leg] = {}
-        self._dirty: dict[int, Group] = {}
+        self._dirty: dict[int, Room] = {}
         self._cancelling: dict[tuple[str, int], Leg] = {}  # (peer, tag) -> leg, until answered
         st = ctx.settings
         self.deadlines = DeadlineConfig(
@@ -75,7 +75,7 @@ class RoomTable:
 
     # ------------------------------------------------------------------ rooms and legs
 
-    def group(self, room: int, token: object) -> Group | None:
+    def group(self, room: int, token: object) -> Room | None:
         """The room `room` opened under `token` (None: another one, or forgotten)."""
         g = self.groups.get(room)
         return g if g is not None and g.token is token else None
@@ -97,19 +97,19 @@ class RoomTable:
         self.ctx.emit(Release(token, room))
         return True
 
-    def new_group(self, room: int, token: object, expected: int | None) -> Group:
+    def new_group(self, room: int, token: object, expected: int | None) -> Room:
         old = self.groups.get(room)
         if old is not None:  # a released room with the same id: forget it
             for leg in old.legs:
                 self.legs.pop((room, leg.peer), None)
-        g = Group(room=room, role=self.ctx.role, layers=self.ctx.layers, token=token,
+        g = Room(room=room, role=self.ctx.role, layers=self.ctx.layers, token=token,
                   state=RoomState(room=room, expected=expected), t_created=self.ctx.now)
         self.groups[room] = g
         self.changed(g)
         return g
 
-    def new_leg(self, g: Group, peer: str) -> Leg:
-        machine = RoomMachine(self.ctx.role, now=self.ctx.now, deadlines=self.deadlines,
+    def new_leg(self, g: Room, peer: str) -> Leg:
+        machine = LegMachine(self.ctx.role, now=self.ctx.now, deadlines=self.deadlines,
                               layers=g.layers)
         r = Leg(room=g.room, role=self.ctx.role, layers=g.layers, group=g, peer=peer,
                 state=LegState(room=g.room, peer=peer, machine=machine))
@@ -120,7 +120,7 @@ class RoomTable:
     def open_legs(self) -> list[Leg]:
         return [r for r in self.legs.values() if not r.state.terminal]
 
-    def changed(self, g: Group) -> None:
+    def changed(self, g: Room) -> None:
         """The engine-visible view of `g` may have changed (`publish` compares)."""
         self._dirty[id(g)] = g
 
@@ -184,7 +184,7 @@ class RoomTable:
                               failure=Failure(gf.kind, why))
         self.maybe_release(r)
 
-    def fail_group(self, g: Group, failure: Failure) -> None:
+    def fail_group(self, g: Room, failure: Failure) -> None:
         """Fails a room that may have no legs yet (abort, failed lookup)."""
         if not g.state.done and g.state.fail(failure):
             self.ctx.log(INFO, f"room {g.room} ({self.ctx.role.value}) failed: "
@@ -194,7 +194,7 @@ class RoomTable:
                           failure=failure)
         self.group_update(g)
 
-    def group_update(self, g: Group) -> None:
+    def group_update(self, g: Room) -> None:
         """Marks the room done / released once its legs allow."""
         self.changed(g)
         s = g.state

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.protocol.peerstate import Peer
-from kvhandoff.protocol.rooms import Group
+from kvhandoff.protocol.rooms import Room
 
 # upper bounds (s) of the tail histogram (last layer_ready -> Success); one more bucket: +Inf
 TAIL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -40,7 +40,7 @@ class ReadOuts:
         i = next((i for i, b in enumerate(TAIL_BUCKETS_S) if tail_s <= b), len(TAIL_BUCKETS_S))
         self.tail_buckets[i] += 1
 
-    def status(self, *, groups: Iterable[Group], peers: Iterable[Peer],
+    def status(self, *, groups: Iterable[Room], peers: Iterable[Peer],
                counters: Mapping[str, int]) -> dict[str, Any]:
         """Room states by name, peers and counters."""
         states: dict[str, int] = {}
@@ -55,7 +55,7 @@ class ReadOuts:
                          "sum_s": self.tail_sum_s}}
 
 
-def room_stats(g: Group, layout: LayoutSpec) -> dict[str, Any]:
+def room_stats(g: Room, layout: LayoutSpec) -> dict[str, Any]:
     """Byte and timing figures of room `g` (on an agent of `layout`)."""
     desc: dict[str, int] = {}
     before: dict[str, int] = {}

@@ -1,7 +1,7 @@
 """Rooms: the per-request state the transfer session keeps. Pure data (no threads, no clock).
 
 Rules:
-- A room on one agent is a `Group` of legs; a `Leg` is the transfer with ONE peer. A decode
+- A room on one agent is a `Room` of legs; a `Leg` is the transfer with ONE peer. A decode
   rank gathering heads from several prefill ranks has several legs; a prefill rank serving
   several decode ranks (decode TP > prefill TP) has one leg per decode rank. The group is
   Success when all its expected legs are, and Failed as soon as one leg fails (the others are
@@ -67,7 +67,7 @@ class EngineInput:
 
 
 @dataclass(eq=False, kw_only=True)
-class Group:
+class Room:
     """One room on one agent: its state, its legs and what the engine gave."""
 
     room: int
@@ -199,7 +199,7 @@ class Leg:
     role: Role
     state: LegState  # its machine, phase, fence and failure
     layers: tuple[int, ...]  # layer ids that move, in order
-    group: Group
+    group: Room
     peer: str  # control address of the other side
     peer_gen: int = 0
     xfer: int = 0  # the transfer id of its request (every message about the leg names it)

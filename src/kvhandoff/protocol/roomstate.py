@@ -5,8 +5,8 @@ Rules:
 - Everything that decides where a room stands lives here and moves only through a method of
   these objects, which checks the transition against its table and its invariants
   (`InvalidTransition` otherwise): no other module assigns a phase or a failure or feeds a
-  `RoomMachine` (`tests/unit/protocol/test_room_state_owner.py` reads every module for it).
-- A `LegState` is a leg's `RoomMachine` (`kvhandoff.state_machine`: the KVPoll state, the
+  `LegMachine` (`tests/unit/protocol/test_room_state_owner.py` reads every module for it).
+- A `LegState` is a leg's `LegMachine` (`kvhandoff.state_machine`: the KVPoll state, the
   layers moved, the deadlines), its `LegPhase` (how far its exchange with its peer got,
   moved only by `advance` along `LEG_PHASES`, never by an ad-hoc flag), its `Fence` (what the
   release of its pages still waits for: ops in flight, cancels unanswered, a failed cancel, a
@@ -35,13 +35,13 @@ from kvhandoff.state_machine import (
     FailureEvent,
     KVPoll,
     LegEvent,
+    LegMachine,
     PeerMatched,
-    RoomMachine,
 )
 
 
 class LegPhase(enum.Enum):
-    """How far a leg's exchange with its peer got (its room state is its `RoomMachine`)."""
+    """How far a leg's exchange with its peer got (its room state is its `LegMachine`)."""
 
     NEW = "new"  # decode: the engine has not given its pages yet
     READY = "ready"  # pages known (prefill: the request came); decode: not requested yet
@@ -178,7 +178,7 @@ class LegState:
 
     room: int
     peer: str  # control address of the other side (named in errors)
-    machine: RoomMachine
+    machine: LegMachine
     phase: LegPhase = LegPhase.NEW
     fence: Fence = field(default_factory=Fence)
     failure: Failure | None = None
@@ -233,7 +233,7 @@ class LegState:
 
     def apply_layers(self, layers: list[int], now: float) -> None:
         """Feeds the layers that moved together at `now` as one step of the machine
-        (`RoomMachine.apply_layers`: each layer guarded, all or nothing).
+        (`LegMachine.apply_layers`: each layer guarded, all or nothing).
 
         Raises:
             InvalidTransition: the machine refuses the step.

@@ -54,7 +54,7 @@ from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
 from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.reports import ReadOuts, room_stats
-from kvhandoff.protocol.rooms import EngineInput, Group, Leg
+from kvhandoff.protocol.rooms import EngineInput, Leg, Room
 from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.protocol.send import SendPath
 from kvhandoff.settings import Settings
@@ -139,7 +139,7 @@ class TransferSession:
         return self.ctx.counters
 
     @property
-    def groups(self) -> dict[int, Group]:
+    def groups(self) -> dict[int, Room]:
         return self.rooms.groups
 
     @property
@@ -320,7 +320,7 @@ class TransferSession:
             return
         self._attach_peers(g, list(e.peers))
 
-    def _attach_peers(self, g: Group, sources: list[tuple[str, int]]) -> None:
+    def _attach_peers(self, g: Room, sources: list[tuple[str, int]]) -> None:
         """Decode: one leg per prefill rank to read from; starts the handshakes."""
         if g.state.failure is not None:
             if g.tell_abort is not None:  # each prefill rank hears of the abort once matched
@@ -422,12 +422,12 @@ class TransferSession:
             return
         self._abort(g, e.reason)
 
-    def _abort_if_asked(self, g: Group) -> None:
+    def _abort_if_asked(self, g: Room) -> None:
         reason = self._aborts_ahead.pop(g.token, None)
         if reason is not None:
             self._abort(g, reason)
 
-    def _abort(self, g: Group, reason: str) -> None:
+    def _abort(self, g: Room, reason: str) -> None:
         if self.role is Role.DECODE and g.state.expected is None and g.state.failure is None:
             g.tell_abort = reason  # its prefill ranks are not known yet (`_attach_peers`)
         for r in g.legs:
@@ -562,7 +562,7 @@ class TransferSession:
                        "later)",
                 failure_kind=FailureKind.ADMISSION.value, xfer=msg.xfer))
 
-    def _refuse_request(self, g: Group, readers: int) -> Failure | None:
+    def _refuse_request(self, g: Room, readers: int) -> Failure | None:
         s = g.state
         if s.failure is not None:
             return s.failure

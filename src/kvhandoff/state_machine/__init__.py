@@ -1,12 +1,12 @@
 """The life cycle of a room (`KVPoll`), sans-IO: states, events, the transition table, deadlines.
 
 Pure: standard library only, no I/O, no clock (the caller passes `now`). Start with
-`transitions.py` (the table and the decided life of a room), then `room.py` (`RoomMachine`:
-guards and deadlines); docs/STATE_MACHINE.md has the diagram and the rules.
+`transitions.py` (the table and the decided life of a room), then `leg.py` (`LegMachine`, one
+per leg: guards and deadlines); docs/STATE_MACHINE.md has the diagram and the rules.
 """
 
 from kvhandoff.state_machine.diagram import diagram_edges, render_dot, render_mermaid
-from kvhandoff.state_machine.room import DeadlineConfig, RoomMachine
+from kvhandoff.state_machine.leg import DeadlineConfig, LegMachine
 from kvhandoff.state_machine.transitions import (
     FAILURE_EVENTS,
     INITIAL,
@@ -62,7 +62,7 @@ __all__ = [
     "PeerMatched",
     "PeerFailedRoom",
     "Role",
-    "RoomMachine",
+    "LegMachine",
     "RequestAccepted",
     "diagram_edges",
     "next_state",

@@ -1,7 +1,7 @@
 """The transition table of a room, as data.
 
 Rule 1: everything that decides whether an event may move a room, and where to, lives in
-`TRANSITIONS` (plus the per-side event sets in `ROLE_EVENTS`). `RoomMachine` only adds guards
+`TRANSITIONS` (plus the per-side event sets in `ROLE_EVENTS`). `LegMachine` only adds guards
 that need memory the table cannot hold (which layers came, whether the peer was matched) and
 the deadlines.
 

@@ -71,7 +71,7 @@ class Deadline(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class LegEvent:
-    """Base of every event fed to a leg's `RoomMachine` (one per leg: the transfer with one
+    """Base of every event fed to a leg's `LegMachine` (one per leg: the transfer with one
     peer). Not `protocol.events.Event`, the transfer session's inputs."""
 
 

@@ -1,7 +1,7 @@
 """A room's state has one owner (`protocol/roomstate.py`) and a peer's one owner
 (`protocol/peerstate.py`), read from every module's syntax tree:
 
-- no module but `roomstate` touches a leg's `RoomMachine` (`.machine`: no apply, no
+- no module but `roomstate` touches a leg's `LegMachine` (`.machine`: no apply, no
   progressed, no read): the others go through `LegState`'s methods and properties;
 - no module of `protocol/` but `roomstate` assigns a room's or a leg's phase, failure, expected
   legs or done time (`x.phase = ...`, `x.failure = ...`, tuple targets and `setattr` too): they
@@ -128,7 +128,7 @@ def fence_writes(path: Path) -> list[str]:
 def test_only_roomstate_touches_a_room_machine() -> None:
     bad = [x for p in modules(PKG) if "state_machine" not in p.relative_to(PKG).parts
            for x in machine_uses(p)]
-    assert not bad, "a leg's RoomMachine touched outside protocol/roomstate.py:\n" + \
+    assert not bad, "a leg's LegMachine touched outside protocol/roomstate.py:\n" + \
         "\n".join(bad)
 
 

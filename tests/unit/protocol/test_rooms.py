@@ -9,7 +9,7 @@ import pytest
 
 from kvhandoff.errors import Failure, FailureKind, InvalidTransition
 from kvhandoff.protocol import wire as P
-from kvhandoff.protocol.rooms import Group, Leg, LegPlan, Unit
+from kvhandoff.protocol.rooms import Leg, LegPlan, Room, Unit
 from kvhandoff.protocol.roomstate import (
     LEG_PHASES,
     ROOM_PHASES,
@@ -23,10 +23,10 @@ from kvhandoff.state_machine import (
     AllLayersLanded,
     KVPoll,
     LayerLanded,
+    LegMachine,
     PeerWasLost,
     RequestAccepted,
     Role,
-    RoomMachine,
 )
 
 LAYERS = (0, 1, 2)
@@ -34,7 +34,7 @@ GONE = Failure(FailureKind.PEER_LOST, "gone")
 
 
 def leg(role: Role = Role.DECODE, peer: str = "p:1") -> LegState:
-    return LegState(room=1, peer=peer, machine=RoomMachine(role, now=0.0, layers=LAYERS))
+    return LegState(room=1, peer=peer, machine=LegMachine(role, now=0.0, layers=LAYERS))
 
 
 def room(*legs: LegState, expected: int | None = 1) -> RoomState:
@@ -211,7 +211,7 @@ def test_a_reader_told_count_is_remembered() -> None:
 
 
 def test_a_layer_is_done_once_its_unit_of_every_chunk_is() -> None:
-    g = Group(room=1, role=Role.PREFILL, layers=LAYERS, state=room(expected=1))
+    g = Room(room=1, role=Role.PREFILL, layers=LAYERS, state=room(expected=1))
     r = Leg(room=1, role=Role.PREFILL, layers=LAYERS, group=g, peer="p:1",
             state=leg(Role.PREFILL))
     r.plan.seq_len = 100

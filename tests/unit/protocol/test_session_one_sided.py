@@ -291,22 +291,22 @@ def batched_room(w: MemoryWire, p: Side, room: int) -> None:
 def layer_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
     """Every layer step of every room machine from now on: (role, layers), one per
     `apply_layers` and one per single `LayerSent` / `LayerLanded`."""
-    from kvhandoff.state_machine import LayerLanded, LayerSent, RoomMachine
+    from kvhandoff.state_machine import LayerLanded, LayerSent, LegMachine
 
     steps: list[tuple[str, tuple[int, ...]]] = []
-    apply, apply_layers = RoomMachine.apply, RoomMachine.apply_layers
+    apply, apply_layers = LegMachine.apply, LegMachine.apply_layers
 
-    def one(self: RoomMachine, event: object, now: float) -> bool:
+    def one(self: LegMachine, event: object, now: float) -> bool:
         if isinstance(event, LayerSent | LayerLanded):
             steps.append((self.role.value, (event.layer,)))
         return apply(self, event, now)  # type: ignore[arg-type]
 
-    def many(self: RoomMachine, lids: list[int], now: float) -> bool:
+    def many(self: LegMachine, lids: list[int], now: float) -> bool:
         steps.append((self.role.value, tuple(lids)))
         return apply_layers(self, lids, now)
 
-    monkeypatch.setattr(RoomMachine, "apply", one)
-    monkeypatch.setattr(RoomMachine, "apply_layers", many)
+    monkeypatch.setattr(LegMachine, "apply", one)
+    monkeypatch.setattr(LegMachine, "apply_layers", many)
     return steps
 
 

@@ -24,13 +24,13 @@ from kvhandoff.state_machine import (
     LayoutsDiffered,
     LeaseRenewed,
     LegEvent,
+    LegMachine,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
     RequestAccepted,
     Role,
     RoomAborted,
-    RoomMachine,
 )
 
 LAYERS = st.integers(min_value=0, max_value=5)
@@ -80,7 +80,7 @@ OWN_DEADLINE = {
 }
 
 
-def snapshot(m: RoomMachine) -> tuple[object, ...]:
+def snapshot(m: LegMachine) -> tuple[object, ...]:
     return (
         m.state,
         m.failure,
@@ -91,7 +91,7 @@ def snapshot(m: RoomMachine) -> tuple[object, ...]:
     )
 
 
-def check_invariants(m: RoomMachine, expected: frozenset[int] | None) -> None:
+def check_invariants(m: LegMachine, expected: frozenset[int] | None) -> None:
     assert isinstance(m.state, KVPoll)
     assert (m.failure is not None) == (m.state is KVPoll.Failed)
     assert (m.failure_event is not None) == (m.state is KVPoll.Failed)
@@ -124,7 +124,7 @@ def test_random_sequences_keep_the_room_legal(
     steps: list[Step],
 ) -> None:
     now = 0.0
-    m = RoomMachine(role, now=now, deadlines=config, layers=expected)
+    m = LegMachine(role, now=now, deadlines=config, layers=expected)
     first_failure: FailureEvent | None = None
     check_invariants(m, expected)
     for step in steps:
@@ -163,7 +163,7 @@ def test_a_room_that_only_waits_fails_by_a_deadline_iff_one_is_armed(
     role: Role, config: DeadlineConfig, dts: list[float]
 ) -> None:
     now = 0.0
-    m = RoomMachine(role, now=now, deadlines=config)
+    m = LegMachine(role, now=now, deadlines=config)
     for dt in dts:
         now += dt
         for which in m.expired(now):

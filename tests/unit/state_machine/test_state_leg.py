@@ -1,4 +1,4 @@
-"""RoomMachine: the life of a room on each side, its guards, and its deadlines on a fake clock."""
+"""LegMachine: the life of a room on each side, its guards, and its deadlines on a fake clock."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from kvhandoff.state_machine import (
     LayerSent,
     LeaseRenewed,
     LegEvent,
+    LegMachine,
     PeerFailedRoom,
     PeerMatched,
     PeerWasLost,
     RequestAccepted,
     Role,
     RoomAborted,
-    RoomMachine,
 )
 
 # Durations and times are exact binary fractions, so due times compare exactly.
@@ -53,7 +53,7 @@ def done_event(role: Role) -> AllLayersAcked | AllLayersLanded:
     return AllLayersAcked() if role is Role.PREFILL else AllLayersLanded()
 
 
-def to_state(machine: RoomMachine, target: KVPoll, now: float) -> None:
+def to_state(machine: LegMachine, target: KVPoll, now: float) -> None:
     """Drive a machine along the happy path from where it is up to `target`."""
     while machine.state is not target:
         if machine.state is KVPoll.Bootstrapping:
@@ -73,7 +73,7 @@ def to_state(machine: RoomMachine, target: KVPoll, now: float) -> None:
 @pytest.mark.parametrize("role", list(Role))
 def test_happy_life_of_a_room(role: Role) -> None:
     clock = FakeClock()
-    m = RoomMachine(role, now=clock(), deadlines=CONFIG, layers=[0, 5, 9])
+    m = LegMachine(role, now=clock(), deadlines=CONFIG, layers=[0, 5, 9])
     assert m.state is KVPoll.Bootstrapping and not m.is_terminal
     assert m.apply(PeerMatched(), clock.advance(0.5))
     assert m.state is KVPoll.Bootstrapping and m.peer_matched
@@ -90,14 +90,14 @@ def test_happy_life_of_a_room(role: Role) -> None:
 
 
 def test_repeated_peer_matched_changes_nothing() -> None:
-    m = RoomMachine(Role.DECODE, now=0.0)
+    m = LegMachine(Role.DECODE, now=0.0)
     assert m.apply(PeerMatched(), 0.0) is True
     assert m.apply(PeerMatched(), 1.0) is False
     assert m.state is KVPoll.Bootstrapping
 
 
 def test_transfer_accepted_needs_peer_matched_first() -> None:
-    m = RoomMachine(Role.PREFILL, now=0.0)
+    m = LegMachine(Role.PREFILL, now=0.0)
     with pytest.raises(InvalidTransition, match="before PeerMatched"):
         m.apply(RequestAccepted(), 0.0)
     assert m.state is KVPoll.Bootstrapping
@@ -105,7 +105,7 @@ def test_transfer_accepted_needs_peer_matched_first() -> None:
 
 @pytest.mark.parametrize("role", list(Role))
 def test_a_layer_moves_once(role: Role) -> None:
-    m = RoomMachine(role, now=0.0)
+    m = LegMachine(role, now=0.0)
     to_state(m, KVPoll.Transferring, 0.0)  # layer 0 moved
     with pytest.raises(InvalidTransition, match="layer 0 already"):
         m.apply(layer_event(role, 0), 1.0)
@@ -114,7 +114,7 @@ def test_a_layer_moves_once(role: Role) -> None:
 
 @pytest.mark.parametrize("role", list(Role))
 def test_expected_layers_guard_unknown_layers_and_early_completion(role: Role) -> None:
-    m = RoomMachine(role, now=0.0, layers=(0, 2))
+    m = LegMachine(role, now=0.0, layers=(0, 2))
     to_state(m, KVPoll.Transferring, 0.0)
     with pytest.raises(InvalidTransition, match="not one of this room's layers"):
         m.apply(layer_event(role, 1), 0.0)
@@ -127,7 +127,7 @@ def test_expected_layers_guard_unknown_layers_and_early_completion(role: Role) -
 
 
 def test_events_of_the_other_side_are_refused() -> None:
-    m = RoomMachine(Role.DECODE, now=0.0)
+    m = LegMachine(Role.DECODE, now=0.0)
     to_state(m, KVPoll.WaitingForInput, 0.0)
     with pytest.raises(InvalidTransition, match="decode side"):
         m.apply(LayerSent(0), 0.0)
@@ -142,7 +142,7 @@ def test_events_of_the_other_side_are_refused() -> None:
     "state", [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring]
 )
 def test_failure_keeps_the_reason_and_the_first_failure_wins(role: Role, state: KVPoll) -> None:
-    m = RoomMachine(role, now=0.0, deadlines=CONFIG)
+    m = LegMachine(role, now=0.0, deadlines=CONFIG)
     to_state(m, state, 0.0)
     first = ChecksumsDiffered(7, "indexer_k")
     assert m.apply(first, 1.0)
@@ -158,7 +158,7 @@ def test_failure_keeps_the_reason_and_the_first_failure_wins(role: Role, state: 
 
 @pytest.mark.parametrize("terminal", [KVPoll.Success, KVPoll.Failed])
 def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) -> None:
-    m = RoomMachine(Role.DECODE, now=0.0, deadlines=CONFIG)
+    m = LegMachine(Role.DECODE, now=0.0, deadlines=CONFIG)
     if terminal is KVPoll.Success:
         to_state(m, KVPoll.Success, 0.0)
     else:
@@ -180,7 +180,7 @@ def test_terminal_rooms_ignore_everything_and_never_resurrect(terminal: KVPoll) 
 
 
 def test_aborted_keeps_its_reason_and_who() -> None:
-    m = RoomMachine(Role.PREFILL, now=0.0)
+    m = LegMachine(Role.PREFILL, now=0.0)
     event = RoomAborted("client went away", Role.DECODE)
     assert m.apply(event, 0.0)
     assert m.failure == "client went away"
@@ -197,7 +197,7 @@ def test_deadline_config_rejects_bad_durations_naming_the_field() -> None:
 
 
 def test_no_durations_means_no_deadlines() -> None:
-    m = RoomMachine(Role.DECODE, now=0.0)
+    m = LegMachine(Role.DECODE, now=0.0)
     to_state(m, KVPoll.Transferring, 0.0)
     assert m.next_deadline() is None and m.expired(1e12) == []
     assert m.apply(LeaseRenewed(), 1.0) is False
@@ -216,7 +216,7 @@ def test_no_durations_means_no_deadlines() -> None:
 def test_each_deadline_fires_exactly_when_due(role: Role, which: Deadline, state: KVPoll) -> None:
     clock = FakeClock()
     only = {f"{which.value}_s": getattr(CONFIG, f"{which.value}_s")}
-    m = RoomMachine(role, now=clock(), deadlines=DeadlineConfig(**only))
+    m = LegMachine(role, now=clock(), deadlines=DeadlineConfig(**only))
     clock.advance(0.5)
     to_state(m, state, clock())
     nxt = m.next_deadline()
@@ -239,7 +239,7 @@ def test_each_deadline_fires_exactly_when_due(role: Role, which: Deadline, state
 
 def test_state_deadlines_are_cleared_on_leaving_their_state() -> None:
     clock = FakeClock()
-    m = RoomMachine(Role.DECODE, now=clock(), deadlines=CONFIG)
+    m = LegMachine(Role.DECODE, now=clock(), deadlines=CONFIG)
     assert m.deadline(Deadline.BOOTSTRAP) == 104.0 and m.deadline(Deadline.LEASE) == 108.0
     assert m.deadline(Deadline.WAITING_FOR_INPUT) is None
     m.apply(PeerMatched(), clock.advance(1.0))
@@ -257,7 +257,7 @@ def test_state_deadlines_are_cleared_on_leaving_their_state() -> None:
 @pytest.mark.parametrize("role", list(Role))
 def test_progress_rearms_the_stall_deadline(role: Role) -> None:
     clock = FakeClock(0.0)
-    m = RoomMachine(role, now=clock(), deadlines=DeadlineConfig(transfer_stall_s=1.5))
+    m = LegMachine(role, now=clock(), deadlines=DeadlineConfig(transfer_stall_s=1.5))
     to_state(m, KVPoll.Transferring, clock())  # layer 0 at t=0: due 1.5
     assert m.next_deadline() == (Deadline.TRANSFER_STALL, 1.5)
     assert m.apply(layer_event(role, 1), clock.advance(1.0))  # due 2.5
@@ -271,7 +271,7 @@ def test_progress_rearms_the_stall_deadline(role: Role) -> None:
 
 def test_lease_renewal_rearms_the_lease_in_every_non_terminal_state() -> None:
     clock = FakeClock(0.0)
-    m = RoomMachine(Role.DECODE, now=clock(), deadlines=DeadlineConfig(lease_s=8.0))
+    m = LegMachine(Role.DECODE, now=clock(), deadlines=DeadlineConfig(lease_s=8.0))
     for state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
         to_state(m, state, clock())
         assert m.apply(LeaseRenewed(), clock.advance(6.0))
@@ -282,7 +282,7 @@ def test_lease_renewal_rearms_the_lease_in_every_non_terminal_state() -> None:
 
 
 def test_expired_lists_every_due_deadline_earliest_first() -> None:
-    m = RoomMachine(Role.PREFILL, now=0.0, deadlines=DeadlineConfig(bootstrap_s=3.0, lease_s=2.0))
+    m = LegMachine(Role.PREFILL, now=0.0, deadlines=DeadlineConfig(bootstrap_s=3.0, lease_s=2.0))
     assert m.next_deadline() == (Deadline.LEASE, 2.0)
     assert m.expired(2.0) == [Deadline.LEASE]
     assert m.expired(10.0) == [Deadline.LEASE, Deadline.BOOTSTRAP]
@@ -297,7 +297,7 @@ def test_started_arms_the_stall_deadline_before_the_first_layer_moves() -> None:
     """`started` (the prefill posted its first write) bounds a room whose first layer never
     moves by the stall deadline, beside WaitingForInput's; a second call does not push it."""
     clock = FakeClock(0.0)
-    m = RoomMachine(Role.PREFILL, now=clock(), deadlines=DeadlineConfig(
+    m = LegMachine(Role.PREFILL, now=clock(), deadlines=DeadlineConfig(
         waiting_for_input_s=300.0, transfer_stall_s=2.0))
     to_state(m, KVPoll.WaitingForInput, clock())
     assert m.deadline(Deadline.TRANSFER_STALL) is None
@@ -317,7 +317,7 @@ def test_layers_applied_together_equal_one_event_each(role: Role, state: KVPoll)
     """`apply_layers` ends where feeding the side's layer event for each layer in order ends:
     the same state, layers and deadlines."""
     clock = FakeClock()
-    one, many = (RoomMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
+    one, many = (LegMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
                  for _ in range(2))
     for m in (one, many):
         to_state(m, KVPoll.WaitingForInput, clock())
@@ -344,7 +344,7 @@ def test_a_refused_layer_refuses_the_whole_step(role: Role, layers: list[int], w
     """Every layer of the step is guarded: one refused (named twice, already moved, not one
     of the room's) refuses the step and leaves the machine as it was."""
     clock = FakeClock()
-    m = RoomMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
+    m = LegMachine(role, now=clock(), deadlines=CONFIG, layers=range(6))
     to_state(m, KVPoll.Transferring, clock())  # layer 0 moved
     before = (m.state, m.layers, {d: m.deadline(d) for d in Deadline})
     with pytest.raises(InvalidTransition, match=why):
@@ -356,7 +356,7 @@ def test_a_refused_layer_refuses_the_whole_step(role: Role, layers: list[int], w
 def test_layers_together_follow_the_table(role: Role) -> None:
     """Before the transfer is accepted no layer may move, together or not; a terminal room
     takes nothing; no layers is no step."""
-    m = RoomMachine(role, now=0.0, deadlines=CONFIG, layers=range(4))
+    m = LegMachine(role, now=0.0, deadlines=CONFIG, layers=range(4))
     with pytest.raises(InvalidTransition, match="not allowed in state Bootstrapping"):
         m.apply_layers([0, 1], 0.0)
     assert m.layers == frozenset()

@@ -1,4 +1,4 @@
-"""`RoomMachine`: one room on one side, driven by events, holding its deadlines.
+"""`LegMachine`: one room on one side, driven by events, holding its deadlines.
 
 Rules:
 - The machine never reads a clock. The caller passes `now` (float seconds from any monotonic
@@ -91,8 +91,9 @@ class DeadlineConfig:
         return self.lease_s
 
 
-class RoomMachine:
-    """The state of one room on one side (prefill or decode), fed events by its owner.
+class LegMachine:
+    """The state of one leg of a room (its transfer with one peer) on one side (prefill or
+    decode), fed events by its owner.
 
     Args:
         role: which side this room is on; events of the other side are refused.
@@ -101,7 +102,7 @@ class RoomMachine:
         layers: the layer ids expected to move, when known; enables the layer guards.
 
     Example:
-        >>> m = RoomMachine(Role.DECODE, now=0.0, deadlines=DeadlineConfig(bootstrap_s=5))
+        >>> m = LegMachine(Role.DECODE, now=0.0, deadlines=DeadlineConfig(bootstrap_s=5))
         >>> m.next_deadline()
         (<Deadline.BOOTSTRAP: 'bootstrap'>, 5.0)
     """
@@ -142,7 +143,7 @@ class RoomMachine:
     def __repr__(self) -> str:
         failure = f", failure={self.failure!r}" if self.failure is not None else ""
         return (
-            f"RoomMachine(role={self.role}, state={self.state.name}, "
+            f"LegMachine(role={self.role}, state={self.state.name}, "
             f"layers={len(self._layers)}{failure})"
         )
 
