@@ -625,6 +625,15 @@ _TAG = 16  # the GCM tag
 _ENVELOPE_NONCE_MAX = 64  # a handshake nonce / echo longer than this is no message of ours
 #: what a sealed handshake frame adds to its body at most (envelope, GCM nonce and tag)
 HELLO_SEAL_BYTES = 1 + 8 + 2 + _PEEK_STR_MAX + 2 * (1 + _ENVELOPE_NONCE_MAX) + _IV + _TAG
+#: what any frame adds to its message's body at most (a sealed message's seq and MAC, a sealed
+#: handshake's envelope, GCM nonce and tag): a transport's frame limit is the body's limit
+#: (max_message_bytes) plus this, so no honest frame within it is dropped as too large
+FRAME_OVERHEAD_MAX = max(SEAL_BYTES, HELLO_SEAL_BYTES)
+
+
+def frame_limit(max_message_bytes: int) -> int:
+    """The largest frame body a control socket takes for messages of `max_message_bytes`."""
+    return max_message_bytes + FRAME_OVERHEAD_MAX
 
 
 def hello_key(secret: bytes) -> bytes:

@@ -67,7 +67,8 @@ _Query = Callable[[TransferSession], Any]
 # Bytes one connection may have queued for this agent before ZMQ stops reading it (TCP flow
 # control then holds the sender back; nothing is dropped). ZMQ bounds a connection's queue in
 # messages (RCVHWM), each at most MAXMSGSIZE (the largest honest message, max_message_bytes,
-# plus its seal): the queue is held to this budget by `control_rcvhwm`, at least
+# plus its seal or envelope: wire.frame_limit): the queue is held to this budget by
+# `control_rcvhwm`, at least
 # MIN_CONTROL_RCVHWM messages (a burst of small ones is read in batches of at least that)
 CONTROL_CONN_BYTES = 256 << 20
 MIN_CONTROL_RCVHWM = 16
@@ -75,7 +76,7 @@ MIN_CONTROL_RCVHWM = 16
 
 def control_rcvhwm(max_message_bytes: int) -> int:
     """The control ROUTER's RCVHWM: CONTROL_CONN_BYTES worth of the largest messages."""
-    return max(MIN_CONTROL_RCVHWM, CONTROL_CONN_BYTES // (max_message_bytes + P.SEAL_BYTES))
+    return max(MIN_CONTROL_RCVHWM, CONTROL_CONN_BYTES // P.frame_limit(max_message_bytes))
 
 
 class RoomViews:
@@ -113,7 +114,7 @@ class ControlLoop:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes + P.SEAL_BYTES)
+        self._router.setsockopt(zmq.MAXMSGSIZE, P.frame_limit(settings.max_message_bytes))
         self._router.setsockopt(zmq.RCVHWM, control_rcvhwm(settings.max_message_bytes))
         host, port = settings.agent_host, settings.agent_port
         self._router.setsockopt(zmq.IPV6, zmq_ipv6(host))
@@ -129,9 +130,9 @@ class ControlLoop:
                               f"IPv6 one bare or in brackets)") from e
         self.address = join_host_port(host, port)
         # same-host peers: control messages over a Unix socket (runtime.locallane)
-        # a sealed message's body carries its seal (wire.SEAL_BYTES) beyond the limit
+        # a sealed message's body carries its seal or envelope beyond the limit (wire.frame_limit)
         self._lane = LocalLane(self.address,
-                               max_message_bytes=settings.max_message_bytes + P.SEAL_BYTES,
+                               max_message_bytes=P.frame_limit(settings.max_message_bytes),
                                counters=self.counters) \
             if settings.local_control_lane and available() else None
         self.outbox = ControlOutbox(ctx=self._ctx, lane=self._lane, frames=self._frames,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvhandoff.errors import ProtocolError
@@ -100,3 +101,27 @@ def test_a_sealed_handshakes_envelope_is_authenticated_and_bounded() -> None:
     big = body[:len(body) - len(P.encode(HELLOS[0])[1]) - 16] + bytes(P.HELLO_MAX_BYTES + 17)
     with pytest.raises(ProtocolError, match="exceeds"):
         P.open_frames([head, big], max_bytes=1 << 24)
+
+
+def test_the_frame_limit_takes_the_largest_sealed_handshake_at_the_edge() -> None:
+    """A Hello whose body is exactly `max_message_bytes`, sealed with the longest sender and
+    nonces an envelope carries, makes a frame that fits `frame_limit` (the control sockets'
+    MAXMSGSIZE and the local lane's bound) to the byte, and opens there; the limit is the
+    wire's own largest overhead, above a sealed message's seq and MAC (40 bytes, the old
+    allowance, which dropped this frame)."""
+    base = P.HelloAck(src="a" * 1024, gen=1, agent_id="x", role="prefill", transport="tcp",
+                      transport_address=b"", layout={}, layout_hash="h", buffers=[],
+                      nonce=b"m" * 64, echo=b"n" * 64)
+    limit = 4096
+    pad = limit - len(P.encode(base)[1])
+    msg = msgspec.structs.replace(base, transport_address=b"w" * pad)
+    msg = msgspec.structs.replace(
+        base, transport_address=b"w" * (pad - (len(P.encode(msg)[1]) - limit)))
+    assert len(P.encode(msg)[1]) == limit
+    head, body = P.seal_hello(msg, key=KEY, recipient="r:1", iv=bytes(12))
+    assert len(body) == limit + P.HELLO_SEAL_BYTES == P.frame_limit(limit)
+    assert len(body) > limit + P.SEAL_BYTES
+    assert P.FRAME_OVERHEAD_MAX >= P.SEAL_BYTES
+    o = P.open_frames([head, body], max_bytes=limit)
+    opened = P.open_hello(o, key=KEY, recipient="r:1")
+    assert opened is not None and P.decode_body(opened) == msg
