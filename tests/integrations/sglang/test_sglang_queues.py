@@ -718,7 +718,21 @@ def test_decode_abort_before_the_prefill_opened_its_room_frees_no_page_a_write_c
         slot = tq.req_to_metadata_buffer_idx_allocator.alloc()
         r.send_metadata(np.asarray(dst, np.int32), slot, None, decode_prefix_len=0)
         assert _until(s, lambda st: st != KVPoll.Bootstrapping) == KVPoll.WaitingForInput
-        # the decode's request reached the prefill agent before its room exists
+        # the decode's request reached the prefill agent before its room exists: SGLang's
+        # metadata above came over its own channel; the agent's TransferRequest goes on the
+        # decode agent's control thread, and an abort before it went out frees the pages at
+        # once (rightly: no write was ever asked for). Wait for it in the prefill agent's
+        # store of messages for rooms not opened yet.
+        from kvhandoff.protocol.wire import TransferRequest
+
+        def request_held() -> bool:
+            held = pre.kv_manager.agent._loop.query(lambda sess: sess._early.held(room), 30)
+            return any(isinstance(m, TransferRequest) for m in held)
+
+        end = time.monotonic() + 30
+        while not request_held() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert request_held(), "the decode's TransferRequest never reached the prefill agent"
         entered = threading.Event()
 
         def hold(_session: Any) -> None:
@@ -737,8 +751,13 @@ def test_decode_abort_before_the_prefill_opened_its_room_frees_no_page_a_write_c
         tq._defer_release(d)
         tq.resolve_deferred_releases()
         handles = dec.kv_manager.room_handles.get(room, [])
-        assert handles and not any(h.released for h in handles), \
+        # the KV agent room (the first) is held: its prefill agent, held above, was asked to
+        # write and has not said it stopped. The aux slot's room may be released already (the
+        # prefill's aux agent, not held, acknowledged the abort of a room it never opened);
+        # SGLang frees nothing until every room of the request is.
+        assert handles and handles[0]._agent is dec.kv_manager.agent and not handles[0].released, \
             "the decode's pages were released at once"
+        assert not dec.kv_manager.is_abort_release_safe(room, 0)
         assert freed == []
         # the prefill's forward ends: the engine opens the room and its chunk's event fires
         # while the abort still waits behind the held control thread
