@@ -12,7 +12,9 @@ preset then gives that rank's heads), ``dp_rank``/``dp_size`` (registration iden
 and ``peer`` as a list on the decode side (gathering from several prefill ranks).
 
 Prefill config ``wait_for_decode``: start computing once every room left Bootstrapping (the
-decode side bootstrapped), as an engine's bootstrap queue does.
+decode side bootstrapped), as an engine's bootstrap queue does. ``hold_after_layer``: after
+handing over that layer, wait until every room ended (e.g. the decode aborted it), then hand
+over the later layers of the rooms still open only.
 
 Events: ``ready`` (agent address), ``registered`` (prefill with a bootstrap server), ``layer``
 (prefill: computed and handed over; decode: landed and verified), ``done`` (per room: state,
@@ -36,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_tokens
+from kvhandoff.state_machine import KVPoll
 
+ENDED = (KVPoll.Success, KVPoll.Failed)
 
 def _free(pool: Any, pages: np.ndarray, room: int) -> None:
     pool.free(pages)
@@ -133,14 +137,15 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
         if cfg.get("wait_for_decode"):
             # as SGLang's prefill bootstrap queue: schedule the request once its decode side
             # has bootstrapped (the room left Bootstrapping), bounded by the bootstrap timeout
-            from kvhandoff.state_machine import KVPoll
-
             until = time.monotonic() + settings.bootstrap_timeout_s
             while time.monotonic() < until and any(
                     s.poll() is KVPoll.Bootstrapping for _, s, _ in senders):
                 time.sleep(0.001)  # a scheduler tick of the simulated engine
             _emit("scheduled", states=[s.poll().name for _, s, _ in senders])
         layers = sorted({lid for reg in spec.regions for lid in reg.layer_ids})
+        # hold_after_layer: N: after marking layer N, wait until every room ended, then mark
+        # the later layers only of the rooms still open
+        hold = cfg.get("hold_after_layer")
         for lid in layers:
             t0 = time.monotonic()
             for r, s, pages in senders:
@@ -154,9 +159,15 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
             if layer_s > spent:
                 time.sleep(layer_s - spent)  # simulated compute of the layer, not a sync
             for r, s, _ in senders:
-                if r.get("abort_at_layer") is None or lid < r["abort_at_layer"]:
+                if (r.get("abort_at_layer") is None or lid < r["abort_at_layer"]) \
+                        and (hold is None or lid <= hold or s.poll() not in ENDED):
                     s.layer_ready(lid)
             _emit("layer", layer=lid)
+            if lid == hold:
+                # the rest of the layers wait until every room ended (a test's abort from the
+                # decode mid-transfer): an event, not a pace a loaded host can outrun
+                for _, s, _ in senders:
+                    s.wait(float(cfg.get("timeout_s", 60)))
         _emit("all_ready")
         timeout = float(cfg.get("timeout_s", 60))
         for r, s, _ in senders:
