@@ -107,12 +107,7 @@ def handoff(bootstrap_server: Callable[..., str], request: pytest.FixtureRequest
 
 
 def settings(transport: str, **extra: Any) -> dict[str, Any]:
-    st = {"transport": transport, "heartbeat_interval_s": CALM_HB_S, **extra}
-    if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait the
-        # write quarantine (at least stall_timeout_s + 2 heartbeats: 4 s here)
-        st.setdefault("write_quarantine_s", 2.0)
-        st.setdefault("stall_timeout_s", 2.0)
-    return st
+    return {"transport": transport, "heartbeat_interval_s": CALM_HB_S, **extra}
 
 
 def pages(n_tokens: int) -> int:
@@ -204,6 +199,10 @@ def test_prefill_killed_mid_transfer_fails_decode_quickly(handoff: Handoff, tran
                                                           ) -> None:
     (room,) = handoff.rooms(1)
     st = settings(transport, heartbeat_interval_s=HB_S)
+    if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait the write
+        # quarantine (at least stall_timeout_s + 2 heartbeats: 4 s here); only here, where
+        # a room is meant to stall: elsewhere a 2 s stall bound fails rooms of a loaded host
+        st.update(write_quarantine_s=2.0, stall_timeout_s=2.0)
     # the prefill hands over layers 0..10, then waits for the room to end: the kill always
     # lands mid-transfer, however late the decode's events reach this test
     p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX}], st,
