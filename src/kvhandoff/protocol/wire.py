@@ -391,7 +391,7 @@ def open_frames(frames: list[bytes], *, max_bytes: int) -> Opened:
     cost does not grow with what the body holds (one copy of the signed bytes of a sealed
     frame, for its MAC). `ProtocolError` for anything else."""
     if len(frames) == 2 and bytes(frames[0]) == HELLO_SEALED_HEADER:
-        return _open_envelope(memoryview(frames[1]))
+        return _open_envelope(memoryview(frames[1]), max_bytes=max_bytes)
     body, seal = _split(frames, max_bytes=max_bytes)
     kind, src, gen = peek(body)
     if seal is None and kind in UNSEALED_KINDS and len(body) > HELLO_MAX_BYTES:
@@ -667,9 +667,10 @@ def _kind_of(msg: Hello | HelloReject) -> str:
         "hello_ack" if isinstance(msg, HelloAck) else "hello")
 
 
-def _open_envelope(body: memoryview) -> Opened:
+def _open_envelope(body: memoryview, *, max_bytes: int) -> Opened:
     """A sealed handshake frame's clear envelope read (bounded by its own lengths), its
-    ciphertext left as it is."""
+    ciphertext left as it is: at most `max_bytes` (the agent's max_message_bytes) and
+    HELLO_MAX_BYTES of body."""
     b = bytes(body[:HELLO_SEAL_BYTES])
     i = 0
 
@@ -697,10 +698,12 @@ def _open_envelope(body: memoryview) -> Opened:
     ct = body[i:]
     if len(ct) < _TAG:
         raise ProtocolError("malformed sealed handshake: shorter than its tag")
-    if len(ct) - _TAG > HELLO_MAX_BYTES:
-        # an honest one is a few KB; what a stranger makes an agent decrypt is bounded too
+    bound = min(HELLO_MAX_BYTES, max_bytes)
+    if len(ct) - _TAG > bound:
+        # an honest one is a few KB; what a stranger makes an agent decrypt is bounded too,
+        # by the smaller of a handshake's bound and the agent's max_message_bytes
         raise ProtocolError(f"{kind} of {len(ct) - _TAG} bytes exceeds a handshake message's "
-                            f"bound of {HELLO_MAX_BYTES}")
+                            f"bound of {bound}")
     return Opened(body=ct, seal=None, kind=kind, src=src, gen=gen,
                   hello=Envelope(nonce=nonce, echo=echo, iv=iv,
                                  aad=HELLO_SEALED_HEADER + b[:i] + b"\0"))

@@ -103,6 +103,17 @@ def test_a_sealed_handshakes_envelope_is_authenticated_and_bounded() -> None:
         P.open_frames([head, big], max_bytes=1 << 24)
 
 
+def test_a_sealed_handshake_is_bounded_by_max_message_bytes_when_that_is_smaller() -> None:
+    """An agent configured with a max_message_bytes below HELLO_MAX_BYTES decrypts no sealed
+    handshake larger than it: the same bound as an unsealed message's body."""
+    head, body = P.seal_hello(HELLOS[0], key=KEY, recipient="r:1", iv=bytes(12))
+    size = len(P.encode(HELLOS[0])[1])
+    assert P.open_hello(P.open_frames([head, body], max_bytes=size), key=KEY,
+                        recipient="r:1") is not None  # at the edge: opens
+    with pytest.raises(ProtocolError, match=f"exceeds a handshake message's bound of {size - 1}"):
+        P.open_frames([head, body], max_bytes=size - 1)
+
+
 def test_the_frame_limit_takes_the_largest_sealed_handshake_at_the_edge() -> None:
     """A Hello whose body is exactly `max_message_bytes`, sealed with the longest sender and
     nonces an envelope carries, makes a frame that fits `frame_limit` (the control sockets'
