@@ -128,3 +128,14 @@ def test_a_held_stream_is_aged_by_the_idle_io_thread() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("cross", ["ucx", "tcp"])
+def test_the_counter_reaches_the_status_through_transport_auto(cross: str) -> None:
+    """The agent reads its transport's counters from status(); under transport=auto (ucx
+    across hosts by default) they are its parts' summed. Before, auto reported none."""
+    tr = load_transport("auto", Settings(auto_cross_host=cross, stall_timeout_s=WAIT_S))
+    try:
+        assert tr.status().counters.get("data_early_dropped") == 0
+    finally:
+        tr.close()
