@@ -108,7 +108,7 @@ from kvhandoff.transports.ucx.matcher import ReceiveMatcher  # noqa: E402
 log = logging.getLogger(__name__)
 
 UCXX_VERSION = ucxx.__version__
-_DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
+_DISCARD_MAX = 1 << 16  # streams of cancelled receives whose late messages are dropped
 _IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to the same address
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
 # a dropped message is received into one shared scratch of this size, truncated when longer
