@@ -194,10 +194,12 @@ class Settings(BaseSettings):
         "in the log, and say auth off in their status, /ready, metrics and doctor.")
     max_message_bytes: int = Field(16 << 20, gt=0, description="Largest control message accepted.")
     tcp_early_bytes: int = Field(
-        1 << 30, gt=0, description="tcp transport: bytes of chunks a receiver holds per peer "
-        "for receives not posted yet (4 times that from all peers); over it that tag's chunks "
-        "are dropped and counted, its sender and its receive fail (the room fails or is "
-        "retried).")
+        1 << 30, gt=0, description="tcp and ucx transports: bytes of chunks a receiver holds "
+        "for receives not posted yet, per peer on tcp, per stream on ucx (a UCX tag does not "
+        "name its sender; each message counted at its length + 1 KiB), 4 times that in all; "
+        "over it that stream's chunks are dropped and counted (data_early_dropped), its "
+        "receive fails (tcp: its sender too; the room fails or is retried). Held chunks are "
+        "dropped likewise after stall_timeout_s.")
     local_control_lane: bool = Field(
         True, description="Agents of one host (one network namespace) send each other control "
         "messages over a Unix socket named after the control address, written and read by "

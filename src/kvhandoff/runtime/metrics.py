@@ -69,9 +69,10 @@ _COUNTER_HELP = {
     "data_unverified_replies": "tcp data plane (hmac_secret set), sending side: 'chunk not "
                                "taken' replies the receiver could not MAC, taken only as a "
                                "hint to prove the connection again (never to fail a send).",
-    "data_early_dropped": "tcp data plane: chunks for receives not posted yet dropped over "
-                          "the bound (tcp_early_bytes) or held past stall_timeout_s; their "
-                          "room fails or is retried.",
+    "data_early_dropped": "tcp and ucx data planes: chunks for receives not posted yet "
+                          "dropped over the bound (tcp_early_bytes: per peer on tcp, per "
+                          "stream on ucx; 4 times that in all) or held past stall_timeout_s; "
+                          "their room fails or is retried.",
     "retransmits": "Layers sent again after a checksum mismatch.",
     "checksum_failures": "Landed layers whose checksum did not match.",
     "checksums_verified": "Landed (layer, region) checksums that matched.",

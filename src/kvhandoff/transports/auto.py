@@ -404,7 +404,9 @@ class AutoTransport(OneSidedTransport):
         return TransportStatus(kind=self.kind, lanes=lanes, degraded=degraded,
                                reason=reason,
                                bytes_sent=shm.bytes_sent + cross.bytes_sent,
-                               bytes_received=shm.bytes_received + cross.bytes_received)
+                               bytes_received=shm.bytes_received + cross.bytes_received,
+                               counters={n: shm.counters.get(n, 0) + cross.counters.get(n, 0)
+                                         for n in {*shm.counters, *cross.counters}})
 
     def close(self) -> None:
         with self._lock:

@@ -49,7 +49,7 @@
 # cut the connection (the room stalls, fails on its stall bound, or retransmits); it cannot
 # make a byte land, nor complete, fail or advance a send by a reply it made up or replayed.
 #
-# Rules: a `Gate` and an `EarlyStore` belong to the transport's I/O thread, except the key
+# Rules: a `Gate` and an early.EarlyStore belong to the transport's I/O thread, except the key
 # table, which `bind`/`unbind` change from any thread under the gate's own lock. A sender
 # proves a connection with its first chunk after each (re)key or reconnect, so the receiver,
 # which binds the key before it asks for any chunk, checks a proof at once: a proof or claim
@@ -96,10 +96,9 @@ REPLY_KEYS = 4  # a sender's recent connections (proofs) whose replies it still 
 CONNS_PER_PEER = 16  # proven (or, without a secret, claimed) connections kept per peer
 TOLD_MAX = 4096  # connections told their chunk was not taken, remembered (told once)
 NONCES_MAX = 4096  # proofs taken per session key (reconnects): more are refused
-OVERFLOWED_MAX = 4096  # tags whose early chunks went over the bound, remembered
 STALE_MAX = 64  # dropped proven connections whose replies are still sealed (`Gate.seal`)
 
-#: the counters a `Gate` and an `EarlyStore` keep (the transport's status and the metrics)
+#: the counters a `Gate` and an early.EarlyStore keep (the transport's status and the metrics)
 COUNTERS = ("data_unproven_chunks", "data_refused_proofs", "data_replayed_proofs",
             "data_forged_chunks", "data_early_dropped", "data_forged_replies",
             "data_unverified_replies")
@@ -410,98 +409,3 @@ class Gate:
             self._drop_conn(rid)
         self._route.pop(ident, None)
         self._nonces.pop(ident, None)
-
-
-class EarlyStore:
-    """Chunks that came before their receive was posted, per (peer id, tag), bounded in bytes
-    per peer (`peer_bytes`) and in total (`total_bytes`). Each item is held with the order it
-    came in (`order`), so a disconnect drops only what came before it."""
-
-    def __init__(self, *, peer_bytes: int, total_bytes: int, counters: dict[str, int],
-                 keep_s: float = 30.0) -> None:
-        self.peer_bytes = peer_bytes
-        self.total_bytes = total_bytes
-        self.keep_s = keep_s
-        self.counters = counters
-        # each held key's first arrival, oldest first (`expire`)
-        self._since: collections.OrderedDict[tuple[bytes, int], float] = (
-            collections.OrderedDict())
-        self._items: dict[tuple[bytes, int], list[Any]] = {}
-        self._order: dict[tuple[bytes, int], int] = {}
-        self._size: dict[tuple[bytes, int], int] = {}
-        self._peer: collections.Counter[bytes] = collections.Counter()
-        self.total = 0
-        self._overflowed: collections.OrderedDict[tuple[bytes, int], None] = (
-            collections.OrderedDict())
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._items.values())
-
-    def overflowed(self, key: tuple[bytes, int]) -> bool:
-        return key in self._overflowed
-
-    def hold(self, key: tuple[bytes, int], item: Any, nbytes: int, order: int, *,
-             now: float = 0.0) -> bool:
-        """Holds `item` (`nbytes` of payload) for `key`; False when that would go over a bound:
-        then what was held for `key` is dropped too, and `key` is marked overflowed."""
-        if (key in self._overflowed or self._peer[key[0]] + nbytes > self.peer_bytes
-                or self.total + nbytes > self.total_bytes):
-            self.counters["data_early_dropped"] += 1 + len(self._items.get(key, ()))
-            self.discard(key)
-            self._mark(key)
-            return False
-        if key not in self._items:
-            self._since[key] = now
-            self._order[key] = order
-            self._items[key] = []
-            self._size[key] = 0
-        self._items[key].append(item)
-        self._size[key] += nbytes
-        self._peer[key[0]] += nbytes
-        self.total += nbytes
-        return True
-
-    def _mark(self, key: tuple[bytes, int]) -> None:
-        self._overflowed[key] = None
-        while len(self._overflowed) > OVERFLOWED_MAX:
-            self._overflowed.popitem(last=False)
-
-    def expire(self, now: float) -> list[tuple[tuple[bytes, int], list[Any]]]:
-        """Drops the keys first held more than `keep_s` before `now` (their receive was never
-        posted), counted and marked overflowed like a key over the bound; returns each with
-        what it held (to tell its senders)."""
-        out = []
-        while self._since:
-            key, t = next(iter(self._since.items()))
-            if now - t <= self.keep_s:
-                break
-            items = self._items.get(key, [])
-            self.counters["data_early_dropped"] += len(items)
-            self.discard(key)
-            self._mark(key)
-            out.append((key, items))
-        return out
-
-    def take(self, key: tuple[bytes, int]) -> list[Any]:
-        """What was held for `key`, now handed over (its receive was posted)."""
-        items = self._items.get(key, [])
-        self.discard(key)
-        return items
-
-    def discard(self, key: tuple[bytes, int]) -> None:
-        self._since.pop(key, None)
-        self._items.pop(key, None)
-        self._order.pop(key, None)
-        size = self._size.pop(key, 0)
-        self._peer[key[0]] -= size
-        if self._peer[key[0]] <= 0:
-            del self._peer[key[0]]
-        self.total -= size
-
-    def unmark(self, key: tuple[bytes, int]) -> None:
-        self._overflowed.pop(key, None)
-
-    def drop_peer(self, ident: bytes, before: int) -> None:
-        """Drops what peer `ident` sent before order `before` (a disconnect)."""
-        for key in [k for k in self._items if k[0] == ident and self._order[k] < before]:
-            self.discard(key)

@@ -12,7 +12,7 @@
 # each reply is MAC'd under its connection's key with a sequence number of its own
 # (chunkauth.ReplyMac): the sender takes none that does not verify or comes out of order.
 # Chunks that arrive before their receive is posted are held (as zmq frames, bounded per
-# peer and in total: chunkauth.EarlyStore) until it is, and answered b"C" only then.
+# peer and in total: early.EarlyStore) until it is, and answered b"C" only then.
 # Each data connection is bound to the control session with its peer (chunkauth: the DEALER
 # sends a proof under the session's key before its first chunk, and again after every
 # reconnect or rekey; each header frame ends with a sequence number and a MAC of header and
@@ -55,12 +55,12 @@ from kvhandoff.transports.chunkauth import (
     REPLY_KEYS,
     REPLY_TRAILER,
     TRAILER,
-    EarlyStore,
     Gate,
     Signer,
     default_mac,
     mac_note,
 )
+from kvhandoff.transports.early import EarlyStore
 from kvhandoff.transports.iothread import IoThread
 from kvhandoff.transports.optable import OpTable, TableTransport
 from kvhandoff.transports.sockets import bind_router, connect_dealer

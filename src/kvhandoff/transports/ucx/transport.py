@@ -21,6 +21,9 @@
 # - The receiver never pre-posts: it probes the worker for any arrived message (tag_probe with an
 #   empty mask, remove=True) and matches it against posted receives (_ucx_matcher), receiving
 #   it with its handle straight into destination memory (or a staging buffer + scatter).
+#   Messages for receives not posted yet are held, bounded per stream and in total by
+#   tcp_early_bytes and aged by stall_timeout_s (the matcher; drops counted in
+#   data_early_dropped); a dropped message is received truncated into a small scratch.
 # - Endpoints outlive disconnect() (_ucx_endpoints: why, and when they are closed instead).
 #   While UCX may still touch the peer's memory for us (a rendezvous send in flight, or a
 #   receive in flight unless UCX_RNDV_SCHEME=put_zcopy), disconnect() closes the endpoint,
@@ -105,9 +108,13 @@ from kvhandoff.transports.ucx.matcher import ReceiveMatcher  # noqa: E402
 log = logging.getLogger(__name__)
 
 UCXX_VERSION = ucxx.__version__
-_DISCARD_MAX = 1 << 16  # tags of cancelled receives whose late messages are dropped
+_DISCARD_MAX = 1 << 16  # streams of cancelled receives whose late messages are dropped
 _IDLE_EPS_MAX = 64  # endpoints of disconnected peers kept for a reconnect to the same address
 _CHUNK_BITS = 24  # chunk index bits XORed into the UCX tag
+# a dropped message is received into one shared scratch of this size, truncated when longer
+# (UCX completes a truncated tag receive with UCS_ERR_MESSAGE_TRUNCATED, and the sender's send
+# still completes), so dropping what a stranger sent costs no memory of its size
+_SCRATCH_BYTES = 4096
 
 
 def tag_key(session_key: bytes) -> bytes:
@@ -199,9 +206,13 @@ class UcxTransport(TableTransport):
         self._tag_keys: dict[str, bytes] = {}  # (the lock) peer -> its session's tag key
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._counters = {"data_early_dropped": 0}  # written by the I/O thread
         # owned by the I/O thread
         self._eps = EndpointCache(_IDLE_EPS_MAX)
-        self._matcher: ReceiveMatcher[_Op] = ReceiveMatcher(_DISCARD_MAX)
+        self._matcher: ReceiveMatcher[_Op] = ReceiveMatcher(
+            _DISCARD_MAX, chunk_bits=_CHUNK_BITS, early_bytes=int(settings.tcp_early_bytes),
+            keep_s=float(settings.stall_timeout_s), counters=self._counters)
+        self._scratch = np.empty(_SCRATCH_BYTES, np.uint8)  # dropped messages land here
         self._inflight: list[_Inflight] = []
         self._io.start(self._run)
 
@@ -292,7 +303,8 @@ class UcxTransport(TableTransport):
                   f"{', '.join(self._resources)}")
         return TransportStatus(kind=self.kind, lanes=lanes or tuple(self._resources),
                                degraded=degraded, reason=reason, bytes_sent=self._bytes_sent,
-                               bytes_received=self._bytes_received)
+                               bytes_received=self._bytes_received,
+                               counters=dict(self._counters))
 
     def __repr__(self) -> str:
         return f"<UcxTransport peers={len(self._table.peers)} lanes={self.status().lanes}>"
@@ -359,6 +371,7 @@ class UcxTransport(TableTransport):
                     return
                 worker.progress()
                 busy |= self._probe()
+                busy |= self._age()
                 busy |= self._reap()
                 busy |= self._window.pump()
                 if busy or io.pending():
@@ -366,7 +379,10 @@ class UcxTransport(TableTransport):
                 if worker.arm():
                     # poll, not select: a process with over 1,024 descriptors open (an
                     # engine's sockets and pools) gives these numbers past select()'s range
-                    fds = {fd for fd, _ in waiter.poll()}
+                    # (held messages: wake up when the oldest is to be aged)
+                    left = self._matcher.next_expiry()
+                    fds = {fd for fd, _ in waiter.poll(
+                        None if left is None else int(left * 1000) + 1)}
                     if io.wake_fd in fds:
                         io.drain_wake()
         except Exception:
@@ -465,13 +481,29 @@ class UcxTransport(TableTransport):
     def _on_recv(self, op: _Op) -> None:
         if op.finished:
             return
-        for k, probe in self._matcher.post(op):
+        try:
+            ready, drop = self._matcher.post(op)
+        except TransportError as e:  # its early messages were dropped: it would never end
+            self._table.finish(op, str(e))
+            return
+        for probe in drop:
+            self._drop(probe)
+        for k, probe in ready:
             self._start_recv(op, k, probe)
 
     def _drop(self, probe: Any) -> None:
-        scratch = np.empty(max(int(probe.length), 1), np.uint8)
-        req = self._worker.tag_recv_with_handle(Array(scratch[:probe.length]), probe)
-        self._inflight.append(_Inflight(req, None, 0, scratch, False))
+        """Receives an unwanted message into the shared scratch, truncated when longer
+        (the receive then ends with UCS_ERR_MESSAGE_TRUNCATED, which a drop ignores)."""
+        n = min(max(int(probe.length), 1), _SCRATCH_BYTES)
+        req = self._worker.tag_recv_with_handle(Array(self._scratch[:n]), probe)
+        self._inflight.append(_Inflight(req, None, 0, None, False))
+
+    def _age(self) -> bool:
+        """Drops the held messages of streams held longer than stall_timeout_s."""
+        expired = self._matcher.expire()
+        for probe in expired:
+            self._drop(probe)
+        return bool(expired)
 
     def _probe(self) -> bool:
         found = False
@@ -481,10 +513,12 @@ class UcxTransport(TableTransport):
             if not probe.matched:
                 return found
             found = True
-            match = self._matcher.arrived(int(probe.sender_tag.value), probe)
-            if match is True:
-                self._drop(probe)
-            elif match is not False:
+            match = self._matcher.arrived(int(probe.sender_tag.value), probe,
+                                          int(probe.length))
+            if isinstance(match, list):
+                for dropped in match:
+                    self._drop(dropped)
+            else:
                 self._start_recv(match[0], match[1], probe)
 
     def _start_recv(self, op: _Op, k: int, probe: Any) -> None:
