@@ -2,7 +2,8 @@
 
 Both sides must end terminal (Failed, or Success where the ack had already won) within a
 bounded wait, carry the abort's reason (or the deadline's that ended them), and hand their
-pages back exactly once (the release callbacks count calls; the pools must be full again). Real agents over tcp in the test process.
+pages back exactly once (the release callbacks count calls; the pools must be full again).
+Real agents over tcp in the test process.
 """
 
 from __future__ import annotations
