@@ -43,8 +43,8 @@ def assert_refused_fast(handles: list[Any], t0: float,
                         kind: FailureKind = FailureKind.LAYOUT_MISMATCH) -> float:
     """Each room failed fast, by its mechanism rather than a wall-clock bound a loaded host
     can miss: of the check's `kind` (the handshake's unless said; not a deadline, not a lost
-    peer: those are the other ways such a room would end), after `t0`, with no byte moved. Returns the
-    slowest time to Failed (printed by the tests, not asserted)."""
+    peer: those are the other ways such a room would end), after `t0`, with no byte moved.
+    Returns the slowest time to Failed (printed by the tests, not asserted)."""
     worst = 0.0
     for h in handles:
         st = h.stats()

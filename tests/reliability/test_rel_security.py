@@ -2,8 +2,8 @@
 
 - HMAC on Hello: agents with different (or missing) shared secrets never handshake; their rooms
   fail fast with a clear reason (fast: failed by the handshake's refusal, not a deadline or a
-  silence, with no byte moved; the time is printed). A process without the secret cannot join a room, and cannot
-  abort one either.
+  silence, with no byte moved; the time is printed). A process without the secret cannot join
+  a room, and cannot abort one either.
 - A decode may write only into pages it offered: the span plan of both sides targets exactly
   the offered pages (suffix pages for suffix-only regions), and every other byte of the decode
   buffers is untouched after real handoffs.
