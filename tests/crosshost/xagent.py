@@ -8,9 +8,12 @@ next room over between the same two processes. Page contents are `kvhandoff.engi
 deterministic pattern, so the decode checks every landed byte without seeing the prefill.
 
 Commands (one JSON object a line on stdin), answered by events (one a line on stdout):
-- ``{"cmd": "send", "room": r, "seq_len": n, "layer_ms": ms}`` (prefill): writes the pattern,
-  opens the sender, marks a layer ready every `layer_ms`; events ``layer`` (each layer
-  handed over) and ``done`` (state, failure, released, stats).
+- ``{"cmd": "send", "room": r, "seq_len": n, "layer_ms": ms, "hold_after_layer": l}``
+  (prefill): writes the pattern, opens the sender, marks a layer ready every `layer_ms`; with
+  `hold_after_layer` (optional), after marking layer `l` it waits until the room ended, and
+  marks the later layers only if it is still open (a fault then lands mid-transfer however
+  late the test acts); events ``layer`` (each layer handed over) and ``done`` (state,
+  failure, released, stats).
 - ``{"cmd": "recv", "room": r, "seq_len": n, "prefix": p}`` (decode): opens the receiver
   through the bootstrap server, offers pages; events ``layer`` (landed and verified) and
   ``done`` (state, failure, released, bad_bytes of the landed tokens, prefix_touched: bytes
@@ -39,6 +42,7 @@ from kvhandoff.engine_sim.pattern import PREFIX_MARKER, check_tokens, write_toke
 from kvhandoff.kv_layout import SendFrom, page_aligned
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.settings import Settings
+from kvhandoff.state_machine import KVPoll
 from kvhandoff.transfer import TransferAgent
 
 LAYERS = 8
@@ -86,7 +90,8 @@ class Side:
         with self.pool_lock:
             self.pool.free(pages)
 
-    def send(self, room: int, seq_len: int, layer_ms: float) -> None:
+    def send(self, room: int, seq_len: int, layer_ms: float,
+             hold_after_layer: int | None = None) -> None:
         pages = self._alloc(seq_len)
         for ri, reg in enumerate(self.spec.regions):
             for lid in reg.layer_ids:
@@ -100,6 +105,9 @@ class Side:
                 tick.wait(layer_ms / 1e3)
             s.layer_ready(lid)
             emit("layer", room=room, layer=lid)
+            if lid == hold_after_layer and s.wait(self.timeout_s) in (KVPoll.Failed,
+                                                                      KVPoll.Success):
+                break
         state = s.wait(self.timeout_s)
         stats = s.stats()  # before the room can be forgotten
         released = s.wait_released(self.timeout_s)
@@ -189,7 +197,8 @@ def main() -> int:
             continue
         if cmd == "send":
             target: Any = functools.partial(side.send, int(msg["room"]), int(msg["seq_len"]),
-                                            float(msg.get("layer_ms", 0)))
+                                            float(msg.get("layer_ms", 0)),
+                                            msg.get("hold_after_layer"))
         elif cmd == "recv":
             target = functools.partial(side.recv, int(msg["room"]), int(msg["seq_len"]),
                                        int(msg.get("prefix", 0)))

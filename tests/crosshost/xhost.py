@@ -339,13 +339,16 @@ def start_pair(hosts: Hosts, transport: str, started: list[Agent], **extra: Any
     return agents[0], agents[1]
 
 
-def open_room(p: Agent, d: Agent, seq_len: int, *, prefix: int = 0, layer_ms: float = 0
-              ) -> int:
-    """Allocates a room at the bootstrap server, bound to the prefill; starts both sides."""
+def open_room(p: Agent, d: Agent, seq_len: int, *, prefix: int = 0, layer_ms: float = 0,
+              hold_after_layer: int | None = None) -> int:
+    """Allocates a room at the bootstrap server, bound to the prefill; starts both sides
+    (`hold_after_layer`: the prefill marks the later layers only once the room ended, if it
+    is still open: see xagent.py)."""
     p.cmd(cmd="rooms", count=1)
     (room,) = p.expect("rooms", DONE_S)["rooms"]
     d.cmd(cmd="recv", room=room, seq_len=seq_len, prefix=prefix)
-    p.cmd(cmd="send", room=room, seq_len=seq_len, layer_ms=layer_ms)
+    p.cmd(cmd="send", room=room, seq_len=seq_len, layer_ms=layer_ms,
+          hold_after_layer=hold_after_layer)
     return int(room)
 
 
