@@ -94,6 +94,7 @@ class Engine:
         self.agent = TransferAgent(role, layout, _pool_buffers(layout, num_pages, shared_pool),
                                    settings, **agent_kw)
         self.releases: Counter[int] = Counter()
+        self.released_at: dict[int, float] = {}  # room -> time.monotonic() of its last release
         self.release_errors: list[str] = []
         self.pages: dict[int, np.ndarray] = {}
         self.prefix: dict[int, int] = {}
@@ -108,6 +109,7 @@ class Engine:
         def cb(room: int) -> None:
             with self._lock:
                 self.releases[room] += 1
+                self.released_at[room] = time.monotonic()
                 try:
                     self.pool.free(pages)
                 except KVHandoffError as e:
