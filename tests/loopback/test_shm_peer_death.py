@@ -20,10 +20,13 @@ def test_decode_sigkill_mid_transfer_prefill_survives(lane: str) -> None:
     with run_server() as url:
         client = BootstrapClient(url)
         room = client.allocate_rooms(1)[0]
-        st = {"transport": "shm", "heartbeat_interval_s": 0.2}
+        st = {"transport": "shm", "heartbeat_interval_s": 0.5}
+        # the prefill hands over layers 0..5, then holds the rest until the room ended: the
+        # kill lands mid-transfer however late the decode's events reach this test (unheld, a
+        # loaded host let the decode land every layer and exit before the SIGKILL)
         with spawn("prefill", {"rooms": [{"room": room, "seq_len": 3000}], "numpy_buffers": True,
                                "settings": {**st, "bootstrap_url": url}, "engine_id": "p",
-                               "linger": True}) as p, \
+                               "hold_after_layer": 5, "linger": True}) as p, \
              spawn("decode", {"rooms": [{"room": room, "seq_len": 3000, "prefix": 1000}],
                               **pool, "settings": st, "bootstrap_url": url}) as d:
             p.expect("ready", 60)

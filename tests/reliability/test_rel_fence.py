@@ -130,7 +130,9 @@ def test_a_frozen_writers_pages_are_held_past_write_quarantine_s_to_its_own_boun
     come back only after stall_timeout_s + 2 heartbeats, the writer still frozen."""
     d = decode_engine(write_quarantine_s=1.0, stall_timeout_s=6.0)
     try:
-        with prefill_proc() as (p, addr):
+        # the prefill holds its later layers until the room ended: frozen mid-transfer
+        # however late its layer events reach this test
+        with prefill_proc(hold_after_layer=LAYERS[3]) as (p, addr):
             rv = d.recv(ROOM, SEQ, addr)
             p.expect("layer", WAIT_S, layer=LAYERS[3])  # mid-transfer
             freeze(p)

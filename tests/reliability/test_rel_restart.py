@@ -34,8 +34,9 @@ SEQ = 128
 LAYOUT = preset("glm-5.3", page_size_tokens=64)
 
 
-def prefill_cfg(port: int, room: int, layer_ms: float) -> dict[str, Any]:
-    return {"rooms": [{"room": room, "seq_len": SEQ}], "layer_ms": layer_ms, "linger": True,
+def prefill_cfg(port: int, room: int, layer_ms: float, **extra: Any) -> dict[str, Any]:
+    return {**extra, "rooms": [{"room": room, "seq_len": SEQ}], "layer_ms": layer_ms,
+            "linger": True,
             "timeout_s": WAIT_S, "engine_id": "p",
             "settings": {"transport": relkit.lane, "heartbeat_interval_s": HB_S,
                          "agent_port": port}}
@@ -49,7 +50,9 @@ def test_prefill_restarted_on_the_same_address_new_generation() -> None:
     port = free_port()
     d = Engine("decode", LAYOUT, 8, fast_settings(heartbeat_interval_s=HB_S), pattern="sim")
     try:
-        with spawn("prefill", prefill_cfg(port, 1, layer_ms=30)) as p1:
+        # layer 0 handed over, the rest held until the room ended: killed mid-transfer
+        # however late this test sees the layer
+        with spawn("prefill", prefill_cfg(port, 1, layer_ms=0, hold_after_layer=0)) as p1:
             ev = p1.expect("ready", 60)
             addr, gen1 = ev["address"], ev["generation"]
             assert addr == f"127.0.0.1:{port}"
