@@ -70,6 +70,13 @@ def test_abort_before_transfer_accepted_holds_pages_while_the_writer_is_frozen()
                                   "stall_layers": [LAYERS[-1]]}) as (p, addr):
             rv = d.recv(ROOM, SEQ, addr)
             p.expect("layer", WAIT_S, layer=LAYERS[3])  # its writes are landing
+            # and the decode's TransferRequest (its pages offered) is out: it goes in the step
+            # that matched the peer. (On a loaded host the prefill's layer events can come
+            # before the handshake; an abort then rightly frees pages nobody could write.)
+            until = time.monotonic() + WAIT_S
+            while not any(q["matched"] for q in d.agent.status()["peers"]):
+                assert time.monotonic() < until, d.agent.status()["peers"]
+                time.sleep(0.01)
             freeze(p)
             try:
                 rv.abort("engine gave up")
@@ -132,7 +139,10 @@ def test_a_frozen_writers_pages_are_held_past_write_quarantine_s_to_its_own_boun
     try:
         # the prefill holds its later layers until the room ended: frozen mid-transfer
         # however late its layer events reach this test
-        with prefill_proc(hold_after_layer=LAYERS[3]) as (p, addr):
+        # (the prefill's stall bound is the decode's: its Hello says it, and the decode's
+        # quarantine outlasts the longer of the two)
+        with prefill_proc(settings={"stall_timeout_s": 6.0},
+                          hold_after_layer=LAYERS[3]) as (p, addr):
             rv = d.recv(ROOM, SEQ, addr)
             p.expect("layer", WAIT_S, layer=LAYERS[3])  # mid-transfer
             freeze(p)

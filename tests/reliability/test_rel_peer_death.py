@@ -236,7 +236,10 @@ def test_prefill_stays_frozen_decode_pages_back_after_the_bound() -> None:
     writer (one-sided writes: after write_quarantine_s)."""
     d = engine("decode", stall_timeout_s=2.0, write_quarantine_s=2.0)
     try:
-        with prefill_proc(layer_ms=0, hold_after_layer=LAYERS[5]) as (p, addr):
+        # the prefill's stall bound as short (its Hello says it: the decode's quarantine
+        # outlasts the longer of the two)
+        with prefill_proc(layer_ms=0, hold_after_layer=LAYERS[5],
+                          settings={**PROC_SETTINGS, "stall_timeout_s": 2.0}) as (p, addr):
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
             p.expect("layer", WAIT_S, layer=LAYERS[5])
             p.signal(signal.SIGSTOP)

@@ -50,6 +50,10 @@ class Identity:
     memory: str = "host"
     #: its checksum mode, as its Hello says it (the session sets it from `Settings.checksum`)
     checksum: str = ""
+    #: its heartbeat interval, as its Hello says it (the session sets it from
+    #: `Settings.heartbeat_interval_s`) and its bound on stopping a copy (`stall_timeout_s`)
+    heartbeat_s: float = 0.0
+    stall_s: float = 0.0
 
     def hello(self, cls: type[P.Hello], recipient: str, *, nonce: bytes = b"",
               echo: bytes = b"") -> P.Hello:
@@ -60,7 +64,8 @@ class Identity:
                   role=self.role.value, transport=self.transport_kind,
                   transport_address=self.transport_address, layout=self.layout.to_dict(),
                   layout_hash=self.layout_hash, buffers=list(self.buffers),
-                  memory=self.memory, checksum=self.checksum, nonce=nonce, echo=echo)
+                  memory=self.memory, checksum=self.checksum, nonce=nonce, echo=echo,
+                  heartbeat_s=self.heartbeat_s, stall_s=self.stall_s)
         if not self.hmac_secret:
             return msg
         return P.sign_hello(msg, self.hmac_secret, recipient=recipient)

@@ -26,6 +26,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvhandoff.errors import Failure, FailureKind
@@ -48,14 +49,18 @@ from kvhandoff.state_machine import (
 )
 
 
-def write_quarantine(st: Settings) -> float:
+def write_quarantine(st: Settings, peer_stall_s: float = 0.0, peer_heartbeat_s: float = 0.0
+                     ) -> float:
     """How long a decode holds a failed one-sided room's pages when its prefill never says
     its writes stopped: `write_quarantine_s`, but never shorter than the writer's own bound on
     stopping a copy (its transport waits `stall_timeout_s` for a cancelled copy to stop
     before it calls it failed) plus two heartbeats (its word that it gave up, or its loss,
-    takes that long to be seen). Derived from this side's settings: both sides are expected
-    to run the same `stall_timeout_s` (docs/RELIABILITY.md)."""
-    return max(st.write_quarantine_s, st.stall_timeout_s + 2 * st.heartbeat_interval_s)
+    takes that long to be seen). Each of the two is the longer of this side's setting and what
+    the writer said in its Hello (`peer_stall_s`, `peer_heartbeat_s`; 0: not said), so two
+    sides set differently still hold the pages past the writer's bound."""
+    return max(st.write_quarantine_s,
+               max(st.stall_timeout_s, peer_stall_s)
+               + 2 * max(st.heartbeat_interval_s, peer_heartbeat_s))
 
 
 class RoomTable:
@@ -68,6 +73,9 @@ class RoomTable:
         self.legs: dict[tuple[int, str], Leg] = {}
         self._dirty: dict[int, Room] = {}
         self._cancelling: dict[tuple[str, int], Leg] = {}  # (peer, tag) -> leg, until answered
+        #: (stall_timeout_s, heartbeat) a peer said in its Hello, by its address (set by the
+        #: session to `PeerTable.bounds_of`; the quarantines outlast the longer of each)
+        self.peer_bounds: Callable[[str], tuple[float, float]] = lambda addr: (0.0, 0.0)
         st = ctx.settings
         self.deadlines = DeadlineConfig(
             bootstrap_s=st.bootstrap_timeout_s, waiting_for_input_s=st.waiting_timeout_s,
@@ -170,8 +178,8 @@ class RoomTable:
                     fence.cancel_sent(tag)
                     self.ctx.emit(Cancel(r.peer, tag))
             if fence.remote_writes:  # the prefill may still write into our pages: see quarantine
-                self.ctx.later(write_quarantine(self.ctx.settings),
-                               lambda: self._quarantined(r))
+                bound = self._quarantine(r)
+                self.ctx.later(bound, lambda: self._quarantined(r, bound))
         g = r.group
         if not ok and g.state.fail(r.state.failure
                                    or Failure(FailureKind.REMOTE_FAILED, "failed")):
@@ -260,12 +268,16 @@ class RoomTable:
         # as the decode's quarantine: `write_quarantine`); its op already completed
         what = "disconnect" if e.tag is None else f"cancel of tag {e.tag}"
         self.ctx.counters["cancel_failures"] += 1
-        bound = write_quarantine(self.ctx.settings)
+        bound = self._quarantine(r)
         self.ctx.log(WARNING, f"room {r.room}: {what} with {r.peer} failed ({e.error}); its "
                               f"pages stay held for {bound:g}s (write_quarantine_s, at least "
                               "stall_timeout_s + 2 heartbeats)")
         if r.state.fence.stop_failed_now():
             self.ctx.later(bound, lambda: self._stop_bound(r))
+
+    def _quarantine(self, r: Leg) -> float:
+        """`write_quarantine` for leg `r`: this side's settings and what its peer said."""
+        return write_quarantine(self.ctx.settings, *self.peer_bounds(r.peer))
 
     def _stop_bound(self, r: Leg) -> None:
         """write_quarantine_s after a failed cancel: the pages go back (what the decode does
@@ -275,7 +287,7 @@ class RoomTable:
                               f"a failed cancel with {r.peer}")
         self.maybe_release(r)
 
-    def _quarantined(self, r: Leg) -> None:
+    def _quarantined(self, r: Leg, bound: float) -> None:
         """Decode, one-sided: a failed leg's prefill never confirmed that its writes stopped
         (it died, or is stopped or cut off): after `write_quarantine` the pages go back."""
         if not r.state.fence.writer_stopped():
@@ -283,7 +295,7 @@ class RoomTable:
         self.ctx.counters["write_quarantines"] += 1
         self.ctx.log(WARNING, f"room {r.room}: prefill {r.peer} never confirmed that its "
                               f"writes into this room's pages stopped; releasing them after "
-                              f"the write quarantine ({write_quarantine(self.ctx.settings):g}s: "
+                              f"the write quarantine ({bound:g}s: "
                               "write_quarantine_s, at least stall_timeout_s + 2 heartbeats)")
         self.maybe_release(r)
 

@@ -40,6 +40,7 @@ With a shared secret (``hmac_secret``) the table also owns each peer's session (
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,17 @@ PENDING_KEEP_S = 60.0  # how long a Hello waiting for its confirmation is kept
 # pending Hellos kept per peer at most; one beyond is dropped (never one kept: a stranger
 # replaying recorded Hellos must not evict the one its real sender is confirming)
 PENDING_PER_PEER = 8
+# the longest heartbeat a peer's Hello may say it beats at (s): beyond it, its silence is
+# still measured against this (its rooms fail on their stall and lease bounds anyway)
+PEER_HEARTBEAT_MAX_S = 60.0
+# the longest stall bound a peer's Hello may say (s): a decode's quarantine after a failed room
+# with it is at most this + 2 of its heartbeats
+PEER_STALL_MAX_S = 600.0
+
+
+def _said(value: float, most: float) -> float:
+    """A duration a peer's Hello said, within [0, most] (0: not said, or not a number)."""
+    return min(max(value, 0.0), most) if math.isfinite(value) else 0.0
 # refused Hellos answered per heartbeat at most: each answer goes to the address the Hello
 # names, so an outsider could otherwise make this agent send one message per Hello it sends
 REFUSALS_PER_HEARTBEAT = 64
@@ -394,6 +406,10 @@ class PeerTable:
         p.layout = layout
         p.transport_address = msg.transport_address
         p.memory = msg.memory
+        # what a peer says of its beat and stall bound is bounded: a Hello cannot make its
+        # silence go unseen, nor hold a decode's pages for long
+        p.heartbeat_s = _said(msg.heartbeat_s, PEER_HEARTBEAT_MAX_S)
+        p.stall_s = _said(msg.stall_s, PEER_STALL_MAX_S)
         p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
                          if b.descriptor}
         # answered by Connected, later: room messages from the peer wait in its backlog
@@ -538,10 +554,19 @@ class PeerTable:
                                              rooms=rooms_by_peer.get(p.addr, [])))
             # silence is measured by time, up to when the driver last read its sockets
             # (`Tick.read_at`): a stalled driver must not take its own backlog for a dead peer
+            # against the longer of the two heartbeats: a peer set to beat less often than
+            # this agent is not dead between two of its beats
             silent = min(now, read_at) - p.last_seen
-            if (p.matched or p.waiting) and silent > 2 * hb:
+            beat = max(hb, p.heartbeat_s)
+            if (p.matched or p.waiting) and silent > 2 * beat:
                 self.lost(p, f"peer {p.addr} silent for {silent:.2f}s "
-                             f"(> 2 heartbeats of {hb:g}s)")
+                             f"(> 2 heartbeats of {beat:g}s)")
+
+    def bounds_of(self, addr: str) -> tuple[float, float]:
+        """(stall_timeout_s, heartbeat) the peer at `addr` said in its Hello; 0 for what it
+        did not say, or a peer no longer known (the caller then uses its own)."""
+        p = self._peers.get(addr)
+        return (0.0, 0.0) if p is None else (p.stall_s, p.heartbeat_s)
 
     def woke(self, gap: float) -> None:
         """Nothing reached this session for `gap` > 2 heartbeats: see `TransferSession`."""

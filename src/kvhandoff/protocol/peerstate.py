@@ -173,6 +173,8 @@ class Peer:
     transport_address: bytes = b""
     descriptors: dict[str, bytes] = field(default_factory=dict)  # its buffers, for our writes
     memory: str = "host"  # where its KV buffers live (its Hello's `memory`)
+    heartbeat_s: float = 0.0  # its heartbeat interval (its Hello's; 0: not said)
+    stall_s: float = 0.0  # its stall_timeout_s (its Hello's; 0: not said)
     last_seen: float = 0.0
     #: legs waiting for the handshake
     waiting: list[Leg] = field(default_factory=list)

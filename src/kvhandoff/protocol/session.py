@@ -78,13 +78,17 @@ class TransferSession:
     `settings` (heartbeats, deadlines, checksums, retention), `now` (the clock at creation)."""
 
     def __init__(self, *, identity: Identity, settings: Settings, now: float) -> None:
-        # the Hello says this side's checksum mode (the peers compare them)
-        identity = dataclasses.replace(identity, checksum=settings.checksum.value)
+        # the Hello says this side's checksum mode (the peers compare them), heartbeat (the
+        # peers measure its silence by it) and stall bound (a decode's quarantine outlasts it)
+        identity = dataclasses.replace(identity, checksum=settings.checksum.value,
+                                       heartbeat_s=settings.heartbeat_interval_s,
+                                       stall_s=settings.stall_timeout_s)
         self.ctx = ctx = Context(identity=identity, settings=settings, now=now)
         self.readouts = ReadOuts()
         self.rooms = RoomTable(ctx=ctx, readouts=self.readouts)
         self.peers = PeerTable(ctx=ctx, rooms=self.rooms, on_matched=self._matched,
                                replay=self._room_msg)
+        self.rooms.peer_bounds = self.peers.bounds_of
         self.inflight = InFlight(ctx=ctx, rooms=self.rooms, peers=self.peers,
                                  readouts=self.readouts)
         self.send_path = SendPath(ctx=ctx, rooms=self.rooms, peers=self.peers,

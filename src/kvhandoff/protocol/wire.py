@@ -137,6 +137,13 @@ class Hello(_Msg, tag="hello", frozen=True):
     # answers. Absent (an older peer, or an agent without a secret): b"".
     nonce: bytes = b""
     echo: bytes = b""
+    # the sender's heartbeat interval (`Settings.heartbeat_interval_s`): its peers measure its
+    # silence against the longer of theirs and this, so two agents set differently do not
+    # take each other's quieter beat for death. Absent (an older peer): 0, the receiver's own.
+    heartbeat_s: float = 0.0
+    # the sender's `stall_timeout_s`: its bound on stopping a cancelled copy, which a decode's
+    # write quarantine must outlast (`lifecycle.write_quarantine`). Absent: the receiver's own.
+    stall_s: float = 0.0
 
 
 class HelloAck(Hello, tag="hello_ack", frozen=True):

@@ -27,7 +27,9 @@ STALL = 2.0  # the writer's bound on stopping a copy: the quarantine may not be 
 def pair(*, prefill_writes: bool = True, decode_writes: bool = True,
          decode: Settings | None = None) -> tuple[MemoryWire, Side, Side]:
     w = MemoryWire()
-    p = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(),
+    # the prefill's stall bound as the decode's: its Hello says it, and the decode's quarantine
+    # outlasts the longer of the two
+    p = w.add("prefill:1", Role.PREFILL, layout(), settings=settings(stall_timeout_s=STALL),
               writes=prefill_writes)
     d = w.add("decode:1", Role.DECODE, layout(),
               settings=decode or settings(write_quarantine_s=QUARANTINE, stall_timeout_s=STALL),
