@@ -59,8 +59,9 @@ def _assert_nothing_left(before: tuple[set[int], set[str]]) -> None:
     assert not new_threads, f"threads left by the refused constructor: {new_threads}"
     # a closed ZMQ socket's eventfd is freed by libzmq's reaper thread, after close() returned
     # (the agents share zmq.Context.instance(), which is never terminated): a full run once
-    # saw it still open. Wait for it (bounded); a descriptor really left stays and fails.
-    deadline = time.monotonic() + 5.0
+    # saw it still open, and a run beside a busy loop on every core two sockets after 5 s.
+    # Wait for it (bounded); a descriptor really left stays and fails.
+    deadline = time.monotonic() + 30.0
     tick = threading.Event()
     while fds - before[1] and time.monotonic() < deadline:
         tick.wait(0.01)

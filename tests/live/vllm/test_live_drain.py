@@ -42,7 +42,9 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 MODEL = "gqa"
 REF, PREFILL, A, B = "gqa-ref", "gqa-prefill-b32", "gqa-mig-a", "gqa-mig-b"
 ENGINES = (REF, PREFILL, A, B)
-N_REQ, PROMPT, MAX_TOKENS, BEFORE = 4, 40, 128, 4  # long enough that A, stopped, has work left
+# long enough that A, stopped, has work left: at 128 tokens, beside a busy loop on every core,
+# A finished every stream before the test (starved) stopped it, and nothing was left to move
+N_REQ, PROMPT, MAX_TOKENS, BEFORE = 4, 40, 384, 4
 BOUND_S = 300.0
 BLOCK = 32  # the prefill's block size (gqa-prefill-b32)
 REOFFER = PROMPT - (PROMPT - 1) // BLOCK * BLOCK  # the prefill computes these per move
