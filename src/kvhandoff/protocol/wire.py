@@ -540,13 +540,16 @@ def _hello_body(msg: Hello) -> bytes:
     agent's Hello is byte for byte what a peer that predates the field signs and checks; a
     "cuda" Hello carries it (an older peer's check then fails: it cannot hand off device
     memory anyway). `checksum` is left out when "" or "full" (its default) for the same
-    reason."""
+    reason, and so are `heartbeat_s` and `stall_s` when 0 (not said)."""
     m = msgspec.to_builtins(msgspec.structs.replace(msg, mac=b""), builtin_types=(bytes,))
     if m.get("memory") == "host":
         del m["memory"]
     if m.get("checksum") in ("", "full"):
         del m["checksum"]
     for name in ("nonce", "echo"):  # likewise when empty (an agent without a secret)
+        if not m.get(name):
+            m.pop(name, None)
+    for name in ("heartbeat_s", "stall_s"):  # likewise when not said (0)
         if not m.get(name):
             m.pop(name, None)
     return _ENCODER.encode(m)
