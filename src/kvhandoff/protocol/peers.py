@@ -407,7 +407,8 @@ class PeerTable:
         p.transport_address = msg.transport_address
         p.memory = msg.memory
         # what a peer says of its beat and stall bound is bounded: a Hello cannot make its
-        # silence go unseen, nor hold a decode's pages for long
+        # silence go unseen for more than 2 x 60 s, nor hold a decode's pages after a failure
+        # for more than 600 s + 2 x 60 s
         p.heartbeat_s = _said(msg.heartbeat_s, PEER_HEARTBEAT_MAX_S)
         p.stall_s = _said(msg.stall_s, PEER_STALL_MAX_S)
         p.descriptors = {buffer_name(b.region, b.layer): b.descriptor for b in msg.buffers
