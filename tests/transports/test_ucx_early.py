@@ -8,12 +8,12 @@ transport closed. Every wait bounded."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from ondone import Done
 
 from kvhandoff.errors import TransportError
 from kvhandoff.settings import Settings
@@ -25,16 +25,6 @@ WAIT_S = 20.0
 CHUNK = 16 << 10
 BOUND = 64 << 10  # tcp_early_bytes: three chunks (and their overhead) fit, four do not
 FLOOD = 64 * CHUNK  # 64 chunks, one stream; more than the sender's window (8) of them
-
-
-class Done:
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.err: BaseException | None = None
-
-    def __call__(self, exc: BaseException | None) -> None:
-        self.err = exc
-        self.event.set()
 
 
 def dropped(t: object) -> int:

@@ -8,10 +8,10 @@ Two real UCX transports in one process, over UCX's same-host lanes; every wait b
 from __future__ import annotations
 
 import secrets
-import threading
 
 import numpy as np
 import pytest
+from ondone import Done
 
 from kvhandoff.settings import Settings
 from kvhandoff.transports import load_transport
@@ -20,16 +20,6 @@ pytest.importorskip("ucxx")
 
 WAIT_S = 20.0
 N = 4000  # one chunk, sent eagerly: its send ends without the receiver matching it
-
-
-class Done:
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.err: BaseException | None = None
-
-    def __call__(self, exc: BaseException | None) -> None:
-        self.err = exc
-        self.event.set()
 
 
 @pytest.mark.parametrize("keyed", [True, False])
