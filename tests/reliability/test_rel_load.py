@@ -131,7 +131,10 @@ def run_round(p: Engine, d: Engine, *, rooms: int, max_seq: int, abort_frac: flo
 
 def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: int,
          rss_bound_mib: float, wait_s: float, rng: random.Random, warmup_rounds: int = 1,
-         **extra: Any) -> list[RoundResult]:
+         steps_forgiven: int = 0, **extra: Any) -> list[RoundResult]:
+    """Rounds of `rooms` concurrent rooms; RSS may grow by `rss_bound_mib` over the rounds
+    after `warmup_rounds`, less the `steps_forgiven` largest rounds' growth (a pool that grows
+    once, in whichever round, is a step; a leak grows every round)."""
     layout = mini_glm(num_layers=num_layers, indexer_layer_ids=(1, num_layers - 1))
     pages = rooms * -(-max_seq // layout.page_size_tokens)
     results: list[RoundResult] = []
@@ -162,13 +165,18 @@ def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: i
         for e in (p, d):  # nothing left open on either agent
             states = e.agent.status()["rooms"]
             assert set(states) <= {"Success", "Failed"}, states
-    growth_mib = (rss[-1] - rss[warmup_rounds - 1]) / (1 << 20)
+    after = rss[warmup_rounds - 1:]
+    steps = sorted((b - a for a, b in zip(after, after[1:], strict=False)), reverse=True)
+    growth_mib = sum(steps[steps_forgiven:]) / (1 << 20)
     print(f"soak {transport}: {rounds} rounds x {rooms} rooms; per round "
           + ", ".join(f"{r.success} ok/{r.failed} failed ({r.ack_won} ack won) "
                       f"in {r.seconds:.1f}s" for r in results)
           + f"; RSS after each round MiB: {[round(x / (1 << 20)) for x in rss]}; "
-          f"growth after {warmup_rounds} warm-up round(s) {growth_mib:+.1f} MiB")
-    assert growth_mib < rss_bound_mib, f"RSS grew {growth_mib:.1f} MiB after the warm-up round"
+          f"growth after {warmup_rounds} warm-up round(s) {growth_mib:+.1f} MiB"
+          + (f" (the largest {steps_forgiven} round(s) left out)" if steps_forgiven else ""))
+    assert growth_mib < rss_bound_mib, (
+        f"RSS grew {growth_mib:.1f} MiB after the warm-up round(s)"
+        + (f", the largest {steps_forgiven} left out" if steps_forgiven else ""))
     return results
 
 
@@ -191,16 +199,17 @@ def test_500_concurrent_rooms_with_random_aborts(transport: str, rng: random.Ran
 
 
 def test_ucx_soak_200_rooms_with_aborts(rng: random.Random) -> None:
-    """The short UCX soak of `make test`: 200 concurrent rooms, 10 % aborted, four rounds; 0
+    """The short UCX soak of `make test`: 200 concurrent rooms, 10 % aborted, five rounds; 0
     rooms lost, every page back exactly once (the 2,000-room runs are `long`). RSS is
-    compared after two warm-up rounds: UCX grows its memory pools over the first rounds
-    (+40 MiB after one warm-up round late in a full `make test`; alone: +15 MiB in round
-    2, then within 2 MiB)."""
+    compared after two warm-up rounds, and the one round that grew most is left out: UCX
+    grows its memory pools in steps, not always in the first rounds (+40 MiB after one
+    warm-up round late in a full `make test`; alone: +15 MiB in round 2, then within 2 MiB;
+    beside busy loops, RSS after each round 407, 408, 451, 453 MiB: one step in round 3)."""
     # UCX peer error handling on (as between hosts): without it a same-host UCX endpoint
     # closing while the other agent's UCX worker still runs can abort the process
     # (docs/TRANSFER.md, the UCX limitation), which is not what this soak measures
-    soak_in_child(rng, transport="ucx", rooms=200, rounds=4, max_seq=48, num_layers=6,
-                  rss_bound_mib=32, wait_s=60, warmup_rounds=2,
+    soak_in_child(rng, transport="ucx", rooms=200, rounds=5, max_seq=48, num_layers=6,
+                  rss_bound_mib=32, wait_s=60, warmup_rounds=2, steps_forgiven=1,
                   ucx_same_host_error_handling=True)
 
 

@@ -38,7 +38,10 @@ from kvhandoff.kv_layout import preset
 from kvhandoff.state_machine import KVPoll
 from kvhandoff.testing.faults import CRASH_EXIT_CODE
 
-HB_S = 0.5
+# 2 s: on 2 cores beside a busy loop each and the rest of the suite, a process can pause for
+# over a second (at 0.5 s a live peer was lost: "silent for 1.48s"), which the control (the
+# reference handoff) and a peer not yet killed must outlast; a death is found 2 beats later
+HB_S = 2.0
 SEQ = 128
 LAYOUT = preset("glm-5.3", page_size_tokens=64)
 LAYERS = layers_of(LAYOUT)
@@ -91,10 +94,15 @@ def assert_failed_in_time(eng: Engine, handles: list[Any], t_event: float, *,
     worst = 0.0
     for h in handles:
         assert h.wait(WAIT_S) is KVPoll.Failed, h
-        assert any(w in (h.failure or "") for w in alternatives), h.failure
-        if "silent" in (h.failure or ""):
-            assert re.search(rf"silent for [0-9.]+s \(> 2 heartbeats of {HB_S:g}s\)",
-                             h.failure or ""), h.failure
+        f = h.failure or ""
+        if "silent" in alternatives and re.fullmatch(
+                rf"this agent was unresponsive for [0-9.]+s \(> 2 heartbeats of {HB_S:g}s\): "
+                r"peer \S+ has given its rooms up", f):
+            pass  # the same rule from the other side: this process paused past 2 beats
+        else:
+            assert any(w in f for w in alternatives), f
+        if "silent" in f:
+            assert re.search(rf"silent for [0-9.]+s \(> 2 heartbeats of {HB_S:g}s\)", f), f
         t_done = h.stats()["t_done"]
         assert t_done > t_event, (t_done, t_event)  # CLOCK_MONOTONIC is system-wide
         worst = max(worst, t_done - t_event)
@@ -141,7 +149,7 @@ def test_prefill_crash_at_layer_fails_decode_rooms(lane: str) -> None:
             # and the silence does
             exited = lane == "shm" and not rvs[0].stats()["one_sided"]
             exc, words, kind = ((TransportFailed, "exited", FailureKind.TRANSPORT) if exited
-                                else (PeerLost, "silent", FailureKind.PEER_LOST))
+                                else (PeerLost, "silent|unresponsive", FailureKind.PEER_LOST))
             with pytest.raises(exc, match=words):
                 rvs[0].wait_for_layer(crash, 0.1)
             assert rvs[0].failure_kind is kind
@@ -231,7 +239,7 @@ def test_prefill_sigstop_fails_decode_rooms_and_sigcont_does_not_resurrect(lane:
 @pytest.mark.parametrize("lane", ["shm"], indirect=True)
 @pytest.mark.usefixtures("lane")
 def test_prefill_stays_frozen_decode_pages_back_after_the_bound() -> None:
-    """shm: the prefill stays frozen; the decode's rooms fail at once, and its pages come back
+    """shm: the prefill stays frozen; the decode's rooms fail, and its pages come back
     once stall_timeout_s (here short) passed since the receives ended, with no word from the
     writer (one-sided writes: after write_quarantine_s)."""
     d = engine("decode", stall_timeout_s=2.0, write_quarantine_s=2.0)
@@ -246,7 +254,9 @@ def test_prefill_stays_frozen_decode_pages_back_after_the_bound() -> None:
             t_stop = time.monotonic()
             try:
                 wait_stopped(p)
-                assert_failed_in_time(d, rvs, t_stop, words="silent")  # and pages back
+                # found by its silence, or by the short stall bound (here the sooner) first
+                assert_failed_in_time(d, rvs, t_stop, words=(  # and pages back
+                    "silent", "transfer_stall deadline expired"))
             finally:
                 p.signal(signal.SIGCONT)
     finally:

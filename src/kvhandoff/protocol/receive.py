@@ -100,6 +100,19 @@ class ReceivePath:
             planes[reg.name] = [pl.name for pl in reg.planes
                                 if pl.name in theirs and pl.name not in claimed[reg.name]]
         r.plan.planes = planes
+        if g.state.all_legs and all(leg.state.requested for leg in g.legs if leg is not r):
+            # the last leg to ask: every plane must be someone's, checked before this request
+            # goes out (a room that cannot complete moves no byte)
+            for reg in self.ctx.layout.regions:
+                have = set().union(*(set((leg.plan.planes or {}).get(reg.name, []))
+                                     for leg in g.legs))
+                missing = [pl.name for pl in reg.planes if pl.name not in have]
+                if missing:
+                    self.rooms.fail(r, PeerFailedRoom(
+                        reason=f"{reg.name}: no prefill rank of this room holds planes "
+                               f"{missing}"), notify=Notify.FAILED,
+                        kind=FailureKind.INVALID_REQUEST)
+                    return
         r.state.advance(LegPhase.REQUESTED)
         r.xfer = self.ctx.next_xfer()
         # This request carries our buffers' descriptors (offered in our Hello): the prefill
@@ -121,18 +134,6 @@ class ReceivePath:
                                           plan.page_size, plan.starts) if early else None,
             free_pages=None if early else given.free_pages, prompt=digest_to_wire(given.prompt),
             cached_prefix=digest_to_wire(given.cached_prefix), readers=given.readers))
-        if g.state.all_legs and all(
-                leg.state.requested for leg in g.legs):
-            for reg in self.ctx.layout.regions:
-                have = set().union(*(set((leg.plan.planes or {}).get(reg.name, []))
-                                     for leg in g.legs))
-                missing = [pl.name for pl in reg.planes if pl.name not in have]
-                if missing:
-                    self.rooms.fail(r, PeerFailedRoom(
-                        reason=f"{reg.name}: no prefill rank of this room holds planes "
-                               f"{missing}"), notify=Notify.FAILED,
-                        kind=FailureKind.INVALID_REQUEST)
-                    return
 
     def on_accepted(self, r: Leg, msg: P.TransferAccepted) -> None:
         """Decode: plan, post every receive, WaitingForInput."""
