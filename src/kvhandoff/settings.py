@@ -136,11 +136,14 @@ class Settings(BaseSettings):
     agent_host: str = Field("127.0.0.1", description="Address the agent's control socket binds.")
     agent_port: int = Field(0, ge=0, le=65535, description="Port of the agent's control socket "
                             "(0 = any free).")
-    heartbeat_interval_s: float = Field(0.5, gt=0, description="Agent heartbeat to peers; a peer "
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Agent heartbeat to peers; a peer "
                                         "silent for 2 intervals is dead and its rooms fail, and "
                                         "an agent whose own process did not run for 2 "
-                                        "intervals gives its rooms up. On a busy or shared "
-                                        "host, or a lossy link, raise it (e.g. 2).")
+                                        "intervals gives its rooms up. A process that exits is "
+                                        "found sooner on most lanes (its connection or process "
+                                        "ends); the silence finds one frozen or cut off. Lower "
+                                        "it (e.g. 0.5) only where the host is never busy and "
+                                        "links do not drop packets.")
     lease_s: float = Field(10.0, gt=0, description="A room's lease; decode renews it by heartbeat.")
     bootstrap_timeout_s: float = Field(30.0, gt=0, description="Bound on Bootstrapping.")
     waiting_timeout_s: float = Field(300.0, gt=0, description="Bound on WaitingForInput (prefill "

@@ -121,7 +121,7 @@ def test_loss_and_delay(pair: AgentPair, net: Net, transport: str, loss_pct: int
     on both sides and byte-exact. A control message that TCP retransmits twice or more can
     reach the peer later than 2 heartbeats after the one before it, and the peer is then
     declared lost: the room is Failed on both sides (it was in 2 of 4 lanes of one loaded
-    run, with the default 0.5 s heartbeat). Either way the two sides agree, and once the
+    run, with a 0.5 s heartbeat, the default then). Either way the two sides agree, and once the
     loss stops the next room is byte-exact. With 1 s heartbeats (2 s before a peer is lost)
     a couple of retransmits fit: the room must be Success and no peer lost."""
     p, d = pair(transport, heartbeat_interval_s=hb_s)

@@ -59,8 +59,9 @@ lane = "tcp"
 
 
 def fast_settings(**kw: Any) -> Settings:
-    """Agent settings with heartbeats of 0.5 s: a dead peer shows within about a second (at
-    0.2 s, a loaded host's own pauses of half a second made agents give their rooms up)."""
+    """Agent settings with heartbeats of 0.5 s (the default is 2 s): a dead peer shows within
+    about a second (at 0.2 s, a loaded host's own pauses of half a second made agents give
+    their rooms up; the tests that must outlast a busy host's pauses set 2 s)."""
     base: dict[str, Any] = {"transport": lane, "heartbeat_interval_s": 0.5, "lease_s": 5.0}
     base.update(kw)
     return Settings(**base)

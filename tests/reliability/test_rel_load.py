@@ -139,10 +139,10 @@ def soak(*, transport: str, rooms: int, rounds: int, max_seq: int, num_layers: i
     pages = rooms * -(-max_seq // layout.page_size_tokens)
     results: list[RoundResult] = []
     rss: list[int] = []
-    # a heartbeat of 2 s (the product's default is 0.5 s): this process holds both agents'
-    # control loops, and a burst of hundreds of rooms beside a busy loop on every core kept
-    # them from running for over 1 s, so each agent rightly gave its rooms up as
-    # unresponsive ("this agent was unresponsive for 1.02s (> 2 heartbeats of 0.5s)"). The
+    # a heartbeat of 2 s (the product's default; said, as relkit's is 0.5 s): this process
+    # holds both agents' control loops, and a burst of hundreds of rooms beside a busy loop on
+    # every core kept them from running for over 1 s, so each agent rightly gave its rooms up
+    # as unresponsive ("this agent was unresponsive for 1.02s (> 2 heartbeats of 0.5s)"). The
     # soak counts lost rooms, pages and memory; a dead peer's detection is test_rel_peer_death's
     st = fast_settings(transport=transport, heartbeat_interval_s=2.0, lease_s=30.0, **extra)
     with engine_pair(layout, num_pages=pages, settings=st) as (p, d):

@@ -47,8 +47,12 @@ class EngineProcess:
             except queue.Empty:
                 continue
             if ev["event"] == "eof":
+                # its rooms' ends say why it left early (a room Failed, and its reason)
+                done = [{k: e.get(k) for k in ("room", "state", "failure")}
+                        for e in self.seen if e["event"] == "done"]
                 raise RuntimeError(f"{self.role} exited (rc={self.proc.poll()}) before {kind!r}; "
-                                   "stderr: " + "".join(self.stderr_tail[-20:]))
+                                   f"rooms done: {done}; stderr: "
+                                   + "".join(self.stderr_tail[-20:]))
             if ev["event"] == kind and all(ev.get(k) == v for k, v in match.items()):
                 return ev
             self.seen.append(ev)

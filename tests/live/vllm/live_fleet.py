@@ -58,9 +58,10 @@ def kv_transfer_config(role: str, *, engine_id: str, bootstrap_url: str | None =
     cfg: dict[str, Any] = {"kv_connector": "KVHandoffConnector",
                            "kv_connector_module_path": "kvhandoff.integrations.vllm",
                            "engine_id": engine_id}
-    # heartbeats every 2 s (default 0.5 s): a peer silent for 2 intervals is dead, and with a
-    # dozen engine processes on 2 shared cores a control thread can starve for over a second
-    # (seen: "this agent was unresponsive for 1.04s (> 2 heartbeats of 0.5s)")
+    # heartbeats every 2 s (the default; said so the fleet keeps it): a peer silent for 2
+    # intervals is dead, and with a dozen engine processes on 2 shared cores a control thread
+    # can starve for over a second (seen at 0.5 s: "this agent was unresponsive for 1.04s
+    # (> 2 heartbeats of 0.5s)")
     settings = {"heartbeat_interval_s": 2.0, **(settings or {})}
     if role == "prefill":
         cfg["kv_role"] = "kv_producer"
