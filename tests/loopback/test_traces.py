@@ -84,7 +84,7 @@ def _by_name(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_handoff_exports_one_trace_with_both_sides(pair: Callable[..., Any]) -> None:
     p, d = pair({})
     dd, pd = d.expect("done", DONE_S), p.expect("done", DONE_S)
-    assert (pd["state"], dd["state"]) == ("Success", "Success")
+    assert (pd["state"], dd["state"]) == ("Success", "Success"), (pd["failure"], dd["failure"])
     p_room, p_children = _tree(p)
     d_room, d_children = _tree(d)
     # one trace: the decode's room span is a child of the prefill's, across the processes
