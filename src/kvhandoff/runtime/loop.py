@@ -106,7 +106,7 @@ class ControlLoop:
         self._hashing = Hasher(buffers=buffers, transport=transport, post=self.post)
         self._calls = ThreadPeerCalls(post=self.post, wake=self._wake_if_asleep)
         self.counters = {"messages_out": 0, "messages_out_local": 0, "rejected_messages": 0,
-                         "loop_errors": 0}
+                         "loop_errors": 0, "loop_stalls": 0}
         secret = settings.hmac_secret
         #: with a shared secret, the key handshake messages are sealed under (`wire.seal_hello`)
         self._hello_key = (P.hello_key(secret.get_secret_value().encode())
@@ -145,6 +145,7 @@ class ControlLoop:
         self._lane_read_at = self._read_at  # when the lane's inbox was last found empty
         self._rejects_log = RateLog(log, logging.WARNING)
         self._errors_log = RateLog(log, logging.ERROR)
+        self._stalls_log = RateLog(log, logging.WARNING)
         self._closing = False
         self._asleep = True  # the loop may be in (or about to enter) poll
         self._thread: threading.Thread | None = None
@@ -290,19 +291,36 @@ class ControlLoop:
         while True:
             closing = self._closing
             self._asleep = True  # before _timeout_ms looks at the queue (see post)
+            timeout_ms = self._timeout_ms(hb)
+            t_poll = time.monotonic()
             try:
-                events = dict(poller.poll(self._timeout_ms(hb)))
+                events = dict(poller.poll(timeout_ms))
             except zmq.ZMQError:
                 break
             self._asleep = False
+            t_woke = time.monotonic()
             try:
                 self._pass(events, lane, hb)
+                self._stalled(t_woke - t_poll - timeout_ms / 1e3 if not events else 0.0,
+                              time.monotonic() - t_woke, hb)
             except Exception as e:  # noqa: BLE001 - the thread serves every room: never dies
                 self.counters["loop_errors"] += 1
                 self._errors_log.log(time.monotonic(), "agent: error in the control loop: %r",
                                      e, exc_info=True)
             if closing and not self._queue and not self._ahead:
                 break
+
+    def _stalled(self, late: float, took: float, hb: float) -> None:
+        """Counts and logs a pass of this loop that came over a heartbeat late (`late`: after
+        its poll's timeout; the process was not scheduled, or another thread held the GIL) or
+        that ran over a heartbeat (`took`): two of them without a heartbeat sent and the
+        peers give this agent's rooms up."""
+        if late > hb or took > hb:
+            self.counters["loop_stalls"] += 1
+            self._stalls_log.log(time.monotonic(), "agent: control loop stalled: woke %.2fs after "
+                                 "its poll's timeout, its pass took %.2fs (heartbeat %gs): the "
+                                 "host's CPU is oversubscribed, or another thread of this "
+                                 "process held the GIL", max(late, 0.0), took, hb)
 
     def _pass(self, events: dict[Any, int], lane: LocalLane | None, hb: float) -> None:
         """One pass of the loop (see the module doc), once `poll` returned `events`."""

@@ -107,6 +107,9 @@ _COUNTER_HELP = {
                        "raised (a bug; logged with its traceback).",
     "loop_errors": "Events of no room (ticks, peer messages) whose handling raised (a bug; "
                    "logged with its traceback).",
+    "loop_stalls": "Passes of the control loop that began over a heartbeat after their poll's "
+                   "timeout or ran over a heartbeat (logged): 2 heartbeats of that and the "
+                   "peers give this agent's rooms up (a busy host, or the GIL held).",
 }
 
 

@@ -212,3 +212,23 @@ def test_a_thousand_receivers_looked_up_at_once_use_a_bounded_number_of_threads(
                 agent.close()
         assert all(r.poll() is KVPoll.Failed for r in receivers)
         assert not [r for r in caplog.records if "route lookups: closing" in r.getMessage()]
+
+
+def test_a_pass_that_runs_over_a_heartbeat_is_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A pass of the control loop held past a heartbeat (here a query that keeps the control
+    thread for 2.5 heartbeats: what a busy host or a GIL held elsewhere does to it) is counted
+    in `loop_stalls` and logged with how long it took: two of them without a heartbeat and the
+    peers give this agent's rooms up, so an operator must be able to see them."""
+    st = Settings(transport="inproc", heartbeat_interval_s=HB)
+    layout = tiny_layout()
+    agent = TransferAgent("decode", layout, allocate(layout, 4), st, engine_id="stall")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvhandoff.agent"):
+            agent._loop.query(lambda _s: threading.Event().wait(2.5 * HB))  # the stall itself
+            assert wait_until(lambda: counters(agent)["loop_stalls"] >= 1)
+        said = [r.getMessage() for r in caplog.records if "control loop stalled" in r.getMessage()]
+        took = [float(m.split("its pass took ")[1].split("s")[0]) for m in said]
+        assert took and max(took) >= 2.5 * HB * 0.9, said  # the pass held is among them
+    finally:
+        agent.close()
