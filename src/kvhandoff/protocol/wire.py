@@ -546,10 +546,9 @@ def _hello_body(msg: Hello) -> bytes:
         del m["memory"]
     if m.get("checksum") in ("", "full"):
         del m["checksum"]
-    for name in ("nonce", "echo"):  # likewise when empty (an agent without a secret)
-        if not m.get(name):
-            m.pop(name, None)
-    for name in ("heartbeat_s", "stall_s"):  # likewise when not said (0)
+    # likewise when empty: nonce and echo (an agent without a secret), heartbeat_s and
+    # stall_s (0: not said)
+    for name in ("nonce", "echo", "heartbeat_s", "stall_s"):
         if not m.get(name):
             m.pop(name, None)
     return _ENCODER.encode(m)
