@@ -23,7 +23,7 @@ from kvhandoff.integrations.vllm.router import Router, make_app
 
 pytest.importorskip("vllm", reason="vllm is installed by `make setup` (requirements/engines-*)")
 
-from router_toy import Toy, render, served, text_of  # noqa: E402
+from router_toy import Toy, ids_of, render, served, text_of  # noqa: E402
 
 BOUND_S = 30.0
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -66,12 +66,13 @@ class Client:
 Scenario = Callable[[httpx.AsyncClient, Router, Toy, Toy, Toy], Awaitable[Any]]
 
 
-def fleet(scenario: Scenario, *, a: Toy, move: str = "resume") -> Any:
+def fleet(scenario: Scenario, *, a: Toy, move: str = "resume",
+          router_cls: type[Router] = Router) -> Any:
     async def main() -> Any:
         pre, b = Toy("prefill"), Toy("b")
         async with served(pre.app()) as pu, served(a.app()) as au, served(b.app()) as bu, \
                 httpx.AsyncClient(timeout=BOUND_S) as engines:
-            router = Router(pu, [au, bu], engines, on_lost="fail", move=move)
+            router = router_cls(pu, [au, bu], engines, on_lost="fail", move=move)
             router.decodes[1].state = "draining"  # every request starts on A
             async with served(make_app(router)) as ru, \
                     httpx.AsyncClient(base_url=ru, timeout=BOUND_S) as c:
@@ -206,3 +207,48 @@ def test_a_stop_string_straddling_a_chat_move_ends_the_stream() -> None:
         assert {x["object"] for x in client.chunks} == {"chat.completion.chunk"}
 
     fleet(scenario, a=Toy("a", hold_after=4))
+
+
+class RacingRouter(Router):
+    """The router with a drain of A racing a chunk of A's: once A's `RACE_AT`-th chunk is in
+    the router's hands, `drain(A)` begins (its stop, up to its first await), then the chunk
+    goes on to the client."""
+
+    RACE_AT = 3
+    drained: asyncio.Task[dict[str, Any]] | None = None
+
+    async def _one_decode(self, f: Any, params: dict[str, Any] | None) -> Any:
+        n = 0
+        async for chunk in super()._one_decode(f, params):
+            n += 1
+            if self.drained is None and n == self.RACE_AT:
+                self.drained = asyncio.ensure_future(self.drain(f.decode.url))
+                await asyncio.sleep(0)  # one turn of the loop: the drain's stop, not a wait
+                assert f.move.is_set() and f.stop_t
+            yield chunk
+
+
+def test_a_chunk_of_the_old_decode_after_the_stop_is_not_the_landing() -> None:
+    """The drain answers once each request streams from its new decode: a token of the old
+    decode that the router read before the stop and handed on after it is the client's, and
+    counts in `tokens_before`, but it is not the move's landing (the drain answered at it, with
+    the old decode as `to`, before B had the request)."""
+    async def scenario(c: httpx.AsyncClient, router: Router, pre: Toy, a: Toy, b: Toy
+                       ) -> None:
+        assert isinstance(router, RacingRouter)
+        router.decodes[1].state = "up"  # B takes the moved request
+        client = Client(want=8)
+        body = {"model": "toy", "prompt": "a", "max_tokens": 8, "stream": True,
+                "return_token_ids": True}
+        await client.run(c, "/v1/completions", body)
+        assert router.drained is not None
+        out = await router.drained
+        [row] = out["requests"]
+        assert out["moved"] == 1 and row["to"] == router.decodes[1].url, out
+        assert row["tokens_before"] == RacingRouter.RACE_AT, out
+        [moved] = b.bodies("/v1/completions")  # B went on after A's 3 tokens
+        assert moved["max_tokens"] == 8 - RacingRouter.RACE_AT
+        assert client.text(chat=False) == reference_text(ids_of("a")[-1], 8)
+        assert client.tokens == 8 and len({x["id"] for x in client.chunks}) == 1
+
+    fleet(scenario, a=Toy("a", hold_after=RacingRouter.RACE_AT), router_cls=RacingRouter)

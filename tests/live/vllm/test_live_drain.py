@@ -195,7 +195,7 @@ def test_drain_moves_running_requests_without_a_token_lost(
     moved = [x for x in out["requests"] if x["to"] is not None]
     assert {x["id"] for x in out["requests"]} <= moving, (out, moving)
     assert moved and out["moved"] == len(moved) == router.counters["moved_drain"], out
-    assert all(x["to"] == fleet[B].url for x in moved)
+    assert all(x["to"] == fleet[B].url for x in moved), out
     # B loaded each moved prompt's pages; the prefill computed its last block per move
     assert external(http, fleet[B]) - ext0 == PROMPT * len(moved)
     assert prefill_computed(http, fleet) - computed0 == REOFFER * len(moved)

@@ -412,6 +412,10 @@ class Router:
         params: dict[str, Any] | None = f.figures.pop("params")
         want_ids = bool(f.body.get("return_token_ids"))
         first_chunk = True
+        # set once the flight has moved to another decode, until that decode's first token:
+        # a token of the old decode read after the stop (a drain racing a chunk in flight) is
+        # the client's all the same but not the landing
+        landing = False
         try:
             while True:
                 outcome = "done"
@@ -429,7 +433,8 @@ class Router:
                             chunk = self._client_chunk(f, chunk)
                             ch = chunk["choices"][0]
                             now = time.monotonic()
-                            if toks and f.stop_t:
+                            if toks and landing:
+                                landing = False
                                 f.figures.update(drain_s=now - f.stop_t,
                                                  gap_s=now - f.last_token_t, to=f.decode.url)
                                 self.recent.append({
@@ -479,7 +484,7 @@ class Router:
                     self.counters["moves_failed"] += 1
                     yield _error("the request's decode went away and no other decode is up")
                     return
-                f.decode = nxt
+                f.decode, landing = nxt, True
                 if f.chat:  # its prompt as token ids: the next decode gets a completion
                     try:
                         await self.render(f)
@@ -588,13 +593,16 @@ class Router:
         moving = [f for f in self.flights.values() if f.decode is d]
         before = {f.id: len(f.generated) for f in moving}
         for f in moving:
+            for k in ("to", "drain_s", "gap_s", "tokens_before"):  # an earlier move's
+                f.figures.pop(k, None)
             f.landed.clear()
             f.stop_t = time.monotonic()
             f.move.set()
         self.counters["drains"] += 1
         await asyncio.wait_for(asyncio.gather(*(f.landed.wait() for f in moving)),
                                LAND_BOUND_S)
-        rows = [{"id": f.id, "tokens_before": before[f.id], "to": f.figures.get("to"),
+        rows = [{"id": f.id, "tokens_before": f.figures.get("tokens_before", before[f.id]),
+                 "to": f.figures.get("to"),
                  "drain_s": f.figures.get("drain_s"), "gap_s": f.figures.get("gap_s")}
                 for f in moving]
         return {"decode": d.url, "moved": sum(r["to"] is not None for r in rows),
