@@ -19,8 +19,10 @@ HTTP API (the one vLLM's disaggregated-serving proxy example serves, plus the ro
 - ``POST /drain`` ``{"decode": URL}``: the decode takes no new request, and each request
   streaming from it moves to another decode (below). Answers once each moved request has its
   first token from its new decode: ``{"decode", "moved", "requests": [{"id", "tokens_before",
-  "to", "drain_s", "gap_s"}]}`` (drain_s: from the stop to the first token on the new decode;
-  gap_s: the client's time between the last token before the move and the first after).
+  "to", "drain_s", "gap_s"}]}`` (tokens_before: the tokens the old decode gave the request,
+  one it sent before the stop included; drain_s: from the stop to the first token on the new
+  decode; gap_s: the client's time between the last token before the move and the first
+  after; a request that ended on the old decode has no `to`).
 - ``POST /undrain`` ``{"decode": URL}``: the decode takes new requests again (also one marked
   lost).
 - ``GET /routes``: the requests in flight: id, decode, tokens so far, moves.
