@@ -332,3 +332,37 @@ def test_a_stopped_client_gives_up_in_its_retries() -> None:
     t.join(60)
     assert not t.is_alive() and len(got) == 1 and "stopped after" in str(got[0])
     c.close()
+
+
+def test_the_clients_of_a_process_share_one_tls_context(
+        bootstrap_server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each httpx client builds a TLS context by default, whatever its URL's scheme (CPU that
+    an agent's control loop needs while it starts: 0.6-1 s each when three threads build one
+    at once on a loaded host). The bootstrap clients of a process and the route lookups'
+    transport share one, built on first use."""
+    import asyncio
+    import ssl
+
+    import kvhandoff.bootstrap_server.client as client_mod
+    from kvhandoff.bootstrap_server import AsyncBootstrapClient
+
+    built: list[ssl.SSLContext] = []
+    make = ssl.create_default_context
+
+    def counted(*a: Any, **kw: Any) -> ssl.SSLContext:
+        built.append(make(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    monkeypatch.setattr(client_mod, "_tls", [], raising=False)  # as in a fresh process
+    url = bootstrap_server()
+    with BootstrapClient(url) as a, BootstrapClient(url) as b:
+        assert a.allocate_rooms(1) and b.allocate_rooms(1)
+
+    async def main() -> None:
+        async with AsyncBootstrapClient(url) as c:
+            assert await c.allocate_rooms(1)
+
+    asyncio.run(main())
+    assert len(built) == 1 and client_mod.tls_context() is built[0]
+    assert built[0].verify_mode is ssl.CERT_REQUIRED and built[0].check_hostname  # httpx's

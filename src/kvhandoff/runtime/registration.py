@@ -230,14 +230,14 @@ class RouteLookups:
 
     def _http_transport(self) -> Any:
         """(lookup thread) The HTTP transport every client here shares (its pool keys
-        connections by server): its TLS context is built once, not per bootstrap server."""
+        connections by server), with the process's one TLS context (`tls_context`)."""
         if self._transport is None:
             import anyio  # noqa: F401 - httpcore's async backend, imported on a first request
             import httpx
 
-            import kvhandoff.bootstrap_server.client  # noqa: F401 - `_client`'s import
+            from kvhandoff.bootstrap_server.client import tls_context
 
-            self._transport = httpx.AsyncHTTPTransport()
+            self._transport = httpx.AsyncHTTPTransport(verify=tls_context())
         return self._transport
 
     def close(self) -> None:
