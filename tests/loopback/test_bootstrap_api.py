@@ -354,7 +354,7 @@ def test_the_clients_of_a_process_share_one_tls_context(
         return built[-1]
 
     monkeypatch.setattr(ssl, "create_default_context", counted)
-    monkeypatch.setattr(client_mod, "_tls", [], raising=False)  # as in a fresh process
+    monkeypatch.setattr(client_mod, "_tls", None, raising=False)  # a fresh process
     url = bootstrap_server()
     with BootstrapClient(url) as a, BootstrapClient(url) as b:
         assert a.allocate_rooms(1) and b.allocate_rooms(1)

@@ -141,7 +141,7 @@ class _Requests:
 
 _ClientT = TypeVar("_ClientT", bound="_Base")
 _tls_lock = threading.Lock()
-_tls: list[ssl.SSLContext] = []  # the process's one TLS context (`tls_context`), once built
+_tls: ssl.SSLContext | None = None  # the process's one TLS context (`tls_context`)
 
 
 def tls_context() -> ssl.SSLContext:
@@ -152,10 +152,11 @@ def tls_context() -> ssl.SSLContext:
     its deregistration), a decode agent one (its route lookups), as agents start and stop
     beside others whose control loops need the CPU then. The context verifies certificates
     as httpx's own does (`SSL_CERT_FILE` / `SSL_CERT_DIR` read once)."""
+    global _tls
     with _tls_lock:
-        if not _tls:
-            _tls.append(httpx.create_ssl_context())
-        return _tls[0]
+        if _tls is None:
+            _tls = httpx.create_ssl_context()
+        return _tls
 
 
 class _Base:
