@@ -30,7 +30,8 @@ COUNTERS = ("messages_in", "stale_messages", "retransmits",
             "bytes_sent", "bytes_received",
             "rooms_success", "rooms_failed", "peers_lost", "early_dropped", "rooms_one_sided",
             "write_quarantines", "cancel_failures", "internal_errors",
-            "unauthenticated_messages", "replayed_messages", "holds_renewed", "holds_expired")
+            "unauthenticated_messages", "replayed_messages", "holds_renewed", "holds_expired",
+            "rechecks", "rechecks_passed")
 
 
 class Context:

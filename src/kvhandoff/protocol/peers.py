@@ -11,6 +11,15 @@ sent meanwhile to `replay`. A peer declared lost (silent, restarted, or it told 
 us) fails its open legs and is remembered for a while, so that if it keeps talking it is told
 once per heartbeat to say Hello again.
 
+An agent that woke from a stall (it sent no heartbeat for more than 2 heartbeats, so a peer
+may have declared it lost) rechecks its matched peers (`woke`) before it reads any of their
+room messages: a heartbeat with a `probe` that a peer answers (`answer`) only while it still
+holds the handshake it matched; a peer that dropped us says so (`P.Reject`, `NO_HANDSHAKE`) or
+says nothing. The room messages a rechecked peer sends wait in its backlog until its answer
+(`rechecked`: read then, in order, so a room it failed before it answered ends Failed here
+too); no answer within 2 of its heartbeats declares it lost, its rooms Failed as before the
+recheck existed. Every other peer (a handshake under way) is declared lost at the wake.
+
 With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
 `wire`'s module doc): nothing a sender says is acted on before it is authenticated.
 - A Hello whose MAC does not verify changes nothing here (no record, no generation change);
@@ -40,6 +49,7 @@ With a shared secret (``hmac_secret``) the table also owns each peer's session (
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import secrets
 from collections.abc import Callable, Collection, Iterator
@@ -54,7 +64,7 @@ from kvhandoff.protocol.context import Context
 from kvhandoff.protocol.effects import INFO, WARNING, Connect, DropPeer, Notify, RegisterRemote
 from kvhandoff.protocol.failures import failure_of
 from kvhandoff.protocol.lifecycle import RoomTable
-from kvhandoff.protocol.peerstate import Peer, PeerPhase
+from kvhandoff.protocol.peerstate import Peer, PeerPhase, Recheck
 from kvhandoff.protocol.rooms import Leg
 from kvhandoff.state_machine import FailureEvent, LayoutsDiffered, PeerWasLost, Role
 
@@ -127,6 +137,10 @@ class PeerTable:
         #: where handshake nonces come from (a simulator may give a seeded source)
         self.new_nonce: Callable[[], bytes] = functools.partial(secrets.token_bytes,
                                                                 P.NONCE_BYTES)
+        # a recheck's probe only has to differ from this session's earlier ones: its answer
+        # comes sealed under the session with a secret, and can be forged like anything else
+        # without one
+        self._probes = itertools.count(1)
 
     # ------------------------------------------------------------------ the table
 
@@ -478,6 +492,10 @@ class PeerTable:
         waiting, p.waiting = p.waiting, []
         for r in waiting:
             self._matched(r, p)
+        if p.state.recheck is None:  # else read once the peer answers (`rechecked`)
+            self._replay_backlog(p)
+
+    def _replay_backlog(self, p: Peer) -> None:
         backlog, p.backlog = p.backlog, []
         for msg in backlog:
             self._replay(msg)
@@ -543,6 +561,13 @@ class PeerTable:
             self._forgotten_keys[p.addr] = k  # to tell it, sealed, that we dropped it
         self._forgotten[p.addr] = self.ctx.now
         self.ctx.emit(DropPeer(p.addr, p.gen))
+        if p.state.recheck is not None:
+            # what it said while rechecked, of its writes into our legs' pages, still counts
+            # (as it does from a peer declared lost: see the session's message handling)
+            for msg in p.backlog:
+                if isinstance(msg, P.Failed | P.Abort | P.AbortAck):
+                    self._replay(msg)
+        p.backlog = []
 
     def heartbeats(self, now: float, read_at: float, rooms_by_peer: dict[str, list[int]]
                    ) -> None:
@@ -559,7 +584,17 @@ class PeerTable:
             # this agent is not dead between two of its beats
             silent = min(now, read_at) - p.last_seen
             beat = max(hb, p.heartbeat_s)
-            if (p.matched or p.waiting) and silent > 2 * beat:
+            rc = p.state.recheck
+            if rc is not None:
+                # rechecked: its silence while this agent stalled proves nothing; its answer
+                # not coming does
+                waited = min(now, read_at) - rc.sent_at
+                if waited > 2 * beat:
+                    self.lost(p, f"this agent was unresponsive for {rc.gap:.2f}s (> 2 "
+                                 f"heartbeats of {hb:g}s) and peer {p.addr} did not say "
+                                 f"within {waited:.2f}s that it still holds this agent: it "
+                                 "may have given its rooms up")
+            elif (p.matched or p.waiting) and silent > 2 * beat:
                 self.lost(p, f"peer {p.addr} silent for {silent:.2f}s "
                              f"(> 2 heartbeats of {beat:g}s)")
 
@@ -569,8 +604,46 @@ class PeerTable:
         p = self._peers.get(addr)
         return (0.0, 0.0) if p is None else (p.stall_s, p.heartbeat_s)
 
-    def woke(self, gap: float) -> None:
-        """Nothing reached this session for `gap` > 2 heartbeats: see `TransferSession`."""
+    # ------------------------------------------------------------------ waking from a stall
+
+    def woke(self, gap: float, rooms_by_peer: dict[str, list[int]]) -> None:
+        """This session sent no heartbeat for `gap` > 2 heartbeats (see `TransferSession`):
+        each matched peer is rechecked (its room messages wait for its answer); a peer whose
+        handshake was under way is declared lost (it may have given up the rooms waiting for
+        it, and has nothing else with us to keep)."""
+        ctx = self.ctx
         for p in [p for p in self._peers.values() if p.state.talking or p.waiting]:
-            self.lost(p, f"this agent was unresponsive for {gap:.2f}s (> 2 heartbeats "
-                         f"of {self.ctx.hb:g}s): peer {p.addr} has given its rooms up")
+            if not p.matched:
+                self.lost(p, f"this agent was unresponsive for {gap:.2f}s (> 2 heartbeats "
+                             f"of {ctx.hb:g}s) while its handshake with peer {p.addr} was "
+                             "under way: the peer may have given it up")
+                continue
+            rc = Recheck(probe=next(self._probes), sent_at=ctx.now, gap=gap)
+            p.state.recheck_sent(rc)
+            ctx.counters["rechecks"] += 1
+            ctx.log(INFO, f"this agent was unresponsive for {gap:.2f}s (> 2 heartbeats of "
+                          f"{ctx.hb:g}s): asking peer {p.addr} whether it still holds this "
+                          "agent before reading its room messages")
+            ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
+                                         rooms=rooms_by_peer.get(p.addr, []), probe=rc.probe))
+
+    def answer(self, p: Peer, probe: int, rooms: list[int]) -> None:
+        """The peer woke from a stall and asks whether this agent still holds it: yes while
+        its handshake is matched (a peer we dropped is told so as any forgotten peer is; one
+        whose new handshake is under way gets no answer, and gives its old rooms up when its
+        recheck times out). One answer per probe message, to the peer's own address."""
+        if p.matched:
+            ctx = self.ctx
+            ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
+                                         rooms=rooms, answers=probe))
+
+    def rechecked(self, p: Peer, probe: int) -> None:
+        """The peer answered a recheck: when it is the one out, the peer still holds this
+        agent, and the room messages it sent meanwhile are read now, in order."""
+        if not p.state.recheck_answered(probe):
+            return  # an older recheck's answer, or no recheck out: it proves nothing now
+        self.ctx.counters["rechecks_passed"] += 1
+        self.ctx.log(INFO, f"peer {p.addr} still holds this agent: its {len(p.backlog)} room "
+                           "messages held during the recheck are read now")
+        if not p.state.connecting:
+            self._replay_backlog(p)

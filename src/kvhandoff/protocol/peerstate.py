@@ -5,7 +5,8 @@ its transitions (no threads, no clock).
 Rules (as `roomstate`'s for a room):
 - A peer's `PeerPhase` moves only through a `PeerState` method named for the protocol event
   that moves it, which checks the move against `PEER_PHASES` (`InvalidTransition` otherwise);
-  so do its flags (`initiated`, `ack_owed`, `writes`) and its refusal (`rejected`). No other
+  so do its flags (`initiated`, `ack_owed`, `writes`), its refusal (`rejected`) and the
+  recheck out to it (`recheck`). No other
   module assigns them (`tests/unit/protocol/test_peer_state_owner.py` reads every module for
   it).
 - The peer table (`peers.PeerTable`) decides WHEN an event happened (a Hello verified, the
@@ -22,6 +23,10 @@ verified refusal (a HelloAck or HelloReject whose MAC does not verify), so the n
 Hello again; and back to CONNECTING when another of its Hellos is taken (a rejected peer that
 says Hello again, or a confirmed new handshake). A peer declared lost is dropped from the table
 (and remembered for a while: see the session).
+
+A matched peer may be under recheck (`recheck`): this agent woke from a stall long enough for
+the peer to have declared it lost, and asked whether it still holds this agent; the room
+messages the peer sends meanwhile wait (in `Peer.backlog`) for the answer.
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ from kvhandoff.protocol import wire as P
 
 if TYPE_CHECKING:
     from kvhandoff.protocol.rooms import Leg
+
+
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    """A recheck out to a peer: the `probe` nonce its answer must echo, when it was sent, and
+    how long this agent had sent no heartbeat when it woke."""
+
+    probe: int
+    sent_at: float
+    gap: float
 
 
 class PeerPhase(enum.Enum):
@@ -84,6 +99,8 @@ class PeerState:
     ack_owed: bool = False
     #: its buffers' descriptors are installed: this side writes into it one-sided
     writes: bool = False
+    #: the recheck out to it (this agent woke from a stall), None when none is
+    recheck: Recheck | None = None
 
     # ------------------------------------------------------------------ reads
 
@@ -151,6 +168,22 @@ class PeerState:
         if self.phase not in (PeerPhase.NEW, PeerPhase.MATCHED):
             self._to(PeerPhase.NEW)
             self.ack_owed = False
+
+    def recheck_sent(self, recheck: Recheck) -> None:
+        """This agent woke from a stall and asked the peer whether it still holds it: its
+        room messages wait for the answer. Only a matched peer is rechecked (another has no
+        room under way with us). A newer recheck replaces one out (this agent stalled again:
+        an answer to the older one may predate the peer giving us up)."""
+        if self.phase is not PeerPhase.MATCHED:
+            raise InvalidTransition(f"peer {self.addr}: rechecked while {self.phase.value}")
+        self.recheck = recheck
+
+    def recheck_answered(self, probe: int) -> bool:
+        """The peer answered `probe`: True (once) when that is the recheck out, which ends."""
+        if self.recheck is None or probe != self.recheck.probe:
+            return False
+        self.recheck = None
+        return True
 
     def _to(self, to: PeerPhase) -> None:
         if to not in PEER_PHASES[self.phase]:

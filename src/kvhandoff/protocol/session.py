@@ -480,6 +480,11 @@ class TransferSession:
                 r = self.rooms.legs.get((room, p.addr))
                 if r is not None and not r.state.terminal:
                     r.state.apply(LeaseRenewed(), ctx.now)
+            if msg.probe:
+                self.peers.answer(p, msg.probe, [r.room for r in self.rooms.open_legs()
+                                                 if r.peer == p.addr])
+            if msg.answers:
+                self.peers.rechecked(p, msg.answers)
         elif isinstance(msg, P.Reject):
             ctx.log(WARNING, f"peer {msg.src} rejected a message: {msg.reason}")
             if msg.reason.startswith(NO_HANDSHAKE):
@@ -496,8 +501,10 @@ class TransferSession:
                         r.state.advance(LegPhase.READY)
                     r.plan.planes = None
                     self.peers.attach(r, p.addr)
-        elif p.state.connecting:
-            # its transport connects off the driver's thread: read once matched, in order
+        elif p.state.connecting or p.state.recheck is not None:
+            # its transport connects off the driver's thread, or this agent woke from a stall
+            # and asked whether the peer still holds it: read once matched and answered, in
+            # order
             p.backlog.append(msg)
         else:
             self._room_msg(msg)
@@ -670,8 +677,12 @@ class TransferSession:
         and given up our rooms with it (each peer measures from the last message it got from
         us). Say so before anything else is read, so that a room a peer already failed never
         ends Success here from messages queued before (the peer's Failed may come after them,
-        or never)."""
-        self.peers.woke(gap)
+        or never): each matched peer is asked whether it still holds this agent, and its room
+        messages wait for the answer (`PeerTable.woke`)."""
+        by_peer: dict[str, list[int]] = {}
+        for r in self.rooms.open_legs():
+            by_peer.setdefault(r.peer, []).append(r.room)
+        self.peers.woke(gap, by_peer)
 
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.ctx.now

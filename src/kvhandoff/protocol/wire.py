@@ -314,6 +314,11 @@ class ChunkAccepted(_Msg, tag="chunk_accepted", frozen=True):
 
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     rooms: list[int]  # rooms with the receiver of this heartbeat: renews their leases
+    # the sender woke from a stall and asks whether the receiver still holds its handshake:
+    # answered (`answers` = this) only while it does (0: no question)
+    probe: int = 0
+    # the `probe` of the receiver's question this heartbeat answers (0: none)
+    answers: int = 0
 
 
 class Hold(_Msg, tag="hold", frozen=True):

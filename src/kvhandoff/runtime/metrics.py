@@ -85,6 +85,11 @@ _COUNTER_HELP = {
     "rooms_success": "Room legs that ended in Success.",
     "rooms_failed": "Room legs that ended in Failed.",
     "peers_lost": "Peers declared dead (missed heartbeats) or restarted.",
+    "rechecks": "Matched peers asked, after this agent's control loop woke from a stall of "
+                "more than 2 heartbeats, whether they still hold this agent (their room "
+                "messages wait for the answer).",
+    "rechecks_passed": "Rechecks a peer answered: it still held this agent, and the rooms "
+                       "with it went on (an unanswered one declares the peer lost).",
     "early_dropped": "Messages for rooms not yet opened by the engine, dropped because the "
                      "agent already held its limit of such rooms, messages or bytes (transfer "
                      "requests are refused).",

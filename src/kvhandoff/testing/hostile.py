@@ -209,7 +209,11 @@ def _valid(c: _Ctx) -> P.Message:
     if pick == 1:
         return P.AbortAck(src=addr, gen=gen, room=room)
     if pick == 2:
-        return P.Heartbeat(src=addr, gen=gen, rooms=list(c.rooms))
+        # a question of a woken agent, or an answer to one (the answer a rechecked peer's
+        # held room messages wait for), with made-up probes
+        probe, answers = c.rng.choice([(0, 0), (c.rng.getrandbits(63), 0),
+                                       (0, c.rng.getrandbits(63)), (0, 1)])
+        return P.Heartbeat(src=addr, gen=gen, rooms=list(c.rooms), probe=probe, answers=answers)
     if pick == 3:
         return P.Abort(src=addr, gen=gen, room=room, reason="forged")
     if pick == 4:

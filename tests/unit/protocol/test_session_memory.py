@@ -400,31 +400,131 @@ def written_while_decode_holds(room: int) -> tuple[MemoryWire, Side, Side]:
     return w, p, d
 
 
-def assert_failed_unread(w: MemoryWire, d: Side, room: int) -> None:
-    """The woken decode failed `room` as unresponsive, without acking what it then read."""
+def assert_failed_unread(w: MemoryWire, d: Side, room: int, why: str) -> None:
+    """The woken decode failed `room` as its prefill did, without acking what it read."""
     w.release_held()
     w.run()
     f = d.views[room].failure
     assert d.views[room].state is KVPoll.Failed
-    assert f is not None and f.kind is FailureKind.PEER_LOST and "unresponsive" in f.reason
+    assert f is not None and f.kind is FailureKind.PEER_LOST and why in f.reason, f
     assert "RoomAck" not in kinds(w, "decode:1")
+    assert d.session.counters["rechecks"] == 1 and d.session.counters["rechecks_passed"] == 0
 
 
-def test_an_agent_unresponsive_for_two_heartbeats_fails_its_rooms_before_reading() -> None:
-    """A decode frozen while every layer and LayerDone reached it: woken (its next event comes
-    more than 2 heartbeats after the last), it fails the room before reading the queued
-    messages, as its prefill, which saw no heartbeat, already did: never a split outcome."""
+def probes(w: MemoryWire, frm: str) -> list[int]:
+    """The probes `frm` sent, delivered or dropped."""
+    sent = [m[1] if isinstance(m, tuple) else m for f, _, m in w.sent if f == frm]
+    return [m.probe for m in sent if isinstance(m, P.Heartbeat) and m.probe]
+
+
+def test_a_woken_agent_whose_peer_gave_it_up_fails_its_rooms_before_reading() -> None:
+    """A decode frozen while every layer and LayerDone reached it, its prefill awake: the
+    prefill hears nothing for 2 heartbeats, gives it up and fails the room. Woken (its next
+    event comes more than 2 heartbeats after its last heartbeat), the decode asks the prefill
+    whether it still holds it before reading the queued messages; told no, it fails the room
+    unread: never a split outcome."""
+    w, p, _ = written_while_decode_holds(7)
+    d = w.sides["decode:1"]
+    for _ in range(3):  # the prefill beats on; the decode's silence reaches 3 heartbeats
+        w.clock.advance(HB)
+        w.feed(p, ev.Tick(read_at=w.clock()))
+    assert p.views[7].state is KVPoll.Failed
+    assert_failed_unread(w, d, 7, "dropped its handshake")
+    assert len(probes(w, "decode:1")) == 1
+
+
+def test_an_agent_and_its_peer_starved_together_keep_their_rooms() -> None:
+    """Both sides starved at once (one busy host): neither sent a heartbeat for 2.5
+    heartbeats. Each, woken, asks the other whether it still holds it; each still does, so
+    the room the decode held unread ends Success on both sides, byte-exact (it used to fail on
+    both, the usual way a loaded host failed rooms)."""
+    w, p, d = written_while_decode_holds(7)
+    w.clock.advance(2.5 * HB)
+    w.release_held()
+    w.run()
+    assert d.views[7].state is KVPoll.Success and p.views[7].state is KVPoll.Success
+    assert bad_bytes(d) == 0
+    for s in (p, d):
+        assert s.session.counters["rechecks"] == s.session.counters["rechecks_passed"] == 1
+        assert s.session.counters["peers_lost"] == 0
+    # the decode asked before it acked: its probe went out ahead of its RoomAck
+    sent = [m for f, _, m in w.sent if f == "decode:1"]
+    first_probe = next(i for i, m in enumerate(sent) if isinstance(m, P.Heartbeat) and m.probe)
+    assert first_probe < next(i for i, m in enumerate(sent) if isinstance(m, P.RoomAck))
+
+
+def test_a_recheck_nobody_answers_declares_the_peer_lost() -> None:
+    """The woken decode's question never reaches its prefill: 2 heartbeats after asking, it
+    declares the prefill lost and fails the room it held unread."""
     w, _, d = written_while_decode_holds(7)
-    w.clock.advance(2.5 * HB)  # the decode process was stopped meanwhile
-    assert_failed_unread(w, d, 7)
+    w.clock.advance(2.5 * HB)
+    w.drop(lambda f, t, m: f == "decode:1")
+    w.release_held()
+    w.run()
+    assert not d.views[7].done  # what its prefill said waits for the answer
+    for _ in range(3):
+        w.clock.advance(HB)
+        w.feed(d, ev.Tick(read_at=w.clock()))
+    w.run()
+    f = d.views[7].failure
+    assert d.views[7].state is KVPoll.Failed
+    assert f is not None and f.kind is FailureKind.PEER_LOST and "did not say" in f.reason
+    assert f"unresponsive for {2.5 * HB:.2f}s" in f.reason
+    assert d.session.counters["rechecks_passed"] == 0
+
+
+def test_an_answer_to_another_probe_proves_nothing() -> None:
+    """A heartbeat answering a probe other than the one out (an earlier recheck's, or made
+    up) leaves the rechecked peer's room messages waiting."""
+    w, p, d = written_while_decode_holds(7)
+    w.clock.advance(2.5 * HB)
+    w.drop(lambda f, t, m: f == "decode:1")  # the real question never arrives
+    w.release_held()
+    w.run()
+    (probe,) = probes(w, "decode:1")
+    w.feed(d, ev.MessageReceived(P.Heartbeat(src="prefill:1", gen=p.session.ctx.me.generation,
+                                              rooms=[7], answers=probe + 1), None))
+    assert not d.views[7].done and d.session.counters["rechecks_passed"] == 0
+    w.feed(d, ev.MessageReceived(P.Heartbeat(src="prefill:1", gen=p.session.ctx.me.generation,
+                                              rooms=[7], answers=probe), None))
+    assert d.session.counters["rechecks_passed"] == 1
+    w.run()  # what the prefill said is read now: the room lands
+    assert d.views[7].state is KVPoll.Success and bad_bytes(d) == 0
+
+
+def answers(w: MemoryWire, frm: str) -> list[int]:
+    return [m.answers for f, _, m in w.sent if f == frm and isinstance(m, P.Heartbeat)
+            and m.answers]
+
+
+def test_a_probe_is_answered_only_while_the_handshake_it_asks_about_stands() -> None:
+    """A peer answers a woken agent's probe while it is matched with it; not while a new
+    handshake is under way (it dropped that agent and said Hello again: the rooms of the old
+    one are gone on its side), so the woken agent never reads on as if nothing happened."""
+    w, p, d = pair()
+    gen = p.session.ctx.me.generation
+    w.drop(lambda f, t, m: f == "prefill:1")  # the prefill's HelloAck never comes
+    w.feed(d, ev.OpenReceiver(3, 3, (("prefill:1", 0),)))
+    w.run()
+    assert d.session.peers["prefill:1"].state.phase.value == "hello_sent"
+    w.feed(d, ev.MessageReceived(P.Heartbeat(src="prefill:1", gen=gen, rooms=[3], probe=5),
+                                 None))
+    assert answers(w, "decode:1") == []
+    w2, p2, d2 = pair()
+    open_room(w2, p2, d2, 4)
+    w2.run()
+    w2.feed(d2, ev.MessageReceived(P.Heartbeat(src="prefill:1",
+                                               gen=p2.session.ctx.me.generation, rooms=[4],
+                                               probe=5), None))
+    assert answers(w2, "decode:1") == [5]
 
 
 def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> None:
     """The decode sent its heartbeat, handled one more event 0.9 heartbeat later (a Tick that
     sent nothing), then was stopped for 1.3 heartbeats while the room's LayerDones reached it:
     its peers heard nothing from it for 2.2 heartbeats and may have given it up, though its
-    own last event is only 1.3 heartbeats old. Woken, it fails the room before reading (it
-    took the event gap before, read the LayerDones and ended Success while its prefill had
+    own last event is only 1.3 heartbeats old. Woken, it rechecks its prefill before reading
+    (it took the event gap before, read the LayerDones and ended Success while its prefill had
     failed the room: a split outcome, seen with a real SIGSTOP)."""
     w, _, d = written_while_decode_holds(8)
     w.clock.advance(HB)
@@ -435,4 +535,8 @@ def test_silence_counts_from_the_last_heartbeat_sent_not_the_last_event() -> Non
     w.feed(d, ev.Tick(read_at=w.clock()))  # no heartbeat due: none sent
     assert kinds(w, "decode:1").count("Heartbeat") == heartbeats + 1
     w.clock.advance(1.3 * HB)  # stopped
-    assert_failed_unread(w, d, 8)
+    w.drop(lambda f, t, m: f == "decode:1")
+    w.release_held()
+    w.run()
+    assert d.session.counters["rechecks"] == 1
+    assert not d.views[8].done and "RoomAck" not in kinds(w, "decode:1")
