@@ -637,13 +637,15 @@ class PeerTable:
             ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
                                          rooms=rooms, answers=probe))
 
-    def rechecked(self, p: Peer, probe: int) -> None:
-        """The peer answered a recheck: when it is the one out, the peer still holds this
-        agent, and the room messages it sent meanwhile are read now, in order."""
+    def rechecked(self, p: Peer, probe: int) -> bool:
+        """The peer answered a recheck: when it is the one out (True), the peer still holds
+        this agent, and the room messages it sent meanwhile are read now, in order (the
+        caller then ends the legs that were held at Success: `ReceivePath.finish`)."""
         if not p.state.recheck_answered(probe):
-            return  # an older recheck's answer, or no recheck out: it proves nothing now
+            return False  # an older recheck's answer, or none out: it proves nothing now
         self.ctx.counters["rechecks_passed"] += 1
         self.ctx.log(INFO, f"peer {p.addr} still holds this agent: its {len(p.backlog)} room "
                            "messages held during the recheck are read now")
         if not p.state.connecting:
             self._replay_backlog(p)
+        return True

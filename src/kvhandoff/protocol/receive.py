@@ -46,6 +46,7 @@ from kvhandoff.protocol.roomstate import LegPhase
 from kvhandoff.state_machine import (
     AllLayersLanded,
     ChecksumsDiffered,
+    KVPoll,
     PeerFailedRoom,
     RequestAccepted,
     Role,
@@ -332,8 +333,28 @@ class ReceivePath:
         if r.state.has_layers(r.layers):
             # every layer verified: the prefill writes nothing more
             r.state.fence.writer_stopped()
-            self.rooms.apply(r, AllLayersLanded())
-            ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
+            self.finish(r)
+
+    def finish(self, r: Leg) -> None:
+        """Decode: every layer of `r` verified: Success and `RoomAck`, unless this agent woke
+        from a stall and its prefill has not answered yet whether it still holds this agent
+        (`PeerTable.woke`): a layer's sums read before the stall and its bytes hashed after it
+        would otherwise end a room Success that the prefill gave up meanwhile. The answer
+        finishes it (`finish_rechecked`); no answer fails it with the peer."""
+        p = self.peers.get(r.peer)
+        if r.state.terminal or (p is not None and p.state.recheck is not None):
+            return
+        ctx = self.ctx
+        self.rooms.apply(r, AllLayersLanded())
+        ctx.send(r.peer, P.RoomAck(src=ctx.me.address, gen=ctx.me.generation, room=r.room))
+
+    def finish_rechecked(self, peer: str) -> None:
+        """Decode: `peer` answered this agent's recheck: the legs with it whose every layer
+        was verified meanwhile end Success now."""
+        for r in self.rooms.open_legs():
+            if r.peer == peer and r.role is Role.DECODE and r.state.poll is KVPoll.Transferring \
+                    and r.state.has_layers(r.layers):
+                self.finish(r)
 
     def on_layer_done(self, r: Leg, msg: P.LayerDone) -> None:
         """Decode: the prefill's sums of the layers it posted, each layer checked; those

@@ -483,8 +483,8 @@ class TransferSession:
             if msg.probe:
                 self.peers.answer(p, msg.probe, [r.room for r in self.rooms.open_legs()
                                                  if r.peer == p.addr])
-            if msg.answers:
-                self.peers.rechecked(p, msg.answers)
+            if msg.answers and self.peers.rechecked(p, msg.answers):
+                self.receive_path.finish_rechecked(p.addr)
         elif isinstance(msg, P.Reject):
             ctx.log(WARNING, f"peer {msg.src} rejected a message: {msg.reason}")
             if msg.reason.startswith(NO_HANDSHAKE):

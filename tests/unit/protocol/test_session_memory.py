@@ -492,6 +492,43 @@ def test_an_answer_to_another_probe_proves_nothing() -> None:
     assert d.views[7].state is KVPoll.Success and bad_bytes(d) == 0
 
 
+def test_a_room_whose_bytes_are_checked_after_the_wake_waits_for_the_answer() -> None:
+    """The decode read every LayerDone before its stall, but the completions that verify the
+    last bytes (a receive, a hash) come after it: the room is not Success, and no RoomAck
+    goes out, until its prefill answered that it still holds the decode (it may have given
+    the room up meanwhile; seen in the simulator, `success-after-given-up`)."""
+    w, p, d = pair()
+    open_room(w, p, d, 7)
+    w.run()
+    for lid in layers(p.session.layout):
+        w.feed(p, ev.LayerReady(7, 7, lid))
+    later: list[ev.Event] = []  # the decode's completions, kept back
+    while True:
+        while w.completions:
+            side, e = w.completions.popleft()
+            if side is d:
+                later.append(e)
+            else:
+                w.feed(side, e)
+        if not w.step():
+            w.feed(p, ev.Tick(read_at=w.clock()))  # batched LayerDones go out
+            if not (w.messages or w.completions):
+                break
+    assert "LayerDone" in kinds(w, "prefill:1") and later
+    assert d.views[7].state is not KVPoll.Success
+    w.clock.advance(2.5 * HB)  # both stalled
+    w.hold(lambda f, t, m: f == "prefill:1")  # the prefill's answer waits
+    for e in later:
+        w.feed(d, e)
+    w.run()
+    assert d.session.counters["rechecks"] == 1 and d.views[7].landed
+    assert d.views[7].state is not KVPoll.Success and "RoomAck" not in kinds(w, "decode:1")
+    w.release_held()
+    w.run()
+    assert d.views[7].state is KVPoll.Success and p.views[7].state is KVPoll.Success
+    assert bad_bytes(d) == 0 and d.session.counters["rechecks_passed"] == 1
+
+
 def answers(w: MemoryWire, frm: str) -> list[int]:
     return [m.answers for f, _, m in w.sent if f == frm and isinstance(m, P.Heartbeat)
             and m.answers]

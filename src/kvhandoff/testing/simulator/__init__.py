@@ -55,7 +55,9 @@ replays it):
   from the prefill's pattern (unless a byte was flipped and the decode itself runs without
   checksums).
 - `double-release`, `prefill-success-decode-failed` (the prefill ends Success, a decode rank of
-  the same room Failed), `not-terminal` (a room of a live agent not terminal and released
+  the same room Failed), `success-after-given-up` (a decode rank ends a room Success after
+  its prefill rank failed that room by declaring this decode lost: what a woken decode must
+  ask about before it reads on), `not-terminal` (a room of a live agent not terminal and released
   within `settle_bound_s` simulated seconds after the last fault), `unbounded` (after the
   retention periods, a session still holds rooms, legs, early messages, ops, jobs or
   cancels).

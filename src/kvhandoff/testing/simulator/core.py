@@ -29,7 +29,7 @@ import numpy as np
 
 from kvhandoff.buffers.devsum import room_checksum
 from kvhandoff.engine_sim.pattern import check_tokens, write_tokens
-from kvhandoff.errors import TransportError
+from kvhandoff.errors import FailureKind, TransportError
 from kvhandoff.kv_layout import LayoutSpec
 from kvhandoff.kv_layout.presets import mla_dsa_layout
 from kvhandoff.protocol import events as ev
@@ -721,9 +721,31 @@ class Simulation:
         v.state, v.failure, v.landed, v.done = eff.state, eff.failure, eff.landed, eff.done
         if a.role is Role.DECODE and eff.state is KVPoll.Success and was is not KVPoll.Success:
             self._check_success(a, tok)
+            self._check_not_given_up(a, tok)
 
     def _instance(self, tok: Token) -> Instance:
         return self.instances[tok.inst]
+
+    def _check_not_given_up(self, a: Agent, tok: Token) -> None:
+        """A decode room ends Success only if no prefill rank of it already failed the room
+        by declaring this decode lost (the rank no longer holds it: its pages may be freed,
+        and it will never count the room done). A room the prefill fails later (the RoomAck
+        lost: the open split at the tail) or for another decode rank does not count."""
+        inst = self._instance(tok)
+        for p in inst.prefills:
+            tp = inst.tokens.get(p)
+            v = self.views.get(tp) if tp is not None else None
+            f = v.failure if v is not None else None
+            if (v is not None and v.state is KVPoll.Failed and f is not None
+                    and f.kind is FailureKind.PEER_LOST and not f.remote
+                    and f"peer {a.name} " in f.reason):
+                raise self.violation(
+                    "success-after-given-up",
+                    f"{tok} ended Success after {tp} failed the room, having given this "
+                    f"decode up ({f.reason})",
+                    "(e) the decode read on after a stall without asking its prefill whether "
+                    "it still held it (`PeerTable.woke`), or ended a room Success while that "
+                    "question was out (`ReceivePath.finish`)")
 
     def _check_success(self, a: Agent, tok: Token) -> None:
         inst = self._instance(tok)
@@ -1257,8 +1279,10 @@ class Simulation:
                             f"{tp} ended Success while {td} ended Failed "
                             f"({self.views[td].failure})")
         st = self._settings()
-        # twice: the first tick after the gap drops the peers (the agent takes itself for
-        # unresponsive), the second forgets them
+        # each tick after the gap wakes the agents, which recheck the peers they hold (no
+        # message moves here: those rechecks stay out); the peers declared lost before the
+        # gap are forgotten at the first tick (the second is what it took when a woken agent
+        # dropped every peer, forgotten only a retention period later)
         for _ in range(2):
             self._advance(max(st.room_retention_s, FORGOTTEN_KEEP_S, st.bootstrap_timeout_s)
                           + 1)
