@@ -2,10 +2,12 @@
 
 Each mutant changes one rule in `protocol/roomstate.py`, `protocol/rooms.py` or
 `protocol/inflight.py` (what holds a leg's pages, what releases them, what counts an op in
-flight). The script applies the mutants one at a time to a copy of `src/`, runs the
-simulator's seeds on it (`python -m kvhandoff.testing.simulator --seeds N --stop`) and reports
-each as killed (a seed broke an invariant, or the run failed) or survived. A survivor is either
-a gap of the simulator or a mutant that cannot change behaviour (equivalent): docs/RELIABILITY.md
+flight), or of the recheck a woken agent makes before it reads on (`protocol/peers.py`,
+`peerstate.py`, `receive.py`: what keeps a room its peer gave up from ending Success). The
+script applies the mutants one at a time to a copy of `src/`, runs the simulator's seeds on
+it (`python -m kvhandoff.testing.simulator --seeds N --stop`) and reports each as killed (a
+seed broke an invariant, or the run failed) or survived. A survivor is either a gap of the
+simulator or a mutant that cannot change behaviour (equivalent): docs/RELIABILITY.md
 says which, with the reason. Pure Python, no dependencies beyond the project's.
 
     python scripts/mutate_release_rules.py                 # every mutant, seeds 0..1999
@@ -152,6 +154,36 @@ MUTANTS: tuple[Mutant, ...] = (
            "if r.state.terminal or r.progress.posted.get(job.unit) != job.attempt:",
            "if r.state.terminal:",
            "a hashing job of an earlier attempt is taken for the current one"),
+    # --- peers / peerstate / receive: the recheck of a woken agent (what keeps a room a peer
+    # gave up from ending Success here)
+    Mutant("woken-agent-reads-on", "peers.py",
+           "            p.state.recheck_sent(rc)\n",
+           "            pass\n",
+           "a woken agent asks, but reads its peer's room messages on without the answer"),
+    Mutant("rechecked-success-not-held", "receive.py",
+           "if r.state.terminal or (p is not None and p.state.recheck is not None):",
+           "if r.state.terminal:",
+           "a decode room ends Success while its prefill's answer is out"),
+    Mutant("any-answer-passes", "peerstate.py",
+           "if self.recheck is None or probe != self.recheck.probe:",
+           "if self.recheck is None:",
+           "an answer to another probe ends the recheck"),
+    Mutant("answered-during-a-new-handshake", "peers.py",
+           """        if p.matched:
+            ctx = self.ctx""",
+           """        if True:
+            ctx = self.ctx""",
+           "a peer answers a probe while its new handshake with the asker is under way"),
+    Mutant("unanswered-recheck-never-fails", "peers.py",
+           "                if waited > 2 * beat:",
+           "                if False:",
+           "a recheck nobody answers never declares the peer lost"),
+    Mutant("held-messages-dropped", "peers.py",
+           """            self._replay_backlog(p)
+        return True""",
+           """            p.backlog = []
+        return True""",
+           "the room messages held during a recheck are dropped at the answer"),
 )
 
 #: Mutants the simulator's seeds cannot kill, with the reason; each must survive the unit tests
@@ -183,6 +215,21 @@ SIM_GAPS: dict[str, str] = {
     "stale-hash-accepted":
         "needs a retransmit (a flipped byte) while the previous attempt's verification is "
         "still hashing: not reached in seeds 0-1999",
+    "any-answer-passes":
+        "needs an answer to an earlier probe (or a made-up one) to reach an agent whose newer "
+        "recheck is out: the seeds forge nothing and rarely stall an agent twice within one "
+        "recheck's round trip",
+    "answered-during-a-new-handshake":
+        "needs a peer that dropped the woken agent and said Hello to it again before its "
+        "probe arrived: not reached in seeds 0-1999",
+    "unanswered-recheck-never-fails":
+        "a liveness rule: the rooms with a peer that never answers still end, by their own "
+        "deadlines (stall, lease), and the invariants check safety and termination, not how "
+        "soon",
+    "held-messages-dropped":
+        "the rooms whose messages were dropped still end, Failed on both sides by their "
+        "deadlines: the invariants check that sides agree and rooms end, not that a room "
+        "that could succeed does",
 }
 
 UNIT_TESTS = "tests/unit/protocol"

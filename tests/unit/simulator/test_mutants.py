@@ -1,6 +1,7 @@
 """The mutation run of the protocol's release rules (`scripts/mutate_release_rules.py`): each
-mutant of `protocol/roomstate.py`, `rooms.py` and `inflight.py` is killed by the simulator's
-seeds 0-1999, or is a survivor docs/RELIABILITY.md explains. The run is `long` (several
+mutant of `protocol/roomstate.py`, `rooms.py` and `inflight.py`, and of a woken agent's recheck
+(`peers.py`, `peerstate.py`, `receive.py`), is killed by the simulator's seeds 0-1999, or is a
+survivor docs/RELIABILITY.md explains. The run is `long` (several
 minutes: each survivor runs every seed); that every mutant still applies to today's code is
 checked in `make test`."""
 
