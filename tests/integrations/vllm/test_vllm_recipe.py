@@ -144,6 +144,10 @@ def test_recipe_starts_on_cpu(secured: str, tmp_path: Path,
             assert conn.agent.status()["transport"]["kind"] == "auto"
             assert "KV caches in host memory: transport auto" in caplog.text
             if role == "kv_producer":
+                # the worker's agent registers on a thread of its own: a bind before the
+                # server holds the rank is refused (404, engine not registered), as it was
+                # once beside busy loops on every core
+                assert conn.agent.wait_registered(60)
                 side = SchedulerSide(ConnectorConfig.of(cfg), cfg)
                 room = room_of(kt["engine_id"], "cmpl-recipe")
                 try:
