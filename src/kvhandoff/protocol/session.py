@@ -481,8 +481,7 @@ class TransferSession:
                 if r is not None and not r.state.terminal:
                     r.state.apply(LeaseRenewed(), ctx.now)
             if msg.probe:
-                self.peers.answer(p, msg.probe, [r.room for r in self.rooms.open_legs()
-                                                 if r.peer == p.addr])
+                self.peers.answer(p, msg.probe, self._rooms_by_peer().get(p.addr, []))
             if msg.answers and self.peers.rechecked(p, msg.answers):
                 self.receive_path.finish_rechecked(p.addr)
         elif isinstance(msg, P.Reject):
@@ -679,10 +678,14 @@ class TransferSession:
         ends Success here from messages queued before (the peer's Failed may come after them,
         or never): each matched peer is asked whether it still holds this agent, and its room
         messages wait for the answer (`PeerTable.woke`)."""
+        self.peers.woke(gap, self._rooms_by_peer())
+
+    def _rooms_by_peer(self) -> dict[str, list[int]]:
+        """The open rooms with each peer, as a heartbeat names them."""
         by_peer: dict[str, list[int]] = {}
         for r in self.rooms.open_legs():
             by_peer.setdefault(r.peer, []).append(r.room)
-        self.peers.woke(gap, by_peer)
+        return by_peer
 
     def _on_tick(self, e: ev.Tick) -> None:
         now = self.ctx.now
@@ -695,9 +698,7 @@ class TransferSession:
 
     def _heartbeats(self, now: float, read_at: float) -> None:
         """Heartbeats out, dead peers and expired deadlines in."""
-        by_peer: dict[str, list[int]] = {}
-        for r in self.rooms.open_legs():
-            by_peer.setdefault(r.peer, []).append(r.room)
+        by_peer = self._rooms_by_peer()
         for g in list(self.rooms.groups.values()):
             waited = now - g.t_created
             if (not g.state.done and not g.state.all_legs
