@@ -12,6 +12,8 @@ its blocks is handled by vLLM's `kv_load_failure_policy` (recompute / fail).
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,7 +194,7 @@ def test_room_not_bound_means_no_handoff(model: Path, bootstrap: str) -> None:
     params (the proxy's decode computes the prompt), the workers abort the room, and the blocks
     wait for the room's release like any other."""
     s = scheduler(model, "kv_producer", engine_id="not-registered",
-                  extra={"bootstrap_url": bootstrap})
+                  extra={"bootstrap_url": bootstrap, "bind_timeout_s": 2})
     total = free_blocks(s)
     s.add_request(request("u1", {"do_remote_decode": True}))
     out = s.schedule()
@@ -204,6 +206,51 @@ def test_room_not_bound_means_no_handoff(model: Path, bootstrap: str) -> None:
     assert free_blocks(s) == total - 3
     s.update_from_output(out, step_output(out, {}, finished_sending={"u1"}))
     assert free_blocks(s) == total
+
+
+class _Said(logging.Handler):
+    """Sets `said` once a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.said = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.said.set()
+
+
+def test_a_bind_before_the_workers_registered_waits_for_them(model: Path, bootstrap: str
+                                                             ) -> None:
+    """The workers' agents register on threads of their own: a request in the first instants
+    after start binds its room before the server holds the engine. The bind is tried again
+    (within `bind_timeout_s`) and the request is handed off once the engine registers."""
+    engine = "registers-late"
+    said = _Said("trying again")
+    logger = logging.getLogger("kvhandoff.vllm")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        s = scheduler(model, "kv_producer", engine_id=engine,
+                      extra={"bootstrap_url": bootstrap, "bind_timeout_s": 120})
+        s.add_request(request("late1", {"do_remote_decode": True}))
+        out = s.schedule()
+        assert "late1" in out.kv_connector_metadata.sends
+        assert said.said.wait(60)  # the server refused the bind once: engine not registered
+        with BootstrapClient(bootstrap) as c:
+            c.register_rank(engine_id=engine, role="prefill", agent_address="127.0.0.1:9",
+                            generation="1", layout=LayoutSpec(
+                                page_size_tokens=16, kv_dtype="bf16", regions=(
+                                    RegionSpec("kv", (0,), (Plane("kv", 64),)),)),
+                            transport="tcp")
+            outputs = s.update_from_output(out, step_output(out, {"late1": 7}))
+            params = params_of(outputs, "late1")
+            assert params is not None and params["remote_engine_id"] == engine
+            assert c.room(params["remote_room"]).engine_id == engine
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
 
 
 def test_preempted_prefill_resets_its_room_and_sends_again(model: Path, bootstrap: str

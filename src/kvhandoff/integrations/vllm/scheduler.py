@@ -27,6 +27,8 @@ workers keep the set."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.errors import BootstrapNotFound, ConfigError, KVHandoffError
 from kvhandoff.integrations.vllm.config import (
     ConnectorConfig,
     DeclineReq,
@@ -124,6 +126,11 @@ class SchedulerSide:
         self._meta = KVHandoffMetadata()
         self._binder: ThreadPoolExecutor | None = None
         self._client: Any = None
+        # set once a bind found the engine at the server (or gave up waiting for it): from then
+        # on "not registered" is an answer, not the first instants after start (`_bind_now`)
+        self._engine_seen = False
+        self._refused: dict[int, str] = {}  # room -> the server's last refusal, while retried
+        self._closing = threading.Event()
         self.bootstrap_addr = ""
         self.host, self.port = "", 0
         if cfg.role == "prefill":
@@ -313,8 +320,34 @@ class SchedulerSide:
             log.debug("bootstrap client warm-up: %r", e)
 
     def _bind_now(self, room: int) -> None:
+        """(bind thread) Bind the room. The workers' agents register on threads of their own,
+        so in the first instants after start the server may not hold the engine yet: until a
+        bind has found it, "engine not registered" is tried again within `bind_timeout_s`
+        (the last refusal is the reason if it never comes)."""
         mark("prefill.bind", room=room)
-        self._bootstrap_client().bind_room(room, self.cfg.engine_id, self.cfg.dp_rank)
+        deadline = time.monotonic() + self.cfg.bind_timeout_s
+        delay = 0.02
+        try:
+            while True:
+                try:
+                    self._bootstrap_client().bind_room(room, self.cfg.engine_id,
+                                                       self.cfg.dp_rank)
+                    break
+                except BootstrapNotFound as e:
+                    left = deadline - time.monotonic()
+                    if self._engine_seen or "is not registered" not in str(e) or left <= 0:
+                        self._engine_seen = True
+                        raise
+                    if room not in self._refused:
+                        log.info("room %d: %s; trying again for up to %.1f s (the workers' "
+                                 "agents register on threads of their own)", room, e, left)
+                    self._refused[room] = str(e)
+                    if self._closing.wait(min(delay, left)):
+                        raise
+                    delay = min(delay * 2, 0.5)
+        finally:
+            self._refused.pop(room, None)
+        self._engine_seen = True
         mark("prefill.bound", room=room)
 
     def _bootstrap_client(self) -> Any:
@@ -465,14 +498,17 @@ class SchedulerSide:
         try:
             p.bind.result(timeout=self.cfg.bind_timeout_s)
         except FutureTimeout:
+            refused = self._refused.get(p.room)
             return (f"binding room {p.room} at the bootstrap server took more than "
-                    f"{self.cfg.bind_timeout_s} s")
+                    f"{self.cfg.bind_timeout_s} s"
+                    + (f" (its last answer: {refused})" if refused else ""))
         except Exception as e:  # noqa: BLE001 - any failure means: no handoff, said why
             return (f"binding room {p.room} at the bootstrap server failed: "
                     f"{type(e).__name__}: {e}")
         return None
 
     def close(self) -> None:
+        self._closing.set()
         if self._binder is not None:
             self._binder.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
