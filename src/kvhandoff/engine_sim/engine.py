@@ -16,6 +16,12 @@ decode side bootstrapped), as an engine's bootstrap queue does. ``hold_after_lay
 handing over that layer, wait until every room ended (e.g. the decode aborted it), then hand
 over the later layers of the rooms still open only.
 
+Both sides: ``timeout_s`` (60) bounds the wait for each room's end, ``release_wait_s`` (5)
+the wait after it for the room's pages to come back (``released`` in its ``done`` event); a
+failed room whose writer may still write keeps them for the write quarantine (nixl: at least
+``stall_timeout_s`` + 2 heartbeats), so a test that asserts the release of such a room gives
+that time.
+
 Events: ``ready`` (agent address), ``registered`` (prefill with a bootstrap server), ``layer``
 (prefill: computed and handed over; decode: landed and verified), ``done`` (per room: state,
 failure, stats, verification), ``error``.
@@ -172,7 +178,7 @@ def run_prefill(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> 
         timeout = float(cfg.get("timeout_s", 60))
         for r, s, _ in senders:
             s.wait(timeout)
-            s.wait_released(5)
+            s.wait_released(float(cfg.get("release_wait_s", 5)))
             _emit("done", room=r["room"], state=s.poll().name, failure=s.failure,
                   released=s.released, stats=s.stats(), timings=agent.room_timings(r["room"]))
         _emit("pool", free=pool.free_count, total=pool.num_pages)
@@ -234,7 +240,7 @@ def run_decode(cfg: dict[str, Any], agent_kw: dict[str, Any] | None = None) -> i
                 break
         for r, rv, pages, prefix in recvs:
             state = rv.wait(timeout)
-            rv.wait_released(5)
+            rv.wait_released(float(cfg.get("release_wait_s", 5)))
             verify: dict[str, Any] = {}
             if state is KVPoll.Success and cfg.get("verify", True):
                 bad = 0

@@ -57,6 +57,11 @@ class EngineProcess:
                 return ev
             self.seen.append(ev)
 
+    def stalls(self) -> list[str]:
+        """The lines its agents logged for a control loop that came round over a heartbeat
+        late (`ControlLoop._stalled`): for the message of a room that failed for silence."""
+        return [ln.strip() for ln in self.stderr_tail if "control loop stalled" in ln]
+
     def all_events(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.seen if e["event"] == kind]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import resource
 import threading
 import time
 from collections import deque
@@ -288,11 +289,14 @@ class ControlLoop:
         if lane is not None:
             lane.attach(poller)
         hb = self.settings.heartbeat_interval_s
+        faults, faults_at = _major_faults(), time.monotonic()
         while True:
             closing = self._closing
             self._asleep = True  # before _timeout_ms looks at the queue (see post)
             timeout_ms = self._timeout_ms(hb)
             t_poll = time.monotonic()
+            if t_poll - faults_at > hb / 2:  # (a syscall: not on every pass)
+                faults, faults_at = _major_faults(), t_poll
             try:
                 events = dict(poller.poll(timeout_ms))
             except zmq.ZMQError:
@@ -302,7 +306,7 @@ class ControlLoop:
             try:
                 self._pass(events, lane, hb)
                 self._stalled(t_woke - t_poll - timeout_ms / 1e3 if not events else 0.0,
-                              time.monotonic() - t_woke, hb)
+                              time.monotonic() - t_woke, hb, faults)
             except Exception as e:  # noqa: BLE001 - the thread serves every room: never dies
                 self.counters["loop_errors"] += 1
                 self._errors_log.log(time.monotonic(), "agent: error in the control loop: %r",
@@ -310,17 +314,23 @@ class ControlLoop:
             if closing and not self._queue and not self._ahead:
                 break
 
-    def _stalled(self, late: float, took: float, hb: float) -> None:
+    def _stalled(self, late: float, took: float, hb: float, faults: int) -> None:
         """Counts and logs a pass of this loop that came over a heartbeat late (`late`: after
         its poll's timeout; the process was not scheduled, or another thread held the GIL) or
         that ran over a heartbeat (`took`): two of them without a heartbeat sent and the
-        peers give this agent's rooms up."""
+        peers give this agent's rooms up. `faults`: the process's major page faults at most
+        half a heartbeat before the poll; the log says how many came since (its code's or
+        files' pages read back from disk: memory pressure, or a host that pages out what sat
+        unused)."""
         if late > hb or took > hb:
             self.counters["loop_stalls"] += 1
+            faults = _major_faults() - faults
             self._stalls_log.log(time.monotonic(), "agent: control loop stalled: woke %.2fs after "
-                                 "its poll's timeout, its pass took %.2fs (heartbeat %gs): the "
-                                 "host's CPU is oversubscribed, or another thread of this "
-                                 "process held the GIL", max(late, 0.0), took, hb)
+                                 "its poll's timeout, its pass took %.2fs (heartbeat %gs), %d "
+                                 "major page faults in the process about then: the host's CPU is "
+                                 "oversubscribed, another thread of this process held the GIL, "
+                                 "or (page faults) its pages were read back from disk",
+                                 max(late, 0.0), took, hb, faults)
 
     def _pass(self, events: dict[Any, int], lane: LocalLane | None, hb: float) -> None:
         """One pass of the loop (see the module doc), once `poll` returned `events`."""
@@ -482,3 +492,8 @@ class RateLog:
             return
         self._count += 1
         self._log.log(self._level, fmt, *args, exc_info=exc_info)
+
+
+def _major_faults() -> int:
+    """The process's major page faults so far (`ControlLoop._stalled`)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -230,5 +231,7 @@ def test_a_pass_that_runs_over_a_heartbeat_is_counted_and_logged(
         said = [r.getMessage() for r in caplog.records if "control loop stalled" in r.getMessage()]
         took = [float(m.split("its pass took ")[1].split("s")[0]) for m in said]
         assert took and max(took) >= 2.5 * HB * 0.9, said  # the pass held is among them
+        # and whether the process was reading its pages back from disk meanwhile
+        assert all(re.search(r"\), \d+ major page faults in the process", m) for m in said), said
     finally:
         agent.close()
