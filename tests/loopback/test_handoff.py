@@ -205,14 +205,16 @@ def test_prefill_killed_mid_transfer_fails_decode_quickly(handoff: Handoff, tran
     (room,) = handoff.rooms(1)
     st = settings(transport, heartbeat_interval_s=HB_S)
     if transport == "nixl":  # no pidfd across hosts: a lost prefill's pages wait the write
-        # quarantine (at least stall_timeout_s + 2 heartbeats: 4 s here); only here, where
-        # a room is meant to stall: elsewhere a 2 s stall bound fails rooms of a loaded host
-        st.update(write_quarantine_s=2.0, stall_timeout_s=2.0)
+        # quarantine, at least stall_timeout_s + 2 heartbeats: 10 s here. The stall bound
+        # counts from the last layer that landed, before the kill (the prefill holds after
+        # layer 10): at 2 s it could end the room before the silence did (beside a busy loop
+        # per core: "transfer_stall deadline expired"), so it is well past 2 heartbeats
+        st.update(write_quarantine_s=2.0, stall_timeout_s=8.0)
     # the prefill hands over layers 0..10, then waits for the room to end: the kill always
     # lands mid-transfer, however late the decode's events reach this test
     # the decode waits for its pages as long as for the room's end: over nixl they come back
-    # at the quarantine, 4 s after the failure, which a loaded host's decode reported past a
-    # shorter wait (`released` False, beside a busy loop per core)
+    # at the quarantine, after the failure (a loaded host's decode once reported them past a
+    # 5 s wait: `released` False, beside a busy loop per core)
     p, d = handoff.start([{"room": room, "seq_len": SEQ, "prefix": PREFIX}], st,
                          prefill_cfg={"hold_after_layer": 10},
                          decode_cfg={"release_wait_s": DONE_S})
