@@ -144,7 +144,8 @@ def test_a_frozen_writers_pages_are_held_past_write_quarantine_s_to_its_own_boun
         with prefill_proc(settings={"stall_timeout_s": 6.0},
                           hold_after_layer=LAYERS[3]) as (p, addr):
             rv = d.recv(ROOM, SEQ, addr)
-            p.expect("layer", WAIT_S, layer=LAYERS[3])  # mid-transfer
+            p.expect("layer", WAIT_S, layer=LAYERS[3])
+            assert rv.wait_for_layer(LAYERS[0], WAIT_S)  # mid-transfer, the handshake ended
             freeze(p)
             try:
                 assert rv.wait(WAIT_S) is KVPoll.Failed

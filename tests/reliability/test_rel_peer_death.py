@@ -254,6 +254,9 @@ def test_prefill_stays_frozen_decode_pages_back_after_the_bound() -> None:
                           settings={**PROC_SETTINGS, "stall_timeout_s": 2.0}) as (p, addr):
             rvs = [d.recv(r, SEQ, addr) for r in ROOMS]
             p.expect("layer", WAIT_S, layer=LAYERS[5])
+            # connected and in flight (frozen before the handshake ended, the decode finds it
+            # by its connect timing out instead)
+            assert all(rv.wait_for_layer(LAYERS[0], WAIT_S) for rv in rvs)
             p.signal(signal.SIGSTOP)
             t_stop = time.monotonic()
             try:
