@@ -3,7 +3,8 @@
 Each mutant changes one rule in `protocol/roomstate.py`, `protocol/rooms.py` or
 `protocol/inflight.py` (what holds a leg's pages, what releases them, what counts an op in
 flight), or of the recheck a woken agent makes before it reads on (`protocol/peers.py`,
-`peerstate.py`, `receive.py`: what keeps a room its peer gave up from ending Success). The
+`peerstate.py`, `receive.py`, `session.py`: what keeps a room its peer gave up from ending
+Success). The
 script applies the mutants one at a time to a copy of `src/`, runs the simulator's seeds on
 it (`python -m kvhandoff.testing.simulator --seeds N --stop`) and reports each as killed (a
 seed broke an invariant, or the run failed) or survived. A survivor is either a gap of the
@@ -184,6 +185,15 @@ MUTANTS: tuple[Mutant, ...] = (
            """            p.backlog = []
         return True""",
            "the room messages held during a recheck are dropped at the answer"),
+    Mutant("answered-then-gives-up", "peers.py",
+           "                p.state.recheck_peer_asked(ctx.now)\n",
+           "                pass\n",
+           "a rechecked peer that asks too is told yes, but the wait for its own answer still "
+           "counts from this agent's question (it can give the peer up right after the yes)"),
+    Mutant("dropped-news-ignored", "session.py",
+           "        if isinstance(msg, P.Failed) and msg.dropped:\n",
+           "        if False:\n",
+           "a Failed saying its sender dropped this agent fails that one room only"),
 )
 
 #: Mutants the simulator's seeds cannot kill, with the reason; each must survive the unit tests
@@ -230,6 +240,14 @@ SIM_GAPS: dict[str, str] = {
         "the rooms whose messages were dropped still end, Failed on both sides by their "
         "deadlines: the invariants check that sides agree and rooms end, not that a room "
         "that could succeed does",
+    "answered-then-gives-up":
+        "needs both agents stalled, the second waking after the first's wait for its answer "
+        "ran out and asking it before that first gives it up: seed 13733 of the long run "
+        "(seeds 2000-43999), not reached in seeds 0-1999",
+    "dropped-news-ignored":
+        "needs a decode that is not stalled but whose heartbeats reach its prefill too late, "
+        "and that reads one room's Failed before it ends another room Success: seed 22452 of "
+        "the long run, not reached in seeds 0-1999",
 }
 
 UNIT_TESTS = "tests/unit/protocol"

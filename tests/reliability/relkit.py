@@ -356,7 +356,7 @@ def age_out_finished_rooms(e: Engine, after_s: float = 3600.0) -> None:
 def plan_of(e: Engine, room: int, region: str) -> Any:
     """The span plan of `region` of `room`'s first leg on engine `e`, read on the agent's
     control thread (the only thread that touches the session)."""
-    return e.agent._loop.query(lambda s: s.groups[room].legs[0].plan.chunk_plans[0][region])
+    return e.agent._loop.query(lambda s: s.rooms.by_id[room].legs[0].plan.chunk_plans[0][region])
 
 
 def free_port() -> int:

@@ -55,12 +55,12 @@ class ChunkedPrefill:
     def on_add_chunk(self, e: ev.AddChunk) -> None:
         """Prefill engine: the next chunk's pages (every layer of the previous chunk was ready,
         which the agent checked)."""
-        g = self.rooms.group(e.room, e.token)
+        g = self.rooms.find(e.room, e.token)
         if g is None or g.state.done:
             return
         given = g.given
         if len(given.ready) < len(g.layers) or not given.chunk_end < e.chunk_end <= given.seq_len:
-            self.rooms.fail_group(g, Failure(
+            self.rooms.fail_room(g, Failure(
                 FailureKind.INVALID_REQUEST,
                 f"add_chunk(chunk_end={e.chunk_end}): after {given.chunk_end} of "
                 f"{given.seq_len} tokens with {len(given.ready)} of {len(g.layers)} layers "
@@ -76,7 +76,7 @@ class ChunkedPrefill:
 
     def _add_leg_chunk(self, r: Leg) -> None:
         """Prefill: plan the leg's next chunk and offer it to the decode (`ChunkAdded`)."""
-        g, plan = r.group, r.plan
+        g, plan = r.parent, r.plan
         old = plan.pages
         plan.pages = g.given.pages
         plan.pages = self.send_path.suffix_pages(plan)
@@ -139,4 +139,4 @@ class ChunkedPrefill:
             return
         latest = c == len(r.plan.chunk_ends) - 1
         self.send_path.post_layers(
-            r, [Unit(layer, c) for layer in (r.group.given.ready if latest else r.layers)], 0)
+            r, [Unit(layer, c) for layer in (r.parent.given.ready if latest else r.layers)], 0)

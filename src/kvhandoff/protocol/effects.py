@@ -30,6 +30,7 @@ class Notify(enum.Enum):
 
     NONE = "none"  # the peer already knows (it told us) or is gone
     FAILED = "failed"  # a `Failed` message with the reason
+    DROPPED = "dropped"  # a `Failed` saying this agent dropped its handshake with the peer
     ABORT = "abort"  # an `Abort` message (answered by `AbortAck`)
 
 

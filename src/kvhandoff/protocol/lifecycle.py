@@ -26,6 +26,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ class RoomTable:
     def __init__(self, *, ctx: Context, readouts: ReadOuts) -> None:
         self.ctx = ctx
         self.readouts = readouts
-        self.groups: dict[int, Room] = {}
+        self.by_id: dict[int, Room] = {}
         self.legs: dict[tuple[int, str], Leg] = {}
         self._dirty: dict[int, Room] = {}
         self._cancelling: dict[tuple[str, int], Leg] = {}  # (peer, tag) -> leg, until answered
@@ -83,9 +84,9 @@ class RoomTable:
 
     # ------------------------------------------------------------------ rooms and legs
 
-    def group(self, room: int, token: object) -> Room | None:
+    def find(self, room: int, token: object) -> Room | None:
         """The room `room` opened under `token` (None: another one, or forgotten)."""
-        g = self.groups.get(room)
+        g = self.by_id.get(room)
         return g if g is not None and g.token is token else None
 
     def refuse_reopen(self, room: int, token: object) -> bool:
@@ -93,7 +94,7 @@ class RoomTable:
         late messages of that use (an AbortAck, a Failed) would reach the new room, and a
         one-sided writer may still write into the old pages. Such an open fails at once (its
         token is told Failed and released: it holds nothing); the old room is left as it is."""
-        old = self.groups.get(room)
+        old = self.by_id.get(room)
         if old is None or old.state.released:
             return False
         state = "terminal, its pages not yet released" if old.state.done else "still open"
@@ -105,21 +106,21 @@ class RoomTable:
         self.ctx.emit(Release(token, room))
         return True
 
-    def new_group(self, room: int, token: object, expected: int | None) -> Room:
-        old = self.groups.get(room)
+    def new_room(self, room: int, token: object, expected: int | None) -> Room:
+        old = self.by_id.get(room)
         if old is not None:  # a released room with the same id: forget it
             for leg in old.legs:
                 self.legs.pop((room, leg.peer), None)
         g = Room(room=room, role=self.ctx.role, layers=self.ctx.layers, token=token,
                   state=RoomState(room=room, expected=expected), t_created=self.ctx.now)
-        self.groups[room] = g
+        self.by_id[room] = g
         self.changed(g)
         return g
 
     def new_leg(self, g: Room, peer: str) -> Leg:
         machine = LegMachine(self.ctx.role, now=self.ctx.now, deadlines=self.deadlines,
                               layers=g.layers)
-        r = Leg(room=g.room, role=self.ctx.role, layers=g.layers, group=g, peer=peer,
+        r = Leg(room=g.room, role=self.ctx.role, layers=g.layers, parent=g, peer=peer,
                 state=LegState(room=g.room, peer=peer, machine=machine))
         g.add_leg(r)
         self.legs[(g.room, peer)] = r
@@ -137,14 +138,14 @@ class RoomTable:
     def apply(self, r: Leg, event: Any) -> None:
         """Feeds a progress event; reacts to terminal states."""
         r.state.apply(event, self.ctx.now)
-        self.changed(r.group)
+        self.changed(r.parent)
         if r.state.terminal:
             self._terminal(r)
 
     def apply_layers(self, r: Leg, layers: list[int]) -> None:
         """Feeds the layers of `r` that moved together (sent, or landed) as one step."""
         r.state.apply_layers(layers, self.ctx.now)
-        self.changed(r.group)
+        self.changed(r.parent)
         if r.state.terminal:
             self._terminal(r)
 
@@ -158,8 +159,9 @@ class RoomTable:
             return
         ctx.log(INFO, f"room {r.room} ({ctx.role.value}) failed: {f.reason}")
         if notify is not Notify.NONE:
-            cls = P.Abort if notify is Notify.ABORT else P.Failed
             stopped = not self.writes_in_flight(r)
+            cls = P.Abort if notify is Notify.ABORT else functools.partial(
+                P.Failed, dropped=notify is Notify.DROPPED)
             ctx.send(r.peer, cls(src=ctx.me.address, gen=ctx.me.generation, room=r.room,
                                  reason=f.reason, failure_kind=f.kind.value,
                                  writes_stopped=stopped, xfer=r.xfer))
@@ -180,7 +182,7 @@ class RoomTable:
             if fence.remote_writes:  # the prefill may still write into our pages: see quarantine
                 bound = self._quarantine(r)
                 self.ctx.later(bound, lambda: self._quarantined(r, bound))
-        g = r.group
+        g = r.parent
         if not ok and g.state.fail(r.state.failure
                                    or Failure(FailureKind.REMOTE_FAILED, "failed")):
             gf = g.state.failure
@@ -192,7 +194,7 @@ class RoomTable:
                               failure=Failure(gf.kind, why))
         self.maybe_release(r)
 
-    def fail_group(self, g: Room, failure: Failure) -> None:
+    def fail_room(self, g: Room, failure: Failure) -> None:
         """Fails a room that may have no legs yet (abort, failed lookup)."""
         if not g.state.done and g.state.fail(failure):
             self.ctx.log(INFO, f"room {g.room} ({self.ctx.role.value}) failed: "
@@ -200,9 +202,9 @@ class RoomTable:
             for r in g.legs:
                 self.fail(r, PeerFailedRoom(reason=failure.reason), notify=Notify.FAILED,
                           failure=failure)
-        self.group_update(g)
+        self.room_update(g)
 
-    def group_update(self, g: Room) -> None:
+    def room_update(self, g: Room) -> None:
         """Marks the room done / released once its legs allow."""
         self.changed(g)
         s = g.state
@@ -217,7 +219,7 @@ class RoomTable:
         if r.state.fence.ack_when_stopped and not self.writes_in_flight(r):
             self.ack_stopped(r)  # its last write ended or its last cancel confirmed
         r.state.release()
-        self.group_update(r.group)
+        self.room_update(r.parent)
 
     # ------------------------------------------------------------------ stopping writes
 
@@ -315,8 +317,8 @@ class RoomTable:
     def collect(self, now: float) -> None:
         """Forgets finished and released rooms after `room_retention_s`."""
         keep = self.ctx.settings.room_retention_s
-        for room in [k for k, g in self.groups.items()
+        for room in [k for k, g in self.by_id.items()
                      if g.state.released and g.state.t_done is not None
                      and now - g.state.t_done > keep]:
-            for r in self.groups.pop(room).legs:
+            for r in self.by_id.pop(room).legs:
                 self.legs.pop((room, r.peer), None)

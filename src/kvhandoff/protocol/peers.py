@@ -549,7 +549,7 @@ class PeerTable:
         self.ctx.counters["peers_lost"] += 1
         for r in self.rooms.open_legs():
             if r.peer == p.addr and r not in keep:
-                self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.FAILED)
+                self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.DROPPED)
         for r in p.waiting:  # waiting for this handshake; those in `keep` wait for the next
             if r not in keep:
                 self.rooms.fail(r, PeerWasLost(reason=reason), notify=Notify.NONE)
@@ -588,7 +588,7 @@ class PeerTable:
             if rc is not None:
                 # rechecked: its silence while this agent stalled proves nothing; its answer
                 # not coming does
-                waited = min(now, read_at) - rc.sent_at
+                waited = min(now, read_at) - rc.waiting_since
                 if waited > 2 * beat:
                     self.lost(p, f"this agent was unresponsive for {rc.gap:.2f}s (> 2 "
                                  f"heartbeats of {hb:g}s) and peer {p.addr} did not say "
@@ -631,9 +631,16 @@ class PeerTable:
         """The peer woke from a stall and asks whether this agent still holds it: yes while
         its handshake is matched (a peer we dropped is told so as any forgotten peer is; one
         whose new handshake is under way gets no answer, and gives its old rooms up when its
-        recheck times out). One answer per probe message, to the peer's own address."""
+        recheck times out). One answer per probe message, to the peer's own address. A peer
+        asking while this agent's own recheck of it is out woke from a stall too: the wait for
+        its answer counts from here (`PeerState.recheck_peer_asked`)."""
         if p.matched:
             ctx = self.ctx
+            if p.state.recheck is not None:
+                p.state.recheck_peer_asked(ctx.now)
+                ctx.log(INFO, f"peer {p.addr} woke from a stall too and asks whether this agent "
+                              "still holds it: told yes, its answer to this agent's own question "
+                              f"is waited for {2 * max(ctx.hb, p.heartbeat_s):g}s from now")
             ctx.send(p.addr, P.Heartbeat(src=ctx.me.address, gen=ctx.me.generation,
                                          rooms=rooms, answers=probe))
 

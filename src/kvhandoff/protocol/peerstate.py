@@ -31,6 +31,7 @@ messages the peer sends meanwhile wait (in `Peer.backlog`) for the answer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,12 +46,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Recheck:
-    """A recheck out to a peer: the `probe` nonce its answer must echo, when it was sent, and
-    how long this agent had sent no heartbeat when it woke."""
+    """A recheck out to a peer: the `probe` nonce its answer must echo, when it was sent, how
+    long this agent had sent no heartbeat when it woke, and when the peer last asked us the
+    same (it woke from a stall too: its answer to ours is then on its way, and the wait for it
+    counts from there; 0: it did not ask)."""
 
     probe: int
     sent_at: float
     gap: float
+    peer_asked_at: float = 0.0
+
+    @property
+    def waiting_since(self) -> float:
+        """What the 2-heartbeat bound on the answer counts from."""
+        return max(self.sent_at, self.peer_asked_at)
 
 
 class PeerPhase(enum.Enum):
@@ -177,6 +186,16 @@ class PeerState:
         if self.phase is not PeerPhase.MATCHED:
             raise InvalidTransition(f"peer {self.addr}: rechecked while {self.phase.value}")
         self.recheck = recheck
+
+    def recheck_peer_asked(self, now: float) -> None:
+        """The peer, under recheck, asked whether this agent still holds it (it woke from a
+        stall too, and was answered yes): it holds the handshake it asks about, and its answer
+        to our probe comes once it reads it. The wait for that answer counts from now: had it
+        run out while the peer was stalled, this agent would give up a peer it had just told
+        that it holds it, and the peer, reading on, could end a room Success that this agent
+        fails."""
+        if self.recheck is not None:
+            self.recheck = dataclasses.replace(self.recheck, peer_asked_at=now)
 
     def recheck_answered(self, probe: int) -> bool:
         """The peer answered `probe`: True (once) when that is the recheck out, which ends."""

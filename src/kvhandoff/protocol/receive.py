@@ -67,7 +67,7 @@ class ReceivePath:
 
     def init_leg(self, r: Leg) -> None:
         """Decode: give a leg the engine's pages once both exist; maybe request."""
-        g = r.group
+        g = r.parent
         if g.given.pages is None or r.state.phase is not LegPhase.NEW:
             return
         plan = r.plan
@@ -86,7 +86,7 @@ class ReceivePath:
             return
         # Claim the planes this leg brings: those the source holds that no other leg of the
         # room claimed yet (replicated regions: the first leg takes all; head slices: by name).
-        g = r.group
+        g = r.parent
         claimed: dict[str, set[str]] = {name: set() for name in self.ctx.region_index}
         for other in g.legs:
             if other is not r and other.plan.planes:
@@ -322,7 +322,7 @@ class ReceivePath:
         if not layers:
             return
         self.rooms.apply_layers(r, layers)
-        g = r.group
+        g = r.parent
         if g.state.all_legs:
             if len(g.legs) == 1:
                 g.landed.update(layers)

@@ -40,11 +40,11 @@ class ReadOuts:
         i = next((i for i, b in enumerate(TAIL_BUCKETS_S) if tail_s <= b), len(TAIL_BUCKETS_S))
         self.tail_buckets[i] += 1
 
-    def status(self, *, groups: Iterable[Room], peers: Iterable[Peer],
+    def status(self, *, rooms: Iterable[Room], peers: Iterable[Peer],
                counters: Mapping[str, int]) -> dict[str, Any]:
         """Room states by name, peers and counters."""
         states: dict[str, int] = {}
-        for g in groups:
+        for g in rooms:
             states[g.state.poll.name] = states.get(g.state.poll.name, 0) + 1
         return {"rooms": states, "peers": [peer_summary(p) for p in peers],
                 "counters": dict(counters),

@@ -3,15 +3,15 @@
 Rules:
 - A room on one agent is a `Room` of legs; a `Leg` is the transfer with ONE peer. A decode
   rank gathering heads from several prefill ranks has several legs; a prefill rank serving
-  several decode ranks (decode TP > prefill TP) has one leg per decode rank. The group is
+  several decode ranks (decode TP > prefill TP) has one leg per decode rank. The room is
   Success when all its expected legs are, and Failed as soon as one leg fails (the others are
   then failed too, with the reason).
 - Only the session (`session.TransferSession`) and its parts touch these, on the control
   thread. Where a room and its legs stand (machine, phase, fence, failure, the legs it
-  expects) is not here: it is the group's `state` (`roomstate.RoomState`) and each leg's
+  expects) is not here: it is the room's `state` (`roomstate.RoomState`) and each leg's
   `state` (`roomstate.LegState`), moved only through their methods. What is here is what the
   data path works with, in small records each owned by one concern:
-  - a group: what the engine gave (`EngineInput`: pages, token counts, layers ready, the
+  - a room: what the engine gave (`EngineInput`: pages, token counts, layers ready, the
     prompt for admission), the layers landed on every leg and the view last published;
   - a leg: who the peer is and which request (`peer`, `peer_gen`, `xfer`, `one_sided`), what
     it moves (`LegPlan`: token range, both sides' pages, planes, the span plans and transfer
@@ -23,7 +23,7 @@ Rules:
 - A room's pages are released exactly once: when it is terminal AND no transport op of it is
   still in flight (cancelled ops count until they completed). The engine handles
   (`handles.Sender` / `handles.Receiver`) see a room through its published view, which
-  `lifecycle.RoomTable.publish` derives from the group (a copy, never a second owner).
+  `lifecycle.RoomTable.publish` derives from the room (a copy, never a second owner).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class Leg:
     role: Role
     state: LegState  # its machine, phase, fence and failure
     layers: tuple[int, ...]  # layer ids that move, in order
-    group: Room
+    parent: Room  # the room this leg is one transfer of
     peer: str  # control address of the other side
     peer_gen: int = 0
     xfer: int = 0  # the transfer id of its request (every message about the leg names it)

@@ -79,7 +79,7 @@ class SendPath:
             return
         if r.state.accepted:
             return
-        plan, given = r.plan, r.group.given
+        plan, given = r.plan, r.parent.given
         try:
             if msg.seq_len != plan.seq_len:
                 raise ConfigError(f"seq_len: prefill={plan.seq_len} decode={msg.seq_len}")
@@ -119,7 +119,7 @@ class SendPath:
         r.state.match(self.ctx.now)
         r.state.apply(RequestAccepted(), self.ctx.now)
         r.state.apply(LeaseRenewed(), self.ctx.now)
-        self.rooms.changed(r.group)
+        self.rooms.changed(r.parent)
         r.state.advance(LegPhase.ACCEPTED)
         if r.one_sided:
             self.ctx.counters["rooms_one_sided"] += 1

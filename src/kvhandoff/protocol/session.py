@@ -52,6 +52,7 @@ from kvhandoff.protocol.handshake import Identity
 from kvhandoff.protocol.inflight import InFlight
 from kvhandoff.protocol.lifecycle import RoomTable
 from kvhandoff.protocol.peers import NO_HANDSHAKE, PeerTable
+from kvhandoff.protocol.peerstate import Peer
 from kvhandoff.protocol.receive import ReceivePath
 from kvhandoff.protocol.reports import ReadOuts, room_stats
 from kvhandoff.protocol.rooms import EngineInput, Leg, Room
@@ -143,21 +144,17 @@ class TransferSession:
         return self.ctx.counters
 
     @property
-    def groups(self) -> dict[int, Room]:
-        return self.rooms.groups
-
-    @property
     def legs(self) -> dict[tuple[int, str], Leg]:
         return self.rooms.legs
 
     def status(self) -> dict[str, Any]:
         """Room states by name, peers and counters."""
-        return self.readouts.status(groups=self.rooms.groups.values(), peers=self.peers,
+        return self.readouts.status(rooms=self.rooms.by_id.values(), peers=self.peers,
                                     counters=self.ctx.counters)
 
     def room_stats(self, room: int, token: object) -> dict[str, Any] | None:
         """Byte and timing figures of a room (None when it is forgotten)."""
-        g = self.rooms.group(room, token)
+        g = self.rooms.find(room, token)
         return None if g is None else room_stats(g, self.ctx.layout)
 
     # ------------------------------------------------------------------ the entry point
@@ -220,7 +217,7 @@ class TransferSession:
         why = (f"internal error handling {type(event).__name__}: "
                f"{type(exc).__name__}: {exc}")
         self.ctx.log(ERROR, f"room {room} ({self.role.value}): {why}", exc=exc)
-        g = self.rooms.groups.get(room)
+        g = self.rooms.by_id.get(room)
         if g is None:
             return
         failure = Failure(FailureKind.INTERNAL, why)
@@ -228,12 +225,12 @@ class TransferSession:
             if not r.state.terminal:
                 self.rooms.fail(r, PeerFailedRoom(reason=why), notify=Notify.FAILED,
                                 failure=failure)
-        self.rooms.fail_group(g, failure)
+        self.rooms.fail_room(g, failure)
 
     def _matched(self, r: Leg) -> None:
         """A leg's peer is matched: a decode leg may now send its request (or, for a room the
         engine aborted before its prefill ranks were known, the abort)."""
-        reason = r.group.tell_abort
+        reason = r.parent.tell_abort
         if reason is not None:
             if not r.state.terminal:
                 self.rooms.fail(r, RoomAborted(reason=reason, by=self.role),
@@ -246,19 +243,19 @@ class TransferSession:
     def _on_open_sender(self, e: ev.OpenSender) -> None:
         if self.rooms.refuse_reopen(e.room, e.token):
             return
-        g = self.rooms.new_group(e.room, e.token, e.expected)
+        g = self.rooms.new_room(e.room, e.token, e.expected)
         g.given = EngineInput(seq_len=e.seq_len, pages=e.pages, prompt_tokens=e.prompt_tokens,
                               chunk_end=e.chunk_end or e.seq_len)
         for msg in self._early.pop(e.room):
             self._room_msg(msg)
-        self.rooms.group_update(g)
+        self.rooms.room_update(g)
         self._abort_if_asked(g)
 
     def _on_open_receiver(self, e: ev.OpenReceiver) -> None:
         self._unhold(e.room)  # no longer queued: its request follows
         if self.rooms.refuse_reopen(e.room, e.token):
             return
-        g = self.rooms.new_group(e.room, e.token, None)
+        g = self.rooms.new_room(e.room, e.token, None)
         g.given.readers = e.readers
         if e.peers is not None:
             self._attach_peers(g, list(e.peers))
@@ -315,11 +312,11 @@ class TransferSession:
             ctx.counters["holds_renewed"] += 1
 
     def _on_resolved(self, e: ev.PeersResolved) -> None:
-        g = self.rooms.group(e.room, e.token)
+        g = self.rooms.find(e.room, e.token)
         if g is None:
             return
         if e.error is not None:
-            self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
+            self.rooms.fail_room(g, Failure(FailureKind.BOOTSTRAP,
                                              f"bootstrap lookup failed: {e.error}"))
             return
         self._attach_peers(g, list(e.peers))
@@ -332,7 +329,7 @@ class TransferSession:
                     self.peers.attach(self.rooms.new_leg(g, addr), addr)
             return
         if not sources:
-            self.rooms.fail_group(g, Failure(FailureKind.BOOTSTRAP,
+            self.rooms.fail_room(g, Failure(FailureKind.BOOTSTRAP,
                                              "no prefill rank to read this room from"))
             return
         g.state.expect(len(sources))
@@ -345,7 +342,7 @@ class TransferSession:
                 continue
             self.peers.attach(r, r.peer)
             self.receive_path.init_leg(r)
-        self.rooms.group_update(g)
+        self.rooms.room_update(g)
 
     def _on_op_done(self, e: ev.OpDone) -> None:
         """A send or receive completed: to the role that posted it."""
@@ -390,7 +387,7 @@ class TransferSession:
     def _layers_ready(self, room: int, token: object, layers: list[int]) -> None:
         """Prefill: the engine marked `layers` of a room ready (a layer marked again is
         ignored); each accepted leg posts them together."""
-        g = self.rooms.group(room, token)
+        g = self.rooms.find(room, token)
         if g is None:
             return
         ready = g.given.ready
@@ -407,7 +404,7 @@ class TransferSession:
                 self.chunks.post_ready(r, new)
 
     def _on_receiver_init(self, e: ev.ReceiverInit) -> None:
-        g = self.rooms.group(e.room, e.token)
+        g = self.rooms.find(e.room, e.token)
         if g is None:
             return
         given = g.given
@@ -418,7 +415,7 @@ class TransferSession:
             self.receive_path.init_leg(r)
 
     def _on_abort(self, e: ev.AbortRoom) -> None:
-        g = self.rooms.group(e.room, e.token)
+        g = self.rooms.find(e.room, e.token)
         if g is None:
             # the driver feeds aborts ahead of the queue: the room's open may still be queued
             if len(self._aborts_ahead) < EARLY_ROOMS:
@@ -436,7 +433,7 @@ class TransferSession:
             g.tell_abort = reason  # its prefill ranks are not known yet (`_attach_peers`)
         for r in g.legs:
             self.rooms.fail(r, RoomAborted(reason=reason, by=self.role), notify=Notify.ABORT)
-        self.rooms.fail_group(g, Failure(FailureKind.ABORTED,
+        self.rooms.fail_room(g, Failure(FailureKind.ABORTED,
                                          f"aborted by {self.role.value}: {reason}"))
 
     # ------------------------------------------------------------------ message handling
@@ -487,19 +484,7 @@ class TransferSession:
         elif isinstance(msg, P.Reject):
             ctx.log(WARNING, f"peer {msg.src} rejected a message: {msg.reason}")
             if msg.reason.startswith(NO_HANDSHAKE):
-                # It dropped us (took us for dead): rooms it had accepted are gone on its
-                # side; requests it never accepted are handshaken and sent again.
-                # a list in the rooms' own order (a set of legs iterates by object address,
-                # so a replay in another process would re-handshake them in another order)
-                retry = [r for r in self.rooms.open_legs()
-                         if r.peer == p.addr and not r.state.accepted and r.role is Role.DECODE]
-                self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent "
-                                   "(it took this agent for dead)", keep=retry)
-                for r in retry:
-                    if r.state.requested:
-                        r.state.advance(LegPhase.READY)
-                    r.plan.planes = None
-                    self.peers.attach(r, p.addr)
+                self._dropped_by(p)
         elif p.state.connecting or p.state.recheck is not None:
             # its transport connects off the driver's thread, or this agent woke from a stall
             # and asked whether the peer still holds it: read once matched and answered, in
@@ -508,11 +493,39 @@ class TransferSession:
         else:
             self._room_msg(msg)
 
+    def _dropped_by(self, p: Peer) -> None:
+        """`p` dropped its handshake with this agent (it took this agent for dead): rooms it
+        had accepted are gone on its side; requests it never accepted are handshaken and sent
+        again."""
+        # a list in the rooms' own order (a set of legs iterates by object address, so a
+        # replay in another process would re-handshake them in another order)
+        retry = [r for r in self.rooms.open_legs()
+                 if r.peer == p.addr and not r.state.accepted and r.role is Role.DECODE]
+        self.peers.lost(p, f"peer {p.addr} dropped its handshake with this agent (it took "
+                           "this agent for dead)", keep=retry)
+        for r in retry:
+            if r.state.requested:
+                r.state.advance(LegPhase.READY)
+            r.plan.planes = None
+            self.peers.attach(r, p.addr)
+
     def _room_msg(self, msg: Any) -> None:
-        """Routes a room message to its leg (creating a prefill leg on request)."""
+        """Routes a room message to its leg (creating a prefill leg on request). A `Failed`
+        saying its sender dropped this agent (`dropped`) fails every other room with it too,
+        at once: a decode that read on would end Success rooms its prefill already gave up,
+        their own `Failed` still on the way."""
+        if isinstance(msg, P.Failed) and msg.dropped:
+            self._routed(msg)
+            p = self.peers.get(msg.src)
+            if p is not None and p.gen == msg.gen and p.matched:
+                self._dropped_by(p)
+            return
+        self._routed(msg)
+
+    def _routed(self, msg: Any) -> None:
         ctx = self.ctx
         r = self.rooms.legs.get((msg.room, msg.src))
-        g = self.rooms.groups.get(msg.room)
+        g = self.rooms.by_id.get(msg.room)
         if r is None and g is not None and self.role is Role.PREFILL:
             if isinstance(msg, P.TransferRequest):
                 refusal = self._refuse_request(g, msg.readers)
@@ -527,7 +540,7 @@ class TransferSession:
                 r.state.advance(LegPhase.READY)
             elif isinstance(msg, P.Failed | P.Abort):
                 told = msg.failure_kind or ("aborted" if isinstance(msg, P.Abort) else "")
-                self.rooms.fail_group(g, remote_failure(told, "peer failed the room: "
+                self.rooms.fail_room(g, remote_failure(told, "peer failed the room: "
                                                               f"{msg.reason}"))
                 self._ack_unwritten(msg)
                 return
@@ -699,7 +712,7 @@ class TransferSession:
     def _heartbeats(self, now: float, read_at: float) -> None:
         """Heartbeats out, dead peers and expired deadlines in."""
         by_peer = self._rooms_by_peer()
-        for g in list(self.rooms.groups.values()):
+        for g in list(self.rooms.by_id.values()):
             waited = now - g.t_created
             if (not g.state.done and not g.state.all_legs
                     and waited > self.settings.bootstrap_timeout_s):
@@ -713,7 +726,7 @@ class TransferSession:
                     why += (f" (a decode held the room past the {bound:g}s bound until "
                             f"{waited - (now - held):.1f}s, then its hold lapsed: not renewed)")
                     self.ctx.log(WARNING, f"room {g.room}: {why}")
-                self.rooms.fail_group(g, Failure(FailureKind.DEADLINE, why,
+                self.rooms.fail_room(g, Failure(FailureKind.DEADLINE, why,
                                                  deadline="bootstrap"))
         self._send_holds()
         self.peers.heartbeats(now, read_at, by_peer)
@@ -725,7 +738,7 @@ class TransferSession:
         self.collect(now)
 
     def _open_unpeered(self, room: int) -> bool:
-        g = self.rooms.groups.get(room)
+        g = self.rooms.by_id.get(room)
         return g is not None and not g.state.done and not g.state.all_legs
 
     def collect(self, now: float) -> None:

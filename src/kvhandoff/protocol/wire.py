@@ -231,6 +231,11 @@ class Failed(_Msg, tag="failed", frozen=True):
     # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
     # about; 0: none known (an older peer, or a prefill that never saw a request)
     xfer: int = 0
+    # True: the sender declared this agent lost (silent, or its recheck unanswered) and dropped
+    # its handshake, so every room with it failed there, not this one alone: the news its
+    # Reject (`no handshake`) brings once this agent talks again, sent ahead with the rooms'
+    # own Failed. False from older peers.
+    dropped: bool = False
 
 
 class RegionDone(msgspec.Struct, frozen=True):

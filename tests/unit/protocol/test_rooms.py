@@ -212,7 +212,7 @@ def test_a_reader_told_count_is_remembered() -> None:
 
 def test_a_layer_is_done_once_its_unit_of_every_chunk_is() -> None:
     g = Room(room=1, role=Role.PREFILL, layers=LAYERS, state=room(expected=1))
-    r = Leg(room=1, role=Role.PREFILL, layers=LAYERS, group=g, peer="p:1",
+    r = Leg(room=1, role=Role.PREFILL, layers=LAYERS, parent=g, peer="p:1",
             state=leg(Role.PREFILL))
     r.plan.seq_len = 100
     r.plan.chunk_ends = [40, 100]  # two chunks, the last one known

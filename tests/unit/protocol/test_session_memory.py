@@ -411,6 +411,16 @@ def assert_failed_unread(w: MemoryWire, d: Side, room: int, why: str) -> None:
     assert d.session.counters["rechecks"] == 1 and d.session.counters["rechecks_passed"] == 0
 
 
+def assert_kept_by_both(p: Side, d: Side, room: int) -> None:
+    """`room` ended Success on both sides, byte-exact; each side asked once and was told yes,
+    and nobody was declared lost."""
+    assert d.views[room].state is KVPoll.Success and p.views[room].state is KVPoll.Success
+    assert bad_bytes(d) == 0
+    for s in (p, d):
+        assert s.session.counters["rechecks"] == s.session.counters["rechecks_passed"] == 1
+        assert s.session.counters["peers_lost"] == 0
+
+
 def probes(w: MemoryWire, frm: str) -> list[int]:
     """The probes `frm` sent, delivered or dropped."""
     sent = [m[1] if isinstance(m, tuple) else m for f, _, m in w.sent if f == frm]
@@ -442,15 +452,60 @@ def test_an_agent_and_its_peer_starved_together_keep_their_rooms() -> None:
     w.clock.advance(2.5 * HB)
     w.release_held()
     w.run()
-    assert d.views[7].state is KVPoll.Success and p.views[7].state is KVPoll.Success
-    assert bad_bytes(d) == 0
-    for s in (p, d):
-        assert s.session.counters["rechecks"] == s.session.counters["rechecks_passed"] == 1
-        assert s.session.counters["peers_lost"] == 0
+    assert_kept_by_both(p, d, 7)
     # the decode asked before it acked: its probe went out ahead of its RoomAck
     sent = [m for f, _, m in w.sent if f == "decode:1"]
     first_probe = next(i for i, m in enumerate(sent) if isinstance(m, P.Heartbeat) and m.probe)
     assert first_probe < next(i for i, m in enumerate(sent) if isinstance(m, P.RoomAck))
+
+
+def test_a_peer_that_asks_while_rechecked_is_waited_for_from_its_question() -> None:
+    """Both sides starved, the decode far longer: the prefill wakes first and asks; the decode
+    is still frozen when 2 heartbeats have passed since, then wakes and asks too. The prefill
+    tells it yes, so its own wait for the decode's answer counts from that question: had it
+    declared the decode lost on its first bound, right after telling it yes, the decode,
+    reading on, would end Success a room its prefill failed (the simulator's seed 13733)."""
+    w, p, d = written_while_decode_holds(7)
+    w.clock.advance(2.5 * HB)
+    w.feed(p, ev.Tick(read_at=w.clock()))  # the prefill wakes first and asks
+    assert len(probes(w, "prefill:1")) == 1
+    w.clock.advance(1.8 * HB)  # the decode still frozen: no answer
+    w.feed(p, ev.Tick(read_at=w.clock()))
+    w.feed(d, ev.Tick(read_at=w.clock()))  # the decode wakes and asks
+    w.run()  # its question reaches the prefill, which answers (held for the decode)
+    assert len(probes(w, "decode:1")) == 1
+    w.clock.advance(HB)  # its next beat: 2.8 heartbeats since the prefill asked, 1 since it
+    w.feed(p, ev.Tick(read_at=w.clock()))  # was asked
+    assert not p.views[7].done, p.views[7].failure
+    w.release_held()  # the decode reads the prefill's question and answer, and answers
+    w.run()
+    assert_kept_by_both(p, d, 7)
+
+
+def test_a_failed_that_says_its_sender_dropped_this_agent_fails_every_room_with_it() -> None:
+    """The decode runs, but its heartbeats no longer reach its prefill, which declares it lost
+    and fails both rooms with it. The first `Failed` to arrive says so (`dropped`): the decode
+    fails the other room at once, without waiting for that room's own `Failed` (here never
+    delivered), which is still on the way while the decode could end it Success (the
+    simulator's seed 22452)."""
+    w, p, d = pair()
+    for room in (7, 8):
+        open_room(w, p, d, room)
+    w.run()
+    w.drop(lambda f, t, m: f == "decode:1" or isinstance(m, P.Failed) and m.room == 8)
+    for _ in range(3):  # 3 heartbeats: the prefill hears nothing from the decode
+        w.clock.advance(HB)
+        w.feed(p, ev.Tick(read_at=w.clock()))
+        w.feed(d, ev.Tick(read_at=w.clock()))
+        w.run()
+    assert p.views[7].state is KVPoll.Failed and p.views[8].state is KVPoll.Failed
+    sent = [m for f, _, m in w.sent if f == "prefill:1" and isinstance(m, P.Failed)]
+    assert sent and all(m.dropped for m in sent)
+    for room in (7, 8):
+        assert d.views[room].state is KVPoll.Failed, (room, d.views[room])
+    f = d.views[8].failure
+    assert f is not None and f.kind is FailureKind.PEER_LOST
+    assert "dropped its handshake with this agent" in f.reason, f
 
 
 def test_a_recheck_nobody_answers_declares_the_peer_lost() -> None:

@@ -160,6 +160,8 @@ class Agent:
     owner: list[Token | None]
     alive: bool = True
     paused_until: float | None = None
+    #: (from, to) of each time it did not run: paused, or every agent at a clock jump
+    pauses: list[tuple[float, float]] = field(default_factory=list)
     exit_known: bool = False  # its peers' transport learns that its process ended
     read_at: float = 0.0
     #: what its executor's parts posted (completions, call outcomes, engine calls), fed when
@@ -299,6 +301,12 @@ class Simulation:
         self.stale_done: dict[Token, str] = {}  # rooms a LayerDone came to before the accept
         self._delivering: tuple[Any, int] | None = None
         self._sent = 0  # control messages sent so far (their order, for `_release_cause`)
+        # what `success-after-given-up` reads: when a prefill's room failed, the probes each
+        # agent answered (its name, the asker's) and when, the decodes told that a prefill
+        # dropped them ((prefill, decode))
+        self.failed_at: dict[Token, float] = {}
+        self.answered: dict[tuple[str, str], list[float]] = {}
+        self.told_dropped: set[tuple[str, str]] = set()
         self._build()
 
     # ------------------------------------------------------------------ the scenario
@@ -445,7 +453,7 @@ class Simulation:
             return (f"(c) the prefill's {stale} said its writes stopped while this room's "
                     "were in flight: a message of an earlier room with this id (reopened "
                     "before that room's pages came back)")
-        g = self.agents[tok.side].side.session.rooms.groups.get(tok.room)
+        g = self.agents[tok.side].side.session.rooms.by_id.get(tok.room)
         # (a leg's phase is RELEASED by now; one_sided is set when its TransferAccepted is read)
         if g is not None and g.token is tok and not any(leg.one_sided for leg in g.legs):
             return ("(a) the decode gave back the pages of a room whose TransferAccepted it "
@@ -487,7 +495,7 @@ class Simulation:
     def _sending(self, a: Agent, to: str, msg: Any) -> None:
         """A message enters `a`'s outbox: what a TransferRequest offers is noted now."""
         if isinstance(msg, P.TransferRequest):
-            g = a.side.session.rooms.groups.get(msg.room)
+            g = a.side.session.rooms.by_id.get(msg.room)
             token = g.token if g is not None and isinstance(g.token, Token) else None
             self.xfers[(a.name, msg.xfer % (1 << P.XFER_BITS))] = (
                 token, {k: set(v) for k, v in msg.dst_pages.items()})
@@ -501,6 +509,8 @@ class Simulation:
             return
         self._sent += 1
         self.channels.setdefault((a.name, to), deque()).append(((wire, seal), self._sent))
+        if isinstance(wire, P.Heartbeat) and wire.answers:
+            self.answered.setdefault((a.name, to), []).append(self.clock())
 
     # ------------------------------------------------------------------ the transport
 
@@ -556,7 +566,7 @@ class Simulation:
     def _src_token(writer: Agent, peer: str, xfer: int) -> Token | None:
         for leg in writer.side.session.rooms.legs.values():
             if leg.peer == peer and leg.xfer % (1 << P.XFER_BITS) == xfer:
-                tok = leg.group.token
+                tok = leg.parent.token
                 return tok if isinstance(tok, Token) else None
         return None
 
@@ -719,6 +729,8 @@ class Simulation:
         v = self.views.setdefault(tok, View(tok.room))
         was = v.state
         v.state, v.failure, v.landed, v.done = eff.state, eff.failure, eff.landed, eff.done
+        if eff.state is KVPoll.Failed and was is not KVPoll.Failed:
+            self.failed_at[tok] = self.clock()
         if a.role is Role.DECODE and eff.state is KVPoll.Success and was is not KVPoll.Success:
             self._check_success(a, tok)
             self._check_not_given_up(a, tok)
@@ -729,8 +741,15 @@ class Simulation:
     def _check_not_given_up(self, a: Agent, tok: Token) -> None:
         """A decode room ends Success only if no prefill rank of it already failed the room
         by declaring this decode lost (the rank no longer holds it: its pages may be freed,
-        and it will never count the room done). A room the prefill fails later (the RoomAck
-        lost: the open split at the tail) or for another decode rank does not count."""
+        and it will never count the room done), where the decode could know: it had been told
+        (a `Failed` naming it lost, or a `Reject` saying the handshake is gone, reached it), or
+        it did not run for more than 2 of its heartbeats from before the prefill gave it up
+        and that prefill answered none of its probes between its waking and giving it up (a
+        woken agent asks before it reads on). Not counted: a room the prefill fails later (the
+        RoomAck lost), or one given up while the decode ran and had not yet been told (its
+        heartbeats late on the network, the prefill's Failed still on the way): both the open
+        split at the tail, which only a second round trip before Success would close; nor one
+        failed for another decode rank."""
         inst = self._instance(tok)
         for p in inst.prefills:
             tp = inst.tokens.get(p)
@@ -738,14 +757,27 @@ class Simulation:
             f = v.failure if v is not None else None
             if (v is not None and v.state is KVPoll.Failed and f is not None
                     and f.kind is FailureKind.PEER_LOST and not f.remote
-                    and f"peer {a.name} " in f.reason):
+                    and f"peer {a.name} " in f.reason
+                    and ((p, a.name) in self.told_dropped
+                         or tp is not None and self._asked_nobody(a, p, self.failed_at[tp]))):
                 raise self.violation(
                     "success-after-given-up",
                     f"{tok} ended Success after {tp} failed the room, having given this "
                     f"decode up ({f.reason})",
                     "(e) the decode read on after a stall without asking its prefill whether "
                     "it still held it (`PeerTable.woke`), or ended a room Success while that "
-                    "question was out (`ReceivePath.finish`)")
+                    "question was out (`ReceivePath.finish`), or read on after its prefill said "
+                    "it dropped it (`Failed.dropped`: `TransferSession._dropped_by`)")
+
+    def _asked_nobody(self, a: Agent, prefill: str, given_up_at: float) -> bool:
+        """Decode `a` did not run for more than 2 of its heartbeats from before `prefill`
+        gave it up (at `given_up_at`), and `prefill` answered none of its probes between
+        that waking and giving it up."""
+        beats = 2 * a.side.session.settings.heartbeat_interval_s
+        answers = self.answered.get((prefill, a.name), [])
+        return any(end - start > beats and start <= given_up_at
+                   and not any(end <= t <= given_up_at for t in answers)
+                   for start, end in a.pauses)
 
     def _check_success(self, a: Agent, tok: Token) -> None:
         inst = self._instance(tok)
@@ -933,6 +965,8 @@ class Simulation:
             dt = rng.uniform(0.6, 8.0)
             self.clock.advance(dt)
             desc = f"clock jumps {dt:.2f}s"
+            for b in self.agents.values():
+                b.pauses.append((self.clock() - dt, self.clock()))
         self.faults.append(desc)
         self.last_fault = max(self.last_fault, self.clock())
         if kind not in ("abort", "timeout"):
@@ -940,6 +974,7 @@ class Simulation:
 
     def _stop(self, a: Agent, until: float) -> None:
         a.paused_until = until
+        a.pauses.append((self.clock(), until))
         for fl in self.flights.values():
             if fl.writer is a:
                 fl.frozen = True
@@ -1120,19 +1155,24 @@ class Simulation:
             # "my writes stopped" sent before this room was opened, or while the shadow model
             # holds writes of this room in flight: a message of an earlier room with the same
             # id (or a transport's lie)
-            g = dest.side.session.rooms.groups.get(msg.room)
+            g = dest.side.session.rooms.by_id.get(msg.room)
             tok = g.token if g is not None else None
             if isinstance(tok, Token) and (sent <= tok.opened or any(
                     fl.dst_token is tok and self._can_land(fl) for fl in self.flights.values())):
                 self.stale_stop[tok] = type(msg).__name__ + (
                     " sent before this room was opened" if sent <= tok.opened else "")
+        if dest.role is Role.DECODE and (
+                isinstance(msg, P.Failed) and msg.failure_kind == FailureKind.PEER_LOST.value
+                and f"peer {dest.name} " in msg.reason
+                or isinstance(msg, P.Reject) and msg.reason.startswith("no handshake")):
+            self.told_dropped.add((key[0], dest.name))  # its prefill gave it up, it now knows
         if dest.role is Role.DECODE and isinstance(msg, P.LayerDone):
             # FIFO per connection: a LayerDone of this use of the room comes after its
             # TransferAccepted; one before it is from an earlier use of the id
             leg = dest.side.session.rooms.legs.get((msg.room, msg.src))
             if leg is not None and not leg.state.accepted and not leg.state.terminal \
-                    and isinstance(leg.group.token, Token):
-                self.stale_done[leg.group.token] = msg.src
+                    and isinstance(leg.parent.token, Token):
+                self.stale_done[leg.parent.token] = msg.src
         try:
             self.feed(dest, ev.MessageReceived(msg, seal))
         finally:
@@ -1293,7 +1333,7 @@ class Simulation:
             if not a.alive:
                 continue
             s = a.side.session
-            held = {"rooms": len(s.rooms.groups), "legs": len(s.rooms.legs),
+            held = {"rooms": len(s.rooms.by_id), "legs": len(s.rooms.legs),
                     "early messages": len(s._early), "aborts ahead": len(s._aborts_ahead),
                     "ops": len(s.inflight.ops), "hash jobs": len(s.inflight.jobs),
                     "cancels": len(s.rooms._cancelling), "lost peers": len(s.peers._forgotten)}
