@@ -191,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "a rechecked peer that asks too is told yes, but the wait for its own answer still "
            "counts from this agent's question (it can give the peer up right after the yes)"),
     Mutant("dropped-news-ignored", "session.py",
-           "        if isinstance(msg, P.Failed) and msg.dropped:\n",
+           "        if isinstance(msg, P.Failed) and msg.dropped_gen == self.ctx.me.generation:\n",
            "        if False:\n",
            "a Failed saying its sender dropped this agent fails that one room only"),
 )

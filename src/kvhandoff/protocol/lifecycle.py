@@ -161,7 +161,7 @@ class RoomTable:
         if notify is not Notify.NONE:
             stopped = not self.writes_in_flight(r)
             cls = P.Abort if notify is Notify.ABORT else functools.partial(
-                P.Failed, dropped=notify is Notify.DROPPED)
+                P.Failed, dropped_gen=r.peer_gen if notify is Notify.DROPPED else 0)
             ctx.send(r.peer, cls(src=ctx.me.address, gen=ctx.me.generation, room=r.room,
                                  reason=f.reason, failure_kind=f.kind.value,
                                  writes_stopped=stopped, xfer=r.xfer))

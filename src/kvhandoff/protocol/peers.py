@@ -17,8 +17,10 @@ room messages: a heartbeat with a `probe` that a peer answers (`answer`) only wh
 holds the handshake it matched; a peer that dropped us says so (`P.Reject`, `NO_HANDSHAKE`) or
 says nothing. The room messages a rechecked peer sends wait in its backlog until its answer
 (`rechecked`: read then, in order, so a room it failed before it answered ends Failed here
-too); no answer within 2 of its heartbeats declares it lost, its rooms Failed as before the
-recheck existed. Every other peer (a handshake under way) is declared lost at the wake.
+too); no answer within 2 of its heartbeats (from its own question, where it asked the same:
+it stalled too) declares it lost, its rooms Failed as before the recheck existed, each
+`Failed` saying that this agent dropped it (`dropped_gen`). Every other peer (a handshake under
+way) is declared lost at the wake.
 
 With a shared secret (``hmac_secret``) the table also owns each peer's session (`_Keys`, see
 `wire`'s module doc): nothing a sender says is acted on before it is authenticated.

@@ -511,10 +511,11 @@ class TransferSession:
 
     def _room_msg(self, msg: Any) -> None:
         """Routes a room message to its leg (creating a prefill leg on request). A `Failed`
-        saying its sender dropped this agent (`dropped`) fails every other room with it too,
+        saying its sender dropped this agent (`dropped_gen`: this process) fails every other
+        room with it too,
         at once: a decode that read on would end Success rooms its prefill already gave up,
         their own `Failed` still on the way."""
-        if isinstance(msg, P.Failed) and msg.dropped:
+        if isinstance(msg, P.Failed) and msg.dropped_gen == self.ctx.me.generation:
             self._routed(msg)
             p = self.peers.get(msg.src)
             if p is not None and p.gen == msg.gen and p.matched:

@@ -231,11 +231,13 @@ class Failed(_Msg, tag="failed", frozen=True):
     # which use of the room this answers (issue 35): the `xfer` of the TransferRequest it is
     # about; 0: none known (an older peer, or a prefill that never saw a request)
     xfer: int = 0
-    # True: the sender declared this agent lost (silent, or its recheck unanswered) and dropped
-    # its handshake, so every room with it failed there, not this one alone: the news its
-    # Reject (`no handshake`) brings once this agent talks again, sent ahead with the rooms'
-    # own Failed. False from older peers.
-    dropped: bool = False
+    # Non-zero: the sender declared the recipient's process of this generation lost (silent,
+    # or its recheck unanswered) and dropped its handshake, so every room with it failed
+    # there, not this one alone: the news its Reject (`no handshake`) brings once that
+    # process talks again, sent ahead with the rooms' own Failed. It names the generation so
+    # that a process restarted on the same address, which may read what was sent to the old
+    # one, takes it for none of its business. 0: not so (and from older peers).
+    dropped_gen: int = 0
 
 
 class RegionDone(msgspec.Struct, frozen=True):

@@ -484,7 +484,7 @@ def test_a_peer_that_asks_while_rechecked_is_waited_for_from_its_question() -> N
 
 def test_a_failed_that_says_its_sender_dropped_this_agent_fails_every_room_with_it() -> None:
     """The decode runs, but its heartbeats no longer reach its prefill, which declares it lost
-    and fails both rooms with it. The first `Failed` to arrive says so (`dropped`): the decode
+    and fails both rooms with it. The first `Failed` to arrive says so (`dropped_gen`): the decode
     fails the other room at once, without waiting for that room's own `Failed` (here never
     delivered), which is still on the way while the decode could end it Success (the
     simulator's seed 22452)."""
@@ -500,7 +500,7 @@ def test_a_failed_that_says_its_sender_dropped_this_agent_fails_every_room_with_
         w.run()
     assert p.views[7].state is KVPoll.Failed and p.views[8].state is KVPoll.Failed
     sent = [m for f, _, m in w.sent if f == "prefill:1" and isinstance(m, P.Failed)]
-    assert sent and all(m.dropped for m in sent)
+    assert sent and all(m.dropped_gen == d.session.ctx.me.generation for m in sent)
     for room in (7, 8):
         assert d.views[room].state is KVPoll.Failed, (room, d.views[room])
     f = d.views[8].failure
