@@ -512,9 +512,8 @@ class TransferSession:
     def _room_msg(self, msg: Any) -> None:
         """Routes a room message to its leg (creating a prefill leg on request). A `Failed`
         saying its sender dropped this agent (`dropped_gen`: this process) fails every other
-        room with it too,
-        at once: a decode that read on would end Success rooms its prefill already gave up,
-        their own `Failed` still on the way."""
+        room with it too, at once: a decode that read on would end Success rooms its prefill
+        already gave up, their own `Failed` still on the way."""
         if isinstance(msg, P.Failed) and msg.dropped_gen == self.ctx.me.generation:
             self._routed(msg)
             p = self.peers.get(msg.src)
@@ -524,6 +523,7 @@ class TransferSession:
         self._routed(msg)
 
     def _routed(self, msg: Any) -> None:
+        """`_room_msg`'s routing of one message to its leg."""
         ctx = self.ctx
         r = self.rooms.legs.get((msg.room, msg.src))
         g = self.rooms.by_id.get(msg.room)

@@ -767,7 +767,7 @@ class Simulation:
                     "(e) the decode read on after a stall without asking its prefill whether "
                     "it still held it (`PeerTable.woke`), or ended a room Success while that "
                     "question was out (`ReceivePath.finish`), or read on after its prefill said "
-                    "it dropped it (`Failed.dropped`: `TransferSession._dropped_by`)")
+                    "it dropped it (`Failed.dropped_gen`: `TransferSession._dropped_by`)")
 
     def _asked_nobody(self, a: Agent, prefill: str, given_up_at: float) -> bool:
         """Decode `a` did not run for more than 2 of its heartbeats from before `prefill`
