@@ -514,13 +514,11 @@ class TransferSession:
         saying its sender dropped this agent (`dropped_gen`: this process) fails every other
         room with it too, at once: a decode that read on would end Success rooms its prefill
         already gave up, their own `Failed` still on the way."""
+        self._routed(msg)
         if isinstance(msg, P.Failed) and msg.dropped_gen == self.ctx.me.generation:
-            self._routed(msg)
             p = self.peers.get(msg.src)
             if p is not None and p.gen == msg.gen and p.matched:
                 self._dropped_by(p)
-            return
-        self._routed(msg)
 
     def _routed(self, msg: Any) -> None:
         """`_room_msg`'s routing of one message to its leg."""
